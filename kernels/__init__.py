@@ -1,0 +1,138 @@
+"""Paged KV-cache ops and paged decode attention, one API over three backends.
+
+``reference`` (float64 NumPy, the truth), ``torch`` (CPU and CUDA) and ``cupy`` (CUDA kernels). ``backend="auto"``
+picks ``cupy`` for CUDA tensors when CuPy can run, else ``torch`` (``reference`` for NumPy arrays).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import reference, validate
+from .cupy_backend import cupy_status
+
+BACKENDS = ("reference", "torch", "cupy")
+
+__all__ = ["write_kv_cache", "paged_attention_decode", "copy_blocks", "available_backends", "BACKENDS",
+           "cupy_status", "resolve_backend"]
+
+
+def available_backends() -> list[str]:
+    """Backends that can run on this machine."""
+    backends = ["reference"]
+    try:
+        import torch  # noqa: F401
+        backends.append("torch")
+    except ImportError:
+        pass
+    if cupy_status()[0]:
+        backends.append("cupy")
+    return backends
+
+
+def resolve_backend(backend: str, tensor) -> str:
+    """The concrete backend for ``backend`` on ``tensor``; raises for unknown or unusable ones."""
+    if backend not in (*BACKENDS, "auto"):
+        raise ValueError(f"backend must be one of {', '.join((*BACKENDS, 'auto'))}; got {backend!r}")
+    is_numpy = isinstance(tensor, np.ndarray)
+    if backend == "auto":
+        if is_numpy:
+            return "reference"
+        return "cupy" if tensor.is_cuda and cupy_status()[0] else "torch"
+    if is_numpy and backend != "reference":
+        raise ValueError(f"backend {backend!r} takes torch tensors; NumPy arrays need backend='reference'")
+    if backend == "cupy":
+        usable, reason = cupy_status()
+        if not usable:
+            raise RuntimeError(f"backend 'cupy' is unavailable: {reason}")
+        if not tensor.is_cuda:
+            raise ValueError("backend 'cupy' needs CUDA tensors; got CPU tensors")
+        return "cupy"
+    return backend
+
+
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend: str = "auto", check: bool = True):
+    """Write K/V ``[num_tokens, num_kv_heads, head_dim]`` into the paged caches at ``slot_mapping`` (in place;
+    negative slots are skipped)."""
+    if check:
+        validate.check_write_args(key, value, key_cache, value_cache, slot_mapping)
+    _backend_module(resolve_backend(backend, key_cache)).write_kv_cache(key, value, key_cache, value_cache,
+                                                                       slot_mapping)
+
+
+def copy_blocks(key_cache, value_cache, block_mapping, backend: str = "auto", check: bool = True):
+    """Copy whole blocks for each ``(src, dst)`` pair (copy-on-write); a destination may not also be a source."""
+    num_blocks = validate.check_cache_pair(key_cache, value_cache)[0]
+    mapping = validate.check_block_mapping(block_mapping, num_blocks) if check else np.asarray(block_mapping)
+    module = _backend_module(resolve_backend(backend, key_cache))
+    if isinstance(key_cache, np.ndarray):
+        module.copy_blocks(key_cache, value_cache, mapping)
+    else:
+        import torch
+
+        module.copy_blocks(key_cache, value_cache, torch.as_tensor(mapping, dtype=torch.int64).reshape(-1, 2))
+
+
+def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float | None = None,
+                           backend: str = "auto", check: bool = True):
+    """One decode step of attention: ``query [num_seqs, num_q_heads, head_dim]`` against each sequence's first
+    ``seq_lens[s]`` cached tokens, found through ``block_tables``. GQA maps q head ``h`` to kv head
+    ``h // (num_q_heads // num_kv_heads)``; ``scale`` defaults to ``head_dim ** -0.5``. Returns ``out`` like query."""
+    if check:
+        validate.check_attention_args(query, key_cache, value_cache, block_tables, seq_lens)
+    scale = float(query.shape[-1] ** -0.5 if scale is None else scale)
+    name = resolve_backend(backend, query)
+    if name == "reference":
+        out = reference.paged_attention_decode(validate.to_numpy_float(query), validate.to_numpy_float(key_cache),
+                                               validate.to_numpy_float(value_cache), validate.to_numpy(block_tables),
+                                               validate.to_numpy(seq_lens), scale)
+        return out if isinstance(query, np.ndarray) else _like(out, query)
+    if name == "cupy" and not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("backend 'cupy' needs contiguous key_cache and value_cache")
+    return _backend_module(name).paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+
+
+def _like(array: np.ndarray, tensor):
+    import torch
+
+    return torch.from_numpy(array).to(device=tensor.device, dtype=tensor.dtype)
+
+
+def _backend_module(name: str):
+    if name == "reference":
+        return _ReferenceOnTensors
+    if name == "torch":
+        from . import torch_backend
+        return torch_backend
+    from . import cupy_backend
+    return cupy_backend
+
+
+class _ReferenceOnTensors:
+    """Runs the NumPy reference on torch CPU tensors in place (their NumPy views share memory)."""
+
+    @staticmethod
+    def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
+        if isinstance(key_cache, np.ndarray):
+            return reference.write_kv_cache(key, value, key_cache, value_cache, validate.to_numpy(slot_mapping))
+        _require_cpu_float(key_cache)
+        reference.write_kv_cache(validate.to_numpy(key), validate.to_numpy(value), key_cache.numpy(),
+                                 value_cache.numpy(), validate.to_numpy(slot_mapping))
+
+    @staticmethod
+    def copy_blocks(key_cache, value_cache, mapping):
+        if isinstance(key_cache, np.ndarray):
+            return reference.copy_blocks(key_cache, value_cache, mapping)
+        _require_cpu_float(key_cache)
+        reference.copy_blocks(key_cache.numpy(), value_cache.numpy(), validate.to_numpy(mapping))
+
+
+def _require_cpu_float(tensor) -> None:
+    if tensor.is_cuda or tensor.dtype not in _numpy_viewable():
+        raise ValueError(f"backend 'reference' writes in place only into CPU float32/float64 caches, "
+                         f"got {tensor.dtype} on {tensor.device}")
+
+
+def _numpy_viewable():
+    import torch
+
+    return (torch.float32, torch.float64)

@@ -1,0 +1,94 @@
+"""torch backend (CPU and CUDA): vectorised gathers through the block tables, no Python loop over tokens."""
+from __future__ import annotations
+
+import torch
+
+# Sequences are processed in chunks whose gathered K/V stay about this size, so the gather copy is still in cache
+# when attention reads it (on CPU the gather otherwise costs two extra trips to memory).
+GATHER_CHUNK_BYTES = 8 << 20
+
+
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """Scatter K/V rows to their slots; negative slots (padding) are skipped."""
+    num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
+    slot_mapping = slot_mapping.to(device=key_cache.device, dtype=torch.long)
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    key_cache[blocks, :, offsets] = key
+    value_cache[blocks, :, offsets] = value
+
+
+def copy_blocks(key_cache, value_cache, block_mapping) -> None:
+    """Copy whole blocks ``src -> dst`` (rows of ``block_mapping``), in order."""
+    for src, dst in block_mapping.tolist():
+        key_cache[dst].copy_(key_cache[src])
+        value_cache[dst].copy_(value_cache[src])
+
+
+def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
+    """GQA decode attention over paged K/V, computed block-wise straight from the gathered blocks (no re-layout).
+
+    Softmax statistics are float32; on CPU half types are computed in float32 throughout.
+    """
+    out = torch.empty_like(query)
+    block_tables = block_tables.to(device=key_cache.device, dtype=torch.long)
+    seq_lens = seq_lens.to(device=key_cache.device, dtype=torch.long)
+    num_blocks_used = int(-(-int(seq_lens.max()) // key_cache.shape[2])) if len(seq_lens) else 0
+    block_tables = block_tables[:, :num_blocks_used]
+    step = _chunk_size(query, key_cache, num_blocks_used)
+    buffers = _gather_buffers(key_cache, step * num_blocks_used)
+    for start in range(0, query.shape[0], step):
+        end = min(start + step, query.shape[0])
+        out[start:end] = _attend_chunk(query[start:end], key_cache, value_cache, block_tables[start:end],
+                                       seq_lens[start:end], scale, buffers)
+    return out
+
+
+def gather_kv(cache, block_tables, num_blocks_used: int):
+    """Contiguous ``[num_seqs, num_kv_heads, num_blocks_used * block_size, head_dim]`` copy of a sequence's K or V."""
+    num_seqs = block_tables.shape[0]
+    _, num_kv_heads, block_size, head_dim = cache.shape
+    rows = cache.index_select(0, block_tables[:, :num_blocks_used].reshape(-1).long())
+    rows = rows.view(num_seqs, num_blocks_used, num_kv_heads, block_size, head_dim)
+    return rows.transpose(1, 2).reshape(num_seqs, num_kv_heads, num_blocks_used * block_size, head_dim)
+
+
+def _attend_chunk(query, key_cache, value_cache, block_tables, seq_lens, scale, buffers):
+    """Scores as ``[seqs, blocks, kv_heads, group, block_size]`` so the gathered blocks are used as they lie."""
+    num_seqs, num_q_heads, head_dim = query.shape
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    num_blocks_used, group = block_tables.shape[1], num_q_heads // num_kv_heads
+    index = block_tables.reshape(-1)
+    shape = (num_seqs, num_blocks_used, num_kv_heads, block_size, head_dim)
+    keys = torch.index_select(key_cache, 0, index, out=buffers[0][: len(index)]).view(shape)
+    values = torch.index_select(value_cache, 0, index, out=buffers[1][: len(index)]).view(shape)
+    compute = torch.float32 if query.is_cpu else query.dtype
+    q = query.view(num_seqs, 1, num_kv_heads, group, head_dim).to(compute)
+    scores = torch.matmul(q, keys.to(compute).transpose(-1, -2)).float().mul_(scale)
+    positions = torch.arange(num_blocks_used * block_size, device=query.device).view(num_blocks_used, 1, 1, block_size)
+    beyond_end = positions >= seq_lens.view(num_seqs, 1, 1, 1, 1)
+    scores.masked_fill_(beyond_end, float("-inf"))
+    # Stale slots may hold anything, NaN included (0 * NaN = NaN): zero them, touching only the tail blocks.
+    first_tail = int(seq_lens.min()) // block_size
+    values[:, first_tail:].masked_fill_(beyond_end[:, first_tail:].transpose(-1, -2), 0)
+    probs = torch.exp(scores - scores.amax(dim=(1, 4), keepdim=True))
+    denominator = probs.sum(dim=(1, 4)).unsqueeze(-1)
+    weighted = torch.matmul(probs.to(compute), values.to(compute)).sum(1, dtype=torch.float32)
+    return (weighted / denominator).view(num_seqs, num_q_heads, head_dim).to(query.dtype)
+
+
+def _chunk_size(query, key_cache, num_blocks_used: int) -> int:
+    """Sequences per chunk so one chunk's gathered K and V are about ``GATHER_CHUNK_BYTES``; all at once on CUDA."""
+    num_seqs = max(query.shape[0], 1)
+    if query.is_cuda:
+        return num_seqs
+    bytes_per_seq = 2 * num_blocks_used * key_cache[0].numel() * key_cache.element_size()
+    return min(num_seqs, max(1, GATHER_CHUNK_BYTES // max(bytes_per_seq, 1)))
+
+
+def _gather_buffers(key_cache, num_rows: int):
+    shape = (num_rows, *key_cache.shape[1:])
+    return (torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device),
+            torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device))

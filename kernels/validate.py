@@ -1,0 +1,124 @@
+"""Argument checks shared by every backend: each error names the offending argument."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def shape_of(x) -> tuple[int, ...]:
+    return tuple(int(s) for s in x.shape)
+
+
+def check_rank(name: str, x, rank: int) -> None:
+    if len(x.shape) != rank:
+        raise ValueError(f"{name} must have rank {rank}, got shape {shape_of(x)}")
+
+
+def check_cache_pair(key_cache, value_cache) -> tuple[int, int, int, int]:
+    """Return ``(num_blocks, num_kv_heads, block_size, head_dim)`` after checking both caches agree."""
+    check_rank("key_cache", key_cache, 4)
+    check_rank("value_cache", value_cache, 4)
+    if shape_of(key_cache) != shape_of(value_cache):
+        raise ValueError(f"value_cache shape {shape_of(value_cache)} differs from key_cache {shape_of(key_cache)}")
+    check_same_kind("value_cache", value_cache, "key_cache", key_cache)
+    return shape_of(key_cache)
+
+
+def check_same_kind(name: str, x, ref_name: str, ref) -> None:
+    """Same dtype and same device (torch) or both NumPy."""
+    if type(x) is not type(ref) and not (_is_numpy(x) and _is_numpy(ref)):
+        raise ValueError(f"{name} is a {type(x).__name__} but {ref_name} is a {type(ref).__name__}")
+    if x.dtype != ref.dtype:
+        raise ValueError(f"{name} has dtype {x.dtype} but {ref_name} has dtype {ref.dtype}")
+    if getattr(x, "device", None) != getattr(ref, "device", None):
+        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
+
+
+def check_integer(name: str, x) -> None:
+    kind = np.dtype(str(x.dtype).replace("torch.", "")).kind if not _is_numpy(x) else x.dtype.kind
+    if kind not in "iu":
+        raise ValueError(f"{name} must hold integers, got dtype {x.dtype}")
+
+
+def check_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:
+    num_blocks, num_kv_heads, block_size, head_dim = check_cache_pair(key_cache, value_cache)
+    check_rank("key", key, 3)
+    check_rank("value", value, 3)
+    if shape_of(key) != shape_of(value):
+        raise ValueError(f"value shape {shape_of(value)} differs from key shape {shape_of(key)}")
+    if shape_of(key)[1:] != (num_kv_heads, head_dim):
+        raise ValueError(f"key must be [num_tokens, {num_kv_heads}, {head_dim}] to match key_cache, "
+                         f"got {shape_of(key)}")
+    check_same_kind("key", key, "key_cache", key_cache)
+    check_same_kind("value", value, "key_cache", key_cache)
+    check_rank("slot_mapping", slot_mapping, 1)
+    check_integer("slot_mapping", slot_mapping)
+    if shape_of(slot_mapping)[0] != shape_of(key)[0]:
+        raise ValueError(f"slot_mapping has {shape_of(slot_mapping)[0]} entries for {shape_of(key)[0]} tokens")
+    slots = to_numpy(slot_mapping)
+    if slots.size and slots.max() >= num_blocks * block_size:
+        raise ValueError(f"slot_mapping holds slot {int(slots.max())} beyond the cache's "
+                         f"{num_blocks * block_size} slots")
+
+
+def check_attention_args(query, key_cache, value_cache, block_tables, seq_lens) -> None:
+    num_blocks, num_kv_heads, block_size, head_dim = check_cache_pair(key_cache, value_cache)
+    check_rank("query", query, 3)
+    num_seqs, num_q_heads, q_head_dim = shape_of(query)
+    if q_head_dim != head_dim:
+        raise ValueError(f"query head_dim {q_head_dim} differs from key_cache head_dim {head_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"query's {num_q_heads} heads are not divisible by key_cache's {num_kv_heads} kv heads")
+    check_same_kind("query", query, "key_cache", key_cache)
+    check_rank("block_tables", block_tables, 2)
+    check_integer("block_tables", block_tables)
+    check_rank("seq_lens", seq_lens, 1)
+    check_integer("seq_lens", seq_lens)
+    if shape_of(block_tables)[0] != num_seqs or shape_of(seq_lens)[0] != num_seqs:
+        raise ValueError(f"block_tables rows ({shape_of(block_tables)[0]}) and seq_lens entries "
+                         f"({shape_of(seq_lens)[0]}) must equal query's {num_seqs} sequences")
+    check_used_blocks(to_numpy(block_tables), to_numpy(seq_lens), block_size, num_blocks)
+
+
+def check_used_blocks(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int, num_blocks: int) -> None:
+    """seq_lens must fit their rows, and every block a sequence reads must exist."""
+    if seq_lens.size and seq_lens.min() < 1:
+        raise ValueError(f"seq_lens must be >= 1, got {int(seq_lens.min())}")
+    used = -(-seq_lens.astype(np.int64) // block_size)
+    if used.size and used.max() > block_tables.shape[1]:
+        row = int(used.argmax())
+        raise ValueError(f"seq_lens[{row}]={int(seq_lens[row])} needs {int(used[row])} blocks but block_tables "
+                         f"has {block_tables.shape[1]} columns")
+    mask = np.arange(block_tables.shape[1])[None, :] < used[:, None]
+    bad = mask & ((block_tables < 0) | (block_tables >= num_blocks))
+    if bad.any():
+        row, col = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"block_tables[{row}, {col}]={int(block_tables[row, col])} is outside the cache's "
+                         f"{num_blocks} blocks")
+
+
+def check_block_mapping(block_mapping, num_blocks: int) -> np.ndarray:
+    """Return the ``[n, 2]`` (src, dst) mapping as int64 NumPy after checking it."""
+    raw = block_mapping if isinstance(block_mapping, (list, tuple)) else to_numpy(block_mapping)
+    mapping = np.asarray(raw, dtype=np.int64).reshape(-1, 2) if len(raw) else np.zeros((0, 2), np.int64)
+    if mapping.size and (mapping.min() < 0 or mapping.max() >= num_blocks):
+        raise ValueError(f"block_mapping refers to a block outside the cache's {num_blocks} blocks")
+    if len(set(mapping[:, 1].tolist())) < len(mapping) or set(mapping[:, 0].tolist()) & set(mapping[:, 1].tolist()):
+        raise ValueError("block_mapping: each destination block must appear once and never as a source")
+    return mapping
+
+
+def to_numpy(x) -> np.ndarray:
+    if _is_numpy(x):
+        return x
+    return x.detach().cpu().numpy()
+
+
+def to_numpy_float(x) -> np.ndarray:
+    """float64 NumPy copy of an array or tensor of any float dtype and device."""
+    if _is_numpy(x):
+        return x.astype(np.float64)
+    return x.detach().double().cpu().numpy()
+
+
+def _is_numpy(x) -> bool:
+    return isinstance(x, np.ndarray)

@@ -1,0 +1,410 @@
+"""The one KV block manager of MiniPaged Lab.
+
+A fixed pool of physical blocks of ``block_size`` token slots, a block table per sequence, reference counts,
+copy-on-write for forked sequences and (optionally) prefix caching of full blocks. Both the Qwen3 runtime and the
+memory simulator drive this class; every operation on the hot path is O(1) per token and O(1) per block.
+
+Prefix caching identifies a full block by the key ``(parent_content_id, token_ids)``: the content id of the block
+before it (a serial number given to each distinct cached prefix, never reused) and its own tokens. The cache is a
+dict on that key, so the hash chains over the whole prefix while the lookup compares the key itself: a hash
+collision can never hand back a block with other contents.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+ROOT_CONTENT_ID = -1
+
+
+class BlockManagerError(Exception):
+    """Base class of the block manager's errors."""
+
+
+class OutOfBlocksError(BlockManagerError, RuntimeError):
+    """Raised when an operation needs more free blocks than the pool has; the manager is left unchanged."""
+
+
+class UnknownSequenceError(BlockManagerError, KeyError):
+    """Raised for a sequence id the manager does not hold."""
+
+
+class DuplicateSequenceError(BlockManagerError, ValueError):
+    """Raised when creating or forking into a sequence id that already exists."""
+
+
+@dataclass(slots=True)
+class SequenceBlocks:
+    """A sequence's view of the pool: its block table, its length and, when tokens are known, what prefix caching
+    needs to hash the block being filled."""
+
+    block_table: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    partial_token_ids: list[int] | None = None  # tokens of the trailing partial block; None when unknown
+    parent_content_id: int = ROOT_CONTENT_ID  # content id of the last full block
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Counters of prefix-cache lookups, in blocks and tokens."""
+
+    queried_blocks: int = 0
+    hit_blocks: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_blocks / self.queried_blocks if self.queried_blocks else 0.0
+
+
+class KVBlockManager:
+    """Allocates KV-cache blocks to sequences.
+
+    Args:
+        num_physical_blocks: size of the pool.
+        block_size: token slots per block.
+        enable_prefix_caching: reuse full blocks whose prefix (all tokens up to and including the block) matches.
+    """
+
+    def __init__(self, num_physical_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+        if int(num_physical_blocks) < 1:
+            raise ValueError(f"num_physical_blocks must be >= 1, got {num_physical_blocks}")
+        if int(block_size) < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_physical_blocks = int(num_physical_blocks)
+        self.block_size = int(block_size)
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.ref_counts = [0] * self.num_physical_blocks
+        self._free_blocks: deque[int] = deque(range(self.num_physical_blocks))
+        self._evictable_blocks: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
+        self._cached_blocks: dict[tuple, int] = {}  # (parent_content_id, token_ids) -> block id
+        self._block_keys: list[tuple | None] = [None] * self.num_physical_blocks
+        self._block_content_ids: list[int] = [ROOT_CONTENT_ID] * self.num_physical_blocks
+        self._next_content_id = 0
+        self.sequences: dict[object, SequenceBlocks] = {}
+        self.pending_copies: list[tuple[int, int]] = []
+        self.prefix_cache_stats = PrefixCacheStats()
+        self.num_cow_copies = 0
+
+    # ---- pool queries -------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take: never-used or released ones plus cached ones nobody references."""
+        return len(self._free_blocks) + len(self._evictable_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one sequence."""
+        return self.num_physical_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Full blocks currently registered in the prefix cache (referenced or evictable)."""
+        return len(self._cached_blocks)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size)
+
+    # ---- sequence lifecycle -------------------------------------------------------------------------------
+    def can_allocate(self, prompt_token_ids: Sequence[int] | None = None, num_prompt_tokens: int | None = None) -> bool:
+        """Whether ``create_sequence`` with these arguments would succeed now."""
+        num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
+        hits = self._lookup_prefix(token_ids) if token_ids is not None else []
+        return self._new_blocks_needed(num_tokens, hits) <= self._allocatable_after_hits(hits)
+
+    def create_sequence(self, seq_id, prompt_token_ids: Sequence[int] | None = None,
+                        num_prompt_tokens: int | None = None) -> int:
+        """Allocate blocks for a new sequence's prompt and return how many leading tokens came from the prefix cache.
+
+        Give ``prompt_token_ids`` (enables prefix caching for this sequence) or just ``num_prompt_tokens``; with
+        neither the sequence starts empty. The last prompt token is never served from the cache, so a caller always
+        has at least one token to compute. Raises ``OutOfBlocksError`` (nothing changed) when the pool is too small.
+        """
+        if seq_id in self.sequences:
+            raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
+        num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
+        hits = self._lookup_prefix(token_ids) if token_ids is not None else []
+        needed = self._new_blocks_needed(num_tokens, hits)
+        if needed > self._allocatable_after_hits(hits):
+            raise OutOfBlocksError(f"sequence {seq_id!r} needs {needed} blocks, {self.num_free_blocks} free")
+        seq = SequenceBlocks(partial_token_ids=[] if token_ids is not None and self.enable_prefix_caching else None)
+        self.sequences[seq_id] = seq
+        for block in hits:
+            self._take_cached_block(block)
+            seq.block_table.append(block)
+            seq.parent_content_id = self._block_content_ids[block]
+        seq.num_tokens = len(hits) * self.block_size
+        self._record_prefix_lookup(token_ids, len(hits))
+        self._grow(seq, num_tokens - seq.num_tokens, token_ids[seq.num_tokens:] if token_ids is not None else None)
+        return len(hits) * self.block_size
+
+    def fork_sequence(self, parent_id, child_id) -> None:
+        """Make ``child_id`` share every block of ``parent_id`` (reference counts go up; nothing is copied)."""
+        parent = self._seq(parent_id)
+        if child_id in self.sequences:
+            raise DuplicateSequenceError(f"sequence {child_id!r} already exists")
+        for block in parent.block_table:
+            self.ref_counts[block] += 1
+        partial = list(parent.partial_token_ids) if parent.partial_token_ids is not None else None
+        self.sequences[child_id] = SequenceBlocks(list(parent.block_table), parent.num_tokens, partial,
+                                                  parent.parent_content_id)
+
+    def release_sequence(self, seq_id) -> None:
+        """Drop a sequence; blocks whose count reaches zero become free (cached ones stay reusable, LRU)."""
+        seq = self.sequences.pop(seq_id, None)
+        if seq is None:
+            raise UnknownSequenceError(seq_id)
+        for block in reversed(seq.block_table):  # tail first, so a prefix's head is evicted last
+            self._decref(block)
+
+    # ---- appending ----------------------------------------------------------------------------------------
+    def num_blocks_to_append(self, seq_id, num_tokens: int = 1) -> int:
+        """New blocks that appending ``num_tokens`` tokens to ``seq_id`` would take (copy-on-write included)."""
+        seq = self._seq(seq_id)
+        return self._cow_needed(seq) + self.blocks_for_tokens(seq.num_tokens + num_tokens) - len(seq.block_table)
+
+    def can_append(self, seq_id, num_tokens: int = 1) -> bool:
+        """Whether ``num_tokens`` more tokens fit into ``seq_id`` now."""
+        return self.num_blocks_to_append(seq_id, num_tokens) <= self.num_free_blocks
+
+    def append_token(self, seq_id, token_id: int | None = None) -> int:
+        """Append one token and return its linear slot ``physical_block * block_size + offset``.
+
+        Takes a new block only when the token starts one, or when the last block is shared and partly filled
+        (copy-on-write: the copy ``(src, dst)`` is queued in ``pending_copies`` for the cache to execute).
+        """
+        seq = self._seq(seq_id)
+        offset = seq.num_tokens % self.block_size
+        if offset == 0:
+            self._check_free(1, seq_id)
+            seq.block_table.append(self._allocate_block())
+        elif self.ref_counts[seq.block_table[-1]] > 1:
+            self._check_free(1, seq_id)
+            self._copy_on_write(seq)
+        block = seq.block_table[-1]
+        seq.num_tokens += 1
+        if seq.partial_token_ids is not None:
+            self._track_token(seq, token_id)
+        return block * self.block_size + offset
+
+    def append_tokens(self, seq_id, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
+        """Append ``num_tokens`` tokens at once, O(blocks); same effect as that many ``append_token`` calls."""
+        if token_ids is not None and len(token_ids) != num_tokens:
+            raise ValueError(f"token_ids has {len(token_ids)} ids, num_tokens is {num_tokens}")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        seq = self._seq(seq_id)
+        self._check_free(self.num_blocks_to_append(seq_id, num_tokens), seq_id)
+        if num_tokens and seq.num_tokens % self.block_size and self.ref_counts[seq.block_table[-1]] > 1:
+            self._copy_on_write(seq)
+        self._grow(seq, num_tokens, token_ids)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Return and clear the copy-on-write copies ``(src_block, dst_block)`` the cache must execute."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    # ---- exports ------------------------------------------------------------------------------------------
+    def get_block_table(self, seq_id) -> list[int]:
+        """The sequence's physical block ids, logical order."""
+        return list(self._seq(seq_id).block_table)
+
+    def get_sequence_length(self, seq_id) -> int:
+        """Tokens the sequence holds."""
+        return self._seq(seq_id).num_tokens
+
+    def get_slot_mapping(self, seq_id, start: int, end: int) -> list[int]:
+        """Linear slots of the sequence's token positions ``start <= pos < end``."""
+        seq = self._seq(seq_id)
+        if not 0 <= start <= end <= seq.num_tokens:
+            raise ValueError(f"positions [{start}, {end}) outside sequence {seq_id!r} of {seq.num_tokens} tokens")
+        size, table = self.block_size, seq.block_table
+        return [table[pos // size] * size + pos % size for pos in range(start, end)]
+
+    def get_block_tables_tensor(self, seq_ids: Iterable, device=None):
+        """int32 ``[num_seqs, max_blocks_per_seq]`` block tables, rows padded with block 0 (never read)."""
+        import torch
+
+        tables = [self._seq(s).block_table for s in seq_ids]
+        width = max((len(t) for t in tables), default=0)
+        out = torch.zeros((len(tables), max(width, 1)), dtype=torch.int32)
+        for row, table in enumerate(tables):
+            out[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        return out.to(device) if device is not None else out
+
+    def get_seq_lens_tensor(self, seq_ids: Iterable, device=None):
+        """int32 ``[num_seqs]`` sequence lengths."""
+        import torch
+
+        out = torch.tensor([self._seq(s).num_tokens for s in seq_ids], dtype=torch.int32)
+        return out.to(device) if device is not None else out
+
+    def block_owners(self) -> list[list]:
+        """For each physical block, the ids of the sequences whose tables hold it (for visualisation)."""
+        owners: list[list] = [[] for _ in range(self.num_physical_blocks)]
+        for seq_id, seq in self.sequences.items():
+            for block in seq.block_table:
+                owners[block].append(seq_id)
+        return owners
+
+    def is_cached(self, block: int) -> bool:
+        """Whether a physical block is registered in the prefix cache."""
+        return self._block_keys[block] is not None
+
+    # ---- invariants ---------------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` describing the first broken invariant of the pool."""
+        uses = [0] * self.num_physical_blocks
+        for seq_id, seq in self.sequences.items():
+            assert len(seq.block_table) == self.blocks_for_tokens(seq.num_tokens), f"{seq_id!r}: table size"
+            for block in seq.block_table:
+                uses[block] += 1
+        assert uses == self.ref_counts, "ref counts differ from block-table uses"
+        free, evictable = set(self._free_blocks), set(self._evictable_blocks)
+        assert len(free) == len(self._free_blocks) and not free & evictable, "a block is listed free twice"
+        for block, count in enumerate(self.ref_counts):
+            assert (count == 0) == (block in free or block in evictable), f"block {block}: free list vs count"
+            assert (block in evictable) <= self.is_cached(block), f"block {block}: evictable but not cached"
+            assert (block in free) <= (not self.is_cached(block)), f"block {block}: free but still cached"
+        for key, block in self._cached_blocks.items():
+            assert self._block_keys[block] == key, f"cache entry of block {block} disagrees with its key"
+
+    def invariants_ok(self) -> bool:
+        """True when every pool invariant holds (see ``check_invariants``)."""
+        try:
+            self.check_invariants()
+        except AssertionError:
+            return False
+        return True
+
+    # ---- internals ----------------------------------------------------------------------------------------
+    def _seq(self, seq_id) -> SequenceBlocks:
+        try:
+            return self.sequences[seq_id]
+        except KeyError:
+            raise UnknownSequenceError(seq_id) from None
+
+    def _prompt_args(self, prompt_token_ids, num_prompt_tokens) -> tuple[int, list[int] | None]:
+        if prompt_token_ids is not None:
+            token_ids = [int(t) for t in prompt_token_ids]
+            if num_prompt_tokens is not None and num_prompt_tokens != len(token_ids):
+                raise ValueError(f"num_prompt_tokens={num_prompt_tokens} but {len(token_ids)} prompt_token_ids")
+            return len(token_ids), token_ids
+        num_tokens = 0 if num_prompt_tokens is None else int(num_prompt_tokens)
+        if num_tokens < 0:
+            raise ValueError(f"num_prompt_tokens must be >= 0, got {num_prompt_tokens}")
+        return num_tokens, None
+
+    def _lookup_prefix(self, token_ids: list[int]) -> list[int]:
+        """Cached blocks for the longest cached prefix, leaving at least the last prompt token uncached."""
+        if not self.enable_prefix_caching:
+            return []
+        hits, parent, size = [], ROOT_CONTENT_ID, self.block_size
+        for start in range(0, len(token_ids) - 1 - size + 1, size):
+            block = self._cached_blocks.get(self._block_key(parent, token_ids[start:start + size]))
+            if block is None:
+                break
+            hits.append(block)
+            parent = self._block_content_ids[block]
+        return hits
+
+    def _record_prefix_lookup(self, token_ids, num_hits: int) -> None:
+        if token_ids is None or not self.enable_prefix_caching:
+            return
+        self.prefix_cache_stats.queried_blocks += max(len(token_ids) - 1, 0) // self.block_size
+        self.prefix_cache_stats.hit_blocks += num_hits
+        self.prefix_cache_stats.hit_tokens += num_hits * self.block_size
+
+    def _new_blocks_needed(self, num_tokens: int, hits: list[int]) -> int:
+        return self.blocks_for_tokens(num_tokens) - len(hits)
+
+    def _allocatable_after_hits(self, hits: list[int]) -> int:
+        return self.num_free_blocks - sum(1 for block in hits if self.ref_counts[block] == 0)
+
+    def _check_free(self, needed: int, seq_id) -> None:
+        if needed > self.num_free_blocks:
+            raise OutOfBlocksError(f"sequence {seq_id!r} needs {needed} blocks, {self.num_free_blocks} free")
+
+    def _grow(self, seq: SequenceBlocks, num_tokens: int, token_ids) -> None:
+        """Append tokens block by block; the caller has checked there are enough free blocks."""
+        size, done = self.block_size, 0
+        while done < num_tokens:
+            if seq.num_tokens % size == 0:
+                seq.block_table.append(self._allocate_block())
+            take = min(size - seq.num_tokens % size, num_tokens - done)
+            seq.num_tokens += take
+            if seq.partial_token_ids is not None:
+                if token_ids is None:
+                    seq.partial_token_ids = None
+                else:
+                    seq.partial_token_ids.extend(token_ids[done:done + take])
+                    self._maybe_register_full_block(seq)
+            done += take
+
+    def _track_token(self, seq: SequenceBlocks, token_id) -> None:
+        if token_id is None:
+            seq.partial_token_ids = None  # tokens unknown from here on: this sequence's blocks are never cached
+            return
+        seq.partial_token_ids.append(int(token_id))
+        self._maybe_register_full_block(seq)
+
+    def _maybe_register_full_block(self, seq: SequenceBlocks) -> None:
+        if len(seq.partial_token_ids) < self.block_size:
+            return
+        key = self._block_key(seq.parent_content_id, seq.partial_token_ids)
+        seq.partial_token_ids = []
+        if not self.enable_prefix_caching:
+            return
+        cached = self._cached_blocks.get(key)
+        if cached is None:
+            block = seq.block_table[-1]
+            cached = block
+            self._cached_blocks[key] = block
+            self._block_keys[block] = key
+            self._block_content_ids[block] = self._next_content_id
+            self._next_content_id += 1
+        seq.parent_content_id = self._block_content_ids[cached]
+
+    @staticmethod
+    def _block_key(parent_content_id: int, token_ids) -> tuple:
+        return parent_content_id, tuple(token_ids)
+
+    def _allocate_block(self) -> int:
+        if self._free_blocks:
+            block = self._free_blocks.popleft()
+        else:
+            block, _ = self._evictable_blocks.popitem(last=False)
+            self._uncache(block)
+        self.ref_counts[block] = 1
+        return block
+
+    def _uncache(self, block: int) -> None:
+        del self._cached_blocks[self._block_keys[block]]
+        self._block_keys[block] = None
+        self._block_content_ids[block] = ROOT_CONTENT_ID
+
+    def _take_cached_block(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self._evictable_blocks[block]
+        self.ref_counts[block] += 1
+
+    def _decref(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if self._block_keys[block] is not None:
+                self._evictable_blocks[block] = None
+            else:
+                self._free_blocks.append(block)
+
+    def _cow_needed(self, seq: SequenceBlocks) -> int:
+        return int(seq.num_tokens % self.block_size != 0 and self.ref_counts[seq.block_table[-1]] > 1)
+
+    def _copy_on_write(self, seq: SequenceBlocks) -> None:
+        src = seq.block_table[-1]
+        dst = self._allocate_block()
+        self.ref_counts[src] -= 1
+        seq.block_table[-1] = dst
+        self.pending_copies.append((src, dst))
+        self.num_cow_copies += 1

@@ -1,0 +1,297 @@
+"""Unit and state-machine tests of lab.block_manager.KVBlockManager."""
+import pytest
+import torch
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from lab.block_manager import (DuplicateSequenceError, KVBlockManager, OutOfBlocksError, UnknownSequenceError)
+
+
+def snapshot(manager: KVBlockManager):
+    return (list(manager.ref_counts), manager.num_free_blocks, {k: (list(v.block_table), v.num_tokens)
+                                                               for k, v in manager.sequences.items()},
+            list(manager.pending_copies), manager.num_cached_blocks)
+
+
+def test_append_takes_a_block_only_at_boundaries():
+    m = KVBlockManager(8, 4)
+    m.create_sequence("a")
+    slots = [m.append_token("a") for _ in range(9)]
+    table = m.get_block_table("a")
+    assert len(table) == 3 and m.num_free_blocks == 5
+    assert slots == [table[i // 4] * 4 + i % 4 for i in range(9)]
+    assert m.get_slot_mapping("a", 0, 9) == slots
+    m.check_invariants()
+
+
+def test_create_with_prompt_allocates_ceil_blocks():
+    m = KVBlockManager(10, 3)
+    assert m.create_sequence("a", num_prompt_tokens=7) == 0
+    assert len(m.get_block_table("a")) == 3 and m.get_sequence_length("a") == 7
+    assert m.can_allocate(num_prompt_tokens=21) and not m.can_allocate(num_prompt_tokens=22)
+
+
+def test_fork_shares_blocks_and_cow_copies_partial_last_block():
+    m = KVBlockManager(8, 4)
+    m.create_sequence("p", num_prompt_tokens=6)  # one full block + one partial
+    m.fork_sequence("p", "c")
+    assert m.get_block_table("p") == m.get_block_table("c")
+    full, partial = m.get_block_table("p")
+    assert m.ref_counts[full] == 2 and m.ref_counts[partial] == 2 and m.num_free_blocks == 6
+    slot = m.append_token("c")
+    new = m.get_block_table("c")[1]
+    assert new != partial and slot == new * 4 + 2
+    assert m.take_pending_copies() == [(partial, new)] and m.take_pending_copies() == []
+    assert m.get_block_table("c")[0] == full and m.ref_counts[full] == 2
+    m.append_token("p")  # parent's block is no longer shared: written in place, no copy
+    assert m.get_block_table("p")[1] == partial and m.pending_copies == []
+    m.check_invariants()
+
+
+def test_fork_at_block_boundary_needs_no_copy():
+    m = KVBlockManager(8, 4)
+    m.create_sequence("p", num_prompt_tokens=4)
+    m.fork_sequence("p", "c")
+    m.append_token("c")
+    assert m.pending_copies == [] and m.num_cow_copies == 0
+
+
+def test_release_frees_only_at_zero_refs():
+    m = KVBlockManager(4, 2)
+    m.create_sequence("p", num_prompt_tokens=4)
+    m.fork_sequence("p", "c")
+    m.release_sequence("p")
+    assert m.num_free_blocks == 2
+    m.release_sequence("c")
+    assert m.num_free_blocks == 4
+    with pytest.raises(UnknownSequenceError):
+        m.release_sequence("c")
+
+
+def test_out_of_blocks_leaves_manager_unchanged():
+    m = KVBlockManager(3, 2)
+    m.create_sequence("a", num_prompt_tokens=4)
+    m.fork_sequence("a", "b")
+    m.create_sequence("c", num_prompt_tokens=1)
+    before = snapshot(m)
+    with pytest.raises(OutOfBlocksError):
+        m.create_sequence("d", num_prompt_tokens=3)
+    with pytest.raises(OutOfBlocksError):
+        m.append_tokens("a", 3)
+    m.append_token("c")
+    before = snapshot(m)
+    with pytest.raises(OutOfBlocksError):
+        m.append_token("c")
+    assert snapshot(m) == before and "d" not in m.sequences
+    assert not m.can_append("c") and m.num_blocks_to_append("c") == 1
+
+
+def test_out_of_blocks_on_cow_leaves_manager_unchanged():
+    m = KVBlockManager(1, 4)
+    m.create_sequence("a", num_prompt_tokens=2)
+    m.fork_sequence("a", "b")
+    before = snapshot(m)
+    with pytest.raises(OutOfBlocksError):
+        m.append_token("b")
+    assert snapshot(m) == before
+
+
+def test_duplicate_and_bad_arguments():
+    m = KVBlockManager(4, 2)
+    m.create_sequence("a")
+    with pytest.raises(DuplicateSequenceError):
+        m.create_sequence("a")
+    m.create_sequence("b")
+    with pytest.raises(DuplicateSequenceError):
+        m.fork_sequence("a", "b")
+    with pytest.raises(UnknownSequenceError):
+        m.append_token("zzz")
+    with pytest.raises(ValueError, match="block_size"):
+        KVBlockManager(4, 0)
+    with pytest.raises(ValueError, match="num_physical_blocks"):
+        KVBlockManager(0, 4)
+    with pytest.raises(ValueError, match="num_prompt_tokens"):
+        m.create_sequence("c", prompt_token_ids=[1, 2], num_prompt_tokens=3)
+    with pytest.raises(ValueError, match="positions"):
+        m.get_slot_mapping("a", 0, 5)
+
+
+def test_prefix_cache_hits_reuse_blocks_and_count():
+    m = KVBlockManager(16, 4, enable_prefix_caching=True)
+    prompt = list(range(10))
+    assert m.create_sequence("a", prompt) == 0
+    hit = m.create_sequence("b", prompt[:8] + [99, 98, 97])
+    assert hit == 8
+    assert m.get_block_table("a")[:2] == m.get_block_table("b")[:2]
+    assert m.get_block_table("a")[2] != m.get_block_table("b")[2]
+    assert m.prefix_cache_stats.hit_blocks == 2 and m.prefix_cache_stats.hit_tokens == 8
+    m.check_invariants()
+
+
+def test_prefix_cache_always_leaves_last_token_to_compute():
+    m = KVBlockManager(16, 4, enable_prefix_caching=True)
+    m.create_sequence("a", list(range(8)))
+    assert m.create_sequence("b", list(range(8))) == 4  # the second block holds the last token: recomputed
+
+
+def test_prefix_cache_survives_release_and_evicts_lru():
+    m = KVBlockManager(4, 2, enable_prefix_caching=True)
+    m.create_sequence("a", [1, 2, 3, 4, 5])
+    a_table = m.get_block_table("a")
+    m.release_sequence("a")
+    assert m.num_free_blocks == 4 and m.num_cached_blocks == 2
+    assert m.create_sequence("b", [1, 2, 3, 4, 6]) == 4 and m.get_block_table("b")[:2] == a_table[:2]
+    m.release_sequence("b")
+    m.create_sequence("c", num_prompt_tokens=7)  # needs all 4 blocks: evicts every cached block
+    assert m.num_cached_blocks == 0
+    m.release_sequence("c")
+    assert m.create_sequence("d", [1, 2, 3, 4, 5]) == 0
+    m.check_invariants()
+
+
+def test_prefix_cache_never_returns_a_block_with_other_tokens(monkeypatch):
+    m = KVBlockManager(16, 2, enable_prefix_caching=True)
+    m.create_sequence("a", [1, 2, 3, 4, 9])
+    assert m.create_sequence("b", [1, 2, 4, 3, 9]) == 2  # same first block, different second block
+    assert m.create_sequence("c", [2, 1, 3, 4, 9]) == 0  # same second block tokens, different prefix
+    assert m.get_block_table("c")[1] != m.get_block_table("a")[1]
+
+
+def test_prefix_cache_correct_under_forced_hash_collisions():
+    class CollidingKey(tuple):
+        def __hash__(self):
+            return 7  # every block key lands in the same hash bucket
+
+    class CollidingManager(KVBlockManager):
+        @staticmethod
+        def _block_key(parent_content_id, token_ids):
+            return CollidingKey((parent_content_id, tuple(token_ids)))
+
+    m = CollidingManager(16, 2, enable_prefix_caching=True)
+    m.create_sequence("a", [1, 2, 3, 4, 9])
+    assert m.create_sequence("b", [2, 1, 3, 4, 9]) == 0
+    assert m.create_sequence("c", [1, 2, 4, 3, 9]) == 2
+    assert m.create_sequence("d", [1, 2, 3, 4, 8]) == 4 and m.get_block_table("d")[:2] == m.get_block_table("a")[:2]
+
+
+def test_batch_exports():
+    m = KVBlockManager(16, 4)
+    m.create_sequence(0, num_prompt_tokens=9)
+    m.create_sequence(1, num_prompt_tokens=2)
+    tables = m.get_block_tables_tensor([0, 1])
+    assert tables.dtype == torch.int32 and tables.shape == (2, 3)
+    assert tables[0].tolist() == m.get_block_table(0) and tables[1, 0] == m.get_block_table(1)[0]
+    assert m.get_seq_lens_tensor([1, 0]).tolist() == [2, 9]
+    owners = m.block_owners()
+    assert sum(len(o) for o in owners) == 4
+
+
+def test_append_tokens_equals_repeated_append_token():
+    a, b = KVBlockManager(32, 3), KVBlockManager(32, 3)
+    for m in (a, b):
+        m.create_sequence("s", num_prompt_tokens=2)
+        m.fork_sequence("s", "t")
+    for _ in range(11):
+        a.append_token("t")
+    b.append_tokens("t", 11)
+    assert snapshot(a) == snapshot(b)
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random create/append/fork/release against a model of the KV contents: each slot of a fake cache holds the
+    token written there, copy-on-write copies are executed, and every sequence must read back its own tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.next_id = 0
+
+    @initialize(num_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 3, 4]), caching=st.booleans())
+    def setup(self, num_blocks, block_size, caching):
+        self.m = KVBlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+        self.store = [None] * (num_blocks * block_size)
+        self.tokens = {}
+
+    def _execute_copies(self):
+        size = self.m.block_size
+        for src, dst in self.m.take_pending_copies():
+            self.store[dst * size:(dst + 1) * size] = self.store[src * size:(src + 1) * size]
+
+    @rule(prompt=st.lists(st.integers(0, 2), max_size=10))
+    def create(self, prompt):
+        seq = self.next_id
+        self.next_id += 1
+        if not self.m.can_allocate(prompt):
+            before = snapshot(self.m)
+            with pytest.raises(OutOfBlocksError):
+                self.m.create_sequence(seq, prompt)
+            assert snapshot(self.m) == before
+            return
+        cached = self.m.create_sequence(seq, prompt)
+        assert cached < max(len(prompt), 1) and cached % self.m.block_size == 0
+        slots = self.m.get_slot_mapping(seq, 0, len(prompt))
+        assert [self.store[s] for s in slots[:cached]] == prompt[:cached]
+        for slot, token in zip(slots[cached:], prompt[cached:]):
+            self.store[slot] = token
+        self.tokens[seq] = list(prompt)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), token=st.integers(0, 2))
+    def append(self, data, token):
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        table, length, size = self.m.get_block_table(seq), len(self.tokens[seq]), self.m.block_size
+        expect_cow = length % size != 0 and self.m.ref_counts[table[-1]] > 1
+        if not self.m.can_append(seq):
+            before = snapshot(self.m)
+            with pytest.raises(OutOfBlocksError):
+                self.m.append_token(seq, token)
+            assert snapshot(self.m) == before
+            return
+        slot = self.m.append_token(seq, token)
+        assert (len(self.m.pending_copies) == 1) == expect_cow
+        self._execute_copies()
+        self.store[slot] = token
+        self.tokens[seq].append(token)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.tokens)))
+        child = self.next_id
+        self.next_id += 1
+        free = self.m.num_free_blocks
+        self.m.fork_sequence(parent, child)
+        assert self.m.num_free_blocks == free and not self.m.pending_copies
+        self.tokens[child] = list(self.tokens[parent])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def release(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.m.release_sequence(seq)
+        del self.tokens[seq]
+
+    @invariant()
+    def pool_is_consistent(self):
+        if not hasattr(self, "m"):
+            return
+        self.m.check_invariants()
+        owner_of_slot = {}
+        for seq, tokens in self.tokens.items():
+            assert self.m.get_sequence_length(seq) == len(tokens)
+            slots = self.m.get_slot_mapping(seq, 0, len(tokens))
+            assert [self.store[s] for s in slots] == tokens, f"sequence {seq} reads back other tokens"
+            for pos, slot in enumerate(slots):
+                other = owner_of_slot.setdefault(slot, (seq, pos))
+                if other[0] != seq:  # two sequences share a slot only through a shared block, same position
+                    assert other[1] == pos and self.m.ref_counts[slot // self.m.block_size] > 1
+
+    def teardown(self):
+        if hasattr(self, "m"):
+            for seq in list(self.tokens):
+                self.m.release_sequence(seq)
+            assert self.m.num_free_blocks == self.m.num_physical_blocks, "blocks leaked"
+            self.m.check_invariants()
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -1,0 +1,178 @@
+"""Every kernel backend against the float64 NumPy reference (CPU in CI; the same checks on CUDA under `gpu`)."""
+import numpy as np
+import pytest
+import torch
+
+import kernels
+from kernels import reference, split_k
+from tests.kernel_cases import make_decode_case, make_write_case, relative_error
+
+CPU_BACKENDS = ["torch", "reference"]
+GPU_BACKENDS = ["torch", "cupy"]
+
+
+def reference_decode(case):
+    return reference.paged_attention_decode(case.query.double().cpu().numpy(), case.key_cache.double().cpu().numpy(),
+                                            case.value_cache.double().cpu().numpy(), case.block_tables.cpu().numpy(),
+                                            case.seq_lens.cpu().numpy(), case.query.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("block_size", [1, 3, 7, 16, 256])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_decode_matches_reference_cpu(backend, block_size, group):
+    seq_lens = [1, block_size, 2 * block_size, 3 * block_size + 1, 37, 300]
+    case = make_decode_case(seq_lens, block_size, num_kv_heads=2, group=group, head_dim=64)
+    out = kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
+                                         case.seq_lens, backend=backend)
+    assert relative_error(out, reference_decode(case)) < 1e-5
+
+
+def test_reference_takes_numpy_and_matches_plain_softmax():
+    case = make_decode_case([5, 9], 4, num_kv_heads=1, group=2, head_dim=8)
+    q, kc, vc = (t.double().numpy() for t in (case.query, case.key_cache, case.value_cache))
+    out = kernels.paged_attention_decode(q, kc, vc, case.block_tables.numpy(), case.seq_lens.numpy(), scale=0.3)
+    for s, length in enumerate([5, 9]):
+        rows = [b * 4 + o for b in case.block_tables[s].tolist() for o in range(4)][:length]
+        keys, values = kc.transpose(0, 2, 1, 3).reshape(-1, 1, 8)[rows, 0], vc.transpose(0, 2, 1, 3).reshape(-1, 1, 8)[rows, 0]
+        for h in range(2):
+            scores = keys @ q[s, h] * 0.3
+            p = np.exp(scores - scores.max())
+            np.testing.assert_allclose(out[s, h], p @ values / p.sum(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+def test_split_k_reduction_matches_reference(block_size):
+    case = make_decode_case([1, 511, 512, 513, 1500], block_size, num_kv_heads=2, group=2, head_dim=32)
+    out = split_k.split_k_decode(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                                 32 ** -0.5, partition_size=split_k.PARTITION_SIZE)
+    assert relative_error(out, reference_decode(case)) < 1e-10
+    m, l, _ = split_k.partition_attention(case.query, case.key_cache, case.value_cache, case.block_tables,
+                                          case.seq_lens, 32 ** -0.5)
+    assert m.shape[-1] == 3 and torch.isinf(m[0, :, 1:]).all() and (l[0, :, 1:] == 0).all()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_write_kv_cache_scatters_and_skips_padding(backend, block_size):
+    case = make_write_case(num_tokens=23, block_size=block_size, num_blocks=40)
+    kernels.write_kv_cache(case.key, case.value, case.key_cache, case.value_cache, case.slot_mapping, backend=backend)
+    flat_k = case.key_cache.transpose(1, 2).reshape(-1, *case.key.shape[1:])
+    flat_v = case.value_cache.transpose(1, 2).reshape(-1, *case.key.shape[1:])
+    keep = case.slot_mapping >= 0
+    assert torch.equal(flat_k[case.slot_mapping[keep]], case.key[keep])
+    assert torch.equal(flat_v[case.slot_mapping[keep]], case.value[keep])
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    untouched[case.slot_mapping[keep]] = False
+    assert torch.isnan(flat_k[untouched]).all() and torch.isnan(flat_v[untouched]).all()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_copy_blocks(backend):
+    kc, vc = torch.randn(6, 2, 3, 4), torch.randn(6, 2, 3, 4)
+    k0, v0 = kc.clone(), vc.clone()
+    kernels.copy_blocks(kc, vc, [(0, 4), (2, 5)], backend=backend)
+    assert torch.equal(kc[4], k0[0]) and torch.equal(vc[5], v0[2]) and torch.equal(kc[:4], k0[:4])
+    with pytest.raises(ValueError, match="destination"):
+        kernels.copy_blocks(kc, vc, [(0, 4), (4, 5)], backend=backend)
+    with pytest.raises(ValueError, match="outside"):
+        kernels.copy_blocks(kc, vc, [(0, 6)], backend=backend)
+
+
+def test_bad_input_names_the_argument():
+    case = make_decode_case([5, 9], 4, num_kv_heads=2, group=2, head_dim=8)
+    args = [case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens]
+
+    def call(**changes):
+        named = dict(zip(["query", "key_cache", "value_cache", "block_tables", "seq_lens"], args))
+        named.update(changes)
+        return kernels.paged_attention_decode(**named)
+
+    with pytest.raises(ValueError, match="query must have rank 3"):
+        call(query=case.query[0])
+    with pytest.raises(ValueError, match="not divisible"):
+        call(query=torch.randn(2, 3, 8))
+    with pytest.raises(ValueError, match=r"seq_lens\[1\]"):
+        call(seq_lens=torch.tensor([5, 99], dtype=torch.int32))
+    bad_tables = case.block_tables.clone()
+    bad_tables[0, 0] = 10_000
+    with pytest.raises(ValueError, match=r"block_tables\[0, 0\]"):
+        call(block_tables=bad_tables)
+    with pytest.raises(ValueError, match="dtype"):
+        call(value_cache=case.value_cache.double())
+    with pytest.raises(ValueError, match="block_tables must hold integers"):
+        call(block_tables=case.block_tables.float())
+    with pytest.raises(ValueError, match="backend must be one of"):
+        kernels.paged_attention_decode(*args, backend="triton")
+    if "cupy" not in kernels.available_backends():
+        with pytest.raises(RuntimeError, match="cupy"):
+            kernels.paged_attention_decode(*args, backend="cupy")
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kernels.write_kv_cache(torch.randn(2, 2, 8), torch.randn(2, 2, 8), case.key_cache, case.value_cache,
+                               torch.tensor([0, 1, 2]))
+
+
+def test_available_backends_on_cpu():
+    assert {"reference", "torch"} <= set(kernels.available_backends())
+    usable, reason = kernels.cupy_status()
+    assert usable == ("cupy" in kernels.available_backends()) and reason
+
+
+def test_cuda_sources_compile_to_ptx_for_sm80_and_sm90():
+    import shutil
+
+    compiler = pytest.importorskip("cupy.cuda.compiler", reason="cupy is not installed")
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc on this machine: the CUDA sources cannot be compile-checked")
+    from kernels.cupy_backend import all_kernel_names, instantiation_source
+
+    source = instantiation_source()
+    for arch in ("80", "90"):
+        ptx = compiler.compile_using_nvcc(source, arch=arch, code_type="ptx")
+        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+        assert ptx.count(".entry") == len(all_kernel_names()), arch
+
+
+# ---- CUDA --------------------------------------------------------------------------------------------------------
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 3, 7, 16, 256])
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (2, 128), (4, 128)])
+def test_decode_matches_reference_cuda(backend, dtype, block_size, group, head_dim):
+    case = make_decode_case([1, block_size, 3 * block_size + 1, 37, 700, 1300], block_size, num_kv_heads=2,
+                            group=group, head_dim=head_dim, dtype=dtype, device="cuda")
+    out = kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
+                                         case.seq_lens, backend=backend)
+    assert out.dtype == dtype and relative_error(out, reference_decode(case)) < TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("partition_size", [0, 512])
+def test_cupy_v1_and_v2_long_context(partition_size):
+    from kernels import cupy_backend
+
+    if "cupy" not in kernels.available_backends():
+        pytest.skip("cupy cannot run kernels here")
+    case = make_decode_case([32768, 5000, 1], 16, num_kv_heads=8, group=2, head_dim=128, device="cuda")
+    out = cupy_backend.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
+                                              case.seq_lens, 128 ** -0.5, partition_size=partition_size)
+    assert relative_error(out, reference_decode(case)) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_and_copy_cuda(backend, dtype):
+    case = make_write_case(num_tokens=50, block_size=7, num_blocks=30, dtype=dtype, device="cuda")
+    expected_k, expected_v = case.key_cache.clone(), case.value_cache.clone()
+    kernels.write_kv_cache(case.key, case.value, expected_k, expected_v, case.slot_mapping, backend="torch")
+    kernels.write_kv_cache(case.key, case.value, case.key_cache, case.value_cache, case.slot_mapping, backend=backend)
+    assert torch.equal(case.key_cache.nan_to_num(7), expected_k.nan_to_num(7))
+    assert torch.equal(case.value_cache.nan_to_num(7), expected_v.nan_to_num(7))
+    kernels.copy_blocks(case.key_cache, case.value_cache, [(1, 20), (3, 21)], backend=backend)
+    assert torch.equal(case.key_cache[20].nan_to_num(7), case.key_cache[1].nan_to_num(7))
+    assert torch.equal(case.value_cache[21].nan_to_num(7), case.value_cache[3].nan_to_num(7))

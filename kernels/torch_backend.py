@@ -1,6 +1,8 @@
 """torch backend (CPU and CUDA): vectorised gathers through the block tables, no Python loop over tokens."""
 from __future__ import annotations
 
+import threading
+
 import torch
 
 # Sequences are processed in chunks whose gathered K/V stay about this size, so the gather copy is still in cache
@@ -89,6 +91,17 @@ def _chunk_size(query, key_cache, num_blocks_used: int) -> int:
 
 
 def _gather_buffers(key_cache, num_rows: int):
+    """Per-thread reusable gather buffers (fresh CPU memory costs a page fault per 4 KiB, more than the copy)."""
     shape = (num_rows, *key_cache.shape[1:])
-    return (torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device),
-            torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device))
+    if not key_cache.is_cpu:
+        return torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device), \
+            torch.empty(shape, dtype=key_cache.dtype, device=key_cache.device)
+    cache = _buffers.__dict__.setdefault("by_kind", {})
+    kind, numel = (key_cache.dtype, tuple(key_cache.shape[1:])), num_rows * key_cache[0].numel()
+    if kind not in cache or cache[kind][0].numel() < numel:
+        cache.clear()  # keep one buffer pair per thread
+        cache[kind] = (torch.empty(numel, dtype=key_cache.dtype), torch.empty(numel, dtype=key_cache.dtype))
+    return tuple(buffer[:numel].view(shape) for buffer in cache[kind])
+
+
+_buffers = threading.local()

@@ -1,0 +1,1 @@
+"""Benchmarks: each prints a table and writes a CSV; speeds are compared with a baseline measured in the same run."""

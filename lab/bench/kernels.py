@@ -1,0 +1,119 @@
+"""Paged decode attention vs SDPA on the same K/V laid out contiguously, plus achieved KV bandwidth.
+
+CPU: the torch backend (the goal is paged / SDPA <= 1.2 at batch 32, context 1024, 16/8 heads, head_dim 128).
+GPU: torch and cupy backends (v1 and v2) at batch 1/8/64 x context 512/4096/32768, block 16, against a measured
+device-to-device copy bandwidth (goal: >= 85 % of it at batch 64 x 4096).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+import kernels
+from lab.bench.timing import median_seconds
+
+
+@dataclass(slots=True)
+class KernelBenchConfig:
+    """One sweep: shapes, backends and repeat count."""
+
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    batch_sizes: tuple[int, ...] = (1, 8, 32)
+    context_lens: tuple[int, ...] = (512, 1024)
+    num_q_heads: int = 16
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    block_size: int = 16
+    backends: tuple[str, ...] = ("torch",)
+    repeats: int = 10
+
+
+def make_paged_inputs(batch: int, context: int, config: KernelBenchConfig, seed: int = 0):
+    """Query, shuffled paged caches, block tables, seq_lens and the same K/V contiguous ``[B, Hkv, L, D]``."""
+    generator = torch.Generator(device=config.device).manual_seed(seed)
+    blocks_per_seq = -(-context // config.block_size)
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, config.num_kv_heads, config.block_size, config.head_dim)
+    options = dict(device=config.device, dtype=config.dtype, generator=generator)
+    key_cache, value_cache = torch.randn(shape, **options), torch.randn(shape, **options)
+    order = torch.randperm(num_blocks, device=config.device, generator=generator)
+    block_tables = order.view(batch, blocks_per_seq).to(torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=config.device)
+    query = torch.randn((batch, config.num_q_heads, config.head_dim), **options)
+    contiguous = [contiguous_kv(cache, block_tables, context) for cache in (key_cache, value_cache)]
+    return query, key_cache, value_cache, block_tables, seq_lens, contiguous
+
+
+def contiguous_kv(cache, block_tables, context: int):
+    from kernels.torch_backend import gather_kv
+
+    return gather_kv(cache, block_tables.long(), block_tables.shape[1])[:, :, :context].contiguous()
+
+
+def sdpa_decode(query, keys, values):
+    """Baseline: torch SDPA with GQA on contiguous K/V."""
+    batch, heads, dim = query.shape
+    return torch.nn.functional.scaled_dot_product_attention(query.view(batch, heads, 1, dim), keys, values,
+                                                            enable_gqa=True)
+
+
+def copy_bandwidth(device: str, num_bytes: int = 1 << 30) -> float:
+    """Measured device copy bandwidth in bytes/s (read + write)."""
+    src = torch.empty(num_bytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    seconds = median_seconds(lambda: dst.copy_(src), repeats=10, cuda=device != "cpu")
+    return 2 * num_bytes / seconds
+
+
+def bench_one(batch: int, context: int, config: KernelBenchConfig) -> list[dict]:
+    """Rows for every backend (and the SDPA baseline) at one shape."""
+    query, key_cache, value_cache, block_tables, seq_lens, (keys, values) = make_paged_inputs(batch, context, config)
+    cuda = config.device != "cpu"
+    kv_bytes = 2 * batch * context * config.num_kv_heads * config.head_dim * key_cache.element_size()
+    sdpa_s = median_seconds(lambda: sdpa_decode(query, keys, values), config.repeats, cuda=cuda)
+    rows = [_row("sdpa-contiguous", batch, context, sdpa_s, sdpa_s, kv_bytes, 0.0)]
+    expected = sdpa_decode(query, keys, values).view_as(query).float()
+    for backend in config.backends:
+        for variant, call in _variants(backend, query, key_cache, value_cache, block_tables, seq_lens):
+            seconds = median_seconds(call, config.repeats, cuda=cuda)
+            error = float(((call().float() - expected).abs().max() / expected.abs().max()).item())
+            rows.append(_row(variant, batch, context, seconds, sdpa_s, kv_bytes, error))
+    return rows
+
+
+def _variants(backend, query, key_cache, value_cache, block_tables, seq_lens):
+    args = (query, key_cache, value_cache, block_tables, seq_lens)
+    if backend != "cupy":
+        yield backend, lambda: kernels.paged_attention_decode(*args, backend=backend, check=False)
+        return
+    from kernels import cupy_backend
+
+    scale = query.shape[-1] ** -0.5
+    yield "cupy-auto", lambda: kernels.paged_attention_decode(*args, backend="cupy", check=False)
+    yield "cupy-v1", lambda: cupy_backend.paged_attention_decode(*args, scale, partition_size=0)
+    yield "cupy-v2", lambda: cupy_backend.paged_attention_decode(*args, scale, partition_size=512)
+
+
+def _row(kernel, batch, context, seconds, sdpa_seconds, kv_bytes, error) -> dict:
+    return {"kernel": kernel, "batch": batch, "context": context, "median_ms": seconds * 1e3,
+            "vs_sdpa": seconds / sdpa_seconds, "kv_gb_per_s": kv_bytes / seconds / 1e9, "max_rel_err": error}
+
+
+def run_kernel_bench(config: KernelBenchConfig, progress=None) -> pd.DataFrame:
+    """Run the sweep; ``progress(done, total)`` is called after each shape."""
+    shapes = [(b, c) for b in config.batch_sizes for c in config.context_lens]
+    rows = []
+    for done, (batch, context) in enumerate(shapes, 1):
+        rows += bench_one(batch, context, config)
+        if progress:
+            progress(done, len(shapes))
+    table = pd.DataFrame(rows)
+    table["device"], table["dtype"] = config.device, str(config.dtype).replace("torch.", "")
+    table["block_size"] = config.block_size
+    if config.device != "cpu":
+        table["copy_gb_per_s"] = copy_bandwidth(config.device) / 1e9
+        table["frac_of_copy_bw"] = table["kv_gb_per_s"] / table["copy_gb_per_s"]
+    return table

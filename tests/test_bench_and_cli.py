@@ -1,0 +1,34 @@
+"""The benchmarks run end to end on tiny shapes and the CLI writes their CSVs."""
+import pandas as pd
+
+from lab.bench.block_manager import run_block_manager_bench
+from lab.bench.kernels import KernelBenchConfig, run_kernel_bench
+from lab.cli import main
+from lab.hardware import describe_hardware
+
+
+def test_kernel_bench_rows_and_accuracy():
+    config = KernelBenchConfig(batch_sizes=(2,), context_lens=(40,), num_q_heads=4, num_kv_heads=2, head_dim=16,
+                               block_size=3, backends=("torch", "reference"), repeats=2)
+    table = run_kernel_bench(config)
+    assert list(table["kernel"]) == ["sdpa-contiguous", "torch", "reference"]
+    assert (table["max_rel_err"] < 1e-5).all() and (table["median_ms"] > 0).all()
+
+
+def test_block_manager_bench_reports_rates():
+    table = run_block_manager_bench(block_size=16)
+    assert len(table) == 5 and (table["median_rate"] > 0).all()
+
+
+def test_cli_writes_csv(tmp_path, capsys):
+    out = tmp_path / "k.csv"
+    assert main(["bench", "kernels", "--batch", "1", "--context", "20", "--block-size", "7", "--repeats", "1",
+                 "--out", str(out)]) == 0
+    assert set(pd.read_csv(out)["kernel"]) == {"sdpa-contiguous", "torch"}
+    assert main(["bench", "kernels", "--backends", "nope", "--batch", "1", "--context", "8", "--out", ""]) == 2
+    assert "backend must be one of" in capsys.readouterr().err
+
+
+def test_hardware_table_lists_backends():
+    table = describe_hardware()
+    assert "reference" in table.set_index("item").loc["kernel backends", "value"]

@@ -108,11 +108,12 @@ class KVBlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- sequence lifecycle -------------------------------------------------------------------------------
-    def can_allocate(self, prompt_token_ids: Sequence[int] | None = None, num_prompt_tokens: int | None = None) -> bool:
-        """Whether ``create_sequence`` with these arguments would succeed now."""
+    def can_allocate(self, prompt_token_ids: Sequence[int] | None = None, num_prompt_tokens: int | None = None,
+                     extra_blocks: int = 0) -> bool:
+        """Whether ``create_sequence`` with these arguments would succeed now, leaving ``extra_blocks`` free too."""
         num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
         hits = self._lookup_prefix(token_ids) if token_ids is not None else []
-        return self._new_blocks_needed(num_tokens, hits) <= self._allocatable_after_hits(hits)
+        return self._new_blocks_needed(num_tokens, hits) + extra_blocks <= self._allocatable_after_hits(hits)
 
     def create_sequence(self, seq_id, prompt_token_ids: Sequence[int] | None = None,
                         num_prompt_tokens: int | None = None) -> int:
@@ -330,6 +331,11 @@ class KVBlockManager:
     def _grow(self, seq: SequenceBlocks, num_tokens: int, token_ids) -> None:
         """Append tokens block by block; the caller has checked there are enough free blocks."""
         size, done = self.block_size, 0
+        if seq.partial_token_ids is None:  # no tokens to hash: take all new blocks at once
+            new_blocks = self.blocks_for_tokens(seq.num_tokens + num_tokens) - len(seq.block_table)
+            seq.block_table.extend(self._allocate_block() for _ in range(new_blocks))
+            seq.num_tokens += num_tokens
+            return
         while done < num_tokens:
             if seq.num_tokens % size == 0:
                 seq.block_table.append(self._allocate_block())

@@ -1,0 +1,61 @@
+"""Discrete-event KV memory simulator: contiguous allocators vs the paged block manager on synthetic or real traffic.
+
+    from simulator import simulate, SimConfig
+    result = simulate("sharegpt", SimConfig(allocator="paged", block_size=16), num_requests=1000)
+    result.summary, result.timeseries
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+
+from .allocators import ALLOCATORS
+from .engine import SimConfig, SimResult, Simulator, Snapshot
+from .metrics import CATEGORIES
+from .models import GPUS, MODELS, CostModel, get_gpu, get_model, kv_capacity_tokens
+from .workloads import (SYNTHETIC_PRESETS, SyntheticSpec, TraceFormatError, Workload, load_trace,
+                        synthetic_workload)
+
+__all__ = ["simulate", "compare", "make_workload", "SimConfig", "SimResult", "Snapshot", "Workload",
+           "SyntheticSpec", "TraceFormatError", "ALLOCATORS", "CATEGORIES", "MODELS", "GPUS", "SYNTHETIC_PRESETS",
+           "load_trace", "synthetic_workload", "CostModel", "get_model", "get_gpu", "kv_capacity_tokens"]
+
+
+def make_workload(workload: str | Path | Workload, num_requests: int | None = None, seed: int = 0,
+                  time_scale: float = 1.0, **synthetic) -> Workload:
+    """A ``Workload`` from a preset name (with ``SyntheticSpec`` fields as keywords), a trace path, or itself."""
+    if isinstance(workload, Workload):
+        return workload
+    if str(workload) in SYNTHETIC_PRESETS:
+        spec = SyntheticSpec(preset=str(workload), seed=seed, **synthetic)
+        if num_requests is not None:
+            spec.num_requests = num_requests
+        return synthetic_workload(spec)
+    if not Path(workload).exists():
+        raise ValueError(f"workload {str(workload)!r} is neither a preset ({', '.join(SYNTHETIC_PRESETS)}) nor an "
+                         f"existing trace file")
+    return load_trace(workload, time_scale=time_scale, max_rows=num_requests)
+
+
+def simulate(workload, config: SimConfig | None = None, on_snapshot: Callable[[Snapshot], bool | None] | None = None,
+             snapshot_every: int = 50, **workload_options) -> SimResult:
+    """Run one allocator over a workload. ``on_snapshot`` receives a ``Snapshot`` every ``snapshot_every``
+    iterations (block pool included) and may return False to stop the run early."""
+    return Simulator(make_workload(workload, **workload_options), config or SimConfig(), on_snapshot,
+                     snapshot_every).run()
+
+
+def compare(workload, configs: list[SimConfig], progress: Callable[[int, int], None] | None = None,
+            **workload_options) -> tuple[pd.DataFrame, dict[str, SimResult]]:
+    """Run several configs on the same workload: a summary table (one row per config) and the results by label."""
+    workload = make_workload(workload, **workload_options)
+    results = {}
+    for done, config in enumerate(configs, 1):
+        label = config.allocator if config.allocator != "paged" else f"paged-B{config.block_size}"
+        results[label] = Simulator(workload, config).run()
+        if progress:
+            progress(done, len(configs))
+    table = pd.DataFrame([{"label": label, **r.summary} for label, r in results.items()])
+    return table, results

@@ -1,0 +1,312 @@
+"""KV allocation policies the simulator compares.
+
+Contiguous policies reserve one region per sequence in a real linear address space of ``capacity_tokens`` slots,
+managed first-fit or as a buddy system, so external fragmentation emerges from the order of allocations and frees.
+The paged policy drives ``lab.block_manager.KVBlockManager`` itself.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from lab.block_manager import KVBlockManager
+
+CONTIGUOUS_KINDS = ("contiguous-max", "contiguous-pow2", "contiguous-oracle", "contiguous-grow")
+ALLOCATORS = (*CONTIGUOUS_KINDS, "paged")
+
+
+# ---- address spaces ------------------------------------------------------------------------------------------------
+class FirstFitSpace:
+    """Free holes of a linear address space, sorted by start; allocation takes the first hole that fits."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.hole_starts: list[int] = [0]
+        self.hole_sizes: dict[int, int] = {0: capacity}
+        self.num_free = capacity
+        self._largest: int | None = capacity
+
+    def allocate(self, size: int) -> tuple[int, int] | None:
+        """``(start, size)`` of a new region, or None when no hole is large enough."""
+        for index, start in enumerate(self.hole_starts):
+            hole = self.hole_sizes[start]
+            if hole >= size:
+                del self.hole_sizes[start]
+                if hole > size:
+                    self.hole_starts[index] = start + size
+                    self.hole_sizes[start + size] = hole - size
+                else:
+                    del self.hole_starts[index]
+                self.num_free -= size
+                self._largest = None
+                return start, size
+        return None
+
+    def free(self, start: int, size: int) -> None:
+        """Return a region, merging it with adjacent holes."""
+        self.num_free += size
+        self._largest = None
+        index = bisect.bisect_left(self.hole_starts, start)
+        if index < len(self.hole_starts) and self.hole_starts[index] == start + size:  # merge with the next hole
+            size += self.hole_sizes.pop(self.hole_starts.pop(index))
+        if index > 0:
+            previous = self.hole_starts[index - 1]
+            if previous + self.hole_sizes[previous] == start:  # merge into the previous hole
+                self.hole_sizes[previous] += size
+                return
+        self.hole_starts.insert(index, start)
+        self.hole_sizes[start] = size
+
+    def largest_free(self) -> int:
+        """Size of the largest hole."""
+        if self._largest is None:
+            self._largest = max(self.hole_sizes.values(), default=0)
+        return self._largest
+
+    def regions_free(self) -> list[tuple[int, int]]:
+        return [(s, self.hole_sizes[s]) for s in self.hole_starts]
+
+
+class BuddySpace:
+    """Buddy allocator: regions are powers of two, split on demand and merged with their free buddy on release.
+    A capacity that is not a power of two is covered by aligned power-of-two roots (its binary digits)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.free_by_order: dict[int, set[int]] = {}
+        self.num_free = capacity
+        start = 0
+        for order in range(capacity.bit_length() - 1, -1, -1):
+            if capacity & (1 << order):
+                self.free_by_order.setdefault(order, set()).add(start)
+                start += 1 << order
+
+    def allocate(self, size: int) -> tuple[int, int] | None:
+        order = max(size - 1, 0).bit_length()
+        source = next((o for o in sorted(self.free_by_order) if o >= order and self.free_by_order[o]), None)
+        if source is None:
+            return None
+        start = self.free_by_order[source].pop()
+        while source > order:  # split, keeping the lower half
+            source -= 1
+            self.free_by_order.setdefault(source, set()).add(start + (1 << source))
+        self.num_free -= 1 << order
+        return start, 1 << order
+
+    def free(self, start: int, size: int) -> None:
+        order = size.bit_length() - 1
+        self.num_free += size
+        while True:
+            buddy = start ^ (1 << order)
+            peers = self.free_by_order.get(order)
+            if not peers or buddy not in peers:
+                break
+            peers.remove(buddy)
+            start, order = min(start, buddy), order + 1
+        self.free_by_order.setdefault(order, set()).add(start)
+
+    def largest_free(self) -> int:
+        """Size of the largest free block (the largest region an allocation can get)."""
+        return max((1 << o for o, starts in self.free_by_order.items() if starts), default=0)
+
+    def regions_free(self) -> list[tuple[int, int]]:
+        return sorted((s, 1 << o) for o, starts in self.free_by_order.items() for s in starts)
+
+
+def make_space(kind: str, capacity: int):
+    """``first-fit`` or ``buddy`` address space."""
+    if kind == "first-fit":
+        return FirstFitSpace(capacity)
+    if kind == "buddy":
+        return BuddySpace(capacity)
+    raise ValueError(f"address_space must be 'first-fit' or 'buddy'; got {kind!r}")
+
+
+# ---- policies --------------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Usage:
+    """Aggregates a policy keeps in O(1) per event, in token slots."""
+
+    allocated: int = 0
+    will_fill: int = 0  # sum over sequences of min(allocated to it, its final length)
+    never_filled: int = 0  # sum over sequences of slots it holds that it will never fill
+
+
+class ContiguousPolicy:
+    """One region per sequence: ``max`` reserves max_model_len, ``pow2`` prompt + output rounded up to a power of
+    two, ``oracle`` exactly prompt + output, ``grow`` starts at prompt + ``grow_initial_extra`` and doubles by
+    copying into a new region when it overflows."""
+
+    paged = False
+
+    def __init__(self, kind: str, capacity_tokens: int, max_model_len: int, address_space: str = "first-fit",
+                 grow_initial_extra: int = 16):
+        if kind not in CONTIGUOUS_KINDS:
+            raise ValueError(f"unknown contiguous allocator {kind!r}")
+        self.kind, self.max_model_len, self.grow_initial_extra = kind, max_model_len, grow_initial_extra
+        self.space = make_space(address_space, capacity_tokens)
+        self.capacity = capacity_tokens
+        self.usage = Usage()
+        self.copied_tokens = 0
+
+    def initial_size(self, prompt_len: int, final_len: int) -> int:
+        if self.kind == "contiguous-max":
+            return self.max_model_len
+        if self.kind == "contiguous-pow2":
+            return 1 << max(final_len - 1, 0).bit_length()
+        if self.kind == "contiguous-oracle":
+            return final_len
+        return min(prompt_len + self.grow_initial_extra, self.max_model_len)
+
+    def can_ever_fit(self, final_len: int) -> bool:
+        return self.initial_size(final_len, final_len) <= self.capacity and final_len <= self.capacity
+
+    def admit(self, seqs: list) -> bool:
+        """Reserve a region for every sequence of a group, or none of them."""
+        placed = []
+        for seq in seqs:
+            region = self.space.allocate(self.initial_size(seq.kv_len, seq.final_len))
+            if region is None:
+                for done in placed:
+                    self._free(done)
+                return False
+            seq.region = region
+            self._account(seq, +1)
+            placed.append(seq)
+        return True
+
+    def next_event_position(self, seq) -> int | None:
+        """The KV length at which ``seq`` next needs more memory (grow only)."""
+        if self.kind != "contiguous-grow" or seq.region[1] >= seq.final_len:
+            return None
+        return seq.region[1] + 1
+
+    def on_event(self, seq, kv_len: int, manager_ops=None) -> bool:
+        """Grow by copying into a region twice as large; False (nothing changed) when none is free."""
+        new_size = min(2 * seq.region[1], max(self.max_model_len, seq.final_len))
+        region = self.space.allocate(new_size)
+        if region is None:
+            return False
+        self._free(seq)
+        seq.region = region
+        self._account(seq, +1)
+        self.copied_tokens += kv_len - 1
+        return True
+
+    def release(self, seq) -> None:
+        self._free(seq)
+
+    def _free(self, seq) -> None:
+        self._account(seq, -1)
+        self.space.free(*seq.region)
+        seq.region = None
+
+    def _account(self, seq, sign: int) -> None:
+        size = seq.region[1]
+        self.usage.allocated += sign * size
+        self.usage.will_fill += sign * min(size, seq.final_len)
+        self.usage.never_filled += sign * max(0, size - seq.final_len)
+
+    def external_fragmentation(self) -> int:
+        return self.space.num_free - self.space.largest_free()
+
+    def region_map(self) -> list[tuple[int, int, object]]:
+        """``(start, size, owner)`` of used regions (owner None for holes), for the block-pool view."""
+        return [(s, n, None) for s, n in self.space.regions_free()]
+
+
+class PagedPolicy:
+    """Fixed-size blocks from ``KVBlockManager``; prefix caching and fork/copy-on-write when the workload shares
+    prompts or samples n > 1. Sequences append lazily: the manager is told about a sequence's new tokens when it
+    needs a block (or completes), so block tables match per-token appends at every block boundary."""
+
+    paged = True
+
+    def __init__(self, capacity_tokens: int, block_size: int, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        num_blocks = capacity_tokens // block_size
+        if num_blocks < 1:
+            raise ValueError(f"capacity of {capacity_tokens} tokens holds no block of {block_size}")
+        self.block_size = block_size
+        self.manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.capacity = num_blocks * block_size
+        self.table_blocks = 0  # sum of block-table lengths (shared blocks counted once per holder)
+        self.never_filled = 0
+        self.ops: list[tuple] | None = None  # optional log of manager operations (tests replay it)
+
+    def can_ever_fit(self, final_len: int) -> bool:
+        return self.manager.blocks_for_tokens(final_len) <= self.manager.num_physical_blocks
+
+    def admit(self, seqs: list, prompt_token_ids=None) -> bool:
+        """Prefill a group: create the first sequence with the prompt, fork the others, then each appends its first
+        generated token (copy-on-write of a shared partial block). All or nothing."""
+        first = seqs[0]
+        prompt_len = first.kv_len - 1
+        extra = len(seqs) if prompt_len % self.block_size == 0 else len(seqs) - 1
+        ids = prompt_token_ids if prompt_token_ids is not None and len(prompt_token_ids) == prompt_len else None
+        if not self.manager.can_allocate(ids, None if ids is not None else prompt_len, extra_blocks=extra):
+            return False
+        first.cached_tokens = self._op("create_sequence", first.rid, ids, None if ids is not None else prompt_len)
+        for seq in seqs[1:]:
+            self._op("fork_sequence", first.rid, seq.rid)
+            seq.cached_tokens = 0
+        for seq in seqs:
+            self._op("append_tokens", seq.rid, 1)
+            seq.synced_len = seq.kv_len
+            self.table_blocks += len(self.manager.sequences[seq.rid].block_table)
+            self._count_final_block(seq)
+        self.manager.take_pending_copies()
+        return True
+
+    def next_event_position(self, seq) -> int | None:
+        """KV length at which ``seq`` needs its next block."""
+        allocated = len(self.manager.sequences[seq.rid].block_table) * self.block_size
+        return allocated + 1 if allocated < seq.final_len else None
+
+    def on_event(self, seq, kv_len: int) -> bool:
+        """Tell the manager about ``seq``'s tokens up to ``kv_len`` (one new block); False if no block is free."""
+        if self.manager.num_free_blocks < 1:
+            return False
+        self._sync(seq, kv_len)
+        self.table_blocks += 1
+        self._count_final_block(seq)
+        return True
+
+    def release(self, seq, kv_len: int | None = None) -> None:
+        if kv_len is not None:
+            self._sync(seq, kv_len)
+        self.table_blocks -= len(self.manager.sequences[seq.rid].block_table)
+        if seq.final_block_counted:
+            self.never_filled -= seq.final_block_slack
+            seq.final_block_counted = False
+        self._op("release_sequence", seq.rid)
+
+    def _sync(self, seq, kv_len: int) -> None:
+        if kv_len > seq.synced_len:
+            self._op("append_tokens", seq.rid, kv_len - seq.synced_len)
+            seq.synced_len = kv_len
+
+    def _count_final_block(self, seq) -> None:
+        blocks = len(self.manager.sequences[seq.rid].block_table)
+        if not seq.final_block_counted and blocks * self.block_size >= seq.final_len:
+            seq.final_block_slack = blocks * self.block_size - seq.final_len
+            self.never_filled += seq.final_block_slack
+            seq.final_block_counted = True
+
+    def _op(self, name: str, *args):
+        if self.ops is not None:
+            self.ops.append((name, *args))
+        return getattr(self.manager, name)(*args)
+
+    @property
+    def usage(self) -> Usage:
+        allocated = self.manager.num_used_blocks * self.block_size
+        return Usage(allocated, allocated - self.never_filled, self.never_filled)
+
+    def shared_tokens(self) -> int:
+        """Token slots counted by several holders but stored once (shared full blocks)."""
+        return (self.table_blocks - self.manager.num_used_blocks) * self.block_size
+
+    def external_fragmentation(self) -> int:
+        return 0

@@ -1,0 +1,98 @@
+"""KV memory categories over time, their time-weighted means, and request latency percentiles.
+
+Every sample splits the whole KV capacity (token slots) into five categories that sum to it:
+``token_states`` (slots holding a token's KV now), ``reserved`` (allocated slots the owner will fill later),
+``internal_fragmentation`` (allocated slots the owner will never fill), ``external_fragmentation`` (free slots
+outside the largest free contiguous region; zero for paged) and ``free`` (the largest free region; for paged, all
+free blocks).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+CATEGORIES = ("token_states", "reserved", "internal_fragmentation", "external_fragmentation", "free")
+COLUMNS = ("iteration", "time_s", *CATEGORIES, "running", "waiting", "blocks_in_use", "preemptions",
+           "generated_tokens", "prefix_cache_hits", "batch_tokens")
+SUMMARY_FRACTIONS = {"token_states": "token_states_frac", "reserved": "reserved_frac",
+                     "internal_fragmentation": "internal_frag_frac", "external_fragmentation": "external_frag_frac",
+                     "free": "free_frac"}
+
+
+class MetricsRecorder:
+    """Accumulates time-weighted category totals every iteration and keeps at most ``2 * max_points`` timeseries
+    rows, halving them (every other row) and doubling the stride when full."""
+
+    def __init__(self, capacity: int, max_points: int):
+        self.capacity = capacity
+        self.max_points = max_points
+        self.stride = 1
+        self.rows: list[tuple] = []
+        self.weighted = [0.0] * len(CATEGORIES)
+        self.total_time = 0.0
+        self.batch_time = 0.0
+        self.peak_batch = 0
+        self.peak_allocated = 0
+
+    def categories(self, sim) -> tuple[int, int, int, int, int]:
+        usage = sim.policy.usage
+        token_states = sim.token_states()
+        external = sim.policy.external_fragmentation()
+        return (token_states, usage.will_fill - token_states, usage.never_filled, external,
+                self.capacity - usage.allocated - external)
+
+    def accumulate(self, sim, duration: float) -> None:
+        """Weight the current state by the iteration's duration; record a timeseries row every ``stride``."""
+        values = self.categories(sim)
+        weighted = self.weighted
+        for index, value in enumerate(values):
+            weighted[index] += value * duration
+        batch = len(sim.running)
+        self.total_time += duration
+        self.batch_time += batch * duration
+        self.peak_batch = max(self.peak_batch, batch)
+        self.peak_allocated = max(self.peak_allocated, self.capacity - values[3] - values[4])
+        if sim.iteration % self.stride == 0:
+            self.rows.append(self._row(sim, values))
+            if len(self.rows) >= 2 * self.max_points:
+                self.rows = self.rows[::2]
+                self.stride *= 2
+
+    def _row(self, sim, values) -> tuple:
+        policy = sim.policy
+        blocks = policy.manager.num_used_blocks if policy.paged else np.nan
+        hits = policy.manager.prefix_cache_stats.hit_blocks if policy.paged else 0
+        return (sim.iteration, sim.time, *values, len(sim.running), len(sim.waiting), blocks, sim.num_preemptions,
+                sim.generated_tokens, hits, len(sim.running) + len(sim.prefilling))
+
+    def current(self, sim) -> dict:
+        """The latest state as a dict of ``COLUMNS``."""
+        return dict(zip(COLUMNS, self._row(sim, self.categories(sim))))
+
+    def summary(self) -> dict:
+        """Time-weighted mean fraction of capacity of each category, mean and peak batch size."""
+        total = self.total_time or 1.0
+        out = {SUMMARY_FRACTIONS[name]: self.weighted[i] / total / self.capacity for i, name in enumerate(CATEGORIES)}
+        out.update(mean_batch_size=self.batch_time / total, peak_batch_size=self.peak_batch,
+                   peak_allocated_frac=self.peak_allocated / self.capacity)
+        return out
+
+    def timeseries(self) -> pd.DataFrame:
+        frame = pd.DataFrame(self.rows, columns=list(COLUMNS))
+        for name in CATEGORIES:
+            frame[f"{name}_frac"] = frame[name] / self.capacity
+        return frame
+
+
+def latency_summary(requests: pd.DataFrame, n: int = 1) -> dict:
+    """TTFT, TPOT and end-to-end latency p50/p90/p99 (seconds) over completed requests."""
+    done = requests[requests["finish_s"].notna()]
+    ttft = (done["first_token_s"] - done["arrival_s"]).to_numpy()
+    e2e = (done["finish_s"] - done["arrival_s"]).to_numpy()
+    steps = np.maximum(done["output_tokens"].to_numpy() - 1, 1)
+    tpot = (done["finish_s"] - done["first_token_s"]).to_numpy() / steps
+    out = {}
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}_s"] = float(np.percentile(values, q)) if len(values) else np.nan
+    return out

@@ -1,0 +1,173 @@
+"""Model and GPU presets and the one cost model of the simulator: a per-iteration roofline."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+GiB = 1 << 30
+
+
+@dataclass(slots=True)
+class ModelSpec:
+    """Transformer shape; every figure the memory and cost model needs derives from it."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    dtype_bytes: int = 2
+    tied_embeddings: bool = False
+    mlp_matrices: int = 3  # 3 for gated SwiGLU (Qwen3, Llama), 2 for OPT's fc1/fc2
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def layer_params(self) -> int:
+        attention = self.hidden_size * self.head_dim * (2 * self.num_q_heads + 2 * self.num_kv_heads)
+        return attention + self.mlp_matrices * self.hidden_size * self.intermediate_size
+
+    @property
+    def num_params(self) -> int:
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+        return self.num_layers * self.layer_params + embeddings
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_params * self.dtype_bytes
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters multiplied per token (the input embedding is a lookup, the lm_head is a matmul)."""
+        return self.num_layers * self.layer_params + self.vocab_size * self.hidden_size
+
+
+@dataclass(slots=True)
+class GPUSpec:
+    """Memory (bytes), HBM bandwidth (bytes/s) and dense 16-bit peak (FLOP/s)."""
+
+    name: str
+    memory_bytes: float
+    bandwidth_bytes_s: float
+    peak_flops: float
+
+
+MODELS = {m.name: m for m in [
+    ModelSpec("qwen3-0.6b", 28, 1024, 16, 8, 128, 3072, 151936, tied_embeddings=True),
+    ModelSpec("qwen3-1.7b", 28, 2048, 16, 8, 128, 6144, 151936, tied_embeddings=True),
+    ModelSpec("qwen3-4b", 36, 2560, 32, 8, 128, 9728, 151936, tied_embeddings=True),
+    ModelSpec("qwen3-8b", 36, 4096, 32, 8, 128, 12288, 151936),
+    ModelSpec("qwen3-14b", 40, 5120, 40, 8, 128, 17408, 151936),
+    ModelSpec("qwen3-32b", 64, 5120, 64, 8, 128, 25600, 151936),
+    ModelSpec("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000),
+    ModelSpec("opt-13b", 40, 5120, 40, 40, 128, 20480, 50272, tied_embeddings=True, mlp_matrices=2),
+]}
+
+GPUS = {g.name: g for g in [
+    GPUSpec("a100-40gb", 40 * GiB, 1.555e12, 312e12),
+    GPUSpec("a100-80gb", 80 * GiB, 2.039e12, 312e12),
+    GPUSpec("h100-80gb", 80 * GiB, 3.35e12, 989e12),
+    GPUSpec("h200", 141e9, 4.8e12, 989e12),
+    GPUSpec("l4", 24e9, 300e9, 121e12),
+    GPUSpec("rtx-4090", 24 * GiB, 1.008e12, 165e12),
+]}
+
+
+def get_model(name_or_spec) -> ModelSpec:
+    """A preset by name (case-insensitive), or the spec itself."""
+    if isinstance(name_or_spec, ModelSpec):
+        return name_or_spec
+    key = str(name_or_spec).lower()
+    if key not in MODELS:
+        raise ValueError(f"unknown model {name_or_spec!r}; presets: {', '.join(MODELS)}")
+    return MODELS[key]
+
+
+def get_gpu(name_or_spec) -> GPUSpec:
+    """A preset by name (case-insensitive), or the spec itself."""
+    if isinstance(name_or_spec, GPUSpec):
+        return name_or_spec
+    key = str(name_or_spec).lower()
+    if key not in GPUS:
+        raise ValueError(f"unknown GPU {name_or_spec!r}; presets: {', '.join(GPUS)}")
+    return GPUS[key]
+
+
+def override(spec, **changes):
+    """A copy of a model or GPU spec with some fields replaced (None values are ignored)."""
+    changes = {k: v for k, v in changes.items() if v is not None}
+    unknown = set(changes) - {f.name for f in dataclasses.fields(spec)}
+    if unknown:
+        raise ValueError(f"unknown {type(spec).__name__} field(s): {', '.join(sorted(unknown))}")
+    return dataclasses.replace(spec, **changes)
+
+
+def kv_capacity_tokens(model: ModelSpec, gpu: GPUSpec, gpu_memory_utilization: float = 0.9,
+                       activation_reserve_bytes: float = 1 * GiB) -> int:
+    """Tokens of KV that fit: memory x utilization - weights - activation reserve, over KV bytes per token."""
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    free = gpu.memory_bytes * gpu_memory_utilization - model.weight_bytes - activation_reserve_bytes
+    if free < model.kv_bytes_per_token:
+        raise ValueError(f"{model.name} ({model.weight_bytes / GiB:.1f} GiB of weights) leaves no KV memory on "
+                         f"{gpu.name} at utilization {gpu_memory_utilization}")
+    return int(free // model.kv_bytes_per_token)
+
+
+@dataclass(slots=True)
+class CostModel:
+    """Roofline time of one iteration: max(FLOPs / achievable FLOP/s, weight bytes / achievable bandwidth + KV bytes /
+    attention bandwidth) + a fixed per-step overhead. Copies (grow-by-copy) cost read + write over bandwidth."""
+
+    model: ModelSpec
+    gpu: GPUSpec
+    flops_efficiency: float = 0.6
+    bandwidth_efficiency: float = 0.85
+    step_overhead_s: float = 1e-3
+    attention_bandwidth_bytes_s: float | None = None  # None: bandwidth x efficiency; a kernel CSV can calibrate it
+
+    @property
+    def _bandwidth(self) -> float:
+        return self.gpu.bandwidth_bytes_s * self.bandwidth_efficiency
+
+    @property
+    def _attention_bandwidth(self) -> float:
+        return self.attention_bandwidth_bytes_s or self._bandwidth
+
+    def iteration_time(self, num_tokens: int, attention_pairs: float, kv_tokens_read: float) -> float:
+        """Seconds for an iteration over ``num_tokens`` tokens whose attention covers ``attention_pairs``
+        (query, key) pairs and reads ``kv_tokens_read`` cached tokens of KV."""
+        if num_tokens == 0:
+            return 0.0
+        m = self.model
+        flops = 2 * m.matmul_params * num_tokens + 4 * m.num_layers * m.num_q_heads * m.head_dim * attention_pairs
+        kv_bytes = m.kv_bytes_per_token * (kv_tokens_read + num_tokens)
+        memory_s = m.weight_bytes / self._bandwidth + kv_bytes / self._attention_bandwidth
+        return max(flops / (self.gpu.peak_flops * self.flops_efficiency), memory_s) + self.step_overhead_s
+
+    def copy_time(self, num_tokens: int) -> float:
+        """Seconds to copy ``num_tokens`` tokens of KV within device memory."""
+        return 2 * num_tokens * self.model.kv_bytes_per_token / self._bandwidth
+
+    def calibrate_from_kernel_csv(self, path: str | Path) -> float:
+        """Set the attention bandwidth from a ``python -m lab bench kernels`` CSV: the median achieved KV GB/s of
+        the paged kernels at the CSV's largest shape. Returns the bandwidth in bytes/s."""
+        import pandas as pd
+
+        table = pd.read_csv(path)
+        needed = {"kernel", "batch", "context", "kv_gb_per_s"}
+        if not needed <= set(table.columns):
+            raise ValueError(f"{path}: not a kernel benchmark CSV (needs columns {', '.join(sorted(needed))})")
+        paged = table[table["kernel"] != "sdpa-contiguous"]
+        if paged.empty:
+            raise ValueError(f"{path}: no paged-kernel rows")
+        size = paged["batch"] * paged["context"]
+        self.attention_bandwidth_bytes_s = float(paged[size == size.max()]["kv_gb_per_s"].median() * 1e9)
+        return self.attention_bandwidth_bytes_s

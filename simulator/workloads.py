@@ -1,0 +1,312 @@
+"""Workloads for the simulator: synthetic presets and loaders for real traces (Azure LLM 2023, Mooncake, generic CSV).
+
+A ``Workload`` is columnar (NumPy arrays, one entry per request) so that a million-row trace stays cheap.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+MOONCAKE_BLOCK_TOKENS = 512
+SYNTHETIC_PRESETS = ("sharegpt", "alpaca", "random", "fixed")
+
+
+class TraceFormatError(ValueError):
+    """A trace file is malformed; the message names the file, the row and the column."""
+
+
+@dataclass(slots=True)
+class Workload:
+    """Requests sorted by arrival. ``prompt_block_ids`` (Mooncake) gives per-512-token prompt block ids, so equal
+    ids mean a shared prompt prefix; ``shared_prefix_tokens`` is a system prompt common to every request; each
+    request samples ``n`` outputs (``output_tokens`` holds the first sample's length, ``sample_output_tokens`` all)."""
+
+    name: str
+    arrival_s: np.ndarray
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+    n: int = 1
+    shared_prefix_tokens: int = 0
+    prompt_block_ids: list[list[int]] | None = None
+    sample_output_tokens: np.ndarray | None = None  # [num_requests, n]
+    source: str = "synthetic"
+    meta: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.prompt_tokens)
+
+    @property
+    def has_shared_prefixes(self) -> bool:
+        return self.shared_prefix_tokens > 0 or self.prompt_block_ids is not None
+
+    def prompt_token_ids(self, index: int) -> list[int] | None:
+        """Synthetic token ids that reproduce the workload's prefix sharing, or None when nothing is shared."""
+        length = int(self.prompt_tokens[index])
+        if self.prompt_block_ids is not None:
+            positions = np.arange(length)
+            ids = np.asarray(self.prompt_block_ids[index], dtype=np.int64)
+            return (ids[positions // MOONCAKE_BLOCK_TOKENS] * MOONCAKE_BLOCK_TOKENS
+                    + positions % MOONCAKE_BLOCK_TOKENS).tolist()
+        if self.shared_prefix_tokens:
+            shared = min(self.shared_prefix_tokens, length)
+            unique_base = -(index + 1) * (1 << 24)  # negative ids never collide with the shared prefix
+            return list(range(shared)) + list(range(unique_base, unique_base + length - shared))
+        return None
+
+    def outputs_of(self, index: int) -> list[int]:
+        """Output lengths of every sample of request ``index``."""
+        if self.sample_output_tokens is None:
+            return [int(self.output_tokens[index])] * self.n
+        return [int(x) for x in self.sample_output_tokens[index]]
+
+    def summary(self) -> dict:
+        """Count, mean lengths, duration and rate."""
+        duration = float(self.arrival_s[-1] - self.arrival_s[0]) if len(self) else 0.0
+        return {"workload": self.name, "num_requests": len(self), "n": self.n,
+                "prompt_mean": float(self.prompt_tokens.mean()) if len(self) else 0.0,
+                "output_mean": float(self.output_tokens.mean()) if len(self) else 0.0,
+                "duration_s": duration, "rate_req_s": (len(self) - 1) / duration if duration > 0 else math.inf}
+
+
+@dataclass(slots=True)
+class SyntheticSpec:
+    """Parameters of a synthetic workload (see ``synthetic_workload``)."""
+
+    preset: str = "sharegpt"
+    num_requests: int = 1000
+    rate: float = math.inf  # requests/s; inf = all arrive at t=0
+    burstiness: float = 1.0  # gamma shape; 1 = Poisson, < 1 burstier
+    n: int = 1
+    shared_prefix_tokens: int = 0
+    input_len: int = 1024  # random / fixed
+    output_len: int = 128  # random / fixed
+    range_ratio: float = 0.0  # random: uniform in [L(1-r), L(1+r)]
+    max_model_len: int | None = None
+    seed: int = 0
+
+
+def synthetic_workload(spec: SyntheticSpec) -> Workload:
+    """Draw a synthetic workload: ``sharegpt`` (mean prompt/output ~161/338, heavy-tailed, prompt <= 1024,
+    prompt + output <= 2048), ``alpaca`` (~19/58), ``random`` (vLLM bench style) or ``fixed``."""
+    _check_spec(spec)
+    rng = np.random.default_rng(spec.seed)
+    count = spec.num_requests
+    if spec.preset == "sharegpt":
+        prompts, outputs = _lognormal(rng, 161, 1.0, count, 4, 1024), _lognormal(rng, 338, 1.0, count, 4, 2048)
+        outputs = np.minimum(outputs, 2048 - prompts)
+    elif spec.preset == "alpaca":
+        prompts, outputs = _lognormal(rng, 19, 0.6, count, 2, 512), _lognormal(rng, 58, 0.8, count, 2, 1024)
+    elif spec.preset == "random":
+        prompts = _uniform_around(rng, spec.input_len, spec.range_ratio, count)
+        outputs = _uniform_around(rng, spec.output_len, spec.range_ratio, count)
+    else:
+        prompts, outputs = np.full(count, spec.input_len), np.full(count, spec.output_len)
+    prompts = prompts + spec.shared_prefix_tokens
+    if spec.max_model_len:
+        prompts = np.minimum(prompts, spec.max_model_len - 1)
+        outputs = np.minimum(outputs, spec.max_model_len - prompts)
+    samples = None
+    if spec.n > 1:
+        samples = np.concatenate([outputs[:, None], _resample_outputs(rng, spec, outputs, prompts)], axis=1)
+    return Workload(spec.preset, arrival_times(rng, count, spec.rate, spec.burstiness), prompts.astype(np.int64),
+                    outputs.astype(np.int64), n=spec.n, shared_prefix_tokens=spec.shared_prefix_tokens,
+                    sample_output_tokens=samples, meta={"spec": spec})
+
+
+def arrival_times(rng: np.random.Generator, count: int, rate: float, burstiness: float = 1.0) -> np.ndarray:
+    """Arrival times: all at 0 when ``rate`` is infinite, else gamma gaps (shape ``burstiness``) of mean 1/rate."""
+    if math.isinf(rate):
+        return np.zeros(count)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=count)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+def _check_spec(spec: SyntheticSpec) -> None:
+    if spec.preset not in SYNTHETIC_PRESETS:
+        raise ValueError(f"workload preset must be one of {', '.join(SYNTHETIC_PRESETS)}; got {spec.preset!r}")
+    checks = [("num_requests", spec.num_requests >= 1), ("rate", spec.rate > 0), ("burstiness", spec.burstiness > 0),
+              ("n", spec.n >= 1), ("shared_prefix_tokens", spec.shared_prefix_tokens >= 0),
+              ("input_len", spec.input_len >= 1), ("output_len", spec.output_len >= 1),
+              ("range_ratio", 0 <= spec.range_ratio < 1)]
+    for name, ok in checks:
+        if not ok:
+            raise ValueError(f"{name}={getattr(spec, name)!r} is out of range")
+    if spec.max_model_len is not None and spec.max_model_len <= spec.shared_prefix_tokens + 1:
+        raise ValueError(f"max_model_len={spec.max_model_len} leaves no room after the shared prefix")
+
+
+def _lognormal(rng, mean: float, sigma: float, count: int, low: int, high: int) -> np.ndarray:
+    mu = math.log(mean) - sigma**2 / 2
+    return np.clip(np.rint(rng.lognormal(mu, sigma, count)), low, high).astype(np.int64)
+
+
+def _uniform_around(rng, length: int, ratio: float, count: int) -> np.ndarray:
+    low, high = max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
+    return rng.integers(low, high + 1, count)
+
+
+def _resample_outputs(rng, spec: SyntheticSpec, outputs: np.ndarray, prompts: np.ndarray) -> np.ndarray:
+    """Independent output lengths for samples 2..n of each request, from the same distribution."""
+    extra = synthetic_workload(SyntheticSpec(**{**_spec_dict(spec), "n": 1, "seed": spec.seed + 7919,
+                                                "num_requests": len(outputs) * (spec.n - 1),
+                                                "shared_prefix_tokens": 0})).output_tokens
+    limit = (spec.max_model_len or 1 << 62) - prompts
+    return np.minimum(extra.reshape(len(outputs), spec.n - 1), limit[:, None])
+
+
+def _spec_dict(spec: SyntheticSpec) -> dict:
+    return {name: getattr(spec, name) for name in SyntheticSpec.__dataclass_fields__}
+
+
+# ---- traces ---------------------------------------------------------------------------------------------------------
+def load_trace(path: str | Path, time_scale: float = 1.0, max_rows: int | None = None, fmt: str | None = None) -> Workload:
+    """Load a trace file: Azure LLM CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``), Mooncake JSONL
+    (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``) or generic CSV
+    (``arrival_time_s,prompt_tokens,output_tokens``). Arrival offsets are multiplied by ``time_scale``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"trace file not found: {path}")
+    if not time_scale > 0:
+        raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    fmt = fmt or detect_format(path)
+    loaders = {"azure": _load_azure, "mooncake": _load_mooncake, "generic": _load_generic}
+    if fmt not in loaders:
+        raise ValueError(f"trace format must be one of {', '.join(loaders)}; got {fmt!r}")
+    workload = loaders[fmt](path, max_rows)
+    workload.arrival_s = (workload.arrival_s - workload.arrival_s[0]) * time_scale
+    return workload
+
+
+def detect_format(path: Path) -> str:
+    """``mooncake`` for JSON lines, else ``azure`` or ``generic`` by the CSV header."""
+    with open(path, "rb") as handle:
+        head = handle.readline().decode("utf-8", "replace").strip()
+    if not head:
+        raise TraceFormatError(f"{path}: the file is empty")
+    if head.startswith("{"):
+        return "mooncake"
+    return "azure" if "ContextTokens" in head else "generic"
+
+
+def _read_csv(path: Path, columns: list[str], max_rows: int | None) -> pd.DataFrame:
+    try:
+        frame = pd.read_csv(path, nrows=max_rows, dtype=str, keep_default_na=False)
+    except pd.errors.EmptyDataError:
+        raise TraceFormatError(f"{path}: the file is empty") from None
+    except (pd.errors.ParserError, UnicodeDecodeError) as exc:
+        raise TraceFormatError(f"{path}: not a readable CSV ({exc})") from None
+    frame.columns = [c.strip() for c in frame.columns]
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise TraceFormatError(f"{path}: missing column(s) {', '.join(missing)}; found {', '.join(frame.columns)}")
+    if frame.empty:
+        raise TraceFormatError(f"{path}: the file has a header but no rows")
+    return frame
+
+
+def _numeric_column(path: Path, frame: pd.DataFrame, column: str, positive: bool, first_row: int = 2) -> np.ndarray:
+    """Column as float64; the error names the first bad row (file line numbers: header is line 1)."""
+    values = pd.to_numeric(frame[column].str.strip(), errors="coerce").to_numpy(dtype=np.float64)
+    bad = ~np.isfinite(values)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise TraceFormatError(f"{path}: row {row + first_row}, column {column}: "
+                               f"{frame[column].iloc[row]!r} is not a finite number")
+    bad = values <= 0 if positive else values < 0
+    if bad.any():
+        row = int(np.argmax(bad))
+        need = "> 0" if positive else ">= 0"
+        raise TraceFormatError(f"{path}: row {row + first_row}, column {column}: {values[row]:g} must be {need}")
+    return values
+
+
+def _integer_lengths(path: Path, values: np.ndarray, column: str, first_row: int = 2) -> np.ndarray:
+    bad = values != np.floor(values)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise TraceFormatError(f"{path}: row {row + first_row}, column {column}: {values[row]:g} is not a whole number")
+    return values.astype(np.int64)
+
+
+def _check_sorted(path: Path, times: np.ndarray, column: str, first_row: int = 2) -> None:
+    bad = np.diff(times) < 0
+    if bad.any():
+        row = int(np.argmax(bad)) + 1
+        raise TraceFormatError(f"{path}: row {row + first_row}, column {column}: arrival times are not sorted "
+                               f"(earlier than the row before)")
+
+
+def _load_azure(path: Path, max_rows: int | None) -> Workload:
+    frame = _read_csv(path, ["TIMESTAMP", "ContextTokens", "GeneratedTokens"], max_rows)
+    stamps = pd.to_datetime(frame["TIMESTAMP"].str.strip(), errors="coerce", format="ISO8601")
+    if stamps.isna().any():
+        row = int(np.argmax(stamps.isna().to_numpy()))
+        raise TraceFormatError(f"{path}: row {row + 2}, column TIMESTAMP: {frame['TIMESTAMP'].iloc[row]!r} is not "
+                               f"a timestamp")
+    times = (stamps - stamps.iloc[0]).dt.total_seconds().to_numpy()
+    _check_sorted(path, times, "TIMESTAMP")
+    prompts = _integer_lengths(path, _numeric_column(path, frame, "ContextTokens", True), "ContextTokens")
+    outputs = _integer_lengths(path, _numeric_column(path, frame, "GeneratedTokens", True), "GeneratedTokens")
+    return Workload(path.stem, times, prompts, outputs, source=str(path))
+
+
+def _load_generic(path: Path, max_rows: int | None) -> Workload:
+    frame = _read_csv(path, ["arrival_time_s", "prompt_tokens", "output_tokens"], max_rows)
+    times = _numeric_column(path, frame, "arrival_time_s", positive=False)
+    _check_sorted(path, times, "arrival_time_s")
+    prompts = _integer_lengths(path, _numeric_column(path, frame, "prompt_tokens", True), "prompt_tokens")
+    outputs = _integer_lengths(path, _numeric_column(path, frame, "output_tokens", True), "output_tokens")
+    return Workload(path.stem, times, prompts, outputs, source=str(path))
+
+
+def _load_mooncake(path: Path, max_rows: int | None) -> Workload:
+    times, prompts, outputs, block_ids = [], [], [], []
+    with open(path, encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, 1):
+            if max_rows is not None and len(times) >= max_rows:
+                break
+            if not line.strip():
+                continue
+            record = _mooncake_record(path, line_no, line)
+            times.append(record[0])
+            prompts.append(record[1])
+            outputs.append(record[2])
+            block_ids.append(record[3])
+    if not times:
+        raise TraceFormatError(f"{path}: the file is empty")
+    arrival = np.asarray(times, dtype=np.float64) / 1000.0
+    _check_sorted(path, arrival, "timestamp", first_row=1)
+    return Workload(path.stem, arrival, np.asarray(prompts, np.int64), np.asarray(outputs, np.int64),
+                    prompt_block_ids=block_ids, source=str(path))
+
+
+def _mooncake_record(path: Path, line_no: int, line: str):
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{path}: row {line_no}: not valid JSON ({exc.msg})") from None
+    if not isinstance(record, dict):
+        raise TraceFormatError(f"{path}: row {line_no}: expected a JSON object")
+    values = []
+    for column, positive in (("timestamp", False), ("input_length", True), ("output_length", True)):
+        value = record.get(column)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise TraceFormatError(f"{path}: row {line_no}, column {column}: {value!r} is not a finite number")
+        if value < 0 or (positive and value == 0) or (column != "timestamp" and value != int(value)):
+            raise TraceFormatError(f"{path}: row {line_no}, column {column}: {value!r} must be a "
+                                   f"{'positive whole number' if positive else 'number >= 0'}")
+        values.append(value)
+    hash_ids = record.get("hash_ids")
+    expected = math.ceil(values[1] / MOONCAKE_BLOCK_TOKENS)
+    if not isinstance(hash_ids, list) or len(hash_ids) != expected or not all(isinstance(h, int) for h in hash_ids):
+        raise TraceFormatError(f"{path}: row {line_no}, column hash_ids: expected {expected} integer block ids for "
+                               f"input_length {int(values[1])}")
+    return values[0], int(values[1]), int(values[2]), hash_ids

@@ -11,7 +11,7 @@ collision can never hand back a block with other contents.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -43,6 +43,7 @@ class SequenceBlocks:
     num_tokens: int = 0
     partial_token_ids: list[int] | None = None  # tokens of the trailing partial block; None when unknown
     parent_content_id: int = ROOT_CONTENT_ID  # content id of the last full block
+    exclusive: bool = False  # True while no block can have another holder (never forked, hit or cached)
 
 
 @dataclass(slots=True)
@@ -76,7 +77,7 @@ class KVBlockManager:
         self.block_size = int(block_size)
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.ref_counts = [0] * self.num_physical_blocks
-        self._free_blocks: deque[int] = deque(range(self.num_physical_blocks))
+        self._free_blocks: list[int] = list(range(self.num_physical_blocks - 1, -1, -1))  # a stack: pop() is next
         self._evictable_blocks: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         self._cached_blocks: dict[tuple, int] = {}  # (parent_content_id, token_ids) -> block id
         self._block_keys: list[tuple | None] = [None] * self.num_physical_blocks
@@ -136,6 +137,7 @@ class KVBlockManager:
             self._take_cached_block(block)
             seq.block_table.append(block)
             seq.parent_content_id = self._block_content_ids[block]
+        seq.exclusive = not hits and seq.partial_token_ids is None
         seq.num_tokens = len(hits) * self.block_size
         self._record_prefix_lookup(token_ids, len(hits))
         self._grow(seq, num_tokens - seq.num_tokens, token_ids[seq.num_tokens:] if token_ids is not None else None)
@@ -148,6 +150,7 @@ class KVBlockManager:
             raise DuplicateSequenceError(f"sequence {child_id!r} already exists")
         for block in parent.block_table:
             self.ref_counts[block] += 1
+        parent.exclusive = False
         partial = list(parent.partial_token_ids) if parent.partial_token_ids is not None else None
         self.sequences[child_id] = SequenceBlocks(list(parent.block_table), parent.num_tokens, partial,
                                                   parent.parent_content_id)
@@ -157,8 +160,20 @@ class KVBlockManager:
         seq = self.sequences.pop(seq_id, None)
         if seq is None:
             raise UnknownSequenceError(seq_id)
+        ref_counts, keys, free = self.ref_counts, self._block_keys, self._free_blocks
+        if seq.exclusive:  # every block has count 1 and no cache key: free them in bulk
+            for block in seq.block_table:
+                ref_counts[block] = 0
+            free.extend(reversed(seq.block_table))
+            return
         for block in reversed(seq.block_table):  # tail first, so a prefix's head is evicted last
-            self._decref(block)
+            count = ref_counts[block] - 1
+            ref_counts[block] = count
+            if count == 0:
+                if keys[block] is None:
+                    free.append(block)
+                else:
+                    self._evictable_blocks[block] = None
 
     # ---- appending ----------------------------------------------------------------------------------------
     def num_blocks_to_append(self, seq_id, num_tokens: int = 1) -> int:
@@ -196,10 +211,21 @@ class KVBlockManager:
             raise ValueError(f"token_ids has {len(token_ids)} ids, num_tokens is {num_tokens}")
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        seq = self._seq(seq_id)
-        self._check_free(self.num_blocks_to_append(seq_id, num_tokens), seq_id)
-        if num_tokens and seq.num_tokens % self.block_size and self.ref_counts[seq.block_table[-1]] > 1:
+        seq = self.sequences.get(seq_id)
+        if seq is None:
+            raise UnknownSequenceError(seq_id)
+        size, table = self.block_size, seq.block_table
+        cow = num_tokens and seq.num_tokens % size and self.ref_counts[table[-1]] > 1
+        new_blocks = -(-(seq.num_tokens + num_tokens) // size) - len(table)
+        if cow or new_blocks:
+            self._check_free(new_blocks + bool(cow), seq_id)
+        if cow:
             self._copy_on_write(seq)
+        if seq.partial_token_ids is None:  # the simulator's hot path: no tokens to hash
+            if new_blocks:
+                table.extend(self._allocate_blocks(new_blocks))
+            seq.num_tokens += num_tokens
+            return
         self._grow(seq, num_tokens, token_ids)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
@@ -333,7 +359,7 @@ class KVBlockManager:
         size, done = self.block_size, 0
         if seq.partial_token_ids is None:  # no tokens to hash: take all new blocks at once
             new_blocks = self.blocks_for_tokens(seq.num_tokens + num_tokens) - len(seq.block_table)
-            seq.block_table.extend(self._allocate_block() for _ in range(new_blocks))
+            seq.block_table.extend(self._allocate_blocks(new_blocks))
             seq.num_tokens += num_tokens
             return
         while done < num_tokens:
@@ -377,9 +403,21 @@ class KVBlockManager:
     def _block_key(parent_content_id: int, token_ids) -> tuple:
         return parent_content_id, tuple(token_ids)
 
+    def _allocate_blocks(self, count: int) -> list[int]:
+        """``count`` blocks with reference count 1; never-cached blocks first, then LRU evictions."""
+        free = self._free_blocks
+        if count > len(free):
+            return [self._allocate_block() for _ in range(count)]
+        taken = free[len(free) - count:][::-1]  # the order successive pop() calls would give
+        del free[len(free) - count:]
+        ref_counts = self.ref_counts
+        for block in taken:
+            ref_counts[block] = 1
+        return taken
+
     def _allocate_block(self) -> int:
         if self._free_blocks:
-            block = self._free_blocks.popleft()
+            block = self._free_blocks.pop()
         else:
             block, _ = self._evictable_blocks.popitem(last=False)
             self._uncache(block)

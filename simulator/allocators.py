@@ -181,8 +181,9 @@ class ContiguousPolicy:
             return None
         return seq.region[1] + 1
 
-    def on_event(self, seq, kv_len: int, manager_ops=None) -> bool:
-        """Grow by copying into a region twice as large; False (nothing changed) when none is free."""
+    def on_event(self, seq, kv_len: int) -> int | None | bool:
+        """Grow by copying into a region twice as large. Returns False (nothing changed) when none is free, else
+        the next event position."""
         new_size = min(2 * seq.region[1], max(self.max_model_len, seq.final_len))
         region = self.space.allocate(new_size)
         if region is None:
@@ -191,7 +192,7 @@ class ContiguousPolicy:
         seq.region = region
         self._account(seq, +1)
         self.copied_tokens += kv_len - 1
-        return True
+        return self.next_event_position(seq)
 
     def release(self, seq) -> None:
         self._free(seq)
@@ -209,6 +210,10 @@ class ContiguousPolicy:
 
     def external_fragmentation(self) -> int:
         return self.space.num_free - self.space.largest_free()
+
+    def usage_tuple(self) -> tuple[int, int, int]:
+        usage = self.usage
+        return usage.allocated, usage.will_fill, usage.never_filled
 
     def region_map(self) -> list[tuple[int, int, object]]:
         """``(start, size, owner)`` of used regions (owner None for holes), for the block-pool view."""
@@ -264,14 +269,18 @@ class PagedPolicy:
         allocated = len(self.manager.sequences[seq.rid].block_table) * self.block_size
         return allocated + 1 if allocated < seq.final_len else None
 
-    def on_event(self, seq, kv_len: int) -> bool:
-        """Tell the manager about ``seq``'s tokens up to ``kv_len`` (one new block); False if no block is free."""
-        if self.manager.num_free_blocks < 1:
+    def on_event(self, seq, kv_len: int) -> int | None | bool:
+        """Tell the manager about ``seq``'s tokens up to ``kv_len`` (one new block). Returns False (nothing
+        changed) when no block is free, else the next event position."""
+        manager = self.manager
+        if not (manager._free_blocks or manager._evictable_blocks):
             return False
         self._sync(seq, kv_len)
         self.table_blocks += 1
-        self._count_final_block(seq)
-        return True
+        if not seq.final_block_counted:
+            self._count_final_block(seq)
+        allocated = len(manager.sequences[seq.rid].block_table) * self.block_size
+        return allocated + 1 if allocated < seq.final_len else None
 
     def release(self, seq, kv_len: int | None = None) -> None:
         if kv_len is not None:
@@ -284,7 +293,9 @@ class PagedPolicy:
 
     def _sync(self, seq, kv_len: int) -> None:
         if kv_len > seq.synced_len:
-            self._op("append_tokens", seq.rid, kv_len - seq.synced_len)
+            if self.ops is not None:
+                self.ops.append(("append_tokens", seq.rid, kv_len - seq.synced_len))
+            self.manager.append_tokens(seq.rid, kv_len - seq.synced_len)
             seq.synced_len = kv_len
 
     def _count_final_block(self, seq) -> None:
@@ -303,6 +314,13 @@ class PagedPolicy:
     def usage(self) -> Usage:
         allocated = self.manager.num_used_blocks * self.block_size
         return Usage(allocated, allocated - self.never_filled, self.never_filled)
+
+    def usage_tuple(self) -> tuple[int, int, int]:
+        """``(allocated, will_fill, never_filled)`` without building a ``Usage``."""
+        manager = self.manager
+        used = manager.num_physical_blocks - len(manager._free_blocks) - len(manager._evictable_blocks)
+        allocated = used * self.block_size
+        return allocated, allocated - self.never_filled, self.never_filled
 
     def shared_tokens(self) -> int:
         """Token slots counted by several holders but stored once (shared full blocks)."""

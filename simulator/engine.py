@@ -20,7 +20,6 @@ from .metrics import MetricsRecorder, latency_summary
 from .models import CostModel, GiB, get_gpu, get_model, kv_capacity_tokens, override
 from .workloads import Workload
 
-MEMORY_EVENT, DONE_EVENT = 0, 1
 SCHEDULING_MODES = ("prefill-first", "chunked")
 
 
@@ -140,7 +139,8 @@ class Simulator:
         self.waiting: deque[tuple[int, list[Seq]]] = deque()
         self.running: dict[int, Seq] = {}  # admission order: the last one is the newest
         self.prefilling: list[Seq] = []  # chunked mode: admitted, prompt not fully processed yet
-        self.calendar: dict[int, list] = {}
+        self.memory_calendar: dict[int, list] = {}  # decode step -> [(seq, epoch)] needing memory then
+        self.done_calendar: dict[int, list] = {}  # decode step -> sequences completing then
         self.len_offset = 0  # sum over running of (kv_len_base - step_base)
         self.next_rid = 0
         self.num_preemptions = self.generated_tokens = self.copied_tokens = 0
@@ -202,7 +202,7 @@ class Simulator:
             self._start_decoding(seq, self.time + duration)
         self.metrics.accumulate(self, duration)
         self.time += duration
-        for seq in self.calendar.pop((self.step, DONE_EVENT), ()):
+        for seq in self.done_calendar.pop(self.step, ()):
             if self.running.get(seq.rid) is seq:
                 self._finish(seq)
         if self.iteration % self.snapshot_every == 0 and self.on_snapshot is not None:
@@ -214,9 +214,11 @@ class Simulator:
         tokens: whole prompts in prefill-first mode, budget-sized chunks in chunked mode (groups of n > 1 samples
         are prefilled whole). Returns (tokens computed, attention pairs, cached KV tokens read, sequences whose
         prefill ended)."""
-        budget = self.config.max_num_batched_tokens - (len(self.running) if chunked else 0)
         tokens, pairs, cached = 0, 0.0, 0
         done: list[Seq] = []
+        if not (self.waiting or self.prefilling):
+            return tokens, pairs, cached, done
+        budget = self.config.max_num_batched_tokens - (len(self.running) if chunked else 0)
         for seq in list(self.prefilling):  # chunked: continue earlier chunks first
             if budget <= 0:
                 break
@@ -276,20 +278,20 @@ class Simulator:
         self._schedule(seq)
 
     def _schedule(self, seq: Seq) -> None:
-        self.calendar.setdefault((seq.step_base + seq.final_len - seq.kv_len_base, DONE_EVENT), []).append(seq)
-        self._schedule_memory_event(seq)
+        self.done_calendar.setdefault(seq.step_base + seq.final_len - seq.kv_len_base, []).append(seq)
+        self._schedule_memory_event(seq, self.policy.next_event_position(seq))
 
-    def _schedule_memory_event(self, seq: Seq) -> None:
-        position = self.policy.next_event_position(seq)
+    def _schedule_memory_event(self, seq: Seq, position: int | None) -> None:
+        """Remember the decode step at which ``seq`` reaches KV length ``position`` and needs memory."""
         if position is not None and position <= seq.final_len:
             step = seq.step_base + position - seq.kv_len_base
-            self.calendar.setdefault((step, MEMORY_EVENT), []).append((seq, seq.epoch))
+            self.memory_calendar.setdefault(step, []).append((seq, seq.epoch))
 
     # ---- decode ----------------------------------------------------------------------------------------------
     def _decode_step(self) -> tuple[int, int]:
         """One token for every running sequence; returns (tokens, KV tokens attended)."""
         self.step += 1
-        for seq, epoch in self.calendar.pop((self.step, MEMORY_EVENT), ()):
+        for seq, epoch in self.memory_calendar.pop(self.step, ()):
             if seq.epoch == epoch and self.running.get(seq.rid) is seq:
                 self._grow(seq)
         num_running = len(self.running)
@@ -298,12 +300,12 @@ class Simulator:
 
     def _grow(self, seq: Seq) -> None:
         kv_len = seq.kv_len_base + self.step - seq.step_base
-        while not self.policy.on_event(seq, kv_len):
+        while (position := self.policy.on_event(seq, kv_len)) is False:
             victim = self.running[next(reversed(self.running))]
             self._preempt(victim)
             if victim is seq:
                 return
-        self._schedule_memory_event(seq)
+        self._schedule_memory_event(seq, position)
 
     def _preempt(self, seq: Seq) -> None:
         """Recompute preemption: free the sequence's KV and queue it first; it resumes with its prompt plus the
@@ -339,14 +341,18 @@ class Simulator:
             self.samples_left[request] = 0
 
     def _pending_copy_time(self) -> float:
-        copied = getattr(self.policy, "copied_tokens", 0)
+        if self.policy.paged:
+            return 0.0
+        copied = self.policy.copied_tokens
         new = copied - self.copied_tokens
         self.copied_tokens = copied
         return self.cost.copy_time(new) if new else 0.0
 
     # ---- observation -----------------------------------------------------------------------------------------
     def token_states(self) -> int:
-        tokens = self.len_offset + len(self.running) * self.step + sum(s.prefilled for s in self.prefilling)
+        tokens = self.len_offset + len(self.running) * self.step
+        if self.prefilling:
+            tokens += sum(s.prefilled for s in self.prefilling)
         return tokens - (self.policy.shared_tokens() if self.policy.paged else 0)
 
     def snapshot(self) -> Snapshot:

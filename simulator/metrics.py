@@ -35,23 +35,28 @@ class MetricsRecorder:
         self.peak_allocated = 0
 
     def categories(self, sim) -> tuple[int, int, int, int, int]:
-        usage = sim.policy.usage
+        allocated, will_fill, never_filled = sim.policy.usage_tuple()
         token_states = sim.token_states()
         external = sim.policy.external_fragmentation()
-        return (token_states, usage.will_fill - token_states, usage.never_filled, external,
-                self.capacity - usage.allocated - external)
+        return (token_states, will_fill - token_states, never_filled, external, self.capacity - allocated - external)
 
     def accumulate(self, sim, duration: float) -> None:
         """Weight the current state by the iteration's duration; record a timeseries row every ``stride``."""
         values = self.categories(sim)
         weighted = self.weighted
-        for index, value in enumerate(values):
-            weighted[index] += value * duration
+        weighted[0] += values[0] * duration
+        weighted[1] += values[1] * duration
+        weighted[2] += values[2] * duration
+        weighted[3] += values[3] * duration
+        weighted[4] += values[4] * duration
         batch = len(sim.running)
         self.total_time += duration
         self.batch_time += batch * duration
-        self.peak_batch = max(self.peak_batch, batch)
-        self.peak_allocated = max(self.peak_allocated, self.capacity - values[3] - values[4])
+        if batch > self.peak_batch:
+            self.peak_batch = batch
+        allocated = self.capacity - values[3] - values[4]
+        if allocated > self.peak_allocated:
+            self.peak_allocated = allocated
         if sim.iteration % self.stride == 0:
             self.rows.append(self._row(sim, values))
             if len(self.rows) >= 2 * self.max_points:

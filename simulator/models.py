@@ -132,6 +132,7 @@ class CostModel:
     bandwidth_efficiency: float = 0.85
     step_overhead_s: float = 1e-3
     attention_bandwidth_bytes_s: float | None = None  # None: bandwidth x efficiency; a kernel CSV can calibrate it
+    _terms: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
     @property
     def _bandwidth(self) -> float:
@@ -146,11 +147,18 @@ class CostModel:
         (query, key) pairs and reads ``kv_tokens_read`` cached tokens of KV."""
         if num_tokens == 0:
             return 0.0
-        m = self.model
-        flops = 2 * m.matmul_params * num_tokens + 4 * m.num_layers * m.num_q_heads * m.head_dim * attention_pairs
-        kv_bytes = m.kv_bytes_per_token * (kv_tokens_read + num_tokens)
-        memory_s = m.weight_bytes / self._bandwidth + kv_bytes / self._attention_bandwidth
-        return max(flops / (self.gpu.peak_flops * self.flops_efficiency), memory_s) + self.step_overhead_s
+        if not self._terms:
+            self._terms = self._precompute()
+        token_s, pair_s, weights_s, kv_token_s = self._terms
+        compute_s = token_s * num_tokens + pair_s * attention_pairs
+        memory_s = weights_s + kv_token_s * (kv_tokens_read + num_tokens)
+        return (compute_s if compute_s > memory_s else memory_s) + self.step_overhead_s
+
+    def _precompute(self) -> tuple[float, float, float, float]:
+        """Seconds per token of matmuls, per attention pair, for the weights, per KV token moved."""
+        m, peak = self.model, self.gpu.peak_flops * self.flops_efficiency
+        return (2 * m.matmul_params / peak, 4 * m.num_layers * m.num_q_heads * m.head_dim / peak,
+                m.weight_bytes / self._bandwidth, m.kv_bytes_per_token / self._attention_bandwidth)
 
     def copy_time(self, num_tokens: int) -> float:
         """Seconds to copy ``num_tokens`` tokens of KV within device memory."""
@@ -170,4 +178,5 @@ class CostModel:
             raise ValueError(f"{path}: no paged-kernel rows")
         size = paged["batch"] * paged["context"]
         self.attention_bandwidth_bytes_s = float(paged[size == size.max()]["kv_gb_per_s"].median() * 1e9)
+        self._terms = ()
         return self.attention_bandwidth_bytes_s

@@ -18,7 +18,7 @@ from .models import GPUS, MODELS, CostModel, get_gpu, get_model, kv_capacity_tok
 from .workloads import (SYNTHETIC_PRESETS, SyntheticSpec, TraceFormatError, Workload, load_trace,
                         synthetic_workload)
 
-__all__ = ["simulate", "compare", "make_workload", "SimConfig", "SimResult", "Snapshot", "Workload",
+__all__ = ["simulate", "compare", "make_workload", "Simulator", "SimConfig", "SimResult", "Snapshot", "Workload",
            "SyntheticSpec", "TraceFormatError", "ALLOCATORS", "CATEGORIES", "MODELS", "GPUS", "SYNTHETIC_PRESETS",
            "load_trace", "synthetic_workload", "CostModel", "get_model", "get_gpu", "kv_capacity_tokens"]
 

@@ -7,7 +7,7 @@ step holds the steps at which it next needs memory or completes.
 """
 from __future__ import annotations
 
-import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -156,6 +156,7 @@ class Simulator:
     # ---- main loop -------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
         """Simulate until every request has finished (or was rejected), or ``on_snapshot`` returned False."""
+        started = time.perf_counter()
         arrivals = self.workload.arrival_s
         next_arrival = 0
         while not self.stopped:
@@ -168,7 +169,9 @@ class Simulator:
                 self.time = float(arrivals[next_arrival])
                 continue
             self._iterate()
-        return self._result()
+        result = self._result()
+        result.summary["wall_time_s"] = time.perf_counter() - started
+        return result
 
     def _arrive(self, request: int) -> None:
         outputs = self.workload.outputs_of(request)

@@ -97,7 +97,7 @@ def synthetic_workload(spec: SyntheticSpec) -> Workload:
     rng = np.random.default_rng(spec.seed)
     count = spec.num_requests
     if spec.preset == "sharegpt":
-        prompts, outputs = _lognormal(rng, 161, 1.0, count, 4, 1024), _lognormal(rng, 338, 1.0, count, 4, 2048)
+        prompts, outputs = _lognormal(rng, 167, 1.0, count, 4, 1024), _lognormal(rng, 356, 1.0, count, 4, 2048)
         outputs = np.minimum(outputs, 2048 - prompts)
     elif spec.preset == "alpaca":
         prompts, outputs = _lognormal(rng, 19, 0.6, count, 2, 512), _lognormal(rng, 58, 0.8, count, 2, 1024)

@@ -1,0 +1,102 @@
+"""``python -m simulator.bench``: simulator speed (median of repeats) and memory bounds; prints a table, writes CSV.
+
+Rows: the Azure 2023 conversation trace (19,366 requests) replayed with paged B=16 and, as the in-run baseline,
+contiguous-oracle; a 100k-request synthetic run (peak traced Python memory, timeseries rows kept); loading a
+10^6-row generic CSV trace.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .engine import SimConfig, Simulator
+from .workloads import SyntheticSpec, load_trace, synthetic_workload
+
+AZURE_CONV = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "azure_llm_2023" / \
+    "AzureLLMInferenceTrace_conv.csv"
+
+
+def _replay_rate(workload, config: SimConfig, repeats: int) -> tuple[float, dict]:
+    times, summary = [], {}
+    for _ in range(repeats):
+        start = time.perf_counter()
+        summary = Simulator(workload, config).run().summary
+        times.append(time.perf_counter() - start)
+    return len(workload) / statistics.median(times), summary
+
+
+def bench_trace(path: Path, repeats: int) -> list[dict]:
+    workload = load_trace(path)
+    rows = []
+    for allocator in ("paged", "contiguous-oracle"):
+        config = SimConfig(allocator=allocator, block_size=16, model="qwen3-8b", gpu="a100-80gb", max_model_len=16384)
+        rate, summary = _replay_rate(workload, config, repeats)
+        rows.append({"case": f"azure-conv replay, {allocator}", "value": rate, "unit": "requests/s (median)",
+                     "iterations": summary["iterations"], "completed": summary["num_requests_completed"]})
+    rows.append({"case": "paged / contiguous-oracle speed", "value": rows[0]["value"] / rows[1]["value"],
+                 "unit": "ratio"})
+    return rows
+
+
+def bench_large_synthetic(num_requests: int) -> list[dict]:
+    workload = synthetic_workload(SyntheticSpec(preset="sharegpt", num_requests=num_requests, rate=40.0))
+    tracemalloc.start()
+    start = time.perf_counter()
+    result = Simulator(workload, SimConfig(allocator="paged", block_size=16, max_points=2000)).run()
+    seconds = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return [{"case": f"{num_requests} sharegpt requests, paged", "value": num_requests / seconds,
+             "unit": "requests/s (tracemalloc on)", "iterations": result.summary["iterations"],
+             "completed": result.summary["num_requests_completed"]},
+            {"case": f"{num_requests} requests: peak traced memory", "value": peak / 2**20, "unit": "MiB"},
+            {"case": f"{num_requests} requests: timeseries rows", "value": len(result.timeseries), "unit": "rows"}]
+
+
+def bench_csv_load(num_rows: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    frame = pd.DataFrame({"arrival_time_s": np.cumsum(rng.exponential(0.01, num_rows)),
+                          "prompt_tokens": rng.integers(1, 4096, num_rows),
+                          "output_tokens": rng.integers(1, 1024, num_rows)})
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "big.csv"
+        frame.to_csv(path, index=False)
+        start = time.perf_counter()
+        load_trace(path)
+        seconds = time.perf_counter() - start
+    return [{"case": f"load {num_rows}-row generic CSV", "value": seconds, "unit": "s"}]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m simulator.bench", description=__doc__)
+    parser.add_argument("--trace", default=str(AZURE_CONV))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--large", type=int, default=100_000)
+    parser.add_argument("--csv-rows", type=int, default=1_000_000)
+    parser.add_argument("--out", default="benchmarks/results/simulator.csv")
+    args = parser.parse_args(argv)
+    rows = []
+    if Path(args.trace).is_file():
+        rows += bench_trace(Path(args.trace), args.repeats)
+    else:
+        print(f"skipping the trace replay: {args.trace} not found")
+    rows += bench_large_synthetic(args.large) + bench_csv_load(args.csv_rows)
+    table = pd.DataFrame(rows)
+    with pd.option_context("display.width", 200, "display.float_format", "{:.4g}".format):
+        print(table.to_string(index=False))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        table.to_csv(args.out, index=False)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

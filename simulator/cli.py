@@ -1,0 +1,129 @@
+"""``python -m simulator``: replay a workload against several KV allocators and block sizes."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+from tqdm import tqdm
+
+from .allocators import ALLOCATORS
+from .engine import SimConfig, Simulator
+from .models import GPUS, MODELS
+from .presets import PAPER_FIGURE2_TOKEN_STATES, figure2_experiment
+from .workloads import SYNTHETIC_PRESETS, SyntheticSpec, load_trace, synthetic_workload
+
+SUMMARY_COLUMNS = ["allocator", "block_size", "token_states_frac", "reserved_frac", "internal_frag_frac",
+                   "external_frag_frac", "free_frac", "mean_batch_size", "throughput_tok_s", "preemptions",
+                   "num_requests_completed", "wall_time_s"]
+
+
+def _csv_list(kind):
+    def parse(text: str):
+        try:
+            return [kind(x) for x in text.split(",") if x]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m simulator", description=__doc__)
+    p.add_argument("--workload", default="sharegpt", help=f"preset ({', '.join(SYNTHETIC_PRESETS)}) or trace path")
+    p.add_argument("--preset", choices=["figure2"], help="a ready-made experiment (overrides allocators/model/gpu)")
+    p.add_argument("--allocators", type=_csv_list(str), default=list(ALLOCATORS))
+    p.add_argument("--block-size", type=_csv_list(int), default=[16], help="comma list for sweeps (paged)")
+    p.add_argument("--model", default="qwen3-8b", choices=sorted(MODELS))
+    p.add_argument("--gpu", default="a100-80gb", choices=sorted(GPUS))
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--rate", type=float, default=math.inf, help="requests/s (synthetic); inf = all at t=0")
+    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--num-requests", type=int, default=None, help="synthetic count, or max rows of a trace")
+    p.add_argument("--n", type=int, default=1, help="parallel samples per request (synthetic)")
+    p.add_argument("--shared-prefix", type=int, default=0, help="system-prompt tokens shared by all (synthetic)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival offsets by this")
+    p.add_argument("--capacity-tokens", type=int, default=None, help="override the KV capacity")
+    p.add_argument("--scheduling", default="prefill-first", choices=["prefill-first", "chunked"])
+    p.add_argument("--address-space", default="first-fit", choices=["first-fit", "buddy"])
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kernel-csv", default=None, help="calibrate attention bandwidth from a kernel bench CSV")
+    p.add_argument("--max-points", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="summary CSV")
+    p.add_argument("--timeseries", default=None, help="timeseries CSV (all runs, tagged)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _workload(args):
+    if args.preset == "figure2":
+        spec, _ = figure2_experiment(args.num_requests or 1000, args.seed)
+        return synthetic_workload(spec)
+    if args.workload in SYNTHETIC_PRESETS:
+        return synthetic_workload(SyntheticSpec(preset=args.workload, num_requests=args.num_requests or 1000,
+                                                rate=args.rate, burstiness=args.burstiness, n=args.n,
+                                                shared_prefix_tokens=args.shared_prefix,
+                                                max_model_len=args.max_model_len, seed=args.seed))
+    return load_trace(args.workload, time_scale=args.time_scale, max_rows=args.num_requests)
+
+
+def _configs(args) -> list[SimConfig]:
+    if args.preset == "figure2":
+        return figure2_experiment()[1]
+    unknown = [a for a in args.allocators if a not in ALLOCATORS]
+    if unknown:
+        raise ValueError(f"unknown allocator(s) {', '.join(unknown)}; choose from {', '.join(ALLOCATORS)}")
+    common = dict(model=args.model, gpu=args.gpu, max_model_len=args.max_model_len,
+                  capacity_tokens=args.capacity_tokens, scheduling=args.scheduling,
+                  address_space=args.address_space, enable_prefix_caching=not args.no_prefix_caching,
+                  kernel_csv=args.kernel_csv, max_points=args.max_points)
+    configs = []
+    for allocator in args.allocators:
+        sizes = args.block_size if allocator == "paged" else [args.block_size[0]]
+        configs += [SimConfig(allocator=allocator, block_size=b, **common) for b in sizes]
+    return configs
+
+
+def run(args) -> tuple[pd.DataFrame, pd.DataFrame]:
+    workload = _workload(args)
+    configs = _configs(args)
+    bar = tqdm(total=len(configs) * 100, desc="simulating", unit="%", file=sys.stderr, disable=args.no_progress)
+    summaries, series = [], []
+    for config in configs:
+        shown = [0]
+
+        def progress(snapshot, shown=shown):
+            step = int(snapshot.progress * 100) - shown[0]
+            if step > 0:
+                bar.update(step)
+                shown[0] += step
+
+        result = Simulator(workload, config, on_snapshot=progress, snapshot_every=200).run()
+        bar.update(100 - shown[0])
+        summaries.append(result.summary)
+        series.append(result.timeseries.assign(allocator=config.allocator, block_size=config.block_size))
+    bar.close()
+    summary = pd.DataFrame(summaries)
+    if args.preset == "figure2":
+        summary["paper_token_states_frac"] = summary["allocator"].map(PAPER_FIGURE2_TOKEN_STATES)
+    return summary, pd.concat(series, ignore_index=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        summary, timeseries = run(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    columns = SUMMARY_COLUMNS + [c for c in ("paper_token_states_frac",) if c in summary]
+    with pd.option_context("display.width", 220, "display.max_columns", 40, "display.float_format", "{:.3f}".format):
+        print(summary[columns].to_string(index=False))
+    for path, table in ((args.out, summary), (args.timeseries, timeseries)):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            table.to_csv(path, index=False)
+            print(f"wrote {path}")
+    return 0

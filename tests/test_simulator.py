@@ -1,0 +1,181 @@
+"""The KV memory simulator: accounting identities, conservation, closed forms, the block manager trajectory,
+determinism, real traces and the CLI."""
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from lab.block_manager import KVBlockManager
+from simulator import (ALLOCATORS, CATEGORIES, SimConfig, Simulator, SyntheticSpec, simulate, synthetic_workload)
+from simulator.cli import SUMMARY_COLUMNS, main
+from simulator.presets import figure2_experiment
+
+
+def run(workload, **config):
+    return Simulator(workload, SimConfig(**config)).run()
+
+
+def small_workload(**spec):
+    defaults = dict(preset="sharegpt", num_requests=150, rate=40.0, seed=3, max_model_len=2048)
+    return synthetic_workload(SyntheticSpec(**{**defaults, **spec}))
+
+
+def expected_tokens(workload, completed_mask):
+    outputs = workload.sample_output_tokens if workload.sample_output_tokens is not None else \
+        workload.output_tokens[:, None]
+    return int(outputs[completed_mask].sum())
+
+
+CASES = [dict(allocator=a) for a in ALLOCATORS] + [
+    dict(allocator="paged", block_size=1), dict(allocator="paged", block_size=7),
+    dict(allocator="paged", block_size=256), dict(allocator="contiguous-oracle", address_space="buddy"),
+    dict(allocator="paged", scheduling="chunked", max_num_batched_tokens=300),
+    dict(allocator="contiguous-grow", scheduling="chunked", max_num_batched_tokens=300)]
+
+
+@pytest.mark.parametrize("config", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
+@pytest.mark.parametrize("sharing", [{}, {"n": 3}, {"shared_prefix_tokens": 40}], ids=["plain", "n3", "prefix"])
+def test_categories_sum_to_capacity_and_requests_are_conserved(config, sharing):
+    workload = small_workload(**sharing)
+    result = run(workload, capacity_tokens=12_000, max_points=1_000_000, **config)
+    ts = result.timeseries
+    assert ts["iteration"].diff().dropna().eq(1).mean() > 0.99  # (practically) every iteration is a sample
+    assert (ts[list(CATEGORIES)].sum(axis=1) == result.summary["capacity_tokens"]).all()
+    assert (ts[list(CATEGORIES)] >= 0).all().all()
+    fractions = [result.summary[k] for k in ("token_states_frac", "reserved_frac", "internal_frag_frac",
+                                             "external_frag_frac", "free_frac")]
+    assert math.isclose(sum(fractions), 1.0, rel_tol=1e-9)
+    completed = result.requests["finish_s"].notna().to_numpy()
+    assert completed.sum() + result.requests["rejected"].sum() == len(workload)
+    assert result.summary["num_requests_completed"] == len(workload)  # 12k slots fit every request
+    assert result.summary["generated_tokens"] == expected_tokens(workload, completed)
+    if config["allocator"] != "paged":
+        assert (ts["external_fragmentation"] >= 0).all()
+    else:
+        assert (ts["external_fragmentation"] == 0).all()
+
+
+def test_unconstrained_memory_closed_forms():
+    workload = small_workload(num_requests=120)
+    big = dict(capacity_tokens=10_000_000, max_model_len=2048, max_points=10_000)
+    oracle = run(workload, allocator="contiguous-oracle", **big).timeseries
+    assert (oracle["internal_fragmentation"] == 0).all()
+    maximum = run(workload, allocator="contiguous-max", **big).timeseries
+    held = maximum[["token_states", "reserved", "internal_fragmentation"]].sum(axis=1)
+    assert (held == maximum["running"] * 2048).all()
+    for block_size in (1, 16, 100):
+        paged = run(workload, allocator="paged", block_size=block_size, **big)
+        ts = paged.timeseries
+        slack = ts["reserved"] + ts["internal_fragmentation"]
+        assert (slack <= (block_size - 1) * ts["running"]).all()
+        assert paged.summary["preemptions"] == 0
+    pow2 = run(workload, allocator="contiguous-pow2", **big).summary
+    oracle_summary = run(workload, allocator="contiguous-oracle", **big).summary
+    assert pow2["internal_frag_frac"] > 0 and oracle_summary["internal_frag_frac"] == 0
+
+
+def test_paged_trajectory_equals_driving_the_block_manager_directly():
+    workload = small_workload(num_requests=80, n=2, shared_prefix_tokens=24)
+    sim = Simulator(workload, SimConfig(allocator="paged", block_size=8, capacity_tokens=3000))
+    sim.policy.ops = []
+    result = sim.run()
+    assert result.summary["preemptions"] > 0  # the small pool forces preemption paths too
+    mine = sim.policy.manager
+    bulk = KVBlockManager(mine.num_physical_blocks, 8, enable_prefix_caching=True)
+    per_token = KVBlockManager(mine.num_physical_blocks, 8, enable_prefix_caching=True)
+    for name, *args in sim.policy.ops:
+        getattr(bulk, name)(*args)
+        if name == "append_tokens":
+            for _ in range(args[1]):
+                per_token.append_token(args[0])
+        else:
+            getattr(per_token, name)(*args)
+        seq_id = args[-1] if name == "fork_sequence" else args[0]
+        if name != "release_sequence":
+            assert bulk.get_block_table(seq_id) == per_token.get_block_table(seq_id)
+        assert bulk.ref_counts == per_token.ref_counts
+    assert bulk.ref_counts == mine.ref_counts and bulk.num_free_blocks == mine.num_physical_blocks
+    mine.check_invariants()
+
+
+def test_prefix_sharing_and_parallel_sampling_save_blocks():
+    shared = small_workload(num_requests=60, rate=math.inf, shared_prefix_tokens=256)
+    with_cache = run(shared, allocator="paged", capacity_tokens=60_000)
+    without = run(shared, allocator="paged", capacity_tokens=60_000, enable_prefix_caching=False)
+    assert with_cache.summary["prefix_cache_hit_rate"] > 0.3
+    assert with_cache.timeseries["blocks_in_use"].max() < without.timeseries["blocks_in_use"].max()
+    sampled = small_workload(num_requests=60, rate=math.inf, n=4)
+    paged = run(sampled, allocator="paged", capacity_tokens=10_000_000)
+    contiguous = run(sampled, allocator="contiguous-oracle", capacity_tokens=10_000_000)
+    assert paged.summary["peak_allocated_frac"] < contiguous.summary["peak_allocated_frac"]
+
+
+def test_deterministic_under_a_seed():
+    a = run(small_workload(seed=11), allocator="paged", capacity_tokens=8000)
+    b = run(small_workload(seed=11), allocator="paged", capacity_tokens=8000)
+    c = run(small_workload(seed=12), allocator="paged", capacity_tokens=8000)
+    strip = lambda s: {k: v for k, v in s.items() if k != "wall_time_s"}  # noqa: E731
+    assert strip(a.summary) == strip(b.summary)
+    pd.testing.assert_frame_equal(a.timeseries, b.timeseries)
+    assert strip(a.summary) != strip(c.summary)
+
+
+def test_timeseries_is_bounded_and_snapshots_can_stop_a_run():
+    workload = small_workload(num_requests=300)
+    result = run(workload, allocator="paged", capacity_tokens=8000, max_points=50)
+    assert len(result.timeseries) < 100 and result.timeseries["iteration"].is_monotonic_increasing
+    seen = []
+
+    def on_snapshot(snapshot):
+        seen.append(snapshot)
+        return len(seen) < 3
+
+    stopped = simulate(workload, SimConfig(allocator="paged", capacity_tokens=8000), on_snapshot=on_snapshot,
+                       snapshot_every=10)
+    assert stopped.summary["stopped_early"] and len(seen) == 3
+    snap = seen[-1]
+    assert len(snap.block_ref_counts) == len(snap.block_owners) == 8000 // 16
+    assert all(len(owners) == count for owners, count in zip(snap.block_owners, snap.block_ref_counts))
+    assert set(snap.metrics) >= set(CATEGORIES)
+
+
+def test_requests_that_can_never_fit_are_rejected_not_hung():
+    workload = synthetic_workload(SyntheticSpec(preset="fixed", num_requests=5, input_len=900, output_len=200))
+    result = run(workload, allocator="paged", capacity_tokens=1000, max_model_len=4096)
+    assert result.summary["num_requests_rejected"] == 5 and result.summary["num_requests_completed"] == 0
+    result = run(workload, allocator="contiguous-max", capacity_tokens=100_000, max_model_len=1000)
+    assert result.summary["num_requests_rejected"] == 5
+
+
+def test_sharegpt_and_alpaca_length_statistics():
+    share = synthetic_workload(SyntheticSpec(preset="sharegpt", num_requests=50_000))
+    assert 145 < share.prompt_tokens.mean() < 177 and 305 < share.output_tokens.mean() < 372
+    assert share.prompt_tokens.max() <= 1024 and (share.prompt_tokens + share.output_tokens).max() <= 2048
+    alpaca = synthetic_workload(SyntheticSpec(preset="alpaca", num_requests=50_000))
+    assert 16 < alpaca.prompt_tokens.mean() < 22 and 50 < alpaca.output_tokens.mean() < 66
+    rnd = synthetic_workload(SyntheticSpec(preset="random", num_requests=1000, input_len=100, range_ratio=0.5))
+    assert rnd.prompt_tokens.min() >= 50 and rnd.prompt_tokens.max() <= 150
+    timed = synthetic_workload(SyntheticSpec(num_requests=20_000, rate=10.0, burstiness=0.5))
+    assert 9 < 1 / np.diff(timed.arrival_s).mean() < 11
+
+
+def test_figure2_preset_orders_allocators_like_the_paper():
+    spec, configs = figure2_experiment(num_requests=300)
+    workload = synthetic_workload(spec)
+    share = {c.allocator: Simulator(workload, c).run().summary["token_states_frac"] for c in configs}
+    assert share["paged"] > 0.85 > share["contiguous-oracle"] >= share["contiguous-max"]
+
+
+def test_cli_writes_summary_and_timeseries(tmp_path, capsys):
+    out, ts = tmp_path / "summary.csv", tmp_path / "ts.csv"
+    code = main(["--workload", "alpaca", "--num-requests", "200", "--allocators", "paged,contiguous-max",
+                 "--block-size", "8,16", "--capacity-tokens", "20000", "--rate", "50", "--out", str(out),
+                 "--timeseries", str(ts), "--no-progress"])
+    assert code == 0
+    summary = pd.read_csv(out)
+    assert set(SUMMARY_COLUMNS) <= set(summary.columns) and len(summary) == 3
+    assert set(pd.read_csv(ts)["allocator"]) == {"paged", "contiguous-max"}
+    assert "token_states_frac" in capsys.readouterr().out
+    assert main(["--allocators", "bogus", "--no-progress"]) == 2
+    assert main(["--workload", "nope.csv", "--no-progress"]) == 2

@@ -1,0 +1,118 @@
+"""Trace loaders: the real traces in ../shared/traces, and every malformed-input case."""
+import json
+
+import numpy as np
+import pytest
+
+from simulator import SimConfig, Simulator, TraceFormatError, load_trace
+
+
+def test_azure_trace_loads_and_replays(traces_dir):
+    path = traces_dir / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+    full = load_trace(path)
+    assert len(full) == 19366 and full.arrival_s[0] == 0 and np.all(np.diff(full.arrival_s) >= 0)
+    assert abs(full.prompt_tokens.mean() - 1154.7) < 1 and abs(full.output_tokens.mean() - 211.1) < 1
+    part = load_trace(path, max_rows=400, time_scale=0.1)
+    assert len(part) == 400 and part.arrival_s[-1] == pytest.approx(full.arrival_s[399] * 0.1)
+    result = Simulator(part, SimConfig(allocator="paged", max_model_len=16384)).run()
+    assert result.summary["num_requests_completed"] + result.summary["num_requests_rejected"] == 400
+
+
+def test_mooncake_trace_shares_prefixes(traces_dir):
+    path = traces_dir / "mooncake_fast25" / "conversation_trace.jsonl"
+    workload = load_trace(path, max_rows=300)
+    assert workload.prompt_block_ids is not None and len(workload) == 300
+    ids = workload.prompt_token_ids(0)
+    assert len(ids) == workload.prompt_tokens[0]
+    config = SimConfig(allocator="paged", max_model_len=131072, gpu="h200", model="qwen3-8b", block_size=512)
+    result = Simulator(workload, config).run()
+    assert result.summary["num_requests_completed"] == 300
+    config.capacity_tokens = 10**8  # nothing is ever evicted
+    # Upper bound: the share of 512-token prompt blocks whose whole prefix of ids appeared before.
+    seen, hits, total = set(), 0, 0
+    for ids in workload.prompt_block_ids:
+        total += len(ids) - 1  # the last prompt block is always recomputed
+        matched = 0
+        while matched < len(ids) - 1 and tuple(ids[:matched + 1]) in seen:
+            matched += 1
+        hits += matched
+        seen.update(tuple(ids[:j + 1]) for j in range(len(ids)))
+    assert hits / total > 0.05
+    assert Simulator(workload, config).run().summary["prefix_cache_hit_blocks"] == hits
+    assert 0 < result.summary["prefix_cache_hit_blocks"] <= hits
+
+
+def test_code_trace_and_synthetic_mooncake_load(traces_dir):
+    assert len(load_trace(traces_dir / "azure_llm_2023" / "AzureLLMInferenceTrace_code.csv")) == 8819
+    assert len(load_trace(traces_dir / "mooncake_fast25" / "synthetic_trace.jsonl")) == 3993
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+GENERIC_HEADER = "arrival_time_s,prompt_tokens,output_tokens\n"
+
+
+@pytest.mark.parametrize("body,row,column,words", [
+    ("0,10,5\n1,abc,5\n", 3, "prompt_tokens", "not a finite number"),
+    ("0,10,5\n1,10,-3\n", 3, "output_tokens", "must be > 0"),
+    ("0,10,5\n1,0,3\n", 3, "prompt_tokens", "must be > 0"),
+    ("0,10,5\n1,nan,3\n", 3, "prompt_tokens", "not a finite number"),
+    ("0,10,5\n1,,3\n", 3, "prompt_tokens", "not a finite number"),
+    ("0,10,5\n2,10,5\n1,10,5\n", 4, "arrival_time_s", "not sorted"),
+    ("0,10.5,5\n", 2, "prompt_tokens", "whole number"),
+])
+def test_generic_csv_errors_name_file_row_and_column(tmp_path, body, row, column, words):
+    path = write(tmp_path, "t.csv", GENERIC_HEADER + body)
+    with pytest.raises(TraceFormatError) as info:
+        load_trace(path)
+    message = str(info.value)
+    assert str(path) in message and f"row {row}" in message and column in message and words in message
+
+
+def test_empty_missing_columns_and_unknown(tmp_path):
+    with pytest.raises(TraceFormatError, match="empty"):
+        load_trace(write(tmp_path, "e.csv", ""))
+    with pytest.raises(TraceFormatError, match="no rows"):
+        load_trace(write(tmp_path, "h.csv", GENERIC_HEADER))
+    with pytest.raises(TraceFormatError, match="missing column.*output_tokens"):
+        load_trace(write(tmp_path, "m.csv", "arrival_time_s,prompt_tokens\n0,1\n"))
+    with pytest.raises(FileNotFoundError):
+        load_trace(tmp_path / "absent.csv")
+    with pytest.raises(ValueError, match="time_scale"):
+        load_trace(write(tmp_path, "ok.csv", GENERIC_HEADER + "0,1,1\n"), time_scale=0)
+
+
+def test_azure_errors(tmp_path):
+    header = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+    good = "2023-11-16 18:15:46.6805900,374,44\n"
+    with pytest.raises(TraceFormatError, match=r"row 3, column TIMESTAMP"):
+        load_trace(write(tmp_path, "a.csv", header + good + "yesterday,3,4\n"))
+    with pytest.raises(TraceFormatError, match=r"row 3, column TIMESTAMP: .*not sorted"):
+        load_trace(write(tmp_path, "b.csv", header + good + "2023-11-16 18:15:40.0000000,3,4\n"))
+    with pytest.raises(TraceFormatError, match=r"row 2, column GeneratedTokens"):
+        load_trace(write(tmp_path, "c.csv", header + "2023-11-16 18:15:46.6805900,374,x\n"))
+    workload = load_trace(write(tmp_path, "d.csv", header + good + "2023-11-16 18:15:47.1805900,3,4\n"))
+    assert workload.arrival_s[1] == pytest.approx(0.5)
+
+
+def test_mooncake_errors(tmp_path):
+    ok = json.dumps({"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]})
+    cases = [
+        ("{not json", "row 2: not valid JSON"),
+        (json.dumps({"timestamp": 5, "input_length": -1, "output_length": 5, "hash_ids": []}), "row 2, column input_length"),
+        (json.dumps({"timestamp": 5, "input_length": 10, "output_length": 5, "hash_ids": [1, 2]}), "row 2, column hash_ids"),
+        (json.dumps({"timestamp": 5, "output_length": 5, "hash_ids": [1]}), "row 2, column input_length"),
+        (json.dumps({"timestamp": float("nan"), "input_length": 1, "output_length": 5, "hash_ids": [1]}), "column timestamp"),
+    ]
+    for index, (line, words) in enumerate(cases):
+        path = write(tmp_path, f"m{index}.jsonl", ok + "\n" + line + "\n")
+        with pytest.raises(TraceFormatError, match=words.replace("(", r"\(")):
+            load_trace(path)
+    unsorted = json.dumps({"timestamp": -5 + 0, "input_length": 1, "output_length": 5, "hash_ids": [1]})
+    with pytest.raises(TraceFormatError, match="not sorted"):
+        load_trace(write(tmp_path, "u.jsonl", json.dumps({"timestamp": 10, "input_length": 1, "output_length": 1,
+                                                            "hash_ids": [3]}) + "\n" + unsorted.replace("-5", "4")))

@@ -1,0 +1,202 @@
+"""Qwen3 weights (HF transformers) run by our own varlen forward over a paged KV cache.
+
+Prefill writes K/V into the cache through ``slot_mapping`` (``kernels.write_kv_cache``); decode tokens attend with
+``kernels.paged_attention_decode``; prefill tokens attend with torch SDPA over their own K/V, plus the cached prefix
+gathered from the paged cache when the prefix cache served part of the prompt.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import kernels
+from kernels.torch_backend import gather_kv
+
+PRESETS = {
+    # name: (layers, hidden, q heads, kv heads, head_dim, intermediate, vocab, tied)
+    "tiny": (4, 128, 4, 2, 32, 256, 1024, True),
+    "qwen3-0.6b-random": (28, 1024, 16, 8, 128, 3072, 151936, True),
+    "qwen3-1.7b-random": (28, 2048, 16, 8, 128, 6144, 151936, True),
+    "qwen3-4b-random": (36, 2560, 32, 8, 128, 9728, 151936, True),
+    "qwen3-8b-random": (36, 4096, 32, 8, 128, 12288, 151936, False),
+}
+
+
+class CheckpointError(ValueError):
+    """A local checkpoint is missing, incomplete or not a Qwen3 model."""
+
+
+def preset_config(name: str):
+    """A ``Qwen3Config`` for a preset name."""
+    from transformers import Qwen3Config
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)} (or a local directory)")
+    layers, hidden, heads, kv_heads, head_dim, inter, vocab, tied = PRESETS[name]
+    return Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                       max_position_embeddings=40960, rope_theta=1e6, rope_parameters={"rope_type": "default",
+                                                                                        "rope_theta": 1e6},
+                       tie_word_embeddings=tied, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+                       initializer_range=0.02 if name != "tiny" else 0.25)
+
+
+def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """``(hf_model, tokenizer_or_None)`` from a preset name (random weights, seeded) or a local checkpoint directory.
+    Nothing is downloaded."""
+    from transformers import Qwen3ForCausalLM
+
+    if model in PRESETS:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            hf = Qwen3ForCausalLM(preset_config(model)).to(dtype)
+        return hf.eval(), None
+    path = Path(model)
+    if not path.is_dir():
+        raise CheckpointError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local directory")
+    _check_checkpoint(path)
+    hf = Qwen3ForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+    return hf.eval(), _load_tokenizer(path)
+
+
+def _check_checkpoint(path: Path) -> None:
+    import json
+
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path}: no config.json (expected a Hugging Face Qwen3 checkpoint directory)")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_file}: not valid JSON ({exc.msg})") from None
+    if config.get("model_type") != "qwen3":
+        raise CheckpointError(f"{config_file}: model_type is {config.get('model_type')!r}, expected 'qwen3'")
+    if not list(path.glob("*.safetensors")) and not list(path.glob("*.bin")):
+        raise CheckpointError(f"{path}: no weights (*.safetensors or *.bin)")
+
+
+def _load_tokenizer(path: Path):
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """A flat batch: prefill sequences first (each a run of tokens), then one token per decode sequence.
+
+    ``prefill_lens``/``prefill_cached`` give each prefill sequence's new-token count and how many tokens before them
+    are already in the cache (prefix hits); ``prefill_block_tables`` their block tables. ``block_tables``/``seq_lens``
+    describe the decode sequences (``seq_lens`` includes the token being decoded).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    prefill_lens: list[int]
+    prefill_cached: list[int]
+    prefill_block_tables: list[torch.Tensor]
+    block_tables: torch.Tensor | None
+    seq_lens: torch.Tensor | None
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(self.prefill_lens)
+
+
+class PagedQwen3:
+    """The paged KV cache (one key and one value tensor ``[num_blocks, num_kv_heads, block_size, head_dim]`` per
+    layer) and the forward pass over it, using an HF ``Qwen3ForCausalLM``'s modules as weights."""
+
+    def __init__(self, hf_model, num_blocks: int, block_size: int, attention_backend: str = "auto"):
+        config = hf_model.config
+        self.hf = hf_model
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_q_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.device = next(hf_model.parameters()).device
+        self.dtype = next(hf_model.parameters()).dtype
+        self.attention_backend = kernels.resolve_backend(attention_backend, torch.empty(0, device=self.device))
+        shape = (num_blocks, self.num_kv_heads, block_size, self.head_dim)
+        self.key_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.value_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.scale = self.head_dim ** -0.5
+
+    @staticmethod
+    def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        element = torch.empty(0, dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * block_size * head_dim * element
+
+    def copy_blocks(self, block_mapping: list[tuple[int, int]]) -> None:
+        """Execute copy-on-write copies in every layer."""
+        if not block_mapping:
+            return
+        backend = "torch" if self.attention_backend == "reference" else self.attention_backend
+        for key_cache, value_cache in zip(self.key_caches, self.value_caches):
+            kernels.copy_blocks(key_cache, value_cache, block_mapping, backend=backend, check=False)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:
+        """Run the model over the flat batch; return float32 logits of the rows ``logit_rows``."""
+        model = self.hf.model
+        hidden = model.embed_tokens(batch.input_ids)
+        cos, sin = model.rotary_emb(hidden, batch.positions[None])
+        write_backend = "torch" if self.attention_backend == "reference" else self.attention_backend
+        for index, layer in enumerate(model.layers):
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+            q, k, v = self._qkv(layer.self_attn, hidden, cos[0], sin[0])
+            kernels.write_kv_cache(k, v, self.key_caches[index], self.value_caches[index], batch.slot_mapping,
+                                   backend=write_backend, check=False)
+            attn = self._attention(index, q, k, v, batch)
+            hidden = residual + layer.self_attn.o_proj(attn.reshape(attn.shape[0], -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = model.norm(hidden[logit_rows])
+        return self.hf.lm_head(hidden).float()
+
+    def _qkv(self, attn, hidden, cos, sin):
+        from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+        tokens = hidden.shape[0]
+        q = attn.q_norm(attn.q_proj(hidden).view(tokens, self.num_q_heads, self.head_dim))
+        k = attn.k_norm(attn.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim))
+        v = attn.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        return q, k, v
+
+    def _attention(self, layer: int, q, k, v, batch: ForwardBatch) -> torch.Tensor:
+        out = torch.empty_like(q)
+        start = 0
+        for length, cached, table in zip(batch.prefill_lens, batch.prefill_cached, batch.prefill_block_tables):
+            end = start + length
+            out[start:end] = self._prefill_attention(layer, q[start:end], k[start:end], v[start:end], cached, table)
+            start = end
+        if batch.block_tables is not None:
+            out[start:] = kernels.paged_attention_decode(q[start:], self.key_caches[layer], self.value_caches[layer],
+                                                         batch.block_tables, batch.seq_lens, self.scale,
+                                                         backend=self.attention_backend, check=False)
+        return out
+
+    def _prefill_attention(self, layer: int, q, k, v, cached: int, block_table) -> torch.Tensor:
+        """Causal attention of a prompt's new tokens over its cached prefix (gathered from the paged cache) and
+        themselves."""
+        length = q.shape[0]
+        mask = None
+        if cached:
+            num_blocks = -(-(cached + length) // self.key_caches[layer].shape[2])
+            table = block_table[None, :num_blocks]
+            k = gather_kv(self.key_caches[layer], table, num_blocks)[0, :, : cached + length].transpose(0, 1)
+            v = gather_kv(self.value_caches[layer], table, num_blocks)[0, :, : cached + length].transpose(0, 1)
+            rows = torch.arange(length, device=q.device)[:, None] + cached
+            mask = torch.arange(cached + length, device=q.device)[None, :] <= rows
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+            is_causal=mask is None, scale=self.scale, enable_gqa=True)
+        return out[0].transpose(0, 1)

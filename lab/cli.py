@@ -46,6 +46,42 @@ def _bench_block_manager(args) -> None:
     _print_and_save(run_block_manager_bench(args.block_size), args.out)
 
 
+def _bench_e2e(args) -> None:
+    from tqdm import tqdm
+
+    from lab.bench.e2e import E2EConfig, run_e2e_bench
+
+    config = E2EConfig(model=args.model, num_requests=args.num_requests, device=args.device,
+                       block_size=args.block_size, attention_backend=args.backend,
+                       systems=tuple(args.systems.split(",")))
+    bar = tqdm(total=len(config.systems), desc="e2e bench", file=sys.stderr)
+    table = run_e2e_bench(config, progress=lambda done, total: bar.update(1))
+    bar.close()
+    _print_and_save(table, args.out)
+
+
+def _generate(args) -> None:
+    import torch
+
+    from lab.engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(args.model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device,
+                       attention_backend=args.backend, enable_prefix_caching=not args.no_prefix_caching)
+    if args.prompt:
+        prompts = [p if engine.tokenizer is not None else [int(t) for t in p.split(",")] for p in args.prompt]
+    else:
+        generator = torch.Generator().manual_seed(args.seed)
+        vocab = engine.hf_model.config.vocab_size
+        prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=generator).tolist()
+                   for _ in range(args.num_prompts)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, n=args.n)
+    for output in engine.generate(prompts, params, progress=True):
+        print(f"[{output.request_id}] {output.text if output.text is not None else output.token_ids}")
+    metrics = pd.DataFrame([engine.run_metrics()])
+    _print_and_save(metrics, args.out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lab", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +102,35 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--block-size", type=int, default=16)
     b.add_argument("--out", default="benchmarks/results/block_manager.csv")
     b.set_defaults(run=_bench_block_manager)
+
+    e = bench.add_parser("e2e", help="paged engine vs HF generate vs HF continuous batching")
+    e.add_argument("--model", default="tiny", help="preset or local Qwen3 checkpoint directory")
+    e.add_argument("--num-requests", type=int, default=64)
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--backend", default="auto")
+    e.add_argument("--systems", default="paged-engine,hf-static,hf-continuous")
+    e.add_argument("--out", default="benchmarks/results/e2e_cpu.csv")
+    e.set_defaults(run=_bench_e2e)
+
+    g = commands.add_parser("generate", help="generate with the paged engine")
+    g.add_argument("--model", default="tiny", help="preset or local Qwen3 checkpoint directory")
+    g.add_argument("--prompt", action="append", help="text (with a tokenizer) or comma-separated token ids")
+    g.add_argument("--num-prompts", type=int, default=8, help="random prompts when --prompt is not given")
+    g.add_argument("--prompt-len", type=int, default=64)
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-blocks", type=int, default=None)
+    g.add_argument("--device", default=None)
+    g.add_argument("--backend", default="auto")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--out", default=None, help="CSV of the run metrics")
+    g.set_defaults(run=_generate)
     return parser
 
 
@@ -73,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.run(args)
-    except (ValueError, RuntimeError, FileNotFoundError) as exc:
+    except (ValueError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -150,6 +150,7 @@ class LLMEngine:
         self.running: list[_Seq] = []
         self.requests: dict[int, _Request] = {}
         self.finished: list[RequestOutput] = []
+        self.recorded_logits: dict[int, list[torch.Tensor]] = {}  # request id -> per sample [steps, vocab]
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
         self.num_steps = self.num_preemptions = self.generated_tokens = self.peak_used_blocks = 0
@@ -354,7 +355,10 @@ class LLMEngine:
         if request.samples_left:
             return
         request.finish_s = now
-        outputs = [s.output for s in sorted(request.samples or [seq], key=lambda s: s.sample)]
+        samples = sorted(request.samples or [seq], key=lambda s: s.sample)
+        outputs = [s.output for s in samples]
+        if self.record_logits:
+            self.recorded_logits[request.request_id] = [torch.stack(s.logits) for s in samples]
         texts = [self.tokenizer.decode(o) for o in outputs] if self.tokenizer is not None else None
         self.finished.append(RequestOutput(request.request_id, request.prompt, outputs, texts, request.arrival_s,
                                            request.first_token_s, request.finish_s))

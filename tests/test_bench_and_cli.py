@@ -32,3 +32,21 @@ def test_cli_writes_csv(tmp_path, capsys):
 def test_hardware_table_lists_backends():
     table = describe_hardware()
     assert "reference" in table.set_index("item").loc["kernel backends", "value"]
+
+
+def test_e2e_bench_compares_three_systems_on_the_same_tokens():
+    from lab.bench.e2e import E2EConfig, run_e2e_bench
+
+    table = run_e2e_bench(E2EConfig(num_requests=4, prompt_range=(8, 40), output_range=(3, 9)))
+    assert list(table["system"]) == ["paged-engine", "hf-static", "hf-continuous"]
+    assert table["same_tokens_as_engine"].all() and (table["output_tok_s"] > 0).all()
+    assert table.loc[table["system"] == "hf-continuous", "speedup_vs_hf_continuous"].iloc[0] == 1.0
+
+
+def test_cli_generate_prints_tokens_and_metrics(tmp_path, capsys):
+    out = tmp_path / "run.csv"
+    assert main(["generate", "--num-prompts", "2", "--prompt-len", "9", "--max-tokens", "3", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "[0]" in printed and "[1]" in printed
+    assert pd.read_csv(out)["output_tokens"].iloc[0] == 6
+    assert main(["generate", "--model", str(tmp_path / "missing")]) == 2

@@ -1,0 +1,185 @@
+"""End-to-end serving benchmark: our paged engine vs HF ``generate`` (padded static batch) vs HF continuous
+batching (its paged cache), on one fixed mixed-length workload, in one run. Output tokens/s, TTFT/TPOT medians and
+peak memory for each, plus speed ratios against HF continuous batching."""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from lab.engine import LLMEngine, SamplingParams
+
+
+@dataclass(slots=True)
+class E2EConfig:
+    """The workload and the model under test."""
+
+    model: str = "tiny"
+    num_requests: int = 64
+    prompt_range: tuple[int, int] = (16, 512)
+    output_range: tuple[int, int] = (16, 256)
+    device: str = "cpu"
+    block_size: int = 16
+    attention_backend: str = "auto"
+    seed: int = 0
+    systems: tuple[str, ...] = ("paged-engine", "hf-static", "hf-continuous")
+
+
+def make_workload(config: E2EConfig, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """Seeded prompts (uniform lengths) and output lengths."""
+    generator = torch.Generator().manual_seed(config.seed)
+    lengths = torch.randint(config.prompt_range[0], config.prompt_range[1] + 1, (config.num_requests,),
+                            generator=generator)
+    outputs = torch.randint(config.output_range[0], config.output_range[1] + 1, (config.num_requests,),
+                            generator=generator).tolist()
+    prompts = [torch.randint(0, vocab_size, (int(n),), generator=generator).tolist() for n in lengths]
+    return prompts, outputs
+
+
+class PeakMemory:
+    """Peak device allocation (CUDA) or peak resident set size (CPU, Linux: VmHWM after resetting it)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            _reset_rss_peak()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self.peak = _status_bytes("VmHWM")
+
+
+def _reset_rss_peak() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # not Linux or not allowed: the peak then covers the whole process
+
+
+def _status_bytes(field: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_paged_engine(engine: LLMEngine, prompts, outputs) -> dict:
+    engine.finished.clear()
+    started = time.perf_counter()
+    results = engine.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in outputs])
+    wall = time.perf_counter() - started
+    table = engine.request_metrics().tail(len(prompts))
+    return {"wall_s": wall, "output_tokens": sum(len(r.token_ids) for r in results),
+            "ttft_median_s": float(table["ttft_s"].median()), "tpot_median_s": float(table["tpot_s"].median()),
+            "tokens": [r.token_ids for r in results]}
+
+
+class _StepClock:
+    """Logits processor that records when each generation step runs (HF generate gives no per-token times)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def run_hf_static(model, prompts, outputs, device) -> dict:
+    """One padded batch (left padding); it runs until the longest output, useful tokens are the requested ones."""
+    from transformers import LogitsProcessorList
+
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    clock = _StepClock()
+    started = time.perf_counter()
+    with torch.no_grad():
+        generated = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max(outputs),
+                                   min_new_tokens=max(outputs), do_sample=False, pad_token_id=0,
+                                   logits_processor=LogitsProcessorList([clock]))
+    wall = time.perf_counter() - started
+    steps = [t - started for t in clock.times]
+    tpots = [(steps[n - 1] - steps[0]) / max(n - 1, 1) for n in outputs]
+    tokens = [generated[row, width:width + n].tolist() for row, n in enumerate(outputs)]
+    return {"wall_s": wall, "output_tokens": sum(outputs), "ttft_median_s": steps[0],
+            "tpot_median_s": statistics.median(tpots), "tokens": tokens}
+
+
+def run_hf_continuous(model, prompts, outputs) -> dict:
+    """HF continuous batching (``generate_batch``'s manager), one ``max_new_tokens`` per request."""
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    config = GenerationConfig(max_new_tokens=max(outputs), do_sample=False, eos_token_id=-1, pad_token_id=0)
+    hints = WorkloadHints(max_prompt_length=max(len(p) for p in prompts), max_generated_length=max(outputs),
+                          num_requests=len(prompts))
+    results = {}
+    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5,
+                                                   workload_hints=hints) as manager:
+        started = time.perf_counter()
+        ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=n, record_timestamps=True)
+               for i, (p, n) in enumerate(zip(prompts, outputs))]
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("HF continuous batching stopped before finishing")
+        wall = time.perf_counter() - started
+    ordered = [results[i] for i in ids]
+    ttfts = [r.timestamps[0] - r.created_time for r in ordered if r.timestamps]
+    tpots = [(r.timestamps[-1] - r.timestamps[0]) / max(len(r.timestamps) - 1, 1) for r in ordered if r.timestamps]
+    return {"wall_s": wall, "output_tokens": sum(len(r.generated_tokens) for r in ordered),
+            "ttft_median_s": statistics.median(ttfts) if ttfts else float("nan"),
+            "tpot_median_s": statistics.median(tpots) if tpots else float("nan"),
+            "tokens": [list(r.generated_tokens) for r in ordered]}
+
+
+def run_e2e_bench(config: E2EConfig, progress=None) -> pd.DataFrame:
+    """Rows per system; ``same_tokens_as_engine`` checks greedy agreement with the paged engine."""
+    device = torch.device(config.device)
+    engine = LLMEngine(config.model, block_size=config.block_size, device=config.device,
+                       attention_backend=config.attention_backend, max_num_seqs=config.num_requests)
+    prompts, outputs = make_workload(config, engine.hf_model.config.vocab_size)
+    warm_prompts, warm_outputs = prompts[:2], [4, 4]
+    runners = {"paged-engine": lambda p, o: run_paged_engine(engine, p, o),
+               "hf-static": lambda p, o: run_hf_static(engine.hf_model, p, o, device),
+               "hf-continuous": lambda p, o: run_hf_continuous(engine.hf_model, p, o)}
+    rows, reference = [], None
+    for done, name in enumerate(config.systems, 1):
+        runners[name](warm_prompts, warm_outputs)  # warm-up: allocator, kernels, lazy imports
+        with PeakMemory(device) as memory:
+            result = runners[name](prompts, outputs)
+        tokens = result.pop("tokens")
+        reference = reference if reference is not None else tokens
+        rows.append({"system": name, **result, "output_tok_s": result["output_tokens"] / result["wall_s"],
+                     "peak_memory_mib": memory.peak / 2**20, "same_tokens_as_engine": tokens == reference})
+        if progress:
+            progress(done, len(config.systems))
+    table = pd.DataFrame(rows)
+    if "hf-continuous" in set(table["system"]):
+        base = float(table.loc[table["system"] == "hf-continuous", "output_tok_s"].iloc[0])
+        table["speedup_vs_hf_continuous"] = table["output_tok_s"] / base
+    table["model"], table["device"], table["num_requests"] = config.model, config.device, config.num_requests
+    return table

@@ -1,0 +1,168 @@
+"""The Qwen3 paged runtime against HF transformers (CPU, fp32), plus prefix caching, forks, preemption, errors."""
+import json
+
+import pytest
+import torch
+
+from lab.engine import LLMEngine, SamplingParams
+from lab.model import CheckpointError
+
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    generator = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, 1024, (n,), generator=generator).tolist() for n in (1, 5, 16, 17, 40, 71)]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(prompts):
+    engine = LLMEngine("tiny", num_blocks=64)
+    return [engine.hf_model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                     do_sample=False)[0, len(p):].tolist() for p in prompts]
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16, 256])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_matches_hf_generate_in_one_continuous_batch(prompts, hf_reference, block_size, prefix_caching):
+    engine = LLMEngine("tiny", block_size=block_size, num_blocks=4096 // block_size + 8,
+                       enable_prefix_caching=prefix_caching)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outputs] == hf_reference
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_physical_blocks
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_preemption_in_a_tiny_pool_still_matches(prompts, hf_reference, backend):
+    engine = LLMEngine("tiny", block_size=4, num_blocks=24, attention_backend=backend)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert engine.num_preemptions > 0
+    assert [o.token_ids for o in outputs] == hf_reference
+
+
+def test_per_step_logits_match_hf_forward(prompts):
+    engine = LLMEngine("tiny", block_size=3, num_blocks=512, record_logits=True)
+    prompt = prompts[4]
+    engine.add_request(prompt, SamplingParams(max_tokens=6))
+    while engine.has_unfinished():
+        engine.step()
+    seq = engine.finished[0]
+    full = torch.tensor([prompt + seq.token_ids[:-1]])
+    with torch.no_grad():
+        reference = engine.hf_model(full).logits[0, len(prompt) - 1:].float()
+    ours = engine.recorded_logits[seq.request_id][0]
+    assert torch.allclose(ours, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_prefix_caching_saves_blocks_and_keeps_outputs():
+    generator = torch.Generator().manual_seed(7)
+    shared = torch.randint(0, 1024, (64,), generator=generator).tolist()
+    prompts = [shared + [1, 2, 3], shared + [4, 5]]
+    results = {}
+    for caching in (True, False):
+        engine = LLMEngine("tiny", block_size=16, num_blocks=64, enable_prefix_caching=caching, max_num_seqs=8)
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=8))
+        results[caching] = ([o.token_ids for o in outputs], engine.peak_used_blocks,
+                            engine.block_manager.prefix_cache_stats.hit_blocks)
+    assert results[True][0] == results[False][0]
+    assert results[True][2] == 4 and results[False][2] == 0
+    assert results[True][1] == results[False][1] - 4
+
+
+def test_parallel_sampling_shares_prompt_blocks_and_copies_on_write():
+    engine = LLMEngine("tiny", block_size=8, num_blocks=64)
+    prompt = list(range(20))  # 2 full blocks + a partial block of 4
+    seen = []
+    engine.on_step = lambda stats: seen.append((stats.kind, stats.num_used_blocks))
+    outputs = engine.generate([prompt], SamplingParams(max_tokens=6, n=3, temperature=1.0, seed=5))
+    assert len(outputs[0].outputs) == 3
+    assert seen[0] == ("prefill", 3)  # the three samples share the prompt's 3 blocks
+    assert engine.block_manager.num_cow_copies == 2  # the shared partial block is copied for 2 of the 3 samples
+    again = LLMEngine("tiny", block_size=8, num_blocks=64).generate(
+        [prompt], SamplingParams(max_tokens=6, n=3, temperature=1.0, seed=5))
+    assert again[0].outputs == outputs[0].outputs
+    assert len({tuple(o) for o in outputs[0].outputs}) > 1
+
+
+def test_sampling_options_and_stop_tokens():
+    engine = LLMEngine("tiny", num_blocks=64)
+    greedy = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=8))[0].token_ids
+    stop = greedy[3]
+    stopped = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=8, stop_token_ids=(stop,)))[0].token_ids
+    assert stopped == greedy[:greedy.index(stop) + 1]
+    top1 = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.7, top_k=1, seed=3))[0]
+    assert top1.token_ids == greedy
+    nucleus = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-6, seed=3))[0]
+    assert nucleus.token_ids == greedy
+
+
+def test_save_pretrained_roundtrip(tmp_path, prompts, hf_reference):
+    engine = LLMEngine("tiny", num_blocks=256)
+    engine.hf_model.save_pretrained(tmp_path)
+    loaded = LLMEngine(str(tmp_path), num_blocks=256)
+    outputs = loaded.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outputs] == hf_reference
+
+
+def test_errors_are_clear(tmp_path):
+    with pytest.raises(CheckpointError, match="neither a preset"):
+        LLMEngine(str(tmp_path / "absent"))
+    with pytest.raises(CheckpointError, match="no config.json"):
+        LLMEngine(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(CheckpointError, match="expected 'qwen3'"):
+        LLMEngine(str(tmp_path))
+    engine = LLMEngine("tiny", block_size=4, num_blocks=8)
+    with pytest.raises(ValueError, match="needs 9 KV blocks; the pool has 8"):
+        engine.add_request(list(range(30)), SamplingParams(max_tokens=5))
+    with pytest.raises(ValueError, match="tokenizer"):
+        engine.add_request("hello")
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request([1], SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match="token ids must be in"):
+        engine.add_request([5000])
+    assert not engine.has_unfinished()
+
+
+def test_metrics_export(prompts):
+    engine = LLMEngine("tiny", num_blocks=256)
+    engine.generate(prompts, SamplingParams(max_tokens=4))
+    table = engine.request_metrics()
+    assert list(table.columns) == ["request_id", "prompt_tokens", "output_tokens", "ttft_s", "tpot_s", "e2e_s"]
+    assert len(table) == len(prompts) and (table["ttft_s"] > 0).all()
+    summary = engine.run_metrics()
+    assert summary["output_tokens"] == 4 * len(prompts) and summary["peak_kv_blocks"] > 0
+    assert summary["peak_memory_bytes"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "cupy"])
+def test_gpu_greedy_parity_fp32(prompts, hf_reference, backend):
+    import kernels
+
+    if backend not in kernels.available_backends():
+        pytest.skip(f"{backend} backend unavailable")
+    engine = LLMEngine("tiny", device="cuda", dtype=torch.float32, attention_backend=backend, block_size=16,
+                       num_blocks=512)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outputs] == hf_reference
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "cupy"])
+def test_gpu_bf16_logits_close(prompts, backend):
+    import kernels
+
+    if backend not in kernels.available_backends():
+        pytest.skip(f"{backend} backend unavailable")
+    engine = LLMEngine("tiny", device="cuda", dtype=torch.bfloat16, attention_backend=backend, num_blocks=512,
+                       record_logits=True)
+    prompt = prompts[4]
+    engine.generate([prompt], SamplingParams(max_tokens=4))
+    seq = engine.finished[0]
+    with torch.no_grad():
+        reference = engine.hf_model(torch.tensor([prompt + seq.token_ids[:-1]], device="cuda")).logits[0].float()
+    ours = engine.recorded_logits[seq.request_id][0].cuda()
+    error = (ours - reference[len(prompt) - 1:]).abs().max() / reference.abs().max()
+    assert error < 5e-2

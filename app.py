@@ -1,11 +1,14 @@
 """MiniPaged Lab — `streamlit run app.py`."""
 import streamlit as st
 
-from lab.hardware import describe_hardware
-
 st.set_page_config(page_title="MiniPaged Lab", page_icon="🧱", layout="wide")
-st.title("MiniPaged Lab")
-st.write("See and measure what paging the KV cache buys: a paged Qwen3 runtime, paged attention kernels and a "
-         "KV memory simulator.")
-st.subheader("This machine")
-st.table(describe_hardware())
+
+PAGES = [
+    st.Page("pages/overview.py", title="Overview", icon="🧱", default=True),
+    st.Page("pages/memory_simulator.py", title="Memory simulator", icon="📊"),
+    st.Page("pages/block_pool.py", title="Block pool", icon="🟦"),
+    st.Page("pages/kernel_lab.py", title="Kernel lab", icon="⚙️"),
+    st.Page("pages/runtime.py", title="Qwen3 runtime", icon="🤖"),
+    st.Page("pages/benchmarks.py", title="Benchmarks", icon="📋"),
+]
+st.navigation(PAGES).run()

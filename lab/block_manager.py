@@ -47,6 +47,19 @@ class SequenceBlocks:
 
 
 @dataclass(slots=True)
+class PoolSnapshot:
+    """A copy of the pool's state for visualisation."""
+
+    block_size: int
+    ref_counts: list[int]
+    owners: list[list]  # per physical block, the sequences holding it
+    block_tables: dict  # sequence id -> physical block ids
+    seq_lens: dict  # sequence id -> tokens
+    cached: list[bool]  # per physical block, registered in the prefix cache
+    num_free_blocks: int
+
+
+@dataclass(slots=True)
 class PrefixCacheStats:
     """Counters of prefix-cache lookups, in blocks and tokens."""
 
@@ -275,6 +288,13 @@ class KVBlockManager:
             for block in seq.block_table:
                 owners[block].append(seq_id)
         return owners
+
+    def snapshot(self) -> PoolSnapshot:
+        """Copy of ref counts, owners, block tables and lengths (O(pool); for views, not the hot path)."""
+        return PoolSnapshot(self.block_size, list(self.ref_counts), self.block_owners(),
+                            {s: list(seq.block_table) for s, seq in self.sequences.items()},
+                            {s: seq.num_tokens for s, seq in self.sequences.items()},
+                            [key is not None for key in self._block_keys], self.num_free_blocks)
 
     def is_cached(self, block: int) -> bool:
         """Whether a physical block is registered in the prefix cache."""

@@ -114,7 +114,8 @@ class LLMEngine:
     """A small serving engine: ``generate()`` for batch use, ``add_request()``/``step()`` for incremental use.
 
     Args:
-        model: a preset (``"tiny"``, ``"qwen3-0.6b-random"``, ...) or a local Qwen3 checkpoint directory.
+        model: a preset (``"tiny"``, ``"qwen3-0.6b-random"``, ...), a local Qwen3 checkpoint directory, or a loaded
+            ``Qwen3ForCausalLM`` (then ``tokenizer`` may come with it).
         block_size: token slots per KV block.
         num_blocks: KV pool size; None sizes it from ``kv_memory_bytes`` (CPU) or ``gpu_memory_utilization``.
         attention_backend: ``reference``, ``torch``, ``cupy`` or ``auto`` (cupy on GPU else torch).
@@ -122,18 +123,23 @@ class LLMEngine:
         on_step: called with a ``StepStats`` after every step.
     """
 
-    def __init__(self, model: str = "tiny", block_size: int = 16, num_blocks: int | None = None,
+    def __init__(self, model="tiny", block_size: int = 16, num_blocks: int | None = None,
                  attention_backend: str = "auto", enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 4096, dtype: torch.dtype | None = None, device: str | None = None,
                  kv_memory_bytes: int = 256 << 20, gpu_memory_utilization: float = 0.5, seed: int = 0,
-                 record_logits: bool = False, on_step: Callable[[StepStats], None] | None = None):
+                 record_logits: bool = False, on_step: Callable[[StepStats], None] | None = None, tokenizer=None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.hf_model, self.tokenizer = load_hf_model(model, dtype, self.device, seed)
+        if isinstance(model, str):
+            self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+            self.hf_model, self.tokenizer = load_hf_model(model, dtype, self.device, seed)
+        else:  # an already loaded Qwen3ForCausalLM (e.g. cached by the app)
+            self.hf_model, self.tokenizer = model, tokenizer
+            parameter = next(model.parameters())
+            self.device, dtype = parameter.device, parameter.dtype
         config = self.hf_model.config
         if num_blocks is None:
             num_blocks = self._default_num_blocks(config, block_size, dtype, kv_memory_bytes, gpu_memory_utilization)
@@ -154,6 +160,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
         self.num_steps = self.num_preemptions = self.generated_tokens = self.peak_used_blocks = 0
+        self.last_step_kind, self.last_step_tokens = "", 0
+        self.last_step_elapsed_s = self.last_step_duration_s = 0.0
         self.started_s = time.perf_counter()
 
     def _default_num_blocks(self, config, block_size, dtype, kv_memory_bytes, gpu_memory_utilization) -> int:
@@ -230,12 +238,19 @@ class LLMEngine:
             return []
         self.num_steps += 1
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
+        now = time.perf_counter()
+        self.last_step_kind, self.last_step_tokens = kind, tokens
+        self.last_step_elapsed_s, self.last_step_duration_s = now - self.started_s, now - started
         if self.on_step:
-            now = time.perf_counter()
-            self.on_step(StepStats(self.num_steps, kind, tokens, len(self.running), len(self.waiting),
-                                   self.block_manager.num_used_blocks, self.block_manager.num_free_blocks,
-                                   self.num_preemptions, self.generated_tokens, now - self.started_s, now - started))
+            self.on_step(self.last_step_stats())
         return self.finished[finished_before:]
+
+    def last_step_stats(self) -> StepStats:
+        """What the latest step did (see ``StepStats``)."""
+        manager = self.block_manager
+        return StepStats(self.num_steps, self.last_step_kind, self.last_step_tokens, len(self.running),
+                         len(self.waiting), manager.num_used_blocks, manager.num_free_blocks, self.num_preemptions,
+                         self.generated_tokens, self.last_step_elapsed_s, self.last_step_duration_s)
 
     def _admit(self) -> list[tuple[_Request, _Seq | None, list[int]]]:
         """Take waiting prompts FCFS while the sequence cap, the token budget and free blocks allow."""

@@ -12,6 +12,6 @@ timeout 120 python -m lab bench kernels --device cuda --dtype bfloat16 --backend
   --batch 1,8,64 --context 512,4096,32768 --block-size 16 --repeats 20 --out "$out/kernels_gpu.csv" \
   2>&1 | tee "$out/kernels_gpu.log"
 if [ -f lab/bench/e2e.py ]; then
-  timeout 120 python -m lab bench e2e --device cuda --model qwen3-0.6b-random --out "$out/e2e_gpu.csv" \
+  timeout 120 python -m lab bench e2e --device cuda --model qwen3-0.6b-random --backend cupy --out "$out/e2e_gpu.csv" \
     2>&1 | tee "$out/e2e_gpu.log"
 fi

@@ -14,13 +14,14 @@ import pandas as pd
 from .allocators import ALLOCATORS
 from .engine import SimConfig, SimResult, Simulator, Snapshot
 from .metrics import CATEGORIES
+from .presets import PAPER_FIGURE2_TOKEN_STATES, figure2_experiment, make_configs
 from .models import GPUS, MODELS, CostModel, get_gpu, get_model, kv_capacity_tokens
 from .workloads import (SYNTHETIC_PRESETS, SyntheticSpec, TraceFormatError, Workload, load_trace,
-                        synthetic_workload)
+                        load_trace_bytes, synthetic_workload)
 
 __all__ = ["simulate", "compare", "make_workload", "Simulator", "SimConfig", "SimResult", "Snapshot", "Workload",
            "SyntheticSpec", "TraceFormatError", "ALLOCATORS", "CATEGORIES", "MODELS", "GPUS", "SYNTHETIC_PRESETS",
-           "load_trace", "synthetic_workload", "CostModel", "get_model", "get_gpu", "kv_capacity_tokens"]
+           "load_trace", "load_trace_bytes", "synthetic_workload", "make_configs", "figure2_experiment", "PAPER_FIGURE2_TOKEN_STATES", "CostModel", "get_model", "get_gpu", "kv_capacity_tokens"]
 
 
 def make_workload(workload: str | Path | Workload, num_requests: int | None = None, seed: int = 0,
@@ -47,15 +48,20 @@ def simulate(workload, config: SimConfig | None = None, on_snapshot: Callable[[S
                      snapshot_every).run()
 
 
-def compare(workload, configs: list[SimConfig], progress: Callable[[int, int], None] | None = None,
+def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool | None] | None = None,
             **workload_options) -> tuple[pd.DataFrame, dict[str, SimResult]]:
-    """Run several configs on the same workload: a summary table (one row per config) and the results by label."""
+    """Run several configs on the same workload: a summary table (one row per config) and the results by label.
+    ``progress(fraction)`` is called as runs proceed; returning False stops the remaining work."""
     workload = make_workload(workload, **workload_options)
     results = {}
-    for done, config in enumerate(configs, 1):
+    for index, config in enumerate(configs):
         label = config.allocator if config.allocator != "paged" else f"paged-B{config.block_size}"
-        results[label] = Simulator(workload, config).run()
-        if progress:
-            progress(done, len(configs))
+
+        def on_snapshot(snapshot, index=index):
+            return None if progress is None else progress((index + snapshot.progress) / len(configs))
+
+        results[label] = Simulator(workload, config, on_snapshot=on_snapshot, snapshot_every=100).run()
+        if results[label].summary["stopped_early"]:
+            break
     table = pd.DataFrame([{"label": label, **r.summary} for label, r in results.items()])
     return table, results

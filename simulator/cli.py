@@ -12,7 +12,7 @@ from tqdm import tqdm
 from .allocators import ALLOCATORS
 from .engine import SimConfig, Simulator
 from .models import GPUS, MODELS
-from .presets import PAPER_FIGURE2_TOKEN_STATES, figure2_experiment
+from .presets import PAPER_FIGURE2_TOKEN_STATES, figure2_experiment, make_configs
 from .workloads import SYNTHETIC_PRESETS, SyntheticSpec, load_trace, synthetic_workload
 
 SUMMARY_COLUMNS = ["allocator", "block_size", "token_states_frac", "reserved_frac", "internal_frag_frac",
@@ -72,18 +72,11 @@ def _workload(args):
 def _configs(args) -> list[SimConfig]:
     if args.preset == "figure2":
         return figure2_experiment()[1]
-    unknown = [a for a in args.allocators if a not in ALLOCATORS]
-    if unknown:
-        raise ValueError(f"unknown allocator(s) {', '.join(unknown)}; choose from {', '.join(ALLOCATORS)}")
-    common = dict(model=args.model, gpu=args.gpu, max_model_len=args.max_model_len,
-                  capacity_tokens=args.capacity_tokens, scheduling=args.scheduling,
-                  address_space=args.address_space, enable_prefix_caching=not args.no_prefix_caching,
-                  kernel_csv=args.kernel_csv, max_points=args.max_points)
-    configs = []
-    for allocator in args.allocators:
-        sizes = args.block_size if allocator == "paged" else [args.block_size[0]]
-        configs += [SimConfig(allocator=allocator, block_size=b, **common) for b in sizes]
-    return configs
+    return make_configs(args.allocators, args.block_size, model=args.model, gpu=args.gpu,
+                        max_model_len=args.max_model_len, capacity_tokens=args.capacity_tokens,
+                        scheduling=args.scheduling, address_space=args.address_space,
+                        enable_prefix_caching=not args.no_prefix_caching, kernel_csv=args.kernel_csv,
+                        max_points=args.max_points)
 
 
 def run(args) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -83,9 +83,9 @@ class Snapshot:
     iteration: int
     time_s: float
     metrics: dict
-    block_ref_counts: list[int] | None = None  # paged: per physical block
-    block_owners: list[list] | None = None  # paged: sequence ids holding each block
+    pool: object = None  # paged: lab.block_manager.PoolSnapshot (owners, ref counts, block tables)
     free_regions: list[tuple[int, int]] | None = None  # contiguous: (start, size) holes
+    regions: dict | None = None  # contiguous: sequence id -> (start, size)
     progress: float = 0.0  # fraction of requests finished or rejected
 
 
@@ -362,10 +362,10 @@ class Simulator:
         done = self.num_finished + int(self.rejected.sum())
         snap = Snapshot(self.iteration, self.time, self.metrics.current(self), progress=done / self.num_requests)
         if self.policy.paged:
-            snap.block_ref_counts = list(self.policy.manager.ref_counts)
-            snap.block_owners = self.policy.manager.block_owners()
+            snap.pool = self.policy.manager.snapshot()
         else:
             snap.free_regions = self.policy.space.regions_free()
+            snap.regions = {rid: seq.region for rid, seq in self.running.items()}
         return snap
 
     def _result(self) -> SimResult:

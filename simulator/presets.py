@@ -18,3 +18,21 @@ def figure2_experiment(num_requests: int = 1000, seed: int = 0) -> tuple[Synthet
                                                                  "contiguous-oracle")]
     configs.append(SimConfig(allocator="paged", block_size=16, **common))
     return spec, configs
+
+
+def make_configs(allocators: list[str], block_sizes: list[int], **common) -> list[SimConfig]:
+    """One config per contiguous allocator and one per (paged, block size); ``common`` holds the other fields."""
+    from .allocators import ALLOCATORS
+
+    unknown = [a for a in allocators if a not in ALLOCATORS]
+    if unknown:
+        raise ValueError(f"unknown allocator(s) {', '.join(unknown)}; choose from {', '.join(ALLOCATORS)}")
+    if not allocators:
+        raise ValueError("choose at least one allocator")
+    if not block_sizes or min(block_sizes) < 1:
+        raise ValueError(f"block sizes must be >= 1, got {block_sizes}")
+    configs = []
+    for allocator in allocators:
+        sizes = block_sizes if allocator == "paged" else [block_sizes[0]]
+        configs += [SimConfig(allocator=allocator, block_size=size, **common) for size in sizes]
+    return configs

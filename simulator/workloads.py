@@ -185,6 +185,22 @@ def load_trace(path: str | Path, time_scale: float = 1.0, max_rows: int | None =
     return workload
 
 
+def load_trace_bytes(data: bytes, name: str, time_scale: float = 1.0, max_rows: int | None = None) -> Workload:
+    """Load an uploaded trace (its bytes and file name); errors name the file as uploaded."""
+    import tempfile
+
+    suffix = Path(name).suffix or ".csv"
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / f"upload{suffix}"
+        path.write_bytes(data)
+        try:
+            workload = load_trace(path, time_scale=time_scale, max_rows=max_rows)
+        except TraceFormatError as exc:
+            raise TraceFormatError(str(exc).replace(str(path), name)) from None
+    workload.name, workload.source = Path(name).stem, name
+    return workload
+
+
 def detect_format(path: Path) -> str:
     """``mooncake`` for JSON lines, else ``azure`` or ``generic`` by the CSV header."""
     with open(path, "rb") as handle:

@@ -134,10 +134,12 @@ def test_timeseries_is_bounded_and_snapshots_can_stop_a_run():
     stopped = simulate(workload, SimConfig(allocator="paged", capacity_tokens=8000), on_snapshot=on_snapshot,
                        snapshot_every=10)
     assert stopped.summary["stopped_early"] and len(seen) == 3
-    snap = seen[-1]
-    assert len(snap.block_ref_counts) == len(snap.block_owners) == 8000 // 16
-    assert all(len(owners) == count for owners, count in zip(snap.block_owners, snap.block_ref_counts))
-    assert set(snap.metrics) >= set(CATEGORIES)
+    pool = seen[-1].pool
+    assert len(pool.ref_counts) == len(pool.owners) == 8000 // 16
+    assert all(len(owners) == count for owners, count in zip(pool.owners, pool.ref_counts))
+    assert all(pool.ref_counts[b] >= 1 for table in pool.block_tables.values() for b in table)
+    assert pool.num_free_blocks == pool.ref_counts.count(0)
+    assert set(seen[-1].metrics) >= set(CATEGORIES)
 
 
 def test_requests_that_can_never_fit_are_rejected_not_hung():

@@ -158,6 +158,10 @@ def run_hf_continuous(model, prompts, outputs) -> dict:
 
 def run_e2e_bench(config: E2EConfig, progress=None) -> pd.DataFrame:
     """Rows per system; ``same_tokens_as_engine`` checks greedy agreement with the paged engine."""
+    unknown = [name for name in config.systems if name not in ("paged-engine", "hf-static", "hf-continuous")]
+    if unknown or not config.systems:
+        raise ValueError(f"systems must be a non-empty subset of paged-engine, hf-static, hf-continuous; "
+                         f"got {', '.join(config.systems) or 'none'}")
     device = torch.device(config.device)
     engine = LLMEngine(config.model, block_size=config.block_size, device=config.device,
                        attention_backend=config.attention_backend, max_num_seqs=config.num_requests)

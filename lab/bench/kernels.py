@@ -117,3 +117,22 @@ def run_kernel_bench(config: KernelBenchConfig, progress=None) -> pd.DataFrame:
         table["copy_gb_per_s"] = copy_bandwidth(config.device) / 1e9
         table["frac_of_copy_bw"] = table["kv_gb_per_s"] / table["copy_gb_per_s"]
     return table
+
+
+def check_against_reference(config: KernelBenchConfig, context: int = 300, batch: int = 3) -> pd.DataFrame:
+    """Max relative error of each backend against the float64 NumPy reference on a small shape of the config's
+    heads and block size (context not a multiple of the block size)."""
+    from kernels import reference
+
+    query, key_cache, value_cache, block_tables, seq_lens, _ = make_paged_inputs(batch, context, config, seed=1)
+    seq_lens = torch.tensor([context, context // 2 + 1, 1][:batch] + [context] * max(0, batch - 3),
+                            dtype=torch.int32, device=config.device)
+    as_numpy = [t.double().cpu().numpy() for t in (query, key_cache, value_cache)]
+    expected = reference.paged_attention_decode(*as_numpy, block_tables.cpu().numpy(), seq_lens.cpu().numpy(),
+                                                config.head_dim ** -0.5)
+    rows = []
+    for backend in config.backends:
+        out = kernels.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, backend=backend)
+        error = float(abs(out.double().cpu().numpy() - expected).max() / abs(expected).max())
+        rows.append({"backend": backend, "dtype": str(config.dtype).replace("torch.", ""), "max_rel_err": error})
+    return pd.DataFrame(rows)

@@ -1,0 +1,128 @@
+"""Plotly figures and tables for the app: the block pool, the paging diagram, kernel sweeps and runtime runs.
+Pure functions of data, so they are tested without Streamlit."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.express as px
+import plotly.graph_objects as go
+
+SHARED_MARK = "●"
+
+
+def block_pool_frame(ref_counts: list[int], owners: list[list]) -> pd.DataFrame:
+    """One row per physical block: its id, ref count, owning sequences ('' when free) and whether it is shared."""
+    return pd.DataFrame({"block": np.arange(len(ref_counts)), "ref_count": ref_counts,
+                         "owners": [",".join(map(str, o)) for o in owners],
+                         "shared": [count > 1 for count in ref_counts]})
+
+
+def block_pool_figure(ref_counts: list[int], owners: list[list], columns: int | None = None,
+                      title: str = "Physical block pool") -> go.Figure:
+    """Heatmap, one cell per physical block coloured by its (first) owner; free blocks blank; shared blocks marked
+    with their ref count."""
+    count = len(ref_counts)
+    columns = columns or max(8, int(np.ceil(np.sqrt(count * 2))))
+    rows = -(-count // columns)
+    colour = np.full(rows * columns, np.nan)
+    text = np.full(rows * columns, "", dtype=object)
+    hover = np.full(rows * columns, "", dtype=object)
+    owner_ids = {}
+    for block, (refs, holders) in enumerate(zip(ref_counts, owners)):
+        if refs:
+            first = holders[0] if holders else "?"
+            colour[block] = owner_ids.setdefault(first, len(owner_ids) % 20)
+            text[block] = f"{SHARED_MARK}{refs}" if refs > 1 else ""
+        holders_text = ", ".join(map(str, holders)) if holders else "free"
+        hover[block] = f"block {block}<br>ref count {refs}<br>held by {holders_text}"
+    shape = (rows, columns)
+    figure = go.Figure(go.Heatmap(z=colour.reshape(shape), text=text.reshape(shape), texttemplate="%{text}",
+                                  hovertext=hover.reshape(shape), hoverinfo="text", colorscale="Turbo",
+                                  showscale=False, xgap=1, ygap=1, zmin=0, zmax=19))
+    figure.update_layout(title=title, height=max(220, 26 * rows + 80), margin=dict(l=10, r=10, t=40, b=10),
+                         yaxis=dict(autorange="reversed", showticklabels=False),
+                         xaxis=dict(showticklabels=False))
+    return figure
+
+
+def block_table_frame(block_table: list[int], block_size: int, seq_len: int | None = None) -> pd.DataFrame:
+    """Logical -> physical mapping of one sequence, with the tokens each block holds when the length is known."""
+    frame = pd.DataFrame({"logical_block": np.arange(len(block_table)), "physical_block": block_table})
+    frame["first_token"] = frame["logical_block"] * block_size
+    if seq_len is not None:
+        frame["tokens_held"] = np.clip(seq_len - frame["first_token"], 0, block_size)
+    return frame
+
+
+def paging_diagram() -> go.Figure:
+    """Logical blocks of two sequences -> their block tables -> scattered physical blocks, one shared."""
+    figure = go.Figure()
+    physical = {("A", 0): 7, ("A", 1): 1, ("A", 2): 4, ("B", 0): 7, ("B", 1): 3}
+    colours = {"A": "#2563eb", "B": "#f97316"}
+    for row, seq in enumerate(["A", "B"]):
+        for logical in range(3 if seq == "A" else 2):
+            y = 3 - row * 2
+            figure.add_shape(type="rect", x0=logical, x1=logical + 0.9, y0=y, y1=y + 0.8,
+                             fillcolor=colours[seq], opacity=0.8, line_width=0)
+            figure.add_annotation(x=logical + 0.45, y=y + 0.4, text=f"{seq}{logical}", showarrow=False,
+                                  font=dict(color="white"))
+            target = physical[(seq, logical)]
+            figure.add_annotation(x=6 + target * 0.8 + 0.35, y=2.4, ax=logical + 0.45, ay=y + 0.4, xref="x",
+                                  yref="y", axref="x", ayref="y", showarrow=True, arrowhead=2,
+                                  arrowcolor=colours[seq], text="")
+    for block in range(8):
+        shared = block == 7
+        used = block in physical.values()
+        figure.add_shape(type="rect", x0=6 + block * 0.8, x1=6 + block * 0.8 + 0.7, y0=2, y1=2.8,
+                         fillcolor="#a855f7" if shared else "#94a3b8" if used else "#f1f5f9",
+                         line=dict(color="#475569", width=1))
+        figure.add_annotation(x=6 + block * 0.8 + 0.35, y=1.8, text=str(block), showarrow=False)
+    figure.add_annotation(x=1.4, y=4.2, text="logical blocks (per sequence)", showarrow=False)
+    figure.add_annotation(x=8.8, y=3.2, text="physical blocks (block 7 shared, ref count 2)", showarrow=False)
+    figure.update_layout(height=280, xaxis=dict(visible=False, range=[-0.2, 12.6]),
+                         yaxis=dict(visible=False, range=[1.5, 4.5]), margin=dict(l=10, r=10, t=10, b=10),
+                         plot_bgcolor="white")
+    return figure
+
+
+def kernel_time_figure(table: pd.DataFrame) -> go.Figure:
+    """Median time per kernel vs context, one line per (kernel, batch)."""
+    frame = table.assign(series=table["kernel"] + " · batch " + table["batch"].astype(str))
+    figure = px.line(frame, x="context", y="median_ms", color="series", markers=True, log_y=True,
+                     title="Decode attention time (median)", labels={"median_ms": "ms", "context": "context"})
+    return figure.update_layout(height=380)
+
+
+def kernel_bandwidth_figure(table: pd.DataFrame) -> go.Figure:
+    """Achieved KV bandwidth per kernel, grouped by shape."""
+    frame = table.assign(shape="b" + table["batch"].astype(str) + "×" + table["context"].astype(str))
+    figure = px.bar(frame, x="shape", y="kv_gb_per_s", color="kernel", barmode="group",
+                    title="Achieved KV bandwidth", labels={"kv_gb_per_s": "GB/s"})
+    return figure.update_layout(height=380)
+
+
+def engine_live_figure(steps: pd.DataFrame) -> go.Figure:
+    """Running / waiting sequences and KV blocks in use per step."""
+    figure = go.Figure()
+    for column, name in (("num_running", "running"), ("num_waiting", "waiting"), ("num_used_blocks", "KV blocks")):
+        figure.add_scatter(x=steps["elapsed_s"], y=steps[column], name=name, mode="lines")
+    figure.update_layout(title="Engine state over time", xaxis_title="s", height=320,
+                         margin=dict(l=10, r=10, t=40, b=10))
+    return figure
+
+
+def latency_histograms(requests: pd.DataFrame) -> go.Figure:
+    """TTFT and TPOT distributions (ms) of finished requests."""
+    frame = pd.concat([pd.DataFrame({"metric": "TTFT", "ms": requests["ttft_s"] * 1e3}),
+                       pd.DataFrame({"metric": "TPOT", "ms": requests["tpot_s"] * 1e3})])
+    figure = px.histogram(frame, x="ms", color="metric", facet_col="metric", nbins=30,
+                          title="Latency distributions")
+    figure.update_xaxes(matches=None)
+    return figure.update_layout(height=320, showlegend=False)
+
+
+def system_comparison_figure(table: pd.DataFrame) -> go.Figure:
+    """Output tokens/s per serving system."""
+    figure = px.bar(table, x="system", y="output_tok_s", color="system", title="Output tokens/s",
+                    labels={"output_tok_s": "tokens/s"})
+    return figure.update_layout(height=320, showlegend=False)

@@ -1,0 +1,67 @@
+"""Results produced in an app session (simulations, kernel sweeps, runtime runs), kept for side-by-side comparison
+and CSV export."""
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+
+@dataclass(slots=True)
+class StoredResult:
+    """A named table of one kind (``simulation``, ``kernels``, ``runtime``, ``uploaded``)."""
+
+    name: str
+    kind: str
+    table: pd.DataFrame
+    created_s: float = field(default_factory=time.time)
+
+
+class ResultStore:
+    """Ordered results by unique name."""
+
+    def __init__(self):
+        self.results: dict[str, StoredResult] = {}
+
+    def add(self, kind: str, name: str, table: pd.DataFrame) -> StoredResult:
+        """Store a copy of ``table``; a taken name gets a numeric suffix."""
+        unique, index = name, 2
+        while unique in self.results:
+            unique, index = f"{name} ({index})", index + 1
+        result = StoredResult(unique, kind, table.copy())
+        self.results[unique] = result
+        return result
+
+    def names(self) -> list[str]:
+        return list(self.results)
+
+    def listing(self) -> pd.DataFrame:
+        """One row per stored result: name, kind, rows, columns."""
+        return pd.DataFrame([{"name": r.name, "kind": r.kind, "rows": len(r.table), "columns": len(r.table.columns)}
+                             for r in self.results.values()], columns=["name", "kind", "rows", "columns"])
+
+    def side_by_side(self, names: list[str]) -> pd.DataFrame:
+        """The chosen tables stacked, tagged by a ``result`` column (columns missing in one table are empty)."""
+        missing = [n for n in names if n not in self.results]
+        if missing:
+            raise ValueError(f"no stored result named {', '.join(missing)}")
+        frames = [self.results[n].table.assign(result=n) for n in names]
+        table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+        return table[["result", *[c for c in table.columns if c != "result"]]] if frames else table
+
+    def load_csv(self, data: bytes, name: str) -> StoredResult:
+        """Read an exported CSV back; raises ``ValueError`` naming the file when it is not a readable table."""
+        try:
+            table = pd.read_csv(io.BytesIO(data))
+        except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{name}: not a readable CSV ({exc})") from None
+        if table.empty:
+            raise ValueError(f"{name}: the CSV has no rows")
+        return self.add("uploaded", name, table)
+
+
+def to_csv_bytes(table: pd.DataFrame) -> bytes:
+    """CSV bytes for a download button."""
+    return table.to_csv(index=False).encode()

@@ -1,0 +1,29 @@
+import streamlit as st
+
+from pages._ui import USER_ERRORS, csv_download, results_store, show_error
+
+st.title("Benchmarks")
+st.caption("Every result produced in this session — simulations, kernel sweeps, runtime runs — side by side.")
+store = results_store()
+
+upload = st.file_uploader("Load a previously exported CSV", type=["csv"])
+if upload is not None and st.session_state.get("loaded_upload") != upload.file_id:
+    try:
+        store.load_csv(upload.getvalue(), upload.name)
+        st.session_state["loaded_upload"] = upload.file_id
+    except USER_ERRORS as exc:
+        show_error(exc)
+
+if not store.names():
+    st.info("No results yet: run the memory simulator, the kernel lab or the runtime, or load a CSV.")
+    st.stop()
+st.dataframe(store.listing(), hide_index=True)
+chosen = st.multiselect("Compare", store.names(), default=store.names()[-2:])
+if chosen:
+    table = store.side_by_side(chosen)
+    st.dataframe(table, hide_index=True)
+    csv_download(table, "comparison.csv", "dl_comparison", "Download the comparison CSV")
+for index, name in enumerate(store.names()):
+    with st.expander(name):
+        st.dataframe(store.results[name].table, hide_index=True)
+        csv_download(store.results[name].table, f"result_{index}.csv", f"dl_result_{index}")

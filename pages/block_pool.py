@@ -1,0 +1,99 @@
+import time
+
+import streamlit as st
+
+import simulator
+from lab.charts import block_pool_figure, block_pool_frame, block_table_frame
+from lab.live import RuntimeRunConfig, run_runtime
+from pages._ui import USER_ERRORS, chart, csv_download, show_error
+
+st.title("Block pool")
+st.caption("Every physical KV block, coloured by the sequence that holds it; ● marks shared blocks with their "
+           "reference count; blank blocks are free.")
+
+with st.sidebar:
+    source = st.radio("Drive the pool with", ["simulator (paged)", "runtime engine"])
+    num_blocks = st.slider("Physical blocks", 16, 1024, 160, step=16)
+    block_size = st.select_slider("Block size", [1, 2, 4, 8, 16, 32], 16)
+    num_requests = st.slider("Requests", 1, 200, 24)
+    n = st.slider("Parallel samples n (forks + copy-on-write)", 1, 4, 2)
+    shared_prefix = st.slider("Shared prompt prefix (tokens; prefix caching)", 0, 256, 64, step=16)
+    every = st.slider("Record a frame every … iterations", 1, 20, 2)
+    run = st.button("Run", type="primary")
+
+
+def record_simulation(on_frame):
+    workload = simulator.make_workload("alpaca", num_requests=num_requests, rate=40.0, n=n,
+                                       shared_prefix_tokens=shared_prefix)
+    config = simulator.SimConfig(allocator="paged", block_size=block_size, capacity_tokens=num_blocks * block_size,
+                                 max_model_len=4096)
+    frames = []
+
+    def on_snapshot(snapshot):
+        frames.append((snapshot.iteration, snapshot.pool))
+        on_frame(frames[-1])
+
+    simulator.simulate(workload, config, on_snapshot=on_snapshot, snapshot_every=every)
+    return frames
+
+
+def record_runtime(on_frame):
+    config = RuntimeRunConfig(num_requests=num_requests, prompt_len_range=(8, 48), max_tokens_range=(8, 48),
+                              shared_prefix_tokens=shared_prefix, block_size=block_size, num_blocks=num_blocks, n=n,
+                              temperature=1.0 if n > 1 else 0.0, max_num_seqs=64)
+    frames = []
+
+    def on_step(stats, pool):
+        if pool is not None:
+            frames.append((stats.step, pool))
+            on_frame(frames[-1])
+
+    run_runtime(config, on_step=on_step, frame_every=every)
+    return frames
+
+
+if run or "pool_frames" not in st.session_state:
+    live = st.empty()
+    shown = [0.0]
+
+    def on_frame(frame):
+        if time.perf_counter() - shown[0] > 0.25:  # redraw at most 4 times a second
+            iteration, pool = frame
+            live.plotly_chart(block_pool_figure(pool.ref_counts, pool.owners, title=f"iteration {iteration}"))
+            shown[0] = time.perf_counter()
+
+    try:
+        frames = (record_simulation if source.startswith("simulator") else record_runtime)(on_frame)
+        if not frames:
+            raise ValueError("the run ended before the first frame; record frames more often")
+        st.session_state.update(pool_frames=frames, pool_index=len(frames) - 1)
+    except USER_ERRORS as exc:
+        show_error(exc)
+        st.stop()
+    live.empty()
+
+frames = st.session_state["pool_frames"]
+
+
+@st.fragment(run_every=0.4)
+def player():
+    playing = st.toggle("Play", key="pool_play")
+    if playing:
+        st.session_state["pool_index"] = (st.session_state["pool_index"] + 1) % len(frames)
+    index = st.slider("Frame", 0, len(frames) - 1, key="pool_index")
+    iteration, pool = frames[index]
+    cols = st.columns(4)
+    cols[0].metric("iteration", iteration)
+    cols[1].metric("free blocks", pool.num_free_blocks)
+    cols[2].metric("shared blocks", sum(count > 1 for count in pool.ref_counts))
+    cols[3].metric("sequences", len(pool.block_tables))
+    chart(block_pool_figure(pool.ref_counts, pool.owners, title=f"iteration {iteration}"), "pool_heatmap")
+    if pool.block_tables:
+        seq = st.selectbox("Block table of sequence", sorted(pool.block_tables, key=str))
+        st.dataframe(block_table_frame(pool.block_tables[seq], pool.block_size, pool.seq_lens.get(seq)),
+                     hide_index=True)
+    csv_download(block_pool_frame(pool.ref_counts, pool.owners), f"block_pool_{iteration}.csv", "dl_pool",
+                 "Download this frame (CSV)")
+
+
+player()

@@ -1,0 +1,61 @@
+import dataclasses
+
+import streamlit as st
+import torch
+
+import kernels
+from lab.bench.kernels import KernelBenchConfig, check_against_reference, run_kernel_bench
+from lab.charts import kernel_bandwidth_figure, kernel_time_figure
+from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
+
+SHAPES = {"Qwen3-0.6B/1.7B (16 q / 8 kv heads)": (16, 8), "Qwen3-4B/8B (32 / 8)": (32, 8),
+          "Qwen3-14B (40 / 8)": (40, 8), "Qwen3-32B (64 / 8)": (64, 8)}
+
+st.title("Kernel lab")
+usable, reason = kernels.cupy_status()
+if not usable:
+    st.info(f"The CuPy CUDA kernels need an NVIDIA GPU: {reason}. Running the CPU backends (torch, reference).")
+with st.sidebar:
+    backends = st.multiselect("Backends", kernels.available_backends(),
+                              default=["cupy"] if usable else ["torch"])
+    shape = st.selectbox("Heads (head_dim 128)", list(SHAPES))
+    batches = st.multiselect("Batch sizes", [1, 2, 4, 8, 16, 32, 64], default=[1, 8])
+    contexts = st.multiselect("Context lengths", [128, 256, 512, 1024, 2048, 4096, 8192, 32768], default=[256, 1024])
+    block_size = st.select_slider("Block size", [1, 3, 7, 8, 16, 32, 64, 128, 256], 16)
+    dtypes = ["float32", "float16", "bfloat16"] if usable else ["float32", "bfloat16"]
+    dtype = st.selectbox("dtype", dtypes)
+    repeats = st.slider("Repeats (median)", 1, 20, 5)
+    run = st.button("Run sweep", type="primary")
+
+num_q_heads, num_kv_heads = SHAPES[shape]
+config = KernelBenchConfig(device="cuda" if usable else "cpu", dtype=getattr(torch, dtype),
+                           batch_sizes=tuple(sorted(batches)), context_lens=tuple(sorted(contexts)),
+                           num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, block_size=block_size,
+                           backends=tuple(b for b in backends if b != "reference"), repeats=repeats)
+if run or "kernel_table" not in st.session_state:
+    try:
+        if not config.backends:
+            raise ValueError("choose at least one of the torch / cupy backends to time")
+        if not batches or not contexts:
+            raise ValueError("choose at least one batch size and one context length")
+        correctness = check_against_reference(dataclasses.replace(config, backends=tuple(backends)))
+        bar = st.progress(0.0, "timing kernels…")
+        table = run_kernel_bench(config, progress=lambda done, total: bar.progress(done / total, "timing kernels…"))
+        bar.empty()
+        st.session_state.update(kernel_table=table, kernel_correctness=correctness)
+        results_store().add("kernels", f"kernels: {shape}, {dtype}, B={block_size}", table)
+    except USER_ERRORS as exc:
+        show_error(exc)
+        st.stop()
+
+table = st.session_state["kernel_table"]
+st.subheader("Correctness against the float64 reference")
+st.dataframe(st.session_state["kernel_correctness"], hide_index=True)
+left, right = st.columns(2)
+with left:
+    chart(kernel_time_figure(table), "kernel_time")
+with right:
+    chart(kernel_bandwidth_figure(table), "kernel_bandwidth")
+st.subheader("Timings (paged vs SDPA on contiguous K/V)")
+st.dataframe(table, hide_index=True)
+csv_download(table, "kernels.csv", "dl_kernels")

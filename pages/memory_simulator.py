@@ -1,0 +1,108 @@
+import math
+
+import pandas as pd
+import streamlit as st
+
+import simulator
+from simulator import charts
+from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
+
+st.title("Memory simulator")
+st.caption("Replay a workload against contiguous allocators and the paged block manager; see where KV memory goes.")
+
+with st.sidebar:
+    figure2 = st.toggle("vLLM paper Figure 2 setup", help="OPT-13B on A100-40GB, ShareGPT lengths, 2048 max length, "
+                        "buddy-allocated contiguous baselines, paged B=16, all requests at t=0")
+    source = st.radio("Workload", ["synthetic", "upload a trace"], horizontal=True, disabled=figure2)
+    upload = None
+    if source == "synthetic" or figure2:
+        preset = st.selectbox("Preset", simulator.SYNTHETIC_PRESETS, disabled=figure2)
+    else:
+        upload = st.file_uploader("Trace (Azure CSV, Mooncake JSONL or arrival_time_s,prompt_tokens,output_tokens)",
+                                  type=["csv", "jsonl", "json"])
+        time_scale = st.number_input("Time scale (multiplies arrival offsets)", 0.001, 1000.0, 1.0)
+    num_requests = st.number_input("Requests (trace: max rows)", 1, 200_000, 1000, step=100)
+    rate = st.slider("Arrival rate (req/s; 0 = all at t=0)", 0.0, 200.0, 20.0, disabled=figure2)
+    burstiness = st.slider("Burstiness (gamma shape; 1 = Poisson)", 0.1, 4.0, 1.0, disabled=figure2)
+    n = st.slider("Parallel samples n", 1, 8, 1, disabled=figure2)
+    shared_prefix = st.slider("Shared system-prompt tokens", 0, 1024, 0, step=16, disabled=figure2)
+    model = st.selectbox("Model", list(simulator.MODELS), index=list(simulator.MODELS).index("qwen3-8b"),
+                         disabled=figure2)
+    gpu = st.selectbox("GPU", list(simulator.GPUS), index=list(simulator.GPUS).index("a100-80gb"), disabled=figure2)
+    capacity = st.number_input("KV capacity override (tokens; 0 = from model and GPU)", 0, 10**8, 0, step=1000)
+    utilization = st.slider("GPU memory utilization", 0.3, 1.0, 0.9)
+    max_model_len = st.select_slider("Max model length", [512, 1024, 2048, 4096, 8192, 16384, 32768, 131072], 2048,
+                                     disabled=figure2)
+    allocators = st.multiselect("Allocators", simulator.ALLOCATORS, default=list(simulator.ALLOCATORS),
+                                disabled=figure2)
+    block_sizes = st.multiselect("Paged block sizes", [1, 2, 4, 8, 16, 32, 64, 128, 256], default=[16],
+                                 disabled=figure2)
+    address_space = st.radio("Contiguous address space", ["first-fit", "buddy"], horizontal=True, disabled=figure2)
+    scheduling = st.radio("Scheduling", ["prefill-first", "chunked"], horizontal=True)
+
+
+def build_inputs():
+    if figure2:
+        spec, configs = simulator.figure2_experiment(int(num_requests))
+        return simulator.synthetic_workload(spec), configs
+    if upload is not None:
+        workload = simulator.load_trace_bytes(upload.getvalue(), upload.name, time_scale, int(num_requests))
+    elif source == "synthetic":
+        workload = simulator.make_workload(preset, num_requests=int(num_requests), rate=rate or math.inf,
+                                           burstiness=burstiness, n=n, shared_prefix_tokens=shared_prefix,
+                                           max_model_len=max_model_len)
+    else:
+        raise ValueError("upload a trace file first (or switch to a synthetic workload)")
+    configs = simulator.make_configs(allocators, sorted(block_sizes), model=model, gpu=gpu,
+                                     max_model_len=max_model_len, capacity_tokens=capacity or None,
+                                     gpu_memory_utilization=utilization, address_space=address_space,
+                                     scheduling=scheduling)
+    return workload, configs
+
+
+key = repr((figure2, source, upload.file_id if upload else None, locals().get("preset"), num_requests, rate,
+            burstiness, n, shared_prefix, model, gpu, capacity, utilization, max_model_len, allocators, block_sizes,
+            address_space, scheduling))
+if st.session_state.get("sim_key") != key:
+    try:
+        workload, configs = build_inputs()
+        bar = st.progress(0.0, "simulating…")
+        st.button("Stop", key="stop_sim", help="Stops the run (a rerun interrupts it)")
+        summary, runs = simulator.compare(workload, configs, progress=lambda f: bar.progress(min(f, 1.0),
+                                                                                          "simulating…"))
+        bar.empty()
+        if figure2:
+            summary["paper_token_states_frac"] = summary["allocator"].map(simulator.PAPER_FIGURE2_TOKEN_STATES)
+        st.session_state.update(sim_key=key, sim_summary=summary, sim_series={k: r.timeseries for k, r in runs.items()},
+                                sim_workload=workload.summary())
+        results_store().add("simulation", f"simulation: {workload.name} × {len(configs)} configs", summary)
+    except USER_ERRORS as exc:
+        st.session_state.pop("sim_key", None)
+        show_error(exc)
+        st.stop()
+
+summary: pd.DataFrame = st.session_state["sim_summary"]
+series: dict = st.session_state["sim_series"]
+st.caption("Workload: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                    for k, v in st.session_state["sim_workload"].items()))
+chart(charts.waste_bars(summary), "waste_bars")
+tabs = st.tabs(list(series))
+for tab, (label, frame) in zip(tabs, series.items()):
+    with tab:
+        chart(charts.waste_areas(frame, f"{label}: KV breakdown over time"), f"areas_{label}")
+left, right = st.columns(2)
+with left:
+    chart(charts.over_time(series, "running", "Batch size (running sequences)"), "batch_over_time")
+with right:
+    chart(charts.over_time(series, "generated_tokens", "Throughput (output tokens/s)", per_second=True),
+          "throughput_over_time")
+chart(charts.latency_percentiles(summary), "latency_percentiles")
+st.subheader("Summary")
+shown = ["label", "token_states_frac", "reserved_frac", "internal_frag_frac", "external_frag_frac", "free_frac",
+         "mean_batch_size", "peak_batch_size", "throughput_tok_s", "ttft_p50_s", "tpot_p50_s", "preemptions",
+         "num_requests_completed", "num_requests_rejected", "capacity_tokens"]
+st.dataframe(summary[[c for c in shown if c in summary] + [c for c in ("paper_token_states_frac",) if c in summary]],
+             hide_index=True)
+csv_download(summary, "simulation_summary.csv", "dl_summary", "Download summary CSV")
+timeseries = pd.concat([f.assign(run=label) for label, f in series.items()], ignore_index=True)
+csv_download(timeseries, "simulation_timeseries.csv", "dl_timeseries", "Download timeseries CSV")

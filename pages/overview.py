@@ -1,0 +1,23 @@
+import streamlit as st
+
+from lab.charts import paging_diagram
+from lab.hardware import describe_hardware
+from pages._ui import chart
+
+st.title("MiniPaged Lab")
+st.markdown(
+    "**Paged KV cache.** A sequence's keys and values live in fixed-size *blocks* of the GPU's KV pool. A per-sequence "
+    "*block table* maps its logical blocks to physical ones, so a sequence only holds the blocks it has filled, "
+    "blocks need not be contiguous, and sequences can *share* blocks (a common prompt, parallel samples) with "
+    "reference counts and copy-on-write.\n\n"
+    "**Paged attention.** The decode kernel walks each sequence's block table and reads K/V block by block, with an "
+    "online softmax — one thread block per (sequence, KV head) serving every query head of its GQA group.")
+chart(paging_diagram(), "paging_diagram")
+st.subheader("This machine")
+st.dataframe(describe_hardware(), hide_index=True)
+st.subheader("Pages")
+st.page_link("pages/memory_simulator.py", label="Memory simulator — contiguous vs paged on your traffic", icon="📊")
+st.page_link("pages/block_pool.py", label="Block pool — watch paging, sharing and copy-on-write", icon="🟦")
+st.page_link("pages/kernel_lab.py", label="Kernel lab — paged attention vs SDPA", icon="⚙️")
+st.page_link("pages/runtime.py", label="Qwen3 runtime — the paged engine live", icon="🤖")
+st.page_link("pages/benchmarks.py", label="Benchmarks — every result of this session", icon="📋")

@@ -1,0 +1,101 @@
+import dataclasses
+
+import pandas as pd
+import streamlit as st
+
+from lab.bench.e2e import E2EConfig, run_e2e_bench
+from lab.charts import engine_live_figure, latency_histograms, system_comparison_figure
+from lab.live import RuntimeRunConfig, run_runtime
+from lab.model import load_hf_model
+from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
+
+st.title("Qwen3 runtime")
+st.caption("The paged engine serving a request mix: continuous batching, prefix caching, preemption, live.")
+
+
+@st.cache_resource(show_spinner="loading the model…")
+def cached_model(name: str):
+    import torch
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return load_hf_model(name, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+
+
+with st.sidebar:
+    model = st.text_input("Model (preset or local checkpoint directory)", "tiny")
+    num_requests = st.slider("Requests", 1, 128, 16)
+    prompt_range = st.slider("Prompt lengths", 1, 1024, (16, 128))
+    output_range = st.slider("Max new tokens", 1, 512, (16, 64))
+    shared_prefix = st.slider("Shared prompt prefix (tokens)", 0, 512, 0, step=16)
+    block_size = st.select_slider("Block size", [1, 2, 4, 8, 16, 32, 64, 128, 256], 16)
+    num_blocks = st.number_input("KV pool (blocks)", 1, 1_000_000, 256)
+    prefix_caching = st.toggle("Prefix caching", True)
+    n = st.slider("Parallel samples n", 1, 8, 1)
+    temperature = st.slider("Temperature", 0.0, 2.0, 0.0)
+    backend = st.selectbox("Attention backend", ["auto", "torch", "reference", "cupy"])
+    run = st.button("Run", type="primary")
+
+config = RuntimeRunConfig(model=model, num_requests=num_requests, prompt_len_range=prompt_range,
+                          max_tokens_range=output_range, shared_prefix_tokens=shared_prefix, block_size=block_size,
+                          num_blocks=int(num_blocks), enable_prefix_caching=prefix_caching, n=n,
+                          temperature=temperature, attention_backend=backend)
+if run or "runtime_run" not in st.session_state:
+    live = st.container(border=True)
+    cols = live.columns(6)
+    tiles = [col.empty() for col in cols]
+    plot = live.empty()
+    history = []
+
+    def on_step(stats, pool):
+        history.append(stats)
+        elapsed = max(stats.elapsed_s, 1e-9)
+        for tile, (label, value) in zip(tiles, [("tokens/s", f"{stats.generated_tokens / elapsed:,.0f}"),
+                                                ("running", stats.num_running), ("waiting", stats.num_waiting),
+                                                ("KV blocks used", stats.num_used_blocks),
+                                                ("preemptions", stats.preemptions), ("step", stats.step)]):
+            tile.metric(label, value)
+        if stats.step % 10 == 0:
+            plot.plotly_chart(engine_live_figure(pd.DataFrame([dataclasses.asdict(s) for s in history])))
+
+    try:
+        hf_model, tokenizer = cached_model(model)
+        result = run_runtime(config, on_step=on_step, hf_model=hf_model, tokenizer=tokenizer)
+        st.session_state["runtime_run"] = result
+        results_store().add("runtime", f"runtime: {model}, {num_requests} requests, B={block_size}",
+                            pd.DataFrame([result.summary]))
+    except USER_ERRORS as exc:
+        show_error(exc)
+        st.stop()
+
+result = st.session_state["runtime_run"]
+summary = result.summary
+cols = st.columns(5)
+cols[0].metric("output tokens/s", f"{summary['output_tok_s']:,.0f}")
+cols[1].metric("peak KV blocks", f"{summary['peak_kv_blocks']} / {summary['num_kv_blocks']}")
+cols[2].metric("prefix hit rate", f"{summary['prefix_hit_rate']:.0%}")
+cols[3].metric("preemptions", summary["preemptions"])
+cols[4].metric("peak memory", f"{summary['peak_memory_bytes'] / 2**20:,.0f} MiB")
+chart(engine_live_figure(result.steps), "engine_state")
+if len(result.requests):
+    chart(latency_histograms(result.requests), "latency_hist")
+st.dataframe(result.requests, hide_index=True)
+csv_download(result.requests, "runtime_requests.csv", "dl_requests", "Download per-request CSV")
+csv_download(pd.DataFrame([summary]), "runtime_summary.csv", "dl_runtime_summary", "Download run summary CSV")
+
+st.subheader("Against HF generation")
+systems = st.multiselect("Systems", ["paged-engine", "hf-static", "hf-continuous"],
+                         default=["paged-engine", "hf-static"])
+if st.button("Compare on this request mix"):
+    try:
+        with st.spinner("running the comparison…"):
+            table = run_e2e_bench(E2EConfig(model=model, num_requests=num_requests, prompt_range=prompt_range,
+                                            output_range=output_range, block_size=block_size,
+                                            attention_backend=backend, systems=tuple(systems)))
+        st.session_state["runtime_compare"] = table
+        results_store().add("runtime", f"serving comparison: {model}", table)
+    except USER_ERRORS as exc:
+        show_error(exc)
+if "runtime_compare" in st.session_state:
+    table = st.session_state["runtime_compare"]
+    chart(system_comparison_figure(table), "systems")
+    st.dataframe(table, hide_index=True)
+    csv_download(table, "serving_comparison.csv", "dl_compare")

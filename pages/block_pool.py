@@ -13,13 +13,13 @@ st.caption("Every physical KV block, coloured by the sequence that holds it; ●
 
 with st.sidebar:
     source = st.radio("Drive the pool with", ["simulator (paged)", "runtime engine"])
-    num_blocks = st.slider("Physical blocks", 16, 1024, 160, step=16)
+    num_blocks = st.slider("Physical blocks", 16, 1024, 160, step=16, key="num_blocks")
     block_size = st.select_slider("Block size", [1, 2, 4, 8, 16, 32], 16)
     num_requests = st.slider("Requests", 1, 200, 24)
     n = st.slider("Parallel samples n (forks + copy-on-write)", 1, 4, 2)
     shared_prefix = st.slider("Shared prompt prefix (tokens; prefix caching)", 0, 256, 64, step=16)
     every = st.slider("Record a frame every … iterations", 1, 20, 2)
-    run = st.button("Run", type="primary")
+    run = st.button("Run", type="primary", key="run")
 
 
 def record_simulation(on_frame):

@@ -25,7 +25,7 @@ with st.sidebar:
     dtypes = ["float32", "float16", "bfloat16"] if usable else ["float32", "bfloat16"]
     dtype = st.selectbox("dtype", dtypes)
     repeats = st.slider("Repeats (median)", 1, 20, 5)
-    run = st.button("Run sweep", type="primary")
+    run = st.button("Run sweep", type="primary", key="run")
 
 num_q_heads, num_kv_heads = SHAPES[shape]
 config = KernelBenchConfig(device="cuda" if usable else "cpu", dtype=getattr(torch, dtype),

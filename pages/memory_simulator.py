@@ -28,7 +28,7 @@ with st.sidebar:
     shared_prefix = st.slider("Shared system-prompt tokens", 0, 1024, 0, step=16, disabled=figure2)
     model = st.selectbox("Model", list(simulator.MODELS), index=list(simulator.MODELS).index("qwen3-8b"),
                          disabled=figure2)
-    gpu = st.selectbox("GPU", list(simulator.GPUS), index=list(simulator.GPUS).index("a100-80gb"), disabled=figure2)
+    gpu = st.selectbox("GPU", list(simulator.GPUS), index=list(simulator.GPUS).index("a100-40gb"), disabled=figure2)
     capacity = st.number_input("KV capacity override (tokens; 0 = from model and GPU)", 0, 10**8, 0, step=1000)
     utilization = st.slider("GPU memory utilization", 0.3, 1.0, 0.9)
     max_model_len = st.select_slider("Max model length", [512, 1024, 2048, 4096, 8192, 16384, 32768, 131072], 2048,

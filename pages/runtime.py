@@ -32,7 +32,7 @@ with st.sidebar:
     n = st.slider("Parallel samples n", 1, 8, 1)
     temperature = st.slider("Temperature", 0.0, 2.0, 0.0)
     backend = st.selectbox("Attention backend", ["auto", "torch", "reference", "cupy"])
-    run = st.button("Run", type="primary")
+    run = st.button("Run", type="primary", key="run")
 
 config = RuntimeRunConfig(model=model, num_requests=num_requests, prompt_len_range=prompt_range,
                           max_tokens_range=output_range, shared_prefix_tokens=shared_prefix, block_size=block_size,

@@ -60,7 +60,8 @@ def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool
         def on_snapshot(snapshot, index=index):
             return None if progress is None else progress((index + snapshot.progress) / len(configs))
 
-        results[label] = Simulator(workload, config, on_snapshot=on_snapshot, snapshot_every=100).run()
+        results[label] = Simulator(workload, config, on_snapshot=on_snapshot, snapshot_every=100,
+                                   snapshot_pool=False).run()
         if results[label].summary["stopped_early"]:
             break
     table = pd.DataFrame([{"label": label, **r.summary} for label, r in results.items()])

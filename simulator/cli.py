@@ -93,7 +93,7 @@ def run(args) -> tuple[pd.DataFrame, pd.DataFrame]:
                 bar.update(step)
                 shown[0] += step
 
-        result = Simulator(workload, config, on_snapshot=progress, snapshot_every=200).run()
+        result = Simulator(workload, config, on_snapshot=progress, snapshot_every=200, snapshot_pool=False).run()
         bar.update(100 - shown[0])
         summaries.append(result.summary)
         series.append(result.timeseries.assign(allocator=config.allocator, block_size=config.block_size))

@@ -125,7 +125,8 @@ class Simulator:
     """One run of one workload against one allocation policy; call ``run()``."""
 
     def __init__(self, workload: Workload, config: SimConfig,
-                 on_snapshot: Callable[[Snapshot], bool | None] | None = None, snapshot_every: int = 50):
+                 on_snapshot: Callable[[Snapshot], bool | None] | None = None, snapshot_every: int = 50,
+                 snapshot_pool: bool = True):
         _check_config(config)
         if len(workload) == 0:
             raise ValueError("the workload has no requests")
@@ -133,6 +134,7 @@ class Simulator:
         self.capacity_tokens, self.cost = resolve_capacity(config)
         self.policy = build_policy(config, self.capacity_tokens)
         self.on_snapshot, self.snapshot_every = on_snapshot, max(1, snapshot_every)
+        self.snapshot_pool = snapshot_pool  # copying the pool is O(blocks): progress-only callers skip it
         self.time = 0.0
         self.step = 0  # decode steps so far
         self.iteration = 0
@@ -361,6 +363,8 @@ class Simulator:
     def snapshot(self) -> Snapshot:
         done = self.num_finished + int(self.rejected.sum())
         snap = Snapshot(self.iteration, self.time, self.metrics.current(self), progress=done / self.num_requests)
+        if not self.snapshot_pool:
+            return snap
         if self.policy.paged:
             snap.pool = self.policy.manager.snapshot()
         else:

@@ -1,14 +1,14 @@
 """MiniPaged Lab — `streamlit run app.py`."""
 import streamlit as st
 
-st.set_page_config(page_title="MiniPaged Lab", page_icon="🧱", layout="wide")
+st.set_page_config(page_title="MiniPaged Lab", page_icon=":material/grid_view:", layout="wide")
 
 PAGES = [
-    st.Page("pages/overview.py", title="Overview", icon="🧱", default=True),
-    st.Page("pages/memory_simulator.py", title="Memory simulator", icon="📊"),
-    st.Page("pages/block_pool.py", title="Block pool", icon="🟦"),
-    st.Page("pages/kernel_lab.py", title="Kernel lab", icon="⚙️"),
-    st.Page("pages/runtime.py", title="Qwen3 runtime", icon="🤖"),
-    st.Page("pages/benchmarks.py", title="Benchmarks", icon="📋"),
+    st.Page("pages/overview.py", title="Overview", icon=":material/home:", default=True),
+    st.Page("pages/memory_simulator.py", title="Memory simulator", icon=":material/stacked_bar_chart:"),
+    st.Page("pages/block_pool.py", title="Block pool", icon=":material/grid_view:"),
+    st.Page("pages/kernel_lab.py", title="Kernel lab", icon=":material/memory:"),
+    st.Page("pages/runtime.py", title="Qwen3 runtime", icon=":material/smart_toy:"),
+    st.Page("pages/benchmarks.py", title="Benchmarks", icon=":material/table_chart:"),
 ]
 st.navigation(PAGES).run()

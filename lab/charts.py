@@ -55,32 +55,32 @@ def block_table_frame(block_table: list[int], block_size: int, seq_len: int | No
 
 
 def paging_diagram() -> go.Figure:
-    """Logical blocks of two sequences -> their block tables -> scattered physical blocks, one shared."""
-    figure = go.Figure()
-    physical = {("A", 0): 7, ("A", 1): 1, ("A", 2): 4, ("B", 0): 7, ("B", 1): 3}
+    """Logical blocks of two sequences -> their block tables -> scattered physical blocks, one of them shared."""
+    tables = {"A": [7, 1, 4], "B": [7, 3]}
     colours = {"A": "#2563eb", "B": "#f97316"}
-    for row, seq in enumerate(["A", "B"]):
-        for logical in range(3 if seq == "A" else 2):
-            y = 3 - row * 2
-            figure.add_shape(type="rect", x0=logical, x1=logical + 0.9, y0=y, y1=y + 0.8,
-                             fillcolor=colours[seq], opacity=0.8, line_width=0)
-            figure.add_annotation(x=logical + 0.45, y=y + 0.4, text=f"{seq}{logical}", showarrow=False,
+    origin = {"A": 0.0, "B": 4.6}
+    figure = go.Figure()
+    for seq, table in tables.items():
+        for logical, physical in enumerate(table):
+            x0 = origin[seq] + logical * 1.1
+            figure.add_shape(type="rect", x0=x0, x1=x0 + 0.9, y0=3.0, y1=3.7, fillcolor=colours[seq], line_width=0)
+            figure.add_annotation(x=x0 + 0.45, y=3.35, text=f"{seq}{logical}", showarrow=False,
                                   font=dict(color="white"))
-            target = physical[(seq, logical)]
-            figure.add_annotation(x=6 + target * 0.8 + 0.35, y=2.4, ax=logical + 0.45, ay=y + 0.4, xref="x",
-                                  yref="y", axref="x", ayref="y", showarrow=True, arrowhead=2,
+            figure.add_annotation(x=physical * 1.1 + 0.45, y=1.25, ax=x0 + 0.45, ay=3.0, xref="x", yref="y",
+                                  axref="x", ayref="y", showarrow=True, arrowhead=2, arrowwidth=1.5,
                                   arrowcolor=colours[seq], text="")
+        figure.add_annotation(x=origin[seq] + 1.5, y=4.0, showarrow=False,
+                              text=f"sequence {seq}: logical blocks → block table {table}")
+    used = {b for table in tables.values() for b in table}
     for block in range(8):
-        shared = block == 7
-        used = block in physical.values()
-        figure.add_shape(type="rect", x0=6 + block * 0.8, x1=6 + block * 0.8 + 0.7, y0=2, y1=2.8,
-                         fillcolor="#a855f7" if shared else "#94a3b8" if used else "#f1f5f9",
+        colour = "#a855f7" if block == 7 else "#94a3b8" if block in used else "#f1f5f9"
+        figure.add_shape(type="rect", x0=block * 1.1, x1=block * 1.1 + 0.9, y0=0.5, y1=1.2, fillcolor=colour,
                          line=dict(color="#475569", width=1))
-        figure.add_annotation(x=6 + block * 0.8 + 0.35, y=1.8, text=str(block), showarrow=False)
-    figure.add_annotation(x=1.4, y=4.2, text="logical blocks (per sequence)", showarrow=False)
-    figure.add_annotation(x=8.8, y=3.2, text="physical blocks (block 7 shared, ref count 2)", showarrow=False)
-    figure.update_layout(height=280, xaxis=dict(visible=False, range=[-0.2, 12.6]),
-                         yaxis=dict(visible=False, range=[1.5, 4.5]), margin=dict(l=10, r=10, t=10, b=10),
+        figure.add_annotation(x=block * 1.1 + 0.45, y=0.85, text=str(block), showarrow=False)
+    figure.add_annotation(x=4.4, y=0.2, showarrow=False,
+                          text="physical blocks (block 7 is shared by A and B: ref count 2; white = free)")
+    figure.update_layout(height=300, xaxis=dict(visible=False, range=[-0.3, 8.9]),
+                         yaxis=dict(visible=False, range=[0, 4.3]), margin=dict(l=10, r=10, t=10, b=10),
                          plot_bgcolor="white")
     return figure
 

@@ -66,7 +66,8 @@ if run or "pool_frames" not in st.session_state:
         frames = (record_simulation if source.startswith("simulator") else record_runtime)(on_frame)
         if not frames:
             raise ValueError("the run ended before the first frame; record frames more often")
-        st.session_state.update(pool_frames=frames, pool_index=len(frames) - 1)
+        busiest = max(range(len(frames)), key=lambda i: len(frames[i][1].ref_counts) - frames[i][1].num_free_blocks)
+        st.session_state.update(pool_frames=frames, pool_index=busiest)  # open on the fullest frame
     except USER_ERRORS as exc:
         show_error(exc)
         st.stop()

@@ -63,14 +63,20 @@ def build_inputs():
 key = repr((figure2, source, upload.file_id if upload else None, locals().get("preset"), num_requests, rate,
             burstiness, n, shared_prefix, model, gpu, capacity, utilization, max_model_len, allocators, block_sizes,
             address_space, scheduling))
+if st.session_state.get("stop_sim"):  # the Stop button interrupted the last run
+    st.session_state["sim_stopped_key"] = key
+if st.session_state.get("sim_stopped_key") == key:
+    st.info("Stopped. Change any input to run again.")
+    st.stop()
 if st.session_state.get("sim_key") != key:
     try:
         workload, configs = build_inputs()
-        bar = st.progress(0.0, "simulating…")
-        st.button("Stop", key="stop_sim", help="Stops the run (a rerun interrupts it)")
+        bar, stop = st.progress(0.0, "simulating…"), st.empty()
+        stop.button("Stop", key="stop_sim", help="Interrupts the run (any widget change does too)")
         summary, runs = simulator.compare(workload, configs, progress=lambda f: bar.progress(min(f, 1.0),
                                                                                           "simulating…"))
         bar.empty()
+        stop.empty()
         if figure2:
             summary["paper_token_states_frac"] = summary["allocator"].map(simulator.PAPER_FIGURE2_TOKEN_STATES)
         st.session_state.update(sim_key=key, sim_summary=summary, sim_series={k: r.timeseries for k, r in runs.items()},

@@ -1,0 +1,63 @@
+"""Figures are built from data alone; the result store keeps, compares and reloads tables."""
+import pandas as pd
+import pytest
+
+from lab.block_manager import KVBlockManager
+from lab.charts import (block_pool_figure, block_pool_frame, block_table_frame, engine_live_figure,
+                        kernel_bandwidth_figure, kernel_time_figure, latency_histograms, paging_diagram)
+from lab.results import ResultStore, to_csv_bytes
+from simulator import SimConfig, compare
+from simulator.charts import latency_percentiles, over_time, waste_areas, waste_bars
+
+
+def test_block_pool_figure_marks_owners_shared_and_free_blocks():
+    manager = KVBlockManager(10, 4)
+    manager.create_sequence("a", num_prompt_tokens=6)
+    manager.fork_sequence("a", "b")
+    pool = manager.snapshot()
+    figure = block_pool_figure(pool.ref_counts, pool.owners, columns=5)
+    heat = figure.data[0]
+    assert heat.z.shape == (2, 5)
+    assert sum(1 for v in heat.z.ravel() if v == v) == 2  # two used blocks, eight blank
+    assert list(heat.text.ravel()[:2]) == ["●2", "●2"]
+    frame = block_pool_frame(pool.ref_counts, pool.owners)
+    assert frame["shared"].sum() == 2 and frame.loc[0, "owners"] == "a,b"
+    table = block_table_frame(pool.block_tables["b"], 4, pool.seq_lens["b"])
+    assert table["tokens_held"].tolist() == [4, 2]
+
+
+def test_simulator_figures_have_one_trace_per_category_or_run():
+    summary, runs = compare("alpaca", [SimConfig(allocator="paged", capacity_tokens=5000),
+                                       SimConfig(allocator="contiguous-max", capacity_tokens=5000)],
+                            num_requests=50, rate=20.0)
+    assert len(waste_bars(summary).data) == 5
+    assert len(waste_areas(runs["paged-B16"].timeseries, "t").data) == 5
+    assert len(over_time({k: r.timeseries for k, r in runs.items()}, "running", "b").data) == 2
+    assert len(latency_percentiles(summary).data) == 2 * 3  # two runs x three facets (TTFT, TPOT, e2e)
+
+
+def test_runtime_and_kernel_figures():
+    steps = pd.DataFrame({"elapsed_s": [0.1, 0.2], "num_running": [1, 2], "num_waiting": [3, 1],
+                          "num_used_blocks": [4, 6]})
+    assert len(engine_live_figure(steps).data) == 3
+    requests = pd.DataFrame({"ttft_s": [0.1, 0.2], "tpot_s": [0.01, 0.02]})
+    assert len(latency_histograms(requests).data) == 2
+    kernels = pd.DataFrame({"kernel": ["sdpa-contiguous", "torch"], "batch": [1, 1], "context": [64, 64],
+                            "median_ms": [1.0, 1.1], "kv_gb_per_s": [5.0, 4.5]})
+    assert len(kernel_time_figure(kernels).data) == 2 and len(kernel_bandwidth_figure(kernels).data) == 2
+    assert len(paging_diagram().layout.shapes) == 13
+
+
+def test_result_store_round_trip():
+    store = ResultStore()
+    first = store.add("simulation", "run", pd.DataFrame({"x": [1, 2]}))
+    second = store.add("kernels", "run", pd.DataFrame({"y": [3]}))
+    assert (first.name, second.name) == ("run", "run (2)")
+    both = store.side_by_side(["run", "run (2)"])
+    assert list(both.columns) == ["result", "x", "y"] and len(both) == 3
+    loaded = store.load_csv(to_csv_bytes(both), "export.csv")
+    assert loaded.table.shape == both.shape and store.listing()["kind"].tolist()[-1] == "uploaded"
+    with pytest.raises(ValueError, match="bad.csv"):
+        store.load_csv(b"", "bad.csv")
+    with pytest.raises(ValueError, match="no stored result"):
+        store.side_by_side(["nope"])

@@ -81,11 +81,12 @@ def settle(page, charts: bool) -> None:
     page.wait_for_selector('[data-testid="stApp"]', timeout=60_000)
     if charts:
         page.wait_for_selector(".js-plotly-plot .main-svg", timeout=120_000)
-    page.wait_for_function(
-        "() => !document.querySelector('[data-testid=\"stStatusWidget\"]')"
-        " || !document.querySelector('[data-testid=\"stStatusWidget\"]').innerText.includes('Running')",
-        timeout=120_000)
-    page.wait_for_timeout(500)
+    for _ in range(2):  # a run can report idle between its script and fragment reruns: check twice
+        page.wait_for_function(
+            "() => !document.querySelector('[data-testid=\"stStatusWidget\"]')"
+            " || !document.querySelector('[data-testid=\"stStatusWidget\"]').innerText.includes('Running')",
+            timeout=120_000)
+        page.wait_for_timeout(1500)
 
 
 def no_exception(page) -> None:

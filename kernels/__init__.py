@@ -73,22 +73,31 @@ def copy_blocks(key_cache, value_cache, block_mapping, backend: str = "auto", ch
 
 
 def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float | None = None,
-                           backend: str = "auto", check: bool = True):
+                           backend: str = "auto", check: bool = True, out=None):
     """One decode step of attention: ``query [num_seqs, num_q_heads, head_dim]`` against each sequence's first
     ``seq_lens[s]`` cached tokens, found through ``block_tables``. GQA maps q head ``h`` to kv head
-    ``h // (num_q_heads // num_kv_heads)``; ``scale`` defaults to ``head_dim ** -0.5``. Returns ``out`` like query."""
+    ``h // (num_q_heads // num_kv_heads)``; ``scale`` defaults to ``head_dim ** -0.5``. Returns ``out`` like query
+    (written into ``out`` when given)."""
     if check:
         validate.check_attention_args(query, key_cache, value_cache, block_tables, seq_lens)
+        if out is not None:
+            validate.check_out(out, query)
     scale = float(query.shape[-1] ** -0.5 if scale is None else scale)
     name = resolve_backend(backend, query)
     if name == "reference":
-        out = reference.paged_attention_decode(validate.to_numpy_float(query), validate.to_numpy_float(key_cache),
-                                               validate.to_numpy_float(value_cache), validate.to_numpy(block_tables),
-                                               validate.to_numpy(seq_lens), scale)
-        return out if isinstance(query, np.ndarray) else _like(out, query)
-    if name == "cupy" and not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError("backend 'cupy' needs contiguous key_cache and value_cache")
-    return _backend_module(name).paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        result = reference.paged_attention_decode(validate.to_numpy_float(query), validate.to_numpy_float(key_cache),
+                                                  validate.to_numpy_float(value_cache),
+                                                  validate.to_numpy(block_tables), validate.to_numpy(seq_lens), scale)
+        result = result if isinstance(query, np.ndarray) else _like(result, query)
+    else:
+        if name == "cupy" and not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+            raise ValueError("backend 'cupy' needs contiguous key_cache and value_cache")
+        result = _backend_module(name).paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens,
+                                                              scale, out=out)
+    if out is not None and result is not out:
+        out[...] = result
+        return out
+    return result
 
 
 def _like(array: np.ndarray, tensor):

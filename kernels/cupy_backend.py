@@ -127,14 +127,15 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm
 
 
 def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float,
-                           partition_size: int | None = None) -> torch.Tensor:
+                           partition_size: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention with the v1 or v2 kernel (``partition_size``: None chooses, 0 forces v1, >0 forces v2)."""
     num_seqs, num_q_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
     check_supported(query, head_dim, group)
     device = query.device
-    out = torch.empty_like(query)
+    if out is None or not out.is_contiguous():
+        out = torch.empty_like(query)  # the kernels write a dense [num_seqs, num_q_heads, head_dim]
     if num_seqs == 0:
         return out
     block_tables = block_tables.to(device=device, dtype=torch.int32).contiguous()

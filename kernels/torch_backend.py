@@ -29,12 +29,13 @@ def copy_blocks(key_cache, value_cache, block_mapping) -> None:
         value_cache[dst].copy_(value_cache[src])
 
 
-def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
+def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """GQA decode attention over paged K/V, computed block-wise straight from the gathered blocks (no re-layout).
 
     Softmax statistics are float32; on CPU half types are computed in float32 throughout.
     """
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     block_tables = block_tables.to(device=key_cache.device, dtype=torch.long)
     seq_lens = seq_lens.to(device=key_cache.device, dtype=torch.long)
     num_blocks_used = int(-(-int(seq_lens.max()) // key_cache.shape[2])) if len(seq_lens) else 0

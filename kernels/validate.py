@@ -79,6 +79,13 @@ def check_attention_args(query, key_cache, value_cache, block_tables, seq_lens) 
     check_used_blocks(to_numpy(block_tables), to_numpy(seq_lens), block_size, num_blocks)
 
 
+def check_out(out, query) -> None:
+    """``out`` must match ``query`` in shape, dtype and device."""
+    if shape_of(out) != shape_of(query):
+        raise ValueError(f"out has shape {shape_of(out)}, query {shape_of(query)}")
+    check_same_kind("out", out, "query", query)
+
+
 def check_used_blocks(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int, num_blocks: int) -> None:
     """seq_lens must fit their rows, and every block a sequence reads must exist."""
     if seq_lens.size and seq_lens.min() < 1:

@@ -18,6 +18,7 @@ if not store.names():
     st.info("No results yet: run the memory simulator, the kernel lab or the runtime, or load a CSV.")
     st.stop()
 st.dataframe(store.listing(), hide_index=True)
+csv_download(store.listing(), "results_listing.csv", "dl_listing", "Download this list (CSV)")
 chosen = st.multiselect("Compare", store.names(), default=store.names()[-2:])
 if chosen:
     table = store.side_by_side(chosen)

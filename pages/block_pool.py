@@ -91,8 +91,9 @@ def player():
     chart(block_pool_figure(pool.ref_counts, pool.owners, title=f"iteration {iteration}"), "pool_heatmap")
     if pool.block_tables:
         seq = st.selectbox("Block table of sequence", sorted(pool.block_tables, key=str))
-        st.dataframe(block_table_frame(pool.block_tables[seq], pool.block_size, pool.seq_lens.get(seq)),
-                     hide_index=True)
+        table = block_table_frame(pool.block_tables[seq], pool.block_size, pool.seq_lens.get(seq))
+        st.dataframe(table, hide_index=True)
+        csv_download(table, f"block_table_{seq}.csv", "dl_block_table", "Download this block table (CSV)")
     csv_download(block_pool_frame(pool.ref_counts, pool.owners), f"block_pool_{iteration}.csv", "dl_pool",
                  "Download this frame (CSV)")
 

@@ -8,6 +8,7 @@ from lab.bench.kernels import KernelBenchConfig, check_against_reference, run_ke
 from lab.charts import kernel_bandwidth_figure, kernel_time_figure
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
 
+cached_check = st.cache_data(check_against_reference, show_spinner="checking against the reference…")
 SHAPES = {"Qwen3-0.6B/1.7B (16 q / 8 kv heads)": (16, 8), "Qwen3-4B/8B (32 / 8)": (32, 8),
           "Qwen3-14B (40 / 8)": (40, 8), "Qwen3-32B (64 / 8)": (64, 8)}
 
@@ -38,7 +39,7 @@ if run or "kernel_table" not in st.session_state:
             raise ValueError("choose at least one of the torch / cupy backends to time")
         if not batches or not contexts:
             raise ValueError("choose at least one batch size and one context length")
-        correctness = check_against_reference(dataclasses.replace(config, backends=tuple(backends)))
+        correctness = cached_check(dataclasses.replace(config, backends=tuple(backends)))
         bar = st.progress(0.0, "timing kernels…")
         table = run_kernel_bench(config, progress=lambda done, total: bar.progress(done / total, "timing kernels…"))
         bar.empty()
@@ -51,6 +52,7 @@ if run or "kernel_table" not in st.session_state:
 table = st.session_state["kernel_table"]
 st.subheader("Correctness against the float64 reference")
 st.dataframe(st.session_state["kernel_correctness"], hide_index=True)
+csv_download(st.session_state["kernel_correctness"], "kernel_correctness.csv", "dl_correctness")
 left, right = st.columns(2)
 with left:
     chart(kernel_time_figure(table), "kernel_time")

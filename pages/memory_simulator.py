@@ -7,6 +7,8 @@ import simulator
 from simulator import charts
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
 
+cached_workload = st.cache_data(simulator.make_workload, show_spinner=False)
+
 st.title("Memory simulator")
 st.caption("Replay a workload against contiguous allocators and the paged block manager; see where KV memory goes.")
 
@@ -48,7 +50,7 @@ def build_inputs():
     if upload is not None:
         workload = simulator.load_trace_bytes(upload.getvalue(), upload.name, time_scale, int(num_requests))
     elif source == "synthetic":
-        workload = simulator.make_workload(preset, num_requests=int(num_requests), rate=rate or math.inf,
+        workload = cached_workload(preset, num_requests=int(num_requests), rate=rate or math.inf,
                                            burstiness=burstiness, n=n, shared_prefix_tokens=shared_prefix,
                                            max_model_len=max_model_len)
     else:

@@ -2,7 +2,9 @@ import streamlit as st
 
 from lab.charts import paging_diagram
 from lab.hardware import describe_hardware
-from pages._ui import chart
+from pages._ui import chart, csv_download
+
+hardware = st.cache_data(describe_hardware)
 
 st.title("MiniPaged Lab")
 st.markdown(
@@ -14,7 +16,8 @@ st.markdown(
     "online softmax — one thread block per (sequence, KV head) serving every query head of its GQA group.")
 chart(paging_diagram(), "paging_diagram")
 st.subheader("This machine")
-st.dataframe(describe_hardware(), hide_index=True)
+st.dataframe(hardware(), hide_index=True)
+csv_download(hardware(), "hardware.csv", "dl_hardware")
 st.subheader("Pages")
 st.page_link("pages/memory_simulator.py", label="Memory simulator — contiguous vs paged on your traffic", icon=":material/stacked_bar_chart:")
 st.page_link("pages/block_pool.py", label="Block pool — watch paging, sharing and copy-on-write", icon=":material/grid_view:")

@@ -23,9 +23,10 @@ def reference_decode(case):
 def test_decode_matches_reference_cpu(backend, block_size, group):
     seq_lens = [1, block_size, 2 * block_size, 3 * block_size + 1, 37, 300]
     case = make_decode_case(seq_lens, block_size, num_kv_heads=2, group=group, head_dim=64)
-    out = kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
-                                         case.seq_lens, backend=backend)
-    assert relative_error(out, reference_decode(case)) < 1e-5
+    out = torch.full_like(case.query, float("nan"))  # poisoned: every element must be written
+    returned = kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
+                                              case.seq_lens, backend=backend, out=out)
+    assert returned is out and relative_error(out, reference_decode(case)) < 1e-5
 
 
 def test_reference_takes_numpy_and_matches_plain_softmax():
@@ -100,6 +101,8 @@ def test_bad_input_names_the_argument():
         call(block_tables=bad_tables)
     with pytest.raises(ValueError, match="dtype"):
         call(value_cache=case.value_cache.double())
+    with pytest.raises(ValueError, match="out has shape"):
+        call(out=torch.empty(1, 4, 8))
     with pytest.raises(ValueError, match="block_tables must hold integers"):
         call(block_tables=case.block_tables.float())
     with pytest.raises(ValueError, match="backend must be one of"):
@@ -145,8 +148,9 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 def test_decode_matches_reference_cuda(backend, dtype, block_size, group, head_dim):
     case = make_decode_case([1, block_size, 3 * block_size + 1, 37, 700, 1300], block_size, num_kv_heads=2,
                             group=group, head_dim=head_dim, dtype=dtype, device="cuda")
+    out = torch.full_like(case.query, float("nan"))
     out = kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
-                                         case.seq_lens, backend=backend)
+                                         case.seq_lens, backend=backend, out=out)
     assert out.dtype == dtype and relative_error(out, reference_decode(case)) < TOLERANCE[dtype]
 
 
@@ -159,7 +163,8 @@ def test_cupy_v1_and_v2_long_context(partition_size):
         pytest.skip("cupy cannot run kernels here")
     case = make_decode_case([32768, 5000, 1], 16, num_kv_heads=8, group=2, head_dim=128, device="cuda")
     out = cupy_backend.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
-                                              case.seq_lens, 128 ** -0.5, partition_size=partition_size)
+                                              case.seq_lens, 128 ** -0.5, partition_size=partition_size,
+                                              out=torch.full_like(case.query, float("nan")))
     assert relative_error(out, reference_decode(case)) < 1e-5
 
 

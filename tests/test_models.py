@@ -1,0 +1,58 @@
+"""Model/GPU presets, KV capacity and the roofline cost model."""
+import pandas as pd
+import pytest
+
+from simulator.models import GiB, CostModel, get_gpu, get_model, kv_capacity_tokens, override
+
+
+def test_preset_shapes_give_known_sizes():
+    opt = get_model("OPT-13B")
+    assert opt.kv_bytes_per_token == 800 * 1024  # 800 KiB per token, as in the vLLM paper
+    assert 12.5e9 < opt.num_params < 13.2e9
+    qwen = get_model("qwen3-0.6b")
+    assert qwen.kv_bytes_per_token == 2 * 28 * 8 * 128 * 2
+    assert 0.55e9 < qwen.num_params < 0.65e9
+    assert 7.9e9 < get_model("qwen3-8b").num_params < 8.4e9
+    with pytest.raises(ValueError, match="unknown model"):
+        get_model("gpt-5")
+    with pytest.raises(ValueError, match="unknown GPU"):
+        get_gpu("tpu")
+
+
+def test_kv_capacity_and_overrides():
+    model, gpu = get_model("opt-13b"), get_gpu("a100-40gb")
+    tokens = kv_capacity_tokens(model, gpu, 0.9, 1 * GiB)
+    expected = (40 * GiB * 0.9 - model.weight_bytes - GiB) // model.kv_bytes_per_token
+    assert tokens == expected and 10_000 < tokens < 20_000
+    with pytest.raises(ValueError, match="leaves no KV memory"):
+        kv_capacity_tokens(get_model("qwen3-32b"), get_gpu("l4"))
+    bigger = override(gpu, memory_bytes=80 * GiB)
+    assert kv_capacity_tokens(model, bigger) > tokens
+    with pytest.raises(ValueError, match="unknown GPUSpec field"):
+        override(gpu, colour="red")
+
+
+def test_roofline_regimes():
+    cost = CostModel(get_model("qwen3-8b"), get_gpu("h100-80gb"), step_overhead_s=0.0)
+    weights_s = cost.model.weight_bytes / (cost.gpu.bandwidth_bytes_s * cost.bandwidth_efficiency)
+    assert cost.iteration_time(1, 100, 100) == pytest.approx(weights_s, rel=0.01)  # decode batch 1: weight-bound
+    big_prefill = cost.iteration_time(8192, 8192 * 4096, 0)
+    flops = 2 * cost.model.matmul_params * 8192
+    assert big_prefill >= flops / (cost.gpu.peak_flops * cost.flops_efficiency)  # compute-bound
+    assert cost.iteration_time(64, 64 * 4096, 64 * 4096) > cost.iteration_time(64, 64 * 512, 64 * 512)
+    assert cost.iteration_time(0, 0, 0) == 0.0
+    assert cost.copy_time(1000) == pytest.approx(2 * 1000 * cost.model.kv_bytes_per_token /
+                                                 (cost.gpu.bandwidth_bytes_s * cost.bandwidth_efficiency))
+
+
+def test_calibration_from_kernel_csv(tmp_path):
+    path = tmp_path / "k.csv"
+    pd.DataFrame({"kernel": ["sdpa-contiguous", "cupy-v1", "cupy-v2", "cupy-v1"], "batch": [64, 64, 64, 1],
+                  "context": [4096, 4096, 4096, 512], "kv_gb_per_s": [4000, 3000, 2000, 100]}).to_csv(path)
+    cost = CostModel(get_model("qwen3-8b"), get_gpu("h100-80gb"))
+    before = cost.iteration_time(64, 64 * 4096, 64 * 4096)
+    assert cost.calibrate_from_kernel_csv(path) == pytest.approx(2500e9)
+    assert cost.iteration_time(64, 64 * 4096, 64 * 4096) != before
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="not a kernel benchmark CSV"):
+        cost.calibrate_from_kernel_csv(tmp_path / "bad.csv")

@@ -230,12 +230,16 @@ class KVBlockManager:
         size, table = self.block_size, seq.block_table
         cow = num_tokens and seq.num_tokens % size and self.ref_counts[table[-1]] > 1
         new_blocks = -(-(seq.num_tokens + num_tokens) // size) - len(table)
-        if cow or new_blocks:
-            self._check_free(new_blocks + bool(cow), seq_id)
+        if (cow or new_blocks) and new_blocks + bool(cow) > len(self._free_blocks) + len(self._evictable_blocks):
+            self._check_free(new_blocks + bool(cow), seq_id)  # raises OutOfBlocksError
         if cow:
             self._copy_on_write(seq)
         if seq.partial_token_ids is None:  # the simulator's hot path: no tokens to hash
-            if new_blocks:
+            if new_blocks == 1 and self._free_blocks:
+                block = self._free_blocks.pop()
+                self.ref_counts[block] = 1
+                table.append(block)
+            elif new_blocks:
                 table.extend(self._allocate_blocks(new_blocks))
             seq.num_tokens += num_tokens
             return

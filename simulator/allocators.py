@@ -208,16 +208,12 @@ class ContiguousPolicy:
         self.usage.will_fill += sign * min(size, seq.final_len)
         self.usage.never_filled += sign * max(0, size - seq.final_len)
 
-    def external_fragmentation(self) -> int:
-        return self.space.num_free - self.space.largest_free()
-
-    def usage_tuple(self) -> tuple[int, int, int]:
-        usage = self.usage
-        return usage.allocated, usage.will_fill, usage.never_filled
-
-    def region_map(self) -> list[tuple[int, int, object]]:
-        """``(start, size, owner)`` of used regions (owner None for holes), for the block-pool view."""
-        return [(s, n, None) for s, n in self.space.regions_free()]
+    def categories(self, held_tokens: int) -> tuple[int, int, int, int, int]:
+        """(token_states, reserved, internal, external fragmentation, free) in slots, given the tokens held."""
+        usage, space = self.usage, self.space
+        external = space.num_free - space.largest_free()
+        return (held_tokens, usage.will_fill - held_tokens, usage.never_filled, external,
+                self.capacity - usage.allocated - external)
 
 
 class PagedPolicy:
@@ -275,12 +271,18 @@ class PagedPolicy:
         manager = self.manager
         if not (manager._free_blocks or manager._evictable_blocks):
             return False
-        self._sync(seq, kv_len)
+        if kv_len > seq.synced_len:
+            if self.ops is not None:
+                self.ops.append(("append_tokens", seq.rid, kv_len - seq.synced_len))
+            manager.append_tokens(seq.rid, kv_len - seq.synced_len)
+            seq.synced_len = kv_len
         self.table_blocks += 1
+        allocated = len(manager.sequences[seq.rid].block_table) * self.block_size
+        if allocated < seq.final_len:
+            return allocated + 1
         if not seq.final_block_counted:
             self._count_final_block(seq)
-        allocated = len(manager.sequences[seq.rid].block_table) * self.block_size
-        return allocated + 1 if allocated < seq.final_len else None
+        return None
 
     def release(self, seq, kv_len: int | None = None) -> None:
         if kv_len is not None:
@@ -310,21 +312,12 @@ class PagedPolicy:
             self.ops.append((name, *args))
         return getattr(self.manager, name)(*args)
 
-    @property
-    def usage(self) -> Usage:
-        allocated = self.manager.num_used_blocks * self.block_size
-        return Usage(allocated, allocated - self.never_filled, self.never_filled)
-
-    def usage_tuple(self) -> tuple[int, int, int]:
-        """``(allocated, will_fill, never_filled)`` without building a ``Usage``."""
-        manager = self.manager
+    def categories(self, held_tokens: int) -> tuple[int, int, int, int, int]:
+        """(token_states, reserved, internal, external fragmentation = 0, free) in slots. ``held_tokens`` counts
+        every holder's tokens; shared full blocks are stored once, so their extra holders are subtracted."""
+        manager, size = self.manager, self.block_size
         used = manager.num_physical_blocks - len(manager._free_blocks) - len(manager._evictable_blocks)
-        allocated = used * self.block_size
-        return allocated, allocated - self.never_filled, self.never_filled
-
-    def shared_tokens(self) -> int:
-        """Token slots counted by several holders but stored once (shared full blocks)."""
-        return (self.table_blocks - self.manager.num_used_blocks) * self.block_size
-
-    def external_fragmentation(self) -> int:
-        return 0
+        allocated = used * size
+        token_states = held_tokens - (self.table_blocks - used) * size
+        return (token_states, allocated - self.never_filled - token_states, self.never_filled, 0,
+                self.capacity - allocated)

@@ -295,15 +295,24 @@ class Simulator:
     # ---- decode ----------------------------------------------------------------------------------------------
     def _decode_step(self) -> tuple[int, int]:
         """One token for every running sequence; returns (tokens, KV tokens attended)."""
-        self.step += 1
-        for seq, epoch in self.memory_calendar.pop(self.step, ()):
-            if seq.epoch == epoch and self.running.get(seq.rid) is seq:
-                self._grow(seq)
+        step = self.step = self.step + 1
+        events = self.memory_calendar.pop(step, None)
+        if events:
+            running, on_event, calendar = self.running, self.policy.on_event, self.memory_calendar
+            for seq, epoch in events:  # the common case inline: memory is free, schedule the next event
+                if seq.epoch != epoch or running.get(seq.rid) is not seq:
+                    continue
+                position = on_event(seq, seq.kv_len_base + step - seq.step_base)
+                if position is False:
+                    self._grow(seq)
+                elif position is not None and position <= seq.final_len:
+                    calendar.setdefault(seq.step_base + position - seq.kv_len_base, []).append((seq, epoch))
         num_running = len(self.running)
         self.generated_tokens += num_running
         return num_running, self.len_offset + num_running * self.step
 
     def _grow(self, seq: Seq) -> None:
+        """Get ``seq`` the memory it needs now, preempting the newest sequences (possibly itself) until it fits."""
         kv_len = seq.kv_len_base + self.step - seq.step_base
         while (position := self.policy.on_event(seq, kv_len)) is False:
             victim = self.running[next(reversed(self.running))]
@@ -354,11 +363,12 @@ class Simulator:
         return self.cost.copy_time(new) if new else 0.0
 
     # ---- observation -----------------------------------------------------------------------------------------
-    def token_states(self) -> int:
+    def held_tokens(self) -> int:
+        """KV tokens of all running and prefilling sequences, a shared block counted once per holder."""
         tokens = self.len_offset + len(self.running) * self.step
         if self.prefilling:
             tokens += sum(s.prefilled for s in self.prefilling)
-        return tokens - (self.policy.shared_tokens() if self.policy.paged else 0)
+        return tokens
 
     def snapshot(self) -> Snapshot:
         done = self.num_finished + int(self.rejected.sum())

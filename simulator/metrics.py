@@ -34,15 +34,9 @@ class MetricsRecorder:
         self.peak_batch = 0
         self.peak_allocated = 0
 
-    def categories(self, sim) -> tuple[int, int, int, int, int]:
-        allocated, will_fill, never_filled = sim.policy.usage_tuple()
-        token_states = sim.token_states()
-        external = sim.policy.external_fragmentation()
-        return (token_states, will_fill - token_states, never_filled, external, self.capacity - allocated - external)
-
     def accumulate(self, sim, duration: float) -> None:
         """Weight the current state by the iteration's duration; record a timeseries row every ``stride``."""
-        values = self.categories(sim)
+        values = sim.policy.categories(sim.held_tokens())
         weighted = self.weighted
         weighted[0] += values[0] * duration
         weighted[1] += values[1] * duration
@@ -72,7 +66,7 @@ class MetricsRecorder:
 
     def current(self, sim) -> dict:
         """The latest state as a dict of ``COLUMNS``."""
-        return dict(zip(COLUMNS, self._row(sim, self.categories(sim))))
+        return dict(zip(COLUMNS, self._row(sim, sim.policy.categories(sim.held_tokens()))))
 
     def summary(self) -> dict:
         """Time-weighted mean fraction of capacity of each category, mean and peak batch size."""

@@ -40,8 +40,8 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
 
 
 def _attend_one(q, keys, values, block_table, seq_len: int, block_size: int) -> np.ndarray:
-    """Online softmax over the sequence's blocks: running max ``m``, running sum ``l``, running output ``acc``."""
-    m, l, acc = -np.inf, 0.0, np.zeros(q.shape[0])
+    """Online softmax over the sequence's blocks: running max ``m``, running sum ``total``, running output ``acc``."""
+    m, total, acc = -np.inf, 0.0, np.zeros(q.shape[0])
     for logical in range(-(-seq_len // block_size)):
         physical = int(block_table[logical])
         n = min(block_size, seq_len - logical * block_size)
@@ -49,8 +49,8 @@ def _attend_one(q, keys, values, block_table, seq_len: int, block_size: int) -> 
         m_new = max(m, scores.max())
         p = np.exp(scores - m_new)
         correction = np.exp(m - m_new)
-        l = l * correction + p.sum()
+        total = total * correction + p.sum()
         acc = acc * correction + p @ values[physical, :n]
         m = m_new
-    return acc / l
+    return acc / total
 

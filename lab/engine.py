@@ -275,7 +275,7 @@ class LLMEngine:
 
     def _prefill(self, admitted) -> int:
         rows, input_ids, positions, slots, lens, cached_list, tables = [], [], [], [], [], [], []
-        for request, seq, (cached, length) in admitted:
+        for _, seq, (cached, length) in admitted:
             ids = seq.token_ids
             input_ids += ids[cached:]
             positions += range(cached, length)

@@ -81,23 +81,22 @@ GPUS = {g.name: g for g in [
 
 
 def get_model(name_or_spec) -> ModelSpec:
-    """A preset by name (case-insensitive), or the spec itself."""
-    if isinstance(name_or_spec, ModelSpec):
-        return name_or_spec
-    key = str(name_or_spec).lower()
-    if key not in MODELS:
-        raise ValueError(f"unknown model {name_or_spec!r}; presets: {', '.join(MODELS)}")
-    return MODELS[key]
+    """A model preset by name (case-insensitive), or the spec itself."""
+    return _preset(name_or_spec, ModelSpec, MODELS, "model")
 
 
 def get_gpu(name_or_spec) -> GPUSpec:
-    """A preset by name (case-insensitive), or the spec itself."""
-    if isinstance(name_or_spec, GPUSpec):
+    """A GPU preset by name (case-insensitive), or the spec itself."""
+    return _preset(name_or_spec, GPUSpec, GPUS, "GPU")
+
+
+def _preset(name_or_spec, kind: type, presets: dict, noun: str):
+    if isinstance(name_or_spec, kind):
         return name_or_spec
     key = str(name_or_spec).lower()
-    if key not in GPUS:
-        raise ValueError(f"unknown GPU {name_or_spec!r}; presets: {', '.join(GPUS)}")
-    return GPUS[key]
+    if key not in presets:
+        raise ValueError(f"unknown {noun} {name_or_spec!r}; presets: {', '.join(presets)}")
+    return presets[key]
 
 
 def override(spec, **changes):

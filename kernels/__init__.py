@@ -55,15 +55,18 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend: st
     negative slots are skipped)."""
     if check:
         validate.check_write_args(key, value, key_cache, value_cache, slot_mapping)
-    _backend_module(resolve_backend(backend, key_cache)).write_kv_cache(key, value, key_cache, value_cache,
-                                                                       slot_mapping)
+    name = resolve_backend(backend, key_cache)
+    _require_contiguous_for_cupy(name, key_cache, value_cache)
+    _backend_module(name).write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def copy_blocks(key_cache, value_cache, block_mapping, backend: str = "auto", check: bool = True):
     """Copy whole blocks for each ``(src, dst)`` pair (copy-on-write); a destination may not also be a source."""
     num_blocks = validate.check_cache_pair(key_cache, value_cache)[0]
     mapping = validate.check_block_mapping(block_mapping, num_blocks) if check else np.asarray(block_mapping)
-    module = _backend_module(resolve_backend(backend, key_cache))
+    name = resolve_backend(backend, key_cache)
+    _require_contiguous_for_cupy(name, key_cache, value_cache)
+    module = _backend_module(name)
     if isinstance(key_cache, np.ndarray):
         module.copy_blocks(key_cache, value_cache, mapping)
     else:
@@ -90,14 +93,18 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
                                                   validate.to_numpy(block_tables), validate.to_numpy(seq_lens), scale)
         result = result if isinstance(query, np.ndarray) else _like(result, query)
     else:
-        if name == "cupy" and not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-            raise ValueError("backend 'cupy' needs contiguous key_cache and value_cache")
+        _require_contiguous_for_cupy(name, key_cache, value_cache)
         result = _backend_module(name).paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens,
                                                               scale, out=out)
     if out is not None and result is not out:
         out[...] = result
         return out
     return result
+
+
+def _require_contiguous_for_cupy(name: str, key_cache, value_cache) -> None:
+    if name == "cupy" and not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("backend 'cupy' needs contiguous key_cache and value_cache")
 
 
 def _like(array: np.ndarray, tensor):

@@ -267,6 +267,14 @@ class KVBlockManager:
         size, table = self.block_size, seq.block_table
         return [table[pos // size] * size + pos % size for pos in range(start, end)]
 
+    def get_slot_mapping_tensor(self, spans: Iterable[tuple], device=None):
+        """int64 slot_mapping of a flat batch: the slots of positions ``[start, end)`` for each ``(seq_id, start,
+        end)`` span, concatenated in order (what ``kernels.write_kv_cache`` takes)."""
+        import torch
+
+        slots = [slot for seq_id, start, end in spans for slot in self.get_slot_mapping(seq_id, start, end)]
+        return torch.tensor(slots, dtype=torch.int64, device=device)
+
     def get_block_tables_tensor(self, seq_ids: Iterable, device=None):
         """int32 ``[num_seqs, max_blocks_per_seq]`` block tables, rows padded with block 0 (never read)."""
         import torch

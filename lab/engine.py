@@ -78,6 +78,7 @@ class StepStats:
     generated_tokens: int
     elapsed_s: float
     duration_s: float
+    peak_memory_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -250,7 +251,8 @@ class LLMEngine:
         manager = self.block_manager
         return StepStats(self.num_steps, self.last_step_kind, self.last_step_tokens, len(self.running),
                          len(self.waiting), manager.num_used_blocks, manager.num_free_blocks, self.num_preemptions,
-                         self.generated_tokens, self.last_step_elapsed_s, self.last_step_duration_s)
+                         self.generated_tokens, self.last_step_elapsed_s, self.last_step_duration_s,
+                         peak_memory_bytes(self.device))
 
     def _admit(self) -> list[tuple[_Request, _Seq | None, list[int]]]:
         """Take waiting prompts FCFS while the sequence cap, the token budget and free blocks allow."""
@@ -274,19 +276,20 @@ class LLMEngine:
         return admitted
 
     def _prefill(self, admitted) -> int:
-        rows, input_ids, positions, slots, lens, cached_list, tables = [], [], [], [], [], [], []
+        rows, input_ids, positions, spans, lens, cached_list, tables = [], [], [], [], [], [], []
         for _, seq, (cached, length) in admitted:
             ids = seq.token_ids
             input_ids += ids[cached:]
             positions += range(cached, length)
-            slots += self.block_manager.get_slot_mapping(seq.seq_id, cached, length)
+            spans.append((seq.seq_id, cached, length))
             lens.append(length - cached)
             cached_list.append(cached)
             tables.append(torch.tensor(self.block_manager.get_block_table(seq.seq_id), dtype=torch.long,
                                        device=self.device))
             rows.append(len(input_ids) - 1)
-        batch = ForwardBatch(self._tensor(input_ids), self._tensor(positions), self._tensor(slots), lens, cached_list,
-                             tables, None, None)
+        batch = ForwardBatch(self._tensor(input_ids), self._tensor(positions),
+                             self.block_manager.get_slot_mapping_tensor(spans, self.device), lens, cached_list, tables,
+                             None, None)
         logits = self.runner.forward(batch, self._tensor(rows))
         now = time.perf_counter()
         for (request, seq, _), row_logits in zip(admitted, logits):

@@ -1,10 +1,30 @@
-"""What this machine offers: CPU, GPU, CuPy and the kernel backends."""
+"""What this machine offers: CPU, memory, GPU, CuPy and the kernel backends."""
 from __future__ import annotations
 
 import os
 import platform
+from pathlib import Path
 
 import pandas as pd
+
+
+def cpu_name() -> str:
+    """The CPU model (from /proc/cpuinfo on Linux), else what ``platform`` reports."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def memory_bytes() -> int | None:
+    """Physical memory of the machine, when the OS tells."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def describe_hardware() -> pd.DataFrame:
@@ -14,8 +34,9 @@ def describe_hardware() -> pd.DataFrame:
     import kernels
 
     usable, reason = kernels.cupy_status()
-    rows = [("CPU", f"{platform.processor() or platform.machine()} × {os.cpu_count()} cores"),
-            ("torch", torch.__version__)]
+    memory = memory_bytes()
+    rows = [("CPU", f"{cpu_name()} × {os.cpu_count()} cores"),
+            ("memory", f"{memory / 2**30:.0f} GiB" if memory else "unknown"), ("torch", torch.__version__)]
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         rows.append(("GPU", f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs"))

@@ -33,6 +33,13 @@ with st.sidebar:
     gpu = st.selectbox("GPU", list(simulator.GPUS), index=list(simulator.GPUS).index("a100-40gb"), disabled=figure2)
     capacity = st.number_input("KV capacity override (tokens; 0 = from model and GPU)", 0, 10**8, 0, step=1000)
     utilization = st.slider("GPU memory utilization", 0.3, 1.0, 0.9)
+    with st.expander("Override model / GPU figures"):
+        gpu_spec, model_spec = simulator.get_gpu(gpu), simulator.get_model(model)
+        memory_gib = st.number_input("GPU memory (GiB)", 1.0, 4096.0, gpu_spec.memory_bytes / 2**30)
+        bandwidth_tbs = st.number_input("HBM bandwidth (TB/s)", 0.05, 50.0, gpu_spec.bandwidth_bytes_s / 1e12)
+        peak_tflops = st.number_input("Peak 16-bit TFLOP/s", 1.0, 10_000.0, gpu_spec.peak_flops / 1e12)
+        dtype_bytes = st.selectbox("KV / weight bytes per element", [1, 2, 4], index=[1, 2, 4].index(
+            model_spec.dtype_bytes))
     max_model_len = st.select_slider("Max model length", [512, 1024, 2048, 4096, 8192, 16384, 32768, 131072], 2048,
                                      disabled=figure2)
     allocators = st.multiselect("Allocators", simulator.ALLOCATORS, default=list(simulator.ALLOCATORS),
@@ -58,13 +65,16 @@ def build_inputs():
     configs = simulator.make_configs(allocators, sorted(block_sizes), model=model, gpu=gpu,
                                      max_model_len=max_model_len, capacity_tokens=capacity or None,
                                      gpu_memory_utilization=utilization, address_space=address_space,
-                                     scheduling=scheduling)
+                                     scheduling=scheduling, model_overrides={"dtype_bytes": dtype_bytes},
+                                     gpu_overrides={"memory_bytes": memory_gib * 2**30,
+                                                    "bandwidth_bytes_s": bandwidth_tbs * 1e12,
+                                                    "peak_flops": peak_tflops * 1e12})
     return workload, configs
 
 
 key = repr((figure2, source, upload.file_id if upload else None, locals().get("preset"), num_requests, rate,
             burstiness, n, shared_prefix, model, gpu, capacity, utilization, max_model_len, allocators, block_sizes,
-            address_space, scheduling))
+            address_space, scheduling, memory_gib, bandwidth_tbs, peak_tflops, dtype_bytes))
 if st.session_state.get("stop_sim"):  # the Stop button interrupted the last run
     st.session_state["sim_stopped_key"] = key
 if st.session_state.get("sim_stopped_key") == key:

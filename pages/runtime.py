@@ -40,7 +40,7 @@ config = RuntimeRunConfig(model=model, num_requests=num_requests, prompt_len_ran
                           temperature=temperature, attention_backend=backend)
 if run or "runtime_run" not in st.session_state:
     live = st.container(border=True)
-    cols = live.columns(6)
+    cols = live.columns(7)
     tiles = [col.empty() for col in cols]
     plot = live.empty()
     history = []
@@ -51,7 +51,8 @@ if run or "runtime_run" not in st.session_state:
         for tile, (label, value) in zip(tiles, [("tokens/s", f"{stats.generated_tokens / elapsed:,.0f}"),
                                                 ("running", stats.num_running), ("waiting", stats.num_waiting),
                                                 ("KV blocks used", stats.num_used_blocks),
-                                                ("preemptions", stats.preemptions), ("step", stats.step)]):
+                                                ("preemptions", stats.preemptions), ("step", stats.step),
+                                                ("peak memory", f"{stats.peak_memory_bytes / 2**20:,.0f} MiB")]):
             tile.metric(label, value)
         if stats.step % 10 == 0:
             plot.plotly_chart(engine_live_figure(pd.DataFrame([dataclasses.asdict(s) for s in history])))
@@ -84,7 +85,7 @@ csv_download(pd.DataFrame([summary]), "runtime_summary.csv", "dl_runtime_summary
 st.subheader("Against HF generation")
 systems = st.multiselect("Systems", ["paged-engine", "hf-static", "hf-continuous"],
                          default=["paged-engine", "hf-static"])
-if st.button("Compare on this request mix"):
+if st.button("Compare on this request mix", key="compare"):
     try:
         with st.spinner("running the comparison…"):
             table = run_e2e_bench(E2EConfig(model=model, num_requests=num_requests, prompt_range=prompt_range,

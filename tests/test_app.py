@@ -103,6 +103,10 @@ def test_runtime_page_runs_and_reports_errors(downloads):
     app.button(key="run").click().run()
     clean(app)
     assert len(download_table(app, downloads, "dl_requests")) == 4
+    app.button(key="compare").click().run()
+    clean(app)
+    comparison = download_table(app, downloads, "dl_compare")
+    assert list(comparison["system"]) == ["paged-engine", "hf-static"] and comparison["same_tokens_as_engine"].all()
     app.number_input[0].set_value(2)  # a KV pool smaller than one request
     app.button(key="run").click().run()
     assert not app.exception and any("KV blocks" in e.value for e in app.error)

@@ -184,6 +184,9 @@ def test_batch_exports():
     assert m.get_seq_lens_tensor([1, 0]).tolist() == [2, 9]
     owners = m.block_owners()
     assert sum(len(o) for o in owners) == 4
+    slots = m.get_slot_mapping_tensor([(0, 7, 9), (1, 0, 2)])
+    assert slots.dtype == torch.int64
+    assert slots.tolist() == m.get_slot_mapping(0, 7, 9) + m.get_slot_mapping(1, 0, 2)
 
 
 def test_append_tokens_equals_repeated_append_token():

@@ -181,3 +181,15 @@ def test_write_and_copy_cuda(backend, dtype):
     kernels.copy_blocks(case.key_cache, case.value_cache, [(1, 20), (3, 21)], backend=backend)
     assert torch.equal(case.key_cache[20].nan_to_num(7), case.key_cache[1].nan_to_num(7))
     assert torch.equal(case.value_cache[21].nan_to_num(7), case.value_cache[3].nan_to_num(7))
+
+
+def test_cupy_dispatch_rule_and_instances():
+    from kernels.cupy_backend import PARTITION_SIZE, all_kernel_names, choose_partition_size
+
+    assert choose_partition_size(1, 8, 512, 132) == 0  # one partition anyway
+    assert choose_partition_size(1, 8, 4096, 132) == PARTITION_SIZE  # few blocks: split the context
+    assert choose_partition_size(128, 8, 4096, 132) == 0  # 1024 thread blocks already fill 132 SMs
+    assert choose_partition_size(64, 8, 32768, 132) == PARTITION_SIZE  # very long: always split
+    names = all_kernel_names()
+    assert "paged_attention_kernel<bf16_t,128,2,4>" in names and "reduce_partitions_kernel<half_t,64>" in names
+    assert len(names) == 3 * (2 + 3 * 8 + 3)

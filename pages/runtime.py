@@ -1,4 +1,5 @@
 import dataclasses
+import time
 
 import pandas as pd
 import streamlit as st
@@ -39,14 +40,17 @@ config = RuntimeRunConfig(model=model, num_requests=num_requests, prompt_len_ran
                           num_blocks=int(num_blocks), enable_prefix_caching=prefix_caching, n=n,
                           temperature=temperature, attention_backend=backend)
 if run or "runtime_run" not in st.session_state:
-    live = st.container(border=True)
-    cols = live.columns(7)
-    tiles = [col.empty() for col in cols]
+    slot = st.empty()
+    live = slot.container(border=True)
+    tiles = [col.empty() for col in live.columns(7)]
     plot = live.empty()
-    history = []
+    history, last_draw = [], [0.0]
 
     def on_step(stats, pool):
         history.append(stats)
+        if time.perf_counter() - last_draw[0] < 0.25:  # redraw at most 4 times a second: drawing is not free
+            return
+        last_draw[0] = time.perf_counter()
         elapsed = max(stats.elapsed_s, 1e-9)
         for tile, (label, value) in zip(tiles, [("tokens/s", f"{stats.generated_tokens / elapsed:,.0f}"),
                                                 ("running", stats.num_running), ("waiting", stats.num_waiting),
@@ -54,8 +58,7 @@ if run or "runtime_run" not in st.session_state:
                                                 ("preemptions", stats.preemptions), ("step", stats.step),
                                                 ("peak memory", f"{stats.peak_memory_bytes / 2**20:,.0f} MiB")]):
             tile.metric(label, value)
-        if stats.step % 10 == 0:
-            plot.plotly_chart(engine_live_figure(pd.DataFrame([dataclasses.asdict(s) for s in history])))
+        plot.plotly_chart(engine_live_figure(pd.DataFrame([dataclasses.asdict(s) for s in history])))
 
     try:
         hf_model, tokenizer = cached_model(model)
@@ -66,6 +69,7 @@ if run or "runtime_run" not in st.session_state:
     except USER_ERRORS as exc:
         show_error(exc)
         st.stop()
+    slot.empty()  # the final charts below replace the live view
 
 result = st.session_state["runtime_run"]
 summary = result.summary

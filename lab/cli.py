@@ -53,7 +53,7 @@ def _bench_e2e(args) -> None:
 
     config = E2EConfig(model=args.model, num_requests=args.num_requests, device=args.device,
                        block_size=args.block_size, attention_backend=args.backend,
-                       systems=tuple(args.systems.split(",")))
+                       systems=tuple(args.systems.split(",")), repeats=args.repeats)
     bar = tqdm(total=len(config.systems), desc="e2e bench", file=sys.stderr)
     table = run_e2e_bench(config, progress=lambda done, total: bar.update(1))
     bar.close()
@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--backend", default="auto")
     e.add_argument("--systems", default="paged-engine,hf-static,hf-continuous")
+    e.add_argument("--repeats", type=int, default=3, help="runs per system; medians are reported")
     e.add_argument("--out", default="benchmarks/results/e2e_cpu.csv")
     e.set_defaults(run=_bench_e2e)
 

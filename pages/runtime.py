@@ -94,7 +94,7 @@ if st.button("Compare on this request mix", key="compare"):
         with st.spinner("running the comparison…"):
             table = run_e2e_bench(E2EConfig(model=model, num_requests=num_requests, prompt_range=prompt_range,
                                             output_range=output_range, block_size=block_size,
-                                            attention_backend=backend, systems=tuple(systems)))
+                                            attention_backend=backend, systems=tuple(systems), repeats=1))
         st.session_state["runtime_compare"] = table
         results_store().add("runtime", f"serving comparison: {model}", table)
     except USER_ERRORS as exc:

@@ -37,7 +37,7 @@ def test_hardware_table_lists_backends():
 def test_e2e_bench_compares_three_systems_on_the_same_tokens():
     from lab.bench.e2e import E2EConfig, run_e2e_bench
 
-    table = run_e2e_bench(E2EConfig(num_requests=4, prompt_range=(8, 40), output_range=(3, 9)))
+    table = run_e2e_bench(E2EConfig(num_requests=4, prompt_range=(8, 40), output_range=(3, 9), repeats=1))
     assert list(table["system"]) == ["paged-engine", "hf-static", "hf-continuous"]
     assert table["same_tokens_as_engine"].all() and (table["output_tok_s"] > 0).all()
     assert table.loc[table["system"] == "hf-continuous", "speedup_vs_hf_continuous"].iloc[0] == 1.0

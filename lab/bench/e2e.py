@@ -1,6 +1,6 @@
 """End-to-end serving benchmark: our paged engine vs HF ``generate`` (padded static batch) vs HF continuous
 batching (its paged cache), on one fixed mixed-length workload, in one run. Output tokens/s, TTFT/TPOT medians and
-peak memory for each, plus speed ratios against HF continuous batching."""
+peak memory for each (medians over repeats), plus speed ratios against HF continuous batching."""
 from __future__ import annotations
 
 import statistics
@@ -27,6 +27,7 @@ class E2EConfig:
     attention_backend: str = "auto"
     seed: int = 0
     systems: tuple[str, ...] = ("paged-engine", "hf-static", "hf-continuous")
+    repeats: int = 3  # each system runs the workload this many times; the table holds medians
 
 
 def make_workload(config: E2EConfig, vocab_size: int) -> tuple[list[list[int]], list[int]]:
@@ -80,12 +81,15 @@ def _status_bytes(field: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_paged_engine(engine: LLMEngine, prompts, outputs) -> dict:
-    engine.finished.clear()
+def run_paged_engine(template: LLMEngine, prompts, outputs) -> dict:
+    """A fresh engine (empty prefix cache) on the template's loaded weights, so repeats do not hit earlier runs."""
+    engine = LLMEngine(template.hf_model, tokenizer=template.tokenizer, block_size=template.block_size,
+                       num_blocks=template.block_manager.num_physical_blocks,
+                       attention_backend=template.runner.attention_backend, max_num_seqs=template.max_num_seqs)
     started = time.perf_counter()
     results = engine.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in outputs])
     wall = time.perf_counter() - started
-    table = engine.request_metrics().tail(len(prompts))
+    table = engine.request_metrics()
     return {"wall_s": wall, "output_tokens": sum(len(r.token_ids) for r in results),
             "ttft_median_s": float(table["ttft_s"].median()), "tpot_median_s": float(table["tpot_s"].median()),
             "tokens": [r.token_ids for r in results]}
@@ -173,12 +177,16 @@ def run_e2e_bench(config: E2EConfig, progress=None) -> pd.DataFrame:
     rows, reference = [], None
     for done, name in enumerate(config.systems, 1):
         runners[name](warm_prompts, warm_outputs)  # warm-up: allocator, kernels, lazy imports
-        with PeakMemory(device) as memory:
-            result = runners[name](prompts, outputs)
-        tokens = result.pop("tokens")
+        repeats = []
+        for _ in range(config.repeats):
+            with PeakMemory(device) as memory:
+                result = runners[name](prompts, outputs)
+            repeats.append({**result, "peak_memory_mib": memory.peak / 2**20})
+        tokens = repeats[0].pop("tokens")
         reference = reference if reference is not None else tokens
-        rows.append({"system": name, **result, "output_tok_s": result["output_tokens"] / result["wall_s"],
-                     "peak_memory_mib": memory.peak / 2**20, "same_tokens_as_engine": tokens == reference})
+        row = {key: statistics.median(r[key] for r in repeats) for key in repeats[0] if key != "tokens"}
+        rows.append({"system": name, **row, "output_tok_s": row["output_tokens"] / row["wall_s"],
+                     "same_tokens_as_engine": tokens == reference, "repeats": config.repeats})
         if progress:
             progress(done, len(config.systems))
     table = pd.DataFrame(rows)

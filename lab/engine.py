@@ -235,6 +235,10 @@ class LLMEngine:
             kind, tokens = "prefill", self._prefill(admitted)
         elif self.running:
             kind, tokens = "decode", self._decode()
+        elif self.waiting:  # add_request's size check makes this unreachable; never spin silently
+            request = self.waiting[0][0]
+            raise RuntimeError(f"request {request.request_id} cannot be scheduled into an idle pool of "
+                               f"{self.block_manager.num_free_blocks} free blocks")
         else:
             return []
         self.num_steps += 1

@@ -3,6 +3,7 @@ import json
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from lab.engine import LLMEngine, SamplingParams
 from lab.model import CheckpointError
@@ -166,3 +167,37 @@ def test_gpu_bf16_logits_close(prompts, backend):
     ours = engine.recorded_logits[seq.request_id][0].cuda()
     error = (ours - reference[len(prompt) - 1:]).abs().max() / reference.abs().max()
     assert error < 5e-2
+
+
+@pytest.fixture(scope="module")
+def greedy_reference():
+    """HF greedy continuations, memoised by prompt."""
+    engine = LLMEngine("tiny", num_blocks=8)
+    cache = {}
+
+    def reference(prompt, max_tokens):
+        key = (tuple(prompt), max_tokens)
+        if key not in cache:
+            cache[key] = engine.hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
+                                                  min_new_tokens=max_tokens, do_sample=False)[0, len(prompt):].tolist()
+        return cache[key]
+    return reference
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(block_size=st.sampled_from([1, 2, 3, 5, 16]), caching=st.booleans(), n=st.integers(1, 2),
+       pool_slack=st.integers(0, 30), data=st.data())
+def test_fuzzed_schedules_match_hf_and_free_everything(greedy_reference, block_size, caching, n, pool_slack, data):
+    shared = data.draw(st.lists(st.integers(0, 1023), min_size=0, max_size=20))
+    tails = data.draw(st.lists(st.lists(st.integers(0, 1023), min_size=1, max_size=15), min_size=1, max_size=4))
+    prompts = [shared + tail for tail in tails]
+    max_tokens = 6
+    longest = max(len(p) for p in prompts) + max_tokens
+    num_blocks = -(-longest // block_size) + n + pool_slack  # at least one request always fits
+    engine = LLMEngine("tiny", block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, n=n))
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs == [greedy_reference(prompt, max_tokens)] * n
+    manager = engine.block_manager
+    manager.check_invariants()
+    assert manager.num_free_blocks == manager.num_physical_blocks and not manager.sequences

@@ -57,6 +57,15 @@ class FirstFitSpace:
         self.hole_starts.insert(index, start)
         self.hole_sizes[start] = size
 
+    def max_region(self) -> int:
+        """The largest region this space can ever hand out."""
+        return self.capacity
+
+    @staticmethod
+    def rounded(size: int) -> int:
+        """The size a request of ``size`` slots really takes."""
+        return size
+
     def largest_free(self) -> int:
         """Size of the largest hole."""
         if self._largest is None:
@@ -104,6 +113,15 @@ class BuddySpace:
             peers.remove(buddy)
             start, order = min(start, buddy), order + 1
         self.free_by_order.setdefault(order, set()).add(start)
+
+    def max_region(self) -> int:
+        """The largest root block: the largest region this space can ever hand out."""
+        return 1 << (self.capacity.bit_length() - 1)
+
+    @staticmethod
+    def rounded(size: int) -> int:
+        """The power of two a request of ``size`` slots really takes."""
+        return 1 << max(size - 1, 0).bit_length()
 
     def largest_free(self) -> int:
         """Size of the largest free block (the largest region an allocation can get)."""
@@ -156,10 +174,11 @@ class ContiguousPolicy:
             return 1 << max(final_len - 1, 0).bit_length()
         if self.kind == "contiguous-oracle":
             return final_len
-        return min(prompt_len + self.grow_initial_extra, self.max_model_len)
+        return min(prompt_len + self.grow_initial_extra, self.max_model_len, self.space.max_region())
 
     def can_ever_fit(self, final_len: int) -> bool:
-        return self.initial_size(final_len, final_len) <= self.capacity and final_len <= self.capacity
+        largest = self.space.max_region()
+        return self.space.rounded(self.initial_size(final_len, final_len)) <= largest and final_len <= largest
 
     def admit(self, seqs: list) -> bool:
         """Reserve a region for every sequence of a group, or none of them."""
@@ -181,14 +200,20 @@ class ContiguousPolicy:
             return None
         return seq.region[1] + 1
 
-    def on_event(self, seq, kv_len: int) -> int | None | bool:
-        """Grow by copying into a region twice as large. Returns False (nothing changed) when none is free, else
-        the next event position."""
-        new_size = min(2 * seq.region[1], max(self.max_model_len, seq.final_len))
-        region = self.space.allocate(new_size)
-        if region is None:
-            return False
-        self._free(seq)
+    def on_event(self, seq, kv_len: int, alone: bool = False) -> int | None | bool:
+        """Grow by copying into a region twice as large (capped by the largest region the space can hold). Returns
+        False (nothing changed) when none is free, else the next event position. ``alone``: no other sequence holds
+        memory, so the old region is released first (as a swap out and back in would) and the growth cannot fail."""
+        new_size = min(2 * seq.region[1], max(self.max_model_len, seq.final_len), self.space.max_region())
+        if alone:
+            self._free(seq)
+            region = self.space.allocate(new_size)
+            self.copied_tokens += kv_len - 1  # out and back in: charged as a second copy below
+        else:
+            region = self.space.allocate(new_size)
+            if region is None:
+                return False
+            self._free(seq)
         seq.region = region
         self._account(seq, +1)
         self.copied_tokens += kv_len - 1
@@ -265,9 +290,9 @@ class PagedPolicy:
         allocated = len(self.manager.sequences[seq.rid].block_table) * self.block_size
         return allocated + 1 if allocated < seq.final_len else None
 
-    def on_event(self, seq, kv_len: int) -> int | None | bool:
+    def on_event(self, seq, kv_len: int, alone: bool = False) -> int | None | bool:
         """Tell the manager about ``seq``'s tokens up to ``kv_len`` (one new block). Returns False (nothing
-        changed) when no block is free, else the next event position."""
+        changed) when no block is free, else the next event position. (A lone sequence always finds a block.)"""
         manager = self.manager
         if not (manager._free_blocks or manager._evictable_blocks):
             return False

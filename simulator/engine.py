@@ -194,9 +194,11 @@ class Simulator:
     def _iterate(self) -> None:
         self.iteration += 1
         chunked = self.config.scheduling == "chunked"
-        prefill_tokens, pairs, cached_read, finished_prefill = self._schedule_prefills(chunked)
         decode_tokens = decode_kv = 0
-        if self.running and (chunked or not prefill_tokens):
+        if chunked and self.running:  # chunked: decodes are scheduled first, prompts fill the remaining budget
+            decode_tokens, decode_kv = self._decode_step()
+        prefill_tokens, pairs, cached_read, finished_prefill = self._schedule_prefills(chunked)
+        if not chunked and self.running and not prefill_tokens:
             decode_tokens, decode_kv = self._decode_step()
         if not (prefill_tokens or decode_tokens):
             self._drop_unschedulable_head()
@@ -288,7 +290,7 @@ class Simulator:
 
     def _schedule_memory_event(self, seq: Seq, position: int | None) -> None:
         """Remember the decode step at which ``seq`` reaches KV length ``position`` and needs memory."""
-        if position is not None and position <= seq.final_len:
+        if position is not None and position is not False and position <= seq.final_len:
             step = seq.step_base + position - seq.kv_len_base
             self.memory_calendar.setdefault(step, []).append((seq, seq.epoch))
 
@@ -315,6 +317,10 @@ class Simulator:
         """Get ``seq`` the memory it needs now, preempting the newest sequences (possibly itself) until it fits."""
         kv_len = seq.kv_len_base + self.step - seq.step_base
         while (position := self.policy.on_event(seq, kv_len)) is False:
+            if len(self.running) == 1 and not self.prefilling:  # alone: preempting itself could never help
+                position = self.policy.on_event(seq, kv_len, alone=True)
+                if position is not False:
+                    break
             victim = self.running[next(reversed(self.running))]
             self._preempt(victim)
             if victim is seq:

@@ -5,6 +5,8 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from hypothesis import settings, strategies as st
+from hypothesis import given
 
 from lab.block_manager import KVBlockManager
 from simulator import (ALLOCATORS, CATEGORIES, SimConfig, Simulator, SyntheticSpec, simulate, synthetic_workload)
@@ -181,3 +183,20 @@ def test_cli_writes_summary_and_timeseries(tmp_path, capsys):
     assert "token_states_frac" in capsys.readouterr().out
     assert main(["--allocators", "bogus", "--no-progress"]) == 2
     assert main(["--workload", "nope.csv", "--no-progress"]) == 2
+
+
+@settings(max_examples=30, deadline=None)
+@given(allocator=st.sampled_from(ALLOCATORS), block_size=st.integers(1, 64), capacity=st.integers(300, 6000),
+       n=st.integers(1, 3), shared=st.sampled_from([0, 32]), chunked=st.booleans(), buddy=st.booleans(),
+       seed=st.integers(0, 1000))
+def test_fuzzed_runs_keep_the_accounting_identities(allocator, block_size, capacity, n, shared, chunked, buddy, seed):
+    workload = small_workload(num_requests=40, n=n, shared_prefix_tokens=shared, seed=seed, max_model_len=512)
+    result = run(workload, allocator=allocator, block_size=block_size, capacity_tokens=capacity, max_model_len=512,
+                 scheduling="chunked" if chunked else "prefill-first", max_num_batched_tokens=256,
+                 address_space="buddy" if buddy else "first-fit", max_points=100_000)
+    ts = result.timeseries
+    assert (ts[list(CATEGORIES)].sum(axis=1) == result.summary["capacity_tokens"]).all()
+    assert (ts[list(CATEGORIES)] >= 0).all().all()
+    completed = result.requests["finish_s"].notna().to_numpy()
+    assert completed.sum() + result.requests["rejected"].sum() == len(workload)
+    assert result.summary["generated_tokens"] == expected_tokens(workload, completed)

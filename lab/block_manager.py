@@ -466,14 +466,6 @@ class KVBlockManager:
             del self._evictable_blocks[block]
         self.ref_counts[block] += 1
 
-    def _decref(self, block: int) -> None:
-        self.ref_counts[block] -= 1
-        if self.ref_counts[block] == 0:
-            if self._block_keys[block] is not None:
-                self._evictable_blocks[block] = None
-            else:
-                self._free_blocks.append(block)
-
     def _cow_needed(self, seq: SequenceBlocks) -> int:
         return int(seq.num_tokens % self.block_size != 0 and self.ref_counts[seq.block_table[-1]] > 1)
 

@@ -103,10 +103,6 @@ class ForwardBatch:
     block_tables: torch.Tensor | None
     seq_lens: torch.Tensor | None
 
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(self.prefill_lens)
-
 
 class PagedQwen3:
     """The paged KV cache (one key and one value tensor ``[num_blocks, num_kv_heads, block_size, head_dim]`` per

@@ -46,6 +46,9 @@ def test_fork_shares_blocks_and_cow_copies_partial_last_block():
     m.append_token("p")  # parent's block is no longer shared: written in place, no copy
     assert m.get_block_table("p")[1] == partial and m.pending_copies == []
     m.check_invariants()
+    assert m.invariants_ok()
+    m.ref_counts[full] += 1  # corrupt the pool: the check must notice
+    assert not m.invariants_ok()
 
 
 def test_fork_at_block_boundary_needs_no_copy():

@@ -294,7 +294,7 @@ class PagedPolicy:
         """Tell the manager about ``seq``'s tokens up to ``kv_len`` (one new block). Returns False (nothing
         changed) when no block is free, else the next event position. (A lone sequence always finds a block.)"""
         manager = self.manager
-        if not (manager._free_blocks or manager._evictable_blocks):
+        if manager.num_free_blocks == 0:
             return False
         if kv_len > seq.synced_len:
             if self.ops is not None:
@@ -341,7 +341,7 @@ class PagedPolicy:
         """(token_states, reserved, internal, external fragmentation = 0, free) in slots. ``held_tokens`` counts
         every holder's tokens; shared full blocks are stored once, so their extra holders are subtracted."""
         manager, size = self.manager, self.block_size
-        used = manager.num_physical_blocks - len(manager._free_blocks) - len(manager._evictable_blocks)
+        used = manager.num_used_blocks
         allocated = used * size
         token_states = held_tokens - (self.table_blocks - used) * size
         return (token_states, allocated - self.never_filled - token_states, self.never_filled, 0,

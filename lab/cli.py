@@ -3,18 +3,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import pandas as pd
 
-
-def _print_and_save(table: pd.DataFrame, out: str | None) -> None:
-    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", "{:.4g}".format):
-        print(table.to_string(index=False))
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        table.to_csv(out, index=False)
-        print(f"wrote {out}")
+from lab.results import print_and_save
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -37,13 +29,13 @@ def _bench_kernels(args) -> None:
     bar = tqdm(total=len(args.batch) * len(args.context), desc="kernel bench", file=sys.stderr)
     table = run_kernel_bench(config, progress=lambda done, total: bar.update(1))
     bar.close()
-    _print_and_save(table, args.out)
+    print_and_save(table, args.out)
 
 
 def _bench_block_manager(args) -> None:
     from lab.bench.block_manager import run_block_manager_bench
 
-    _print_and_save(run_block_manager_bench(args.block_size), args.out)
+    print_and_save(run_block_manager_bench(args.block_size), args.out)
 
 
 def _bench_e2e(args) -> None:
@@ -57,7 +49,7 @@ def _bench_e2e(args) -> None:
     bar = tqdm(total=len(config.systems), desc="e2e bench", file=sys.stderr)
     table = run_e2e_bench(config, progress=lambda done, total: bar.update(1))
     bar.close()
-    _print_and_save(table, args.out)
+    print_and_save(table, args.out)
 
 
 def _generate(args) -> None:
@@ -79,7 +71,7 @@ def _generate(args) -> None:
     for output in engine.generate(prompts, params, progress=True):
         print(f"[{output.request_id}] {output.text if output.text is not None else output.token_ids}")
     metrics = pd.DataFrame([engine.run_metrics()])
-    _print_and_save(metrics, args.out)
+    print_and_save(metrics, args.out)
 
 
 def build_parser() -> argparse.ArgumentParser:

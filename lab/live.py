@@ -42,21 +42,18 @@ class RuntimeRun:
     stopped: bool = False
 
 
-def make_requests(config: RuntimeRunConfig, vocab_size: int) -> tuple[list[list[int]], list[int]]:
-    """Seeded prompts (a shared prefix, then random tokens) and per-request max_tokens."""
-    low, high = config.prompt_len_range
-    if not 1 <= low <= high or not 1 <= config.max_tokens_range[0] <= config.max_tokens_range[1]:
-        raise ValueError(f"length ranges must satisfy 1 <= low <= high; got prompts {config.prompt_len_range}, "
-                         f"max_tokens {config.max_tokens_range}")
-    generator = torch.Generator().manual_seed(config.seed)
-    prefix = torch.randint(0, vocab_size, (config.shared_prefix_tokens,), generator=generator).tolist()
-    prompts, max_tokens = [], []
-    for _ in range(config.num_requests):
-        length = int(torch.randint(low, high + 1, (1,), generator=generator))
-        prompts.append(prefix + torch.randint(0, vocab_size, (length,), generator=generator).tolist())
-        max_tokens.append(int(torch.randint(config.max_tokens_range[0], config.max_tokens_range[1] + 1, (1,),
-                                            generator=generator)))
-    return prompts, max_tokens
+def random_requests(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+                    vocab_size: int, seed: int = 0, shared_prefix_tokens: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Seeded prompts (a shared prefix, then random tokens of a uniform length) and per-request output lengths."""
+    for name, (low, high) in (("prompt", prompt_range), ("output", output_range)):
+        if not 1 <= low <= high:
+            raise ValueError(f"{name} length range must satisfy 1 <= low <= high; got {(low, high)}")
+    generator = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, vocab_size, (shared_prefix_tokens,), generator=generator).tolist()
+    lengths = torch.randint(prompt_range[0], prompt_range[1] + 1, (num_requests,), generator=generator)
+    outputs = torch.randint(output_range[0], output_range[1] + 1, (num_requests,), generator=generator).tolist()
+    prompts = [prefix + torch.randint(0, vocab_size, (int(n),), generator=generator).tolist() for n in lengths]
+    return prompts, outputs
 
 
 def run_runtime(config: RuntimeRunConfig, on_step: Callable[[StepStats, PoolSnapshot | None], bool | None] | None = None,
@@ -68,7 +65,8 @@ def run_runtime(config: RuntimeRunConfig, on_step: Callable[[StepStats, PoolSnap
                        block_size=config.block_size, num_blocks=config.num_blocks,
                        attention_backend=config.attention_backend, enable_prefix_caching=config.enable_prefix_caching,
                        max_num_seqs=config.max_num_seqs, seed=config.seed)
-    prompts, max_tokens = make_requests(config, engine.hf_model.config.vocab_size)
+    prompts, max_tokens = random_requests(config.num_requests, config.prompt_len_range, config.max_tokens_range,
+                                          engine.hf_model.config.vocab_size, config.seed, config.shared_prefix_tokens)
     for prompt, limit in zip(prompts, max_tokens):
         engine.add_request(prompt, SamplingParams(max_tokens=limit, temperature=config.temperature, n=config.n,
                                                   seed=config.seed, ignore_eos=True))

@@ -62,6 +62,25 @@ class ResultStore:
         return self.add("uploaded", name, table)
 
 
+def save_csv(table: pd.DataFrame, path: str | None) -> None:
+    """Write ``table`` to ``path`` (folders created) and say so; nothing when ``path`` is empty."""
+    if not path:
+        return
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    table.to_csv(path, index=False)
+    print(f"wrote {path}")
+
+
+def print_and_save(table: pd.DataFrame, out: str | None, columns: list[str] | None = None) -> None:
+    """Print ``table`` (or its ``columns``) for a terminal, then ``save_csv`` the whole table to ``out``."""
+    shown = table[columns] if columns else table
+    with pd.option_context("display.width", 220, "display.max_columns", 40, "display.float_format", "{:.4g}".format):
+        print(shown.to_string(index=False))
+    save_csv(table, out)
+
+
 def to_csv_bytes(table: pd.DataFrame) -> bytes:
     """CSV bytes for a download button."""
     return table.to_csv(index=False).encode()

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from lab.results import print_and_save
+
 from .engine import SimConfig, Simulator
 from .workloads import SyntheticSpec, load_trace, synthetic_workload
 
@@ -103,13 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"skipping the trace replay: {args.trace} not found")
     rows += bench_large_synthetic(args.large) + bench_trace_loads(args.csv_rows)
-    table = pd.DataFrame(rows)
-    with pd.option_context("display.width", 200, "display.float_format", "{:.4g}".format):
-        print(table.to_string(index=False))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        table.to_csv(args.out, index=False)
-        print(f"wrote {args.out}")
+    print_and_save(pd.DataFrame(rows), args.out)
     return 0
 
 

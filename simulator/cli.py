@@ -4,10 +4,11 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from pathlib import Path
 
 import pandas as pd
 from tqdm import tqdm
+
+from lab.results import print_and_save, save_csv
 
 from .allocators import ALLOCATORS
 from .engine import SimConfig, Simulator
@@ -112,11 +113,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     columns = SUMMARY_COLUMNS + [c for c in ("paper_token_states_frac",) if c in summary]
-    with pd.option_context("display.width", 220, "display.max_columns", 40, "display.float_format", "{:.3f}".format):
-        print(summary[columns].to_string(index=False))
-    for path, table in ((args.out, summary), (args.timeseries, timeseries)):
-        if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            table.to_csv(path, index=False)
-            print(f"wrote {path}")
+    print_and_save(summary, args.out, columns)
+    save_csv(timeseries, args.timeseries)
     return 0

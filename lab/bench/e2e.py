@@ -12,6 +12,7 @@ import pandas as pd
 import torch
 
 from lab.engine import LLMEngine, SamplingParams
+from lab.live import random_requests
 
 
 @dataclass(slots=True)
@@ -28,17 +29,6 @@ class E2EConfig:
     seed: int = 0
     systems: tuple[str, ...] = ("paged-engine", "hf-static", "hf-continuous")
     repeats: int = 3  # each system runs the workload this many times; the table holds medians
-
-
-def make_workload(config: E2EConfig, vocab_size: int) -> tuple[list[list[int]], list[int]]:
-    """Seeded prompts (uniform lengths) and output lengths."""
-    generator = torch.Generator().manual_seed(config.seed)
-    lengths = torch.randint(config.prompt_range[0], config.prompt_range[1] + 1, (config.num_requests,),
-                            generator=generator)
-    outputs = torch.randint(config.output_range[0], config.output_range[1] + 1, (config.num_requests,),
-                            generator=generator).tolist()
-    prompts = [torch.randint(0, vocab_size, (int(n),), generator=generator).tolist() for n in lengths]
-    return prompts, outputs
 
 
 class PeakMemory:
@@ -169,7 +159,8 @@ def run_e2e_bench(config: E2EConfig, progress=None) -> pd.DataFrame:
     device = torch.device(config.device)
     engine = LLMEngine(config.model, block_size=config.block_size, device=config.device,
                        attention_backend=config.attention_backend, max_num_seqs=config.num_requests)
-    prompts, outputs = make_workload(config, engine.hf_model.config.vocab_size)
+    prompts, outputs = random_requests(config.num_requests, config.prompt_range, config.output_range,
+                                       engine.hf_model.config.vocab_size, config.seed)
     warm_prompts, warm_outputs = prompts[:2], [4, 4]
     runners = {"paged-engine": lambda p, o: run_paged_engine(engine, p, o),
                "hf-static": lambda p, o: run_hf_static(engine.hf_model, p, o, device),

@@ -1,13 +1,19 @@
 """Paged KV-cache ops and paged decode attention, one API over three backends.
 
 ``reference`` (float64 NumPy, the truth), ``torch`` (CPU and CUDA) and ``cupy`` (CUDA kernels). ``backend="auto"``
-picks ``cupy`` for CUDA tensors when CuPy can run, else ``torch`` (``reference`` for NumPy arrays).
+picks ``cupy`` for CUDA tensors when CuPy can run that call (dtype, head_dim, GQA group, alignment), else ``torch``
+(``reference`` for NumPy arrays).
+
+Contracts shared by every backend: negative slots in ``slot_mapping`` are padding and are skipped, non-negative
+slots must be distinct; block-table entries past a sequence's blocks are padding (any value, -1 by convention); a
+sequence of length 0 attends to nothing and gets zeros; ``copy_blocks`` pairs take effect in order.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from . import reference, validate
+from . import cupy_backend as _cupy
 from .cupy_backend import cupy_status
 
 BACKENDS = ("reference", "torch", "cupy")
@@ -29,23 +35,29 @@ def available_backends() -> list[str]:
     return backends
 
 
-def resolve_backend(backend: str, tensor) -> str:
-    """The concrete backend for ``backend`` on ``tensor``; raises for unknown or unusable ones."""
-    if backend not in (*BACKENDS, "auto"):
+def resolve_backend(backend: str, tensor, head_dim: int | None = None, group: int = 1, caches=()) -> str:
+    """The concrete backend for ``backend`` on ``tensor``; raises for unknown or unusable ones. Give ``head_dim``,
+    ``group`` and ``caches`` for attention, so ``auto`` only picks ``cupy`` where its kernel is instantiated."""
+    if not isinstance(backend, str) or backend not in (*BACKENDS, "auto"):
         raise ValueError(f"backend must be one of {', '.join((*BACKENDS, 'auto'))}; got {backend!r}")
     is_numpy = isinstance(tensor, np.ndarray)
     if backend == "auto":
         if is_numpy:
             return "reference"
-        return "cupy" if tensor.is_cuda and cupy_status()[0] else "torch"
+        runnable = _cupy.is_cuda(tensor) and cupy_status()[0] and _cupy.unsupported_reason(tensor, head_dim, group,
+                                                                                              caches) is None
+        return "cupy" if runnable else "torch"
     if is_numpy and backend != "reference":
         raise ValueError(f"backend {backend!r} takes torch tensors; NumPy arrays need backend='reference'")
     if backend == "cupy":
         usable, reason = cupy_status()
         if not usable:
             raise RuntimeError(f"backend 'cupy' is unavailable: {reason}")
-        if not tensor.is_cuda:
+        if not _cupy.is_cuda(tensor):
             raise ValueError("backend 'cupy' needs CUDA tensors; got CPU tensors")
+        reason = _cupy.unsupported_reason(tensor, head_dim, group, caches)
+        if reason is not None:
+            raise ValueError(reason)
         return "cupy"
     return backend
 
@@ -55,17 +67,18 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend: st
     negative slots are skipped)."""
     if check:
         validate.check_write_args(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        validate.check_write_shapes(key, value, key_cache, value_cache, slot_mapping)
     name = resolve_backend(backend, key_cache)
-    _require_contiguous_for_cupy(name, key_cache, value_cache)
     _backend_module(name).write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def copy_blocks(key_cache, value_cache, block_mapping, backend: str = "auto", check: bool = True):
-    """Copy whole blocks for each ``(src, dst)`` pair (copy-on-write); a destination may not also be a source."""
+    """Copy whole blocks for each ``(src, dst)`` pair (copy-on-write), in order: a pair may read a block an earlier
+    pair wrote. The mapping is host data and is always checked (``check`` is accepted for symmetry)."""
     num_blocks = validate.check_cache_pair(key_cache, value_cache)[0]
-    mapping = validate.check_block_mapping(block_mapping, num_blocks) if check else np.asarray(block_mapping)
+    mapping = validate.check_block_mapping(block_mapping, num_blocks)
     name = resolve_backend(backend, key_cache)
-    _require_contiguous_for_cupy(name, key_cache, value_cache)
     module = _backend_module(name)
     if isinstance(key_cache, np.ndarray):
         module.copy_blocks(key_cache, value_cache, mapping)
@@ -83,28 +96,25 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
     (written into ``out`` when given)."""
     if check:
         validate.check_attention_args(query, key_cache, value_cache, block_tables, seq_lens)
-        if out is not None:
-            validate.check_out(out, query)
+    else:
+        validate.check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens)
+    if out is not None:
+        validate.check_out(out, query)
     scale = float(query.shape[-1] ** -0.5 if scale is None else scale)
-    name = resolve_backend(backend, query)
+    name = resolve_backend(backend, query, query.shape[-1], query.shape[1] // key_cache.shape[1],
+                           (key_cache, value_cache))
     if name == "reference":
         result = reference.paged_attention_decode(validate.to_numpy_float(query), validate.to_numpy_float(key_cache),
                                                   validate.to_numpy_float(value_cache),
                                                   validate.to_numpy(block_tables), validate.to_numpy(seq_lens), scale)
         result = result if isinstance(query, np.ndarray) else _like(result, query)
     else:
-        _require_contiguous_for_cupy(name, key_cache, value_cache)
         result = _backend_module(name).paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens,
                                                               scale, out=out)
     if out is not None and result is not out:
         out[...] = result
         return out
     return result
-
-
-def _require_contiguous_for_cupy(name: str, key_cache, value_cache) -> None:
-    if name == "cupy" and not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError("backend 'cupy' needs contiguous key_cache and value_cache")
 
 
 def _like(array: np.ndarray, tensor):

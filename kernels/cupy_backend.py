@@ -1,5 +1,10 @@
 """CuPy backend: the CUDA kernels of ``csrc/paged_attention.cu`` on torch CUDA tensors, zero-copy through DLPack,
-launched on torch's current stream."""
+launched on torch's current stream.
+
+Every function here checks the shapes, dtypes and devices it is given (nothing that needs a device sync); the
+data-dependent checks (slots and block ids in range) are the public API's ``check=True``. Launch geometry goes
+through ``_launch`` only, so tests can record it on a machine without a GPU.
+"""
 from __future__ import annotations
 
 import functools
@@ -8,11 +13,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import validate
+
 SOURCE_PATH = Path(__file__).parent / "csrc" / "paged_attention.cu"
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 8
 NUM_WARPS = 4
 PARTITION_SIZE = 512
+MAX_GRID_YZ = 65_535  # CUDA's limit on gridDim.y and gridDim.z
+VECTOR_BYTES = 16  # the attention kernel reads K/V in 16-byte chunks, so the caches must be 16-byte aligned
 CUDA_TYPES = {torch.float32: "float", torch.float16: "half_t", torch.bfloat16: "bf16_t"}
 
 
@@ -32,16 +41,29 @@ def cupy_status() -> tuple[bool, str]:
     return True, "ok"
 
 
-def check_supported(query_or_cache, head_dim: int, group: int = 1) -> None:
-    """Raise ``ValueError`` naming what the CUDA kernels do not support."""
-    if query_or_cache.dtype not in CUDA_TYPES:
-        raise ValueError(f"cupy backend supports float32/float16/bfloat16, got dtype {query_or_cache.dtype}")
-    if not query_or_cache.is_cuda:
-        raise ValueError("cupy backend needs CUDA tensors; got a tensor on the CPU")
+def unsupported_reason(tensor, head_dim: int | None = None, group: int = 1, caches=()) -> str | None:
+    """Why the CUDA kernels cannot run on ``tensor`` (None when they can). ``head_dim`` is given for attention, whose
+    kernel is instantiated for ``SUPPORTED_HEAD_DIMS`` and up to ``MAX_GROUP`` q heads per kv head and reads the
+    ``caches`` with 16-byte loads; the cache-write and block-copy kernels take any head_dim."""
+    if tensor.dtype not in CUDA_TYPES:
+        return f"the cupy backend supports float32/float16/bfloat16, got dtype {tensor.dtype}"
+    if not is_cuda(tensor):
+        return "the cupy backend needs CUDA tensors; got a tensor on the CPU"
+    if head_dim is None:
+        return None
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"cupy backend supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+        return f"the cupy attention kernel supports head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}"
     if group > MAX_GROUP:
-        raise ValueError(f"cupy backend supports up to {MAX_GROUP} query heads per kv head, got {group}")
+        return f"the cupy attention kernel supports up to {MAX_GROUP} query heads per kv head, got {group}"
+    misaligned = [c for c in caches if c.data_ptr() % VECTOR_BYTES]
+    if misaligned:
+        return f"the cupy attention kernel needs {VECTOR_BYTES}-byte aligned caches (a view at an offset is not)"
+    return None
+
+
+def is_cuda(tensor) -> bool:
+    """Whether ``tensor`` lives on a GPU (one place, so launcher tests can stand in for a GPU)."""
+    return bool(getattr(tensor, "is_cuda", False))
 
 
 def attention_kernel_name(dtype: torch.dtype, head_dim: int, group: int) -> str:
@@ -60,6 +82,11 @@ def all_kernel_names() -> list[str]:
     names = {n for dtype in CUDA_TYPES for d in SUPPORTED_HEAD_DIMS for g in range(1, MAX_GROUP + 1)
              for n in kernel_names(dtype, d, g)}
     return sorted(names)
+
+
+def attention_shared_bytes(head_dim: int, group: int) -> int:
+    """Dynamic shared memory of the attention kernel: warps 1.. each leave GROUP accumulators and (m, l) pairs."""
+    return (NUM_WARPS - 1) * group * (head_dim + 2) * 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,83 +109,142 @@ def _as_cupy(tensor: torch.Tensor):
     return cupy.from_dlpack(tensor.detach())
 
 
-def _launch(kernel, grid, block, args, device: torch.device) -> None:
+def _launch(kernel, grid, block, args, device: torch.device, shared_mem: int = 0) -> None:
     import cupy
 
     stream = torch.cuda.current_stream(device)
     with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
-        kernel(grid, block, tuple(_as_cupy(a) if isinstance(a, torch.Tensor) else a for a in args))
+        kernel(grid, block, tuple(_as_cupy(a) if isinstance(a, torch.Tensor) else a for a in args),
+               shared_mem=shared_mem)
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _require(reason: str | None) -> None:
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """Launch ``write_kv_cache_kernel``: one thread block per token."""
+    """Launch ``write_kv_cache_kernel``: one thread block per token. Non-negative slots must be distinct (the
+    public API checks it with ``check=True``); the block manager gives every (sequence, position) its own slot."""
+    validate.check_write_shapes(key, value, key_cache, value_cache, slot_mapping)
+    _require(unsupported_reason(key_cache))
+    _require_contiguous(key_cache, value_cache)
     num_tokens = key.shape[0]
     _, num_kv_heads, block_size, head_dim = key_cache.shape
-    check_supported(key_cache, head_dim)
     if num_tokens == 0:
         return
     slots = slot_mapping.to(device=key_cache.device, dtype=torch.int64).contiguous()
     name = f"write_kv_cache_kernel<{CUDA_TYPES[key_cache.dtype]}>"
     threads = min(1024, max(32, num_kv_heads * head_dim))
-    _launch(_kernel(name, key_cache.dtype, head_dim), (num_tokens,), (threads,),
+    _launch(_kernel(name, key_cache.dtype), (num_tokens,), (threads,),
             (key.contiguous(), value.contiguous(), key_cache, value_cache, slots, np.int32(num_kv_heads),
              np.int32(head_dim), np.int32(block_size)), key_cache.device)
 
 
+def copy_rounds(block_mapping: np.ndarray) -> list[np.ndarray]:
+    """Split ``(src, dst)`` pairs, in order, into consecutive rounds whose pairs are independent (no pair reads or
+    writes a block an earlier pair of the same round writes, nor writes one it reads), so running each round in
+    parallel and the rounds one after another equals running the pairs one by one."""
+    rounds, current, written, read = [], [], set(), set()
+    for src, dst in np.asarray(block_mapping, dtype=np.int64).reshape(-1, 2).tolist():
+        if src in written or dst in written or dst in read:
+            rounds.append(np.array(current, dtype=np.int64))
+            current, written, read = [], set(), set()
+        current.append((src, dst))
+        written.add(dst)
+        read.add(src)
+    if current:
+        rounds.append(np.array(current, dtype=np.int64))
+    return rounds
+
+
 def copy_blocks(key_cache, value_cache, block_mapping) -> None:
-    """Launch ``copy_blocks_kernel``: one thread block per (src, dst) pair."""
-    if len(block_mapping) == 0:
-        return
-    check_supported(key_cache, key_cache.shape[-1])
-    mapping = torch.as_tensor(block_mapping, dtype=torch.int64).reshape(-1, 2).to(key_cache.device).contiguous()
+    """Launch ``copy_blocks_kernel`` (one thread block per (src, dst) pair) once per independent round, so the
+    pairs take effect in order like the other backends' loops."""
+    validate.check_cache_pair(key_cache, value_cache)
+    _require(unsupported_reason(key_cache))
+    _require_contiguous(key_cache, value_cache)
     name = f"copy_blocks_kernel<{CUDA_TYPES[key_cache.dtype]}>"
-    _launch(_kernel(name, key_cache.dtype, key_cache.shape[-1]), (mapping.shape[0],), (256,),
-            (key_cache, value_cache, mapping, np.int64(key_cache[0].numel())), key_cache.device)
+    for pairs in copy_rounds(validate.to_numpy(block_mapping)):
+        mapping = torch.from_numpy(pairs).to(key_cache.device)
+        _launch(_kernel(name, key_cache.dtype), (len(pairs),), (256,),
+                (key_cache, value_cache, mapping, np.int64(key_cache[0].numel())), key_cache.device)
 
 
 def choose_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
     """0 (v1, one thread block per sequence and kv head) unless the context is long and the grid would leave SMs
-    idle; then ``PARTITION_SIZE`` (v2, split-K)."""
+    idle; then ``PARTITION_SIZE`` (v2, split-K), or a multiple of it when that many partitions would pass the
+    grid's z limit."""
     if max_seq_len <= PARTITION_SIZE:
         return 0
     if max_seq_len <= 8192 and num_seqs * num_kv_heads >= 4 * sm_count:
         return 0
-    return PARTITION_SIZE
+    return PARTITION_SIZE * -(-max_seq_len // (PARTITION_SIZE * MAX_GRID_YZ))
 
 
 def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float,
                            partition_size: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention with the v1 or v2 kernel (``partition_size``: None chooses, 0 forces v1, >0 forces v2)."""
+    """Decode attention with the v1 or v2 kernel (``partition_size``: None chooses, 0 forces v1, >0 forces v2).
+    Sequences of length 0 get zeros. ``out`` may have any strides: the kernel writes a dense buffer that is then
+    copied into it."""
+    validate.check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens)
+    if out is not None:
+        validate.check_out(out, query)
     num_seqs, num_q_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
     group = num_q_heads // num_kv_heads
-    check_supported(query, head_dim, group)
+    _require(unsupported_reason(query, head_dim, group, (key_cache, value_cache)))
+    _require_contiguous(key_cache, value_cache)
     device = query.device
-    if out is None or not out.is_contiguous():
-        out = torch.empty_like(query)  # the kernels write a dense [num_seqs, num_q_heads, head_dim]
-    if num_seqs == 0:
+    dense = out if out is not None and out.is_contiguous() else torch.empty(query.shape, dtype=query.dtype,
+                                                                           device=device)
+    if num_seqs:
+        _attend(dense, query.contiguous(), key_cache, value_cache, block_tables, seq_lens, scale, partition_size)
+    if out is not None and dense is not out:
+        out.copy_(dense)
         return out
+    return dense
+
+
+def _attend(out, query, key_cache, value_cache, block_tables, seq_lens, scale, partition_size) -> None:
+    num_seqs, num_q_heads, head_dim = query.shape
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    group, device = num_q_heads // num_kv_heads, query.device
     block_tables = block_tables.to(device=device, dtype=torch.int32).contiguous()
     seq_lens = seq_lens.to(device=device, dtype=torch.int32).contiguous()
     max_seq_len = int(seq_lens.max())
     if partition_size is None:
-        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-        partition_size = choose_partition_size(num_seqs, num_kv_heads, max_seq_len, sm_count)
-    num_parts = -(-max_seq_len // partition_size) if partition_size else 1
+        partition_size = choose_partition_size(num_seqs, num_kv_heads, max_seq_len, _sm_count(device))
+    num_parts = max(1, -(-max_seq_len // partition_size)) if partition_size else 1
+    if num_parts > MAX_GRID_YZ:
+        raise ValueError(f"partition_size={partition_size} splits a {max_seq_len}-token context into {num_parts} "
+                         f"partitions; the grid allows {MAX_GRID_YZ}")
     max_logits = torch.empty((num_seqs, num_q_heads, num_parts), dtype=torch.float32, device=device)
     exp_sums = torch.empty_like(max_logits)
     partial_out = torch.empty((num_seqs, num_q_heads, num_parts, head_dim), dtype=torch.float32, device=device)
-    _launch(_kernel(attention_kernel_name(query.dtype, head_dim, group), query.dtype, head_dim, group),
-            (num_kv_heads, num_seqs, num_parts), (NUM_WARPS * 32,),
-            (out, max_logits, exp_sums, partial_out, query.contiguous(), key_cache, value_cache, block_tables,
-             seq_lens, np.float32(scale), np.int32(num_kv_heads), np.int32(block_size),
-             np.int32(block_tables.shape[1]), np.int32(partition_size), np.int32(num_parts)), device)
-    if partition_size:
-        name = f"reduce_partitions_kernel<{CUDA_TYPES[query.dtype]},{head_dim}>"
-        _launch(_kernel(name, query.dtype, head_dim, group), (num_q_heads, num_seqs), (min(head_dim, 128),),
-                (out, max_logits, exp_sums, partial_out, seq_lens, np.int32(partition_size), np.int32(num_parts)),
-                device)
-    return out
+    attention = _kernel(attention_kernel_name(query.dtype, head_dim, group), query.dtype, head_dim, group)
+    reduce = partition_size and _kernel(f"reduce_partitions_kernel<{CUDA_TYPES[query.dtype]},{head_dim}>",
+                                        query.dtype, head_dim, group)
+    shared = attention_shared_bytes(head_dim, group)
+    for first in range(0, num_seqs, MAX_GRID_YZ):  # tile the sequences over launches: gridDim.y <= 65,535
+        count = min(MAX_GRID_YZ, num_seqs - first)
+        _launch(attention, (num_kv_heads, count, num_parts), (NUM_WARPS * 32,),
+                (out, max_logits, exp_sums, partial_out, query, key_cache, value_cache, block_tables, seq_lens,
+                 np.float32(scale), np.int32(num_kv_heads), np.int32(block_size), np.int32(block_tables.shape[1]),
+                 np.int32(partition_size), np.int32(num_parts), np.int32(first)), device, shared_mem=shared)
+        if partition_size:
+            _launch(reduce, (num_q_heads, count), (min(head_dim, 128),),
+                    (out, max_logits, exp_sums, partial_out, seq_lens, np.int32(partition_size), np.int32(num_parts),
+                     np.int32(first)), device)
+
+
+def _require_contiguous(key_cache, value_cache) -> None:
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("the cupy backend needs contiguous key_cache and value_cache")
 
 
 def instantiation_source() -> str:

@@ -40,7 +40,8 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
 
 
 def _attend_one(q, keys, values, block_table, seq_len: int, block_size: int) -> np.ndarray:
-    """Online softmax over the sequence's blocks: running max ``m``, running sum ``total``, running output ``acc``."""
+    """Online softmax over the sequence's blocks: running max ``m``, running sum ``total``, running output ``acc``.
+    An empty sequence attends to nothing: zeros."""
     m, total, acc = -np.inf, 0.0, np.zeros(q.shape[0])
     for logical in range(-(-seq_len // block_size)):
         physical = int(block_table[logical])
@@ -52,5 +53,5 @@ def _attend_one(q, keys, values, block_table, seq_len: int, block_size: int) -> 
         total = total * correction + p.sum()
         acc = acc * correction + p @ values[physical, :n]
         m = m_new
-    return acc / total
+    return acc / total if total > 0 else acc
 

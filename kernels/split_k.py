@@ -20,8 +20,8 @@ def partition_attention(query, key_cache, value_cache, block_tables, seq_lens, s
     num_seqs, num_q_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     max_len = int(seq_lens.max())
-    num_parts = -(-max_len // partition_size)
-    num_blocks_used = -(-max_len // block_size)
+    num_parts = max(1, -(-max_len // partition_size))
+    num_blocks_used = max(1, -(-max_len // block_size))
     keys = gather_kv(key_cache, block_tables.long(), num_blocks_used).double()
     values = gather_kv(value_cache, block_tables.long(), num_blocks_used).double()
     padded = num_parts * partition_size
@@ -47,7 +47,7 @@ def reduce_partitions(max_logits, exp_sums, partial_out):
     """Combine per-partition ``(m_p, l_p, o_p)`` into the full softmax output ``[S, Hq, D]``."""
     global_max = max_logits.amax(-1, keepdim=True)
     weights = (exp_sums * torch.exp(max_logits - global_max)).nan_to_num(0.0)
-    return (weights.unsqueeze(-1) * partial_out).sum(-2) / weights.sum(-1, keepdim=True)
+    return (weights.unsqueeze(-1) * partial_out).sum(-2) / weights.sum(-1, keepdim=True).clamp_min(1e-300)
 
 
 def split_k_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float,

@@ -24,7 +24,7 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
 
 def copy_blocks(key_cache, value_cache, block_mapping) -> None:
     """Copy whole blocks ``src -> dst`` (rows of ``block_mapping``), in order."""
-    for src, dst in block_mapping.tolist():
+    for src, dst in block_mapping.reshape(-1, 2).tolist():
         key_cache[dst].copy_(key_cache[src])
         value_cache[dst].copy_(value_cache[src])
 
@@ -35,11 +35,13 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
 
     Softmax statistics are float32; on CPU half types are computed in float32 throughout.
     """
-    out = torch.empty_like(query) if out is None else out
-    block_tables = block_tables.to(device=key_cache.device, dtype=torch.long)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device) if out is None else out
     seq_lens = seq_lens.to(device=key_cache.device, dtype=torch.long)
     num_blocks_used = int(-(-int(seq_lens.max()) // key_cache.shape[2])) if len(seq_lens) else 0
-    block_tables = block_tables[:, :num_blocks_used]
+    if num_blocks_used == 0:  # every sequence is empty
+        return out.zero_()
+    # Entries past a sequence's blocks are padding (-1 by convention): read block 0 there, masked out below.
+    block_tables = block_tables[:, :num_blocks_used].to(device=key_cache.device, dtype=torch.long).clamp_min(0)
     step = _chunk_size(query, key_cache, num_blocks_used)
     buffers = _gather_buffers(key_cache, step * num_blocks_used)
     for start in range(0, query.shape[0], step):
@@ -53,7 +55,7 @@ def gather_kv(cache, block_tables, num_blocks_used: int):
     """Contiguous ``[num_seqs, num_kv_heads, num_blocks_used * block_size, head_dim]`` copy of a sequence's K or V."""
     num_seqs = block_tables.shape[0]
     _, num_kv_heads, block_size, head_dim = cache.shape
-    rows = cache.index_select(0, block_tables[:, :num_blocks_used].reshape(-1).long())
+    rows = cache.index_select(0, block_tables[:, :num_blocks_used].reshape(-1).long().clamp_min(0))
     rows = rows.view(num_seqs, num_blocks_used, num_kv_heads, block_size, head_dim)
     return rows.transpose(1, 2).reshape(num_seqs, num_kv_heads, num_blocks_used * block_size, head_dim)
 
@@ -76,8 +78,9 @@ def _attend_chunk(query, key_cache, value_cache, block_tables, seq_lens, scale, 
     # Stale slots may hold anything, NaN included (0 * NaN = NaN): zero them, touching only the tail blocks.
     first_tail = int(seq_lens.min()) // block_size
     values[:, first_tail:].masked_fill_(beyond_end[:, first_tail:].transpose(-1, -2), 0)
-    probs = torch.exp(scores - scores.amax(dim=(1, 4), keepdim=True))
-    denominator = probs.sum(dim=(1, 4)).unsqueeze(-1)
+    # An empty sequence's max is -inf; clamping it keeps its probabilities 0 (and its output 0) instead of NaN.
+    probs = torch.exp(scores - scores.amax(dim=(1, 4), keepdim=True).clamp_min(torch.finfo(torch.float32).min))
+    denominator = probs.sum(dim=(1, 4)).unsqueeze(-1).clamp_min(torch.finfo(torch.float32).tiny)
     weighted = torch.matmul(probs.to(compute), values.to(compute)).sum(1, dtype=torch.float32)
     return (weighted / denominator).view(num_seqs, num_q_heads, head_dim).to(query.dtype)
 

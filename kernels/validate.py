@@ -40,6 +40,22 @@ def check_integer(name: str, x) -> None:
 
 
 def check_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """Shapes, then the slots' values: in range and, where non-negative, distinct (a slot written twice in one call
+    has no defined winner on a GPU)."""
+    num_blocks, _, block_size, _ = check_write_shapes(key, value, key_cache, value_cache, slot_mapping)
+    slots = to_numpy(slot_mapping)
+    if slots.size and slots.max() >= num_blocks * block_size:
+        raise ValueError(f"slot_mapping holds slot {int(slots.max())} beyond the cache's "
+                         f"{num_blocks * block_size} slots")
+    used = slots[slots >= 0]
+    if np.unique(used).size != used.size:
+        values, counts = np.unique(used, return_counts=True)
+        raise ValueError(f"slot_mapping names slot {int(values[counts > 1][0])} more than once; non-negative slots "
+                         f"must be distinct")
+
+
+def check_write_shapes(key, value, key_cache, value_cache, slot_mapping) -> tuple[int, int, int, int]:
+    """Everything about a cache write that needs no look at the data (no device sync); returns the cache shape."""
     num_blocks, num_kv_heads, block_size, head_dim = check_cache_pair(key_cache, value_cache)
     check_rank("key", key, 3)
     check_rank("value", value, 3)
@@ -54,13 +70,18 @@ def check_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:
     check_integer("slot_mapping", slot_mapping)
     if shape_of(slot_mapping)[0] != shape_of(key)[0]:
         raise ValueError(f"slot_mapping has {shape_of(slot_mapping)[0]} entries for {shape_of(key)[0]} tokens")
-    slots = to_numpy(slot_mapping)
-    if slots.size and slots.max() >= num_blocks * block_size:
-        raise ValueError(f"slot_mapping holds slot {int(slots.max())} beyond the cache's "
-                         f"{num_blocks * block_size} slots")
+    check_same_device("slot_mapping", slot_mapping, key_cache)
+    return num_blocks, num_kv_heads, block_size, head_dim
 
 
 def check_attention_args(query, key_cache, value_cache, block_tables, seq_lens) -> None:
+    """Shapes, then the values: every block a sequence reads exists."""
+    num_blocks, _, block_size, _ = check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens)
+    check_used_blocks(to_numpy(block_tables), to_numpy(seq_lens), block_size, num_blocks)
+
+
+def check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens) -> tuple[int, int, int, int]:
+    """Everything about a decode call that needs no look at the data (no device sync); returns the cache shape."""
     num_blocks, num_kv_heads, block_size, head_dim = check_cache_pair(key_cache, value_cache)
     check_rank("query", query, 3)
     num_seqs, num_q_heads, q_head_dim = shape_of(query)
@@ -76,7 +97,9 @@ def check_attention_args(query, key_cache, value_cache, block_tables, seq_lens) 
     if shape_of(block_tables)[0] != num_seqs or shape_of(seq_lens)[0] != num_seqs:
         raise ValueError(f"block_tables rows ({shape_of(block_tables)[0]}) and seq_lens entries "
                          f"({shape_of(seq_lens)[0]}) must equal query's {num_seqs} sequences")
-    check_used_blocks(to_numpy(block_tables), to_numpy(seq_lens), block_size, num_blocks)
+    check_same_device("block_tables", block_tables, key_cache)
+    check_same_device("seq_lens", seq_lens, key_cache)
+    return num_blocks, num_kv_heads, block_size, head_dim
 
 
 def check_out(out, query) -> None:
@@ -87,9 +110,10 @@ def check_out(out, query) -> None:
 
 
 def check_used_blocks(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int, num_blocks: int) -> None:
-    """seq_lens must fit their rows, and every block a sequence reads must exist."""
-    if seq_lens.size and seq_lens.min() < 1:
-        raise ValueError(f"seq_lens must be >= 1, got {int(seq_lens.min())}")
+    """seq_lens must be >= 0 (0 gives a row of zeros) and fit their rows, and every block a sequence reads must
+    exist; entries past a sequence's blocks are padding and may hold anything (-1 by convention)."""
+    if seq_lens.size and seq_lens.min() < 0:
+        raise ValueError(f"seq_lens must be >= 0, got {int(seq_lens.min())}")
     used = -(-seq_lens.astype(np.int64) // block_size)
     if used.size and used.max() > block_tables.shape[1]:
         row = int(used.argmax())
@@ -104,19 +128,32 @@ def check_used_blocks(block_tables: np.ndarray, seq_lens: np.ndarray, block_size
 
 
 def check_block_mapping(block_mapping, num_blocks: int) -> np.ndarray:
-    """Return the ``[n, 2]`` (src, dst) mapping as int64 NumPy after checking it."""
-    raw = block_mapping if isinstance(block_mapping, (list, tuple)) else to_numpy(block_mapping)
-    mapping = np.asarray(raw, dtype=np.int64).reshape(-1, 2) if len(raw) else np.zeros((0, 2), np.int64)
-    if mapping.size and (mapping.min() < 0 or mapping.max() >= num_blocks):
+    """Return the ``[n, 2]`` (src, dst) mapping as int64 NumPy after checking its shape and block ids. Pairs take
+    effect in order (a pair may read what an earlier one wrote), in every backend."""
+    raw = to_numpy(block_mapping)
+    if raw.size == 0:
+        return np.zeros((0, 2), np.int64)
+    if raw.dtype.kind not in "iu" or raw.ndim > 2 or raw.shape[-1] != 2 or (raw.ndim == 1 and raw.size != 2):
+        raise ValueError(f"block_mapping must be (src, dst) integer pairs, got dtype {raw.dtype} shape {raw.shape}")
+    mapping = raw.astype(np.int64).reshape(-1, 2)
+    if mapping.min() < 0 or mapping.max() >= num_blocks:
         raise ValueError(f"block_mapping refers to a block outside the cache's {num_blocks} blocks")
-    if len(set(mapping[:, 1].tolist())) < len(mapping) or set(mapping[:, 0].tolist()) & set(mapping[:, 1].tolist()):
-        raise ValueError("block_mapping: each destination block must appear once and never as a source")
     return mapping
+
+
+def check_same_device(name: str, x, ref) -> None:
+    """Index tensors may live on the CPU for a CUDA cache (they are moved), but not on another GPU."""
+    if _is_numpy(ref) or _is_numpy(x) or not x.is_cuda:
+        return
+    if x.device != ref.device:
+        raise ValueError(f"{name} is on {x.device} but key_cache is on {ref.device}")
 
 
 def to_numpy(x) -> np.ndarray:
     if _is_numpy(x):
         return x
+    if isinstance(x, (list, tuple)):
+        return np.asarray(x)
     return x.detach().cpu().numpy()
 
 

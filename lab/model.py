@@ -118,7 +118,12 @@ class PagedQwen3:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.device = next(hf_model.parameters()).device
         self.dtype = next(hf_model.parameters()).dtype
-        self.attention_backend = kernels.resolve_backend(attention_backend, torch.empty(0, device=self.device))
+        probe = torch.empty(0, device=self.device, dtype=self.dtype)
+        # auto may pick cupy for the cache ops but torch for attention (e.g. the tiny preset's head_dim 32).
+        self.attention_backend = kernels.resolve_backend(attention_backend, probe, self.head_dim,
+                                                         self.num_q_heads // self.num_kv_heads)
+        self.cache_backend = "torch" if attention_backend == "reference" else kernels.resolve_backend(
+            attention_backend, probe)
         shape = (num_blocks, self.num_kv_heads, block_size, self.head_dim)
         self.key_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.value_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
@@ -134,9 +139,8 @@ class PagedQwen3:
         """Execute copy-on-write copies in every layer."""
         if not block_mapping:
             return
-        backend = "torch" if self.attention_backend == "reference" else self.attention_backend
         for key_cache, value_cache in zip(self.key_caches, self.value_caches):
-            kernels.copy_blocks(key_cache, value_cache, block_mapping, backend=backend, check=False)
+            kernels.copy_blocks(key_cache, value_cache, block_mapping, backend=self.cache_backend, check=False)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:
@@ -144,13 +148,12 @@ class PagedQwen3:
         model = self.hf.model
         hidden = model.embed_tokens(batch.input_ids)
         cos, sin = model.rotary_emb(hidden, batch.positions[None])
-        write_backend = "torch" if self.attention_backend == "reference" else self.attention_backend
         for index, layer in enumerate(model.layers):
             residual = hidden
             hidden = layer.input_layernorm(hidden)
             q, k, v = self._qkv(layer.self_attn, hidden, cos[0], sin[0])
             kernels.write_kv_cache(k, v, self.key_caches[index], self.value_caches[index], batch.slot_mapping,
-                                   backend=write_backend, check=False)
+                                   backend=self.cache_backend, check=False)
             attn = self._attention(index, q, k, v, batch)
             hidden = residual + layer.self_attn.o_proj(attn.reshape(attn.shape[0], -1))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))

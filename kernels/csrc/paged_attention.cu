@@ -31,12 +31,6 @@ template <> __device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
   return bf16_t{(unsigned short)(u >> 16)};
 }
 
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
-  return x;
-}
-
 // One thread block per token: copy its K/V rows (all kv heads) to the slot; negative slots are padding.
 template <typename T>
 __global__ void write_kv_cache_kernel(const T* __restrict__ key, const T* __restrict__ value,
@@ -69,129 +63,268 @@ __global__ void copy_blocks_kernel(T* __restrict__ key_cache, T* __restrict__ va
   }
 }
 
-// Decode attention. Grid (num_kv_heads, num_seqs, num_partitions); one thread block serves one (sequence, kv head)
-// and all GROUP query heads that share it, so each K/V byte is read once per group. Each warp walks tokens
-// UNROLL at a time with an online softmax; warps are merged through shared memory at the end.
+struct u32x4 { unsigned int x, y, z, w; };
+struct __align__(16) float4_t { float x, y, z, w; };
+
+// One 16-byte read-only global load (ld.global.nc.v4.u32); the address must be 16-byte aligned.
+__device__ __forceinline__ u32x4 load_16b(const u32x4* p) {
+  u32x4 r;
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+// The 16/sizeof(T) elements of a 16-byte chunk, as floats, in memory order.
+template <typename T> __device__ __forceinline__ void unpack(const u32x4& raw, float* dst);
+template <> __device__ __forceinline__ void unpack<float>(const u32x4& raw, float* dst) {
+  dst[0] = __uint_as_float(raw.x); dst[1] = __uint_as_float(raw.y);
+  dst[2] = __uint_as_float(raw.z); dst[3] = __uint_as_float(raw.w);
+}
+template <> __device__ __forceinline__ void unpack<half_t>(const u32x4& raw, float* dst) {
+  const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    dst[2 * i] = to_float(half_t{(unsigned short)(words[i] & 0xffffu)});
+    dst[2 * i + 1] = to_float(half_t{(unsigned short)(words[i] >> 16)});
+  }
+}
+template <> __device__ __forceinline__ void unpack<bf16_t>(const u32x4& raw, float* dst) {
+  const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    dst[2 * i] = __uint_as_float(words[i] << 16);
+    dst[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+  }
+}
+
+// Sum over the aligned group of WIDTH lanes that holds this lane.
+template <int WIDTH> __device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int offset = WIDTH / 2; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+// Decode attention. Grid (num_kv_heads, num_seqs in this launch, num_partitions); one thread block serves one
+// (sequence, kv head) and all GROUP query heads that share it, so each K/V byte is read once per group.
+//
+// Memory access: a K/V row of HEAD_DIM elements is read as 16-byte chunks, lane j of a token's lane group taking
+// chunk j (then j + TPT, ...), so a warp's load covers whole consecutive 32-byte sectors; TOKENS_PER_WARP tokens are
+// read at once by the warp's lane groups, UNROLL of them in flight per lane group. Each warp walks whole cache
+// blocks (the block-table lookup and the block's base address once per block, no per-token division). Lane groups
+// keep their own online softmax; they are merged with shuffles, then warps through shared memory.
 // partition_size == 0: one partition per sequence (v1), the normalised output goes to `out`.
 // partition_size > 0 (v2, split-K): partition p covers tokens [p * partition_size, (p + 1) * partition_size) and
 // writes (max_logit, exp_sum, normalised partial output) for reduce_partitions_kernel.
+// seq_len == 0 gives an output row of zeros (v1), or an empty partition (v2).
 template <typename T, int HEAD_DIM, int GROUP, int NUM_WARPS>
-__global__ void paged_attention_kernel(T* __restrict__ out, float* __restrict__ max_logits,
-                                       float* __restrict__ exp_sums, float* __restrict__ partial_out,
-                                       const T* __restrict__ query, const T* __restrict__ key_cache,
-                                       const T* __restrict__ value_cache, const int* __restrict__ block_tables,
-                                       const int* __restrict__ seq_lens, float scale, int num_kv_heads,
-                                       int block_size, int max_blocks_per_seq, int partition_size,
-                                       int max_partitions) {
-  constexpr int ELEMS = HEAD_DIM / 32;  // per lane, contiguous
-  constexpr int UNROLL = 4;
-  const int kv_head = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
+__global__ void
+paged_attention_kernel(T* __restrict__ out, float* __restrict__ max_logits, float* __restrict__ exp_sums,
+                       float* __restrict__ partial_out, const T* __restrict__ query, const T* __restrict__ key_cache,
+                       const T* __restrict__ value_cache, const int* __restrict__ block_tables,
+                       const int* __restrict__ seq_lens, float scale, int num_kv_heads, int block_size,
+                       int max_blocks_per_seq, int partition_size, int max_partitions, int seq_offset) {
+  constexpr int VEC = 16 / (int)sizeof(T);                      // elements in one 16-byte chunk
+  constexpr int ROW_CHUNKS = HEAD_DIM / VEC;                     // 16-byte chunks in one K/V row
+  constexpr int TPT = ROW_CHUNKS < 32 ? ROW_CHUNKS : 32;         // lanes per token
+  constexpr int CHUNKS = ROW_CHUNKS / TPT;                       // chunks per lane
+  constexpr int TOKENS_PER_WARP = 32 / TPT;
+  constexpr int ELEMS = CHUNKS * VEC;                            // elements per lane
+  constexpr int UNROLL = GROUP * ELEMS <= 16 ? 4 : (GROUP * ELEMS <= 32 ? 2 : 1);
+  constexpr int STEP = TOKENS_PER_WARP * UNROLL;                 // tokens per warp iteration
+  static_assert(ROW_CHUNKS * VEC == HEAD_DIM && ROW_CHUNKS % TPT == 0, "head_dim must be whole 16-byte chunks");
+
+  const int kv_head = blockIdx.x, seq = blockIdx.y + seq_offset, part = blockIdx.z;
   const int num_q_heads = num_kv_heads * GROUP;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int chunk_lane = lane % TPT, token_lane = lane / TPT;
   const int seq_len = seq_lens[seq];
   const int start = partition_size > 0 ? part * partition_size : 0;
   const int end = partition_size > 0 ? min(seq_len, start + partition_size) : seq_len;
+  const long long q_base = (long long)seq * num_q_heads + kv_head * GROUP;
 
-  if (start >= end) {  // a partition past this sequence's end (only in v2)
+  if (start >= end) {  // an empty sequence (v1: zeros) or a partition past the sequence's end (v2)
     for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x) {
-      const long long idx = ((long long)seq * num_q_heads + kv_head * GROUP + i / HEAD_DIM) * max_partitions + part;
+      const long long q_index = q_base + i / HEAD_DIM;
+      if (partition_size == 0) {
+        out[q_index * HEAD_DIM + i % HEAD_DIM] = from_float<T>(0.f);
+        continue;
+      }
+      const long long idx = q_index * max_partitions + part;
       partial_out[idx * HEAD_DIM + i % HEAD_DIM] = 0.f;
       if (i % HEAD_DIM == 0) { max_logits[idx] = NEG_INF; exp_sums[idx] = 0.f; }
     }
     return;
   }
 
+  // Lane `chunk_lane` owns elements (c * TPT + chunk_lane) * VEC + e of the head, c < CHUNKS, e < VEC.
   float q[GROUP][ELEMS], acc[GROUP][ELEMS], m[GROUP], l[GROUP];
 #pragma unroll
   for (int g = 0; g < GROUP; ++g) {
-    const T* q_row = query + ((long long)seq * num_q_heads + kv_head * GROUP + g) * HEAD_DIM + lane * ELEMS;
+    const T* q_row = query + (q_base + g) * HEAD_DIM;
 #pragma unroll
-    for (int i = 0; i < ELEMS; ++i) { q[g][i] = to_float(q_row[i]) * scale; acc[g][i] = 0.f; }
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        q[g][c * VEC + e] = to_float(q_row[(c * TPT + chunk_lane) * VEC + e]) * scale;
+        acc[g][c * VEC + e] = 0.f;
+      }
     m[g] = NEG_INF;
     l[g] = 0.f;
   }
 
   const int* table = block_tables + (long long)seq * max_blocks_per_seq;
-  for (int base = start + warp * UNROLL; base < end; base += NUM_WARPS * UNROLL) {
-    long long row[UNROLL];
-    float k[UNROLL][ELEMS];
+  const long long block_stride = (long long)num_kv_heads * block_size * HEAD_DIM;
+  const int last_block = (end - 1) / block_size;
+  for (int b = start / block_size + warp; b <= last_block; b += NUM_WARPS) {  // warp-uniform
+    const int block_start = b * block_size;
+    const int lo = max(start, block_start) - block_start, hi = min(end, block_start + block_size) - block_start;
+    const long long base = (long long)table[b] * block_stride + (long long)kv_head * block_size * HEAD_DIM;
+    const u32x4* k_block = reinterpret_cast<const u32x4*>(key_cache + base);
+    const u32x4* v_block = reinterpret_cast<const u32x4*>(value_cache + base);
+    for (int o0 = lo; o0 < hi; o0 += STEP) {  // warp-uniform, so every lane reaches the shuffles
+      u32x4 k_raw[UNROLL][CHUNKS], v_raw[UNROLL][CHUNKS];
+      bool valid[UNROLL];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      const int t = min(base + u, end - 1);
-      const long long physical = table[t / block_size];
-      row[u] = ((physical * num_kv_heads + kv_head) * block_size + t % block_size) * HEAD_DIM + lane * ELEMS;
+      for (int u = 0; u < UNROLL; ++u) {
+        const int o = o0 + u * TOKENS_PER_WARP + token_lane;
+        valid[u] = o < hi;
 #pragma unroll
-      for (int i = 0; i < ELEMS; ++i) k[u][i] = to_float(key_cache[row[u] + i]);
-    }
-    float s[UNROLL][GROUP];
+        for (int c = 0; c < CHUNKS; ++c) {
+          const int chunk = o * ROW_CHUNKS + c * TPT + chunk_lane;
+          k_raw[u][c] = valid[u] ? load_16b(k_block + chunk) : u32x4{0u, 0u, 0u, 0u};
+          v_raw[u][c] = valid[u] ? load_16b(v_block + chunk) : u32x4{0u, 0u, 0u, 0u};
+        }
+      }
+      float s[UNROLL][GROUP];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u)
+      for (int u = 0; u < UNROLL; ++u) {
+        float k[ELEMS];
 #pragma unroll
-      for (int g = 0; g < GROUP; ++g) {
-        float dot = 0.f;
+        for (int c = 0; c < CHUNKS; ++c) unpack<T>(k_raw[u][c], k + c * VEC);
 #pragma unroll
-        for (int i = 0; i < ELEMS; ++i) dot += q[g][i] * k[u][i];
-        s[u][g] = warp_sum(dot);
+        for (int g = 0; g < GROUP; ++g) {
+          float dot = 0.f;
+#pragma unroll
+          for (int i = 0; i < ELEMS; ++i) dot += q[g][i] * k[i];
+          dot = group_sum<TPT>(dot);
+          s[u][g] = valid[u] ? dot : NEG_INF;
+        }
       }
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      if (base + u >= end) break;
-      float v[ELEMS];
-#pragma unroll
-      for (int i = 0; i < ELEMS; ++i) v[i] = to_float(value_cache[row[u] + i]);
-#pragma unroll
       for (int g = 0; g < GROUP; ++g) {
-        const float m_new = fmaxf(m[g], s[u][g]);
-        const float correction = __expf(m[g] - m_new);
-        const float p = __expf(s[u][g] - m_new);
-        l[g] = l[g] * correction + p;
+        float m_new = m[g];
 #pragma unroll
-        for (int i = 0; i < ELEMS; ++i) acc[g][i] = acc[g][i] * correction + p * v[i];
+        for (int u = 0; u < UNROLL; ++u) m_new = fmaxf(m_new, s[u][g]);
+        if (m_new == NEG_INF) continue;  // no valid token for this lane group in this step
+        const float correction = __expf(m[g] - m_new);
+        l[g] *= correction;
+#pragma unroll
+        for (int i = 0; i < ELEMS; ++i) acc[g][i] *= correction;
         m[g] = m_new;
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        if (!valid[u]) continue;
+        float v[ELEMS];
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) unpack<T>(v_raw[u][c], v + c * VEC);
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+          const float p = __expf(s[u][g] - m[g]);
+          l[g] += p;
+#pragma unroll
+          for (int i = 0; i < ELEMS; ++i) acc[g][i] += p * v[i];
+        }
       }
     }
   }
 
-  __shared__ float warp_m[NUM_WARPS][GROUP], warp_l[NUM_WARPS][GROUP];
-  __shared__ float warp_acc[NUM_WARPS][GROUP][HEAD_DIM];
+  // Merge the warp's lane groups (lanes chunk_lane, chunk_lane + TPT, ... hold the same elements).
+#pragma unroll
+  for (int offset = TPT; offset < 32; offset <<= 1)
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+      const float m_other = __shfl_xor_sync(0xffffffffu, m[g], offset);
+      const float l_other = __shfl_xor_sync(0xffffffffu, l[g], offset);
+      const float m_new = fmaxf(m[g], m_other);
+      const float w_self = m[g] == NEG_INF ? 0.f : __expf(m[g] - m_new);
+      const float w_other = m_other == NEG_INF ? 0.f : __expf(m_other - m_new);
+      l[g] = l[g] * w_self + l_other * w_other;
+#pragma unroll
+      for (int i = 0; i < ELEMS; ++i)
+        acc[g][i] = acc[g][i] * w_self + __shfl_xor_sync(0xffffffffu, acc[g][i], offset) * w_other;
+      m[g] = m_new;
+    }
+
+  // Merge warps: warps 1.. write (m, l, acc) to shared memory, warp 0 folds them in. The accumulator is stored as
+  // float4 words indexed [warp][g][word][chunk_lane], so consecutive lanes write consecutive 16 bytes (no bank
+  // conflict).
+  constexpr int WORDS = ELEMS / 4;
+  extern __shared__ float4_t shared_words[];
+  float* shared_ml = reinterpret_cast<float*>(shared_words + (NUM_WARPS - 1) * GROUP * WORDS * TPT);
+  if (warp > 0 && token_lane == 0) {
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+#pragma unroll
+      for (int w = 0; w < WORDS; ++w)
+        shared_words[(((warp - 1) * GROUP + g) * WORDS + w) * TPT + chunk_lane] =
+            float4_t{acc[g][4 * w], acc[g][4 * w + 1], acc[g][4 * w + 2], acc[g][4 * w + 3]};
+      if (chunk_lane == 0) {
+        shared_ml[2 * ((warp - 1) * GROUP + g)] = m[g];
+        shared_ml[2 * ((warp - 1) * GROUP + g) + 1] = l[g];
+      }
+    }
+  }
+  __syncthreads();
+  if (warp > 0 || token_lane > 0) return;
+
 #pragma unroll
   for (int g = 0; g < GROUP; ++g) {
 #pragma unroll
-    for (int i = 0; i < ELEMS; ++i) warp_acc[warp][g][lane * ELEMS + i] = acc[g][i];
-    if (lane == 0) { warp_m[warp][g] = m[g]; warp_l[warp][g] = l[g]; }
-  }
-  __syncthreads();
-
-  for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += blockDim.x) {
-    const int g = i / HEAD_DIM, d = i % HEAD_DIM;
-    float block_max = NEG_INF;
+    for (int other = 0; other < NUM_WARPS - 1; ++other) {
+      const float m_other = shared_ml[2 * (other * GROUP + g)], l_other = shared_ml[2 * (other * GROUP + g) + 1];
+      const float m_new = fmaxf(m[g], m_other);
+      const float w_self = m[g] == NEG_INF ? 0.f : __expf(m[g] - m_new);
+      const float w_other = m_other == NEG_INF ? 0.f : __expf(m_other - m_new);
+      l[g] = l[g] * w_self + l_other * w_other;
 #pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) block_max = fmaxf(block_max, warp_m[w][g]);
-    float total = 0.f, weighted = 0.f;
-#pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) {
-      const float weight = warp_m[w][g] == NEG_INF ? 0.f : __expf(warp_m[w][g] - block_max);
-      total += warp_l[w][g] * weight;
-      weighted += warp_acc[w][g][d] * weight;
+      for (int w = 0; w < WORDS; ++w) {
+        const float4_t word = shared_words[((other * GROUP + g) * WORDS + w) * TPT + chunk_lane];
+        acc[g][4 * w] = acc[g][4 * w] * w_self + word.x * w_other;
+        acc[g][4 * w + 1] = acc[g][4 * w + 1] * w_self + word.y * w_other;
+        acc[g][4 * w + 2] = acc[g][4 * w + 2] * w_self + word.z * w_other;
+        acc[g][4 * w + 3] = acc[g][4 * w + 3] * w_self + word.w * w_other;
+      }
+      m[g] = m_new;
     }
-    const long long q_index = (long long)seq * num_q_heads + kv_head * GROUP + g;
-    if (partition_size == 0) {
-      out[q_index * HEAD_DIM + d] = from_float<T>(weighted / total);
-    } else {
-      const long long idx = q_index * max_partitions + part;
-      partial_out[idx * HEAD_DIM + d] = weighted / total;
-      if (d == 0) { max_logits[idx] = block_max; exp_sums[idx] = total; }
+    const float inv = 1.f / l[g];
+    const long long q_index = q_base + g;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const int d = (c * TPT + chunk_lane) * VEC + e;
+        const float value = acc[g][c * VEC + e] * inv;
+        if (partition_size == 0) {
+          out[q_index * HEAD_DIM + d] = from_float<T>(value);
+        } else {
+          partial_out[(q_index * max_partitions + part) * HEAD_DIM + d] = value;
+        }
+      }
+    if (partition_size > 0 && chunk_lane == 0) {
+      max_logits[q_index * max_partitions + part] = m[g];
+      exp_sums[q_index * max_partitions + part] = l[g];
     }
   }
 }
 
-// v2 reduction. Grid (num_q_heads, num_seqs); threads over head_dim: out = sum_p w_p o_p / sum_p w_p with
-// w_p = exp_sum_p * exp(max_logit_p - max_p max_logit_p).
+// v2 reduction. Grid (num_q_heads, num_seqs in this launch); threads over head_dim:
+// out = sum_p w_p o_p / sum_p w_p with w_p = exp_sum_p * exp(max_logit_p - max_p max_logit_p); zeros when empty.
 template <typename T, int HEAD_DIM>
 __global__ void reduce_partitions_kernel(T* __restrict__ out, const float* __restrict__ max_logits,
                                          const float* __restrict__ exp_sums, const float* __restrict__ partial_out,
-                                         const int* __restrict__ seq_lens, int partition_size, int max_partitions) {
-  const int q_head = blockIdx.x, seq = blockIdx.y, num_q_heads = gridDim.x;
+                                         const int* __restrict__ seq_lens, int partition_size, int max_partitions,
+                                         int seq_offset) {
+  const int q_head = blockIdx.x, seq = blockIdx.y + seq_offset, num_q_heads = gridDim.x;
   const int num_parts = (seq_lens[seq] + partition_size - 1) / partition_size;
   const long long base = ((long long)seq * num_q_heads + q_head) * max_partitions;
   float global_max = NEG_INF;
@@ -203,6 +336,6 @@ __global__ void reduce_partitions_kernel(T* __restrict__ out, const float* __res
       total += weight;
       weighted += weight * partial_out[(base + p) * HEAD_DIM + d];
     }
-    out[((long long)seq * num_q_heads + q_head) * HEAD_DIM + d] = from_float<T>(weighted / total);
+    out[((long long)seq * num_q_heads + q_head) * HEAD_DIM + d] = from_float<T>(total > 0.f ? weighted / total : 0.f);
   }
 }

@@ -1,0 +1,64 @@
+"""Offline builds of the CUDA source with the machine's nvcc and ptxas (no GPU needed); tests skip without them."""
+import functools
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+CUDA_TYPE_MANGLING = {"float": "f", "half_t": "6half_t", "bf16_t": "6bf16_t"}
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_ptx(arch: str) -> str:
+    from cupy.cuda import compiler
+
+    from kernels.cupy_backend import instantiation_source
+
+    ptx = compiler.compile_using_nvcc(instantiation_source(), arch=arch, code_type="ptx")
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
+def compile_ptx(arch: str) -> str:
+    """PTX of every template instance for ``sm_<arch>``."""
+    pytest.importorskip("cupy.cuda.compiler", reason="cupy is not installed")
+    if shutil.which("nvcc") is None:
+        pytest.skip("no nvcc on this machine: the CUDA sources cannot be compile-checked")
+    return _compile_ptx(arch)
+
+
+def ptx_entries(ptx: str) -> dict[str, str]:
+    """Mangled entry name -> its PTX body."""
+    pieces = re.split(r"\.visible \.entry (\w+)\(", ptx)
+    return dict(zip(pieces[1::2], pieces[2::2]))
+
+
+@functools.lru_cache(maxsize=None)
+def _ptxas_report(arch: str) -> dict[str, dict[str, int]]:
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "kernels.ptx"
+        source.write_text(_compile_ptx(arch))
+        result = subprocess.run(["ptxas", "-v", f"-arch=sm_{arch}", "-o", str(Path(folder) / "k.cubin"),
+                                 str(source)], capture_output=True, text=True, check=True)
+    report = {}
+    for block in re.split(r"Compiling entry function", result.stderr)[1:]:
+        name = re.search(r"'(\w+)'", block).group(1)
+        report[name] = {"registers": int(re.search(r"Used (\d+) registers", block).group(1)),
+                        "spill_stores": int(re.search(r"(\d+) bytes spill stores", block).group(1)),
+                        "spill_loads": int(re.search(r"(\d+) bytes spill loads", block).group(1))}
+    return report
+
+
+def ptxas_report(arch: str) -> dict[str, dict[str, int]]:
+    """Per entry: registers and spill bytes, as ``ptxas -v`` reports them."""
+    compile_ptx(arch)
+    if shutil.which("ptxas") is None:
+        pytest.skip("no ptxas on this machine")
+    return _ptxas_report(arch)
+
+
+def attention_symbol(cuda_type: str, head_dim: int, group: int, num_warps: int) -> str:
+    """The mangled-name prefix of ``paged_attention_kernel<cuda_type, head_dim, group, num_warps>``."""
+    return (f"_Z22paged_attention_kernelI{CUDA_TYPE_MANGLING[cuda_type]}Li{head_dim}ELi{group}ELi{num_warps}EE")

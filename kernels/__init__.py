@@ -18,7 +18,7 @@ from .cupy_backend import cupy_status
 
 BACKENDS = ("reference", "torch", "cupy")
 
-__all__ = ["write_kv_cache", "paged_attention_decode", "copy_blocks", "available_backends", "BACKENDS",
+__all__ = ["write_kv_cache", "paged_attention_decode", "copy_blocks", "swap_blocks", "available_backends", "BACKENDS",
            "cupy_status", "resolve_backend"]
 
 
@@ -86,6 +86,27 @@ def copy_blocks(key_cache, value_cache, block_mapping, backend: str = "auto", ch
         import torch
 
         module.copy_blocks(key_cache, value_cache, torch.as_tensor(mapping, dtype=torch.int64).reshape(-1, 2))
+
+
+def swap_blocks(src_key_cache, src_value_cache, dst_key_cache, dst_value_cache, block_mapping,
+                backend: str = "auto"):
+    """Swap: copy whole blocks ``dst_*[d] = src_*[s]`` for each ``(s, d)`` pair between two cache pairs of the same
+    block shape and dtype, typically device <-> host (preemption by swapping). Destinations must be distinct. Checks
+    everything before copying anything; a bad mapping raises ``ValueError`` and changes nothing."""
+    mapping = validate.check_swap_args(src_key_cache, src_value_cache, dst_key_cache, dst_value_cache, block_mapping)
+    if isinstance(src_key_cache, np.ndarray) or isinstance(dst_key_cache, np.ndarray):
+        if not (isinstance(src_key_cache, np.ndarray) and isinstance(dst_key_cache, np.ndarray)):
+            raise ValueError("swap_blocks takes two NumPy cache pairs or two torch cache pairs, not a mix")
+        for src, dst in ((src_key_cache, dst_key_cache), (src_value_cache, dst_value_cache)):
+            dst[mapping[:, 1]] = src[mapping[:, 0]]
+        return
+    import torch
+
+    on_gpu = src_key_cache if src_key_cache.is_cuda else dst_key_cache
+    name = resolve_backend("torch" if backend == "reference" else backend, on_gpu)
+    module = _backend_module(name)
+    module.swap_blocks(src_key_cache, src_value_cache, dst_key_cache, dst_value_cache,
+                       mapping if name == "cupy" else torch.from_numpy(mapping))
 
 
 def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float | None = None,

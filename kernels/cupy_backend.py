@@ -175,6 +175,25 @@ def copy_blocks(key_cache, value_cache, block_mapping) -> None:
                 (key_cache, value_cache, mapping, np.int64(key_cache[0].numel())), key_cache.device)
 
 
+def swap_blocks(src_key_cache, src_value_cache, dst_key_cache, dst_value_cache, block_mapping) -> None:
+    """One ``cudaMemcpyAsync`` per block and cache on torch's current stream (device <-> pinned host, or within a
+    device), as vLLM swaps. The caches must be contiguous; the mapping's destinations distinct (checked)."""
+    import cupy
+
+    for cache in (src_key_cache, src_value_cache, dst_key_cache, dst_value_cache):
+        if not cache.is_contiguous():
+            raise ValueError("the cupy backend needs contiguous caches to swap blocks")
+    mapping = validate.to_numpy(block_mapping).reshape(-1, 2)
+    device = src_key_cache.device if is_cuda(src_key_cache) else dst_key_cache.device
+    block_bytes = src_key_cache[0].numel() * src_key_cache.element_size()
+    stream = torch.cuda.current_stream(device).cuda_stream
+    default_kind = 4  # cudaMemcpyDefault: direction from unified virtual addresses
+    for src, dst in ((src_key_cache, dst_key_cache), (src_value_cache, dst_value_cache)):
+        for s, d in mapping.tolist():
+            cupy.cuda.runtime.memcpyAsync(dst.data_ptr() + d * block_bytes, src.data_ptr() + s * block_bytes,
+                                          block_bytes, default_kind, stream)
+
+
 def choose_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
     """0 (v1, one thread block per sequence and kv head) unless the context is long and the grid would leave SMs
     idle; then ``PARTITION_SIZE`` (v2, split-K), or a multiple of it when that many partitions would pass the

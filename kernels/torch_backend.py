@@ -29,6 +29,18 @@ def copy_blocks(key_cache, value_cache, block_mapping) -> None:
         value_cache[dst].copy_(value_cache[src])
 
 
+def swap_blocks(src_key_cache, src_value_cache, dst_key_cache, dst_value_cache, block_mapping) -> None:
+    """``dst[d] = src[s]`` for each ``(s, d)`` pair, across devices (device <-> host); asynchronous from pinned host
+    memory on CUDA."""
+    if len(block_mapping) == 0:
+        return
+    src_index = block_mapping[:, 0].to(src_key_cache.device)
+    dst_index = block_mapping[:, 1].to(dst_key_cache.device)
+    for src, dst in ((src_key_cache, dst_key_cache), (src_value_cache, dst_value_cache)):
+        blocks = src.index_select(0, src_index).to(dst.device, non_blocking=True)
+        dst.index_copy_(0, dst_index, blocks)
+
+
 def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """GQA decode attention over paged K/V, computed block-wise straight from the gathered blocks (no re-layout).

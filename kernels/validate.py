@@ -141,6 +141,30 @@ def check_block_mapping(block_mapping, num_blocks: int) -> np.ndarray:
     return mapping
 
 
+def check_swap_args(src_key_cache, src_value_cache, dst_key_cache, dst_value_cache, block_mapping) -> np.ndarray:
+    """Both cache pairs agree in block shape and dtype; the ``(src, dst)`` pairs are in range and the destinations
+    distinct. Returns the mapping as int64 NumPy ``[n, 2]``."""
+    src_shape = check_cache_pair(src_key_cache, src_value_cache)
+    dst_shape = check_cache_pair(dst_key_cache, dst_value_cache)
+    if src_shape[1:] != dst_shape[1:]:
+        raise ValueError(f"source blocks {src_shape[1:]} and destination blocks {dst_shape[1:]} differ in shape")
+    if src_key_cache.dtype != dst_key_cache.dtype:
+        raise ValueError(f"source dtype {src_key_cache.dtype} differs from destination dtype {dst_key_cache.dtype}")
+    raw = to_numpy(block_mapping)
+    if raw.size == 0:
+        return np.zeros((0, 2), np.int64)
+    if raw.dtype.kind not in "iu" or raw.ndim > 2 or raw.shape[-1] != 2 or (raw.ndim == 1 and raw.size != 2):
+        raise ValueError(f"block_mapping must be (src, dst) integer pairs, got dtype {raw.dtype} shape {raw.shape}")
+    mapping = raw.astype(np.int64).reshape(-1, 2)
+    for column, name, count in ((0, "source", src_shape[0]), (1, "destination", dst_shape[0])):
+        values = mapping[:, column]
+        if values.min() < 0 or values.max() >= count:
+            raise ValueError(f"block_mapping refers to a {name} block outside the {count} blocks there")
+    if np.unique(mapping[:, 1]).size != len(mapping):
+        raise ValueError("block_mapping names a destination block twice")
+    return mapping
+
+
 def check_same_device(name: str, x, ref) -> None:
     """Index tensors may live on the CPU for a CUDA cache (they are moved), but not on another GPU."""
     if _is_numpy(ref) or _is_numpy(x) or not x.is_cuda:

@@ -7,7 +7,9 @@ memory simulator drive this class; every operation on the hot path is O(1) per t
 Prefix caching identifies a full block by the key ``(parent_content_id, token_ids)``: the content id of the block
 before it (a serial number given to each distinct cached prefix, never reused) and its own tokens. The cache is a
 dict on that key, so the hash chains over the whole prefix while the lookup compares the key itself: a hash
-collision can never hand back a block with other contents.
+collision can never hand back a block with other contents. A caller that does not have the tokens but knows that
+a prompt's content is a function of (``stream_key``, position) can pass ``stream_key`` instead: its block ``j`` is
+keyed by (parent content id, stream key, ``j``), O(1) per block (the simulator uses it for unshared prompts).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 ROOT_CONTENT_ID = -1
+_STREAM = object()  # marks a block key made from a stream key instead of token ids
 
 
 class BlockManagerError(Exception):
@@ -44,6 +47,9 @@ class SequenceBlocks:
     partial_token_ids: list[int] | None = None  # tokens of the trailing partial block; None when unknown
     parent_content_id: int = ROOT_CONTENT_ID  # content id of the last full block
     exclusive: bool = False  # True while no block can have another holder (never forked, hit or cached)
+    stream_key: object = None  # content known as (stream key, position) for its first stream_blocks full blocks
+    stream_blocks: int = 0
+    stream_registered: int = 0  # leading blocks already registered in the prefix cache
 
 
 @dataclass(slots=True)
@@ -57,6 +63,7 @@ class PoolSnapshot:
     seq_lens: dict  # sequence id -> tokens
     cached: list[bool]  # per physical block, registered in the prefix cache
     num_free_blocks: int
+    host_pool: "PoolSnapshot | None" = None  # with swap preemption: the host pool at the same moment
 
 
 @dataclass(slots=True)
@@ -90,8 +97,10 @@ class KVBlockManager:
         self.block_size = int(block_size)
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.ref_counts = [0] * self.num_physical_blocks
-        self._free_blocks: list[int] = list(range(self.num_physical_blocks - 1, -1, -1))  # a stack: pop() is next
-        self._evictable_blocks: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
+        # Unreferenced blocks, least recently released first (vLLM V1's free block queue): allocation takes the
+        # head whether or not the block is still in the prefix cache, so when a block was registered never changes
+        # which block is reused next.
+        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_physical_blocks))
         self._cached_blocks: dict[tuple, int] = {}  # (parent_content_id, token_ids) -> block id
         self._block_keys: list[tuple | None] = [None] * self.num_physical_blocks
         self._block_content_ids: list[int] = [ROOT_CONTENT_ID] * self.num_physical_blocks
@@ -104,8 +113,8 @@ class KVBlockManager:
     # ---- pool queries -------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation may take: never-used or released ones plus cached ones nobody references."""
-        return len(self._free_blocks) + len(self._evictable_blocks)
+        """Blocks an allocation may take: every block nobody references (cached ones included)."""
+        return len(self._free_queue)
 
     @property
     def num_used_blocks(self) -> int:
@@ -123,38 +132,56 @@ class KVBlockManager:
 
     # ---- sequence lifecycle -------------------------------------------------------------------------------
     def can_allocate(self, prompt_token_ids: Sequence[int] | None = None, num_prompt_tokens: int | None = None,
-                     extra_blocks: int = 0) -> bool:
+                     extra_blocks: int = 0, stream_key=None) -> bool:
         """Whether ``create_sequence`` with these arguments would succeed now, leaving ``extra_blocks`` free too."""
         num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
-        hits = self._lookup_prefix(token_ids) if token_ids is not None else []
+        hits = self._lookup(token_ids, num_tokens, stream_key)
         return self._new_blocks_needed(num_tokens, hits) + extra_blocks <= self._allocatable_after_hits(hits)
 
     def create_sequence(self, seq_id, prompt_token_ids: Sequence[int] | None = None,
-                        num_prompt_tokens: int | None = None) -> int:
+                        num_prompt_tokens: int | None = None, stream_key=None, register_stream: bool = True) -> int:
         """Allocate blocks for a new sequence's prompt and return how many leading tokens came from the prefix cache.
 
-        Give ``prompt_token_ids`` (enables prefix caching for this sequence) or just ``num_prompt_tokens``; with
-        neither the sequence starts empty. The last prompt token is never served from the cache, so a caller always
+        Give ``prompt_token_ids`` (enables prefix caching for this sequence) or just ``num_prompt_tokens`` (with a
+        ``stream_key``, prefix caching by stream position: its full blocks are registered now, or with
+        ``register_stream=False`` only when ``register_stream_blocks`` is called); with neither the sequence starts
+        empty. The last prompt token is never served from the cache, so a caller always
         has at least one token to compute. Raises ``OutOfBlocksError`` (nothing changed) when the pool is too small.
         """
         if seq_id in self.sequences:
             raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
         num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
-        hits = self._lookup_prefix(token_ids) if token_ids is not None else []
+        hits = self._lookup(token_ids, num_tokens, stream_key)
         needed = self._new_blocks_needed(num_tokens, hits)
         if needed > self._allocatable_after_hits(hits):
             raise OutOfBlocksError(f"sequence {seq_id!r} needs {needed} blocks, {self.num_free_blocks} free")
+        stream = stream_key is not None and token_ids is None and self.enable_prefix_caching
         seq = SequenceBlocks(partial_token_ids=[] if token_ids is not None and self.enable_prefix_caching else None)
         self.sequences[seq_id] = seq
         for block in hits:
             self._take_cached_block(block)
             seq.block_table.append(block)
             seq.parent_content_id = self._block_content_ids[block]
-        seq.exclusive = not hits and seq.partial_token_ids is None
+        seq.exclusive = not hits and seq.partial_token_ids is None and not stream
         seq.num_tokens = len(hits) * self.block_size
-        self._record_prefix_lookup(token_ids, len(hits))
+        self._record_prefix_lookup(num_tokens if token_ids is not None or stream else None, len(hits))
         self._grow(seq, num_tokens - seq.num_tokens, token_ids[seq.num_tokens:] if token_ids is not None else None)
+        if stream:
+            seq.exclusive = False
+            seq.stream_key, seq.stream_blocks, seq.stream_registered = stream_key, num_tokens // self.block_size, \
+                len(hits)
+            if register_stream:
+                self.register_stream_blocks(seq_id)
         return len(hits) * self.block_size
+
+    def register_stream_blocks(self, seq_id) -> None:
+        """Register a stream sequence's full prompt blocks in the prefix cache (if not done yet). With the free
+        queue reusing blocks in release order, registering a block any time before its release gives the same
+        later hits as registering it when it filled."""
+        seq = self._seq(seq_id)
+        if seq.stream_key is not None and seq.stream_registered < seq.stream_blocks:
+            self._register_stream_blocks(seq, seq.stream_key, seq.stream_registered, seq.stream_blocks)
+            seq.stream_registered = seq.stream_blocks
 
     def fork_sequence(self, parent_id, child_id) -> None:
         """Make ``child_id`` share every block of ``parent_id`` (reference counts go up; nothing is copied)."""
@@ -173,20 +200,17 @@ class KVBlockManager:
         seq = self.sequences.pop(seq_id, None)
         if seq is None:
             raise UnknownSequenceError(seq_id)
-        ref_counts, keys, free = self.ref_counts, self._block_keys, self._free_blocks
-        if seq.exclusive:  # every block has count 1 and no cache key: free them in bulk
-            for block in seq.block_table:
+        ref_counts, free = self.ref_counts, self._free_queue
+        if seq.exclusive:  # every block has count 1: free them in bulk
+            for block in reversed(seq.block_table):
                 ref_counts[block] = 0
-            free.extend(reversed(seq.block_table))
+                free[block] = None
             return
-        for block in reversed(seq.block_table):  # tail first, so a prefix's head is evicted last
+        for block in reversed(seq.block_table):  # tail first, so a prefix's head is reused last
             count = ref_counts[block] - 1
             ref_counts[block] = count
             if count == 0:
-                if keys[block] is None:
-                    free.append(block)
-                else:
-                    self._evictable_blocks[block] = None
+                free[block] = None
 
     # ---- appending ----------------------------------------------------------------------------------------
     def num_blocks_to_append(self, seq_id, num_tokens: int = 1) -> int:
@@ -230,20 +254,55 @@ class KVBlockManager:
         size, table = self.block_size, seq.block_table
         cow = num_tokens and seq.num_tokens % size and self.ref_counts[table[-1]] > 1
         new_blocks = -(-(seq.num_tokens + num_tokens) // size) - len(table)
-        if (cow or new_blocks) and new_blocks + bool(cow) > len(self._free_blocks) + len(self._evictable_blocks):
+        if (cow or new_blocks) and new_blocks + bool(cow) > len(self._free_queue):
             self._check_free(new_blocks + bool(cow), seq_id)  # raises OutOfBlocksError
         if cow:
             self._copy_on_write(seq)
         if seq.partial_token_ids is None:  # the simulator's hot path: no tokens to hash
-            if new_blocks == 1 and self._free_blocks:
-                block = self._free_blocks.pop()
-                self.ref_counts[block] = 1
-                table.append(block)
+            if new_blocks == 1:
+                table.append(self._allocate_block())
             elif new_blocks:
                 table.extend(self._allocate_blocks(new_blocks))
             seq.num_tokens += num_tokens
             return
         self._grow(seq, num_tokens, token_ids)
+
+    # ---- swapping -----------------------------------------------------------------------------------------
+    def num_distinct_blocks(self, seq_ids: Iterable) -> int:
+        """Physical blocks the sequences hold, a shared block counted once."""
+        return len({block for s in seq_ids for block in self._seq(s).block_table})
+
+    def can_move_sequences(self, seq_ids: Sequence, target: "KVBlockManager", extra_blocks: int = 0) -> bool:
+        """Whether ``move_sequences(seq_ids, target)`` would succeed and leave ``extra_blocks`` free there."""
+        return self.num_distinct_blocks(seq_ids) + extra_blocks <= target.num_free_blocks
+
+    def move_sequences(self, seq_ids: Sequence, target: "KVBlockManager") -> list[tuple[int, int]]:
+        """Swap: move sequences, with their blocks, into ``target``'s pool (e.g. device to host and back). Blocks
+        they share stay shared there. Returns the ``(block here, block there)`` copies the caches must run. The
+        moved sequences' tokens are no longer tracked for prefix caching. Raises ``OutOfBlocksError`` or a
+        sequence-id error with both managers unchanged."""
+        seq_ids = list(seq_ids)
+        tables = [self._seq(s).block_table for s in seq_ids]
+        if len(set(seq_ids)) != len(seq_ids):
+            raise DuplicateSequenceError(f"move_sequences got a sequence twice: {seq_ids!r}")
+        for s in seq_ids:
+            if s in target.sequences:
+                raise DuplicateSequenceError(f"sequence {s!r} already exists in the target pool")
+        distinct = list(dict.fromkeys(block for table in tables for block in table))
+        if len(distinct) > target.num_free_blocks:
+            raise OutOfBlocksError(f"moving {len(seq_ids)} sequences needs {len(distinct)} blocks, "
+                                   f"{target.num_free_blocks} free in the target")
+        placed = dict(zip(distinct, target._allocate_blocks(len(distinct))))
+        for block in placed.values():
+            target.ref_counts[block] = 0
+        for seq_id, table in zip(seq_ids, tables):
+            moved = SequenceBlocks([placed[b] for b in table], self.sequences[seq_id].num_tokens)
+            for block in moved.block_table:
+                target.ref_counts[block] += 1
+            target.sequences[seq_id] = moved
+        for seq_id in seq_ids:
+            self.release_sequence(seq_id)
+        return list(placed.items())
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Return and clear the copy-on-write copies ``(src_block, dst_block)`` the cache must execute."""
@@ -321,12 +380,9 @@ class KVBlockManager:
             for block in seq.block_table:
                 uses[block] += 1
         assert uses == self.ref_counts, "ref counts differ from block-table uses"
-        free, evictable = set(self._free_blocks), set(self._evictable_blocks)
-        assert len(free) == len(self._free_blocks) and not free & evictable, "a block is listed free twice"
+        free = self._free_queue
         for block, count in enumerate(self.ref_counts):
-            assert (count == 0) == (block in free or block in evictable), f"block {block}: free list vs count"
-            assert (block in evictable) <= self.is_cached(block), f"block {block}: evictable but not cached"
-            assert (block in free) <= (not self.is_cached(block)), f"block {block}: free but still cached"
+            assert (count == 0) == (block in free), f"block {block}: free queue vs count"
         for key, block in self._cached_blocks.items():
             assert self._block_keys[block] == key, f"cache entry of block {block} disagrees with its key"
 
@@ -356,6 +412,40 @@ class KVBlockManager:
             raise ValueError(f"num_prompt_tokens must be >= 0, got {num_prompt_tokens}")
         return num_tokens, None
 
+    def _lookup(self, token_ids: list[int] | None, num_tokens: int, stream_key) -> list[int]:
+        if token_ids is not None:
+            return self._lookup_prefix(token_ids)
+        if stream_key is not None and self.enable_prefix_caching:
+            return self._lookup_stream(stream_key, num_tokens)
+        return []
+
+    def _lookup_stream(self, stream_key, num_tokens: int) -> list[int]:
+        """Cached blocks of the stream's leading full blocks, leaving at least the last token uncached."""
+        hits, parent, cached = [], ROOT_CONTENT_ID, self._cached_blocks
+        for index in range((num_tokens - 1) // self.block_size):
+            block = cached.get((parent, _STREAM, stream_key, index))
+            if block is None:
+                break
+            hits.append(block)
+            parent = self._block_content_ids[block]
+        return hits
+
+    def _register_stream_blocks(self, seq: SequenceBlocks, stream_key, first: int, end: int) -> None:
+        """Register the sequence's full blocks ``first <= j < end`` under stream keys (as full prompt blocks are)."""
+        cached, keys, content_ids = self._cached_blocks, self._block_keys, self._block_content_ids
+        parent = seq.parent_content_id
+        for index in range(first, end):
+            key = (parent, _STREAM, stream_key, index)
+            block = cached.get(key)
+            if block is None:
+                block = seq.block_table[index]
+                cached[key] = block
+                keys[block] = key
+                content_ids[block] = self._next_content_id
+                self._next_content_id += 1
+            parent = content_ids[block]
+        seq.parent_content_id = parent
+
     def _lookup_prefix(self, token_ids: list[int]) -> list[int]:
         """Cached blocks for the longest cached prefix, leaving at least the last prompt token uncached."""
         if not self.enable_prefix_caching:
@@ -369,10 +459,10 @@ class KVBlockManager:
             parent = self._block_content_ids[block]
         return hits
 
-    def _record_prefix_lookup(self, token_ids, num_hits: int) -> None:
-        if token_ids is None or not self.enable_prefix_caching:
+    def _record_prefix_lookup(self, num_tokens: int | None, num_hits: int) -> None:
+        if num_tokens is None or not self.enable_prefix_caching:
             return
-        self.prefix_cache_stats.queried_blocks += max(len(token_ids) - 1, 0) // self.block_size
+        self.prefix_cache_stats.queried_blocks += max(num_tokens - 1, 0) // self.block_size
         self.prefix_cache_stats.hit_blocks += num_hits
         self.prefix_cache_stats.hit_tokens += num_hits * self.block_size
 
@@ -380,7 +470,7 @@ class KVBlockManager:
         return self.blocks_for_tokens(num_tokens) - len(hits)
 
     def _allocatable_after_hits(self, hits: list[int]) -> int:
-        return self.num_free_blocks - sum(1 for block in hits if self.ref_counts[block] == 0)
+        return len(self._free_queue) - sum(1 for block in hits if self.ref_counts[block] == 0)
 
     def _check_free(self, needed: int, seq_id) -> None:
         if needed > self.num_free_blocks:
@@ -436,22 +526,18 @@ class KVBlockManager:
         return parent_content_id, tuple(token_ids)
 
     def _allocate_blocks(self, count: int) -> list[int]:
-        """``count`` blocks with reference count 1; never-cached blocks first, then LRU evictions."""
-        free = self._free_blocks
-        if count > len(free):
-            return [self._allocate_block() for _ in range(count)]
-        taken = free[len(free) - count:][::-1]  # the order successive pop() calls would give
-        del free[len(free) - count:]
-        ref_counts = self.ref_counts
+        """``count`` blocks with reference count 1, from the head of the free queue (evicting cached ones)."""
+        pop, keys, ref_counts = self._free_queue.popitem, self._block_keys, self.ref_counts
+        taken = [pop(False)[0] for _ in range(count)]
         for block in taken:
+            if keys[block] is not None:
+                self._uncache(block)
             ref_counts[block] = 1
         return taken
 
     def _allocate_block(self) -> int:
-        if self._free_blocks:
-            block = self._free_blocks.pop()
-        else:
-            block, _ = self._evictable_blocks.popitem(last=False)
+        block = self._free_queue.popitem(last=False)[0]
+        if self._block_keys[block] is not None:
             self._uncache(block)
         self.ref_counts[block] = 1
         return block
@@ -463,7 +549,7 @@ class KVBlockManager:
 
     def _take_cached_block(self, block: int) -> None:
         if self.ref_counts[block] == 0:
-            del self._evictable_blocks[block]
+            del self._free_queue[block]
         self.ref_counts[block] += 1
 
     def _cow_needed(self, seq: SequenceBlocks) -> int:

@@ -102,10 +102,13 @@ def kernel_bandwidth_figure(table: pd.DataFrame) -> go.Figure:
 
 
 def engine_live_figure(steps: pd.DataFrame) -> go.Figure:
-    """Running / waiting sequences and KV blocks in use per step."""
+    """Running / waiting / swapped sequences and KV blocks in use (device and host) per step."""
     figure = go.Figure()
-    for column, name in (("num_running", "running"), ("num_waiting", "waiting"), ("num_used_blocks", "KV blocks")):
-        figure.add_scatter(x=steps["elapsed_s"], y=steps[column], name=name, mode="lines")
+    series = (("num_running", "running"), ("num_waiting", "waiting"), ("num_swapped", "swapped"),
+              ("blocks_in_use", "KV blocks"), ("cpu_blocks_in_use", "host KV blocks"))
+    for column, name in series:
+        if column in steps and (column not in ("num_swapped", "cpu_blocks_in_use") or steps[column].any()):
+            figure.add_scatter(x=steps["elapsed_s"], y=steps[column], name=name, mode="lines")
     figure.update_layout(title="Engine state over time", xaxis_title="s", height=320,
                          margin=dict(l=10, r=10, t=40, b=10))
     return figure

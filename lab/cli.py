@@ -58,7 +58,9 @@ def _generate(args) -> None:
     from lab.engine import LLMEngine, SamplingParams
 
     engine = LLMEngine(args.model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device,
-                       attention_backend=args.backend, enable_prefix_caching=not args.no_prefix_caching)
+                       attention_backend=args.backend, enable_prefix_caching=not args.no_prefix_caching,
+                       scheduling=args.scheduling, preemption_mode=args.preemption_mode,
+                       max_num_batched_tokens=args.max_num_batched_tokens, num_cpu_blocks=args.num_cpu_blocks)
     if args.prompt:
         prompts = [p if engine.tokenizer is not None else [int(t) for t in p.split(",")] for p in args.prompt]
     else:
@@ -101,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default="cpu")
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--backend", default="auto")
-    e.add_argument("--systems", default="paged-engine,hf-static,hf-continuous")
+    e.add_argument("--systems", default="paged-engine,paged-engine-chunked,hf-static,hf-continuous")
     e.add_argument("--repeats", type=int, default=3, help="runs per system; medians are reported")
     e.add_argument("--out", default="benchmarks/results/e2e_cpu.csv")
     e.set_defaults(run=_bench_e2e)
@@ -122,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None)
     g.add_argument("--backend", default="auto")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--scheduling", default="prefill-first", choices=["prefill-first", "chunked"])
+    g.add_argument("--max-num-batched-tokens", type=int, default=4096, help="token budget per step")
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    g.add_argument("--num-cpu-blocks", type=int, default=0, help="host pool for swap (0: as large as the GPU pool)")
     g.add_argument("--out", default=None, help="CSV of the run metrics")
     g.set_defaults(run=_generate)
     return parser

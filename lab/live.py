@@ -9,7 +9,7 @@ import pandas as pd
 import torch
 
 from .block_manager import PoolSnapshot
-from .engine import LLMEngine, SamplingParams, StepStats
+from .engine import EngineConfig, LLMEngine, SamplingParams, StepStats
 
 
 @dataclass(slots=True)
@@ -28,7 +28,19 @@ class RuntimeRunConfig:
     temperature: float = 0.0
     attention_backend: str = "auto"
     max_num_seqs: int = 32
+    max_num_batched_tokens: int = 4096
+    scheduling: str = "prefill-first"
+    preemption_mode: str = "recompute"
+    num_cpu_blocks: int = 0
     seed: int = 0
+
+    def engine_config(self) -> EngineConfig:
+        """The engine settings of this run."""
+        return EngineConfig(block_size=self.block_size, num_blocks=self.num_blocks,
+                            attention_backend=self.attention_backend, enable_prefix_caching=self.enable_prefix_caching,
+                            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                            scheduling=self.scheduling, preemption_mode=self.preemption_mode,
+                            num_cpu_blocks=self.num_cpu_blocks, seed=self.seed)
 
 
 @dataclass(slots=True)
@@ -59,12 +71,11 @@ def random_requests(num_requests: int, prompt_range: tuple[int, int], output_ran
 def run_runtime(config: RuntimeRunConfig, on_step: Callable[[StepStats, PoolSnapshot | None], bool | None] | None = None,
                 frame_every: int = 1, hf_model=None, tokenizer=None) -> RuntimeRun:
     """Serve the request mix; ``on_step(stats, pool_or_None)`` after each step (the pool every ``frame_every``
-    steps) may return False to stop early. ``hf_model`` reuses an already loaded model."""
+    steps, with ``pool.host_pool`` when swapping) may return False to stop early. ``hf_model`` reuses an already
+    loaded model."""
     steps, frames = [], []
-    engine = LLMEngine(hf_model if hf_model is not None else config.model, tokenizer=tokenizer,
-                       block_size=config.block_size, num_blocks=config.num_blocks,
-                       attention_backend=config.attention_backend, enable_prefix_caching=config.enable_prefix_caching,
-                       max_num_seqs=config.max_num_seqs, seed=config.seed)
+    engine = LLMEngine(hf_model if hf_model is not None else config.model, config.engine_config(),
+                       tokenizer=tokenizer)
     prompts, max_tokens = random_requests(config.num_requests, config.prompt_len_range, config.max_tokens_range,
                                           engine.hf_model.config.vocab_size, config.seed, config.shared_prefix_tokens)
     for prompt, limit in zip(prompts, max_tokens):
@@ -75,7 +86,7 @@ def run_runtime(config: RuntimeRunConfig, on_step: Callable[[StepStats, PoolSnap
         engine.step()
         stats = engine.last_step_stats()
         steps.append(stats)
-        pool = engine.block_manager.snapshot() if engine.num_steps % frame_every == 0 else None
+        pool = engine.pool_snapshot() if engine.num_steps % frame_every == 0 else None
         if pool is not None:
             frames.append((stats, pool))
         if on_step is not None:

@@ -108,7 +108,8 @@ class PagedQwen3:
     """The paged KV cache (one key and one value tensor ``[num_blocks, num_kv_heads, block_size, head_dim]`` per
     layer) and the forward pass over it, using an HF ``Qwen3ForCausalLM``'s modules as weights."""
 
-    def __init__(self, hf_model, num_blocks: int, block_size: int, attention_backend: str = "auto"):
+    def __init__(self, hf_model, num_blocks: int, block_size: int, attention_backend: str = "auto",
+                 num_cpu_blocks: int = 0):
         config = hf_model.config
         self.hf = hf_model
         self.config = config
@@ -127,6 +128,11 @@ class PagedQwen3:
         shape = (num_blocks, self.num_kv_heads, block_size, self.head_dim)
         self.key_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.value_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        # The host pool for swap preemption (pinned on CUDA, so device<->host copies are asynchronous).
+        host = dict(dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        cpu_shape = (num_cpu_blocks, *shape[1:])
+        self.cpu_key_caches = [torch.zeros(cpu_shape, **host) for _ in range(self.num_layers if num_cpu_blocks else 0)]
+        self.cpu_value_caches = [torch.zeros(cpu_shape, **host) for _ in range(self.num_layers if num_cpu_blocks else 0)]
         self.scale = self.head_dim ** -0.5
 
     @staticmethod
@@ -141,6 +147,63 @@ class PagedQwen3:
             return
         for key_cache, value_cache in zip(self.key_caches, self.value_caches):
             kernels.copy_blocks(key_cache, value_cache, block_mapping, backend=self.cache_backend, check=False)
+
+    def swap(self, block_mapping: list[tuple[int, int]], to_host: bool) -> None:
+        """Move blocks between the device and host pools in every layer (``(src, dst)`` pairs)."""
+        if not block_mapping:
+            return
+        backend = "torch" if self.cache_backend == "reference" else self.cache_backend
+        pairs = zip(self.key_caches, self.value_caches, self.cpu_key_caches, self.cpu_value_caches)
+        for key, value, cpu_key, cpu_value in pairs:
+            if to_host:
+                kernels.swap_blocks(key, value, cpu_key, cpu_value, block_mapping, backend=backend)
+            else:
+                kernels.swap_blocks(cpu_key, cpu_value, key, value, block_mapping, backend=backend)
+
+    def execute_copies(self, swap_out, swap_in, copies) -> None:
+        """A step's block movements, in the order the scheduler defines: swap-out, swap-in, copy-on-write."""
+        self.swap(swap_out, to_host=True)
+        self.swap(swap_in, to_host=False)
+        self.copy_blocks(copies)
+
+    def prepare(self, out, block_manager, kv_len) -> tuple[ForwardBatch | None, torch.Tensor, list[list]]:
+        """Tensors for a scheduler step: prompt chunks first, then one token per decode sequence. Returns the batch
+        (None when there is nothing to run), the rows whose logits are sampled, and for each such row the sequences
+        that sample from it (a group's forks share their prompt's last row)."""
+        input_ids, positions, spans, lens, cached, tables, rows, sampled = [], [], [], [], [], [], [], []
+        for chunk in out.prefill_chunks:
+            seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+            input_ids += seq.data.token_ids[start:end]
+            positions += range(start, end)
+            spans.append((seq.seq_id, start, end))
+            lens.append(chunk.num_tokens)
+            cached.append(start)
+            tables.append(torch.tensor(block_manager.get_block_table(seq.seq_id), dtype=torch.long,
+                                       device=self.device))
+            if chunk.samples:
+                rows.append(len(input_ids) - 1)
+                sampled.append(chunk.samples)
+        block_tables = seq_lens = None
+        decode = out.decode_seqs or []
+        if decode:
+            first = len(input_ids)
+            for seq in decode:
+                position = kv_len(seq) - 1
+                input_ids.append(seq.data.output[-1])
+                positions.append(position)
+                spans.append((seq.seq_id, position, position + 1))
+                sampled.append([seq])
+            rows += range(first, first + len(decode))
+            seq_ids = [seq.seq_id for seq in decode]
+            block_tables = block_manager.get_block_tables_tensor(seq_ids, self.device)
+            seq_lens = block_manager.get_seq_lens_tensor(seq_ids, self.device)
+        if not input_ids:
+            return None, torch.empty(0, dtype=torch.long), []
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
+        batch = ForwardBatch(as_tensor(input_ids), as_tensor(positions),
+                             block_manager.get_slot_mapping_tensor(spans, self.device), lens, cached, tables,
+                             block_tables, seq_lens)
+        return batch, as_tensor(rows), sampled
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:

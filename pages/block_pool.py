@@ -19,6 +19,8 @@ with st.sidebar:
     n = st.slider("Parallel samples n (forks + copy-on-write)", 1, 4, 2)
     shared_prefix = st.slider("Shared prompt prefix (tokens; prefix caching)", 0, 256, 64, step=16)
     every = st.slider("Record a frame every … iterations", 1, 20, 2)
+    preemption = st.radio("Preemption", ["recompute", "swap"], horizontal=True,
+                          help="swap: preempted sequences move to a host pool, shown below the device pool")
     run = st.button("Run", type="primary", key="run")
 
 
@@ -26,7 +28,7 @@ def record_simulation(on_frame):
     workload = simulator.make_workload("alpaca", num_requests=num_requests, rate=40.0, n=n,
                                        shared_prefix_tokens=shared_prefix)
     config = simulator.SimConfig(allocator="paged", block_size=block_size, capacity_tokens=num_blocks * block_size,
-                                 max_model_len=4096)
+                                 max_model_len=4096, preemption_mode=preemption)
     frames = []
 
     def on_snapshot(snapshot):
@@ -40,7 +42,7 @@ def record_simulation(on_frame):
 def record_runtime(on_frame):
     config = RuntimeRunConfig(num_requests=num_requests, prompt_len_range=(8, 48), max_tokens_range=(8, 48),
                               shared_prefix_tokens=shared_prefix, block_size=block_size, num_blocks=num_blocks, n=n,
-                              temperature=1.0 if n > 1 else 0.0, max_num_seqs=64)
+                              temperature=1.0 if n > 1 else 0.0, max_num_seqs=64, preemption_mode=preemption)
     frames = []
 
     def on_step(stats, pool):
@@ -96,6 +98,12 @@ def player():
         csv_download(table, f"block_table_{seq}.csv", "dl_block_table", "Download this block table (CSV)")
     csv_download(block_pool_frame(pool.ref_counts, pool.owners), f"block_pool_{iteration}.csv", "dl_pool",
                  "Download this frame (CSV)")
+    if pool.host_pool is not None:
+        host = pool.host_pool
+        st.caption(f"Host pool (swap space): {len(host.ref_counts) - host.num_free_blocks} of "
+                   f"{len(host.ref_counts)} blocks hold swapped-out sequences")
+        chart(block_pool_figure(host.ref_counts, host.owners, title=f"host pool, iteration {iteration}"),
+              "host_pool_heatmap")
 
 
 player()

@@ -48,6 +48,9 @@ with st.sidebar:
                                  disabled=figure2)
     address_space = st.radio("Contiguous address space", ["first-fit", "buddy"], horizontal=True, disabled=figure2)
     scheduling = st.radio("Scheduling", ["prefill-first", "chunked"], horizontal=True)
+    preemption = st.radio("Preemption (paged)", ["recompute", "swap"], horizontal=True,
+                          help="swap: preempted sequences move to a host pool over the GPU's host link "
+                               "(contiguous baselines always recompute)")
 
 
 def build_inputs():
@@ -65,7 +68,8 @@ def build_inputs():
     configs = simulator.make_configs(allocators, sorted(block_sizes), model=model, gpu=gpu,
                                      max_model_len=max_model_len, capacity_tokens=capacity or None,
                                      gpu_memory_utilization=utilization, address_space=address_space,
-                                     scheduling=scheduling, model_overrides={"dtype_bytes": dtype_bytes},
+                                     scheduling=scheduling, preemption_mode=preemption,
+                                     model_overrides={"dtype_bytes": dtype_bytes},
                                      gpu_overrides={"memory_bytes": memory_gib * 2**30,
                                                     "bandwidth_bytes_s": bandwidth_tbs * 1e12,
                                                     "peak_flops": peak_tflops * 1e12})
@@ -74,7 +78,7 @@ def build_inputs():
 
 key = repr((figure2, source, upload.file_id if upload else None, locals().get("preset"), num_requests, rate,
             burstiness, n, shared_prefix, model, gpu, capacity, utilization, max_model_len, allocators, block_sizes,
-            address_space, scheduling, memory_gib, bandwidth_tbs, peak_tflops, dtype_bytes))
+            address_space, scheduling, preemption, memory_gib, bandwidth_tbs, peak_tflops, dtype_bytes))
 if st.session_state.get("stop_sim"):  # the Stop button interrupted the last run
     st.session_state["sim_stopped_key"] = key
 if st.session_state.get("sim_stopped_key") == key:

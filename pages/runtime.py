@@ -33,12 +33,19 @@ with st.sidebar:
     n = st.slider("Parallel samples n", 1, 8, 1)
     temperature = st.slider("Temperature", 0.0, 2.0, 0.0)
     backend = st.selectbox("Attention backend", ["auto", "torch", "reference", "cupy"])
+    scheduling = st.radio("Scheduling", ["prefill-first", "chunked"], horizontal=True,
+                          help="chunked: every step decodes all running sequences, then fills the token budget "
+                               "with prompt chunks (vLLM V1 / Sarathi)")
+    budget = st.number_input("Token budget per step (max_num_batched_tokens)", 1, 65_536, 4096)
+    preemption = st.radio("Preemption", ["recompute", "swap"], horizontal=True,
+                          help="swap: preempted sequences move to a host KV pool and come back later")
     run = st.button("Run", type="primary", key="run")
 
 config = RuntimeRunConfig(model=model, num_requests=num_requests, prompt_len_range=prompt_range,
                           max_tokens_range=output_range, shared_prefix_tokens=shared_prefix, block_size=block_size,
                           num_blocks=int(num_blocks), enable_prefix_caching=prefix_caching, n=n,
-                          temperature=temperature, attention_backend=backend)
+                          temperature=temperature, attention_backend=backend, scheduling=scheduling,
+                          max_num_batched_tokens=int(budget), preemption_mode=preemption)
 if run or "runtime_run" not in st.session_state:
     slot = st.empty()
     live = slot.container(border=True)
@@ -54,8 +61,9 @@ if run or "runtime_run" not in st.session_state:
         elapsed = max(stats.elapsed_s, 1e-9)
         for tile, (label, value) in zip(tiles, [("tokens/s", f"{stats.generated_tokens / elapsed:,.0f}"),
                                                 ("running", stats.num_running), ("waiting", stats.num_waiting),
-                                                ("KV blocks used", stats.num_used_blocks),
-                                                ("preemptions", stats.preemptions), ("step", stats.step),
+                                                ("KV blocks used", stats.blocks_in_use),
+                                                ("preemptions", sum(s.num_preempted + s.num_swapped_out
+                                                                    for s in history)), ("step", stats.step),
                                                 ("peak memory", f"{stats.peak_memory_bytes / 2**20:,.0f} MiB")]):
             tile.metric(label, value)
         plot.plotly_chart(engine_live_figure(pd.DataFrame([dataclasses.asdict(s) for s in history])))
@@ -87,7 +95,7 @@ csv_download(result.requests, "runtime_requests.csv", "dl_requests", "Download p
 csv_download(pd.DataFrame([summary]), "runtime_summary.csv", "dl_runtime_summary", "Download run summary CSV")
 
 st.subheader("Against HF generation")
-systems = st.multiselect("Systems", ["paged-engine", "hf-static", "hf-continuous"],
+systems = st.multiselect("Systems", ["paged-engine", "paged-engine-chunked", "hf-static", "hf-continuous"],
                          default=["paged-engine", "hf-static"])
 if st.button("Compare on this request mix", key="compare"):
     try:

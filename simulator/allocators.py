@@ -2,14 +2,16 @@
 
 Contiguous policies reserve one region per sequence in a real linear address space of ``capacity_tokens`` slots,
 managed first-fit or as a buddy system, so external fragmentation emerges from the order of allocations and frees.
-The paged policy drives ``lab.block_manager.KVBlockManager`` itself.
+The paged policy is the engine's own, ``lab.kv_policy.PagedPolicy`` (it drives ``KVBlockManager``); both follow
+``lab.scheduler.KVPolicy``.
 """
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
 
-from lab.block_manager import KVBlockManager
+from lab.kv_policy import PagedPolicy  # noqa: F401  (re-exported: the simulator's policies in one place)
+from lab.scheduler import NO_EVENT
 
 CONTIGUOUS_KINDS = ("contiguous-max", "contiguous-pow2", "contiguous-oracle", "contiguous-grow")
 ALLOCATORS = (*CONTIGUOUS_KINDS, "paged")
@@ -155,7 +157,7 @@ class ContiguousPolicy:
     two, ``oracle`` exactly prompt + output, ``grow`` starts at prompt + ``grow_initial_extra`` and doubles by
     copying into a new region when it overflows."""
 
-    paged = False
+    supports_swap = False
 
     def __init__(self, kind: str, capacity_tokens: int, max_model_len: int, address_space: str = "first-fit",
                  grow_initial_extra: int = 16):
@@ -180,11 +182,11 @@ class ContiguousPolicy:
         largest = self.space.max_region()
         return self.space.rounded(self.initial_size(final_len, final_len)) <= largest and final_len <= largest
 
-    def admit(self, seqs: list) -> bool:
-        """Reserve a region for every sequence of a group, or none of them."""
+    def admit(self, seqs: list, token_ids=None) -> bool:
+        """Reserve a region for every sequence of a group, or none of them (``token_ids`` are not used)."""
         placed = []
         for seq in seqs:
-            region = self.space.allocate(self.initial_size(seq.kv_len, seq.final_len))
+            region = self.space.allocate(self.initial_size(seq.prompt_len, seq.final_len))
             if region is None:
                 for done in placed:
                     self._free(done)
@@ -194,16 +196,16 @@ class ContiguousPolicy:
             placed.append(seq)
         return True
 
-    def next_event_position(self, seq) -> int | None:
+    def next_event_position(self, seq) -> int:
         """The KV length at which ``seq`` next needs more memory (grow only)."""
         if self.kind != "contiguous-grow" or seq.region[1] >= seq.final_len:
-            return None
+            return NO_EVENT
         return seq.region[1] + 1
 
-    def on_event(self, seq, kv_len: int, alone: bool = False) -> int | None | bool:
+    def grow(self, seq, kv_len: int, alone: bool = False) -> bool:
         """Grow by copying into a region twice as large (capped by the largest region the space can hold). Returns
-        False (nothing changed) when none is free, else the next event position. ``alone``: no other sequence holds
-        memory, so the old region is released first (as a swap out and back in would) and the growth cannot fail."""
+        False (nothing changed) when none is free. ``alone``: no other sequence holds memory, so the old region is
+        released first (as a swap out and back in would) and the growth cannot fail."""
         new_size = min(2 * seq.region[1], max(self.max_model_len, seq.final_len), self.space.max_region())
         if alone:
             self._free(seq)
@@ -217,10 +219,36 @@ class ContiguousPolicy:
         seq.region = region
         self._account(seq, +1)
         self.copied_tokens += kv_len - 1
-        return self.next_event_position(seq)
+        return True
 
-    def release(self, seq) -> None:
+    def sync(self, seq, kv_len: int) -> None:
+        """Nothing to tell: a region holds whatever the sequence writes into it."""
+
+    def release(self, seq, kv_len: int = 0) -> None:
         self._free(seq)
+
+    preempt = release
+
+    def blocks_in_use(self) -> int:
+        """Allocated token slots (contiguous allocators have no blocks)."""
+        return self.usage.allocated
+
+    def cpu_blocks_in_use(self) -> int:
+        return 0
+
+    def num_free_blocks(self) -> int:
+        return self.space.num_free
+
+    def take_copies(self) -> list:
+        return []
+
+    def can_swap_out(self, seqs) -> bool:
+        return False
+
+    def swap_out(self, seqs, kv_lens):
+        raise NotImplementedError("contiguous allocators recompute")
+
+    can_swap_in = swap_in = first_decode_blocks = swap_out
 
     def _free(self, seq) -> None:
         self._account(seq, -1)
@@ -239,106 +267,3 @@ class ContiguousPolicy:
         external = space.num_free - space.largest_free()
         return (held_tokens, usage.will_fill - held_tokens, usage.never_filled, external,
                 self.capacity - usage.allocated - external)
-
-
-class PagedPolicy:
-    """Fixed-size blocks from ``KVBlockManager``; prefix caching and fork/copy-on-write when the workload shares
-    prompts or samples n > 1. Sequences append lazily: the manager is told about a sequence's new tokens when it
-    needs a block (or completes), so block tables match per-token appends at every block boundary."""
-
-    paged = True
-
-    def __init__(self, capacity_tokens: int, block_size: int, enable_prefix_caching: bool = True):
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        num_blocks = capacity_tokens // block_size
-        if num_blocks < 1:
-            raise ValueError(f"capacity of {capacity_tokens} tokens holds no block of {block_size}")
-        self.block_size = block_size
-        self.manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.capacity = num_blocks * block_size
-        self.table_blocks = 0  # sum of block-table lengths (shared blocks counted once per holder)
-        self.never_filled = 0
-        self.ops: list[tuple] | None = None  # optional log of manager operations (tests replay it)
-
-    def can_ever_fit(self, final_len: int) -> bool:
-        return self.manager.blocks_for_tokens(final_len) <= self.manager.num_physical_blocks
-
-    def admit(self, seqs: list, prompt_token_ids=None) -> bool:
-        """Prefill a group: create the first sequence with the prompt, fork the others, then each appends its first
-        generated token (copy-on-write of a shared partial block). All or nothing."""
-        first = seqs[0]
-        prompt_len = first.kv_len - 1
-        extra = len(seqs) if prompt_len % self.block_size == 0 else len(seqs) - 1
-        ids = prompt_token_ids if prompt_token_ids is not None and len(prompt_token_ids) == prompt_len else None
-        if not self.manager.can_allocate(ids, None if ids is not None else prompt_len, extra_blocks=extra):
-            return False
-        first.cached_tokens = self._op("create_sequence", first.rid, ids, None if ids is not None else prompt_len)
-        for seq in seqs[1:]:
-            self._op("fork_sequence", first.rid, seq.rid)
-            seq.cached_tokens = 0
-        for seq in seqs:
-            self._op("append_tokens", seq.rid, 1)
-            seq.synced_len = seq.kv_len
-            self.table_blocks += len(self.manager.sequences[seq.rid].block_table)
-            self._count_final_block(seq)
-        self.manager.take_pending_copies()
-        return True
-
-    def next_event_position(self, seq) -> int | None:
-        """KV length at which ``seq`` needs its next block."""
-        allocated = len(self.manager.sequences[seq.rid].block_table) * self.block_size
-        return allocated + 1 if allocated < seq.final_len else None
-
-    def on_event(self, seq, kv_len: int, alone: bool = False) -> int | None | bool:
-        """Tell the manager about ``seq``'s tokens up to ``kv_len`` (one new block). Returns False (nothing
-        changed) when no block is free, else the next event position. (A lone sequence always finds a block.)"""
-        manager = self.manager
-        if manager.num_free_blocks == 0:
-            return False
-        self._sync(seq, kv_len)
-        self.table_blocks += 1
-        allocated = len(manager.sequences[seq.rid].block_table) * self.block_size
-        if allocated < seq.final_len:
-            return allocated + 1
-        if not seq.final_block_counted:
-            self._count_final_block(seq)
-        return None
-
-    def release(self, seq, kv_len: int | None = None) -> None:
-        if kv_len is not None:
-            self._sync(seq, kv_len)
-        self.table_blocks -= len(self.manager.sequences[seq.rid].block_table)
-        if seq.final_block_counted:
-            self.never_filled -= seq.final_block_slack
-            seq.final_block_counted = False
-        self._op("release_sequence", seq.rid)
-
-    def _sync(self, seq, kv_len: int) -> None:
-        if kv_len > seq.synced_len:  # the hot path: called directly, logged only when a test asks
-            if self.ops is not None:
-                self.ops.append(("append_tokens", seq.rid, kv_len - seq.synced_len))
-            self.manager.append_tokens(seq.rid, kv_len - seq.synced_len)
-            seq.synced_len = kv_len
-
-    def _count_final_block(self, seq) -> None:
-        blocks = len(self.manager.sequences[seq.rid].block_table)
-        if not seq.final_block_counted and blocks * self.block_size >= seq.final_len:
-            seq.final_block_slack = blocks * self.block_size - seq.final_len
-            self.never_filled += seq.final_block_slack
-            seq.final_block_counted = True
-
-    def _op(self, name: str, *args):
-        if self.ops is not None:
-            self.ops.append((name, *args))
-        return getattr(self.manager, name)(*args)
-
-    def categories(self, held_tokens: int) -> tuple[int, int, int, int, int]:
-        """(token_states, reserved, internal, external fragmentation = 0, free) in slots. ``held_tokens`` counts
-        every holder's tokens; shared full blocks are stored once, so their extra holders are subtracted."""
-        manager, size = self.manager, self.block_size
-        used = manager.num_used_blocks
-        allocated = used * size
-        token_states = held_tokens - (self.table_blocks - used) * size
-        return (token_states, allocated - self.never_filled - token_states, self.never_filled, 0,
-                self.capacity - allocated)

@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival offsets by this")
     p.add_argument("--capacity-tokens", type=int, default=None, help="override the KV capacity")
     p.add_argument("--scheduling", default="prefill-first", choices=["prefill-first", "chunked"])
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="swap: preempted sequences move to a host pool (paged; contiguous baselines recompute)")
+    p.add_argument("--num-cpu-blocks", type=int, default=0, help="host pool for swap (0: as large as the GPU pool)")
     p.add_argument("--address-space", default="first-fit", choices=["first-fit", "buddy"])
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--kernel-csv", default=None, help="calibrate attention bandwidth from a kernel bench CSV")
@@ -76,6 +81,8 @@ def _configs(args) -> list[SimConfig]:
     return make_configs(args.allocators, args.block_size, model=args.model, gpu=args.gpu,
                         max_model_len=args.max_model_len, capacity_tokens=args.capacity_tokens,
                         scheduling=args.scheduling, address_space=args.address_space,
+                        preemption_mode=args.preemption_mode, num_cpu_blocks=args.num_cpu_blocks,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                         enable_prefix_caching=not args.no_prefix_caching, kernel_csv=args.kernel_csv,
                         max_points=args.max_points)
 

@@ -58,11 +58,11 @@ class MetricsRecorder:
                 self.stride *= 2
 
     def _row(self, sim, values) -> tuple:
-        policy = sim.policy
-        blocks = policy.manager.num_used_blocks if policy.paged else np.nan
-        hits = policy.manager.prefix_cache_stats.hit_blocks if policy.paged else 0
-        return (sim.iteration, sim.time, *values, len(sim.running), len(sim.waiting), blocks, sim.num_preemptions,
-                sim.generated_tokens, hits, len(sim.running) + len(sim.prefilling))
+        policy, paged = sim.policy, sim.policy_is_paged
+        blocks = policy.manager.num_used_blocks if paged else np.nan
+        hits = policy.manager.prefix_cache_stats.hit_blocks if paged else 0
+        return (sim.iteration, sim.time, *values, len(sim.running), sim.scheduler.num_waiting_seqs, blocks,
+                sim.num_preemptions, sim.generated_tokens, hits, len(sim.running) + len(sim.prefilling))
 
     def current(self, sim) -> dict:
         """The latest state as a dict of ``COLUMNS``."""

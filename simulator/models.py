@@ -51,12 +51,15 @@ class ModelSpec:
 
 @dataclass(slots=True)
 class GPUSpec:
-    """Memory (bytes), HBM bandwidth (bytes/s) and dense 16-bit peak (FLOP/s)."""
+    """Memory (bytes), HBM bandwidth (bytes/s), dense 16-bit peak (FLOP/s), the effective host link (bytes/s) that
+    swapping uses, and the fixed cost of one device<->host copy call (one per block, layer and K/V, as vLLM swaps)."""
 
     name: str
     memory_bytes: float
     bandwidth_bytes_s: float
     peak_flops: float
+    host_link_bytes_s: float = 25e9  # PCIe 4.0 x16, effective
+    copy_call_overhead_s: float = 2e-6
 
 
 MODELS = {m.name: m for m in [
@@ -73,8 +76,8 @@ MODELS = {m.name: m for m in [
 GPUS = {g.name: g for g in [
     GPUSpec("a100-40gb", 40 * GiB, 1.555e12, 312e12),
     GPUSpec("a100-80gb", 80 * GiB, 2.039e12, 312e12),
-    GPUSpec("h100-80gb", 80 * GiB, 3.35e12, 989e12),
-    GPUSpec("h200", 141e9, 4.8e12, 989e12),
+    GPUSpec("h100-80gb", 80 * GiB, 3.35e12, 989e12, host_link_bytes_s=50e9),  # PCIe 5.0 x16
+    GPUSpec("h200", 141e9, 4.8e12, 989e12, host_link_bytes_s=50e9),
     GPUSpec("l4", 24e9, 300e9, 121e12),
     GPUSpec("rtx-4090", 24 * GiB, 1.008e12, 165e12),
 ]}
@@ -162,6 +165,15 @@ class CostModel:
     def copy_time(self, num_tokens: int) -> float:
         """Seconds to copy ``num_tokens`` tokens of KV within device memory."""
         return 2 * num_tokens * self.model.kv_bytes_per_token / self._bandwidth
+
+    def swap_time(self, num_blocks: int, block_size: int) -> float:
+        """Seconds to move ``num_blocks`` KV blocks between device and host: bytes over the host link plus one copy
+        call per block, layer and K/V (so small blocks swap slowly, as the vLLM paper's section 7 reports)."""
+        if num_blocks == 0:
+            return 0.0
+        block_bytes = block_size * self.model.kv_bytes_per_token
+        calls = 2 * self.model.num_layers * num_blocks
+        return num_blocks * block_bytes / self.gpu.host_link_bytes_s + calls * self.gpu.copy_call_overhead_s
 
     def calibrate_from_kernel_csv(self, path: str | Path) -> float:
         """Set the attention bandwidth from a ``python -m lab bench kernels`` CSV: the median achieved KV GB/s of

@@ -20,8 +20,10 @@ def figure2_experiment(num_requests: int = 1000, seed: int = 0) -> tuple[Synthet
     return spec, configs
 
 
-def make_configs(allocators: list[str], block_sizes: list[int], **common) -> list[SimConfig]:
-    """One config per contiguous allocator and one per (paged, block size); ``common`` holds the other fields."""
+def make_configs(allocators: list[str], block_sizes: list[int], preemption_mode: str = "recompute",
+                 **common) -> list[SimConfig]:
+    """One config per contiguous allocator and one per (paged, block size); ``common`` holds the other fields.
+    ``preemption_mode`` applies to the paged configs (the contiguous baselines always recompute)."""
     from .allocators import ALLOCATORS
 
     unknown = [a for a in allocators if a not in ALLOCATORS]
@@ -34,5 +36,7 @@ def make_configs(allocators: list[str], block_sizes: list[int], **common) -> lis
     configs = []
     for allocator in allocators:
         sizes = block_sizes if allocator == "paged" else [block_sizes[0]]
-        configs += [SimConfig(allocator=allocator, block_size=size, **common) for size in sizes]
+        mode = preemption_mode if allocator == "paged" else "recompute"
+        configs += [SimConfig(allocator=allocator, block_size=size, preemption_mode=mode, **common)
+                    for size in sizes]
     return configs

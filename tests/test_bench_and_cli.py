@@ -34,12 +34,16 @@ def test_hardware_table_lists_backends():
     assert "reference" in table.set_index("item").loc["kernel backends", "value"]
 
 
-def test_e2e_bench_compares_three_systems_on_the_same_tokens():
+def test_e2e_bench_compares_the_systems_on_the_same_tokens():
     from lab.bench.e2e import E2EConfig, run_e2e_bench
 
-    table = run_e2e_bench(E2EConfig(num_requests=4, prompt_range=(8, 40), output_range=(3, 9), repeats=1))
-    assert list(table["system"]) == ["paged-engine", "hf-static", "hf-continuous"]
+    table = run_e2e_bench(E2EConfig(num_requests=4, prompt_range=(8, 40), output_range=(3, 9), repeats=1,
+                                    chunk_budget=16))
+    assert list(table["system"]) == ["paged-engine", "paged-engine-chunked", "hf-static", "hf-continuous"]
     assert table["same_tokens_as_engine"].all() and (table["output_tok_s"] > 0).all()
+    engine_rows = table[table["system"].str.startswith("paged")]
+    assert ((engine_rows["scheduler_share"] > 0) & (engine_rows["scheduler_share"] < 1)).all()
+    assert engine_rows["steps"].iloc[1] > engine_rows["steps"].iloc[0]  # a 16-token budget chunks the prompts
     assert table.loc[table["system"] == "hf-continuous", "speedup_vs_hf_continuous"].iloc[0] == 1.0
 
 

@@ -301,3 +301,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_move_sequences_keeps_sharing_and_changes_nothing_on_error():
+    gpu, cpu = KVBlockManager(12, 4, enable_prefix_caching=True), KVBlockManager(5, 4)
+    gpu.create_sequence("a", list(range(10)))  # 3 blocks, the last partial
+    gpu.fork_sequence("a", "b")
+    gpu.create_sequence("c", num_prompt_tokens=9)
+    mapping = gpu.move_sequences(["a", "b"], cpu)
+    assert len(mapping) == 3 and cpu.get_block_table("a") == cpu.get_block_table("b")
+    assert [cpu.ref_counts[b] for b in cpu.get_block_table("a")] == [2, 2, 2]
+    assert "a" not in gpu.sequences and gpu.num_free_blocks == 12 - 3 and cpu.get_sequence_length("b") == 10
+    assert gpu.num_cached_blocks == 2  # the full prompt blocks stay findable on the device
+    before = (snapshot(gpu), snapshot(cpu))
+    with pytest.raises(OutOfBlocksError):
+        gpu.move_sequences(["c"], cpu)  # 3 blocks, 2 free in the host pool
+    other = KVBlockManager(8, 4)
+    other.create_sequence("c", num_prompt_tokens=1)
+    with pytest.raises(DuplicateSequenceError):
+        gpu.move_sequences(["c"], other)
+    with pytest.raises(UnknownSequenceError):
+        gpu.move_sequences(["zz"], other)
+    assert (snapshot(gpu), snapshot(cpu)) == before
+    back = cpu.move_sequences(["a", "b"], gpu)
+    assert len(back) == 3 and gpu.get_block_table("a") == gpu.get_block_table("b")
+    for manager in (gpu, cpu, other):
+        manager.check_invariants()
+    assert cpu.num_free_blocks == 5

@@ -38,7 +38,7 @@ def test_simulator_figures_have_one_trace_per_category_or_run():
 
 def test_runtime_and_kernel_figures():
     steps = pd.DataFrame({"elapsed_s": [0.1, 0.2], "num_running": [1, 2], "num_waiting": [3, 1],
-                          "num_used_blocks": [4, 6]})
+                          "blocks_in_use": [4, 6]})
     assert len(engine_live_figure(steps).data) == 3
     requests = pd.DataFrame({"ttft_s": [0.1, 0.2], "tpot_s": [0.01, 0.02]})
     assert len(latency_histograms(requests).data) == 2

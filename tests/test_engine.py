@@ -75,10 +75,10 @@ def test_parallel_sampling_shares_prompt_blocks_and_copies_on_write():
     engine = LLMEngine("tiny", block_size=8, num_blocks=64)
     prompt = list(range(20))  # 2 full blocks + a partial block of 4
     seen = []
-    engine.on_step = lambda stats: seen.append((stats.kind, stats.num_used_blocks))
+    engine.on_step = lambda stats: seen.append((stats.num_prefill_tokens, stats.blocks_in_use))
     outputs = engine.generate([prompt], SamplingParams(max_tokens=6, n=3, temperature=1.0, seed=5))
     assert len(outputs[0].outputs) == 3
-    assert seen[0] == ("prefill", 3)  # the three samples share the prompt's 3 blocks
+    assert seen[0] == (20, 3)  # the three samples share the prompt's 3 blocks
     assert engine.block_manager.num_cow_copies == 2  # the shared partial block is copied for 2 of the 3 samples
     again = LLMEngine("tiny", block_size=8, num_blocks=64).generate(
         [prompt], SamplingParams(max_tokens=6, n=3, temperature=1.0, seed=5))
@@ -115,7 +115,7 @@ def test_errors_are_clear(tmp_path):
     with pytest.raises(CheckpointError, match="expected 'qwen3'"):
         LLMEngine(str(tmp_path))
     engine = LLMEngine("tiny", block_size=4, num_blocks=8)
-    with pytest.raises(ValueError, match="needs 9 KV blocks; the pool has 8"):
+    with pytest.raises(ValueError, match="34 KV tokens does not fit the KV pool of 32 token slots"):
         engine.add_request(list(range(30)), SamplingParams(max_tokens=5))
     with pytest.raises(ValueError, match="tokenizer"):
         engine.add_request("hello")
@@ -201,3 +201,58 @@ def test_fuzzed_schedules_match_hf_and_free_everything(greedy_reference, block_s
     manager = engine.block_manager
     manager.check_invariants()
     assert manager.num_free_blocks == manager.num_physical_blocks and not manager.sequences
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_chunked_prefill_matches_hf(prompts, hf_reference, block_size):
+    """A 13-token budget spreads the longer prompts over several steps, each chunk attending to the earlier
+    chunks' K/V in the paged cache."""
+    engine = LLMEngine("tiny", block_size=block_size, num_blocks=4096 // block_size + 8, scheduling="chunked",
+                       max_num_batched_tokens=13)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outputs] == hf_reference
+    steps = engine.step_log()
+    assert ((steps["num_prefill_tokens"] > 0) & (steps["num_decode_seqs"] > 0)).any()  # mixed steps
+    assert steps["num_prefill_tokens"].max() <= 13
+
+
+def test_chunked_prefill_logits_match_hf_forward(prompts):
+    engine = LLMEngine("tiny", block_size=3, num_blocks=512, record_logits=True, scheduling="chunked",
+                       max_num_batched_tokens=7)
+    prompt = prompts[4]
+    engine.generate([prompt], SamplingParams(max_tokens=6))
+    seq = engine.finished[0]
+    with torch.no_grad():
+        reference = engine.hf_model(torch.tensor([prompt + seq.token_ids[:-1]])).logits[0, len(prompt) - 1:].float()
+    assert torch.allclose(engine.recorded_logits[seq.request_id][0], reference, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("scheduling", ["prefill-first", "chunked"])
+def test_swap_preemption_in_a_tiny_pool_matches_hf(prompts, hf_reference, scheduling):
+    engine = LLMEngine("tiny", block_size=4, num_blocks=24, preemption_mode="swap", scheduling=scheduling,
+                       max_num_batched_tokens=32)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert engine.scheduler.num_swaps_out > 0 and engine.step_log()["num_swapped_in"].sum() > 0
+    assert [o.token_ids for o in outputs] == hf_reference
+    policy = engine.policy
+    assert policy.manager.num_free_blocks == policy.manager.num_physical_blocks
+    assert policy.cpu_manager.num_free_blocks == policy.cpu_manager.num_physical_blocks
+    policy.manager.check_invariants()
+    policy.cpu_manager.check_invariants()
+
+
+def test_engine_cache_writes_never_name_a_slot_twice(monkeypatch, prompts):
+    """The engine writes with check=False; the block manager must never hand one slot to two tokens of a step."""
+    import kernels
+
+    real = kernels.write_kv_cache
+
+    def checked(key, value, key_cache, value_cache, slot_mapping, backend="auto", check=True):
+        used = slot_mapping[slot_mapping >= 0]
+        assert used.unique().numel() == used.numel()
+        return real(key, value, key_cache, value_cache, slot_mapping, backend=backend, check=check)
+
+    monkeypatch.setattr(kernels, "write_kv_cache", checked)
+    engine = LLMEngine("tiny", block_size=3, num_blocks=40, scheduling="chunked", max_num_batched_tokens=16)
+    engine.generate(prompts + prompts[:2], SamplingParams(max_tokens=5, n=2, temperature=1.0, seed=1))
+    assert engine.num_preemptions > 0

@@ -1,6 +1,7 @@
-"""End-to-end serving benchmark: our paged engine vs HF ``generate`` (padded static batch) vs HF continuous
-batching (its paged cache), on one fixed mixed-length workload, in one run. Output tokens/s, TTFT/TPOT medians and
-peak memory for each (medians over repeats), plus speed ratios against HF continuous batching."""
+"""End-to-end serving benchmark: our paged engine (prefill-first and chunked prefill) vs HF ``generate`` (padded
+static batch) vs HF continuous batching (its paged cache), on one fixed mixed-length workload, in one run. Output
+tokens/s, TTFT/TPOT medians, peak memory and (engine) the scheduler's share of step time for each (medians over
+repeats), plus speed ratios against HF continuous batching."""
 from __future__ import annotations
 
 import statistics
@@ -11,8 +12,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from lab.engine import LLMEngine, SamplingParams
+from lab.engine import EngineConfig, LLMEngine, SamplingParams
 from lab.live import random_requests
+
+SYSTEMS = ("paged-engine", "paged-engine-chunked", "hf-static", "hf-continuous")
 
 
 @dataclass(slots=True)
@@ -27,7 +30,8 @@ class E2EConfig:
     block_size: int = 16
     attention_backend: str = "auto"
     seed: int = 0
-    systems: tuple[str, ...] = ("paged-engine", "hf-static", "hf-continuous")
+    systems: tuple[str, ...] = ("paged-engine", "paged-engine-chunked", "hf-static", "hf-continuous")
+    chunk_budget: int = 256  # max_num_batched_tokens of the chunked-prefill row
     repeats: int = 3  # each system runs the workload this many times; the table holds medians
 
 
@@ -71,18 +75,19 @@ def _status_bytes(field: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_paged_engine(template: LLMEngine, prompts, outputs) -> dict:
-    """A fresh engine (empty prefix cache) on the template's loaded weights, so repeats do not hit earlier runs."""
-    engine = LLMEngine(template.hf_model, tokenizer=template.tokenizer, block_size=template.block_size,
-                       num_blocks=template.block_manager.num_physical_blocks,
-                       attention_backend=template.runner.attention_backend, max_num_seqs=template.max_num_seqs)
+def run_paged_engine(template: LLMEngine, prompts, outputs, **changes) -> dict:
+    """A fresh engine (empty prefix cache) on the template's loaded weights, so repeats do not hit earlier runs;
+    ``changes`` override its ``EngineConfig`` (e.g. chunked scheduling)."""
+    engine = LLMEngine(template.hf_model, template.config, tokenizer=template.tokenizer,
+                       num_blocks=template.block_manager.num_physical_blocks, **changes)
     started = time.perf_counter()
     results = engine.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in outputs])
     wall = time.perf_counter() - started
-    table = engine.request_metrics()
+    table, steps = engine.request_metrics(), engine.step_log()
     return {"wall_s": wall, "output_tokens": sum(len(r.token_ids) for r in results),
             "ttft_median_s": float(table["ttft_s"].median()), "tpot_median_s": float(table["tpot_s"].median()),
-            "tokens": [r.token_ids for r in results]}
+            "scheduler_share": engine.scheduler_s / float(steps["duration_s"].sum()),
+            "steps": len(steps), "tokens": [r.token_ids for r in results]}
 
 
 class _StepClock:
@@ -152,17 +157,20 @@ def run_hf_continuous(model, prompts, outputs) -> dict:
 
 def run_e2e_bench(config: E2EConfig, progress=None) -> pd.DataFrame:
     """Rows per system; ``same_tokens_as_engine`` checks greedy agreement with the paged engine."""
-    unknown = [name for name in config.systems if name not in ("paged-engine", "hf-static", "hf-continuous")]
+    unknown = [name for name in config.systems if name not in SYSTEMS]
     if unknown or not config.systems:
-        raise ValueError(f"systems must be a non-empty subset of paged-engine, hf-static, hf-continuous; "
+        raise ValueError(f"systems must be a non-empty subset of {', '.join(SYSTEMS)}; "
                          f"got {', '.join(config.systems) or 'none'}")
     device = torch.device(config.device)
-    engine = LLMEngine(config.model, block_size=config.block_size, device=config.device,
-                       attention_backend=config.attention_backend, max_num_seqs=config.num_requests)
+    engine = LLMEngine(config.model, EngineConfig(block_size=config.block_size, device=config.device,
+                                                  attention_backend=config.attention_backend,
+                                                  max_num_seqs=config.num_requests))
     prompts, outputs = random_requests(config.num_requests, config.prompt_range, config.output_range,
                                        engine.hf_model.config.vocab_size, config.seed)
     warm_prompts, warm_outputs = prompts[:2], [4, 4]
     runners = {"paged-engine": lambda p, o: run_paged_engine(engine, p, o),
+               "paged-engine-chunked": lambda p, o: run_paged_engine(
+                   engine, p, o, scheduling="chunked", max_num_batched_tokens=config.chunk_budget),
                "hf-static": lambda p, o: run_hf_static(engine.hf_model, p, o, device),
                "hf-continuous": lambda p, o: run_hf_continuous(engine.hf_model, p, o)}
     rows, reference = [], None

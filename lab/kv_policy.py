@@ -1,0 +1,217 @@
+"""The paged KV policy: the scheduler's view of ``KVBlockManager`` (and, for swapping, a host-memory pool).
+
+The engine and the simulator use this same class. Sequences append lazily: the manager is told about a sequence's
+tokens when it needs a block (an event), when it is released or swapped, or every step when the scheduler syncs
+(the engine), so block tables are the same as with per-token appends at every block boundary.
+"""
+from __future__ import annotations
+
+from .block_manager import KVBlockManager
+from .scheduler import NO_EVENT, Sequence
+
+
+class PagedPolicy:
+    """Fixed-size blocks from a ``KVBlockManager`` of ``num_blocks``; with ``num_cpu_blocks > 0`` a host pool (a
+    second manager with the same invariants) takes swapped-out sequences."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_cpu_blocks: int = 0):
+        self.block_size = block_size
+        self.manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.cpu_manager = KVBlockManager(num_cpu_blocks, block_size) if num_cpu_blocks > 0 else None
+        self.supports_swap = self.cpu_manager is not None
+        self.capacity = num_blocks * block_size
+        self.table_blocks = 0  # sum of GPU block-table lengths (shared blocks counted once per holder)
+        self.never_filled = 0
+        # Forks share a partly filled last block until they append: block -> holders, and the slots that counting
+        # those extra holders as full blocks over-subtracts from the token states.
+        self.shared_partial_holders: dict[int, int] = {}
+        self.shared_partial_slack = 0
+        self.ops: list[tuple] | None = None  # optional log of manager operations (tests replay it)
+
+    # ---- admission ----------------------------------------------------------------------------------------------
+    def can_ever_fit(self, final_len: int) -> bool:
+        return self.manager.blocks_for_tokens(final_len) <= self.manager.num_physical_blocks
+
+    def admit(self, seqs: list[Sequence], token_ids: list[int] | None) -> bool:
+        """Allocate a group's prompt (the first sequence; the others fork it), if the prompt and the group's first
+        decode step fit. All or nothing."""
+        first, manager = seqs[0], self.manager
+        prompt_len = first.prompt_len
+        extra = len(seqs) if prompt_len % self.block_size == 0 else len(seqs) - 1
+        ids = token_ids if token_ids is not None and len(token_ids) == prompt_len else None
+        count = None if ids is not None else prompt_len
+        stream = first.group.stream_key if ids is None else None
+        if not manager.can_allocate(ids, count, extra, stream):
+            return False
+        # One sample: only its own later prefill can ask for its stream, so register on preemption (cheaper).
+        first.cached_tokens = self._op("create_sequence", first.seq_id, ids, count, stream, len(seqs) > 1)
+        for seq in seqs[1:]:
+            self._op("fork_sequence", first.seq_id, seq.seq_id)
+            seq.cached_tokens = 0
+        for seq in seqs:
+            seq.synced_len = prompt_len
+            self.table_blocks += len(manager.sequences[seq.seq_id].block_table)
+            self._count_final_block(seq)
+        self._track_shared_partial(seqs)
+        return True
+
+    # ---- growth ---------------------------------------------------------------------------------------------------
+    def next_event_position(self, seq: Sequence) -> int:
+        """KV length at which ``seq`` needs its next block (or a copy of a shared partial block)."""
+        manager = self.manager
+        table = manager.sequences[seq.seq_id].block_table
+        if seq.synced_len % self.block_size and manager.ref_counts[table[-1]] > 1:
+            return seq.synced_len + 1
+        allocated = len(table) * self.block_size
+        return allocated + 1 if allocated < seq.final_len else NO_EVENT
+
+    def grow(self, seq: Sequence, kv_len: int, alone: bool) -> bool:
+        """Give ``seq`` the blocks for ``kv_len`` tokens; False (nothing changed) when too few are free. A lone
+        sequence always fits (``can_ever_fit``), so ``alone`` needs nothing special here."""
+        manager, size, synced = self.manager, self.block_size, seq.synced_len
+        table = manager.sequences[seq.seq_id].block_table
+        needed = -(-kv_len // size) - len(table)
+        if synced % size and manager.ref_counts[table[-1]] > 1:
+            needed += 1  # copy-on-write of the shared partial block
+        if needed > len(manager._free_queue):
+            return False
+        if kv_len > synced:
+            if seq.shared_block >= 0:
+                self._leave_shared_partial(seq)
+            if self.ops is not None:
+                self.ops.append(("append_tokens", seq.seq_id, kv_len - synced))
+            before = len(table)
+            manager.append_tokens(seq.seq_id, kv_len - synced)
+            table = manager.sequences[seq.seq_id].block_table  # copy-on-write may have replaced nothing but a slot
+            self.table_blocks += len(table) - before
+            seq.synced_len = kv_len
+        if not seq.final_block_counted and len(table) * size >= seq.final_len:
+            self._count_final_block(seq)
+        return True
+
+    def sync(self, seq: Sequence, kv_len: int) -> None:
+        """Tell the manager about ``seq``'s tokens up to ``kv_len`` (the blocks were reserved by an event)."""
+        if kv_len > seq.synced_len:  # the hot path: called directly, logged only when a test asks
+            if seq.shared_block >= 0:
+                self._leave_shared_partial(seq)
+            table = self.manager.sequences[seq.seq_id].block_table
+            before = len(table)
+            if self.ops is not None:
+                self.ops.append(("append_tokens", seq.seq_id, kv_len - seq.synced_len))
+            self.manager.append_tokens(seq.seq_id, kv_len - seq.synced_len)
+            self.table_blocks += len(table) - before
+            seq.synced_len = kv_len
+
+    def release(self, seq: Sequence, kv_len: int) -> None:
+        self.sync(seq, kv_len)
+        self._forget(seq)
+        self._op("release_sequence", seq.seq_id)
+
+    def preempt(self, seq: Sequence, kv_len: int) -> None:
+        """Release a sequence that will be prefilled again: its prompt blocks stay findable in the prefix cache."""
+        self.manager.register_stream_blocks(seq.seq_id)
+        self.release(seq, kv_len)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        return self.manager.take_pending_copies()
+
+    # ---- swapping -------------------------------------------------------------------------------------------------
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        return self.cpu_manager is not None and self.manager.can_move_sequences([s.seq_id for s in seqs],
+                                                                                self.cpu_manager)
+
+    def swap_out(self, seqs: list[Sequence], kv_lens: list[int]) -> list[tuple[int, int]]:
+        """Move the sequences to the host pool; returns ``(gpu block, cpu block)`` copies. A block that got a
+        copy-on-write earlier in this step is read from its source (the copy has not run yet)."""
+        manager = self.manager
+        for seq, kv_len in zip(seqs, kv_lens):
+            manager.register_stream_blocks(seq.seq_id)  # the GPU blocks stay cached after the move
+            self.sync(seq, kv_len)
+            self._forget(seq)
+        mapping = self._op("move_sequences", [s.seq_id for s in seqs], self.cpu_manager)
+        pending = {dst: src for src, dst in manager.pending_copies}
+        moved = {gpu for gpu, _ in mapping}
+        manager.pending_copies = [(src, dst) for src, dst in manager.pending_copies if dst not in moved]
+        return [(pending.get(gpu, gpu), cpu) for gpu, cpu in mapping]
+
+    def first_decode_blocks(self, seqs: list[Sequence]) -> int:
+        """Blocks the swapped sequences' next decode token needs (new blocks, copy-on-write)."""
+        cpu = self.cpu_manager
+        return sum(cpu.num_blocks_to_append(s.seq_id, s.kv_len_base + 1 - s.synced_len) for s in seqs)
+
+    def can_swap_in(self, seqs: list[Sequence], extra_blocks: int) -> bool:
+        return self.cpu_manager.can_move_sequences([s.seq_id for s in seqs], self.manager, extra_blocks)
+
+    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Move the sequences back to the GPU pool; returns ``(cpu block, gpu block)`` copies."""
+        mapping = self._op("move_sequences_from_host", [s.seq_id for s in seqs])
+        for seq in seqs:
+            self.table_blocks += len(self.manager.sequences[seq.seq_id].block_table)
+            self._count_final_block(seq)
+        self._track_shared_partial(seqs)
+        return mapping
+
+    # ---- observation ----------------------------------------------------------------------------------------------
+    def blocks_in_use(self) -> int:
+        return self.manager.num_used_blocks
+
+    def cpu_blocks_in_use(self) -> int:
+        return self.cpu_manager.num_used_blocks if self.cpu_manager is not None else 0
+
+    def num_free_blocks(self) -> int:
+        return self.manager.num_free_blocks
+
+    def categories(self, held_tokens: int) -> tuple[int, int, int, int, int]:
+        """(token_states, reserved, internal, external fragmentation = 0, free) in slots. ``held_tokens`` counts
+        every holder's tokens; shared full blocks are stored once, so their extra holders are subtracted."""
+        manager, size = self.manager, self.block_size
+        used = manager.num_used_blocks
+        allocated = used * size
+        token_states = held_tokens - (self.table_blocks - used) * size + self.shared_partial_slack
+        return (token_states, allocated - self.never_filled - token_states, self.never_filled, 0,
+                self.capacity - allocated)
+
+    # ---- internals ------------------------------------------------------------------------------------------------
+    def _track_shared_partial(self, seqs: list[Sequence]) -> None:
+        """Count the partly filled blocks these (just placed) sequences share."""
+        manager, size = self.manager, self.block_size
+        for seq in seqs:
+            fill = seq.synced_len % size
+            block = manager.sequences[seq.seq_id].block_table[-1] if fill else -1
+            if block >= 0 and manager.ref_counts[block] > 1:
+                seq.shared_block = block
+                holders = self.shared_partial_holders.get(block, 0)
+                if holders:
+                    self.shared_partial_slack += size - fill
+                self.shared_partial_holders[block] = holders + 1
+
+    def _leave_shared_partial(self, seq: Sequence) -> None:
+        block, seq.shared_block = seq.shared_block, -1
+        holders = self.shared_partial_holders.pop(block) - 1
+        if holders:
+            self.shared_partial_holders[block] = holders
+            self.shared_partial_slack -= self.block_size - seq.synced_len % self.block_size
+
+    def _forget(self, seq: Sequence) -> None:
+        """Drop ``seq`` from the GPU aggregates (before it is released or swapped out)."""
+        if seq.shared_block >= 0:
+            self._leave_shared_partial(seq)
+        self.table_blocks -= len(self.manager.sequences[seq.seq_id].block_table)
+        if seq.final_block_counted:
+            self.never_filled -= seq.final_block_slack
+            seq.final_block_counted = False
+
+    def _count_final_block(self, seq: Sequence) -> None:
+        blocks = len(self.manager.sequences[seq.seq_id].block_table)
+        if not seq.final_block_counted and blocks * self.block_size >= seq.final_len:
+            seq.final_block_slack = blocks * self.block_size - seq.final_len
+            self.never_filled += seq.final_block_slack
+            seq.final_block_counted = True
+
+    def _op(self, name: str, *args):
+        if self.ops is not None:
+            self.ops.append((name, *args))
+        if name == "move_sequences_from_host":
+            return self.cpu_manager.move_sequences(args[0], self.manager)
+        return getattr(self.manager, name)(*args)

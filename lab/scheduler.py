@@ -1,0 +1,467 @@
+"""The one scheduler of MiniPaged Lab: the engine runs its step plans with Qwen3, the simulator with a cost model.
+
+It owns the waiting / running / swapped queues, FCFS admission under ``max_num_seqs`` and
+``max_num_batched_tokens``, step composition (``prefill-first`` or ``chunked``), preemption (``recompute`` or
+``swap``) and every call into the KV allocation policy (and so into ``KVBlockManager``). ``schedule()`` returns a
+``SchedulerOutput``; the executor runs it, reports finished sequences with ``finish()`` and closes the step with
+``end_step()``.
+
+Conventions (vLLM's): a sequence's KV holds the tokens computed so far; a sampled token gets its slot at the decode
+step that feeds it. A prompt of ``P`` tokens with ``O`` output tokens therefore holds at most ``P + O - 1`` KV tokens.
+A decode step needs new memory only at events (a block boundary, a copy-on-write, a contiguous region overflow):
+running sequences' lengths are implicit (``kv_len_base + step - step_base``), a calendar keyed by decode step holds
+the events, so a step costs O(1) plus its events. The engine asks for ``sync_every_step`` and then every running
+sequence's block table is brought up to date each step (it needs the slots); the decisions are the same.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+SCHEDULING_MODES = ("prefill-first", "chunked")
+PREEMPTION_MODES = ("recompute", "swap")
+NO_EVENT = 1 << 62  # a KV length no sequence reaches: "needs no more memory"
+STEP_LOG_COLUMNS = ("step", "num_prefill_tokens", "num_decode_seqs", "num_running", "num_waiting", "num_swapped",
+                    "blocks_in_use", "cpu_blocks_in_use", "num_preempted", "num_swapped_out", "num_swapped_in",
+                    "num_finished", "duration_s")
+
+
+class SchedulerError(ValueError):
+    """A scheduler argument or request is invalid."""
+
+
+class RequestRejectedError(SchedulerError):
+    """A request can never be scheduled (too long, too many samples, larger than the KV pool); ``reason`` says
+    which. Nothing was queued."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Caps and modes; the same names in ``LLMEngine`` and ``SimConfig``."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    scheduling: str = "prefill-first"
+    preemption_mode: str = "recompute"
+    max_model_len: int = 1 << 30
+    sync_every_step: bool = False
+
+    def check(self) -> None:
+        """Raise ``SchedulerError`` naming the first field out of range."""
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SchedulerError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.scheduling not in SCHEDULING_MODES:
+            raise SchedulerError(f"scheduling must be one of {', '.join(SCHEDULING_MODES)}; got {self.scheduling!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise SchedulerError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; "
+                                 f"got {self.preemption_mode!r}")
+
+
+class Sequence:
+    """One sample. ``prompt_len`` is what its (next) prefill covers: the prompt, or after a recompute preemption
+    the prompt plus every token sampled so far. ``final_len`` is the most KV tokens it will hold (an upper bound when
+    the executor does not know the output length). ``data`` belongs to the executor."""
+
+    __slots__ = ("seq_id", "group", "sample", "prompt_len", "final_len", "kv_len_base", "step_base", "epoch",
+                 "num_computed", "cached_tokens", "region", "synced_len", "final_block_counted", "final_block_slack",
+                 "shared_block", "status", "data")
+
+    def __init__(self, seq_id, group: "SequenceGroup", sample: int, prompt_len: int, final_len: int, data=None):
+        self.seq_id, self.group, self.sample, self.data = seq_id, group, sample, data
+        self.prompt_len, self.final_len = prompt_len, final_len
+        self.kv_len_base = self.step_base = self.epoch = self.num_computed = self.cached_tokens = 0
+        self.region, self.synced_len = None, 0
+        self.final_block_counted, self.final_block_slack = False, 0
+        self.shared_block = -1  # a partly filled block it shares with forks (paged accounting), else -1
+        self.status = "waiting"
+
+
+class SequenceGroup:
+    """The sequences of one request (``n`` samples) that are admitted together. ``token_ids(seq, length)`` returns
+    the first ``length`` token ids of ``seq``'s token stream (prompt, then what it sampled) for prefix caching, or
+    None when unknown; ``stream_key`` (when the token ids are None) says the stream's content is a function of
+    (key, position) alone, which prefix caching can use without the tokens."""
+
+    __slots__ = ("request_id", "seqs", "token_ids", "stream_key", "data")
+
+    def __init__(self, request_id, seqs: list[Sequence], token_ids=None, data=None, stream_key=None):
+        self.request_id, self.seqs, self.token_ids, self.data = request_id, seqs, token_ids, data
+        self.stream_key = stream_key
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """``num_tokens`` prompt tokens of ``seq`` from position ``start`` (``start`` includes cached tokens).
+    ``samples``: the sequences that sample their first token from this chunk's last position (the chunk completes
+    the prompt; a group's forks share it), else empty."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    samples: list = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan. ``decode_seqs`` is materialised only in ``sync_every_step`` mode (the engine); the simulator
+    reads ``num_decode_seqs``. Copies run in the order swap-out, swap-in, copy-on-write, before the model."""
+
+    step: int
+    prefill_chunks: list[PrefillChunk] = field(default_factory=list)
+    prefill_done: list[Sequence] = field(default_factory=list)  # prompt fully computed: sample their first token
+    num_decode_seqs: int = 0
+    decode_seqs: list[Sequence] | None = None
+    decode_kv_tokens: int = 0  # KV tokens the decode tokens attend to (cost model)
+    prefill_attention_pairs: float = 0.0  # causal (query, key) pairs of the prefill chunks (cost model)
+    cached_tokens_read: int = 0  # prefix-cache hits read by this step's prefills (cost model)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) on the GPU
+    preempted: list[Sequence] = field(default_factory=list)  # recomputed later
+    swapped_out: list[Sequence] = field(default_factory=list)
+    swapped_in: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)  # filled by ``finish()``
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.prefill_chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.prefill_chunks or self.num_decode_seqs or self.prefill_done)
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What one step did: the step-log columns (``STEP_LOG_COLUMNS``) plus running totals for dashboards. The
+    engine and the simulator both emit it."""
+
+    step: int
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    blocks_in_use: int
+    cpu_blocks_in_use: int
+    num_preempted: int
+    num_swapped_out: int
+    num_swapped_in: int
+    num_finished: int
+    duration_s: float
+    elapsed_s: float = 0.0
+    generated_tokens: int = 0
+    num_free_blocks: int = 0
+    peak_memory_bytes: int = 0
+
+
+class KVPolicy(Protocol):
+    """Where sequences' KV lives: the paged block manager (``lab.kv_policy.PagedPolicy``) or a contiguous allocator
+    (the simulator's baselines). One signature per operation; ``kv_len`` is the KV tokens the sequence holds."""
+
+    capacity: int  # token slots
+    supports_swap: bool
+
+    def can_ever_fit(self, final_len: int) -> bool: ...
+    def admit(self, seqs: list[Sequence], token_ids: list[int] | None) -> bool: ...
+    def next_event_position(self, seq: Sequence) -> int: ...
+    def grow(self, seq: Sequence, kv_len: int, alone: bool) -> bool: ...
+    def sync(self, seq: Sequence, kv_len: int) -> None: ...
+    def release(self, seq: Sequence, kv_len: int) -> None: ...
+    def preempt(self, seq: Sequence, kv_len: int) -> None: ...
+    def blocks_in_use(self) -> int: ...
+    def cpu_blocks_in_use(self) -> int: ...
+    def num_free_blocks(self) -> int: ...
+    def can_swap_out(self, seqs: list[Sequence]) -> bool: ...
+    def swap_out(self, seqs: list[Sequence], kv_lens: list[int]) -> list[tuple[int, int]]: ...
+    def can_swap_in(self, seqs: list[Sequence], extra_blocks: int) -> bool: ...
+    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]: ...
+    def take_copies(self) -> list[tuple[int, int]]: ...
+    def first_decode_blocks(self, seqs: list[Sequence]) -> int: ...
+
+
+class Scheduler:
+    """FCFS continuous batching over one ``KVPolicy``; see the module docstring for the protocol."""
+
+    def __init__(self, config: SchedulerConfig, policy: KVPolicy):
+        config.check()
+        if config.preemption_mode == "swap" and not policy.supports_swap:
+            raise SchedulerError("preemption_mode='swap' needs a policy with a host pool (the paged allocator with "
+                                 "num_cpu_blocks > 0)")
+        self.config, self.policy = config, policy
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: dict[object, Sequence] = {}  # decoding, in admission order: the last one is the newest
+        self.prefilling: list[Sequence] = []  # chunked: admitted, prompt not fully computed
+        self.swapped: deque[list[Sequence]] = deque()
+        self.step = 0  # decode steps so far
+        self.num_steps = 0
+        self.memory_calendar: dict[int, list] = {}  # decode step -> [(seq, epoch)] needing memory then
+        self.len_offset = 0  # sum over running of (kv_len_base - step_base)
+        self.num_waiting_seqs = self.num_swapped_seqs = 0
+        self.num_preemptions = self.num_swaps_out = 0
+        self.step_log: list[tuple] | None = None
+        self._output: SchedulerOutput | None = None
+
+    # ---- requests -----------------------------------------------------------------------------------------------
+    def check_request(self, prompt_len: int, max_output_len: int, n: int) -> None:
+        """Raise ``RequestRejectedError`` when such a request could never be scheduled."""
+        total = prompt_len + max_output_len
+        if n > self.config.max_num_seqs:
+            raise RequestRejectedError(f"n={n} samples exceed max_num_seqs={self.config.max_num_seqs}", "n")
+        if total > self.config.max_model_len:
+            raise RequestRejectedError(f"prompt ({prompt_len}) + output ({max_output_len}) = {total} tokens exceed "
+                                       f"max_model_len {self.config.max_model_len}", "max_model_len")
+        if not self.policy.can_ever_fit(total - 1):
+            raise RequestRejectedError(f"a sequence of {total - 1} KV tokens does not fit the KV pool of "
+                                       f"{self.policy.capacity} token slots", "capacity")
+
+    def add(self, group: SequenceGroup) -> None:
+        """Queue a group (its sequences in ``waiting`` status); call ``check_request`` first."""
+        self.waiting.append(group)
+        self.num_waiting_seqs += len(group.seqs)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.prefilling or self.swapped)
+
+    def held_tokens(self) -> int:
+        """KV tokens of running and prefilling sequences on the GPU (a shared block counted once per holder)."""
+        tokens = self.len_offset + len(self.running) * self.step
+        if self.prefilling:
+            tokens += sum(s.num_computed for s in self.prefilling)
+        return tokens
+
+    def kv_len(self, seq: Sequence) -> int:
+        """KV tokens a running sequence holds now."""
+        return seq.kv_len_base + self.step - seq.step_base
+
+    # ---- one step -----------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step; allocates everything it needs (so executing the plan cannot run out of memory)."""
+        out = self._output = SchedulerOutput(self.num_steps + 1)
+        if self.config.scheduling == "chunked":
+            self._schedule_decode(out)
+            self._schedule_prefills(out, self.config.max_num_batched_tokens - out.num_decode_seqs)
+        else:
+            if not self.swapped:
+                self._schedule_prefills(out, self.config.max_num_batched_tokens)
+            if not out.prefill_chunks:
+                self._schedule_decode(out)
+        out.blocks_to_copy = self.policy.take_copies()
+        for seq in out.prefill_done:
+            self._start_decoding(seq)
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        """The executor says ``seq`` is done (its last token was sampled in this step): free its memory."""
+        if self.running.get(seq.seq_id) is not seq:
+            raise SchedulerError(f"sequence {seq.seq_id!r} is not running")
+        self._leave_running(seq, self.kv_len(seq))
+        seq.status = "finished"
+        if self._output is not None:
+            self._output.finished.append(seq)
+
+    def end_step(self, duration_s: float, elapsed_s: float = 0.0, generated_tokens: int = 0,
+                 peak_memory_bytes: int = 0, want_stats: bool = True) -> StepStats | None:
+        """Close the step: count it and return (and log, when ``step_log`` is a list) its ``StepStats``; with
+        ``want_stats=False`` and no log, only count it (the simulator's fast path)."""
+        out = self._output
+        self.num_steps += 1
+        if not want_stats and self.step_log is None:
+            return None
+        stats = StepStats(out.step, out.num_prefill_tokens, out.num_decode_seqs,
+                          len(self.running) + len(self.prefilling), self.num_waiting_seqs, self.num_swapped_seqs,
+                          self.policy.blocks_in_use(), self.policy.cpu_blocks_in_use(), len(out.preempted),
+                          len(out.swapped_out), len(out.swapped_in), len(out.finished), duration_s, elapsed_s,
+                          generated_tokens, self.policy.num_free_blocks(), peak_memory_bytes)
+        if self.step_log is not None:
+            self.step_log.append(tuple(getattr(stats, c) for c in STEP_LOG_COLUMNS))
+        return stats
+
+    def drop_unschedulable_head(self) -> SequenceGroup | None:
+        """Nothing could run although work is queued: the queue head cannot be admitted even into an idle pool
+        (``check_request`` makes this unreachable). Remove and return it so the caller can reject it."""
+        if self.waiting and not (self.running or self.prefilling or self.swapped):
+            group = self.waiting.popleft()
+            self.num_waiting_seqs -= len(group.seqs)
+            return group
+        return None
+
+    # ---- decode -------------------------------------------------------------------------------------------------
+    def _schedule_decode(self, out: SchedulerOutput) -> None:
+        if not (self.running or self.swapped):
+            return
+        self.step += 1
+        self._reserve_decode_memory(out)
+        if self.swapped and not out.preempted and not out.swapped_out:
+            self._swap_in(out)
+        if self.config.sync_every_step:
+            kv_len, sync = self.kv_len, self.policy.sync
+            out.decode_seqs = list(self.running.values())
+            for seq in out.decode_seqs:
+                sync(seq, kv_len(seq))
+        out.num_decode_seqs = len(self.running)
+        out.decode_kv_tokens = self.len_offset + len(self.running) * self.step
+
+    def _reserve_decode_memory(self, out: SchedulerOutput) -> None:
+        """Process this decode step's memory events, preempting the newest sequences until they all fit."""
+        step = self.step
+        events = self.memory_calendar.pop(step, None)
+        if not events:
+            return
+        running, policy = self.running, self.policy
+        for seq, epoch in events:
+            if seq.epoch != epoch or running.get(seq.seq_id) is not seq:
+                continue
+            kv_len = seq.kv_len_base + step - seq.step_base
+            while not policy.grow(seq, kv_len, alone=False):
+                if len(running) == 1 and not self.prefilling:  # alone: preempting itself could never help
+                    policy.grow(seq, kv_len, alone=True)
+                    break
+                victim = running[next(reversed(running))]
+                self._preempt(victim, out)
+                if victim is seq or running.get(seq.seq_id) is not seq:
+                    break
+            else:
+                self._schedule_memory_event(seq)
+                continue
+            if running.get(seq.seq_id) is seq:
+                self._schedule_memory_event(seq)
+
+    def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
+        """Free the victim's GPU memory: swap its whole group's running sequences to the host pool, or (recompute,
+        or no host room) drop its KV and queue it first to be prefilled again with everything it has sampled."""
+        self.num_preemptions += 1
+        if self.config.preemption_mode == "swap":
+            group = [s for s in victim.group.seqs if self.running.get(s.seq_id) is s]
+            if self.policy.can_swap_out(group):
+                kv_lens = [self.kv_len(s) - 1 for s in group]  # this step's token has no slot yet
+                for seq, kv_len in zip(group, kv_lens):
+                    self._leave_running(seq, kv_len, release=False)
+                    seq.kv_len_base, seq.status = kv_len, "swapped"
+                out.blocks_to_swap_out += self.policy.swap_out(group, kv_lens)
+                out.swapped_out += group
+                self.swapped.append(group)
+                self.num_swapped_seqs += len(group)
+                self.num_swaps_out += 1
+                return
+        kv_len = self.kv_len(victim) - 1
+        self._leave_running(victim, kv_len, release=False)
+        self.policy.preempt(victim, kv_len)
+        victim.prompt_len, victim.num_computed, victim.status = kv_len + 1, 0, "waiting"
+        out.preempted.append(victim)
+        self.waiting.appendleft(SequenceGroup(victim.group.request_id, [victim], victim.group.token_ids,
+                                              victim.group.data, victim.group.stream_key))
+        self.num_waiting_seqs += 1
+
+    def _swap_in(self, out: SchedulerOutput) -> None:
+        """Bring swapped groups back FCFS while their blocks, their next token and the sequence cap fit."""
+        while self.swapped:
+            group = self.swapped[0]
+            if len(self.running) + len(self.prefilling) + len(group) > self.config.max_num_seqs:
+                return
+            for seq in group:
+                seq.step_base = self.step - 1  # resumes as if its last decode step was the previous one
+            if not self.policy.can_swap_in(group, self.policy.first_decode_blocks(group)):
+                return
+            self.swapped.popleft()
+            self.num_swapped_seqs -= len(group)
+            out.blocks_to_swap_in += self.policy.swap_in(group)
+            for seq in group:
+                seq.status = "running"
+                self._enter_running(seq)
+                kv_len = self.kv_len(seq)
+                if self.policy.next_event_position(seq) <= kv_len:
+                    self.policy.grow(seq, kv_len, alone=False)  # room was checked by can_swap_in
+                self._schedule_memory_event(seq)
+            out.swapped_in += group
+
+    # ---- prefill ------------------------------------------------------------------------------------------------
+    def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
+        """Continue partial prompts (chunked), then admit waiting groups FCFS while the sequence cap, the token
+        budget and memory allow: whole prompts in prefill-first mode, budget-sized chunks in chunked mode (groups of
+        n > 1 samples are prefilled whole)."""
+        chunked = self.config.scheduling == "chunked"
+        for seq in list(self.prefilling):
+            if budget <= 0:
+                break
+            budget -= self._add_chunk(out, seq, budget)
+            if seq.num_computed >= seq.prompt_len:
+                self.prefilling.remove(seq)
+                out.prefill_done.append(seq)
+                out.prefill_chunks[-1].samples = [seq]
+        if self.swapped:
+            return
+        while self.waiting and budget > 0:
+            group = self.waiting[0]
+            seqs, prompt = group.seqs, group.seqs[0].prompt_len
+            whole = not chunked or len(seqs) > 1
+            occupied = len(self.running) + len(self.prefilling) + len(out.prefill_done)
+            if occupied + len(seqs) > self.config.max_num_seqs:
+                break
+            if whole and out.prefill_chunks and prompt > budget:
+                break
+            ids = group.token_ids(seqs[0], prompt) if group.token_ids is not None else None
+            if not self.policy.admit(seqs, ids):
+                break
+            self.waiting.popleft()
+            self.num_waiting_seqs -= len(seqs)
+            parent = seqs[0]
+            parent.num_computed = parent.cached_tokens
+            out.cached_tokens_read += parent.cached_tokens
+            budget -= self._add_chunk(out, parent, prompt if whole else budget)
+            if parent.num_computed >= prompt:
+                for seq in seqs:
+                    seq.num_computed = prompt
+                    seq.status = "prefilled"
+                out.prefill_done.extend(seqs)
+                out.prefill_chunks[-1].samples = list(seqs)
+            else:
+                parent.status = "prefilling"
+                self.prefilling.append(parent)
+
+    @staticmethod
+    def _add_chunk(out: SchedulerOutput, seq: Sequence, budget: int) -> int:
+        start = seq.num_computed
+        take = min(budget, seq.prompt_len - start)
+        seq.num_computed = start + take
+        out.prefill_chunks.append(PrefillChunk(seq, start, take))
+        out.prefill_attention_pairs += take * (2 * start + take + 1) / 2
+        return take
+
+    def _start_decoding(self, seq: Sequence) -> None:
+        """Prefill done: the first token is sampled in this step; decoding starts at the next decode step."""
+        seq.kv_len_base, seq.step_base, seq.status = seq.prompt_len, self.step, "running"
+        self._enter_running(seq)
+        self._schedule_memory_event(seq)
+
+    # ---- bookkeeping --------------------------------------------------------------------------------------------
+    def _enter_running(self, seq: Sequence) -> None:
+        self.running[seq.seq_id] = seq
+        self.len_offset += seq.kv_len_base - seq.step_base
+
+    def _leave_running(self, seq: Sequence, kv_len: int, release: bool = True) -> None:
+        del self.running[seq.seq_id]
+        self.len_offset -= seq.kv_len_base - seq.step_base
+        seq.epoch += 1
+        if release:
+            self.policy.release(seq, kv_len)
+
+    def _schedule_memory_event(self, seq: Sequence) -> None:
+        """Remember the decode step at which ``seq`` reaches the KV length where it needs memory next."""
+        position = self.policy.next_event_position(seq)
+        if position <= seq.final_len:
+            step = seq.step_base + position - seq.kv_len_base
+            self.memory_calendar.setdefault(step, []).append((seq, seq.epoch))
+
+    def step_log_frame(self):
+        """The step log as a DataFrame with ``STEP_LOG_COLUMNS`` (empty when logging was off)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.step_log or [], columns=list(STEP_LOG_COLUMNS))

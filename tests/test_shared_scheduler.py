@@ -1,0 +1,103 @@
+"""One scheduler, two executors: the engine (Qwen3) and the simulator (a clock) must plan identical steps."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from lab.engine import LLMEngine, SamplingParams
+from lab.scheduler import STEP_LOG_COLUMNS
+from simulator import SimConfig, Simulator, Workload
+
+PLAN_COLUMNS = [c for c in STEP_LOG_COLUMNS if c != "duration_s"]
+
+
+def make_prompts(lengths, shared_prefix=0, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, 1024, (shared_prefix,), generator=generator).tolist()
+    return [prefix + torch.randint(0, 1024, (n - shared_prefix,), generator=generator).tolist() for n in lengths]
+
+
+def engine_and_simulator_logs(prompts, outputs, n=1, shared_prefix=0, block_size=4, num_blocks=40,
+                              num_cpu_blocks=0, **modes):
+    """Step logs of the engine (greedy, ignore_eos, output lengths given) and of the simulator configured alike."""
+    engine = LLMEngine("tiny", block_size=block_size, num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, **modes)
+    params = [SamplingParams(max_tokens=o, n=n, ignore_eos=True) for o in outputs]
+    results = engine.generate(prompts, params)
+    workload = Workload("twin", np.zeros(len(prompts)), np.array([len(p) for p in prompts]), np.array(outputs), n=n,
+                        shared_prefix_tokens=shared_prefix)
+    config = SimConfig(allocator="paged", block_size=block_size, capacity_tokens=num_blocks * block_size,
+                       num_cpu_blocks=num_cpu_blocks, max_model_len=engine.max_model_len, record_steps=True,
+                       model="qwen3-0.6b", **{"max_num_seqs": 64, "max_num_batched_tokens": 4096, **modes})
+    simulated = Simulator(workload, config).run()
+    return engine, results, engine.step_log(), simulated
+
+
+def assert_same_plan(real, simulated):
+    assert len(real) == len(simulated.steps), (len(real), len(simulated.steps))
+    mismatch = (real[PLAN_COLUMNS].to_numpy() != simulated.steps[PLAN_COLUMNS].to_numpy()).any(axis=1)
+    if mismatch.any():
+        first = int(np.argmax(mismatch))
+        raise AssertionError(f"step {first + 1} differs:\nengine    {real[PLAN_COLUMNS].iloc[first].to_dict()}\n"
+                             f"simulator {simulated.steps[PLAN_COLUMNS].iloc[first].to_dict()}")
+
+
+MODES = [dict(scheduling=s, preemption_mode=p) for s, p in itertools.product(["prefill-first", "chunked"],
+                                                                            ["recompute", "swap"])]
+
+
+@pytest.mark.parametrize("modes", MODES, ids=lambda m: f"{m['scheduling']}-{m['preemption_mode']}")
+@pytest.mark.parametrize("caching", [True, False], ids=["cache", "nocache"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_engine_and_simulator_plan_identical_steps(modes, caching, n):
+    lengths, outputs = [9, 23, 5, 17, 30, 12], [7, 12, 9, 5, 10, 8]
+    prompts = make_prompts(lengths, shared_prefix=4, seed=n)
+    num_blocks = 14 if n == 1 else 20  # small: forces preemption
+    engine, _, real, simulated = engine_and_simulator_logs(
+        prompts, outputs, n=n, shared_prefix=4, num_blocks=num_blocks, enable_prefix_caching=caching,
+        max_num_batched_tokens=24, **modes)
+    assert_same_plan(real, simulated)
+    assert real["num_preempted"].sum() + real["num_swapped_out"].sum() > 0, "the pool should force preemption"
+    if modes["preemption_mode"] == "swap":
+        assert real["num_swapped_out"].sum() > 0 and real["cpu_blocks_in_use"].max() > 0
+    if modes["scheduling"] == "chunked":
+        assert ((real["num_prefill_tokens"] > 0) & (real["num_decode_seqs"] > 0)).any()
+    assert real["blocks_in_use"].iloc[-1] == 0 and real["cpu_blocks_in_use"].iloc[-1] == 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_physical_blocks
+
+
+@settings(max_examples=int(__import__("os").environ.get("FUZZ_EXAMPLES", 25)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6), data=st.data(),
+       block_size=st.sampled_from([1, 3, 4, 16]), n=st.integers(1, 3), caching=st.booleans(),
+       scheduling=st.sampled_from(["prefill-first", "chunked"]), swap=st.booleans(), slack=st.integers(0, 20),
+       budget=st.integers(4, 64), seed=st.integers(0, 10_000))
+def test_fuzzed_workloads_plan_identically(lengths, data, block_size, n, caching, scheduling, swap, slack, budget,
+                                           seed):
+    outputs = data.draw(st.lists(st.integers(1, 12), min_size=len(lengths), max_size=len(lengths)))
+    shared = data.draw(st.integers(0, min(lengths)))
+    longest = max(p + o for p, o in zip(lengths, outputs))
+    num_blocks = -(-longest // block_size) + n + slack
+    _, results, real, simulated = engine_and_simulator_logs(
+        make_prompts(lengths, shared, seed), outputs, n=n, shared_prefix=shared, block_size=block_size,
+        num_blocks=num_blocks, enable_prefix_caching=caching, scheduling=scheduling,
+        preemption_mode="swap" if swap else "recompute", max_num_batched_tokens=budget)
+    assert_same_plan(real, simulated)
+    assert [len(o) for r in results for o in r.outputs] == [o for o in outputs for _ in range(n)]
+
+
+def test_samples_count_against_max_num_seqs():
+    """Three requests of n=4 under max_num_seqs=8: at most 8 sequences ever run (the old engine ran 12)."""
+    engine = LLMEngine("tiny", num_blocks=512, max_num_seqs=8)
+    seen = []
+    engine.on_step = lambda stats: seen.append(stats.num_running)
+    engine.generate(make_prompts([5, 6, 7]), SamplingParams(max_tokens=4, n=4, ignore_eos=True))
+    assert max(seen) == 8
+
+
+def test_requests_that_can_never_run_are_rejected_with_the_reason():
+    engine = LLMEngine("tiny", num_blocks=512, max_num_seqs=4)
+    with pytest.raises(ValueError, match="n=5 samples exceed max_num_seqs=4"):
+        engine.add_request([1, 2, 3], SamplingParams(n=5))
+    assert not engine.has_unfinished()

@@ -1,0 +1,67 @@
+"""Swapping KV blocks between a device pool and a host pool: the kernel op and its contract."""
+import numpy as np
+import pytest
+import torch
+
+import kernels
+
+
+def caches(num_blocks, dtype=torch.float32, device="cpu"):
+    shape = (num_blocks, 2, 3, 8)
+    return torch.randn(shape, dtype=dtype, device=device), torch.randn(shape, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_swapped_blocks_come_back_bit_identical(backend):
+    gpu_k, gpu_v = caches(10)
+    cpu_k, cpu_v = torch.zeros(6, 2, 3, 8), torch.zeros(6, 2, 3, 8)
+    original_k, original_v = gpu_k[[1, 4, 7]].clone(), gpu_v[[1, 4, 7]].clone()
+    kernels.swap_blocks(gpu_k, gpu_v, cpu_k, cpu_v, [(1, 5), (4, 0), (7, 2)], backend=backend)
+    gpu_k[[1, 4, 7]], gpu_v[[1, 4, 7]] = float("nan"), float("nan")  # the device blocks are reused meanwhile
+    kernels.swap_blocks(cpu_k, cpu_v, gpu_k, gpu_v, [(5, 9), (0, 3), (2, 1)], backend=backend)
+    assert torch.equal(gpu_k[[9, 3, 1]], original_k) and torch.equal(gpu_v[[9, 3, 1]], original_v)
+
+
+def test_numpy_caches_swap_too():
+    src_k, src_v = np.random.rand(4, 1, 2, 2), np.random.rand(4, 1, 2, 2)
+    dst_k, dst_v = np.zeros((3, 1, 2, 2)), np.zeros((3, 1, 2, 2))
+    kernels.swap_blocks(src_k, src_v, dst_k, dst_v, np.array([[3, 0], [1, 2]]))
+    assert np.array_equal(dst_k[0], src_k[3]) and np.array_equal(dst_v[2], src_v[1])
+
+
+@pytest.mark.parametrize("mapping,message", [
+    ([(0, 6)], "destination block outside"), ([(10, 0)], "source block outside"), ([(-1, 0)], "source block outside"),
+    ([(0, 1), (2, 1)], "destination block twice"), ([(0, 1, 2)], "pairs"), (np.array([[0.5, 1]]), "pairs"),
+])
+def test_bad_mappings_raise_and_change_nothing(mapping, message):
+    gpu_k, gpu_v = caches(10)
+    cpu_k, cpu_v = caches(6)
+    before = cpu_k.clone(), cpu_v.clone()
+    with pytest.raises(ValueError, match=message):
+        kernels.swap_blocks(gpu_k, gpu_v, cpu_k, cpu_v, mapping)
+    assert torch.equal(cpu_k, before[0]) and torch.equal(cpu_v, before[1])
+
+
+def test_mismatched_pools_are_rejected():
+    gpu_k, gpu_v = caches(4)
+    with pytest.raises(ValueError, match="differ in shape"):
+        kernels.swap_blocks(gpu_k, gpu_v, torch.zeros(4, 2, 3, 4), torch.zeros(4, 2, 3, 4), [(0, 0)])
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.swap_blocks(gpu_k, gpu_v, torch.zeros(4, 2, 3, 8, dtype=torch.float64),
+                            torch.zeros(4, 2, 3, 8, dtype=torch.float64), [(0, 0)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "cupy"])
+def test_swap_between_cuda_and_pinned_host(backend):
+    if backend not in kernels.available_backends():
+        pytest.skip(f"{backend} cannot run here")
+    gpu_k, gpu_v = caches(64, torch.bfloat16, "cuda")
+    cpu_k = torch.zeros(32, 2, 3, 8, dtype=torch.bfloat16).pin_memory()
+    cpu_v = torch.zeros_like(cpu_k).pin_memory()
+    original = gpu_k[[3, 40]].clone(), gpu_v[[3, 40]].clone()
+    kernels.swap_blocks(gpu_k, gpu_v, cpu_k, cpu_v, [(3, 0), (40, 31)], backend=backend)
+    gpu_k.zero_(), gpu_v.zero_()
+    kernels.swap_blocks(cpu_k, cpu_v, gpu_k, gpu_v, [(0, 10), (31, 11)], backend=backend)
+    torch.cuda.synchronize()
+    assert torch.equal(gpu_k[[10, 11]], original[0]) and torch.equal(gpu_v[[10, 11]], original[1])

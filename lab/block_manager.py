@@ -13,7 +13,6 @@ keyed by (parent content id, stream key, ``j``), O(1) per block (the simulator u
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -66,6 +65,82 @@ class PoolSnapshot:
     host_pool: "PoolSnapshot | None" = None  # with swap preemption: the host pool at the same moment
 
 
+class FreeBlockQueue:
+    """Unreferenced blocks, least recently released first (vLLM V1's free block queue): allocation takes the head
+    whether or not a block is still in the prefix cache, so when a block was registered never changes which block
+    is reused next. A list with a moving head, so bulk allocation and release are list slices; a cached free block
+    taken back by a prefix hit leaves a stale entry that allocation skips (only cached blocks can be taken from the
+    middle, so only their entry positions are tracked)."""
+
+    def __init__(self, num_blocks: int, ref_counts: list[int], block_keys: list):
+        self.entries = list(range(num_blocks))
+        self.head = 0  # entries[head:] are queued
+        self.base = 0  # entries dropped by compaction (positions are absolute)
+        self.num_free, self.num_stale, self.num_keyed = num_blocks, 0, 0
+        self.position = [-1] * num_blocks  # absolute entry index of each queued block that has a cache key
+        self.ref_counts, self.block_keys = ref_counts, block_keys
+
+    def __len__(self) -> int:
+        return self.num_free
+
+    def extend_unkeyed(self, blocks) -> None:
+        """Queue blocks that have no cache key (the bulk release path)."""
+        before = len(self.entries)
+        self.entries.extend(blocks)
+        self.num_free += len(self.entries) - before
+
+    def push(self, block: int) -> None:
+        if self.block_keys[block] is not None:
+            self.position[block] = self.base + len(self.entries)
+            self.num_keyed += 1
+        self.entries.append(block)
+        self.num_free += 1
+
+    def take(self, block: int) -> None:
+        """A prefix hit takes a queued cached block: its entry goes stale."""
+        self.num_free -= 1
+        self.num_stale += 1
+        self.num_keyed -= 1
+
+    def pop(self, count: int) -> list[int]:
+        """The ``count`` least recently released blocks (the caller checks there are enough)."""
+        entries, head = self.entries, self.head
+        if not self.num_stale:
+            taken = entries[head:head + count]
+            head += count
+        else:
+            taken, refs, keys, position = [], self.ref_counts, self.block_keys, self.position
+            while len(taken) < count:
+                block = entries[head]
+                if refs[block] == 0 and (keys[block] is None or position[block] == self.base + head):
+                    taken.append(block)
+                else:
+                    self.num_stale -= 1
+                head += 1
+        self.num_free -= count
+        if head > 4096 and 2 * head > len(entries):  # compact: drop the consumed prefix
+            del entries[:head]
+            self.base += head
+            head = 0
+        self.head = head
+        return taken
+
+    def pop_one(self) -> int:
+        """The least recently released block (the caller checks there is one)."""
+        if self.num_stale:
+            return self.pop(1)[0]
+        block = self.entries[self.head]
+        self.head += 1
+        self.num_free -= 1
+        return block
+
+    def queued(self) -> list[int]:
+        """The queued blocks in order, stale entries left out (O(queue); for checks and views)."""
+        refs, keys, position = self.ref_counts, self.block_keys, self.position
+        return [block for index, block in enumerate(self.entries[self.head:], self.base + self.head)
+                if refs[block] == 0 and (keys[block] is None or position[block] == index)]
+
+
 @dataclass(slots=True)
 class PrefixCacheStats:
     """Counters of prefix-cache lookups, in blocks and tokens."""
@@ -97,12 +172,9 @@ class KVBlockManager:
         self.block_size = int(block_size)
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.ref_counts = [0] * self.num_physical_blocks
-        # Unreferenced blocks, least recently released first (vLLM V1's free block queue): allocation takes the
-        # head whether or not the block is still in the prefix cache, so when a block was registered never changes
-        # which block is reused next.
-        self._free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_physical_blocks))
         self._cached_blocks: dict[tuple, int] = {}  # (parent_content_id, token_ids) -> block id
         self._block_keys: list[tuple | None] = [None] * self.num_physical_blocks
+        self._free_queue = FreeBlockQueue(self.num_physical_blocks, self.ref_counts, self._block_keys)
         self._block_content_ids: list[int] = [ROOT_CONTENT_ID] * self.num_physical_blocks
         self._next_content_id = 0
         self.sequences: dict[object, SequenceBlocks] = {}
@@ -162,12 +234,11 @@ class KVBlockManager:
             self._take_cached_block(block)
             seq.block_table.append(block)
             seq.parent_content_id = self._block_content_ids[block]
-        seq.exclusive = not hits and seq.partial_token_ids is None and not stream
+        seq.exclusive = not hits and seq.partial_token_ids is None
         seq.num_tokens = len(hits) * self.block_size
         self._record_prefix_lookup(num_tokens if token_ids is not None or stream else None, len(hits))
         self._grow(seq, num_tokens - seq.num_tokens, token_ids[seq.num_tokens:] if token_ids is not None else None)
         if stream:
-            seq.exclusive = False
             seq.stream_key, seq.stream_blocks, seq.stream_registered = stream_key, num_tokens // self.block_size, \
                 len(hits)
             if register_stream:
@@ -180,6 +251,7 @@ class KVBlockManager:
         later hits as registering it when it filled."""
         seq = self._seq(seq_id)
         if seq.stream_key is not None and seq.stream_registered < seq.stream_blocks:
+            seq.exclusive = False  # its blocks get cache keys
             self._register_stream_blocks(seq, seq.stream_key, seq.stream_registered, seq.stream_blocks)
             seq.stream_registered = seq.stream_blocks
 
@@ -201,16 +273,16 @@ class KVBlockManager:
         if seq is None:
             raise UnknownSequenceError(seq_id)
         ref_counts, free = self.ref_counts, self._free_queue
-        if seq.exclusive:  # every block has count 1: free them in bulk
-            for block in reversed(seq.block_table):
+        if seq.exclusive:  # every block has count 1 and no cache key: free them in bulk
+            for block in seq.block_table:
                 ref_counts[block] = 0
-                free[block] = None
+            free.extend_unkeyed(reversed(seq.block_table))
             return
         for block in reversed(seq.block_table):  # tail first, so a prefix's head is reused last
             count = ref_counts[block] - 1
             ref_counts[block] = count
             if count == 0:
-                free[block] = None
+                free.push(block)
 
     # ---- appending ----------------------------------------------------------------------------------------
     def num_blocks_to_append(self, seq_id, num_tokens: int = 1) -> int:
@@ -260,7 +332,13 @@ class KVBlockManager:
             self._copy_on_write(seq)
         if seq.partial_token_ids is None:  # the simulator's hot path: no tokens to hash
             if new_blocks == 1:
-                table.append(self._allocate_block())
+                free = self._free_queue
+                block = free.pop_one()
+                if free.num_keyed and self._block_keys[block] is not None:
+                    free.num_keyed -= 1
+                    self._uncache(block)
+                self.ref_counts[block] = 1
+                table.append(block)
             elif new_blocks:
                 table.extend(self._allocate_blocks(new_blocks))
             seq.num_tokens += num_tokens
@@ -380,9 +458,9 @@ class KVBlockManager:
             for block in seq.block_table:
                 uses[block] += 1
         assert uses == self.ref_counts, "ref counts differ from block-table uses"
-        free = self._free_queue
-        for block, count in enumerate(self.ref_counts):
-            assert (count == 0) == (block in free), f"block {block}: free queue vs count"
+        queued = self._free_queue.queued()
+        assert len(queued) == len(set(queued)) == self.num_free_blocks, "free queue holds a block twice"
+        assert set(queued) == {b for b, count in enumerate(self.ref_counts) if count == 0}, "free queue vs counts"
         for key, block in self._cached_blocks.items():
             assert self._block_keys[block] == key, f"cache entry of block {block} disagrees with its key"
 
@@ -527,20 +605,20 @@ class KVBlockManager:
 
     def _allocate_blocks(self, count: int) -> list[int]:
         """``count`` blocks with reference count 1, from the head of the free queue (evicting cached ones)."""
-        pop, keys, ref_counts = self._free_queue.popitem, self._block_keys, self.ref_counts
-        taken = [pop(False)[0] for _ in range(count)]
+        free, ref_counts = self._free_queue, self.ref_counts
+        taken = free.pop(count)
+        if free.num_keyed:
+            keys = self._block_keys
+            for block in taken:
+                if keys[block] is not None:
+                    free.num_keyed -= 1
+                    self._uncache(block)
         for block in taken:
-            if keys[block] is not None:
-                self._uncache(block)
             ref_counts[block] = 1
         return taken
 
     def _allocate_block(self) -> int:
-        block = self._free_queue.popitem(last=False)[0]
-        if self._block_keys[block] is not None:
-            self._uncache(block)
-        self.ref_counts[block] = 1
-        return block
+        return self._allocate_blocks(1)[0]
 
     def _uncache(self, block: int) -> None:
         del self._cached_blocks[self._block_keys[block]]
@@ -549,7 +627,7 @@ class KVBlockManager:
 
     def _take_cached_block(self, block: int) -> None:
         if self.ref_counts[block] == 0:
-            del self._free_queue[block]
+            self._free_queue.take(block)
         self.ref_counts[block] += 1
 
     def _cow_needed(self, seq: SequenceBlocks) -> int:

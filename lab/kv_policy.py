@@ -7,7 +7,7 @@ tokens when it needs a block (an event), when it is released or swapped, or ever
 from __future__ import annotations
 
 from .block_manager import KVBlockManager
-from .scheduler import NO_EVENT, Sequence
+from .scheduler import GROW_FAILED, NO_EVENT, Sequence
 
 
 class PagedPolicy:
@@ -66,16 +66,17 @@ class PagedPolicy:
         allocated = len(table) * self.block_size
         return allocated + 1 if allocated < seq.final_len else NO_EVENT
 
-    def grow(self, seq: Sequence, kv_len: int, alone: bool) -> bool:
-        """Give ``seq`` the blocks for ``kv_len`` tokens; False (nothing changed) when too few are free. A lone
-        sequence always fits (``can_ever_fit``), so ``alone`` needs nothing special here."""
+    def grow(self, seq: Sequence, kv_len: int, alone: bool) -> int:
+        """Give ``seq`` the blocks for ``kv_len`` tokens and return its next event position; ``GROW_FAILED``
+        (nothing changed) when too few blocks are free. A lone sequence always fits (``can_ever_fit``), so ``alone``
+        needs nothing special here."""
         manager, size, synced = self.manager, self.block_size, seq.synced_len
         table = manager.sequences[seq.seq_id].block_table
         needed = -(-kv_len // size) - len(table)
         if synced % size and manager.ref_counts[table[-1]] > 1:
             needed += 1  # copy-on-write of the shared partial block
-        if needed > len(manager._free_queue):
-            return False
+        if needed > manager.num_free_blocks:
+            return GROW_FAILED
         if kv_len > synced:
             if seq.shared_block >= 0:
                 self._leave_shared_partial(seq)
@@ -86,9 +87,12 @@ class PagedPolicy:
             table = manager.sequences[seq.seq_id].block_table  # copy-on-write may have replaced nothing but a slot
             self.table_blocks += len(table) - before
             seq.synced_len = kv_len
-        if not seq.final_block_counted and len(table) * size >= seq.final_len:
-            self._count_final_block(seq)
-        return True
+        allocated = len(table) * size
+        if allocated >= seq.final_len:
+            if not seq.final_block_counted:
+                self._count_final_block(seq)
+            return NO_EVENT
+        return allocated + 1
 
     def sync(self, seq: Sequence, kv_len: int) -> None:
         """Tell the manager about ``seq``'s tokens up to ``kv_len`` (the blocks were reserved by an event)."""

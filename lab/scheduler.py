@@ -22,6 +22,7 @@ from typing import Protocol
 SCHEDULING_MODES = ("prefill-first", "chunked")
 PREEMPTION_MODES = ("recompute", "swap")
 NO_EVENT = 1 << 62  # a KV length no sequence reaches: "needs no more memory"
+GROW_FAILED = -1  # KVPolicy.grow: not enough free memory, nothing changed
 STEP_LOG_COLUMNS = ("step", "num_prefill_tokens", "num_decode_seqs", "num_running", "num_waiting", "num_swapped",
                     "blocks_in_use", "cpu_blocks_in_use", "num_preempted", "num_swapped_out", "num_swapped_in",
                     "num_finished", "duration_s")
@@ -108,34 +109,35 @@ class PrefillChunk:
     samples: list = field(default_factory=list)
 
 
-@dataclass(slots=True)
+NOTHING: tuple = ()  # an empty list field of a SchedulerOutput (a list is made when something is added)
+
+
 class SchedulerOutput:
     """One step's plan. ``decode_seqs`` is materialised only in ``sync_every_step`` mode (the engine); the simulator
-    reads ``num_decode_seqs``. Copies run in the order swap-out, swap-in, copy-on-write, before the model."""
+    reads ``num_decode_seqs``. Copies run in the order swap-out, swap-in, copy-on-write, before the model.
 
-    step: int
-    prefill_chunks: list[PrefillChunk] = field(default_factory=list)
-    prefill_done: list[Sequence] = field(default_factory=list)  # prompt fully computed: sample their first token
-    num_decode_seqs: int = 0
-    decode_seqs: list[Sequence] | None = None
-    decode_kv_tokens: int = 0  # KV tokens the decode tokens attend to (cost model)
-    prefill_attention_pairs: float = 0.0  # causal (query, key) pairs of the prefill chunks (cost model)
-    cached_tokens_read: int = 0  # prefix-cache hits read by this step's prefills (cost model)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) on the GPU
-    preempted: list[Sequence] = field(default_factory=list)  # recomputed later
-    swapped_out: list[Sequence] = field(default_factory=list)
-    swapped_in: list[Sequence] = field(default_factory=list)
-    finished: list[Sequence] = field(default_factory=list)  # filled by ``finish()``
+    ``prefill_chunks`` (``PrefillChunk``), ``prefill_done`` (prompt fully computed: they sample their first token),
+    ``blocks_to_swap_out`` ((gpu block, cpu block)), ``blocks_to_swap_in`` ((cpu block, gpu block)),
+    ``blocks_to_copy`` (copy-on-write (src, dst) on the GPU), ``preempted`` (recomputed later), ``swapped_out``,
+    ``swapped_in`` and ``finished`` (filled by ``Scheduler.finish``) are sequences: empty ones are a shared empty
+    tuple, since most steps have none (a plain class, not a dataclass, because it is made every step)."""
 
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(chunk.num_tokens for chunk in self.prefill_chunks)
+    __slots__ = ("step", "num_prefill_tokens", "num_decode_seqs", "decode_seqs", "decode_kv_tokens",
+                 "prefill_attention_pairs", "cached_tokens_read", "prefill_chunks", "prefill_done",
+                 "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "preempted", "swapped_out",
+                 "swapped_in", "finished")
+
+    def __init__(self, step: int):
+        self.step = step
+        self.num_prefill_tokens = self.num_decode_seqs = self.decode_kv_tokens = self.cached_tokens_read = 0
+        self.prefill_attention_pairs = 0.0
+        self.decode_seqs: list[Sequence] | None = None
+        self.prefill_chunks = self.prefill_done = self.blocks_to_swap_out = self.blocks_to_swap_in = NOTHING
+        self.blocks_to_copy = self.preempted = self.swapped_out = self.swapped_in = self.finished = NOTHING
 
     @property
     def is_empty(self) -> bool:
-        return not (self.prefill_chunks or self.num_decode_seqs or self.prefill_done)
+        return not (self.num_prefill_tokens or self.num_decode_seqs or self.prefill_done)
 
 
 @dataclass(slots=True)
@@ -172,7 +174,7 @@ class KVPolicy(Protocol):
     def can_ever_fit(self, final_len: int) -> bool: ...
     def admit(self, seqs: list[Sequence], token_ids: list[int] | None) -> bool: ...
     def next_event_position(self, seq: Sequence) -> int: ...
-    def grow(self, seq: Sequence, kv_len: int, alone: bool) -> bool: ...
+    def grow(self, seq: Sequence, kv_len: int, alone: bool) -> int: ...
     def sync(self, seq: Sequence, kv_len: int) -> None: ...
     def release(self, seq: Sequence, kv_len: int) -> None: ...
     def preempt(self, seq: Sequence, kv_len: int) -> None: ...
@@ -247,15 +249,19 @@ class Scheduler:
         out = self._output = SchedulerOutput(self.num_steps + 1)
         if self.config.scheduling == "chunked":
             self._schedule_decode(out)
-            self._schedule_prefills(out, self.config.max_num_batched_tokens - out.num_decode_seqs)
+            if self.waiting or self.prefilling:
+                self._schedule_prefills(out, self.config.max_num_batched_tokens - out.num_decode_seqs)
         else:
-            if not self.swapped:
+            if self.waiting and not self.swapped:
                 self._schedule_prefills(out, self.config.max_num_batched_tokens)
             if not out.prefill_chunks:
                 self._schedule_decode(out)
-        out.blocks_to_copy = self.policy.take_copies()
-        for seq in out.prefill_done:
-            self._start_decoding(seq)
+        copies = self.policy.take_copies()
+        if copies:
+            out.blocks_to_copy = copies
+        if out.prefill_done:
+            for seq in out.prefill_done:
+                self._start_decoding(seq)
         return out
 
     def finish(self, seq: Sequence) -> None:
@@ -264,8 +270,11 @@ class Scheduler:
             raise SchedulerError(f"sequence {seq.seq_id!r} is not running")
         self._leave_running(seq, self.kv_len(seq))
         seq.status = "finished"
-        if self._output is not None:
-            self._output.finished.append(seq)
+        out = self._output
+        if out is not None:
+            if out.finished is NOTHING:
+                out.finished = []
+            out.finished.append(seq)
 
     def end_step(self, duration_s: float, elapsed_s: float = 0.0, generated_tokens: int = 0,
                  peak_memory_bytes: int = 0, want_stats: bool = True) -> StepStats | None:
@@ -315,24 +324,38 @@ class Scheduler:
         events = self.memory_calendar.pop(step, None)
         if not events:
             return
-        running, policy = self.running, self.policy
+        running, grow, calendar = self.running, self.policy.grow, self.memory_calendar
         for seq, epoch in events:
             if seq.epoch != epoch or running.get(seq.seq_id) is not seq:
                 continue
             kv_len = seq.kv_len_base + step - seq.step_base
-            while not policy.grow(seq, kv_len, alone=False):
-                if len(running) == 1 and not self.prefilling:  # alone: preempting itself could never help
-                    policy.grow(seq, kv_len, alone=True)
-                    break
-                victim = running[next(reversed(running))]
-                self._preempt(victim, out)
-                if victim is seq or running.get(seq.seq_id) is not seq:
-                    break
-            else:
-                self._schedule_memory_event(seq)
-                continue
-            if running.get(seq.seq_id) is seq:
-                self._schedule_memory_event(seq)
+            position = grow(seq, kv_len, False)
+            if position == GROW_FAILED:
+                position = self._make_room(seq, kv_len, out)
+                if position == GROW_FAILED:
+                    continue  # seq itself was preempted
+            if position <= seq.final_len:  # the common case inline: schedule the next event
+                at = step + position - kv_len
+                later = calendar.get(at)
+                if later is None:
+                    calendar[at] = [(seq, epoch)]
+                else:
+                    later.append((seq, epoch))
+
+    def _make_room(self, seq: Sequence, kv_len: int, out: SchedulerOutput) -> int:
+        """Preempt the newest sequences until ``seq`` can grow to ``kv_len``; returns its next event position, or
+        ``GROW_FAILED`` when ``seq`` itself was preempted."""
+        running = self.running
+        while True:
+            if len(running) == 1 and not self.prefilling:  # alone: preempting itself could never help
+                return self.policy.grow(seq, kv_len, True)
+            victim = running[next(reversed(running))]
+            self._preempt(victim, out)
+            if running.get(seq.seq_id) is not seq:
+                return GROW_FAILED
+            position = self.policy.grow(seq, kv_len, False)
+            if position != GROW_FAILED:
+                return position
 
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
         """Free the victim's GPU memory: swap its whole group's running sequences to the host pool, or (recompute,
@@ -345,8 +368,8 @@ class Scheduler:
                 for seq, kv_len in zip(group, kv_lens):
                     self._leave_running(seq, kv_len, release=False)
                     seq.kv_len_base, seq.status = kv_len, "swapped"
-                out.blocks_to_swap_out += self.policy.swap_out(group, kv_lens)
-                out.swapped_out += group
+                out.blocks_to_swap_out = [*out.blocks_to_swap_out, *self.policy.swap_out(group, kv_lens)]
+                out.swapped_out = [*out.swapped_out, *group]
                 self.swapped.append(group)
                 self.num_swapped_seqs += len(group)
                 self.num_swaps_out += 1
@@ -355,7 +378,7 @@ class Scheduler:
         self._leave_running(victim, kv_len, release=False)
         self.policy.preempt(victim, kv_len)
         victim.prompt_len, victim.num_computed, victim.status = kv_len + 1, 0, "waiting"
-        out.preempted.append(victim)
+        out.preempted = [*out.preempted, victim]
         self.waiting.appendleft(SequenceGroup(victim.group.request_id, [victim], victim.group.token_ids,
                                               victim.group.data, victim.group.stream_key))
         self.num_waiting_seqs += 1
@@ -372,15 +395,15 @@ class Scheduler:
                 return
             self.swapped.popleft()
             self.num_swapped_seqs -= len(group)
-            out.blocks_to_swap_in += self.policy.swap_in(group)
+            out.blocks_to_swap_in = [*out.blocks_to_swap_in, *self.policy.swap_in(group)]
             for seq in group:
                 seq.status = "running"
                 self._enter_running(seq)
                 kv_len = self.kv_len(seq)
                 if self.policy.next_event_position(seq) <= kv_len:
-                    self.policy.grow(seq, kv_len, alone=False)  # room was checked by can_swap_in
+                    self.policy.grow(seq, kv_len, False)  # room was checked by can_swap_in
                 self._schedule_memory_event(seq)
-            out.swapped_in += group
+            out.swapped_in = [*out.swapped_in, *group]
 
     # ---- prefill ------------------------------------------------------------------------------------------------
     def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
@@ -388,6 +411,7 @@ class Scheduler:
         budget and memory allow: whole prompts in prefill-first mode, budget-sized chunks in chunked mode (groups of
         n > 1 samples are prefilled whole)."""
         chunked = self.config.scheduling == "chunked"
+        out.prefill_chunks, out.prefill_done = [], []
         for seq in list(self.prefilling):
             if budget <= 0:
                 break
@@ -432,6 +456,7 @@ class Scheduler:
         take = min(budget, seq.prompt_len - start)
         seq.num_computed = start + take
         out.prefill_chunks.append(PrefillChunk(seq, start, take))
+        out.num_prefill_tokens += take
         out.prefill_attention_pairs += take * (2 * start + take + 1) / 2
         return take
 
@@ -458,7 +483,11 @@ class Scheduler:
         position = self.policy.next_event_position(seq)
         if position <= seq.final_len:
             step = seq.step_base + position - seq.kv_len_base
-            self.memory_calendar.setdefault(step, []).append((seq, seq.epoch))
+            events = self.memory_calendar.get(step)
+            if events is None:
+                self.memory_calendar[step] = [(seq, seq.epoch)]
+            else:
+                events.append((seq, seq.epoch))
 
     def step_log_frame(self):
         """The step log as a DataFrame with ``STEP_LOG_COLUMNS`` (empty when logging was off)."""

@@ -11,7 +11,7 @@ import bisect
 from dataclasses import dataclass
 
 from lab.kv_policy import PagedPolicy  # noqa: F401  (re-exported: the simulator's policies in one place)
-from lab.scheduler import NO_EVENT
+from lab.scheduler import GROW_FAILED, NO_EVENT
 
 CONTIGUOUS_KINDS = ("contiguous-max", "contiguous-pow2", "contiguous-oracle", "contiguous-grow")
 ALLOCATORS = (*CONTIGUOUS_KINDS, "paged")
@@ -202,9 +202,9 @@ class ContiguousPolicy:
             return NO_EVENT
         return seq.region[1] + 1
 
-    def grow(self, seq, kv_len: int, alone: bool = False) -> bool:
-        """Grow by copying into a region twice as large (capped by the largest region the space can hold). Returns
-        False (nothing changed) when none is free. ``alone``: no other sequence holds memory, so the old region is
+    def grow(self, seq, kv_len: int, alone: bool = False) -> int:
+        """Grow by copying into a region twice as large (capped by the largest region the space can hold); returns
+        the next event position, or ``GROW_FAILED`` (nothing changed) when no such region is free. ``alone``: no other sequence holds memory, so the old region is
         released first (as a swap out and back in would) and the growth cannot fail."""
         new_size = min(2 * seq.region[1], max(self.max_model_len, seq.final_len), self.space.max_region())
         if alone:
@@ -214,12 +214,12 @@ class ContiguousPolicy:
         else:
             region = self.space.allocate(new_size)
             if region is None:
-                return False
+                return GROW_FAILED
             self._free(seq)
         seq.region = region
         self._account(seq, +1)
         self.copied_tokens += kv_len - 1
-        return True
+        return self.next_event_position(seq)
 
     def sync(self, seq, kv_len: int) -> None:
         """Nothing to tell: a region holds whatever the sequence writes into it."""

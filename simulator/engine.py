@@ -155,6 +155,7 @@ class Simulator:
         self.workload, self.config = workload, config
         self.capacity_tokens, self.cost = resolve_capacity(config)
         self.policy = build_policy(config, self.capacity_tokens)
+        self.policy_is_paged = isinstance(self.policy, PagedPolicy)
         self.scheduler = Scheduler(scheduler_config(config), self.policy)
         if config.record_steps:
             self.scheduler.step_log = []
@@ -176,9 +177,6 @@ class Simulator:
         self.metrics = MetricsRecorder(self.policy.capacity, config.max_points)
         self.stopped = False
 
-    @property
-    def policy_is_paged(self) -> bool:
-        return isinstance(self.policy, PagedPolicy)
 
     # the scheduler's queues, for metrics and views
     @property
@@ -262,13 +260,18 @@ class Simulator:
         duration = self.cost.iteration_time(out.num_prefill_tokens + out.num_decode_seqs,
                                             out.prefill_attention_pairs + out.decode_kv_tokens,
                                             out.cached_tokens_read + out.decode_kv_tokens)
-        duration += self._pending_copy_time() + self._swap_time(out)
+        if not self.policy_is_paged:
+            duration += self._pending_copy_time()
+        elif out.blocks_to_swap_out or out.blocks_to_swap_in:
+            duration += self._swap_time(out)
         end = self.time + duration
         self.generated_tokens += out.num_decode_seqs + len(out.prefill_done)
-        for seq in out.prefill_done:
-            self._start_decoding(seq, end)
-        for seq in out.swapped_in:
-            self._schedule_done(seq)
+        if out.prefill_done:
+            for seq in out.prefill_done:
+                self._start_decoding(seq, end)
+        if out.swapped_in:
+            for seq in out.swapped_in:
+                self._schedule_done(seq)
         self.metrics.accumulate(self, duration)
         self.time = end
         if scheduler.step != step_before:
@@ -303,8 +306,6 @@ class Simulator:
             self.num_finished += 1
 
     def _pending_copy_time(self) -> float:
-        if self.policy_is_paged:
-            return 0.0
         copied = self.policy.copied_tokens
         new = copied - self.copied_tokens
         self.copied_tokens = copied

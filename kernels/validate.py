@@ -127,16 +127,21 @@ def check_used_blocks(block_tables: np.ndarray, seq_lens: np.ndarray, block_size
                          f"{num_blocks} blocks")
 
 
-def check_block_mapping(block_mapping, num_blocks: int) -> np.ndarray:
-    """Return the ``[n, 2]`` (src, dst) mapping as int64 NumPy after checking its shape and block ids. Pairs take
-    effect in order (a pair may read what an earlier one wrote), in every backend."""
+def as_block_pairs(block_mapping) -> np.ndarray:
+    """``(src, dst)`` integer pairs (a list, an array or a tensor) as int64 NumPy ``[n, 2]``."""
     raw = to_numpy(block_mapping)
     if raw.size == 0:
         return np.zeros((0, 2), np.int64)
     if raw.dtype.kind not in "iu" or raw.ndim > 2 or raw.shape[-1] != 2 or (raw.ndim == 1 and raw.size != 2):
         raise ValueError(f"block_mapping must be (src, dst) integer pairs, got dtype {raw.dtype} shape {raw.shape}")
-    mapping = raw.astype(np.int64).reshape(-1, 2)
-    if mapping.min() < 0 or mapping.max() >= num_blocks:
+    return raw.astype(np.int64).reshape(-1, 2)
+
+
+def check_block_mapping(block_mapping, num_blocks: int) -> np.ndarray:
+    """Return the ``[n, 2]`` (src, dst) mapping as int64 NumPy after checking its shape and block ids. Pairs take
+    effect in order (a pair may read what an earlier one wrote), in every backend."""
+    mapping = as_block_pairs(block_mapping)
+    if mapping.size and (mapping.min() < 0 or mapping.max() >= num_blocks):
         raise ValueError(f"block_mapping refers to a block outside the cache's {num_blocks} blocks")
     return mapping
 
@@ -150,12 +155,9 @@ def check_swap_args(src_key_cache, src_value_cache, dst_key_cache, dst_value_cac
         raise ValueError(f"source blocks {src_shape[1:]} and destination blocks {dst_shape[1:]} differ in shape")
     if src_key_cache.dtype != dst_key_cache.dtype:
         raise ValueError(f"source dtype {src_key_cache.dtype} differs from destination dtype {dst_key_cache.dtype}")
-    raw = to_numpy(block_mapping)
-    if raw.size == 0:
-        return np.zeros((0, 2), np.int64)
-    if raw.dtype.kind not in "iu" or raw.ndim > 2 or raw.shape[-1] != 2 or (raw.ndim == 1 and raw.size != 2):
-        raise ValueError(f"block_mapping must be (src, dst) integer pairs, got dtype {raw.dtype} shape {raw.shape}")
-    mapping = raw.astype(np.int64).reshape(-1, 2)
+    mapping = as_block_pairs(block_mapping)
+    if not mapping.size:
+        return mapping
     for column, name, count in ((0, "source", src_shape[0]), (1, "destination", dst_shape[0])):
         values = mapping[:, column]
         if values.min() < 0 or values.max() >= count:

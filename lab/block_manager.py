@@ -13,6 +13,7 @@ keyed by (parent content id, stream key, ``j``), O(1) per block (the simulator u
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -30,6 +31,10 @@ class OutOfBlocksError(BlockManagerError, RuntimeError):
 
 class UnknownSequenceError(BlockManagerError, KeyError):
     """Raised for a sequence id the manager does not hold."""
+
+
+class InvalidTokenError(BlockManagerError, ValueError):
+    """A token id or count is not an integer; the manager is left unchanged."""
 
 
 class DuplicateSequenceError(BlockManagerError, ValueError):
@@ -301,6 +306,8 @@ class KVBlockManager:
         (copy-on-write: the copy ``(src, dst)`` is queued in ``pending_copies`` for the cache to execute).
         """
         seq = self._seq(seq_id)
+        if token_id is not None:
+            token_id = _token(token_id, "token_id")  # checked before anything changes
         offset = seq.num_tokens % self.block_size
         if offset == 0:
             self._check_free(1, seq_id)
@@ -316,6 +323,10 @@ class KVBlockManager:
 
     def append_tokens(self, seq_id, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
         """Append ``num_tokens`` tokens at once, O(blocks); same effect as that many ``append_token`` calls."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise InvalidTokenError(f"num_tokens must be an integer, got {num_tokens!r}")
+        if token_ids is not None:
+            token_ids = [_token(t, "token_ids") for t in token_ids]
         if token_ids is not None and len(token_ids) != num_tokens:
             raise ValueError(f"token_ids has {len(token_ids)} ids, num_tokens is {num_tokens}")
         if num_tokens < 0:
@@ -481,7 +492,9 @@ class KVBlockManager:
 
     def _prompt_args(self, prompt_token_ids, num_prompt_tokens) -> tuple[int, list[int] | None]:
         if prompt_token_ids is not None:
-            token_ids = [int(t) for t in prompt_token_ids]
+            token_ids = list(prompt_token_ids)
+            if not all(type(t) is int for t in token_ids):
+                token_ids = [_token(t, "prompt_token_ids") for t in token_ids]
             if num_prompt_tokens is not None and num_prompt_tokens != len(token_ids):
                 raise ValueError(f"num_prompt_tokens={num_prompt_tokens} but {len(token_ids)} prompt_token_ids")
             return len(token_ids), token_ids
@@ -640,3 +653,12 @@ class KVBlockManager:
         seq.block_table[-1] = dst
         self.pending_copies.append((src, dst))
         self.num_cow_copies += 1
+
+
+def _token(value, name: str) -> int:
+    """A token id as a plain int, or ``InvalidTokenError`` naming the argument."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidTokenError(f"{name} must hold integer token ids, got {value!r}")
+    return int(value)

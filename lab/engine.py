@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
+import numbers
 import resource
 import time
 from dataclasses import dataclass, field
@@ -37,12 +39,31 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def check(self) -> None:
-        """Raise ``ValueError`` naming the first field out of range."""
-        checks = [("max_tokens", self.max_tokens >= 1), ("temperature", self.temperature >= 0),
-                  ("top_k", self.top_k >= 0), ("top_p", 0 < self.top_p <= 1), ("n", self.n >= 1)]
-        for name, ok in checks:
-            if not ok:
-                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is out of range")
+        """Raise ``SamplingParamsError`` (a ``ValueError``) naming the first field of a wrong type or out of range."""
+        integers = (("max_tokens", 1), ("top_k", 0), ("n", 1))
+        for name, low in integers:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+                raise SamplingParamsError(f"SamplingParams.{name}={value!r}: expected an integer >= {low}")
+        for name, low, high, low_open in (("temperature", 0.0, math.inf, False), ("top_p", 0.0, 1.0, True)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+                    or value > high or value < low or (low_open and value == low):
+                allowed = "a finite number >= 0" if name == "temperature" else "a number in (0, 1]"
+                raise SamplingParamsError(f"SamplingParams.{name}={value!r}: expected {allowed}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
+                                      or not 0 <= self.seed < 2**63):
+            raise SamplingParamsError(f"SamplingParams.seed={self.seed!r}: expected None or an integer in [0, 2**63)")
+        stops = self.stop_token_ids
+        if not isinstance(stops, (tuple, list)) or any(isinstance(t, bool) or not isinstance(t, numbers.Integral)
+                                                       for t in stops):
+            raise SamplingParamsError(f"SamplingParams.stop_token_ids={stops!r}: expected a tuple of token ids")
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingParamsError(f"SamplingParams.ignore_eos={self.ignore_eos!r}: expected True or False")
+
+
+class SamplingParamsError(ValueError):
+    """A ``SamplingParams`` field has a wrong type or value; nothing was queued."""
 
 
 @dataclass(slots=True)

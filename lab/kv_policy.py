@@ -23,6 +23,7 @@ class PagedPolicy:
         self.capacity = num_blocks * block_size
         self.table_blocks = 0  # sum of GPU block-table lengths (shared blocks counted once per holder)
         self.never_filled = 0
+        self.copied_tokens = 0  # KV tokens moved by growing a region (contiguous policies); paging never copies
         # Forks share a partly filled last block until they append: block -> holders, and the slots that counting
         # those extra holders as full blocks over-subtracts from the token states.
         self.shared_partial_holders: dict[int, int] = {}

@@ -17,6 +17,7 @@ from kernels.torch_backend import gather_kv
 PRESETS = {
     # name: (layers, hidden, q heads, kv heads, head_dim, intermediate, vocab, tied)
     "tiny": (4, 128, 4, 2, 32, 256, 1024, True),
+    "tiny-hd64": (2, 256, 4, 2, 64, 512, 1024, True),  # the smallest shape the CuPy attention kernel takes
     "qwen3-0.6b-random": (28, 1024, 16, 8, 128, 3072, 151936, True),
     "qwen3-1.7b-random": (28, 2048, 16, 8, 128, 6144, 151936, True),
     "qwen3-4b-random": (36, 2560, 32, 8, 128, 9728, 151936, True),
@@ -40,7 +41,7 @@ def preset_config(name: str):
                        max_position_embeddings=40960, rope_theta=1e6, rope_parameters={"rope_type": "default",
                                                                                         "rope_theta": 1e6},
                        tie_word_embeddings=tied, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-                       initializer_range=0.02 if name != "tiny" else 0.25)
+                       initializer_range=0.02 if not name.startswith("tiny") else 0.25)
 
 
 def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
@@ -57,8 +58,15 @@ def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, seed: in
     if not path.is_dir():
         raise CheckpointError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local directory")
     _check_checkpoint(path)
-    hf = Qwen3ForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
-    return hf.eval(), _load_tokenizer(path)
+    try:
+        hf = Qwen3ForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+    except Exception as exc:  # corrupt or truncated weights surface as many library-specific types
+        raise CheckpointError(f"{path}: the weights could not be loaded ({type(exc).__name__}: {exc})") from exc
+    try:
+        tokenizer = _load_tokenizer(path)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: the tokenizer could not be loaded ({type(exc).__name__}: {exc})") from exc
+    return hf.eval(), tokenizer
 
 
 def _check_checkpoint(path: Path) -> None:
@@ -69,8 +77,10 @@ def _check_checkpoint(path: Path) -> None:
         raise CheckpointError(f"{path}: no config.json (expected a Hugging Face Qwen3 checkpoint directory)")
     try:
         config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{config_file}: not valid JSON ({exc.msg})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{config_file}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
     if config.get("model_type") != "qwen3":
         raise CheckpointError(f"{config_file}: model_type is {config.get('model_type')!r}, expected 'qwen3'")
     if not list(path.glob("*.safetensors")) and not list(path.glob("*.bin")):

@@ -170,6 +170,7 @@ class KVPolicy(Protocol):
 
     capacity: int  # token slots
     supports_swap: bool
+    copied_tokens: int  # KV tokens copied within the device so far (grow-by-copy)
 
     def can_ever_fit(self, final_len: int) -> bool: ...
     def admit(self, seqs: list[Sequence], token_ids: list[int] | None) -> bool: ...

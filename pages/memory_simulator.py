@@ -107,6 +107,9 @@ summary: pd.DataFrame = st.session_state["sim_summary"]
 series: dict = st.session_state["sim_series"]
 st.caption("Workload: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                     for k, v in st.session_state["sim_workload"].items()))
+for row in summary[summary["num_requests_rejected"] > 0].itertuples():
+    st.warning(f"{row.allocator} (B={row.block_size}): {row.num_requests_rejected} of {row.num_requests} requests "
+               f"were rejected ({row.rejection_reasons}): they can never run in this configuration.")
 chart(charts.waste_bars(summary), "waste_bars")
 tabs = st.tabs(list(series))
 for tab, (label, frame) in zip(tabs, series.items()):

@@ -7,8 +7,9 @@ out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu_info.csv"
-# All `gpu` tests (kernel numerics and contracts vs the float64 reference, HF parity on CUDA), then the CPU-side
-# launcher and compiled-code checks, which run here as well.
+# All `gpu` tests (kernel numerics and contracts vs the float64 reference; HF parity on CUDA, plain, chunked
+# prefill and swap preemption; swap_blocks device <-> pinned host), then the CPU-side launcher and compiled-code
+# checks, which run here as well.
 timeout 150 python -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tail -n 40 | tee "$out/gpu_tests.log"
 timeout 60 python -m pytest -q -p no:cacheprovider tests/test_cupy_launcher.py 2>&1 | tail -n 5 | tee -a "$out/gpu_tests.log"
 timeout 120 python -m lab bench kernels --device cuda --dtype bfloat16 --backends torch,cupy \

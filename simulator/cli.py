@@ -18,7 +18,7 @@ from .workloads import SYNTHETIC_PRESETS, SyntheticSpec, load_trace, synthetic_w
 
 SUMMARY_COLUMNS = ["allocator", "block_size", "token_states_frac", "reserved_frac", "internal_frag_frac",
                    "external_frag_frac", "free_frac", "mean_batch_size", "throughput_tok_s", "preemptions",
-                   "num_requests_completed", "wall_time_s"]
+                   "num_requests_completed", "num_requests_rejected", "wall_time_s"]
 
 
 def _csv_list(kind):
@@ -122,4 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     columns = SUMMARY_COLUMNS + [c for c in ("paper_token_states_frac",) if c in summary]
     print_and_save(summary, args.out, columns)
     save_csv(timeseries, args.timeseries)
+    for row in summary.itertuples():
+        if row.num_requests_rejected:
+            print(f"warning: {row.allocator}: {row.num_requests_rejected} of {row.num_requests} requests were "
+                  f"rejected ({row.rejection_reasons}): they can never run in this configuration", file=sys.stderr)
+    if (summary["num_requests_completed"] == 0).all():
+        print("error: no request completed in any configuration (see the rejections above)", file=sys.stderr)
+        return 1
     return 0

@@ -260,9 +260,9 @@ class Simulator:
         duration = self.cost.iteration_time(out.num_prefill_tokens + out.num_decode_seqs,
                                             out.prefill_attention_pairs + out.decode_kv_tokens,
                                             out.cached_tokens_read + out.decode_kv_tokens)
-        if not self.policy_is_paged:
+        if self.policy.copied_tokens != self.copied_tokens:
             duration += self._pending_copy_time()
-        elif out.blocks_to_swap_out or out.blocks_to_swap_in:
+        if out.blocks_to_swap_out or out.blocks_to_swap_in:
             duration += self._swap_time(out)
         end = self.time + duration
         self.generated_tokens += out.num_decode_seqs + len(out.prefill_done)

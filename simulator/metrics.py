@@ -72,6 +72,8 @@ class MetricsRecorder:
         """Time-weighted mean fraction of capacity of each category, mean and peak batch size."""
         total = self.total_time or 1.0
         out = {SUMMARY_FRACTIONS[name]: self.weighted[i] / total / self.capacity for i, name in enumerate(CATEGORIES)}
+        if self.total_time == 0:  # nothing ever ran (e.g. every request rejected): the pool stayed free
+            out["free_frac"] = 1.0
         out.update(mean_batch_size=self.batch_time / total, peak_batch_size=self.peak_batch,
                    peak_allocated_frac=self.peak_allocated / self.capacity)
         return out

@@ -82,6 +82,13 @@ def test_memory_simulator_impossible_pool_shows_error():
     assert not app.exception and any("holds no block" in e.value for e in app.error)
 
 
+def test_memory_simulator_warns_about_rejected_requests():
+    app = open_page("memory_simulator")
+    app.number_input[1].set_value(64).run()  # 64 token slots: most ShareGPT requests can never fit
+    assert not app.exception and not app.error
+    assert any("were rejected (capacity=" in w.value for w in app.warning)
+
+
 def test_kernel_lab_block_size_changes_results(downloads):
     app = open_page("kernel_lab")
     clean(app)
@@ -127,6 +134,21 @@ def test_block_pool_frames_and_controls():
     app.radio[0].set_value("runtime engine")
     app.button(key="run").click().run()
     clean(app)
+
+
+@pytest.mark.parametrize("source", ["simulator (paged)", "runtime engine"])
+def test_block_pool_shows_the_host_pool_when_swapping(source):
+    app = open_page("block_pool")
+    app.radio[0].set_value(source)
+    app.slider(key="num_blocks").set_value(16)  # small: forces swapping
+    app.slider[1].set_value(40)  # requests
+    app.radio[1].set_value("swap")
+    app.button(key="run").click().run()
+    clean(app)
+    frames = app.session_state["pool_frames"]
+    assert all(pool.host_pool is not None for _, pool in frames)
+    assert any(len(pool.host_pool.ref_counts) > pool.host_pool.num_free_blocks for _, pool in frames)
+    assert any("Host pool" in caption.value for caption in app.caption)
 
 
 def test_benchmarks_page_lists_results_and_rejects_bad_csv(downloads):

@@ -328,3 +328,24 @@ def test_move_sequences_keeps_sharing_and_changes_nothing_on_error():
     for manager in (gpu, cpu, other):
         manager.check_invariants()
     assert cpu.num_free_blocks == 5
+
+
+def test_bad_token_ids_change_nothing():
+    from lab.block_manager import InvalidTokenError
+
+    m = KVBlockManager(8, 2, enable_prefix_caching=True)
+    m.create_sequence("a", [1, 2, 3])
+    before = snapshot(m)
+    with pytest.raises(InvalidTokenError, match="token_id"):
+        m.append_token("a", "x")
+    with pytest.raises(InvalidTokenError, match="token_ids"):
+        m.append_tokens("a", 2, [4, 2.5])
+    with pytest.raises(InvalidTokenError, match="num_tokens"):
+        m.append_tokens("a", 1.0)
+    with pytest.raises(InvalidTokenError, match="prompt_token_ids"):
+        m.create_sequence("b", [1, None])
+    assert snapshot(m) == before and m.get_sequence_length("a") == 3
+    m.append_token("a", 4)  # completes block [3, 4]: cached under its real tokens
+    m.create_sequence("c", [1, 2, 3, 4, 9])
+    assert m.get_block_table("c")[:2] == m.get_block_table("a")[:2]
+    m.check_invariants()

@@ -104,6 +104,10 @@ def test_save_pretrained_roundtrip(tmp_path, prompts, hf_reference):
     loaded = LLMEngine(str(tmp_path), num_blocks=256)
     outputs = loaded.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in outputs] == hf_reference
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated: corrupt
+    with pytest.raises(CheckpointError, match="weights could not be loaded"):
+        LLMEngine(str(tmp_path), num_blocks=256)
 
 
 def test_errors_are_clear(tmp_path):
@@ -113,6 +117,9 @@ def test_errors_are_clear(tmp_path):
         LLMEngine(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(CheckpointError, match="expected 'qwen3'"):
+        LLMEngine(str(tmp_path))
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="expected a JSON object"):
         LLMEngine(str(tmp_path))
     engine = LLMEngine("tiny", block_size=4, num_blocks=8)
     with pytest.raises(ValueError, match="34 KV tokens does not fit the KV pool of 32 token slots"):
@@ -137,17 +144,31 @@ def test_metrics_export(prompts):
     assert summary["peak_memory_bytes"] > 0
 
 
+GPU_MODES = [dict(), dict(scheduling="chunked", max_num_batched_tokens=13),
+             dict(preemption_mode="swap", num_blocks=24, block_size=4)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["torch", "cupy"])
-def test_gpu_greedy_parity_fp32(prompts, hf_reference, backend):
+@pytest.mark.parametrize("backend", ["torch", "auto", "cupy"])
+@pytest.mark.parametrize("modes", GPU_MODES, ids=["plain", "chunked", "swap"])
+def test_gpu_greedy_parity_fp32(prompts, backend, modes):
+    """On CUDA, fp32: greedy tokens equal HF generate, also under chunked prefill and swap preemption (device <->
+    pinned host). ``cupy`` needs head_dim 64+, so it runs the tiny-hd64 preset; ``auto`` on the tiny preset uses
+    CuPy for cache writes and torch for attention."""
     import kernels
 
-    if backend not in kernels.available_backends():
-        pytest.skip(f"{backend} backend unavailable")
-    engine = LLMEngine("tiny", device="cuda", dtype=torch.float32, attention_backend=backend, block_size=16,
-                       num_blocks=512)
+    if backend == "cupy" and "cupy" not in kernels.available_backends():
+        pytest.skip("cupy backend unavailable")
+    model = "tiny-hd64" if backend == "cupy" else "tiny"
+    settings = {"block_size": 16, "num_blocks": 512, **modes}
+    engine = LLMEngine(model, device="cuda", dtype=torch.float32, attention_backend=backend, **settings)
+    expected = [engine.hf_model.generate(torch.tensor([p], device="cuda"), max_new_tokens=MAX_TOKENS,
+                                         min_new_tokens=MAX_TOKENS, do_sample=False)[0, len(p):].tolist()
+                for p in prompts]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
-    assert [o.token_ids for o in outputs] == hf_reference
+    assert [o.token_ids for o in outputs] == expected
+    if modes.get("preemption_mode") == "swap":
+        assert engine.scheduler.num_swaps_out > 0
 
 
 @pytest.mark.gpu

@@ -183,6 +183,12 @@ def test_cli_writes_summary_and_timeseries(tmp_path, capsys):
     assert "token_states_frac" in capsys.readouterr().out
     assert main(["--allocators", "bogus", "--no-progress"]) == 2
     assert main(["--workload", "nope.csv", "--no-progress"]) == 2
+    capsys.readouterr()
+    # every request longer than max_model_len: rejected, counted, and the run fails loudly
+    assert main(["--workload", "fixed", "--num-requests", "5", "--capacity-tokens", "100", "--allocators", "paged",
+                 "--no-progress"]) == 1
+    printed = capsys.readouterr()
+    assert "5 of 5 requests were rejected (capacity=5)" in printed.err and "no request completed" in printed.err
 
 
 @settings(max_examples=30, deadline=None)

@@ -21,7 +21,7 @@ import torch
 
 from .kv_policy import PagedPolicy
 from .model import PagedQwen3, load_hf_model
-from .scheduler import (Scheduler, SchedulerConfig, SchedulerOutput, Sequence as SchedSequence, SequenceGroup,
+from .scheduler import (Scheduler, SchedulerConfig, Sequence as SchedSequence, SequenceGroup,
                         StepStats)
 
 
@@ -115,6 +115,27 @@ class EngineConfig:
     seed: int = 0
     record_logits: bool = False
 
+    def check(self) -> None:
+        """Raise ``EngineConfigError`` or ``SchedulerError`` (both ``ValueError``) naming the first field of a wrong
+        type or out of range."""
+        for name, low, optional in (("block_size", 1, False), ("num_blocks", 1, True), ("num_cpu_blocks", 0, False),
+                                    ("swap_space_bytes", 0, False), ("max_model_len", 1, True),
+                                    ("kv_memory_bytes", 1, False), ("seed", 0, False)):
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+                raise EngineConfigError(f"EngineConfig.{name}={value!r}: expected an integer >= {low}"
+                                        + (" or None" if optional else ""))
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, numbers.Real) or not 0 < utilization <= 1:
+            raise EngineConfigError(f"EngineConfig.gpu_memory_utilization={utilization!r}: expected a number in (0, 1]")
+        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling, self.preemption_mode).check()
+
+
+class EngineConfigError(ValueError):
+    """An ``EngineConfig`` field has a wrong type or value."""
+
 
 @dataclass(slots=True)
 class _Request:
@@ -158,7 +179,11 @@ class LLMEngine:
 
     def __init__(self, model="tiny", config: EngineConfig | None = None, *, on_step: Callable[[StepStats], None] |
                  None = None, tokenizer=None, **overrides):
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(EngineConfig)}
+        if unknown:
+            raise EngineConfigError(f"unknown LLMEngine setting(s): {', '.join(sorted(unknown))}")
         config = dataclasses.replace(config or EngineConfig(), **overrides)
+        config.check()
         self.config = config
         if isinstance(model, str):
             self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -169,8 +194,6 @@ class LLMEngine:
             parameter = next(model.parameters())
             self.device, dtype = parameter.device, parameter.dtype
         hf_config = self.hf_model.config
-        if config.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {config.block_size}")
         num_blocks = config.num_blocks
         if num_blocks is None:
             num_blocks = self._default_num_blocks(hf_config, config, dtype)

@@ -45,8 +45,9 @@ class PagedPolicy:
         stream = first.group.stream_key if ids is None else None
         if not manager.can_allocate(ids, count, extra, stream):
             return False
-        # One sample: only its own later prefill can ask for its stream, so register on preemption (cheaper).
-        first.cached_tokens = self._op("create_sequence", first.seq_id, ids, count, stream, len(seqs) > 1)
+        # A request of one sample: only its own later prefill can ask for its stream, so register on preemption
+        # (cheaper). With several samples, a sibling's recompute may ask at any time: register now.
+        first.cached_tokens = self._op("create_sequence", first.seq_id, ids, count, stream, len(first.group.seqs) > 1)
         for seq in seqs[1:]:
             self._op("fork_sequence", first.seq_id, seq.seq_id)
             seq.cached_tokens = 0
@@ -122,9 +123,16 @@ class PagedPolicy:
         return self.manager.take_pending_copies()
 
     # ---- swapping -------------------------------------------------------------------------------------------------
-    def can_swap_out(self, seqs: list[Sequence]) -> bool:
-        return self.cpu_manager is not None and self.manager.can_move_sequences([s.seq_id for s in seqs],
-                                                                                self.cpu_manager)
+    def can_swap_out(self, seqs: list[Sequence], kv_lens: list[int]) -> bool:
+        """Whether the host pool takes the sequences now and the device pool could ever take them back: their blocks
+        plus the blocks of their next token must fit an empty device pool (else swapping them out would park them
+        forever; the scheduler recomputes instead)."""
+        manager, ids = self.manager, [s.seq_id for s in seqs]
+        if self.cpu_manager is None or not manager.can_move_sequences(ids, self.cpu_manager):
+            return False
+        next_token = sum(manager.num_blocks_to_append(s.seq_id, max(0, k + 1 - s.synced_len))
+                         for s, k in zip(seqs, kv_lens))
+        return manager.num_distinct_blocks(ids) + next_token <= manager.num_physical_blocks
 
     def swap_out(self, seqs: list[Sequence], kv_lens: list[int]) -> list[tuple[int, int]]:
         """Move the sequences to the host pool; returns ``(gpu block, cpu block)`` copies. A block that got a

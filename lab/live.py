@@ -68,7 +68,8 @@ def random_requests(num_requests: int, prompt_range: tuple[int, int], output_ran
     return prompts, outputs
 
 
-def run_runtime(config: RuntimeRunConfig, on_step: Callable[[StepStats, PoolSnapshot | None], bool | None] | None = None,
+def run_runtime(config: RuntimeRunConfig,
+                on_step: Callable[[StepStats, PoolSnapshot | None], bool | None] | None = None,
                 frame_every: int = 1, hf_model=None, tokenizer=None) -> RuntimeRun:
     """Serve the request mix; ``on_step(stats, pool_or_None)`` after each step (the pool every ``frame_every``
     steps, with ``pool.host_pool`` when swapping) may return False to stop early. ``hf_model`` reuses an already

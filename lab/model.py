@@ -140,9 +140,9 @@ class PagedQwen3:
         self.value_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         # The host pool for swap preemption (pinned on CUDA, so device<->host copies are asynchronous).
         host = dict(dtype=self.dtype, pin_memory=self.device.type == "cuda")
-        cpu_shape = (num_cpu_blocks, *shape[1:])
-        self.cpu_key_caches = [torch.zeros(cpu_shape, **host) for _ in range(self.num_layers if num_cpu_blocks else 0)]
-        self.cpu_value_caches = [torch.zeros(cpu_shape, **host) for _ in range(self.num_layers if num_cpu_blocks else 0)]
+        cpu_shape, host_layers = (num_cpu_blocks, *shape[1:]), self.num_layers if num_cpu_blocks else 0
+        self.cpu_key_caches = [torch.zeros(cpu_shape, **host) for _ in range(host_layers)]
+        self.cpu_value_caches = [torch.zeros(cpu_shape, **host) for _ in range(host_layers)]
         self.scale = self.head_dim ** -0.5
 
     @staticmethod

@@ -182,7 +182,7 @@ class KVPolicy(Protocol):
     def blocks_in_use(self) -> int: ...
     def cpu_blocks_in_use(self) -> int: ...
     def num_free_blocks(self) -> int: ...
-    def can_swap_out(self, seqs: list[Sequence]) -> bool: ...
+    def can_swap_out(self, seqs: list[Sequence], kv_lens: list[int]) -> bool: ...
     def swap_out(self, seqs: list[Sequence], kv_lens: list[int]) -> list[tuple[int, int]]: ...
     def can_swap_in(self, seqs: list[Sequence], extra_blocks: int) -> bool: ...
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]: ...
@@ -296,11 +296,16 @@ class Scheduler:
 
     def drop_unschedulable_head(self) -> SequenceGroup | None:
         """Nothing could run although work is queued: the queue head cannot be admitted even into an idle pool
-        (``check_request`` makes this unreachable). Remove and return it so the caller can reject it."""
+        (``check_request`` makes this unreachable). Remove and return it so the caller can reject it. Raises
+        ``RuntimeError`` when the stall has another cause (a scheduler bug: never spin silently)."""
         if self.waiting and not (self.running or self.prefilling or self.swapped):
             group = self.waiting.popleft()
             self.num_waiting_seqs -= len(group.seqs)
             return group
+        if self.has_unfinished():
+            raise RuntimeError(f"the scheduler made no progress: {len(self.running)} running, "
+                               f"{len(self.prefilling)} prefilling, {self.num_swapped_seqs} swapped, "
+                               f"{self.num_waiting_seqs} waiting, {self.policy.num_free_blocks()} free blocks")
         return None
 
     # ---- decode -------------------------------------------------------------------------------------------------
@@ -364,8 +369,8 @@ class Scheduler:
         self.num_preemptions += 1
         if self.config.preemption_mode == "swap":
             group = [s for s in victim.group.seqs if self.running.get(s.seq_id) is s]
-            if self.policy.can_swap_out(group):
-                kv_lens = [self.kv_len(s) - 1 for s in group]  # this step's token has no slot yet
+            kv_lens = [self.kv_len(s) - 1 for s in group]  # this step's token has no slot yet
+            if self.policy.can_swap_out(group, kv_lens):
                 for seq, kv_len in zip(group, kv_lens):
                     self._leave_running(seq, kv_len, release=False)
                     seq.kv_len_base, seq.status = kv_len, "swapped"

@@ -204,8 +204,9 @@ class ContiguousPolicy:
 
     def grow(self, seq, kv_len: int, alone: bool = False) -> int:
         """Grow by copying into a region twice as large (capped by the largest region the space can hold); returns
-        the next event position, or ``GROW_FAILED`` (nothing changed) when no such region is free. ``alone``: no other sequence holds memory, so the old region is
-        released first (as a swap out and back in would) and the growth cannot fail."""
+        the next event position, or ``GROW_FAILED`` (nothing changed) when no such region is free. ``alone``: no
+        other sequence holds memory, so the old region is released first (as a swap out and back in would) and the
+        growth cannot fail."""
         new_size = min(2 * seq.region[1], max(self.max_model_len, seq.final_len), self.space.max_region())
         if alone:
             self._free(seq)
@@ -242,7 +243,7 @@ class ContiguousPolicy:
     def take_copies(self) -> list:
         return []
 
-    def can_swap_out(self, seqs) -> bool:
+    def can_swap_out(self, seqs, kv_lens) -> bool:
         return False
 
     def swap_out(self, seqs, kv_lens):

@@ -7,8 +7,9 @@ keeps sequence lengths implicit and a calendar of memory events; the simulator k
 """
 from __future__ import annotations
 
+import math
+import numbers
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -16,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from lab.kv_policy import PagedPolicy
-from lab.scheduler import (PREEMPTION_MODES, SCHEDULING_MODES, STEP_LOG_COLUMNS, RequestRejectedError, Scheduler,
+from lab.scheduler import (PREEMPTION_MODES, SCHEDULING_MODES, RequestRejectedError, Scheduler,
                            SchedulerConfig, Sequence, SequenceGroup)
 
 from .allocators import ALLOCATORS, ContiguousPolicy
@@ -117,11 +118,19 @@ def _check_config(config: SimConfig) -> None:
     if config.preemption_mode not in PREEMPTION_MODES:
         raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; "
                          f"got {config.preemption_mode!r}")
-    for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_points"):
-        if getattr(config, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
-    if config.num_cpu_blocks < 0:
-        raise ValueError(f"num_cpu_blocks must be >= 0, got {config.num_cpu_blocks}")
+    integers = [(name, 1) for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                                       "max_points", "grow_initial_extra")] + [("num_cpu_blocks", 0)]
+    if config.capacity_tokens is not None:
+        integers.append(("capacity_tokens", 1))
+    for name, low in integers:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+            raise ValueError(f"SimConfig.{name}={value!r}: expected an integer >= {low}")
+    for name in ("gpu_memory_utilization", "activation_reserve_bytes", "flops_efficiency", "bandwidth_efficiency",
+                 "step_overhead_s"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"SimConfig.{name}={value!r}: expected a finite number >= 0")
 
 
 def scheduler_config(config: SimConfig) -> SchedulerConfig:
@@ -132,15 +141,17 @@ def scheduler_config(config: SimConfig) -> SchedulerConfig:
 
 def synthetic_token_ids(workload: Workload, request: int, length: int) -> list[int]:
     """The first ``length`` token ids of a request's stream for prefix caching: the workload's prompt ids where it
-    shares prefixes, else ids unique to the request; generated positions get ids unique to (request, position), so
-    samples of one request look alike, as greedy samples are."""
+    shares prefixes, else ids unique to the request. Generated positions get ids that depend only on the whole
+    prompt and the position, so requests with identical prompts, and the samples of one request, continue alike,
+    as greedy decoding does."""
     prompt = workload.prompt_token_ids(request)
-    unique_base = -(request + 1) * (1 << 24)
     if prompt is None:
+        unique_base = -(request + 1) * (1 << 24)
         return list(range(unique_base, unique_base + length))
     if length <= len(prompt):
         return prompt[:length]
-    return prompt + list(range(unique_base + len(prompt), unique_base + length))
+    generated_base = -(1 << 62) + (hash(tuple(prompt)) % (1 << 40)) * (1 << 20)  # below every prompt id
+    return prompt + list(range(generated_base + len(prompt), generated_base + length))
 
 
 class Simulator:

@@ -277,3 +277,29 @@ def test_engine_cache_writes_never_name_a_slot_twice(monkeypatch, prompts):
     engine = LLMEngine("tiny", block_size=3, num_blocks=40, scheduling="chunked", max_num_batched_tokens=16)
     engine.generate(prompts + prompts[:2], SamplingParams(max_tokens=5, n=2, temperature=1.0, seed=1))
     assert engine.num_preemptions > 0
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(block_size=0), "block_size=0"), (dict(block_size=2.5), "block_size=2.5"),
+    (dict(num_blocks=-3), "num_blocks=-3"), (dict(num_cpu_blocks=-1), "num_cpu_blocks"),
+    (dict(gpu_memory_utilization=float("nan")), "gpu_memory_utilization"), (dict(blocksize=16), "unknown"),
+    (dict(scheduling="greedy"), "scheduling must be one of"), (dict(preemption_mode="drop"), "preemption_mode"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+])
+def test_engine_settings_are_checked_before_anything_loads(settings, message):
+    with pytest.raises(ValueError, match=message):
+        LLMEngine("tiny", **settings)
+
+
+@pytest.mark.parametrize("params,message", [
+    (dict(stop_token_ids=5), "stop_token_ids"), (dict(top_k=2.5), "top_k"), (dict(n=2.0), "n=2.0"),
+    (dict(temperature=float("inf")), "temperature"), (dict(top_p=0), "top_p"), (dict(max_tokens="8"), "max_tokens"),
+])
+def test_bad_sampling_params_change_nothing_and_the_engine_still_works(params, message):
+    engine = LLMEngine("tiny", num_blocks=64)
+    with pytest.raises(ValueError, match=message):
+        engine.generate([[1, 2, 3], [4, 5]], [SamplingParams(), SamplingParams(**params)])
+    assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == 64
+    with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
+        engine.generate([[1, 2, 3], [4, 5]], [SamplingParams()])
+    assert len(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0].token_ids) == 3

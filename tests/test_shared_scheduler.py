@@ -14,9 +14,13 @@ PLAN_COLUMNS = [c for c in STEP_LOG_COLUMNS if c != "duration_s"]
 
 
 def make_prompts(lengths, shared_prefix=0, seed=0):
+    """A shared prefix, then tails that differ from each other in their first token (so two prompts are identical
+    only when both are the prefix alone, as in the simulator's shared-prefix workloads)."""
     generator = torch.Generator().manual_seed(seed)
     prefix = torch.randint(0, 1024, (shared_prefix,), generator=generator).tolist()
-    return [prefix + torch.randint(0, 1024, (n - shared_prefix,), generator=generator).tolist() for n in lengths]
+    firsts = torch.randperm(1024, generator=generator).tolist()
+    return [prefix + ([firsts[i]] + torch.randint(0, 1024, (n - shared_prefix - 1,), generator=generator).tolist()
+                      if n > shared_prefix else []) for i, n in enumerate(lengths)]
 
 
 def engine_and_simulator_logs(prompts, outputs, n=1, shared_prefix=0, block_size=4, num_blocks=40,
@@ -101,3 +105,14 @@ def test_requests_that_can_never_run_are_rejected_with_the_reason():
     with pytest.raises(ValueError, match="n=5 samples exceed max_num_seqs=4"):
         engine.add_request([1, 2, 3], SamplingParams(n=5))
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("scheduling", ["prefill-first", "chunked"])
+def test_a_group_that_could_never_come_back_is_recomputed_not_parked(scheduling):
+    """One request of 3 samples in a pool that cannot hold all three grown samples: swapping the whole group out
+    would park it forever (it could never be swapped back in), so the scheduler recomputes samples instead."""
+    _, results, real, simulated = engine_and_simulator_logs(
+        make_prompts([6]), [14], n=3, block_size=2, num_blocks=16, num_cpu_blocks=64, preemption_mode="swap",
+        scheduling=scheduling)
+    assert_same_plan(real, simulated)
+    assert real["num_preempted"].sum() > 0 and [len(o) for o in results[0].outputs] == [14, 14, 14]

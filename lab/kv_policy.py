@@ -54,8 +54,9 @@ class PagedPolicy:
         for seq in seqs:
             seq.synced_len = prompt_len
             self.table_blocks += len(manager.sequences[seq.seq_id].block_table)
-            self._count_final_block(seq)
         self._track_shared_partial(seqs)
+        for seq in seqs:
+            self._count_final_block(seq)
         return True
 
     # ---- growth ---------------------------------------------------------------------------------------------------
@@ -161,8 +162,9 @@ class PagedPolicy:
         mapping = self._op("move_sequences_from_host", [s.seq_id for s in seqs])
         for seq in seqs:
             self.table_blocks += len(self.manager.sequences[seq.seq_id].block_table)
-            self._count_final_block(seq)
         self._track_shared_partial(seqs)
+        for seq in seqs:
+            self._count_final_block(seq)
         return mapping
 
     # ---- observation ----------------------------------------------------------------------------------------------
@@ -216,8 +218,10 @@ class PagedPolicy:
             seq.final_block_counted = False
 
     def _count_final_block(self, seq: Sequence) -> None:
+        """Count the slots past ``seq``'s final length in its last block as never filled, once it has that block to
+        itself (while forks share a partly filled last block, its tail counts as reserved)."""
         blocks = len(self.manager.sequences[seq.seq_id].block_table)
-        if not seq.final_block_counted and blocks * self.block_size >= seq.final_len:
+        if not seq.final_block_counted and seq.shared_block < 0 and blocks * self.block_size >= seq.final_len:
             seq.final_block_slack = blocks * self.block_size - seq.final_len
             self.never_filled += seq.final_block_slack
             seq.final_block_counted = True

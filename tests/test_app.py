@@ -165,3 +165,18 @@ def test_benchmarks_page_lists_results_and_rejects_bad_csv(downloads):
     assert "good.csv" in app.session_state["results"].names()
     comparison = download_table(app, downloads, "dl_comparison")
     assert "result" in comparison.columns
+
+
+def test_runtime_page_runs_chunked_prefill_with_swap_preemption(downloads):
+    app = open_page("runtime")
+    app.slider[0].set_value(12)
+    app.number_input[0].set_value(24)  # a small pool: preemption by swapping
+    app.radio[0].set_value("chunked")
+    app.number_input[1].set_value(32)
+    app.radio[1].set_value("swap")
+    app.button(key="run").click().run()
+    clean(app)
+    run = app.session_state["runtime_run"]
+    assert run.summary["swap_outs"] > 0 and len(run.requests) == 12
+    steps = run.steps
+    assert steps["num_prefill_tokens"].max() <= 32 and steps["cpu_blocks_in_use"].max() > 0

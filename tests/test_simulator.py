@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from hypothesis import settings, strategies as st
-from hypothesis import given
+from hypothesis import example, given
 
 from lab.block_manager import KVBlockManager
 from simulator import (ALLOCATORS, CATEGORIES, SimConfig, Simulator, SyntheticSpec, simulate, synthetic_workload)
@@ -195,6 +195,8 @@ def test_cli_writes_summary_and_timeseries(tmp_path, capsys):
 @given(allocator=st.sampled_from(ALLOCATORS), block_size=st.integers(1, 64), capacity=st.integers(300, 6000),
        n=st.integers(1, 3), shared=st.sampled_from([0, 32]), chunked=st.booleans(), buddy=st.booleans(),
        seed=st.integers(0, 1000))
+# forks sharing a partly filled last block count its tail as reserved, not once per fork as never filled
+@example(allocator="paged", block_size=57, capacity=300, n=3, shared=32, chunked=False, buddy=False, seed=549)
 def test_fuzzed_runs_keep_the_accounting_identities(allocator, block_size, capacity, n, shared, chunked, buddy, seed):
     workload = small_workload(num_requests=40, n=n, shared_prefix_tokens=shared, seed=seed, max_model_len=512)
     result = run(workload, allocator=allocator, block_size=block_size, capacity_tokens=capacity, max_model_len=512,

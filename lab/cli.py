@@ -6,14 +6,8 @@ import sys
 
 import pandas as pd
 
+from lab.cli_args import device, non_negative_int, positive_int, positive_ints
 from lab.results import print_and_save
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _bench_kernels(args) -> None:
@@ -82,52 +76,53 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="run a benchmark").add_subparsers(dest="bench", required=True)
 
     k = bench.add_parser("kernels", help="paged decode attention vs SDPA on contiguous K/V")
-    k.add_argument("--device", default="cpu")
+    k.add_argument("--device", type=device, default="cpu")
     k.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    k.add_argument("--batch", type=_ints, default=(1, 8, 32))
-    k.add_argument("--context", type=_ints, default=(512, 1024))
-    k.add_argument("--block-size", type=int, default=16)
+    k.add_argument("--batch", type=positive_ints, default=(1, 8, 32))
+    k.add_argument("--context", type=positive_ints, default=(512, 1024))
+    k.add_argument("--block-size", type=positive_int, default=16)
     k.add_argument("--backends", default="torch", help="comma list of torch,cupy,reference")
-    k.add_argument("--repeats", type=int, default=10)
+    k.add_argument("--repeats", type=positive_int, default=10)
     k.add_argument("--out", default="benchmarks/results/kernels_cpu.csv")
     k.set_defaults(run=_bench_kernels)
 
     b = bench.add_parser("block-manager", help="block manager operation rates")
-    b.add_argument("--block-size", type=int, default=16)
+    b.add_argument("--block-size", type=positive_int, default=16)
     b.add_argument("--out", default="benchmarks/results/block_manager.csv")
     b.set_defaults(run=_bench_block_manager)
 
     e = bench.add_parser("e2e", help="paged engine vs HF generate vs HF continuous batching")
     e.add_argument("--model", default="tiny", help="preset or local Qwen3 checkpoint directory")
-    e.add_argument("--num-requests", type=int, default=64)
-    e.add_argument("--device", default="cpu")
-    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--num-requests", type=positive_int, default=64)
+    e.add_argument("--device", type=device, default="cpu")
+    e.add_argument("--block-size", type=positive_int, default=16)
     e.add_argument("--backend", default="auto")
     e.add_argument("--systems", default="paged-engine,paged-engine-chunked,hf-static,hf-continuous")
-    e.add_argument("--repeats", type=int, default=3, help="runs per system; medians are reported")
+    e.add_argument("--repeats", type=positive_int, default=3, help="runs per system; medians are reported")
     e.add_argument("--out", default="benchmarks/results/e2e_cpu.csv")
     e.set_defaults(run=_bench_e2e)
 
     g = commands.add_parser("generate", help="generate with the paged engine")
     g.add_argument("--model", default="tiny", help="preset or local Qwen3 checkpoint directory")
     g.add_argument("--prompt", action="append", help="text (with a tokenizer) or comma-separated token ids")
-    g.add_argument("--num-prompts", type=int, default=8, help="random prompts when --prompt is not given")
-    g.add_argument("--prompt-len", type=int, default=64)
-    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--num-prompts", type=positive_int, default=8, help="random prompts when --prompt is not given")
+    g.add_argument("--prompt-len", type=positive_int, default=64)
+    g.add_argument("--max-tokens", type=positive_int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-k", type=non_negative_int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--n", type=int, default=1)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-blocks", type=int, default=None)
-    g.add_argument("--device", default=None)
+    g.add_argument("--n", type=positive_int, default=1)
+    g.add_argument("--seed", type=non_negative_int, default=0)
+    g.add_argument("--block-size", type=positive_int, default=16)
+    g.add_argument("--num-blocks", type=positive_int, default=None)
+    g.add_argument("--device", type=device, default=None)
     g.add_argument("--backend", default="auto")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--scheduling", default="prefill-first", choices=["prefill-first", "chunked"])
-    g.add_argument("--max-num-batched-tokens", type=int, default=4096, help="token budget per step")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=4096, help="token budget per step")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    g.add_argument("--num-cpu-blocks", type=int, default=0, help="host pool for swap (0: as large as the GPU pool)")
+    g.add_argument("--num-cpu-blocks", type=non_negative_int, default=0,
+                   help="host pool for swap (0: as large as the GPU pool)")
     g.add_argument("--out", default=None, help="CSV of the run metrics")
     g.set_defaults(run=_generate)
     return parser

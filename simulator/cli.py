@@ -8,6 +8,7 @@ import sys
 import pandas as pd
 from tqdm import tqdm
 
+from lab.cli_args import non_negative_int, positive_int, positive_ints
 from lab.results import print_and_save, save_csv
 
 from .allocators import ALLOCATORS
@@ -35,28 +36,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", default="sharegpt", help=f"preset ({', '.join(SYNTHETIC_PRESETS)}) or trace path")
     p.add_argument("--preset", choices=["figure2"], help="a ready-made experiment (overrides allocators/model/gpu)")
     p.add_argument("--allocators", type=_csv_list(str), default=list(ALLOCATORS))
-    p.add_argument("--block-size", type=_csv_list(int), default=[16], help="comma list for sweeps (paged)")
+    p.add_argument("--block-size", type=positive_ints, default=[16], help="comma list for sweeps (paged)")
     p.add_argument("--model", default="qwen3-8b", choices=sorted(MODELS))
     p.add_argument("--gpu", default="a100-80gb", choices=sorted(GPUS))
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-model-len", type=positive_int, default=2048)
     p.add_argument("--rate", type=float, default=math.inf, help="requests/s (synthetic); inf = all at t=0")
     p.add_argument("--burstiness", type=float, default=1.0)
-    p.add_argument("--num-requests", type=int, default=None, help="synthetic count, or max rows of a trace")
-    p.add_argument("--n", type=int, default=1, help="parallel samples per request (synthetic)")
-    p.add_argument("--shared-prefix", type=int, default=0, help="system-prompt tokens shared by all (synthetic)")
+    p.add_argument("--num-requests", type=positive_int, default=None, help="synthetic count, or max rows of a trace")
+    p.add_argument("--n", type=positive_int, default=1, help="parallel samples per request (synthetic)")
+    p.add_argument("--shared-prefix", type=non_negative_int, default=0,
+                   help="system-prompt tokens shared by all (synthetic)")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival offsets by this")
-    p.add_argument("--capacity-tokens", type=int, default=None, help="override the KV capacity")
+    p.add_argument("--capacity-tokens", type=positive_int, default=None, help="override the KV capacity")
     p.add_argument("--scheduling", default="prefill-first", choices=["prefill-first", "chunked"])
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, help="token budget per step")
+    p.add_argument("--max-num-seqs", type=positive_int, default=256)
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                    help="swap: preempted sequences move to a host pool (paged; contiguous baselines recompute)")
-    p.add_argument("--num-cpu-blocks", type=int, default=0, help="host pool for swap (0: as large as the GPU pool)")
+    p.add_argument("--num-cpu-blocks", type=non_negative_int, default=0,
+                   help="host pool for swap (0: as large as the GPU pool)")
     p.add_argument("--address-space", default="first-fit", choices=["first-fit", "buddy"])
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--kernel-csv", default=None, help="calibrate attention bandwidth from a kernel bench CSV")
-    p.add_argument("--max-points", type=int, default=2000)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-points", type=positive_int, default=2000)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--out", default=None, help="summary CSV")
     p.add_argument("--timeseries", default=None, help="timeseries CSV (all runs, tagged)")
     p.add_argument("--no-progress", action="store_true")

@@ -1,5 +1,6 @@
 """The benchmarks run end to end on tiny shapes and the CLI writes their CSVs."""
 import pandas as pd
+import pytest
 
 from lab.bench.block_manager import run_block_manager_bench
 from lab.bench.kernels import KernelBenchConfig, run_kernel_bench
@@ -54,3 +55,43 @@ def test_cli_generate_prints_tokens_and_metrics(tmp_path, capsys):
     assert "[0]" in printed and "[1]" in printed
     assert pd.read_csv(out)["output_tokens"].iloc[0] == 6
     assert main(["generate", "--model", str(tmp_path / "missing")]) == 2
+
+
+BAD_INVOCATIONS = [
+    ("lab", ["bench", "kernels", "--block-size", "0"], "--block-size"),
+    ("lab", ["bench", "kernels", "--batch", "1,x"], "--batch"),
+    ("lab", ["bench", "kernels", "--repeats", "0"], "--repeats"),
+    ("lab", ["bench", "kernels", "--device", "tpu"], "--device"),
+    ("lab", ["bench", "kernels", "--backends", "triton", "--batch", "1", "--context", "8", "--repeats", "1"],
+     "backend must be one of"),
+    ("lab", ["bench", "block-manager", "--block-size", "-4"], "--block-size"),
+    ("lab", ["bench", "e2e", "--repeats", "0"], "--repeats"),
+    ("lab", ["bench", "e2e", "--systems", "vllm", "--num-requests", "2"], "systems must be"),
+    ("lab", ["generate", "--num-prompts", "0"], "--num-prompts"),
+    ("lab", ["generate", "--prompt", "1,x"], "invalid literal"),
+    ("lab", ["generate", "--n", "100", "--num-prompts", "1"], "exceed max_num_seqs"),
+    ("lab", ["generate", "--temperature", "nan", "--num-prompts", "1"], "temperature"),
+    ("lab", ["generate", "--num-cpu-blocks", "-1"], "--num-cpu-blocks"),
+    ("lab", ["generate", "--scheduling", "greedy"], "--scheduling"),
+    ("simulator", ["--num-requests", "0"], "--num-requests"),
+    ("simulator", ["--block-size", "0"], "--block-size"),
+    ("simulator", ["--max-num-seqs", "x"], "--max-num-seqs"),
+    ("simulator", ["--rate", "-1"], "rate"),
+    ("simulator", ["--kernel-csv", "/no/such.csv", "--num-requests", "3"], "No such file"),
+    ("simulator", ["--preemption-mode", "evict"], "--preemption-mode"),
+]
+
+
+@pytest.mark.parametrize("program,argv,named", BAD_INVOCATIONS, ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_bad_flags_exit_2_with_one_error_line_and_no_traceback(program, argv, named, capsys):
+    from simulator.cli import main as simulator_main
+
+    entry = main if program == "lab" else simulator_main
+    try:
+        code = entry(argv + (["--no-progress"] if program == "simulator" else []))
+    except SystemExit as exc:  # argparse rejects a flag
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1 and named in err
+    assert "Traceback" not in err

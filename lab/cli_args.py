@@ -1,0 +1,50 @@
+"""Argument types shared by ``python -m lab`` and ``python -m simulator``: a bad flag is an argparse error (exit 2,
+one ``error:`` line naming the flag) before any work starts."""
+from __future__ import annotations
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    return _int_at_least(text, 0)
+
+
+def positive_ints(text: str) -> tuple[int, ...]:
+    """A comma-separated list of integers >= 1."""
+    values = tuple(positive_int(part) for part in text.split(",") if part.strip())
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def device(text: str) -> str:
+    """``cpu`` or ``cuda[:N]`` for a GPU this machine has."""
+    import torch
+
+    if text == "cpu":
+        return text
+    if text.split(":")[0] != "cuda":
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:N], got {text!r}")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has no CUDA device (torch sees none)")
+    try:
+        torch.device(text)
+    except RuntimeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+    return text
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+    return value

@@ -33,6 +33,10 @@ class UnknownSequenceError(BlockManagerError, KeyError):
     """Raised for a sequence id the manager does not hold."""
 
 
+class InvalidSequenceIdError(BlockManagerError, ValueError):
+    """A sequence id is not hashable; the manager is left unchanged."""
+
+
 class InvalidTokenError(BlockManagerError, ValueError):
     """A token id or count is not an integer; the manager is left unchanged."""
 
@@ -225,8 +229,7 @@ class KVBlockManager:
         empty. The last prompt token is never served from the cache, so a caller always
         has at least one token to compute. Raises ``OutOfBlocksError`` (nothing changed) when the pool is too small.
         """
-        if seq_id in self.sequences:
-            raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
+        self._check_new_id(seq_id)
         num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
         hits = self._lookup(token_ids, num_tokens, stream_key)
         needed = self._new_blocks_needed(num_tokens, hits)
@@ -263,8 +266,7 @@ class KVBlockManager:
     def fork_sequence(self, parent_id, child_id) -> None:
         """Make ``child_id`` share every block of ``parent_id`` (reference counts go up; nothing is copied)."""
         parent = self._seq(parent_id)
-        if child_id in self.sequences:
-            raise DuplicateSequenceError(f"sequence {child_id!r} already exists")
+        self._check_new_id(child_id)
         for block in parent.block_table:
             self.ref_counts[block] += 1
         parent.exclusive = False
@@ -274,9 +276,8 @@ class KVBlockManager:
 
     def release_sequence(self, seq_id) -> None:
         """Drop a sequence; blocks whose count reaches zero become free (cached ones stay reusable, LRU)."""
-        seq = self.sequences.pop(seq_id, None)
-        if seq is None:
-            raise UnknownSequenceError(seq_id)
+        seq = self._seq(seq_id)
+        del self.sequences[seq_id]
         ref_counts, free = self.ref_counts, self._free_queue
         if seq.exclusive:  # every block has count 1 and no cache key: free them in bulk
             for block in seq.block_table:
@@ -293,6 +294,7 @@ class KVBlockManager:
     def num_blocks_to_append(self, seq_id, num_tokens: int = 1) -> int:
         """New blocks that appending ``num_tokens`` tokens to ``seq_id`` would take (copy-on-write included)."""
         seq = self._seq(seq_id)
+        num_tokens = _count(num_tokens, "num_tokens")
         return self._cow_needed(seq) + self.blocks_for_tokens(seq.num_tokens + num_tokens) - len(seq.block_table)
 
     def can_append(self, seq_id, num_tokens: int = 1) -> bool:
@@ -323,17 +325,12 @@ class KVBlockManager:
 
     def append_tokens(self, seq_id, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
         """Append ``num_tokens`` tokens at once, O(blocks); same effect as that many ``append_token`` calls."""
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
-            raise InvalidTokenError(f"num_tokens must be an integer, got {num_tokens!r}")
+        num_tokens = _count(num_tokens, "num_tokens")
         if token_ids is not None:
-            token_ids = [_token(t, "token_ids") for t in token_ids]
-        if token_ids is not None and len(token_ids) != num_tokens:
-            raise ValueError(f"token_ids has {len(token_ids)} ids, num_tokens is {num_tokens}")
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        seq = self.sequences.get(seq_id)
-        if seq is None:
-            raise UnknownSequenceError(seq_id)
+            token_ids = _token_list(token_ids, "token_ids")
+            if len(token_ids) != num_tokens:
+                raise InvalidTokenError(f"token_ids has {len(token_ids)} ids, num_tokens is {num_tokens}")
+        seq = self._seq(seq_id)
         size, table = self.block_size, seq.block_table
         cow = num_tokens and seq.num_tokens % size and self.ref_counts[table[-1]] > 1
         new_blocks = -(-(seq.num_tokens + num_tokens) // size) - len(table)
@@ -410,7 +407,8 @@ class KVBlockManager:
     def get_slot_mapping(self, seq_id, start: int, end: int) -> list[int]:
         """Linear slots of the sequence's token positions ``start <= pos < end``."""
         seq = self._seq(seq_id)
-        if not 0 <= start <= end <= seq.num_tokens:
+        start, end = _count(start, "start"), _count(end, "end")
+        if not start <= end <= seq.num_tokens:
             raise ValueError(f"positions [{start}, {end}) outside sequence {seq_id!r} of {seq.num_tokens} tokens")
         size, table = self.block_size, seq.block_table
         return [table[pos // size] * size + pos % size for pos in range(start, end)]
@@ -489,18 +487,24 @@ class KVBlockManager:
             return self.sequences[seq_id]
         except KeyError:
             raise UnknownSequenceError(seq_id) from None
+        except TypeError:
+            raise InvalidSequenceIdError(f"sequence ids must be hashable, got {seq_id!r}") from None
+
+    def _check_new_id(self, seq_id) -> None:
+        try:
+            exists = seq_id in self.sequences
+        except TypeError:
+            raise InvalidSequenceIdError(f"sequence ids must be hashable, got {seq_id!r}") from None
+        if exists:
+            raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
 
     def _prompt_args(self, prompt_token_ids, num_prompt_tokens) -> tuple[int, list[int] | None]:
         if prompt_token_ids is not None:
-            token_ids = list(prompt_token_ids)
-            if not all(type(t) is int for t in token_ids):
-                token_ids = [_token(t, "prompt_token_ids") for t in token_ids]
+            token_ids = _token_list(prompt_token_ids, "prompt_token_ids")
             if num_prompt_tokens is not None and num_prompt_tokens != len(token_ids):
-                raise ValueError(f"num_prompt_tokens={num_prompt_tokens} but {len(token_ids)} prompt_token_ids")
+                raise InvalidTokenError(f"num_prompt_tokens={num_prompt_tokens!r} but {len(token_ids)} prompt_token_ids")
             return len(token_ids), token_ids
-        num_tokens = 0 if num_prompt_tokens is None else int(num_prompt_tokens)
-        if num_tokens < 0:
-            raise ValueError(f"num_prompt_tokens must be >= 0, got {num_prompt_tokens}")
+        num_tokens = 0 if num_prompt_tokens is None else _count(num_prompt_tokens, "num_prompt_tokens")
         return num_tokens, None
 
     def _lookup(self, token_ids: list[int] | None, num_tokens: int, stream_key) -> list[int]:
@@ -662,3 +666,20 @@ def _token(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise InvalidTokenError(f"{name} must hold integer token ids, got {value!r}")
     return int(value)
+
+
+def _count(value, name: str) -> int:
+    """A non-negative count or position as a plain int, or ``InvalidTokenError`` naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise InvalidTokenError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _token_list(values, name: str) -> list[int]:
+    """A sequence of token ids as a list of plain ints, or ``InvalidTokenError`` naming the argument."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise InvalidTokenError(f"{name} must be a sequence of integer token ids, got {values!r}")
+    values = list(values)
+    if all(type(t) is int for t in values):
+        return values
+    return [_token(t, name) for t in values]

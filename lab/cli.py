@@ -6,7 +6,7 @@ import sys
 
 import pandas as pd
 
-from lab.cli_args import device, non_negative_int, positive_int, positive_ints
+from lab.cli_args import device, non_negative_int, output_csv, positive_int, positive_ints
 from lab.results import print_and_save
 
 
@@ -83,12 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--block-size", type=positive_int, default=16)
     k.add_argument("--backends", default="torch", help="comma list of torch,cupy,reference")
     k.add_argument("--repeats", type=positive_int, default=10)
-    k.add_argument("--out", default="benchmarks/results/kernels_cpu.csv")
+    k.add_argument("--out", type=output_csv, default="benchmarks/results/kernels_cpu.csv")
     k.set_defaults(run=_bench_kernels)
 
     b = bench.add_parser("block-manager", help="block manager operation rates")
     b.add_argument("--block-size", type=positive_int, default=16)
-    b.add_argument("--out", default="benchmarks/results/block_manager.csv")
+    b.add_argument("--out", type=output_csv, default="benchmarks/results/block_manager.csv")
     b.set_defaults(run=_bench_block_manager)
 
     e = bench.add_parser("e2e", help="paged engine vs HF generate vs HF continuous batching")
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--backend", default="auto")
     e.add_argument("--systems", default="paged-engine,paged-engine-chunked,hf-static,hf-continuous")
     e.add_argument("--repeats", type=positive_int, default=3, help="runs per system; medians are reported")
-    e.add_argument("--out", default="benchmarks/results/e2e_cpu.csv")
+    e.add_argument("--out", type=output_csv, default="benchmarks/results/e2e_cpu.csv")
     e.set_defaults(run=_bench_e2e)
 
     g = commands.add_parser("generate", help="generate with the paged engine")
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     g.add_argument("--num-cpu-blocks", type=non_negative_int, default=0,
                    help="host pool for swap (0: as large as the GPU pool)")
-    g.add_argument("--out", default=None, help="CSV of the run metrics")
+    g.add_argument("--out", type=output_csv, default=None, help="CSV of the run metrics")
     g.set_defaults(run=_generate)
     return parser
 

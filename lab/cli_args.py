@@ -40,6 +40,27 @@ def device(text: str) -> str:
     return text
 
 
+def output_csv(text: str) -> str:
+    """A CSV path that can be written: not a folder, its folder creatable and writable (checked before any run, so
+    no result is lost at the end). An empty string means: write nothing."""
+    import os
+    from pathlib import Path
+
+    if not text:
+        return text
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file path")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot write into {str(folder)!r}")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not writable")
+    return text
+
+
 def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)

@@ -8,7 +8,7 @@ import sys
 import pandas as pd
 from tqdm import tqdm
 
-from lab.cli_args import non_negative_int, positive_int, positive_ints
+from lab.cli_args import non_negative_int, output_csv, positive_int, positive_ints
 from lab.results import print_and_save, save_csv
 
 from .allocators import ALLOCATORS
@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernel-csv", default=None, help="calibrate attention bandwidth from a kernel bench CSV")
     p.add_argument("--max-points", type=positive_int, default=2000)
     p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--out", default=None, help="summary CSV")
-    p.add_argument("--timeseries", default=None, help="timeseries CSV (all runs, tagged)")
+    p.add_argument("--out", type=output_csv, default=None, help="summary CSV")
+    p.add_argument("--timeseries", type=output_csv, default=None, help="timeseries CSV (all runs, tagged)")
     p.add_argument("--no-progress", action="store_true")
     return p
 

@@ -79,6 +79,10 @@ BAD_INVOCATIONS = [
     ("simulator", ["--rate", "-1"], "rate"),
     ("simulator", ["--kernel-csv", "/no/such.csv", "--num-requests", "3"], "No such file"),
     ("simulator", ["--preemption-mode", "evict"], "--preemption-mode"),
+    ("simulator", ["--out", "tests"], "is a folder"),
+    ("simulator", ["--timeseries", "/proc/version/ts.csv"], "cannot write"),
+    ("lab", ["generate", "--out", "/proc/version/m.csv"], "cannot write"),
+    ("lab", ["bench", "block-manager", "--out", "tests"], "is a folder"),
 ]
 
 

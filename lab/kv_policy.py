@@ -80,17 +80,8 @@ class PagedPolicy:
             needed += 1  # copy-on-write of the shared partial block
         if needed > manager.num_free_blocks:
             return GROW_FAILED
-        if kv_len > synced:
-            if seq.shared_block >= 0:
-                self._leave_shared_partial(seq)
-            if self.ops is not None:
-                self.ops.append(("append_tokens", seq.seq_id, kv_len - synced))
-            before = len(table)
-            manager.append_tokens(seq.seq_id, kv_len - synced)
-            table = manager.sequences[seq.seq_id].block_table  # copy-on-write may have replaced nothing but a slot
-            self.table_blocks += len(table) - before
-            seq.synced_len = kv_len
-        allocated = len(table) * size
+        self.sync(seq, kv_len)
+        allocated = len(table) * size  # the same list object: append_tokens grows it in place
         if allocated >= seq.final_len:
             if not seq.final_block_counted:
                 self._count_final_block(seq)

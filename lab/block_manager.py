@@ -14,7 +14,9 @@ keyed by (parent content id, stream key, ``j``), O(1) per block (the simulator u
 from __future__ import annotations
 
 import numbers
+from collections import deque
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Iterable, Sequence
 
 ROOT_CONTENT_ID = -1
@@ -188,6 +190,8 @@ class KVBlockManager:
         self._next_content_id = 0
         self.sequences: dict[object, SequenceBlocks] = {}
         self.pending_copies: list[tuple[int, int]] = []
+        self._reserved: list[int] = []  # taken from the pool for appends announced in bulk (reserve_blocks)
+        self._reserve_backlog = 0  # reserved blocks not yet taken off the free queue (see reserve_blocks)
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_cow_copies = 0
 
@@ -195,17 +199,24 @@ class KVBlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation may take: every block nobody references (cached ones included)."""
-        return len(self._free_queue)
+        return self._free_queue.num_free
 
     @property
     def num_used_blocks(self) -> int:
-        """Blocks referenced by at least one sequence."""
-        return self.num_physical_blocks - self.num_free_blocks
+        """Blocks referenced by at least one sequence (or reserved)."""
+        return self.num_physical_blocks - self._free_queue.num_free
 
     @property
     def num_cached_blocks(self) -> int:
         """Full blocks currently registered in the prefix cache (referenced or evictable)."""
+        self._flush_reserve()
         return len(self._cached_blocks)
+
+    @property
+    def reserved_blocks(self) -> list[int]:
+        """Blocks reserved and not yet handed to a sequence."""
+        self._flush_reserve()
+        return list(self._reserved)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
@@ -258,6 +269,7 @@ class KVBlockManager:
         queue reusing blocks in release order, registering a block any time before its release gives the same
         later hits as registering it when it filled."""
         seq = self._seq(seq_id)
+        self._flush_reserve()
         if seq.stream_key is not None and seq.stream_registered < seq.stream_blocks:
             seq.exclusive = False  # its blocks get cache keys
             self._register_stream_blocks(seq, seq.stream_key, seq.stream_registered, seq.stream_blocks)
@@ -274,14 +286,25 @@ class KVBlockManager:
         self.sequences[child_id] = SequenceBlocks(list(parent.block_table), parent.num_tokens, partial,
                                                   parent.parent_content_id)
 
-    def release_sequence(self, seq_id) -> None:
-        """Drop a sequence; blocks whose count reaches zero become free (cached ones stay reusable, LRU)."""
+    def release_sequence(self, seq_id, num_reserved: int = 0) -> None:
+        """Drop a sequence; blocks whose count reaches zero become free (cached ones stay reusable, LRU). With
+        ``num_reserved``, the last that many reserved blocks (ones it would have taken with ``from_reserved``
+        appends) are freed with it, as if appended first."""
         seq = self._seq(seq_id)
+        if num_reserved:
+            num_reserved = _count(num_reserved, "num_reserved")
+            self._flush_reserve()
+            if num_reserved > len(self._reserved):
+                raise OutOfBlocksError(f"releasing {num_reserved!r} reserved blocks, {len(self._reserved)} reserved")
         del self.sequences[seq_id]
         ref_counts, free = self.ref_counts, self._free_queue
-        if seq.exclusive:  # every block has count 1 and no cache key: free them in bulk
-            for block in seq.block_table:
+        if num_reserved:
+            tail = self._take_reserved(num_reserved)[::-1]
+            for block in tail:
                 ref_counts[block] = 0
+            free.extend_unkeyed(tail)
+        if seq.exclusive:  # every block has count 1 and no cache key: free them in bulk
+            deque(map(ref_counts.__setitem__, seq.block_table, repeat(0)), maxlen=0)
             free.extend_unkeyed(reversed(seq.block_table))
             return
         for block in reversed(seq.block_table):  # tail first, so a prefix's head is reused last
@@ -301,6 +324,22 @@ class KVBlockManager:
         """Whether ``num_tokens`` more tokens fit into ``seq_id`` now."""
         return self.num_blocks_to_append(seq_id, num_tokens) <= self.num_free_blocks
 
+    def reserve_blocks(self, count: int) -> None:
+        """Take ``count`` blocks from the pool now for appends that ask for ``from_reserved`` later (a scheduler that
+        knows how many sequences cross a block boundary this step reserves for all of them at once and hands the
+        blocks out when it next touches each sequence). Raises ``OutOfBlocksError`` (nothing changed).
+
+        O(1): the blocks leave the free count now and the free queue at the next operation that could tell the
+        difference, which then takes them all at once, in the order single reservations would have."""
+        if type(count) is not int:
+            count = _count(count, "count")
+        free = self._free_queue
+        if not 0 <= count <= free.num_free:
+            _count(count, "count")
+            raise OutOfBlocksError(f"reserving {count} blocks, {free.num_free} free")
+        self._reserve_backlog += count
+        free.num_free -= count
+
     def append_token(self, seq_id, token_id: int | None = None) -> int:
         """Append one token and return its linear slot ``physical_block * block_size + offset``.
 
@@ -310,10 +349,11 @@ class KVBlockManager:
         seq = self._seq(seq_id)
         if token_id is not None:
             token_id = _token(token_id, "token_id")  # checked before anything changes
+        self._flush_reserve()
         offset = seq.num_tokens % self.block_size
         if offset == 0:
             self._check_free(1, seq_id)
-            seq.block_table.append(self._allocate_block())
+            seq.block_table.append(self._allocate_blocks(1)[0])
         elif self.ref_counts[seq.block_table[-1]] > 1:
             self._check_free(1, seq_id)
             self._copy_on_write(seq)
@@ -323,35 +363,37 @@ class KVBlockManager:
             self._track_token(seq, token_id)
         return block * self.block_size + offset
 
-    def append_tokens(self, seq_id, num_tokens: int, token_ids: Sequence[int] | None = None) -> None:
-        """Append ``num_tokens`` tokens at once, O(blocks); same effect as that many ``append_token`` calls."""
+    def append_tokens(self, seq_id, num_tokens: int, token_ids: Sequence[int] | None = None,
+                      from_reserved: bool = False) -> None:
+        """Append ``num_tokens`` tokens at once, O(blocks); same effect as that many ``append_token`` calls. With
+        ``from_reserved`` the new blocks come from ``reserve_blocks`` (a copy-on-write still takes a free block)."""
         num_tokens = _count(num_tokens, "num_tokens")
         if token_ids is not None:
             token_ids = _token_list(token_ids, "token_ids")
             if len(token_ids) != num_tokens:
                 raise InvalidTokenError(f"token_ids has {len(token_ids)} ids, num_tokens is {num_tokens}")
         seq = self._seq(seq_id)
+        self._flush_reserve()
         size, table = self.block_size, seq.block_table
         cow = num_tokens and seq.num_tokens % size and self.ref_counts[table[-1]] > 1
         new_blocks = -(-(seq.num_tokens + num_tokens) // size) - len(table)
-        if (cow or new_blocks) and new_blocks + bool(cow) > len(self._free_queue):
+        if from_reserved:
+            if new_blocks > len(self._reserved):
+                raise OutOfBlocksError(f"sequence {seq_id!r} needs {new_blocks} reserved blocks, "
+                                       f"{len(self._reserved)} reserved")
+            if cow:
+                self._check_free(1, seq_id)
+        elif (cow or new_blocks) and new_blocks + bool(cow) > len(self._free_queue):
             self._check_free(new_blocks + bool(cow), seq_id)  # raises OutOfBlocksError
         if cow:
             self._copy_on_write(seq)
+        take = self._take_reserved if from_reserved else self._allocate_blocks
         if seq.partial_token_ids is None:  # the simulator's hot path: no tokens to hash
-            if new_blocks == 1:
-                free = self._free_queue
-                block = free.pop_one()
-                if free.num_keyed and self._block_keys[block] is not None:
-                    free.num_keyed -= 1
-                    self._uncache(block)
-                self.ref_counts[block] = 1
-                table.append(block)
-            elif new_blocks:
-                table.extend(self._allocate_blocks(new_blocks))
+            if new_blocks:
+                table.extend(take(new_blocks))
             seq.num_tokens += num_tokens
             return
-        self._grow(seq, num_tokens, token_ids)
+        self._grow(seq, num_tokens, token_ids, take)
 
     # ---- swapping -----------------------------------------------------------------------------------------
     def num_distinct_blocks(self, seq_ids: Iterable) -> int:
@@ -449,6 +491,7 @@ class KVBlockManager:
 
     def snapshot(self) -> PoolSnapshot:
         """Copy of ref counts, owners, block tables and lengths (O(pool); for views, not the hot path)."""
+        self._flush_reserve()
         return PoolSnapshot(self.block_size, list(self.ref_counts), self.block_owners(),
                             {s: list(seq.block_table) for s, seq in self.sequences.items()},
                             {s: seq.num_tokens for s, seq in self.sequences.items()},
@@ -456,16 +499,20 @@ class KVBlockManager:
 
     def is_cached(self, block: int) -> bool:
         """Whether a physical block is registered in the prefix cache."""
+        self._flush_reserve()
         return self._block_keys[block] is not None
 
     # ---- invariants ---------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` describing the first broken invariant of the pool."""
+        self._flush_reserve()
         uses = [0] * self.num_physical_blocks
         for seq_id, seq in self.sequences.items():
             assert len(seq.block_table) == self.blocks_for_tokens(seq.num_tokens), f"{seq_id!r}: table size"
             for block in seq.block_table:
                 uses[block] += 1
+        for block in self._reserved:
+            uses[block] += 1
         assert uses == self.ref_counts, "ref counts differ from block-table uses"
         queued = self._free_queue.queued()
         assert len(queued) == len(set(queued)) == self.num_free_blocks, "free queue holds a block twice"
@@ -508,6 +555,7 @@ class KVBlockManager:
         return num_tokens, None
 
     def _lookup(self, token_ids: list[int] | None, num_tokens: int, stream_key) -> list[int]:
+        self._flush_reserve()
         if token_ids is not None:
             return self._lookup_prefix(token_ids)
         if stream_key is not None and self.enable_prefix_caching:
@@ -565,23 +613,26 @@ class KVBlockManager:
         return self.blocks_for_tokens(num_tokens) - len(hits)
 
     def _allocatable_after_hits(self, hits: list[int]) -> int:
-        return len(self._free_queue) - sum(1 for block in hits if self.ref_counts[block] == 0)
+        if not hits:
+            return self._free_queue.num_free
+        return self._free_queue.num_free - sum(1 for block in hits if self.ref_counts[block] == 0)
 
     def _check_free(self, needed: int, seq_id) -> None:
         if needed > self.num_free_blocks:
             raise OutOfBlocksError(f"sequence {seq_id!r} needs {needed} blocks, {self.num_free_blocks} free")
 
-    def _grow(self, seq: SequenceBlocks, num_tokens: int, token_ids) -> None:
-        """Append tokens block by block; the caller has checked there are enough free blocks."""
-        size, done = self.block_size, 0
+    def _grow(self, seq: SequenceBlocks, num_tokens: int, token_ids, source=None) -> None:
+        """Append tokens block by block, new blocks from ``source(count)`` (default: the free queue); the caller has
+        checked there are enough."""
+        size, done, source = self.block_size, 0, source or self._allocate_blocks
         if seq.partial_token_ids is None:  # no tokens to hash: take all new blocks at once
             new_blocks = self.blocks_for_tokens(seq.num_tokens + num_tokens) - len(seq.block_table)
-            seq.block_table.extend(self._allocate_blocks(new_blocks))
+            seq.block_table.extend(source(new_blocks))
             seq.num_tokens += num_tokens
             return
         while done < num_tokens:
             if seq.num_tokens % size == 0:
-                seq.block_table.append(self._allocate_block())
+                seq.block_table.append(source(1)[0])
             take = min(size - seq.num_tokens % size, num_tokens - done)
             seq.num_tokens += take
             if seq.partial_token_ids is not None:
@@ -620,8 +671,18 @@ class KVBlockManager:
     def _block_key(parent_content_id: int, token_ids) -> tuple:
         return parent_content_id, tuple(token_ids)
 
+    def _flush_reserve(self) -> None:
+        """Take the blocks of ``reserve_blocks`` calls off the free queue (they left its count already)."""
+        backlog = self._reserve_backlog
+        if backlog:
+            self._reserve_backlog = 0
+            self._free_queue.num_free += backlog
+            self._reserved.extend(self._allocate_blocks(backlog))
+
     def _allocate_blocks(self, count: int) -> list[int]:
         """``count`` blocks with reference count 1, from the head of the free queue (evicting cached ones)."""
+        if self._reserve_backlog:
+            self._flush_reserve()
         free, ref_counts = self._free_queue, self.ref_counts
         taken = free.pop(count)
         if free.num_keyed:
@@ -630,12 +691,16 @@ class KVBlockManager:
                 if keys[block] is not None:
                     free.num_keyed -= 1
                     self._uncache(block)
-        for block in taken:
-            ref_counts[block] = 1
+        deque(map(ref_counts.__setitem__, taken, repeat(1)), maxlen=0)  # a C loop: prompts take many blocks
         return taken
 
-    def _allocate_block(self) -> int:
-        return self._allocate_blocks(1)[0]
+    def _take_reserved(self, count: int) -> list[int]:
+        """The last ``count`` reserved blocks, newest first (as ``count`` single takes would hand them out)."""
+        reserved = self._reserved
+        start = len(reserved) - count
+        taken = reserved[start:][::-1]
+        del reserved[start:]
+        return taken
 
     def _uncache(self, block: int) -> None:
         del self._cached_blocks[self._block_keys[block]]
@@ -652,7 +717,7 @@ class KVBlockManager:
 
     def _copy_on_write(self, seq: SequenceBlocks) -> None:
         src = seq.block_table[-1]
-        dst = self._allocate_block()
+        dst = self._allocate_blocks(1)[0]
         self.ref_counts[src] -= 1
         seq.block_table[-1] = dst
         self.pending_copies.append((src, dst))
@@ -670,6 +735,8 @@ def _token(value, name: str) -> int:
 
 def _count(value, name: str) -> int:
     """A non-negative count or position as a plain int, or ``InvalidTokenError`` naming the argument."""
+    if type(value) is int and value >= 0:
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise InvalidTokenError(f"{name} must be a non-negative integer, got {value!r}")
     return int(value)

@@ -364,10 +364,8 @@ class LLMEngine:
 
     def pool_snapshot(self):
         """The device block pool (``PoolSnapshot``), with ``host_pool`` set when swapping is on."""
-        pool = self.block_manager.snapshot()
-        if self.policy.cpu_manager is not None:
-            pool.host_pool = self.policy.cpu_manager.snapshot()
-        return pool
+        self.scheduler.sync_all()
+        return self.policy.pool_snapshot()
 
     def step_log(self) -> pd.DataFrame:
         """One row per step with ``lab.scheduler.STEP_LOG_COLUMNS`` (the simulator's ``SimResult.steps`` has the

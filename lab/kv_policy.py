@@ -1,13 +1,15 @@
 """The paged KV policy: the scheduler's view of ``KVBlockManager`` (and, for swapping, a host-memory pool).
 
-The engine and the simulator use this same class. Sequences append lazily: the manager is told about a sequence's
-tokens when it needs a block (an event), when it is released or swapped, or every step when the scheduler syncs
-(the engine), so block tables are the same as with per-token appends at every block boundary.
+The engine and the simulator use this same class. Decoding sequences need a block every ``block_size`` tokens: the
+scheduler counts the sequences crossing a block boundary in a step and reserves that many blocks at once
+(``reserve``); a sequence's tokens reach the manager lazily (``sync``: when it is released, preempted or swapped,
+or every step when the engine needs its slots), taking its blocks from the reservation. Irregular needs (the
+copy-on-write of a shared partial block, the first token after a swap-in) are events: ``grow``.
 """
 from __future__ import annotations
 
 from .block_manager import KVBlockManager
-from .scheduler import GROW_FAILED, NO_EVENT, Sequence
+from .scheduler import NO_EVENT, Sequence
 
 
 class PagedPolicy:
@@ -16,8 +18,9 @@ class PagedPolicy:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  num_cpu_blocks: int = 0):
-        self.block_size = block_size
+        self.block_size = self.block_period = block_size
         self.manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.free_queue = self.manager._free_queue  # read on every step: the count of free blocks
         self.cpu_manager = KVBlockManager(num_cpu_blocks, block_size) if num_cpu_blocks > 0 else None
         self.supports_swap = self.cpu_manager is not None
         self.capacity = num_blocks * block_size
@@ -43,68 +46,101 @@ class PagedPolicy:
         ids = token_ids if token_ids is not None and len(token_ids) == prompt_len else None
         count = None if ids is not None else prompt_len
         stream = first.group.stream_key if ids is None else None
-        if not manager.can_allocate(ids, count, extra, stream):
+        # Enough free blocks for the whole prompt is sufficient (hits only lower the need): skip the lookup.
+        if manager.blocks_for_tokens(prompt_len) + extra > manager.num_free_blocks and \
+                not manager.can_allocate(ids, count, extra, stream):
             return False
         # A request of one sample: only its own later prefill can ask for its stream, so register on preemption
         # (cheaper). With several samples, a sibling's recompute may ask at any time: register now.
-        first.cached_tokens = self._op("create_sequence", first.seq_id, ids, count, stream, len(first.group.seqs) > 1)
+        register = len(first.group.seqs) > 1  # the request's samples (a recompute re-queues one of them alone)
+        if self.ops is not None:
+            self.ops.append(("create_sequence", first.seq_id, ids, count, stream, register))
+        first.cached_tokens = manager.create_sequence(first.seq_id, ids, count, stream, register)
         for seq in seqs[1:]:
             self._op("fork_sequence", first.seq_id, seq.seq_id)
             seq.cached_tokens = 0
+        blocks = len(manager.sequences[first.seq_id].block_table)
+        self.table_blocks += blocks * len(seqs)
         for seq in seqs:
             seq.synced_len = prompt_len
-            self.table_blocks += len(manager.sequences[seq.seq_id].block_table)
-        self._track_shared_partial(seqs)
+        if len(seqs) > 1:
+            self._track_shared_partial(seqs)
         for seq in seqs:
-            self._count_final_block(seq)
+            self._count_final_block(seq, blocks)
         return True
 
     # ---- growth ---------------------------------------------------------------------------------------------------
     def next_event_position(self, seq: Sequence) -> int:
-        """KV length at which ``seq`` needs its next block (or a copy of a shared partial block)."""
-        manager = self.manager
-        table = manager.sequences[seq.seq_id].block_table
-        if seq.synced_len % self.block_size and manager.ref_counts[table[-1]] > 1:
+        """KV length at which ``seq`` needs a copy of the partly filled block it shares, else ``NO_EVENT``."""
+        table = self.manager.sequences[seq.seq_id].block_table
+        if seq.synced_len % self.block_size and self.manager.ref_counts[table[-1]] > 1:
             return seq.synced_len + 1
-        allocated = len(table) * self.block_size
+        return NO_EVENT
+
+    def periodic_start(self, seq: Sequence) -> int:
+        """KV length from which ``seq`` (synced, no event pending) needs a new block every ``block_period`` tokens,
+        or ``NO_EVENT`` when its blocks already hold ``final_len``."""
+        allocated = len(self.manager.sequences[seq.seq_id].block_table) * self.block_size
         return allocated + 1 if allocated < seq.final_len else NO_EVENT
 
-    def grow(self, seq: Sequence, kv_len: int, alone: bool) -> int:
-        """Give ``seq`` the blocks for ``kv_len`` tokens and return its next event position; ``GROW_FAILED``
-        (nothing changed) when too few blocks are free. A lone sequence always fits (``can_ever_fit``), so ``alone``
-        needs nothing special here."""
-        manager, size, synced = self.manager, self.block_size, seq.synced_len
+    def reserve(self, count: int) -> bool:
+        """Take ``count`` blocks for the sequences crossing a block boundary in this step, if that many are free."""
+        if count > self.free_queue.num_free:
+            return False
+        if self.ops is not None:
+            self.ops.append(("reserve_blocks", count))
+        self.manager.reserve_blocks(count)
+        self.table_blocks += count
+        return True
+
+    def final_block_reserved(self, seq: Sequence) -> None:
+        """``seq``'s last periodic block was reserved: the slots past its final length will never be filled."""
+        self._count_final_block(seq, self.manager.blocks_for_tokens(seq.final_len))
+
+    def grow(self, seq: Sequence, kv_len: int, alone: bool) -> bool:
+        """Give ``seq`` (synced) fresh blocks for ``kv_len`` tokens (copy-on-write included); False (nothing changed)
+        when too few blocks are free. A lone sequence always fits (``can_ever_fit``), so ``alone`` needs nothing
+        special here."""
+        manager, size = self.manager, self.block_size
         table = manager.sequences[seq.seq_id].block_table
         needed = -(-kv_len // size) - len(table)
-        if synced % size and manager.ref_counts[table[-1]] > 1:
-            needed += 1  # copy-on-write of the shared partial block
+        if seq.synced_len % size and manager.ref_counts[table[-1]] > 1:
+            needed += 1
         if needed > manager.num_free_blocks:
-            return GROW_FAILED
-        self.sync(seq, kv_len)
-        allocated = len(table) * size  # the same list object: append_tokens grows it in place
-        if allocated >= seq.final_len:
-            if not seq.final_block_counted:
-                self._count_final_block(seq)
-            return NO_EVENT
-        return allocated + 1
+            return False
+        before = len(table)
+        self._append(seq, kv_len, False)
+        self.table_blocks += len(table) - before
+        if len(table) * size >= seq.final_len and not seq.final_block_counted:
+            self._count_final_block(seq, len(table))
+        return True
 
     def sync(self, seq: Sequence, kv_len: int) -> None:
-        """Tell the manager about ``seq``'s tokens up to ``kv_len`` (the blocks were reserved by an event)."""
-        if kv_len > seq.synced_len:  # the hot path: called directly, logged only when a test asks
-            if seq.shared_block >= 0:
-                self._leave_shared_partial(seq)
-            table = self.manager.sequences[seq.seq_id].block_table
-            before = len(table)
-            if self.ops is not None:
-                self.ops.append(("append_tokens", seq.seq_id, kv_len - seq.synced_len))
-            self.manager.append_tokens(seq.seq_id, kv_len - seq.synced_len)
-            self.table_blocks += len(table) - before
-            seq.synced_len = kv_len
+        """Tell the manager about ``seq``'s tokens up to ``kv_len``; their blocks were reserved."""
+        if kv_len > seq.synced_len:
+            self._append(seq, kv_len, True)
+
+    def _append(self, seq: Sequence, kv_len: int, from_reserved: bool) -> None:
+        if seq.shared_block >= 0:
+            self._leave_shared_partial(seq)
+        if self.ops is not None:
+            self.ops.append(("append_tokens", seq.seq_id, kv_len - seq.synced_len, None, from_reserved))
+        self.manager.append_tokens(seq.seq_id, kv_len - seq.synced_len, None, from_reserved)
+        seq.synced_len = kv_len
 
     def release(self, seq: Sequence, kv_len: int) -> None:
-        self.sync(seq, kv_len)
+        """Free ``seq``'s blocks, with those reserved for its tokens up to ``kv_len`` (never handed to it)."""
+        owed = 0
+        if kv_len > seq.synced_len:
+            if seq.shared_block >= 0:
+                self.sync(seq, kv_len)
+            else:
+                owed = -(-kv_len // self.block_size) - len(self.manager.sequences[seq.seq_id].block_table)
         self._forget(seq)
-        self._op("release_sequence", seq.seq_id)
+        self.table_blocks -= owed
+        if self.ops is not None:
+            self.ops.append(("release_sequence", seq.seq_id, owed))
+        self.manager.release_sequence(seq.seq_id, owed)
 
     def preempt(self, seq: Sequence, kv_len: int) -> None:
         """Release a sequence that will be prefilled again: its prompt blocks stay findable in the prefix cache."""
@@ -112,7 +148,7 @@ class PagedPolicy:
         self.release(seq, kv_len)
 
     def take_copies(self) -> list[tuple[int, int]]:
-        return self.manager.take_pending_copies()
+        return self.manager.take_pending_copies() if self.manager.pending_copies else []
 
     # ---- swapping -------------------------------------------------------------------------------------------------
     def can_swap_out(self, seqs: list[Sequence], kv_lens: list[int]) -> bool:
@@ -155,12 +191,20 @@ class PagedPolicy:
             self.table_blocks += len(self.manager.sequences[seq.seq_id].block_table)
         self._track_shared_partial(seqs)
         for seq in seqs:
-            self._count_final_block(seq)
+            self._count_final_block(seq, len(self.manager.sequences[seq.seq_id].block_table))
         return mapping
 
     # ---- observation ----------------------------------------------------------------------------------------------
     def blocks_in_use(self) -> int:
         return self.manager.num_used_blocks
+
+    def pool_snapshot(self):
+        """The device pool (``PoolSnapshot``), with ``host_pool`` set when there is one; sync the sequences first
+        (``Scheduler.sync_all``) so that reserved blocks show in their tables."""
+        pool = self.manager.snapshot()
+        if self.cpu_manager is not None:
+            pool.host_pool = self.cpu_manager.snapshot()
+        return pool
 
     def cpu_blocks_in_use(self) -> int:
         return self.cpu_manager.num_used_blocks if self.cpu_manager is not None else 0
@@ -171,8 +215,8 @@ class PagedPolicy:
     def categories(self, held_tokens: int) -> tuple[int, int, int, int, int]:
         """(token_states, reserved, internal, external fragmentation = 0, free) in slots. ``held_tokens`` counts
         every holder's tokens; shared full blocks are stored once, so their extra holders are subtracted."""
-        manager, size = self.manager, self.block_size
-        used = manager.num_used_blocks
+        size = self.block_size
+        used = self.manager.num_physical_blocks - self.free_queue.num_free
         allocated = used * size
         token_states = held_tokens - (self.table_blocks - used) * size + self.shared_partial_slack
         return (token_states, allocated - self.never_filled - token_states, self.never_filled, 0,
@@ -208,10 +252,10 @@ class PagedPolicy:
             self.never_filled -= seq.final_block_slack
             seq.final_block_counted = False
 
-    def _count_final_block(self, seq: Sequence) -> None:
-        """Count the slots past ``seq``'s final length in its last block as never filled, once it has that block to
-        itself (while forks share a partly filled last block, its tail counts as reserved)."""
-        blocks = len(self.manager.sequences[seq.seq_id].block_table)
+    def _count_final_block(self, seq: Sequence, blocks: int) -> None:
+        """Count the slots past ``seq``'s final length in its last block as never filled, once it holds ``blocks``
+        that reach it and has the last to itself (while forks share a partly filled last block, its tail counts as
+        reserved)."""
         if not seq.final_block_counted and seq.shared_block < 0 and blocks * self.block_size >= seq.final_len:
             seq.final_block_slack = blocks * self.block_size - seq.final_len
             self.never_filled += seq.final_block_slack

@@ -8,10 +8,13 @@ It owns the waiting / running / swapped queues, FCFS admission under ``max_num_s
 
 Conventions (vLLM's): a sequence's KV holds the tokens computed so far; a sampled token gets its slot at the decode
 step that feeds it. A prompt of ``P`` tokens with ``O`` output tokens therefore holds at most ``P + O - 1`` KV tokens.
-A decode step needs new memory only at events (a block boundary, a copy-on-write, a contiguous region overflow):
-running sequences' lengths are implicit (``kv_len_base + step - step_base``), a calendar keyed by decode step holds
-the events, so a step costs O(1) plus its events. The engine asks for ``sync_every_step`` and then every running
-sequence's block table is brought up to date each step (it needs the slots); the decisions are the same.
+Running sequences' lengths are implicit (``kv_len_base + step - step_base``), so a decode step costs O(1) plus
+its events. Paged memory is needed periodically: a sequence crosses a block boundary every ``block_size`` steps,
+so decoding sequences sit in ``block_size`` phase buckets and a step reserves one block per sequence of its phase
+with one call (one by one, preempting the newest, only when they do not all fit). Irregular needs (a copy-on-write,
+a contiguous region overflow) go into a calendar keyed by decode step. The engine asks for ``sync_every_step`` and
+then every running sequence's block table is brought up to date each step (it needs the slots); the decisions are
+the same.
 """
 from __future__ import annotations
 
@@ -22,7 +25,6 @@ from typing import Protocol
 SCHEDULING_MODES = ("prefill-first", "chunked")
 PREEMPTION_MODES = ("recompute", "swap")
 NO_EVENT = 1 << 62  # a KV length no sequence reaches: "needs no more memory"
-GROW_FAILED = -1  # KVPolicy.grow: not enough free memory, nothing changed
 STEP_LOG_COLUMNS = ("step", "num_prefill_tokens", "num_decode_seqs", "num_running", "num_waiting", "num_swapped",
                     "blocks_in_use", "cpu_blocks_in_use", "num_preempted", "num_swapped_out", "num_swapped_in",
                     "num_finished", "duration_s")
@@ -72,7 +74,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "group", "sample", "prompt_len", "final_len", "kv_len_base", "step_base", "epoch",
                  "num_computed", "cached_tokens", "region", "synced_len", "final_block_counted", "final_block_slack",
-                 "shared_block", "status", "data")
+                 "shared_block", "status", "phase", "periodic_first", "periodic_last", "boundary_pending", "data")
 
     def __init__(self, seq_id, group: "SequenceGroup", sample: int, prompt_len: int, final_len: int, data=None):
         self.seq_id, self.group, self.sample, self.data = seq_id, group, sample, data
@@ -82,6 +84,9 @@ class Sequence:
         self.final_block_counted, self.final_block_slack = False, 0
         self.shared_block = -1  # a partly filled block it shares with forks (paged accounting), else -1
         self.status = "waiting"
+        self.phase = -1  # its phase bucket while it needs periodic blocks, else -1
+        self.periodic_first = self.periodic_last = -1  # decode steps of its first and last periodic block
+        self.boundary_pending = False  # in the slow path: its block for this step is not reserved yet
 
 
 class SequenceGroup:
@@ -171,11 +176,15 @@ class KVPolicy(Protocol):
     capacity: int  # token slots
     supports_swap: bool
     copied_tokens: int  # KV tokens copied within the device so far (grow-by-copy)
+    block_period: int  # tokens between periodic needs (a block each), 0 for none
 
     def can_ever_fit(self, final_len: int) -> bool: ...
     def admit(self, seqs: list[Sequence], token_ids: list[int] | None) -> bool: ...
     def next_event_position(self, seq: Sequence) -> int: ...
-    def grow(self, seq: Sequence, kv_len: int, alone: bool) -> int: ...
+    def periodic_start(self, seq: Sequence) -> int: ...
+    def reserve(self, count: int) -> bool: ...
+    def final_block_reserved(self, seq: Sequence) -> None: ...
+    def grow(self, seq: Sequence, kv_len: int, alone: bool) -> bool: ...
     def sync(self, seq: Sequence, kv_len: int) -> None: ...
     def release(self, seq: Sequence, kv_len: int) -> None: ...
     def preempt(self, seq: Sequence, kv_len: int) -> None: ...
@@ -206,6 +215,9 @@ class Scheduler:
         self.step = 0  # decode steps so far
         self.num_steps = 0
         self.memory_calendar: dict[int, list] = {}  # decode step -> [(seq, epoch)] needing memory then
+        self.period = policy.block_period
+        self.phase_buckets: list[dict] = [{} for _ in range(self.period)]  # step % period -> {seq_id: seq}
+        self.periodic_ends: dict[int, list] = {}  # decode step -> [(seq, epoch)] getting their last block then
         self.len_offset = 0  # sum over running of (kv_len_base - step_base)
         self.num_waiting_seqs = self.num_swapped_seqs = 0
         self.num_preemptions = self.num_swaps_out = 0
@@ -325,43 +337,59 @@ class Scheduler:
         out.decode_kv_tokens = self.len_offset + len(self.running) * self.step
 
     def _reserve_decode_memory(self, out: SchedulerOutput) -> None:
-        """Process this decode step's memory events, preempting the newest sequences until they all fit."""
+        """Reserve this decode step's blocks and process its events, preempting the newest sequences until they
+        all fit."""
         step = self.step
-        events = self.memory_calendar.pop(step, None)
-        if not events:
+        if self.period:
+            bucket = self.phase_buckets[step % self.period]
+            if bucket and not self.policy.reserve(len(bucket)):
+                self._reserve_one_by_one(bucket, out)
+            if step in self.periodic_ends:
+                for seq, epoch in self.periodic_ends.pop(step):
+                    if seq.epoch == epoch and seq.phase >= 0:
+                        self._leave_bucket(seq)
+                        self.policy.final_block_reserved(seq)
+        if step not in self.memory_calendar:
             return
-        running, grow, calendar = self.running, self.policy.grow, self.memory_calendar
-        for seq, epoch in events:
+        running = self.running
+        for seq, epoch in self.memory_calendar.pop(step):
             if seq.epoch != epoch or running.get(seq.seq_id) is not seq:
                 continue
             kv_len = seq.kv_len_base + step - seq.step_base
-            position = grow(seq, kv_len, False)
-            if position == GROW_FAILED:
-                position = self._make_room(seq, kv_len, out)
-                if position == GROW_FAILED:
-                    continue  # seq itself was preempted
-            if position <= seq.final_len:  # the common case inline: schedule the next event
-                at = step + position - kv_len
-                later = calendar.get(at)
-                if later is None:
-                    calendar[at] = [(seq, epoch)]
-                else:
-                    later.append((seq, epoch))
+            if self.policy.grow(seq, kv_len, False) or self._make_room(seq, kv_len, out):
+                self._schedule_memory_event(seq)
 
-    def _make_room(self, seq: Sequence, kv_len: int, out: SchedulerOutput) -> int:
-        """Preempt the newest sequences until ``seq`` can grow to ``kv_len``; returns its next event position, or
-        ``GROW_FAILED`` when ``seq`` itself was preempted."""
+    def _reserve_one_by_one(self, bucket: dict, out: SchedulerOutput) -> None:
+        """Not every sequence of this phase gets its block: reserve in admission order, preempting the newest."""
+        for seq in bucket.values():
+            seq.boundary_pending = True
+        for seq in list(bucket.values()):
+            if not seq.boundary_pending:
+                continue  # preempted meanwhile
+            while not self.policy.reserve(1):
+                if len(self.running) == 1 and not self.prefilling:
+                    raise RuntimeError(f"sequence {seq.seq_id!r} alone cannot get a block (can_ever_fit was wrong)")
+                self._preempt(self.running[next(reversed(self.running))], out)
+                if not seq.boundary_pending:
+                    break
+            else:
+                seq.boundary_pending = False
+
+    def _make_room(self, seq: Sequence, kv_len: int, out: SchedulerOutput) -> bool:
+        """Preempt the newest sequences until ``seq`` can grow to ``kv_len``; False when ``seq`` itself was
+        preempted."""
         running = self.running
         while True:
             if len(running) == 1 and not self.prefilling:  # alone: preempting itself could never help
-                return self.policy.grow(seq, kv_len, True)
+                if not self.policy.grow(seq, kv_len, True):
+                    raise RuntimeError(f"sequence {seq.seq_id!r} alone cannot grow (can_ever_fit was wrong)")
+                return True
             victim = running[next(reversed(running))]
             self._preempt(victim, out)
             if running.get(seq.seq_id) is not seq:
-                return GROW_FAILED
-            position = self.policy.grow(seq, kv_len, False)
-            if position != GROW_FAILED:
-                return position
+                return False
+            if self.policy.grow(seq, kv_len, False):
+                return True
 
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
         """Free the victim's GPU memory: swap its whole group's running sequences to the host pool, or (recompute,
@@ -370,6 +398,8 @@ class Scheduler:
         if self.config.preemption_mode == "swap":
             group = [s for s in victim.group.seqs if self.running.get(s.seq_id) is s]
             kv_lens = [self.kv_len(s) - 1 for s in group]  # this step's token has no slot yet
+            for seq in group:
+                self._materialize(seq)
             if self.policy.can_swap_out(group, kv_lens):
                 for seq, kv_len in zip(group, kv_lens):
                     self._leave_running(seq, kv_len, release=False)
@@ -406,7 +436,7 @@ class Scheduler:
                 seq.status = "running"
                 self._enter_running(seq)
                 kv_len = self.kv_len(seq)
-                if self.policy.next_event_position(seq) <= kv_len:
+                if min(self.policy.next_event_position(seq), self.policy.periodic_start(seq)) <= kv_len:
                     self.policy.grow(seq, kv_len, False)  # room was checked by can_swap_in
                 self._schedule_memory_event(seq)
             out.swapped_in = [*out.swapped_in, *group]
@@ -478,6 +508,14 @@ class Scheduler:
         self.len_offset += seq.kv_len_base - seq.step_base
 
     def _leave_running(self, seq: Sequence, kv_len: int, release: bool = True) -> None:
+        """Take ``seq`` off the running set; ``release`` frees its memory (else the caller preempts or swaps it, so
+        its block table is completed first)."""
+        if not release:
+            self._materialize(seq)
+        if seq.phase >= 0:
+            self._leave_bucket(seq)
+        seq.periodic_first = seq.periodic_last = -1
+        seq.boundary_pending = False
         del self.running[seq.seq_id]
         self.len_offset -= seq.kv_len_base - seq.step_base
         seq.epoch += 1
@@ -485,7 +523,7 @@ class Scheduler:
             self.policy.release(seq, kv_len)
 
     def _schedule_memory_event(self, seq: Sequence) -> None:
-        """Remember the decode step at which ``seq`` reaches the KV length where it needs memory next."""
+        """Put ``seq``'s next irregular memory need into the calendar, or else its periodic needs into a bucket."""
         position = self.policy.next_event_position(seq)
         if position <= seq.final_len:
             step = seq.step_base + position - seq.kv_len_base
@@ -494,6 +532,47 @@ class Scheduler:
                 self.memory_calendar[step] = [(seq, seq.epoch)]
             else:
                 events.append((seq, seq.epoch))
+            return
+        start = self.policy.periodic_start(seq) if self.period else NO_EVENT
+        if start > seq.final_len:
+            return
+        first = seq.step_base + start - seq.kv_len_base
+        last = first + (seq.final_len - start) // self.period * self.period
+        seq.periodic_first, seq.periodic_last, seq.phase = first, last, first % self.period
+        self.phase_buckets[seq.phase][seq.seq_id] = seq
+        ends = self.periodic_ends.get(last)
+        if ends is None:
+            self.periodic_ends[last] = [(seq, seq.epoch)]
+        else:
+            ends.append((seq, seq.epoch))
+
+    def _leave_bucket(self, seq: Sequence) -> None:
+        del self.phase_buckets[seq.phase][seq.seq_id]
+        seq.phase = -1
+
+    def _reserved_len(self, seq: Sequence) -> int:
+        """KV length that ``seq``'s blocks, reserved ones included, reach at its last periodic block so far (0 when
+        none was reserved)."""
+        first = seq.periodic_first
+        if first < 0 or self.step < first:
+            return 0
+        at = first + (min(self.step, seq.periodic_last) - first) // self.period * self.period
+        if at == self.step and seq.boundary_pending:
+            at -= self.period
+            if at < first:
+                return 0
+        return seq.kv_len_base + at - seq.step_base
+
+    def _materialize(self, seq: Sequence) -> None:
+        """Hand ``seq`` the blocks reserved for it so far (its block table is then complete)."""
+        reached = self._reserved_len(seq)
+        if reached > seq.synced_len:
+            self.policy.sync(seq, reached)
+
+    def sync_all(self) -> None:
+        """Bring every running sequence's block table up to date (for views of the pool)."""
+        for seq in self.running.values():
+            self._materialize(seq)
 
     def step_log_frame(self):
         """The step log as a DataFrame with ``STEP_LOG_COLUMNS`` (empty when logging was off)."""

@@ -11,7 +11,7 @@ import bisect
 from dataclasses import dataclass
 
 from lab.kv_policy import PagedPolicy  # noqa: F401  (re-exported: the simulator's policies in one place)
-from lab.scheduler import GROW_FAILED, NO_EVENT
+from lab.scheduler import NO_EVENT
 
 CONTIGUOUS_KINDS = ("contiguous-max", "contiguous-pow2", "contiguous-oracle", "contiguous-grow")
 ALLOCATORS = (*CONTIGUOUS_KINDS, "paged")
@@ -158,6 +158,7 @@ class ContiguousPolicy:
     copying into a new region when it overflows."""
 
     supports_swap = False
+    block_period = 0  # no periodic needs: a region grows only at its own events
 
     def __init__(self, kind: str, capacity_tokens: int, max_model_len: int, address_space: str = "first-fit",
                  grow_initial_extra: int = 16):
@@ -202,9 +203,18 @@ class ContiguousPolicy:
             return NO_EVENT
         return seq.region[1] + 1
 
-    def grow(self, seq, kv_len: int, alone: bool = False) -> int:
-        """Grow by copying into a region twice as large (capped by the largest region the space can hold); returns
-        the next event position, or ``GROW_FAILED`` (nothing changed) when no such region is free. ``alone``: no
+    def periodic_start(self, seq) -> int:
+        return NO_EVENT
+
+    def reserve(self, count: int) -> bool:
+        return False
+
+    def final_block_reserved(self, seq) -> None:
+        """Never called: contiguous policies have no periodic needs."""
+
+    def grow(self, seq, kv_len: int, alone: bool = False) -> bool:
+        """Grow by copying into a region twice as large (capped by the largest region the space can hold); False
+        (nothing changed) when no such region is free. ``alone``: no
         other sequence holds memory, so the old region is released first (as a swap out and back in would) and the
         growth cannot fail."""
         new_size = min(2 * seq.region[1], max(self.max_model_len, seq.final_len), self.space.max_region())
@@ -215,12 +225,12 @@ class ContiguousPolicy:
         else:
             region = self.space.allocate(new_size)
             if region is None:
-                return GROW_FAILED
+                return False
             self._free(seq)
         seq.region = region
         self._account(seq, +1)
         self.copied_tokens += kv_len - 1
-        return self.next_event_position(seq)
+        return True
 
     def sync(self, seq, kv_len: int) -> None:
         """Nothing to tell: a region holds whatever the sequence writes into it."""

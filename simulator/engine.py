@@ -336,9 +336,8 @@ class Simulator:
         if not self.snapshot_pool:
             return snap
         if self.policy_is_paged:
-            snap.pool = self.policy.manager.snapshot()
-            if self.policy.cpu_manager is not None:
-                snap.pool.host_pool = self.policy.cpu_manager.snapshot()
+            self.scheduler.sync_all()
+            snap.pool = self.policy.pool_snapshot()
         else:
             snap.free_regions = self.policy.space.regions_free()
             snap.regions = {seq_id: seq.region for seq_id, seq in self.running.items()}

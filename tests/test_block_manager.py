@@ -349,3 +349,46 @@ def test_bad_token_ids_change_nothing():
     m.create_sequence("c", [1, 2, 3, 4, 9])
     assert m.get_block_table("c")[:2] == m.get_block_table("a")[:2]
     m.check_invariants()
+
+
+def test_reserved_blocks_evict_and_hand_out_as_eager_appends_would():
+    """Reserving is O(1) (the blocks leave the free queue lazily) but every later view and operation sees the same
+    evictions as appending those blocks one by one at once would have caused."""
+    prompts = [[100 * p + t for t in range(12)] for p in range(3)]
+
+    def warm(m):
+        for i, prompt in enumerate(prompts):  # 3 cached full blocks each, then free (LRU: prompt 0 oldest)
+            m.create_sequence(i, prompt)
+            m.release_sequence(i)
+        m.create_sequence("r", [7] * 4)
+
+    lazy, eager = KVBlockManager(10, 4, True), KVBlockManager(10, 4, True)
+    warm(lazy), warm(eager)
+    lazy.reserve_blocks(4)
+    eager.append_tokens("r", 16)  # 4 new blocks from the head of the free queue
+    assert lazy.num_free_blocks == eager.num_free_blocks == 5
+    for prompt in prompts:
+        assert lazy.can_allocate(prompt, extra_blocks=5) == eager.can_allocate(prompt, extra_blocks=5)
+    assert lazy.create_sequence("x", prompts[1]) == eager.create_sequence("x", prompts[1]) == 8
+    lazy.append_tokens("r", 16, from_reserved=True)
+    assert sorted(lazy.get_block_table("r")) == sorted(eager.get_block_table("r"))
+    assert lazy.ref_counts == eager.ref_counts and not lazy.reserved_blocks
+    lazy.check_invariants()
+
+
+def test_reservations_are_checked_and_released_with_a_sequence():
+    m = KVBlockManager(6, 4)
+    m.create_sequence("a", num_prompt_tokens=4)
+    with pytest.raises(OutOfBlocksError):
+        m.reserve_blocks(6)
+    m.reserve_blocks(2)
+    assert m.num_free_blocks == 3 and len(m.reserved_blocks) == 2
+    with pytest.raises(OutOfBlocksError):
+        m.append_tokens("a", 9, from_reserved=True)  # needs 3 reserved blocks
+    with pytest.raises(OutOfBlocksError):
+        m.release_sequence("a", 3)
+    assert m.get_sequence_length("a") == 4 and len(m.reserved_blocks) == 2
+    m.append_tokens("a", 4, from_reserved=True)
+    m.check_invariants()
+    m.release_sequence("a", 1)  # with the reserved block it never took
+    assert m.num_free_blocks == 6 and not m.reserved_blocks and not m.sequences

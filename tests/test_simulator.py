@@ -88,16 +88,17 @@ def test_paged_trajectory_equals_driving_the_block_manager_directly():
     per_token = KVBlockManager(mine.num_physical_blocks, 8, enable_prefix_caching=True)
     for name, *args in sim.policy.ops:
         getattr(bulk, name)(*args)
-        if name == "append_tokens":
+        if name == "append_tokens":  # (seq, count, token ids, from_reserved): one token at a time
             for _ in range(args[1]):
-                per_token.append_token(args[0])
+                per_token.append_tokens(args[0], 1, None, args[3])
         else:
             getattr(per_token, name)(*args)
         seq_id = args[-1] if name == "fork_sequence" else args[0]
-        if name != "release_sequence":
+        if name not in ("release_sequence", "reserve_blocks"):
             assert bulk.get_block_table(seq_id) == per_token.get_block_table(seq_id)
         assert bulk.ref_counts == per_token.ref_counts
     assert bulk.ref_counts == mine.ref_counts and bulk.num_free_blocks == mine.num_physical_blocks
+    assert any(name == "reserve_blocks" for name, *_ in sim.policy.ops) and not mine.reserved_blocks
     mine.check_invariants()
 
 

@@ -14,9 +14,7 @@ keyed by (parent content id, stream key, ``j``), O(1) per block (the simulator u
 from __future__ import annotations
 
 import numbers
-from collections import deque
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import Iterable, Sequence
 
 ROOT_CONTENT_ID = -1
@@ -304,7 +302,8 @@ class KVBlockManager:
                 ref_counts[block] = 0
             free.extend_unkeyed(tail)
         if seq.exclusive:  # every block has count 1 and no cache key: free them in bulk
-            deque(map(ref_counts.__setitem__, seq.block_table, repeat(0)), maxlen=0)
+            for block in seq.block_table:
+                ref_counts[block] = 0
             free.extend_unkeyed(reversed(seq.block_table))
             return
         for block in reversed(seq.block_table):  # tail first, so a prefix's head is reused last
@@ -691,7 +690,8 @@ class KVBlockManager:
                 if keys[block] is not None:
                     free.num_keyed -= 1
                     self._uncache(block)
-        deque(map(ref_counts.__setitem__, taken, repeat(1)), maxlen=0)  # a C loop: prompts take many blocks
+        for block in taken:
+            ref_counts[block] = 1
         return taken
 
     def _take_reserved(self, count: int) -> list[int]:

@@ -121,7 +121,7 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
         validate.check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens)
     if out is not None:
         validate.check_out(out, query)
-    scale = float(query.shape[-1] ** -0.5 if scale is None else scale)
+    scale = validate.check_scale(query.shape[-1] ** -0.5 if scale is None else scale)
     name = resolve_backend(backend, query, query.shape[-1], query.shape[1] // key_cache.shape[1],
                            (key_cache, value_cache))
     if name == "reference":

@@ -9,8 +9,23 @@ def shape_of(x) -> tuple[int, ...]:
 
 
 def check_rank(name: str, x, rank: int) -> None:
+    check_array(name, x)
     if len(x.shape) != rank:
         raise ValueError(f"{name} must have rank {rank}, got shape {shape_of(x)}")
+
+
+def check_array(name: str, x) -> None:
+    """A torch tensor or a NumPy array."""
+    if not (_is_numpy(x) or type(x).__module__.startswith("torch") and hasattr(x, "detach")):
+        raise ValueError(f"{name} must be a torch tensor or a NumPy array, got {type(x).__name__} {x!r:.60}")
+
+
+def check_scale(scale) -> float:
+    """The softmax scale as a float: a finite number > 0."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) or \
+            not np.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r:.60}")
+    return float(scale)
 
 
 def check_cache_pair(key_cache, value_cache) -> tuple[int, int, int, int]:
@@ -129,7 +144,7 @@ def check_used_blocks(block_tables: np.ndarray, seq_lens: np.ndarray, block_size
 
 def as_block_pairs(block_mapping) -> np.ndarray:
     """``(src, dst)`` integer pairs (a list, an array or a tensor) as int64 NumPy ``[n, 2]``."""
-    raw = to_numpy(block_mapping)
+    raw = to_numpy(block_mapping, "block_mapping")
     if raw.size == 0:
         return np.zeros((0, 2), np.int64)
     if raw.dtype.kind not in "iu" or raw.ndim > 2 or raw.shape[-1] != 2 or (raw.ndim == 1 and raw.size != 2):
@@ -175,11 +190,15 @@ def check_same_device(name: str, x, ref) -> None:
         raise ValueError(f"{name} is on {x.device} but key_cache is on {ref.device}")
 
 
-def to_numpy(x) -> np.ndarray:
+def to_numpy(x, name: str = "argument") -> np.ndarray:
     if _is_numpy(x):
         return x
     if isinstance(x, (list, tuple)):
-        return np.asarray(x)
+        try:
+            return np.asarray(x)
+        except (ValueError, TypeError, OverflowError):
+            raise ValueError(f"{name} must be a rectangular list of integers, got {x!r:.60}") from None
+    check_array(name, x)
     return x.detach().cpu().numpy()
 
 

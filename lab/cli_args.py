@@ -25,19 +25,12 @@ def positive_ints(text: str) -> tuple[int, ...]:
 
 def device(text: str) -> str:
     """``cpu`` or ``cuda[:N]`` for a GPU this machine has."""
-    import torch
+    from .hardware import check_device
 
-    if text == "cpu":
-        return text
-    if text.split(":")[0] != "cuda":
-        raise argparse.ArgumentTypeError(f"expected cpu or cuda[:N], got {text!r}")
-    if not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}: this machine has no CUDA device (torch sees none)")
     try:
-        torch.device(text)
-    except RuntimeError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
-    return text
+        return check_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def output_csv(text: str) -> str:

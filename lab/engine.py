@@ -13,16 +13,26 @@ import math
 import numbers
 import resource
 import time
+from collections import abc
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
 import pandas as pd
 import torch
 
+import kernels
+
+from .checks import check_bool, check_choice, check_int, check_real
+from .hardware import check_device
 from .kv_policy import PagedPolicy
 from .model import PagedQwen3, load_hf_model
 from .scheduler import (Scheduler, SchedulerConfig, Sequence as SchedSequence, SequenceGroup,
                         StepStats)
+
+
+MAX_BLOCKS = 1 << 24  # a KV pool larger than this is a typo, not a GPU
+MAX_TEMPERATURE = 1e4  # past this every token is equally likely to within float precision
 
 
 @dataclass(slots=True)
@@ -40,30 +50,26 @@ class SamplingParams:
 
     def check(self) -> None:
         """Raise ``SamplingParamsError`` (a ``ValueError``) naming the first field of a wrong type or out of range."""
-        integers = (("max_tokens", 1), ("top_k", 0), ("n", 1))
-        for name, low in integers:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-                raise SamplingParamsError(f"SamplingParams.{name}={value!r}: expected an integer >= {low}")
-        for name, low, high, low_open in (("temperature", 0.0, math.inf, False), ("top_p", 0.0, 1.0, True)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
-                    or value > high or value < low or (low_open and value == low):
-                allowed = "a finite number >= 0" if name == "temperature" else "a number in (0, 1]"
-                raise SamplingParamsError(f"SamplingParams.{name}={value!r}: expected {allowed}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
-                                      or not 0 <= self.seed < 2**63):
-            raise SamplingParamsError(f"SamplingParams.seed={self.seed!r}: expected None or an integer in [0, 2**63)")
+        owner, error = "SamplingParams", SamplingParamsError
+        check_int(owner, "max_tokens", self.max_tokens, 1, error=error)  # the scheduler checks it against the model
+        check_int(owner, "top_k", self.top_k, 0, error=error)
+        check_int(owner, "n", self.n, 1, error=error)
+        check_real(owner, "temperature", self.temperature, 0.0, MAX_TEMPERATURE, error=error)
+        check_real(owner, "top_p", self.top_p, 0.0, 1.0, low_open=True, error=error)
+        check_int(owner, "seed", self.seed, 0, 2**63 - 1, optional=True, error=error)
         stops = self.stop_token_ids
         if not isinstance(stops, (tuple, list)) or any(isinstance(t, bool) or not isinstance(t, numbers.Integral)
                                                        for t in stops):
-            raise SamplingParamsError(f"SamplingParams.stop_token_ids={stops!r}: expected a tuple of token ids")
-        if not isinstance(self.ignore_eos, bool):
-            raise SamplingParamsError(f"SamplingParams.ignore_eos={self.ignore_eos!r}: expected True or False")
+            raise error(f"SamplingParams.stop_token_ids={stops!r}: expected a tuple of token ids")
+        check_bool(owner, "ignore_eos", self.ignore_eos, error=error)
 
 
 class SamplingParamsError(ValueError):
     """A ``SamplingParams`` field has a wrong type or value; nothing was queued."""
+
+
+class PromptError(ValueError):
+    """A prompt is not a non-empty string or sequence of token ids in the vocabulary; nothing was queued."""
 
 
 @dataclass(slots=True)
@@ -85,6 +91,9 @@ class RequestOutput:
     @property
     def text(self) -> str | None:
         return self.texts[0] if self.texts else None
+
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(slots=True)
@@ -118,18 +127,24 @@ class EngineConfig:
     def check(self) -> None:
         """Raise ``EngineConfigError`` or ``SchedulerError`` (both ``ValueError``) naming the first field of a wrong
         type or out of range."""
-        for name, low, optional in (("block_size", 1, False), ("num_blocks", 1, True), ("num_cpu_blocks", 0, False),
-                                    ("swap_space_bytes", 0, False), ("max_model_len", 1, True),
-                                    ("kv_memory_bytes", 1, False), ("seed", 0, False)):
-            value = getattr(self, name)
-            if value is None and optional:
-                continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-                raise EngineConfigError(f"EngineConfig.{name}={value!r}: expected an integer >= {low}"
-                                        + (" or None" if optional else ""))
-        utilization = self.gpu_memory_utilization
-        if isinstance(utilization, bool) or not isinstance(utilization, numbers.Real) or not 0 < utilization <= 1:
-            raise EngineConfigError(f"EngineConfig.gpu_memory_utilization={utilization!r}: expected a number in (0, 1]")
+        owner, error = "EngineConfig", EngineConfigError
+        for name, low, high, optional in (("block_size", 1, 1 << 16, False), ("num_blocks", 1, MAX_BLOCKS, True),
+                                          ("num_cpu_blocks", 0, MAX_BLOCKS, False), ("swap_space_bytes", 0, 1 << 50, False),
+                                          ("max_model_len", 1, 1 << 31, True), ("kv_memory_bytes", 1, 1 << 50, False),
+                                          ("seed", 0, 2**63 - 1, False)):
+            check_int(owner, name, getattr(self, name), low, high, optional, error)
+        check_real(owner, "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True, error=error)
+        for name in ("enable_prefix_caching", "record_logits"):
+            check_bool(owner, name, getattr(self, name), error)
+        check_choice(owner, "attention_backend", self.attention_backend, ("auto", *kernels.BACKENDS), error)
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise EngineConfigError(f"EngineConfig.dtype={self.dtype!r}: expected None or one of "
+                                    f"{', '.join(map(str, DTYPES))}")
+        if self.device is not None:
+            try:
+                check_device(self.device)
+            except ValueError as exc:
+                raise EngineConfigError(f"EngineConfig.device: {exc}") from None
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling, self.preemption_mode).check()
 
 
@@ -159,7 +174,7 @@ class _SeqState:
         seed = request.params.seed
         self.generator = None
         if seed is not None and request.params.temperature > 0:
-            self.generator = torch.Generator(device=device).manual_seed(seed + sample)
+            self.generator = torch.Generator(device=device).manual_seed((seed + sample) % (1 << 63))
         self.logits: list[torch.Tensor] | None = None
 
     @property
@@ -268,7 +283,9 @@ class LLMEngine:
         return request.request_id
 
     def _make_request(self, prompt, params) -> _Request:
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise SamplingParamsError(f"params must be a SamplingParams (or None), got {params!r}")
         params.check()
         prompt_ids = self._encode(prompt)
         self.scheduler.check_request(len(prompt_ids), params.max_tokens, params.n)
@@ -292,14 +309,20 @@ class LLMEngine:
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer; this model has none (pass token ids)")
+                raise PromptError("string prompts need a tokenizer; this model has none (pass token ids)")
             prompt = self.tokenizer.encode(prompt)
+        if isinstance(prompt, (torch.Tensor, np.ndarray)):
+            prompt = prompt.tolist()
+        if isinstance(prompt, (bytes, dict, set)) or not isinstance(prompt, abc.Sequence):
+            raise PromptError(f"a prompt must be a string or a sequence of token ids, got {prompt!r:.80}")
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in prompt):
+            raise PromptError(f"prompt token ids must be integers, got {list(prompt)!r:.80}")
         ids = [int(t) for t in prompt]
         if not ids:
-            raise ValueError("prompt is empty")
+            raise PromptError("prompt is empty")
         vocab = self.hf_model.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
+            raise PromptError(f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
         return ids
 
     def has_unfinished(self) -> bool:
@@ -309,6 +332,10 @@ class LLMEngine:
                  None = None, progress: bool = False) -> list[RequestOutput]:
         """Run prompts to completion; one ``RequestOutput`` per prompt, in order. Every prompt is checked before
         any is queued."""
+        if isinstance(prompts, (str, bytes, dict, set)) or not isinstance(prompts, abc.Sequence):
+            raise PromptError(f"prompts must be a list of prompts, got {prompts!r:.80}")
+        if not (params is None or isinstance(params, (SamplingParams, list, tuple))):
+            raise SamplingParamsError(f"params must be a SamplingParams, a list of them or None, got {params!r:.80}")
         many = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(many) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(many)} SamplingParams")
@@ -392,7 +419,7 @@ class LLMEngine:
         params = state.request.params
         if params.temperature == 0:
             return int(torch.argmax(logits))
-        logits = logits / params.temperature
+        logits = logits / float(params.temperature)
         if params.top_k:
             kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

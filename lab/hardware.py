@@ -8,6 +8,25 @@ from pathlib import Path
 import pandas as pd
 
 
+def check_device(name) -> str:
+    """``name`` if it is ``cpu`` or ``cuda[:N]`` for a GPU this machine has, else ``ValueError`` saying why."""
+    import torch
+
+    if name == "cpu":
+        return name
+    if not isinstance(name, str) or name.split(":")[0] != "cuda":
+        raise ValueError(f"expected cpu or cuda[:N], got {name!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"{name!r}: this machine has no CUDA device (torch sees none)")
+    try:
+        index = torch.device(name).index
+    except RuntimeError as exc:
+        raise ValueError(f"{name!r}: {exc}") from None
+    if index is not None and index >= torch.cuda.device_count():
+        raise ValueError(f"{name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return name
+
+
 def cpu_name() -> str:
     """The CPU model (from /proc/cpuinfo on Linux), else what ``platform`` reports."""
     try:

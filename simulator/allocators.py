@@ -133,6 +133,9 @@ class BuddySpace:
         return sorted((s, 1 << o) for o, starts in self.free_by_order.items() for s in starts)
 
 
+ADDRESS_SPACES = ("first-fit", "buddy")
+
+
 def make_space(kind: str, capacity: int):
     """``first-fit`` or ``buddy`` address space."""
     if kind == "first-fit":

@@ -7,8 +7,6 @@ keeps sequence lengths implicit and a calendar of memory events; the simulator k
 """
 from __future__ import annotations
 
-import math
-import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -16,14 +14,19 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
+from lab.checks import check_bool, check_choice, check_int, check_real
 from lab.kv_policy import PagedPolicy
 from lab.scheduler import (PREEMPTION_MODES, SCHEDULING_MODES, RequestRejectedError, Scheduler,
                            SchedulerConfig, Sequence, SequenceGroup)
 
-from .allocators import ALLOCATORS, ContiguousPolicy
+from .allocators import ADDRESS_SPACES, ALLOCATORS, ContiguousPolicy
 from .metrics import MetricsRecorder, latency_summary
 from .models import CostModel, GiB, get_gpu, get_model, kv_capacity_tokens, override
 from .workloads import Workload
+
+
+MAX_BLOCKS = 1 << 24  # blocks a paged pool may have (each is tracked: ~16.7 M, ~1 GB of Python lists)
+MAX_CAPACITY_TOKENS = 1 << 40
 
 
 @dataclass(slots=True)
@@ -90,6 +93,9 @@ def build_policy(config: SimConfig, capacity_tokens: int):
         num_blocks = capacity_tokens // config.block_size
         if num_blocks < 1:
             raise ValueError(f"capacity of {capacity_tokens} tokens holds no block of {config.block_size}")
+        if max(num_blocks, config.num_cpu_blocks) > MAX_BLOCKS:
+            raise ValueError(f"a pool of {max(num_blocks, config.num_cpu_blocks)} blocks is more than the simulator "
+                             f"tracks ({MAX_BLOCKS}); use a larger block size or a smaller capacity")
         cpu_blocks = config.num_cpu_blocks or (num_blocks if config.preemption_mode == "swap" else 0)
         return PagedPolicy(num_blocks, config.block_size, config.enable_prefix_caching, cpu_blocks)
     if config.preemption_mode == "swap":
@@ -113,24 +119,26 @@ def resolve_capacity(config: SimConfig) -> tuple[int, CostModel]:
 
 
 def _check_config(config: SimConfig) -> None:
-    if config.scheduling not in SCHEDULING_MODES:
-        raise ValueError(f"scheduling must be one of {', '.join(SCHEDULING_MODES)}; got {config.scheduling!r}")
-    if config.preemption_mode not in PREEMPTION_MODES:
-        raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; "
-                         f"got {config.preemption_mode!r}")
-    integers = [(name, 1) for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                                       "max_points", "grow_initial_extra")] + [("num_cpu_blocks", 0)]
-    if config.capacity_tokens is not None:
-        integers.append(("capacity_tokens", 1))
-    for name, low in integers:
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-            raise ValueError(f"SimConfig.{name}={value!r}: expected an integer >= {low}")
-    for name in ("gpu_memory_utilization", "activation_reserve_bytes", "flops_efficiency", "bandwidth_efficiency",
-                 "step_overhead_s"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"SimConfig.{name}={value!r}: expected a finite number >= 0")
+    """Raise ``ValueError`` naming the first field of a wrong type or out of range (before anything is built)."""
+    owner, big = "SimConfig", 1 << 31
+    check_choice(owner, "scheduling", config.scheduling, SCHEDULING_MODES)
+    check_choice(owner, "preemption_mode", config.preemption_mode, PREEMPTION_MODES)
+    check_choice(owner, "allocator", config.allocator, ALLOCATORS)
+    check_choice(owner, "address_space", config.address_space, ADDRESS_SPACES)
+    for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_points",
+                 "grow_initial_extra"):
+        check_int(owner, name, getattr(config, name), 1, big)
+    check_int(owner, "num_cpu_blocks", config.num_cpu_blocks, 0, MAX_BLOCKS)
+    check_int(owner, "capacity_tokens", config.capacity_tokens, 1, MAX_CAPACITY_TOKENS, optional=True)
+    for name in ("enable_prefix_caching", "record_steps"):
+        check_bool(owner, name, getattr(config, name))
+    for name in ("gpu_memory_utilization", "flops_efficiency", "bandwidth_efficiency"):
+        check_real(owner, name, getattr(config, name), 0.0, 1.0, low_open=True)
+    check_real(owner, "activation_reserve_bytes", config.activation_reserve_bytes, 0.0, 1e18)
+    check_real(owner, "step_overhead_s", config.step_overhead_s, 0.0, 1e6)
+    for name in ("model_overrides", "gpu_overrides"):
+        if not isinstance(getattr(config, name), dict):
+            raise ValueError(f"SimConfig.{name}={getattr(config, name)!r}: expected a dict of spec fields")
 
 
 def scheduler_config(config: SimConfig) -> SchedulerConfig:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,19 +98,42 @@ def get_gpu(name_or_spec) -> GPUSpec:
 def _preset(name_or_spec, kind: type, presets: dict, noun: str):
     if isinstance(name_or_spec, kind):
         return name_or_spec
-    key = str(name_or_spec).lower()
+    if not isinstance(name_or_spec, str):
+        raise ValueError(f"{noun} must be a preset name or a {kind.__name__}; got {name_or_spec!r}; "
+                         f"presets: {', '.join(presets)}")
+    key = name_or_spec.lower()
     if key not in presets:
         raise ValueError(f"unknown {noun} {name_or_spec!r}; presets: {', '.join(presets)}")
     return presets[key]
 
 
 def override(spec, **changes):
-    """A copy of a model or GPU spec with some fields replaced (None values are ignored)."""
+    """A copy of a model or GPU spec with some fields replaced (None values are ignored). Numbers must be finite
+    and positive (integers where the field is one); ``ValueError`` names the field otherwise."""
     changes = {k: v for k, v in changes.items() if v is not None}
-    unknown = set(changes) - {f.name for f in dataclasses.fields(spec)}
+    kinds = {f.name: type(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
+    unknown = set(changes) - set(kinds)
     if unknown:
-        raise ValueError(f"unknown {type(spec).__name__} field(s): {', '.join(sorted(unknown))}")
+        raise ValueError(f"unknown {type(spec).__name__} field(s): {', '.join(sorted(map(str, unknown)))}")
+    for name, value in changes.items():
+        _check_field(type(spec).__name__, name, kinds[name], value)
     return dataclasses.replace(spec, **changes)
+
+
+def _check_field(owner: str, name: str, kind: type, value) -> None:
+    if kind is str:
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{owner}.{name}={value!r}: expected a non-empty string")
+        return
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{owner}.{name}={value!r}: expected True or False")
+        return
+    number = numbers.Integral if kind is int else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, number) or not math.isfinite(value) or value <= 0 \
+            or value > 1e30:
+        allowed = "an integer" if kind is int else "a number"
+        raise ValueError(f"{owner}.{name}={value!r}: expected {allowed} > 0")
 
 
 def kv_capacity_tokens(model: ModelSpec, gpu: GPUSpec, gpu_memory_utilization: float = 0.9,

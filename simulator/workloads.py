@@ -12,7 +12,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from lab.checks import check_choice, check_int, check_real
+
 MOONCAKE_BLOCK_TOKENS = 512
+MAX_TRACE_TOKENS = 2**31 - 1  # a length in a trace must fit int32
 SYNTHETIC_PRESETS = ("sharegpt", "alpaca", "random", "fixed")
 
 
@@ -128,15 +131,15 @@ def arrival_times(rng: np.random.Generator, count: int, rate: float, burstiness:
 
 
 def _check_spec(spec: SyntheticSpec) -> None:
-    if spec.preset not in SYNTHETIC_PRESETS:
-        raise ValueError(f"workload preset must be one of {', '.join(SYNTHETIC_PRESETS)}; got {spec.preset!r}")
-    checks = [("num_requests", spec.num_requests >= 1), ("rate", spec.rate > 0), ("burstiness", spec.burstiness > 0),
-              ("n", spec.n >= 1), ("shared_prefix_tokens", spec.shared_prefix_tokens >= 0),
-              ("input_len", spec.input_len >= 1), ("output_len", spec.output_len >= 1),
-              ("range_ratio", 0 <= spec.range_ratio < 1)]
-    for name, ok in checks:
-        if not ok:
-            raise ValueError(f"{name}={getattr(spec, name)!r} is out of range")
+    owner, big = "SyntheticSpec", 10**7
+    check_choice(owner, "preset", spec.preset, SYNTHETIC_PRESETS)
+    for name, low, high in (("num_requests", 1, big), ("n", 1, 1024), ("shared_prefix_tokens", 0, big),
+                            ("input_len", 1, big), ("output_len", 1, big), ("seed", 0, 2**63 - 1)):
+        check_int(owner, name, getattr(spec, name), low, high)
+    check_int(owner, "max_model_len", spec.max_model_len, 2, 2**31, optional=True)
+    check_real(owner, "rate", spec.rate, 0.0, low_open=True, allow_inf=True)
+    check_real(owner, "burstiness", spec.burstiness, 0.0, 1e6, low_open=True)
+    check_real(owner, "range_ratio", spec.range_ratio, 0.0, 0.999)
     if spec.max_model_len is not None and spec.max_model_len <= spec.shared_prefix_tokens + 1:
         raise ValueError(f"max_model_len={spec.max_model_len} leaves no room after the shared prefix")
 
@@ -172,10 +175,8 @@ def load_trace(path: str | Path, time_scale: float = 1.0, max_rows: int | None =
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"trace file not found: {path}")
-    if not time_scale > 0:
-        raise ValueError(f"time_scale must be > 0, got {time_scale}")
-    if max_rows is not None and max_rows < 1:
-        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    check_real("load_trace", "time_scale", time_scale, 0.0, 1e9, low_open=True)
+    check_int("load_trace", "max_rows", max_rows, 1, optional=True)
     fmt = fmt or detect_format(path)
     loaders = {"azure": _load_azure, "mooncake": _load_mooncake, "generic": _load_generic}
     if fmt not in loaders:
@@ -249,6 +250,11 @@ def _integer_lengths(path: Path, values: np.ndarray, column: str, first_row: int
     if bad.any():
         row = int(np.argmax(bad))
         raise TraceFormatError(f"{path}: row {row + first_row}, column {column}: {values[row]:g} is not a whole number")
+    bad = values > MAX_TRACE_TOKENS
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise TraceFormatError(f"{path}: row {row + first_row}, column {column}: {values[row]:g} tokens is more than "
+                               f"{MAX_TRACE_TOKENS} (int32)")
     return values.astype(np.int64)
 
 
@@ -319,10 +325,14 @@ def _mooncake_record(path: Path, line_no: int, line: str):
         if value < 0 or (positive and value == 0) or (column != "timestamp" and value != int(value)):
             raise TraceFormatError(f"{path}: row {line_no}, column {column}: {value!r} must be a "
                                    f"{'positive whole number' if positive else 'number >= 0'}")
+        if column != "timestamp" and value > MAX_TRACE_TOKENS:
+            raise TraceFormatError(f"{path}: row {line_no}, column {column}: {value!r} tokens is more than "
+                                   f"{MAX_TRACE_TOKENS} (int32)")
         values.append(value)
     hash_ids = record.get("hash_ids")
     expected = math.ceil(values[1] / MOONCAKE_BLOCK_TOKENS)
-    if not isinstance(hash_ids, list) or len(hash_ids) != expected or not all(isinstance(h, int) for h in hash_ids):
-        raise TraceFormatError(f"{path}: row {line_no}, column hash_ids: expected {expected} integer block ids for "
+    if not isinstance(hash_ids, list) or len(hash_ids) != expected or \
+            not all(type(h) is int and -2**63 <= h < 2**63 for h in hash_ids):
+        raise TraceFormatError(f"{path}: row {line_no}, column hash_ids: expected {expected} int64 block ids for "
                                f"input_length {int(values[1])}")
     return values[0], int(values[1]), int(values[2]), hash_ids

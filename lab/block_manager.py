@@ -53,6 +53,7 @@ class SequenceBlocks:
     block_table: list[int] = field(default_factory=list)
     num_tokens: int = 0
     partial_token_ids: list[int] | None = None  # tokens of the trailing partial block; None when unknown
+    known_tokens: list[int] | None = None  # all its tokens while partial_token_ids is tracked (for invariants)
     parent_content_id: int = ROOT_CONTENT_ID  # content id of the last full block
     exclusive: bool = False  # True while no block can have another holder (never forked, hit or cached)
     stream_key: object = None  # content known as (stream key, position) for its first stream_blocks full blocks
@@ -252,6 +253,8 @@ class KVBlockManager:
             seq.block_table.append(block)
             seq.parent_content_id = self._block_content_ids[block]
         seq.exclusive = not hits and seq.partial_token_ids is None
+        if seq.partial_token_ids is not None:
+            seq.known_tokens = token_ids[:len(hits) * self.block_size]
         seq.num_tokens = len(hits) * self.block_size
         self._record_prefix_lookup(num_tokens if token_ids is not None or stream else None, len(hits))
         self._grow(seq, num_tokens - seq.num_tokens, token_ids[seq.num_tokens:] if token_ids is not None else None)
@@ -281,7 +284,8 @@ class KVBlockManager:
             self.ref_counts[block] += 1
         parent.exclusive = False
         partial = list(parent.partial_token_ids) if parent.partial_token_ids is not None else None
-        self.sequences[child_id] = SequenceBlocks(list(parent.block_table), parent.num_tokens, partial,
+        known = list(parent.known_tokens) if parent.known_tokens is not None else None
+        self.sequences[child_id] = SequenceBlocks(list(parent.block_table), parent.num_tokens, partial, known,
                                                   parent.parent_content_id)
 
     def release_sequence(self, seq_id, num_reserved: int = 0) -> None:
@@ -518,6 +522,26 @@ class KVBlockManager:
         assert set(queued) == {b for b, count in enumerate(self.ref_counts) if count == 0}, "free queue vs counts"
         for key, block in self._cached_blocks.items():
             assert self._block_keys[block] == key, f"cache entry of block {block} disagrees with its key"
+        for seq_id, seq in self.sequences.items():
+            self._check_cached_tokens(seq_id, seq)
+
+    def _check_cached_tokens(self, seq_id, seq: SequenceBlocks) -> None:
+        """Every cached full block of a sequence whose tokens are known is keyed by exactly those tokens, after the
+        content of the block before it."""
+        if seq.known_tokens is None:
+            return
+        assert len(seq.known_tokens) == seq.num_tokens, f"{seq_id!r}: {len(seq.known_tokens)} known tokens"
+        size, keys, content_ids = self.block_size, self._block_keys, self._block_content_ids
+        for index, block in enumerate(seq.block_table[:seq.num_tokens // size]):
+            key = keys[block]
+            if key is None or key[1] is _STREAM:
+                continue
+            tokens = tuple(seq.known_tokens[index * size:(index + 1) * size])
+            assert key[1] == tokens, f"{seq_id!r}: block {block} is cached under other tokens than it holds"
+            previous = seq.block_table[index - 1] if index else None
+            if previous is None or keys[previous] is not None:
+                parent = ROOT_CONTENT_ID if previous is None else content_ids[previous]
+                assert key[0] == parent, f"{seq_id!r}: block {block} is cached after another prefix"
 
     def invariants_ok(self) -> bool:
         """True when every pool invariant holds (see ``check_invariants``)."""
@@ -636,17 +660,19 @@ class KVBlockManager:
             seq.num_tokens += take
             if seq.partial_token_ids is not None:
                 if token_ids is None:
-                    seq.partial_token_ids = None
+                    seq.partial_token_ids = seq.known_tokens = None
                 else:
                     seq.partial_token_ids.extend(token_ids[done:done + take])
+                    seq.known_tokens.extend(token_ids[done:done + take])
                     self._maybe_register_full_block(seq)
             done += take
 
     def _track_token(self, seq: SequenceBlocks, token_id) -> None:
         if token_id is None:
-            seq.partial_token_ids = None  # tokens unknown from here on: this sequence's blocks are never cached
+            seq.partial_token_ids = seq.known_tokens = None  # tokens unknown from here on: never cached
             return
         seq.partial_token_ids.append(int(token_id))
+        seq.known_tokens.append(int(token_id))
         self._maybe_register_full_block(seq)
 
     def _maybe_register_full_block(self, seq: SequenceBlocks) -> None:

@@ -111,7 +111,7 @@ def override(spec, **changes):
     """A copy of a model or GPU spec with some fields replaced (None values are ignored). Numbers must be finite
     and positive (integers where the field is one); ``ValueError`` names the field otherwise."""
     changes = {k: v for k, v in changes.items() if v is not None}
-    kinds = {f.name: type(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
+    kinds = {f.name: {"int": int, "float": float, "str": str, "bool": bool}[str(f.type)] for f in dataclasses.fields(spec)}
     unknown = set(changes) - set(kinds)
     if unknown:
         raise ValueError(f"unknown {type(spec).__name__} field(s): {', '.join(sorted(map(str, unknown)))}")

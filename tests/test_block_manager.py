@@ -392,3 +392,20 @@ def test_reservations_are_checked_and_released_with_a_sequence():
     m.check_invariants()
     m.release_sequence("a", 1)  # with the reserved block it never took
     assert m.num_free_blocks == 6 and not m.reserved_blocks and not m.sequences
+
+
+def test_invariants_catch_a_block_cached_under_other_tokens():
+    """The bug class of a half-applied append: a block whose cache key names tokens it does not hold would hand a
+    wrong prefix to a later prompt. ``invariants_ok`` compares every cached block's key with its tokens."""
+    m = KVBlockManager(8, 2, enable_prefix_caching=True)
+    m.create_sequence("a", [1, 2, 3, 4, 5])
+    m.append_token("a", 6)
+    assert m.invariants_ok()
+    first, second = m.get_block_table("a")[:2]
+    key_first, key_second = m._block_keys[first], m._block_keys[second]
+    wrong = (key_second[0], (9, 9))  # block 2 claims tokens (9, 9)
+    del m._cached_blocks[key_second]
+    m._cached_blocks[wrong], m._block_keys[second] = second, wrong
+    with pytest.raises(AssertionError, match="cached under other tokens"):
+        m.check_invariants()
+    assert not m.invariants_ok() and key_first is not None

@@ -180,3 +180,59 @@ def test_runtime_page_runs_chunked_prefill_with_swap_preemption(downloads):
     assert run.summary["swap_outs"] > 0 and len(run.requests) == 12
     steps = run.steps
     assert steps["num_prefill_tokens"].max() <= 32 and steps["cpu_blocks_in_use"].max() > 0
+
+
+BAD_UPLOADS = [("empty.csv", b""), ("binary.csv", b"\x00\xff\xfe\x01"), ("huge.csv",
+               b"arrival_time_s,prompt_tokens,output_tokens\n0,99999999999,5\n"),
+               ("broken.jsonl", b'{"timestamp": 0}\n'), ("nan.csv", b"arrival_time_s,prompt_tokens,output_tokens\nnan,4,5\n")]
+
+
+@pytest.mark.parametrize("name,data", BAD_UPLOADS, ids=[n for n, _ in BAD_UPLOADS])
+def test_memory_simulator_bad_uploads_show_an_error_naming_the_file(name, data):
+    app = open_page("memory_simulator")
+    app.radio[0].set_value("upload a trace").run()
+    app.file_uploader[0].upload(name, data, "text/csv")
+    app.run()
+    assert not app.exception and any(name in e.value for e in app.error), [e.value for e in app.error]
+
+
+@pytest.mark.parametrize("files", [{"config.json": b"[1, 2]"}, {"config.json": b"{not json"},
+                                   {"config.json": b"{}", "model.safetensors": b"garbage"}],
+                         ids=["config-not-an-object", "config-not-json", "corrupt-weights"])
+def test_runtime_page_bad_checkpoint_shows_an_error(tmp_path, files):
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    app = open_page("runtime")
+    app.text_input[0].set_value(str(tmp_path))
+    app.button(key="run").click().run()
+    assert not app.exception and any("CheckpointError" in e.value for e in app.error), [e.value for e in app.error]
+
+
+@pytest.mark.parametrize("source", ["simulator (paged)", "runtime engine"])
+def test_block_pool_extreme_settings_run_or_explain(source):
+    """The smallest pool with the largest shared prefix and samples: requests that can never fit are reported, the
+    rest run; no traceback."""
+    app = open_page("block_pool")
+    app.radio[0].set_value(source)
+    app.slider(key="num_blocks").set_value(16)
+    app.select_slider[0].set_value(1)  # block size 1: 16 token slots in all
+    app.slider[3].set_value(256)  # shared prefix longer than the pool
+    app.button(key="run").click().run()
+    assert not app.exception
+    assert app.error or app.warning, "a pool too small for every request must say so"
+
+
+def test_kernel_lab_extremes_run_cleanly():
+    app = open_page("kernel_lab")
+    app.select_slider[0].set_value(1)
+    app.slider[0].set_value(1)
+    app.button(key="run").click().run()
+    clean(app)
+
+
+@pytest.mark.parametrize("data", [b"", b"\x00\x01\x02", b"a,b\n1\n2,3,4,5\n"], ids=["empty", "binary", "ragged"])
+def test_benchmarks_page_bad_csv_shows_an_error(data):
+    app = open_page("benchmarks")
+    app.file_uploader[0].upload("bad.csv", data, "text/csv")
+    app.run()
+    assert not app.exception and any("bad.csv" in e.value for e in app.error), [e.value for e in app.error]

@@ -1,4 +1,6 @@
 """The benchmarks run end to end on tiny shapes and the CLI writes their CSVs."""
+from pathlib import Path
+
 import pandas as pd
 import pytest
 
@@ -84,6 +86,49 @@ BAD_INVOCATIONS = [
     ("lab", ["generate", "--out", "/proc/version/m.csv"], "cannot write"),
     ("lab", ["bench", "block-manager", "--out", "tests"], "is a folder"),
 ]
+
+
+BAD_FILES = {  # {name} in an argv below is replaced by the path of a file with this content
+    "bad_trace": b"arrival_time_s,prompt_tokens,output_tokens\n0,12,x\n",
+    "huge_trace": b"arrival_time_s,prompt_tokens,output_tokens\n0,99999999999,5\n",
+    "binary_trace": b"\x00\xff\xfe junk \x01",
+    "bad_jsonl": b'{"timestamp": 0, "input_length": 10}\n',
+    "bad_kernel_csv": b"kernel,backend\nx,torch\n",
+    "bad_config/config.json": b"[1, 2, 3]",
+    "bad_weights/config.json": b"{}",
+    "bad_weights/model.safetensors": b"not a safetensors file",
+}
+BAD_FILE_INVOCATIONS = [
+    ("simulator", ["--workload", "{bad_trace}.csv"], "row 2"),
+    ("simulator", ["--workload", "{huge_trace}.csv"], "int32"),
+    ("simulator", ["--workload", "{binary_trace}.csv"], "binary_trace"),
+    ("simulator", ["--workload", "{bad_jsonl}.jsonl"], "row 1"),
+    ("simulator", ["--kernel-csv", "{bad_kernel_csv}", "--num-requests", "3"], "bad_kernel_csv"),
+    ("lab", ["generate", "--model", "{bad_config}", "--num-prompts", "1"], "config.json"),
+    ("lab", ["generate", "--model", "{bad_weights}", "--num-prompts", "1"], "bad_weights"),
+    ("lab", ["bench", "e2e", "--model", "{bad_config}", "--num-requests", "1"], "config.json"),
+]
+
+
+@pytest.fixture
+def bad_files(tmp_path):
+    paths = {}
+    for name, content in BAD_FILES.items():
+        path = tmp_path / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(content)
+        paths[name.split("/")[0]] = str(path.parent if "/" in name else path)
+    for name in ("bad_trace", "huge_trace", "binary_trace", "bad_jsonl"):
+        suffix = ".jsonl" if name == "bad_jsonl" else ".csv"
+        Path(paths[name]).rename(paths[name] + suffix)
+    return paths
+
+
+@pytest.mark.parametrize("program,argv,named", BAD_FILE_INVOCATIONS,
+                         ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_bad_files_exit_2_with_one_error_line_and_no_traceback(program, argv, named, bad_files, capsys):
+    argv = [arg.format(**bad_files) for arg in argv]
+    test_bad_flags_exit_2_with_one_error_line_and_no_traceback(program, argv, named, capsys)
 
 
 @pytest.mark.parametrize("program,argv,named", BAD_INVOCATIONS, ids=lambda v: " ".join(v) if isinstance(v, list) else v)

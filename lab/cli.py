@@ -56,7 +56,7 @@ def _generate(args) -> None:
                        scheduling=args.scheduling, preemption_mode=args.preemption_mode,
                        max_num_batched_tokens=args.max_num_batched_tokens, num_cpu_blocks=args.num_cpu_blocks)
     if args.prompt:
-        prompts = [p if engine.tokenizer is not None else [int(t) for t in p.split(",")] for p in args.prompt]
+        prompts = [p if engine.tokenizer is not None else _token_ids(p) for p in args.prompt]
     else:
         generator = torch.Generator().manual_seed(args.seed)
         vocab = engine.hf_model.config.vocab_size
@@ -136,3 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _token_ids(text: str) -> list[int]:
+    """``--prompt`` for a model without a tokenizer: comma-separated token ids."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--prompt {text!r}: this model has no tokenizer; give comma-separated token ids") from None

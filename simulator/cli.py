@@ -8,7 +8,7 @@ import sys
 import pandas as pd
 from tqdm import tqdm
 
-from lab.cli_args import non_negative_int, output_csv, positive_int, positive_ints
+from lab.cli_args import non_negative_int, output_csv, positive_float, positive_int, positive_ints
 from lab.results import print_and_save, save_csv
 
 from .allocators import ALLOCATORS
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=positive_int, default=1, help="parallel samples per request (synthetic)")
     p.add_argument("--shared-prefix", type=non_negative_int, default=0,
                    help="system-prompt tokens shared by all (synthetic)")
-    p.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival offsets by this")
+    p.add_argument("--time-scale", type=positive_float, default=1.0, help="multiply trace arrival offsets by this")
     p.add_argument("--capacity-tokens", type=positive_int, default=None, help="override the KV capacity")
     p.add_argument("--scheduling", default="prefill-first", choices=["prefill-first", "chunked"])
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, help="token budget per step")

@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host pool for swap (0: as large as the GPU pool)")
     p.add_argument("--address-space", default="first-fit", choices=["first-fit", "buddy"])
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--replicas", type=positive_int, default=1, help="copies of each configuration behind a router")
+    p.add_argument("--router", default="round-robin", choices=["round-robin", "least-loaded", "random"])
     p.add_argument("--kernel-csv", default=None, help="calibrate attention bandwidth from a kernel bench CSV")
     p.add_argument("--max-points", type=positive_int, default=2000)
     p.add_argument("--seed", type=non_negative_int, default=0)
@@ -87,7 +89,7 @@ def _configs(args) -> list[SimConfig]:
                         preemption_mode=args.preemption_mode, num_cpu_blocks=args.num_cpu_blocks,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                         enable_prefix_caching=not args.no_prefix_caching, kernel_csv=args.kernel_csv,
-                        max_points=args.max_points)
+                        max_points=args.max_points, replicas=args.replicas, router=args.router)
 
 
 def run(args) -> tuple[pd.DataFrame, pd.DataFrame]:

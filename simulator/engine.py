@@ -7,6 +7,7 @@ keeps sequence lengths implicit and a calendar of memory events; the simulator k
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -25,6 +26,7 @@ from .models import CostModel, GiB, get_gpu, get_model, kv_capacity_tokens, over
 from .workloads import Workload
 
 
+ROUTERS = ("round-robin", "least-loaded", "random")
 MAX_BLOCKS = 1 << 24  # blocks a paged pool may have (each is tracked: ~16.7 M, ~1 GB of Python lists)
 MAX_CAPACITY_TOKENS = 1 << 40
 
@@ -57,6 +59,8 @@ class SimConfig:
     max_points: int = 2000  # timeseries rows kept (decimated uniformly)
     model_overrides: dict = field(default_factory=dict)
     gpu_overrides: dict = field(default_factory=dict)
+    replicas: int = 1  # copies of this configuration behind a request router (simulator.cluster)
+    router: str = "round-robin"  # round-robin | least-loaded (fewest outstanding requests) | random
 
 
 @dataclass(slots=True)
@@ -129,6 +133,8 @@ def _check_config(config: SimConfig) -> None:
                  "grow_initial_extra"):
         check_int(owner, name, getattr(config, name), 1, big)
     check_int(owner, "num_cpu_blocks", config.num_cpu_blocks, 0, MAX_BLOCKS)
+    check_int(owner, "replicas", config.replicas, 1, 4096)
+    check_choice(owner, "router", config.router, ROUTERS)
     check_int(owner, "capacity_tokens", config.capacity_tokens, 1, MAX_CAPACITY_TOKENS, optional=True)
     for name in ("enable_prefix_caching", "record_steps"):
         check_bool(owner, name, getattr(config, name))
@@ -167,7 +173,9 @@ class Simulator:
 
     def __init__(self, workload: Workload, config: SimConfig,
                  on_snapshot: Callable[[Snapshot], bool | None] | None = None, snapshot_every: int = 50,
-                 snapshot_pool: bool = True):
+                 snapshot_pool: bool = True, requests: list[int] | None = None):
+        """``requests``: the indices of the workload's requests this simulator serves, in arrival order (default:
+        all; a cluster's router hands each replica its own, up front or with ``assign``)."""
         _check_config(config)
         if len(workload) == 0:
             raise ValueError("the workload has no requests")
@@ -192,9 +200,11 @@ class Simulator:
         self.samples_left = np.zeros(self.num_requests, dtype=np.int64)
         self.rejected = np.zeros(self.num_requests, dtype=bool)
         self.rejection_reasons: dict[str, int] = {}
-        self.num_finished = 0
+        self.num_finished = self.num_rejected = 0
         self.metrics = MetricsRecorder(self.policy.capacity, config.max_points)
         self.stopped = False
+        self.owned = list(range(self.num_requests)) if requests is None else list(requests)
+        self.next_arrival = 0  # index into owned
 
 
     # the scheduler's queues, for metrics and views
@@ -219,21 +229,43 @@ class Simulator:
 
     # ---- main loop -------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
-        """Simulate until every request has finished (or was rejected), or ``on_snapshot`` returned False."""
+        """Simulate until every request has finished (or was rejected), or ``on_snapshot`` returned False. With
+        ``config.replicas > 1`` a cluster of replicas behind ``config.router`` (``simulator.cluster``)."""
+        if self.config.replicas > 1:
+            from .cluster import run_cluster
+
+            return run_cluster(self.workload, self.config, self.on_snapshot, self.snapshot_every)
         started = time.perf_counter()
-        arrivals = self.workload.arrival_s
-        next_arrival = 0
+        self.advance(math.inf)
+        return self.finish_run(started)
+
+    def advance(self, until: float) -> None:
+        """Run iterations while there is work and the clock is before ``until`` (an iteration that starts before
+        ``until`` may end after it); requests arrive as the clock passes them."""
+        arrivals, owned = self.workload.arrival_s, self.owned
         scheduler = self.scheduler
         while not self.stopped:
-            while next_arrival < self.num_requests and arrivals[next_arrival] <= self.time:
-                self._arrive(next_arrival)
-                next_arrival += 1
+            while self.next_arrival < len(owned) and arrivals[owned[self.next_arrival]] <= self.time:
+                self._arrive(owned[self.next_arrival])
+                self.next_arrival += 1
             if not scheduler.has_unfinished():
-                if next_arrival >= self.num_requests:
-                    break
-                self.time = float(arrivals[next_arrival])
+                if self.next_arrival >= len(owned) or arrivals[owned[self.next_arrival]] >= until:
+                    return
+                self.time = float(arrivals[owned[self.next_arrival]])
                 continue
+            if self.time >= until:
+                return
             self._iterate()
+
+    def assign(self, request: int) -> None:
+        """Serve ``request`` too (a router's decision; requests are assigned in arrival order)."""
+        self.owned.append(request)
+
+    def outstanding(self) -> int:
+        """Requests assigned and not yet finished or rejected (what a least-loaded router compares)."""
+        return len(self.owned) - self.num_finished - self.num_rejected
+
+    def finish_run(self, started: float) -> SimResult:
         result = self._result()
         result.summary["wall_time_s"] = time.perf_counter() - started
         return result
@@ -262,6 +294,7 @@ class Simulator:
         return synthetic_token_ids(self.workload, seq.group.request_id, length)
 
     def _reject(self, request: int, reason: str) -> None:
+        self.num_rejected += 1
         self.rejected[request] = True
         self.samples_left[request] = 0
         self.rejection_reasons[reason] = self.rejection_reasons.get(reason, 0) + 1
@@ -339,8 +372,8 @@ class Simulator:
 
     # ---- observation -----------------------------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
-        done = self.num_finished + int(self.rejected.sum())
-        snap = Snapshot(self.iteration, self.time, self.metrics.current(self), progress=done / self.num_requests)
+        done = self.num_finished + self.num_rejected
+        snap = Snapshot(self.iteration, self.time, self.metrics.current(self), progress=done / max(1, len(self.owned)))
         if not self.snapshot_pool:
             return snap
         if self.policy_is_paged:
@@ -355,11 +388,13 @@ class Simulator:
         requests = pd.DataFrame({"arrival_s": self.workload.arrival_s, "prompt_tokens": self.workload.prompt_tokens,
                                  "output_tokens": self.workload.output_tokens, "rejected": self.rejected,
                                  "first_token_s": self.first_token_time, "finish_s": self.finish_time})
+        if len(self.owned) != self.num_requests:  # a replica: its own requests (index = request id)
+            requests = requests.iloc[self.owned]
         summary = {"allocator": self.config.allocator, "block_size": self.config.block_size
                    if self.config.allocator == "paged" else np.nan, "capacity_tokens": self.policy.capacity,
                    **self.metrics.summary(), **latency_summary(requests, self.workload.n),
-                   "num_requests": self.num_requests, "num_requests_completed": self.num_finished,
-                   "num_requests_rejected": int(self.rejected.sum()),
+                   "num_requests": len(self.owned), "num_requests_completed": self.num_finished,
+                   "num_requests_rejected": self.num_rejected,
                    "rejection_reasons": ";".join(f"{k}={v}" for k, v in sorted(self.rejection_reasons.items())),
                    "preemptions": self.num_preemptions, "swap_outs": self.scheduler.num_swaps_out,
                    "blocks_swapped": self.swapped_blocks,

@@ -61,6 +61,14 @@ class Workload:
             return list(range(shared)) + list(range(unique_base, unique_base + length - shared))
         return None
 
+    def subset(self, indices) -> "Workload":
+        """The requests at ``indices`` (in that order, arrival times kept) as a workload of their own."""
+        indices = np.asarray(indices, dtype=np.int64)
+        blocks = [self.prompt_block_ids[i] for i in indices] if self.prompt_block_ids is not None else None
+        samples = self.sample_output_tokens[indices] if self.sample_output_tokens is not None else None
+        return Workload(self.name, self.arrival_s[indices], self.prompt_tokens[indices], self.output_tokens[indices],
+                        self.n, self.shared_prefix_tokens, blocks, samples, self.source, dict(self.meta))
+
     def outputs_of(self, index: int) -> list[int]:
         """Output lengths of every sample of request ``index``."""
         if self.sample_output_tokens is None:

@@ -1,0 +1,92 @@
+"""A cluster of identical replicas behind a request router (``SimConfig(replicas=R, router=...)``).
+
+``round-robin`` and ``random`` decide every request's replica from its arrival order alone, so each replica is a
+plain simulation of its share. ``least-loaded`` sends a request to the replica with the fewest outstanding requests
+(assigned, not finished or rejected) at its arrival, so the replicas are simulated together in time order: before
+a request is routed, every replica is advanced to its arrival time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import pandas as pd
+
+from .engine import SimConfig, SimResult, Simulator
+from .metrics import latency_summary
+from .workloads import Workload
+
+ROUTER_SEED = 1234  # the random router's stream (a run is deterministic)
+SUM_COLUMNS = ("num_requests", "num_requests_completed", "num_requests_rejected", "preemptions", "swap_outs",
+               "blocks_swapped", "generated_tokens", "iterations", "bytes_copied", "capacity_tokens",
+               "prefix_cache_hit_blocks")
+MAX_COLUMNS = ("peak_batch_size",)
+
+
+def route(num_requests: int, replicas: int, router: str) -> list[list[int]]:
+    """Each replica's requests for a router that does not look at load (``round-robin``, ``random``)."""
+    if router == "round-robin":
+        choice = np.arange(num_requests) % replicas
+    else:
+        choice = np.random.default_rng(ROUTER_SEED).integers(0, replicas, num_requests)
+    return [np.flatnonzero(choice == r).tolist() for r in range(replicas)]
+
+
+def run_cluster(workload: Workload, config: SimConfig, on_snapshot=None, snapshot_every: int = 50) -> SimResult:
+    """Simulate ``config.replicas`` replicas of ``config`` on ``workload``; one cluster summary, per-replica rows
+    (column ``replica``) in the timeseries and the per-request table."""
+    started = time.perf_counter()
+    single = dataclasses.replace(config, replicas=1)
+    if config.router == "least-loaded":
+        sims = [Simulator(workload, single, on_snapshot, snapshot_every, requests=[])
+                for _ in range(config.replicas)]
+        for request, arrival in enumerate(workload.arrival_s):
+            for sim in sims:
+                sim.advance(float(arrival))
+            min(sims, key=Simulator.outstanding).assign(request)  # ties: the lowest replica
+        results = [_finish(sim, started) for sim in sims]
+    else:
+        shares = route(len(workload), config.replicas, config.router)
+        results = [_finish(Simulator(workload, single, on_snapshot, snapshot_every, requests=share), started)
+                   for share in shares]
+    return combine(results, config, workload.n, time.perf_counter() - started)
+
+
+def _finish(sim: Simulator, started: float) -> SimResult:
+    sim.advance(float("inf"))
+    return sim.finish_run(started)
+
+
+def combine(results: list[SimResult], config: SimConfig, n: int, wall_time_s: float) -> SimResult:
+    """One cluster result from its replicas' results."""
+    summaries = [r.summary for r in results]
+    requests = pd.concat([r.requests.assign(replica=i) for i, r in enumerate(results)]).sort_index()
+    makespan = max(s["simulated_time_s"] for s in summaries)
+    busy = [s["simulated_time_s"] for s in summaries]
+    summary = {"allocator": config.allocator, "block_size": summaries[0]["block_size"], "replicas": config.replicas,
+               "router": config.router}
+    for key in summaries[0]:
+        if key.endswith("_frac") or key == "mean_batch_size":  # time-weighted over the replicas' busy time
+            summary[key] = float(np.average([s[key] for s in summaries], weights=busy)) if sum(busy) else \
+                summaries[0][key]
+    summary.update({key: sum(s.get(key, 0) for s in summaries) for key in SUM_COLUMNS if key in summaries[0]})
+    summary.update({key: max(s[key] for s in summaries) for key in MAX_COLUMNS})
+    summary.update(latency_summary(requests, n))
+    reasons: dict[str, int] = {}
+    for s in summaries:
+        for part in filter(None, s["rejection_reasons"].split(";")):
+            name, count = part.split("=")
+            reasons[name] = reasons.get(name, 0) + int(count)
+    summary["rejection_reasons"] = ";".join(f"{k}={v}" for k, v in sorted(reasons.items()))
+    summary.update(simulated_time_s=makespan, stopped_early=any(s["stopped_early"] for s in summaries),
+                   throughput_tok_s=summary["generated_tokens"] / makespan if makespan > 0 else 0.0,
+                   throughput_req_s=summary["num_requests_completed"] / makespan if makespan > 0 else 0.0,
+                   wall_time_s=wall_time_s)
+    if "prefix_cache_hit_rate" in summaries[0]:
+        summary["prefix_cache_hit_rate"] = float(np.mean([s["prefix_cache_hit_rate"] for s in summaries]))
+    timeseries = pd.concat([r.timeseries.assign(replica=i) for i, r in enumerate(results)], ignore_index=True)
+    steps = None
+    if results[0].steps is not None:
+        steps = pd.concat([r.steps.assign(replica=i) for i, r in enumerate(results)], ignore_index=True)
+    return SimResult(summary, timeseries, requests, config, steps)

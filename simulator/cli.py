@@ -1,4 +1,5 @@
-"""``python -m simulator``: replay a workload against several KV allocators and block sizes."""
+"""``python -m simulator``: replay a workload against several KV allocators and block sizes (``sweep`` and
+``plan`` subcommands: many runs on Ray, see ``simulator.cli_sweep``)."""
 from __future__ import annotations
 
 import argparse
@@ -118,6 +119,11 @@ def run(args) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("sweep", "plan"):
+        from . import cli_sweep
+
+        return getattr(cli_sweep, f"{argv[0]}_main")(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         summary, timeseries = run(args)

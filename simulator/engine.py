@@ -122,7 +122,7 @@ def resolve_capacity(config: SimConfig) -> tuple[int, CostModel]:
     return kv_capacity_tokens(model, gpu, config.gpu_memory_utilization, config.activation_reserve_bytes), cost
 
 
-def _check_config(config: SimConfig) -> None:
+def check_config(config: SimConfig) -> None:
     """Raise ``ValueError`` naming the first field of a wrong type or out of range (before anything is built)."""
     owner, big = "SimConfig", 1 << 31
     check_choice(owner, "scheduling", config.scheduling, SCHEDULING_MODES)
@@ -176,7 +176,7 @@ class Simulator:
                  snapshot_pool: bool = True, requests: list[int] | None = None):
         """``requests``: the indices of the workload's requests this simulator serves, in arrival order (default:
         all; a cluster's router hands each replica its own, up front or with ``assign``)."""
-        _check_config(config)
+        check_config(config)
         if len(workload) == 0:
             raise ValueError("the workload has no requests")
         self.workload, self.config = workload, config

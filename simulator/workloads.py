@@ -104,7 +104,7 @@ class SyntheticSpec:
 def synthetic_workload(spec: SyntheticSpec) -> Workload:
     """Draw a synthetic workload: ``sharegpt`` (mean prompt/output ~161/338, heavy-tailed, prompt <= 1024,
     prompt + output <= 2048), ``alpaca`` (~19/58), ``random`` (vLLM bench style) or ``fixed``."""
-    _check_spec(spec)
+    check_synthetic_spec(spec)
     rng = np.random.default_rng(spec.seed)
     count = spec.num_requests
     if spec.preset == "sharegpt":
@@ -138,7 +138,7 @@ def arrival_times(rng: np.random.Generator, count: int, rate: float, burstiness:
     return np.cumsum(gaps)
 
 
-def _check_spec(spec: SyntheticSpec) -> None:
+def check_synthetic_spec(spec: SyntheticSpec) -> None:
     owner, big = "SyntheticSpec", 10**7
     check_choice(owner, "preset", spec.preset, SYNTHETIC_PRESETS)
     for name, low, high in (("num_requests", 1, big), ("n", 1, 1024), ("shared_prefix_tokens", 0, big),

@@ -1,0 +1,270 @@
+"""Sweeps on Ray: every combination of a grid of ``SimConfig`` fields and workload parameters, one simulation per
+Ray task, each finished run written at once to a results store keyed by a hash of its full spec.
+
+``ray.init()`` without an address starts a local Ray on this machine; ``address`` (or ``RAY_ADDRESS``) joins an
+existing cluster. A rerun skips what the store holds; a task whose worker dies is retried by Ray (``max_retries``)
+and its row is stored once; a run that raises is stored with its error and the sweep goes on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+
+from .engine import SimConfig, Simulator, check_config
+from .workloads import (SYNTHETIC_PRESETS, SyntheticSpec, Workload, check_synthetic_spec, load_trace,
+                        synthetic_workload)
+
+WORKLOAD_FIELDS = ("workload", "num_requests", "rate", "burstiness", "n", "shared_prefix_tokens", "seed")
+SIM_FIELDS = tuple(f.name for f in dataclasses.fields(SimConfig) if f.name not in ("model_overrides",
+                                                                                    "gpu_overrides", "record_steps"))
+SIM_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SimConfig)}
+WORKLOAD_DEFAULTS = {"workload": "sharegpt", "num_requests": 1000, "rate": math.inf, "burstiness": 1.0, "n": 1,
+                     "shared_prefix_tokens": 0, "seed": 0}
+SPEC_VERSION = 1  # part of every run's key: bump when a change makes stored results stale
+MAX_RETRIES = 3
+
+
+class GridError(ValueError):
+    """A sweep grid names an unknown field, an empty or non-list value, or a value of the wrong type."""
+
+
+@dataclass(slots=True)
+class SweepResult:
+    """``table``: one row per run of the grid (config columns, then summary columns, then ``error``); ``ran``: how
+    many runs this invocation computed (the others came from the store); ``ray_init_s``: Ray's start-up time."""
+
+    table: pd.DataFrame
+    ran: int
+    ray_init_s: float = 0.0
+
+
+# ---- the grid ---------------------------------------------------------------------------------------------------
+def load_grid(path: str | Path) -> dict[str, list]:
+    """A grid from YAML (or JSON): a mapping from field name to a non-empty list of values."""
+    import yaml
+
+    try:
+        grid = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise GridError(f"cannot read grid {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise GridError(f"{path}: not valid YAML ({exc})") from None
+    return check_grid(grid, str(path))
+
+
+def check_grid(grid, name: str = "grid") -> dict[str, list]:
+    """Raise ``GridError`` for anything but a mapping of known fields to non-empty lists of valid values; every
+    combination is checked before any runs."""
+    if not isinstance(grid, dict) or not grid:
+        raise GridError(f"{name}: expected a mapping of field -> list of values, got {grid!r:.80}")
+    for field, values in grid.items():
+        if field not in WORKLOAD_FIELDS and field not in SIM_FIELDS:
+            raise GridError(f"{name}: unknown field {field!r}; SimConfig fields: {', '.join(SIM_FIELDS)}; workload "
+                            f"fields: {', '.join(WORKLOAD_FIELDS)}")
+        if not isinstance(values, list) or not values:
+            raise GridError(f"{name}: field {field!r} must be a non-empty list, got {values!r:.80}")
+    for spec in expand(grid):
+        try:
+            check_spec(spec)
+        except ValueError as exc:
+            raise GridError(f"{name}: {exc}") from None
+    return grid
+
+
+def expand(grid: dict[str, list]) -> list[dict]:
+    """Every combination of the grid, as full run specs (workload defaults filled in)."""
+    fields = list(grid)
+    return [{**WORKLOAD_DEFAULTS, **dict(zip(fields, values))} for values in itertools.product(*grid.values())]
+
+
+def check_spec(spec: dict) -> None:
+    """Raise ``ValueError`` when the spec's config or workload parameters are invalid (without running it)."""
+    check_config(sim_config(spec))
+    workload = spec["workload"]
+    if not isinstance(workload, str):
+        raise ValueError(f"workload={workload!r}: expected a preset ({', '.join(SYNTHETIC_PRESETS)}) or a trace path")
+    if workload in SYNTHETIC_PRESETS:
+        check_synthetic_spec(_synthetic_spec(spec))
+    elif not Path(workload).is_file():
+        raise ValueError(f"workload {workload!r} is neither a preset ({', '.join(SYNTHETIC_PRESETS)}) nor a file")
+
+
+def spec_key(spec: dict) -> str:
+    """The run's identity: a hash of its full spec."""
+    text = json.dumps({"version": SPEC_VERSION, **spec}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def sim_config(spec: dict) -> SimConfig:
+    return SimConfig(**{k: v for k, v in spec.items() if k in SIM_FIELDS})
+
+
+def _synthetic_spec(spec: dict) -> SyntheticSpec:
+    return SyntheticSpec(preset=spec["workload"], num_requests=spec["num_requests"], rate=spec["rate"],
+                         burstiness=spec["burstiness"], n=spec["n"],
+                         shared_prefix_tokens=spec["shared_prefix_tokens"], seed=spec["seed"],
+                         max_model_len=spec.get("max_model_len", SIM_DEFAULTS["max_model_len"]))
+
+
+@lru_cache(maxsize=8)
+def _trace(path: str, max_rows: int) -> Workload:
+    return load_trace(path, max_rows=max_rows)
+
+
+def build_workload(spec: dict) -> Workload:
+    """A preset's synthetic workload, or a trace (its first ``num_requests`` rows; with a finite ``rate`` its
+    arrivals scaled to that mean rate)."""
+    if spec["workload"] in SYNTHETIC_PRESETS:
+        return synthetic_workload(_synthetic_spec(spec))
+    trace = _trace(spec["workload"], spec["num_requests"])
+    rate = spec["rate"]
+    if math.isinf(rate) or len(trace) < 2 or trace.arrival_s[-1] <= 0:
+        return trace
+    natural = (len(trace) - 1) / float(trace.arrival_s[-1])
+    return dataclasses.replace(trace, arrival_s=trace.arrival_s * (natural / rate))
+
+
+# ---- one run ----------------------------------------------------------------------------------------------------
+def run_one(spec: dict) -> dict:
+    """Simulate one spec; the row is the spec, the summary and ``error`` (empty, or what the run raised)."""
+    row = {"run_key": spec_key(spec), **{k: v for k, v in spec.items()}}
+    try:
+        summary = Simulator(build_workload(spec), sim_config(spec)).run().summary
+    except Exception as exc:  # noqa: BLE001 - a sweep records a failing run and goes on
+        return {**row, "error": f"{type(exc).__name__}: {exc}"}
+    summary = {k: v for k, v in summary.items() if k not in row and k != "wall_time_s"}
+    return {**row, **summary, "error": ""}
+
+
+# ---- the store --------------------------------------------------------------------------------------------------
+class ResultStore:
+    """A directory of one-row Parquet files named by run key; writes are atomic (write, then rename)."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def has(self, key: str) -> bool:
+        return (self.folder / f"{key}.parquet").exists()
+
+    def put(self, row: dict) -> None:
+        path = self.folder / f"{row['run_key']}.parquet"
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        pd.DataFrame([{k: _cell(v) for k, v in row.items()}]).to_parquet(partial, index=False)
+        os.replace(partial, path)
+
+    def get(self, keys: list[str]) -> pd.DataFrame:
+        frames = [pd.read_parquet(self.folder / f"{key}.parquet") for key in keys if self.has(key)]
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def _cell(value):
+    """Parquet columns need one type: infinities stay floats, other objects become text."""
+    return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
+
+
+# ---- the sweep --------------------------------------------------------------------------------------------------
+def start_ray(address: str | None = None, num_cpus: int | None = None) -> float:
+    """Start (or join) Ray; returns the seconds it took. No address and no ``RAY_ADDRESS``: a local Ray."""
+    import ray
+
+    if ray.is_initialized():
+        return 0.0
+    started = time.perf_counter()
+    address = address or os.environ.get("RAY_ADDRESS")
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}}
+    if address:
+        ray.init(address=address, runtime_env={"working_dir": root, "excludes": ["benchmarks", "tests", ".git"]},
+                 log_to_driver=False)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, runtime_env=env)
+    return time.perf_counter() - started
+
+
+def run_sweep(grid: dict[str, list], store: str | Path, parallel: bool = True, address: str | None = None,
+              num_cpus: int | None = None, progress: bool = True,
+              should_stop: Callable[[int, int], bool] | None = None) -> SweepResult:
+    """Run every combination of ``grid`` not already in ``store``; returns the whole grid's table. ``should_stop``
+    (called with done, total after each run) ends the sweep early when it returns True (pending tasks are
+    cancelled; what finished is stored)."""
+    grid = check_grid(grid)
+    specs = expand(grid)
+    results = ResultStore(store)
+    keys = [spec_key(spec) for spec in specs]
+    todo = [(key, spec) for key, spec in dict(zip(keys, specs)).items() if not results.has(key)]
+    bar = _bar(len(todo), progress)
+    ray_init_s = 0.0
+    if parallel and todo:
+        ray_init_s = start_ray(address, num_cpus)
+        _run_on_ray(todo, results, bar, should_stop)
+    else:
+        for done, (_, spec) in enumerate(todo, 1):
+            results.put(run_one(spec))
+            bar.update(1)
+            if should_stop is not None and should_stop(done, len(todo)):
+                break
+    bar.close()
+    return SweepResult(tidy(results.get(list(dict.fromkeys(keys))), list(grid)), len(todo), ray_init_s)
+
+
+def _run_on_ray(todo: list[tuple[str, dict]], results: ResultStore, bar, should_stop) -> None:
+    import ray
+
+    remote = ray.remote(max_retries=MAX_RETRIES)(run_one)
+    pending = {remote.remote(spec): spec for _, spec in todo}
+    done = 0
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        for ref in ready:
+            spec = pending.pop(ref)
+            try:
+                row = ray.get(ref)
+            except ray.exceptions.RayError as exc:  # the worker died more than MAX_RETRIES times
+                row = {"run_key": spec_key(spec), **spec, "error": f"{type(exc).__name__}: {exc}"}
+            results.put(row)
+            done += 1
+            bar.update(1)
+        if should_stop is not None and should_stop(done, done + len(pending)):
+            for ref in pending:
+                ray.cancel(ref, force=True)
+            return
+
+
+def tidy(table: pd.DataFrame, grid_fields: list[str]) -> pd.DataFrame:
+    """The config columns (the grid's first, then the rest of the spec), then the summary columns, then ``error``."""
+    if table.empty:
+        return table
+    spec_columns = [c for c in grid_fields if c in table] + [c for c in WORKLOAD_FIELDS
+                                                             if c in table and c not in grid_fields]
+    rest = [c for c in table.columns if c not in spec_columns and c not in ("run_key", "error")]
+    return table[["run_key", *spec_columns, *rest, "error"]]
+
+
+def save_table(table: pd.DataFrame, path: str | Path) -> None:
+    """Parquet for ``.parquet``, else CSV."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".parquet":
+        table.to_parquet(path, index=False)
+    else:
+        table.to_csv(path, index=False)
+
+
+def _bar(total: int, show: bool):
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="sweep", unit="run", file=sys.stderr, disable=not show)

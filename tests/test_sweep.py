@@ -1,0 +1,105 @@
+"""Sweeps on a local Ray of 2 CPUs: equal to serial runs, resumable, robust to a killed worker and failing runs;
+bad grids are rejected before any work."""
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from simulator.sweep import GridError, ResultStore, check_grid, expand, run_sweep, spec_key
+
+ray = pytest.importorskip("ray")
+
+GRID = {"allocator": ["paged", "contiguous-oracle"], "block_size": [8, 16], "rate": [5.0, 40.0],
+        "num_requests": [120], "capacity_tokens": [6000]}
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}})
+    yield
+    ray.shutdown()
+
+
+def test_a_sweep_equals_the_same_runs_done_serially(tmp_path, local_ray):
+    parallel = run_sweep(GRID, tmp_path / "ray", progress=False)
+    serial = run_sweep(GRID, tmp_path / "serial", parallel=False, progress=False)
+    assert parallel.ran == serial.ran == len(expand(GRID)) == 8
+    pd.testing.assert_frame_equal(parallel.table, serial.table)  # bit-equal summaries
+    assert (parallel.table["error"] == "").all() and list(parallel.table.columns[1:6]) == list(GRID)
+    again = run_sweep(GRID, tmp_path / "ray", progress=False)
+    assert again.ran == 0 and again.ray_init_s == 0.0
+    pd.testing.assert_frame_equal(again.table, parallel.table)
+
+
+def _ray_worker_running(task: str) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if f"ray::{task}" in command:
+                return int(entry.name)
+    return None
+
+
+def test_killing_a_worker_mid_sweep_still_gives_every_row_once(tmp_path, local_ray):
+    grid = {**GRID, "num_requests": [400], "seed": [1, 2]}
+    outcome = {}
+    thread = threading.Thread(target=lambda: outcome.setdefault("result", run_sweep(grid, tmp_path, progress=False)))
+    thread.start()
+    killed, deadline = None, time.time() + 120
+    while killed is None and time.time() < deadline and thread.is_alive():
+        killed = _ray_worker_running("run_one")
+        time.sleep(0.05)
+    assert killed is not None, "no Ray worker was seen running a simulation"
+    os.kill(killed, signal.SIGKILL)
+    thread.join(timeout=300)
+    table = outcome["result"].table
+    assert len(table) == len(expand(grid)) == table["run_key"].nunique() == 16
+    assert (table["error"] == "").all()
+    assert len(list(Path(tmp_path).glob("*.parquet"))) == 16 and not list(Path(tmp_path).glob("*.tmp"))
+
+
+def test_a_failing_run_is_recorded_and_the_rest_finish(tmp_path, local_ray):
+    grid = {"allocator": ["paged"], "block_size": [16, 64], "capacity_tokens": [48], "num_requests": [20],
+            "max_model_len": [40]}
+    table = run_sweep(grid, tmp_path, progress=False).table
+    failed = table[table["error"] != ""]
+    assert list(failed["block_size"]) == [64] and "holds no block" in failed["error"].iloc[0]
+    assert table.loc[table["block_size"] == 16, "num_requests_completed"].iloc[0] > 0
+
+
+@pytest.mark.parametrize("grid,message", [
+    ({"blocksize": [16]}, "unknown field 'blocksize'"),
+    ({"block_size": []}, "non-empty list"),
+    ({"block_size": 16}, "non-empty list"),
+    ({"block_size": ["x"]}, "block_size='x'"),
+    ({"rate": [-1.0]}, "rate=-1.0"),
+    ({"workload": ["/no/such/trace.csv"]}, "neither a preset"),
+    ([1, 2], "mapping"),
+])
+def test_bad_grids_fail_before_any_work(tmp_path, grid, message):
+    with pytest.raises(GridError, match=message):
+        run_sweep(grid, tmp_path / "store", progress=False)
+    assert not list((tmp_path / "store").glob("*")) if (tmp_path / "store").exists() else True
+
+
+def test_the_cli_runs_a_grid_file_and_reports_bad_ones(tmp_path, capsys, local_ray):
+    from simulator.cli import main
+
+    (tmp_path / "grid.yaml").write_text("allocator: [paged]\nrate: [10.0]\nnum_requests: [50]\n")
+    assert main(["sweep", "--grid", str(tmp_path / "grid.yaml"), "--out", str(tmp_path / "r.parquet"),
+                 "--no-progress"]) == 0
+    assert len(pd.read_parquet(tmp_path / "r.parquet")) == 1
+    (tmp_path / "bad.yaml").write_text("allocator: [paged]\nrate: oops\n")
+    assert main(["sweep", "--grid", str(tmp_path / "bad.yaml"), "--out", str(tmp_path / "r.csv")]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "'rate' must be a non-empty list" in err and "Traceback" not in err
+    assert ResultStore(tmp_path / "r.store").has(spec_key(expand(check_grid({"allocator": ["paged"], "rate": [10.0],
+                                                                             "num_requests": [50]}))[0]))

@@ -39,6 +39,7 @@ class SimConfig:
     block_size: int = 16
     model: object = "qwen3-8b"
     gpu: object = "a100-80gb"
+    tp: int = 1  # tensor-parallel GPUs per replica
     max_model_len: int = 2048
     capacity_tokens: int | None = None  # overrides the KV capacity derived from model and GPU
     gpu_memory_utilization: float = 0.9
@@ -112,14 +113,16 @@ def resolve_capacity(config: SimConfig) -> tuple[int, CostModel]:
     """KV capacity in tokens and the cost model for a config."""
     model = override(get_model(config.model), **config.model_overrides)
     gpu = override(get_gpu(config.gpu), **config.gpu_overrides)
-    cost = CostModel(model, gpu, config.flops_efficiency, config.bandwidth_efficiency, config.step_overhead_s)
+    cost = CostModel(model, gpu, config.flops_efficiency, config.bandwidth_efficiency, config.step_overhead_s,
+                     tp=config.tp)
     if config.kernel_csv:
         cost.calibrate_from_kernel_csv(config.kernel_csv)
     if config.capacity_tokens is not None:
         if config.capacity_tokens < 1:
             raise ValueError(f"capacity_tokens must be >= 1, got {config.capacity_tokens}")
         return int(config.capacity_tokens), cost
-    return kv_capacity_tokens(model, gpu, config.gpu_memory_utilization, config.activation_reserve_bytes), cost
+    return kv_capacity_tokens(model, gpu, config.gpu_memory_utilization, config.activation_reserve_bytes,
+                              config.tp), cost
 
 
 def check_config(config: SimConfig) -> None:
@@ -134,6 +137,7 @@ def check_config(config: SimConfig) -> None:
         check_int(owner, name, getattr(config, name), 1, big)
     check_int(owner, "num_cpu_blocks", config.num_cpu_blocks, 0, MAX_BLOCKS)
     check_int(owner, "replicas", config.replicas, 1, 4096)
+    check_int(owner, "tp", config.tp, 1, 64)
     check_choice(owner, "router", config.router, ROUTERS)
     check_int(owner, "capacity_tokens", config.capacity_tokens, 1, MAX_CAPACITY_TOKENS, optional=True)
     for name in ("enable_prefix_caching", "record_steps"):

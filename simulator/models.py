@@ -62,6 +62,9 @@ class GPUSpec:
     peak_flops: float
     host_link_bytes_s: float = 25e9  # PCIe 4.0 x16, effective
     copy_call_overhead_s: float = 2e-6
+    nvlink_bytes_s: float = 300e9  # per direction, what a ring all-reduce moves (A100 NVLink 3: 600 GB/s both ways)
+    collective_latency_s: float = 10e-6  # fixed cost of one all-reduce
+    price_per_hour: float = 2.0  # USD per GPU-hour (list-price placeholders; override per run or on the CLI)
 
 
 MODELS = {m.name: m for m in [
@@ -73,15 +76,18 @@ MODELS = {m.name: m for m in [
     ModelSpec("qwen3-32b", 64, 5120, 64, 8, 128, 25600, 151936),
     ModelSpec("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000),
     ModelSpec("opt-13b", 40, 5120, 40, 40, 128, 20480, 50272, tied_embeddings=True, mlp_matrices=2),
+    ModelSpec("opt-66b", 64, 9216, 72, 72, 128, 36864, 50272, tied_embeddings=True, mlp_matrices=2),
+    ModelSpec("opt-175b", 96, 12288, 96, 96, 128, 49152, 50272, tied_embeddings=True, mlp_matrices=2),
 ]}
 
 GPUS = {g.name: g for g in [
-    GPUSpec("a100-40gb", 40 * GiB, 1.555e12, 312e12),
-    GPUSpec("a100-80gb", 80 * GiB, 2.039e12, 312e12),
-    GPUSpec("h100-80gb", 80 * GiB, 3.35e12, 989e12, host_link_bytes_s=50e9),  # PCIe 5.0 x16
-    GPUSpec("h200", 141e9, 4.8e12, 989e12, host_link_bytes_s=50e9),
-    GPUSpec("l4", 24e9, 300e9, 121e12),
-    GPUSpec("rtx-4090", 24 * GiB, 1.008e12, 165e12),
+    GPUSpec("a100-40gb", 40 * GiB, 1.555e12, 312e12, price_per_hour=3.0),
+    GPUSpec("a100-80gb", 80 * GiB, 2.039e12, 312e12, price_per_hour=3.7),
+    GPUSpec("h100-80gb", 80 * GiB, 3.35e12, 989e12, host_link_bytes_s=50e9, nvlink_bytes_s=450e9,  # PCIe 5, NVLink 4
+            price_per_hour=6.0),
+    GPUSpec("h200", 141e9, 4.8e12, 989e12, host_link_bytes_s=50e9, nvlink_bytes_s=450e9, price_per_hour=7.0),
+    GPUSpec("l4", 24e9, 300e9, 121e12, nvlink_bytes_s=32e9, price_per_hour=0.8),  # no NVLink: PCIe 4 peer to peer
+    GPUSpec("rtx-4090", 24 * GiB, 1.008e12, 165e12, nvlink_bytes_s=32e9, price_per_hour=0.7),
 ]}
 
 
@@ -137,21 +143,24 @@ def _check_field(owner: str, name: str, kind: type, value) -> None:
 
 
 def kv_capacity_tokens(model: ModelSpec, gpu: GPUSpec, gpu_memory_utilization: float = 0.9,
-                       activation_reserve_bytes: float = 1 * GiB) -> int:
-    """Tokens of KV that fit: memory x utilization - weights - activation reserve, over KV bytes per token."""
+                       activation_reserve_bytes: float = 1 * GiB, tp: int = 1) -> int:
+    """Tokens of KV that fit: per GPU, memory x utilization - its share of the weights - activation reserve, over
+    its share of a token's KV (tensor parallelism over ``tp`` GPUs splits weights and KV heads)."""
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    free = gpu.memory_bytes * gpu_memory_utilization - model.weight_bytes - activation_reserve_bytes
-    if free < model.kv_bytes_per_token:
+    free = gpu.memory_bytes * gpu_memory_utilization - model.weight_bytes / tp - activation_reserve_bytes
+    if free * tp < model.kv_bytes_per_token:
         raise ValueError(f"{model.name} ({model.weight_bytes / GiB:.1f} GiB of weights) leaves no KV memory on "
-                         f"{gpu.name} at utilization {gpu_memory_utilization}")
-    return int(free // model.kv_bytes_per_token)
+                         f"{tp} x {gpu.name} at utilization {gpu_memory_utilization}")
+    return int(free * tp // model.kv_bytes_per_token)
 
 
 @dataclass(slots=True)
 class CostModel:
     """Roofline time of one iteration: max(FLOPs / achievable FLOP/s, weight bytes / achievable bandwidth + KV bytes /
-    attention bandwidth) + a fixed per-step overhead. Copies (grow-by-copy) cost read + write over bandwidth."""
+    attention bandwidth) + a fixed per-step overhead. Copies (grow-by-copy) cost read + write over bandwidth. With
+    tensor parallelism over ``tp`` GPUs each GPU does 1/tp of the work and every layer adds two ring all-reduces of
+    the batch's hidden states over NVLink (2 (tp - 1) / tp of the bytes, plus a fixed latency each)."""
 
     model: ModelSpec
     gpu: GPUSpec
@@ -159,6 +168,7 @@ class CostModel:
     bandwidth_efficiency: float = 0.85
     step_overhead_s: float = 1e-3
     attention_bandwidth_bytes_s: float | None = None  # None: bandwidth x efficiency; a kernel CSV can calibrate it
+    tp: int = 1
     _terms: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
     @property
@@ -176,27 +186,32 @@ class CostModel:
             return 0.0
         if not self._terms:
             self._terms = self._precompute()
-        token_s, pair_s, weights_s, kv_token_s = self._terms
+        token_s, pair_s, weights_s, kv_token_s, reduce_s, reduce_token_s = self._terms
         compute_s = token_s * num_tokens + pair_s * attention_pairs
         memory_s = weights_s + kv_token_s * (kv_tokens_read + num_tokens)
-        return (compute_s if compute_s > memory_s else memory_s) + self.step_overhead_s
+        return (compute_s if compute_s > memory_s else memory_s) + self.step_overhead_s + \
+            (reduce_s + reduce_token_s * num_tokens if self.tp > 1 else 0.0)
 
-    def _precompute(self) -> tuple[float, float, float, float]:
-        """Seconds per token of matmuls, per attention pair, for the weights, per KV token moved."""
-        m, peak = self.model, self.gpu.peak_flops * self.flops_efficiency
-        return (2 * m.matmul_params / peak, 4 * m.num_layers * m.num_q_heads * m.head_dim / peak,
-                m.weight_bytes / self._bandwidth, m.kv_bytes_per_token / self._attention_bandwidth)
+    def _precompute(self) -> tuple[float, ...]:
+        """Per GPU: seconds per token of matmuls, per attention pair, for the weights, per KV token moved; the
+        all-reduces' fixed seconds and seconds per token."""
+        m, tp, peak = self.model, self.tp, self.gpu.peak_flops * self.flops_efficiency
+        reduces = 2 * m.num_layers
+        ring = 2 * (tp - 1) / tp * m.hidden_size * m.dtype_bytes / self.gpu.nvlink_bytes_s
+        return (2 * m.matmul_params / peak / tp, 4 * m.num_layers * m.num_q_heads * m.head_dim / peak / tp,
+                m.weight_bytes / self._bandwidth / tp, m.kv_bytes_per_token / self._attention_bandwidth / tp,
+                reduces * self.gpu.collective_latency_s, reduces * ring)
 
     def copy_time(self, num_tokens: int) -> float:
         """Seconds to copy ``num_tokens`` tokens of KV within device memory."""
-        return 2 * num_tokens * self.model.kv_bytes_per_token / self._bandwidth
+        return 2 * num_tokens * self.model.kv_bytes_per_token / self._bandwidth / self.tp
 
     def swap_time(self, num_blocks: int, block_size: int) -> float:
         """Seconds to move ``num_blocks`` KV blocks between device and host: bytes over the host link plus one copy
         call per block, layer and K/V (so small blocks swap slowly, as the vLLM paper's section 7 reports)."""
         if num_blocks == 0:
             return 0.0
-        block_bytes = block_size * self.model.kv_bytes_per_token
+        block_bytes = block_size * self.model.kv_bytes_per_token / self.tp  # each GPU moves its heads' share
         calls = 2 * self.model.num_layers * num_blocks
         return num_blocks * block_bytes / self.gpu.host_link_bytes_s + calls * self.gpu.copy_call_overhead_s
 

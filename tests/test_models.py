@@ -56,3 +56,18 @@ def test_calibration_from_kernel_csv(tmp_path):
     (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match="not a kernel benchmark CSV"):
         cost.calibrate_from_kernel_csv(tmp_path / "bad.csv")
+
+
+def test_tensor_parallelism_splits_weights_kv_and_work_and_pays_all_reduces():
+    model, gpu = get_model("qwen3-32b"), get_gpu("a100-80gb")
+    one, two = kv_capacity_tokens(model, gpu, 0.9, 1 * GiB), kv_capacity_tokens(model, gpu, 0.9, 1 * GiB, tp=2)
+    assert two > 2 * one  # the weights are split too, so each GPU has more room for its half of the KV
+    free = override(gpu, nvlink_bytes_s=1e30, collective_latency_s=1e-30)
+    single = CostModel(model, free, step_overhead_s=0.0)
+    ideal = CostModel(model, free, step_overhead_s=0.0, tp=2)
+    assert ideal.iteration_time(256, 256 * 900, 256 * 900) == pytest.approx(
+        single.iteration_time(256, 256 * 900, 256 * 900) / 2, rel=1e-9)
+    real = CostModel(model, gpu, step_overhead_s=0.0, tp=2)
+    reduces = 2 * model.num_layers * (gpu.collective_latency_s + 256 * model.hidden_size * 2 / gpu.nvlink_bytes_s)
+    assert real.iteration_time(256, 256 * 900, 256 * 900) == pytest.approx(
+        ideal.iteration_time(256, 256 * 900, 256 * 900) + reduces, rel=1e-9)

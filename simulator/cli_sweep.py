@@ -53,3 +53,103 @@ def sweep_main(argv: list[str]) -> int:
     for row in table[table["error"] != ""].head(5).itertuples():
         print(f"warning: run {row.run_key} failed: {row.error}", file=sys.stderr)
     return 1 if failed == len(table) else 0
+
+
+def int_list(text: str) -> list[int]:
+    """``1,2,4`` or a range ``1..16`` of integers >= 1."""
+    try:
+        if ".." in text:
+            low, high = (int(part) for part in text.split(".."))
+            values = list(range(low, high + 1))
+        else:
+            values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,2,4 or a range 1..16, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1 like 1,2,4 or 1..16, got {text!r}")
+    return values
+
+
+def name_list(text: str) -> list[str]:
+    values = [part.strip() for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
+    return values
+
+
+def prices(text: str) -> dict[str, float]:
+    """``a100-80gb=3.5,h100-80gb=6`` (USD per GPU-hour)."""
+    out = {}
+    for part in name_list(text):
+        name, _, value = part.partition("=")
+        try:
+            out[name] = positive_float(value)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"expected gpu=price per hour, got {part!r}") from None
+    return out
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    from .plan import SLO_METRICS
+
+    p = argparse.ArgumentParser(prog="python -m simulator plan",
+                                description="For each configuration, the highest request rate meeting every SLO "
+                                            "(binary search; the workload's arrivals scaled), its cost per hour, and "
+                                            "the cheapest configuration meeting --target-rate.")
+    p.add_argument("--workload", default="sharegpt", help="synthetic preset or trace path")
+    p.add_argument("--num-requests", type=positive_int, default=1000, help="requests (trace: first rows)")
+    p.add_argument("--slo", required=True, help=f"limits in seconds, e.g. ttft_p90=2,tpot_p90=0.2 "
+                                                f"({', '.join(SLO_METRICS)})")
+    p.add_argument("--models", type=name_list, default=["qwen3-8b"])
+    p.add_argument("--gpus", type=name_list, default=["a100-80gb"])
+    p.add_argument("--tp", type=int_list, default=[1])
+    p.add_argument("--replicas", type=int_list, default=[1])
+    p.add_argument("--allocators", type=name_list, default=["paged", "contiguous-oracle"])
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--router", default="round-robin", choices=["round-robin", "least-loaded", "random"])
+    p.add_argument("--max-model-len", type=positive_int, default=2048)
+    p.add_argument("--target-rate", type=positive_float, default=None, help="req/s the chosen configuration must "
+                                                                          "sustain")
+    p.add_argument("--gpu-price", type=prices, default={}, help="override prices: gpu=USD per GPU-hour,...")
+    p.add_argument("--rate-start", type=positive_float, default=1.0, help="first rate tried (req/s)")
+    p.add_argument("--tolerance", type=positive_float, default=0.02, help="stop when rates are this close")
+    p.add_argument("--out", type=output_table, default=None)
+    p.add_argument("--address", default=None)
+    p.add_argument("--num-cpus", type=positive_int, default=None)
+    p.add_argument("--serial", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def plan_main(argv: list[str]) -> int:
+    from .plan import PlanError, RateSearch, parse_slos, plan_specs, run_plan
+
+    args = plan_parser().parse_args(argv)
+    try:
+        slos = parse_slos(args.slo)
+        specs = plan_specs({"workload": args.workload, "num_requests": args.num_requests}, args.models, args.gpus,
+                           args.tp, args.replicas, args.allocators, block_size=args.block_size, router=args.router,
+                           max_model_len=args.max_model_len)
+        result = run_plan(specs, slos, RateSearch(args.rate_start, args.tolerance), args.target_rate,
+                          args.gpu_price, parallel=not args.serial, address=args.address, num_cpus=args.num_cpus,
+                          progress=not args.no_progress)
+    except (PlanError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    table = result.table
+    print_and_save(table, None, [c for c in ("model", "gpu", "tp", "replicas", "allocator", "max_rate_req_s",
+                                             "cost_per_hour", "cost_per_million_requests", "chosen", *slos)])
+    if args.out:
+        save_table(table, args.out)
+    for row in table[table["error"].fillna("") != ""].head(5).itertuples():
+        print(f"warning: {row.model} on {row.tp} x {row.gpu}, {row.allocator}: {row.error}", file=sys.stderr)
+    chosen = table[table["chosen"]]
+    if chosen.empty:
+        print("warning: no configuration meets the SLOs" + (f" at {args.target_rate} req/s" if args.target_rate
+                                                           else ""), file=sys.stderr)
+        return 1
+    best = chosen.iloc[0]
+    print(f"chosen: {best['model']} on {best['tp']} x {best['gpu']} x {best['replicas']} replicas, "
+          f"{best['allocator']}: up to {best['max_rate_req_s']:.2f} req/s for ${best['cost_per_hour']:.2f}/h",
+          file=sys.stderr)
+    return 0

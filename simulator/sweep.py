@@ -22,6 +22,7 @@ from typing import Callable
 import pandas as pd
 
 from .engine import SimConfig, Simulator, check_config
+from .models import get_gpu, get_model
 from .workloads import (SYNTHETIC_PRESETS, SyntheticSpec, Workload, check_synthetic_spec, load_trace,
                         synthetic_workload)
 
@@ -90,7 +91,9 @@ def expand(grid: dict[str, list]) -> list[dict]:
 
 def check_spec(spec: dict) -> None:
     """Raise ``ValueError`` when the spec's config or workload parameters are invalid (without running it)."""
-    check_config(sim_config(spec))
+    config = sim_config(spec)
+    check_config(config)
+    get_model(config.model), get_gpu(config.gpu)  # names known (whether the model fits is the run's business)
     workload = spec["workload"]
     if not isinstance(workload, str):
         raise ValueError(f"workload={workload!r}: expected a preset ({', '.join(SYNTHETIC_PRESETS)}) or a trace path")

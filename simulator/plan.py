@@ -1,0 +1,166 @@
+"""Capacity planning: for each configuration (model x GPU x tp x replicas x allocator), the highest request rate
+that meets every SLO (a geometric binary search over the rate, the workload's arrivals scaled), its cost per hour,
+and the cheapest configuration that sustains a target rate. One Ray task per configuration, as in sweeps."""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from .models import get_gpu
+from .sweep import WORKLOAD_DEFAULTS, check_spec, run_one, start_ray
+
+SLO_METRICS = tuple(f"{kind}_p{q}" for kind in ("ttft", "tpot", "e2e") for q in (50, 90, 99))
+
+
+class PlanError(ValueError):
+    """A plan's SLOs, lists or search settings are malformed."""
+
+
+@dataclass(slots=True)
+class RateSearch:
+    """Start at ``start`` req/s, double (or halve) until the SLO flips, then bisect geometrically until the last
+    passing and first failing rates are within ``tolerance`` of each other."""
+
+    start: float = 1.0
+    tolerance: float = 0.02
+    max_steps: int = 24  # doublings or halvings before giving up (a rate 2^24 away from the start)
+
+
+@dataclass(slots=True)
+class PlanResult:
+    table: pd.DataFrame  # one row per configuration; ``chosen`` marks the cheapest meeting the target rate
+    ray_init_s: float = 0.0
+    prices: dict = field(default_factory=dict)
+
+
+def parse_slos(text: str) -> dict[str, float]:
+    """``ttft_p90=2,tpot_p90=0.2`` -> {"ttft_p90_s": 2.0, "tpot_p90_s": 0.2}."""
+    slos = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in SLO_METRICS:
+            raise PlanError(f"SLO {name!r}: expected one of {', '.join(SLO_METRICS)}")
+        try:
+            limit = float(value)
+        except ValueError:
+            raise PlanError(f"SLO {part!r}: expected {name}=<seconds>") from None
+        if not math.isfinite(limit) or limit <= 0:
+            raise PlanError(f"SLO {part!r}: the limit must be a finite number of seconds > 0")
+        slos[f"{name}_s"] = limit
+    if not slos:
+        raise PlanError("give at least one SLO, e.g. ttft_p90=2,tpot_p90=0.2")
+    return slos
+
+
+def meets(row: dict, slos: dict[str, float]) -> bool:
+    """Every request completed (none rejected, the run did not fail) and every SLO metric within its limit."""
+    if row.get("error") or row.get("num_requests_completed", 0) < row.get("num_requests", 1):
+        return False
+    return all(row[name] <= limit for name, limit in slos.items())
+
+
+def search_max_rate(spec: dict, slos: dict[str, float], search: RateSearch) -> dict:
+    """The highest rate (req/s) at which ``spec`` meets ``slos``: the row of the run at that rate, plus
+    ``max_rate_req_s``, ``first_failing_rate_req_s`` and ``simulations``. ``max_rate_req_s`` is 0 when even
+    ``start / 2**max_steps`` fails."""
+    runs = {}
+
+    def passes(rate: float) -> bool:
+        runs[rate] = run_one({**spec, "rate": rate})
+        return meets(runs[rate], slos)
+
+    low = high = None
+    rate = search.start
+    for _ in range(search.max_steps + 1):
+        if passes(rate):
+            low = rate
+            if high is not None:
+                break
+            rate *= 2
+        else:
+            high = rate
+            if low is not None:
+                break
+            rate /= 2
+    if low is not None and high is not None:
+        while high / low > 1 + search.tolerance:
+            middle = math.sqrt(low * high)
+            low, high = (middle, high) if passes(middle) else (low, middle)
+    best = runs[low] if low is not None else runs[min(runs)]
+    return {**best, "max_rate_req_s": low or 0.0, "first_failing_rate_req_s": high if high is not None else math.inf,
+            "simulations": len(runs)}
+
+
+def plan_specs(workload: dict, models: list, gpus: list, tps: list[int], replicas: list[int], allocators: list[str],
+               **common) -> list[dict]:
+    """One spec per configuration (checked before any run)."""
+    specs = []
+    for model, gpu, tp, count, allocator in itertools.product(models, gpus, tps, replicas, allocators):
+        spec = {**WORKLOAD_DEFAULTS, **workload, "model": model, "gpu": gpu, "tp": tp, "replicas": count, "allocator": allocator,
+                **common}
+        try:
+            check_spec({**spec, "rate": 1.0})
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
+        specs.append(spec)
+    if not specs:
+        raise PlanError("the plan has no configuration (an empty list of models, GPUs, tp, replicas or allocators)")
+    return specs
+
+
+def run_plan(specs: list[dict], slos: dict[str, float], search: RateSearch | None = None,
+             target_rate: float | None = None, prices: dict[str, float] | None = None, parallel: bool = True,
+             address: str | None = None, num_cpus: int | None = None, progress: bool = True) -> PlanResult:
+    """Search every configuration's highest SLO-meeting rate (Ray tasks, or serially), price it and mark the
+    cheapest configuration that sustains ``target_rate`` (``chosen``)."""
+    search = search or RateSearch()
+    prices = {**{str(s["gpu"]): get_gpu(s["gpu"]).price_per_hour for s in specs}, **(prices or {})}
+    from .sweep import _bar
+
+    bar = _bar(len(specs), progress)
+    ray_init_s = 0.0
+    if parallel:
+        import ray
+
+        ray_init_s = start_ray(address, num_cpus)
+        remote = ray.remote(max_retries=3)(search_max_rate)
+        refs = [remote.remote(spec, slos, search) for spec in specs]
+        rows = []
+        for ref in refs:
+            rows.append(ray.get(ref))
+            bar.update(1)
+    else:
+        rows = []
+        for spec in specs:
+            rows.append(search_max_rate(spec, slos, search))
+            bar.update(1)
+    bar.close()
+    return PlanResult(price_table(rows, slos, prices, target_rate), ray_init_s, prices)
+
+
+def price_table(rows: list[dict], slos: dict[str, float], prices: dict[str, float],
+                target_rate: float | None) -> pd.DataFrame:
+    """The plan's table: configuration, max rate, cost per hour and per million requests, the SLO metrics at the
+    max rate, and ``chosen``."""
+    table = pd.DataFrame(rows)
+    for name in slos:  # a configuration whose every run failed has no metrics
+        if name not in table:
+            table[name] = math.nan
+    table["gpus"] = table["tp"] * table["replicas"]
+    table["cost_per_hour"] = table["gpus"] * table["gpu"].astype(str).map(prices)
+    table["cost_per_million_requests"] = table["cost_per_hour"] / (table["max_rate_req_s"] * 3600) * 1e6
+    table["meets_target"] = table["max_rate_req_s"] >= (target_rate or 0.0)
+    if target_rate is None:
+        table["meets_target"] &= table["max_rate_req_s"] > 0
+    table["chosen"] = False
+    feasible = table[table["meets_target"]]
+    if not feasible.empty:
+        table.loc[feasible.sort_values(["cost_per_hour", "max_rate_req_s"], ascending=[True, False]).index[0],
+                  "chosen"] = True
+    columns = ["model", "gpu", "tp", "replicas", "allocator", "gpus", "max_rate_req_s", "first_failing_rate_req_s",
+               "cost_per_hour", "cost_per_million_requests", "meets_target", "chosen", *slos, "throughput_tok_s",
+               "simulations", "error"]
+    return table[[c for c in columns if c in table] + [c for c in table if c not in columns]]

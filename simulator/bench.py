@@ -1,4 +1,5 @@
 """``python -m simulator.bench``: simulator speed (median of repeats) and memory bounds; prints a table, writes CSV.
+``--sweep``: a 200-run sweep serially and on a local Ray (``benchmarks/results/sweep.csv``).
 
 Rows: the Azure 2023 conversation trace (19,366 requests) replayed with paged B=16 and, as the in-run baseline,
 contiguous-oracle; a 100k-request synthetic run (peak traced Python memory, timeseries rows kept); loading a
@@ -91,6 +92,32 @@ def bench_trace_loads(num_rows: int) -> list[dict]:
     return rows
 
 
+SWEEP_GRID = {"allocator": ["paged", "contiguous-oracle"], "block_size": [8, 16, 32, 64, 128],
+              "rate": [5.0, 10.0, 20.0, 40.0], "seed": [0, 1, 2, 3, 4], "num_requests": [1500]}
+
+
+def bench_sweep(num_cpus: int) -> list[dict]:
+    """The 200-run ``SWEEP_GRID`` serially (in this process) and on a local Ray of ``num_cpus`` CPUs, each into a
+    fresh store; Ray's start-up is timed apart from the sweep."""
+    from .sweep import expand, run_sweep, start_ray
+
+    runs = len(expand(SWEEP_GRID))
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        run_sweep(SWEEP_GRID, Path(folder) / "serial.sqlite", parallel=False, progress=False)
+        serial = time.perf_counter() - start
+        ray_init = start_ray(num_cpus=num_cpus)
+        start = time.perf_counter()
+        result = run_sweep(SWEEP_GRID, Path(folder) / "ray.sqlite", parallel=True, progress=False)
+        parallel = time.perf_counter() - start
+    failed = int((result.table["error"] != "").sum())
+    return [{"case": f"sweep of {runs} runs, serial", "value": runs / serial, "unit": "runs/s", "seconds": serial},
+            {"case": f"sweep of {runs} runs, Ray on {num_cpus} CPUs", "value": runs / parallel, "unit": "runs/s",
+             "seconds": parallel, "failed": failed},
+            {"case": "Ray / serial sweep speed", "value": serial / parallel, "unit": "ratio"},
+            {"case": "Ray start-up (local)", "value": ray_init, "unit": "s"}]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simulator.bench", description=__doc__)
     parser.add_argument("--trace", default=str(AZURE_CONV))
@@ -98,7 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--large", type=int, default=100_000)
     parser.add_argument("--csv-rows", type=int, default=1_000_000)
     parser.add_argument("--out", default="benchmarks/results/simulator.csv")
+    parser.add_argument("--sweep", action="store_true", help="only the sweep benchmark (serial vs Ray)")
+    parser.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray (--sweep)")
     args = parser.parse_args(argv)
+    if args.sweep:
+        out = args.out if args.out != parser.get_default("out") else "benchmarks/results/sweep.csv"
+        print_and_save(pd.DataFrame(bench_sweep(args.num_cpus)), out)
+        return 0
     rows = []
     if Path(args.trace).is_file():
         rows += bench_trace(Path(args.trace), args.repeats)

@@ -27,7 +27,7 @@ def sweep_parser() -> argparse.ArgumentParser:
                                             "when the sweep is run again.")
     p.add_argument("--grid", required=True, help="YAML: field -> list of values")
     p.add_argument("--out", type=output_table, required=True, help="results table (.parquet or .csv)")
-    p.add_argument("--store", default=None, help="folder of finished runs (default: <out>.store next to --out)")
+    p.add_argument("--store", default=None, help="SQLite file of finished runs (default: <out>.store.sqlite)")
     p.add_argument("--address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS, else local)")
     p.add_argument("--num-cpus", type=positive_int, default=None, help="CPUs of the local Ray (default: all)")
     p.add_argument("--serial", action="store_true", help="run in this process, without Ray")
@@ -37,7 +37,7 @@ def sweep_parser() -> argparse.ArgumentParser:
 
 def sweep_main(argv: list[str]) -> int:
     args = sweep_parser().parse_args(argv)
-    store = args.store or str(Path(args.out).with_suffix("")) + ".store"
+    store = args.store or str(Path(args.out).with_suffix("")) + ".store.sqlite"
     try:
         grid = load_grid(args.grid)
         result = run_sweep(grid, store, parallel=not args.serial, address=args.address, num_cpus=args.num_cpus,

@@ -1,5 +1,5 @@
 """Sweeps on Ray: every combination of a grid of ``SimConfig`` fields and workload parameters, one simulation per
-Ray task, each finished run written at once to a results store keyed by a hash of its full spec.
+Ray task, each finished run written at once to a results store (SQLite) keyed by a hash of its full spec.
 
 ``ray.init()`` without an address starts a local Ray on this machine; ``address`` (or ``RAY_ADDRESS``) joins an
 existing cluster. A rerun skips what the store holds; a task whose worker dies is retried by Ray (``max_retries``)
@@ -152,28 +152,41 @@ def run_one(spec: dict) -> dict:
 
 # ---- the store --------------------------------------------------------------------------------------------------
 class ResultStore:
-    """A directory of one-row Parquet files named by run key; writes are atomic (write, then rename)."""
+    """Finished runs in a SQLite file, one row per run key (the row as JSON); each ``put`` is its own transaction,
+    so a run is either stored whole or not at all."""
 
-    def __init__(self, folder: str | Path):
-        self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+    def __init__(self, path: str | Path):
+        import sqlite3
+
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.db = sqlite3.connect(self.path, isolation_level=None)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("CREATE TABLE IF NOT EXISTS runs (run_key TEXT PRIMARY KEY, row TEXT NOT NULL)")
+        except sqlite3.DatabaseError as exc:
+            raise OSError(f"{self.path}: not a results store ({exc})") from None
 
     def has(self, key: str) -> bool:
-        return (self.folder / f"{key}.parquet").exists()
+        return self.db.execute("SELECT 1 FROM runs WHERE run_key = ?", (key,)).fetchone() is not None
+
+    def keys(self) -> set[str]:
+        return {key for (key,) in self.db.execute("SELECT run_key FROM runs")}
 
     def put(self, row: dict) -> None:
-        path = self.folder / f"{row['run_key']}.parquet"
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        pd.DataFrame([{k: _cell(v) for k, v in row.items()}]).to_parquet(partial, index=False)
-        os.replace(partial, path)
+        text = json.dumps({k: _plain(v) for k, v in row.items()})
+        self.db.execute("INSERT OR REPLACE INTO runs VALUES (?, ?)", (row["run_key"], text))
 
     def get(self, keys: list[str]) -> pd.DataFrame:
-        frames = [pd.read_parquet(self.folder / f"{key}.parquet") for key in keys if self.has(key)]
-        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+        """The stored rows of ``keys``, in that order (keys not stored are left out)."""
+        rows = dict(self.db.execute("SELECT run_key, row FROM runs"))
+        return pd.DataFrame([json.loads(rows[key]) for key in keys if key in rows])
 
 
-def _cell(value):
-    """Parquet columns need one type: infinities stay floats, other objects become text."""
+def _plain(value):
+    """A JSON-ready value: NumPy scalars as Python ones (floats keep every bit; inf and NaN included)."""
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        return value.item()
     return value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
 
 
@@ -193,7 +206,15 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> float:
                  log_to_driver=False)
     else:
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, runtime_env=env)
+    workers = int(ray.cluster_resources().get("CPU", 1))
+    ray.get([ray.remote(_warm_up).remote() for _ in range(workers)])  # start the workers, import the simulator
     return time.perf_counter() - started
+
+
+def _warm_up() -> int:
+    from . import engine  # noqa: F401
+
+    return os.getpid()
 
 
 def run_sweep(grid: dict[str, list], store: str | Path, parallel: bool = True, address: str | None = None,
@@ -206,7 +227,8 @@ def run_sweep(grid: dict[str, list], store: str | Path, parallel: bool = True, a
     specs = expand(grid)
     results = ResultStore(store)
     keys = [spec_key(spec) for spec in specs]
-    todo = [(key, spec) for key, spec in dict(zip(keys, specs)).items() if not results.has(key)]
+    stored = results.keys()
+    todo = [(key, spec) for key, spec in dict(zip(keys, specs)).items() if key not in stored]
     bar = _bar(len(todo), progress)
     ray_init_s = 0.0
     if parallel and todo:
@@ -229,7 +251,7 @@ def _run_on_ray(todo: list[tuple[str, dict]], results: ResultStore, bar, should_
     pending = {remote.remote(spec): spec for _, spec in todo}
     done = 0
     while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1)
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.2)  # whatever finished
         for ref in ready:
             spec = pending.pop(ref)
             try:

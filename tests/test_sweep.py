@@ -26,12 +26,12 @@ def local_ray():
 
 
 def test_a_sweep_equals_the_same_runs_done_serially(tmp_path, local_ray):
-    parallel = run_sweep(GRID, tmp_path / "ray", progress=False)
-    serial = run_sweep(GRID, tmp_path / "serial", parallel=False, progress=False)
+    parallel = run_sweep(GRID, tmp_path / "ray.sqlite", progress=False)
+    serial = run_sweep(GRID, tmp_path / "serial.sqlite", parallel=False, progress=False)
     assert parallel.ran == serial.ran == len(expand(GRID)) == 8
     pd.testing.assert_frame_equal(parallel.table, serial.table)  # bit-equal summaries
     assert (parallel.table["error"] == "").all() and list(parallel.table.columns[1:6]) == list(GRID)
-    again = run_sweep(GRID, tmp_path / "ray", progress=False)
+    again = run_sweep(GRID, tmp_path / "ray.sqlite", progress=False)
     assert again.ran == 0 and again.ray_init_s == 0.0
     pd.testing.assert_frame_equal(again.table, parallel.table)
 
@@ -51,7 +51,8 @@ def _ray_worker_running(task: str) -> int | None:
 def test_killing_a_worker_mid_sweep_still_gives_every_row_once(tmp_path, local_ray):
     grid = {**GRID, "num_requests": [400], "seed": [1, 2]}
     outcome = {}
-    thread = threading.Thread(target=lambda: outcome.setdefault("result", run_sweep(grid, tmp_path, progress=False)))
+    store = tmp_path / "store.sqlite"
+    thread = threading.Thread(target=lambda: outcome.setdefault("result", run_sweep(grid, store, progress=False)))
     thread.start()
     killed, deadline = None, time.time() + 120
     while killed is None and time.time() < deadline and thread.is_alive():
@@ -63,13 +64,13 @@ def test_killing_a_worker_mid_sweep_still_gives_every_row_once(tmp_path, local_r
     table = outcome["result"].table
     assert len(table) == len(expand(grid)) == table["run_key"].nunique() == 16
     assert (table["error"] == "").all()
-    assert len(list(Path(tmp_path).glob("*.parquet"))) == 16 and not list(Path(tmp_path).glob("*.tmp"))
+    assert len(ResultStore(store).keys()) == 16
 
 
 def test_a_failing_run_is_recorded_and_the_rest_finish(tmp_path, local_ray):
     grid = {"allocator": ["paged"], "block_size": [16, 64], "capacity_tokens": [48], "num_requests": [20],
             "max_model_len": [40]}
-    table = run_sweep(grid, tmp_path, progress=False).table
+    table = run_sweep(grid, tmp_path / "s.sqlite", progress=False).table
     failed = table[table["error"] != ""]
     assert list(failed["block_size"]) == [64] and "holds no block" in failed["error"].iloc[0]
     assert table.loc[table["block_size"] == 16, "num_requests_completed"].iloc[0] > 0
@@ -86,8 +87,8 @@ def test_a_failing_run_is_recorded_and_the_rest_finish(tmp_path, local_ray):
 ])
 def test_bad_grids_fail_before_any_work(tmp_path, grid, message):
     with pytest.raises(GridError, match=message):
-        run_sweep(grid, tmp_path / "store", progress=False)
-    assert not list((tmp_path / "store").glob("*")) if (tmp_path / "store").exists() else True
+        run_sweep(grid, tmp_path / "store.sqlite", progress=False)
+    assert not (tmp_path / "store.sqlite").exists()
 
 
 def test_the_cli_runs_a_grid_file_and_reports_bad_ones(tmp_path, capsys, local_ray):
@@ -101,5 +102,5 @@ def test_the_cli_runs_a_grid_file_and_reports_bad_ones(tmp_path, capsys, local_r
     assert main(["sweep", "--grid", str(tmp_path / "bad.yaml"), "--out", str(tmp_path / "r.csv")]) == 2
     err = capsys.readouterr().err
     assert "error:" in err and "'rate' must be a non-empty list" in err and "Traceback" not in err
-    assert ResultStore(tmp_path / "r.store").has(spec_key(expand(check_grid({"allocator": ["paged"], "rate": [10.0],
+    assert ResultStore(tmp_path / "r.store.sqlite").has(spec_key(expand(check_grid({"allocator": ["paged"], "rate": [10.0],
                                                                              "num_requests": [50]}))[0]))

@@ -62,3 +62,44 @@ def latency_percentiles(summary: pd.DataFrame, label: str = "label") -> go.Figur
                     facet_col="metric", title="Latency percentiles", log_y=True)
     figure.update_yaxes(matches=None)
     return figure.update_layout(height=340)
+
+
+def sweep_heatmap(table: pd.DataFrame, x: str, y: str, value: str) -> go.Figure:
+    """Median of ``value`` over the runs at each (``x``, ``y``) of a sweep table."""
+    grid = table.pivot_table(index=y, columns=x, values=value, aggfunc="median")
+    figure = px.imshow(grid, text_auto=".3g", aspect="auto", color_continuous_scale="Viridis",
+                       labels=dict(x=x, y=y, color=value), title=f"{value} (median over the other fields)")
+    figure.update_xaxes(type="category")
+    figure.update_yaxes(type="category")
+    return figure.update_layout(height=380)
+
+
+def sweep_lines(table: pd.DataFrame, x: str, value: str, colour: str | None) -> go.Figure:
+    """``value`` against ``x``, one line per ``colour`` (median over the other fields)."""
+    keys = [x] + ([colour] if colour else [])
+    data = table.groupby(keys, as_index=False)[value].median().sort_values(keys)
+    if colour:
+        data[colour] = data[colour].astype(str)
+    figure = px.line(data, x=x, y=value, color=colour, markers=True, title=f"{value} vs {x}")
+    return figure.update_layout(height=360)
+
+
+def pareto(plan: pd.DataFrame) -> go.Figure:
+    """Cost per hour against the highest SLO-meeting rate, one point per configuration; the Pareto front joined,
+    the chosen configuration marked."""
+    data = plan[plan["max_rate_req_s"] > 0].copy()
+    data["configuration"] = (data["model"].astype(str) + " · " + data["tp"].astype(str) + "×" + data["gpu"].astype(str)
+                             + " · " + data["replicas"].astype(str) + " repl · " + data["allocator"].astype(str))
+    figure = px.scatter(data, x="max_rate_req_s", y="cost_per_hour", color="allocator", hover_name="configuration",
+                        title="Cost vs the highest rate meeting every SLO", log_x=True,
+                        labels={"max_rate_req_s": "max sustainable rate (req/s)", "cost_per_hour": "USD per hour"})
+    front = data.sort_values(["cost_per_hour", "max_rate_req_s"], ascending=[True, False])
+    front = front[front["max_rate_req_s"] > front["max_rate_req_s"].cummax().shift(fill_value=0)]
+    figure.add_scatter(x=front["max_rate_req_s"], y=front["cost_per_hour"], mode="lines", name="Pareto front",
+                       line=dict(color="black", dash="dot"), hoverinfo="skip")
+    chosen = data[data["chosen"]]
+    if not chosen.empty:
+        figure.add_scatter(x=chosen["max_rate_req_s"], y=chosen["cost_per_hour"], mode="markers", name="chosen",
+                           marker=dict(symbol="star", size=18, color="gold", line=dict(color="black", width=1)),
+                           hovertext=chosen["configuration"])
+    return figure.update_layout(height=420)

@@ -8,7 +8,7 @@ from pathlib import Path
 from lab.cli_args import positive_float, positive_int
 from lab.results import print_and_save
 
-from .sweep import GridError, load_grid, run_sweep, save_table
+from .sweep import GridError, failed_runs, load_grid, run_sweep, save_table
 
 
 def output_table(text: str) -> str:
@@ -47,10 +47,10 @@ def sweep_main(argv: list[str]) -> int:
         return 2
     table = result.table
     save_table(table, args.out)
-    failed = int((table["error"] != "").sum())
+    failed = len(failed_runs(table))
     print(f"{len(table)} runs ({result.ran} run now, {len(table) - result.ran} from {store}); {failed} failed; "
           f"Ray start-up {result.ray_init_s:.1f} s; wrote {args.out}", file=sys.stderr)
-    for row in table[table["error"] != ""].head(5).itertuples():
+    for row in failed_runs(table).head(5).itertuples():
         print(f"warning: run {row.run_key} failed: {row.error}", file=sys.stderr)
     return 1 if failed == len(table) else 0
 
@@ -122,17 +122,16 @@ def plan_parser() -> argparse.ArgumentParser:
 
 
 def plan_main(argv: list[str]) -> int:
-    from .plan import PlanError, RateSearch, parse_slos, plan_specs, run_plan
+    from .plan import PlanError, RateSearch, parse_slos, plan_capacity
 
     args = plan_parser().parse_args(argv)
     try:
         slos = parse_slos(args.slo)
-        specs = plan_specs({"workload": args.workload, "num_requests": args.num_requests}, args.models, args.gpus,
-                           args.tp, args.replicas, args.allocators, block_size=args.block_size, router=args.router,
-                           max_model_len=args.max_model_len)
-        result = run_plan(specs, slos, RateSearch(args.rate_start, args.tolerance), args.target_rate,
-                          args.gpu_price, parallel=not args.serial, address=args.address, num_cpus=args.num_cpus,
-                          progress=not args.no_progress)
+        result = plan_capacity({"workload": args.workload, "num_requests": args.num_requests}, args.slo,
+                               args.models, args.gpus, args.tp, args.replicas, args.allocators, args.target_rate,
+                               args.gpu_price, RateSearch(args.rate_start, args.tolerance), parallel=not args.serial,
+                               address=args.address, num_cpus=args.num_cpus, progress=not args.no_progress,
+                               block_size=args.block_size, router=args.router, max_model_len=args.max_model_len)
     except (PlanError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -141,8 +140,13 @@ def plan_main(argv: list[str]) -> int:
                                              "cost_per_hour", "cost_per_million_requests", "chosen", *slos)])
     if args.out:
         save_table(table, args.out)
-    for row in table[table["error"].fillna("") != ""].head(5).itertuples():
+    for row in failed_runs(table).head(5).itertuples():
         print(f"warning: {row.model} on {row.tp} x {row.gpu}, {row.allocator}: {row.error}", file=sys.stderr)
+    capped = table[table["first_failing_rate_req_s"] == float("inf")]
+    if len(capped):
+        print(f"warning: {len(capped)} configuration(s) met the SLOs at every rate tried (up to "
+              f"{capped['max_rate_req_s'].max():.3g} req/s): {args.num_requests} requests are too few to load them; "
+              f"plan with more --num-requests", file=sys.stderr)
     chosen = table[table["chosen"]]
     if chosen.empty:
         print("warning: no configuration meets the SLOs" + (f" at {args.target_rate} req/s" if args.target_rate

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import pandas as pd
 
@@ -113,9 +114,10 @@ def plan_specs(workload: dict, models: list, gpus: list, tps: list[int], replica
 
 def run_plan(specs: list[dict], slos: dict[str, float], search: RateSearch | None = None,
              target_rate: float | None = None, prices: dict[str, float] | None = None, parallel: bool = True,
-             address: str | None = None, num_cpus: int | None = None, progress: bool = True) -> PlanResult:
+             address: str | None = None, num_cpus: int | None = None, progress: bool = True,
+             on_progress: Callable[[int, int], None] | None = None) -> PlanResult:
     """Search every configuration's highest SLO-meeting rate (Ray tasks, or serially), price it and mark the
-    cheapest configuration that sustains ``target_rate`` (``chosen``)."""
+    cheapest configuration that sustains ``target_rate`` (``chosen``). ``on_progress(done, total)`` after each."""
     search = search or RateSearch()
     prices = {**{str(s["gpu"]): get_gpu(s["gpu"]).price_per_hour for s in specs}, **(prices or {})}
     from .sweep import _bar
@@ -131,14 +133,20 @@ def run_plan(specs: list[dict], slos: dict[str, float], search: RateSearch | Non
         rows = []
         for ref in refs:
             rows.append(ray.get(ref))
-            bar.update(1)
+            _advance(bar, on_progress, len(rows), len(specs))
     else:
         rows = []
         for spec in specs:
             rows.append(search_max_rate(spec, slos, search))
-            bar.update(1)
+            _advance(bar, on_progress, len(rows), len(specs))
     bar.close()
     return PlanResult(price_table(rows, slos, prices, target_rate), ray_init_s, prices)
+
+
+def _advance(bar, on_progress, done: int, total: int) -> None:
+    bar.update(1)
+    if on_progress is not None:
+        on_progress(done, total)
 
 
 def price_table(rows: list[dict], slos: dict[str, float], prices: dict[str, float],
@@ -164,3 +172,14 @@ def price_table(rows: list[dict], slos: dict[str, float], prices: dict[str, floa
                "cost_per_hour", "cost_per_million_requests", "meets_target", "chosen", *slos, "throughput_tok_s",
                "simulations", "error"]
     return table[[c for c in columns if c in table] + [c for c in table if c not in columns]]
+
+
+def plan_capacity(workload: dict, slos: str, models: list, gpus: list, tps: list[int], replicas: list[int],
+                  allocators: list[str], target_rate: float | None = None, prices: dict[str, float] | None = None,
+                  search: RateSearch | None = None, parallel: bool = True, address: str | None = None,
+                  num_cpus: int | None = None, progress: bool = True,
+                  on_progress: Callable[[int, int], None] | None = None, **common) -> PlanResult:
+    """Parse the SLOs (``ttft_p90=2,tpot_p90=0.2``), check every configuration, then ``run_plan`` them."""
+    specs = plan_specs(workload, models, gpus, tps, replicas, allocators, **common)
+    return run_plan(specs, parse_slos(slos), search, target_rate, prices, parallel, address, num_cpus, progress,
+                    on_progress)

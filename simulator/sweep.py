@@ -277,6 +277,28 @@ def tidy(table: pd.DataFrame, grid_fields: list[str]) -> pd.DataFrame:
     return table[["run_key", *spec_columns, *rest, "error"]]
 
 
+def failed_runs(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows whose run raised (``error`` set; a CSV read back has NaN for none)."""
+    if "error" not in table:
+        return table.iloc[:0]
+    errors = table["error"]
+    return table[errors.notna() & (errors.astype(str) != "")]
+
+
+def read_table(data: bytes, name: str) -> pd.DataFrame:
+    """A saved sweep or plan table (Parquet or CSV bytes); ``ValueError`` naming the file otherwise."""
+    import io
+
+    try:
+        table = pd.read_parquet(io.BytesIO(data)) if name.endswith(".parquet") else pd.read_csv(io.BytesIO(data))
+    except Exception as exc:  # noqa: BLE001 - pandas and pyarrow raise many types for a bad file
+        raise ValueError(f"{name}: not a readable {'Parquet' if name.endswith('.parquet') else 'CSV'} table "
+                         f"({type(exc).__name__}: {exc})") from None
+    if "max_rate_req_s" not in table and "run_key" not in table:
+        raise ValueError(f"{name}: neither a sweep table (run_key column) nor a plan (max_rate_req_s column)")
+    return table
+
+
 def save_table(table: pd.DataFrame, path: str | Path) -> None:
     """Parquet for ``.parquet``, else CSV."""
     path = Path(path)

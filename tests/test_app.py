@@ -9,7 +9,7 @@ from streamlit.runtime.memory_media_file_storage import MemoryMediaFileStorage
 from streamlit.testing.v1 import AppTest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ["overview", "memory_simulator", "block_pool", "kernel_lab", "runtime", "benchmarks"]
+PAGES = ["overview", "memory_simulator", "block_pool", "kernel_lab", "runtime", "sweeps", "benchmarks"]
 
 
 @pytest.fixture
@@ -236,3 +236,33 @@ def test_benchmarks_page_bad_csv_shows_an_error(data):
     app.file_uploader[0].upload("bad.csv", data, "text/csv")
     app.run()
     assert not app.exception and any("bad.csv" in e.value for e in app.error), [e.value for e in app.error]
+
+
+def test_sweeps_page_runs_a_sweep_and_a_plan_and_loads_files(downloads):
+    from simulator.sweep import failed_runs
+
+    app = open_page("sweeps")
+    clean(app)
+    app.toggle(key="on_ray").set_value(False)
+    app.number_input[0].set_value(60)
+    app.button(key="run_sweep").click().run()
+    clean(app)
+    table = download_table(app, downloads, "dl_sweep")
+    assert len(table) == 2 * 3 * 2  # allocators x block sizes x rates
+    assert failed_runs(table).empty and {"throughput_tok_s", "block_size", "rate"} <= set(table)
+    assert app.get("plotly_chart")
+    app.sidebar.radio(key="sweep_mode").set_value("capacity plan").run()
+    app.button(key="run_sweep").click().run()
+    clean(app)
+    plan = download_table(app, downloads, "dl_sweep")
+    assert {"max_rate_req_s", "cost_per_hour", "chosen"} <= set(plan) and plan["chosen"].sum() <= 1
+    app.sidebar.text_input[0].set_value("ttft_p91=2")
+    app.button(key="run_sweep").click().run()
+    assert not app.exception and any("ttft_p91" in e.value for e in app.error)
+    app.sidebar.radio(key="sweep_mode").set_value("load a results file").run()
+    app.sidebar.file_uploader[0].upload("plan.csv", plan.to_csv(index=False).encode(), "text/csv")
+    app.run()
+    clean(app)
+    app.sidebar.file_uploader[0].upload("junk.csv", b"a,b\n1,2\n", "text/csv")
+    app.run()
+    assert not app.exception and any("junk.csv" in e.value for e in app.error)

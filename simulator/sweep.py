@@ -27,6 +27,7 @@ from .workloads import (SYNTHETIC_PRESETS, SyntheticSpec, Workload, check_synthe
                         synthetic_workload)
 
 WORKLOAD_FIELDS = ("workload", "num_requests", "rate", "burstiness", "n", "shared_prefix_tokens", "seed")
+ALIASES = {"trace": "workload"}  # a grid may say ``trace: [path, ...]``
 SIM_FIELDS = tuple(f.name for f in dataclasses.fields(SimConfig) if f.name not in ("model_overrides",
                                                                                     "gpu_overrides", "record_steps"))
 SIM_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SimConfig)}
@@ -69,6 +70,9 @@ def check_grid(grid, name: str = "grid") -> dict[str, list]:
     combination is checked before any runs."""
     if not isinstance(grid, dict) or not grid:
         raise GridError(f"{name}: expected a mapping of field -> list of values, got {grid!r:.80}")
+    if all(name in grid for name in ("trace", "workload")):
+        raise GridError(f"{name}: give either 'trace' or 'workload', not both")
+    grid = {ALIASES.get(field, field): values for field, values in grid.items()}
     for field, values in grid.items():
         if field not in WORKLOAD_FIELDS and field not in SIM_FIELDS:
             raise GridError(f"{name}: unknown field {field!r}; SimConfig fields: {', '.join(SIM_FIELDS)}; workload "

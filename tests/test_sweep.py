@@ -29,11 +29,11 @@ def test_a_sweep_equals_the_same_runs_done_serially(tmp_path, local_ray):
     parallel = run_sweep(GRID, tmp_path / "ray.sqlite", progress=False)
     serial = run_sweep(GRID, tmp_path / "serial.sqlite", parallel=False, progress=False)
     assert parallel.ran == serial.ran == len(expand(GRID)) == 8
-    pd.testing.assert_frame_equal(parallel.table, serial.table)  # bit-equal summaries
+    pd.testing.assert_frame_equal(parallel.table, serial.table, check_exact=True)  # bit-equal summaries
     assert (parallel.table["error"] == "").all() and list(parallel.table.columns[1:6]) == list(GRID)
     again = run_sweep(GRID, tmp_path / "ray.sqlite", progress=False)
     assert again.ran == 0 and again.ray_init_s == 0.0
-    pd.testing.assert_frame_equal(again.table, parallel.table)
+    pd.testing.assert_frame_equal(again.table, parallel.table, check_exact=True)
 
 
 def _ray_worker_running(task: str) -> int | None:
@@ -65,6 +65,15 @@ def test_killing_a_worker_mid_sweep_still_gives_every_row_once(tmp_path, local_r
     assert len(table) == len(expand(grid)) == table["run_key"].nunique() == 16
     assert (table["error"] == "").all()
     assert len(ResultStore(store).keys()) == 16
+
+
+def test_a_trace_grid_scales_its_arrivals_to_each_rate(tmp_path, traces_dir):
+    trace = str(traces_dir / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv")
+    grid = {"trace": [trace], "num_requests": [200], "rate": [2.0, 8.0], "max_model_len": [16384]}
+    table = run_sweep(grid, tmp_path / "t.sqlite", parallel=False, progress=False).table
+    assert list(table["workload"]) == [trace, trace] and (table["num_requests_completed"] == 200).all()
+    slow, fast = table["simulated_time_s"]
+    assert slow > 2 * fast and slow > 99  # 199 gaps at 2 req/s take ~100 s, at 8 req/s ~25 s (plus serving)
 
 
 def test_a_failing_run_is_recorded_and_the_rest_finish(tmp_path, local_ray):

@@ -70,6 +70,47 @@ def _generate(args) -> None:
     print_and_save(metrics, args.out)
 
 
+def _profile(args) -> None:
+    from tqdm import tqdm
+
+    from lab.profile import profile_engine
+
+    bar = tqdm(total=1, desc="profiling", unit="scenario", file=sys.stderr)
+
+    def step(done, total):
+        bar.total = total
+        bar.update(1)
+
+    profile = profile_engine(args.model, args.device, args.block_size, args.backend, args.repeats, progress=step)
+    bar.close()
+    profile.save(args.out)
+    print(f"{len(profile.samples)} step shapes on {profile.device} ({profile.dtype}, {profile.backend}); held-out "
+          f"relative error median {profile.holdout_median_rel_error:.1%}, max {profile.holdout_max_rel_error:.1%}; "
+          f"wrote {args.out}")
+    for name, value in profile.coefficients.items():
+        print(f"  {name:<24} {value:.4g}")
+
+
+def _twin(args) -> None:
+    # The twin joins the engine and the simulator, so this one command imports simulator (the lab library does not).
+    from lab.profile import Profile
+    from simulator import make_workload
+    from simulator.twin import TwinConfig, run_twin
+
+    profile = Profile.load(args.profile)
+    workload = make_workload(args.workload, num_requests=args.num_requests, seed=args.seed, rate=args.rate,
+                             input_len=args.input_len, output_len=args.output_len, range_ratio=0.5) \
+        if args.workload == "random" else make_workload(args.workload, num_requests=args.num_requests)
+    config = TwinConfig(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks,
+                        scheduling=args.scheduling, preemption_mode=args.preemption_mode,
+                        num_cpu_blocks=args.num_cpu_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
+                        device=args.device, attention_backend=args.backend, seed=args.seed)
+    result = run_twin(workload, config, profile, args.repeats)
+    print_and_save(result.table, args.out)
+    if result.first_difference:
+        print(f"schedules differ at {result.first_difference}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lab", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -125,6 +166,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host pool for swap (0: as large as the GPU pool)")
     g.add_argument("--out", type=output_csv, default=None, help="CSV of the run metrics")
     g.set_defaults(run=_generate)
+
+    p = commands.add_parser("profile", help="time real engine steps and fit the simulator's step-time model")
+    p.add_argument("--model", default="tiny", help="preset or local Qwen3 checkpoint directory")
+    p.add_argument("--device", type=device, default=None)
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--repeats", type=positive_int, default=3, help="measured rounds per scenario (medians)")
+    p.add_argument("--out", type=output_csv, default="profile.json", help="the profile (JSON)")
+    p.set_defaults(run=_profile)
+
+    t = commands.add_parser("twin", help="one workload through the engine and the simulator on its profile")
+    t.add_argument("--model", default="tiny")
+    t.add_argument("--profile", required=True, help="from python -m lab profile")
+    t.add_argument("--workload", default="random", help="random (--input-len/--output-len), a preset or a trace")
+    t.add_argument("--num-requests", type=positive_int, default=32)
+    t.add_argument("--rate", type=float, default=float("inf"), help="req/s (random); inf = all at t=0")
+    t.add_argument("--input-len", type=positive_int, default=96)
+    t.add_argument("--output-len", type=positive_int, default=32)
+    t.add_argument("--block-size", type=positive_int, default=16)
+    t.add_argument("--num-blocks", type=positive_int, default=256)
+    t.add_argument("--num-cpu-blocks", type=non_negative_int, default=0)
+    t.add_argument("--scheduling", default="prefill-first", choices=["prefill-first", "chunked"])
+    t.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    t.add_argument("--max-num-batched-tokens", type=positive_int, default=4096)
+    t.add_argument("--device", type=device, default=None)
+    t.add_argument("--backend", default="auto")
+    t.add_argument("--repeats", type=positive_int, default=1, help="real runs (2+: the noise floor)")
+    t.add_argument("--seed", type=non_negative_int, default=0)
+    t.add_argument("--out", type=output_csv, default=None)
+    t.set_defaults(run=_twin)
     return parser
 
 

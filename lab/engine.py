@@ -362,7 +362,7 @@ class LLMEngine:
         """Schedule, run the model, sample; returns the requests that finished in this step."""
         started = time.perf_counter()
         finished_before = len(self.finished)
-        out = self.scheduler.schedule()
+        out = self.last_plan = self.scheduler.schedule()
         self.scheduler_s += time.perf_counter() - started
         if out.is_empty:
             head = self.scheduler.drop_unschedulable_head()
@@ -384,6 +384,8 @@ class LLMEngine:
         if self.on_step:
             self.on_step(self._last_stats)
         return self.finished[finished_before:]
+
+    last_plan = None  # the latest step's SchedulerOutput (what lab.profile reads the step's features from)
 
     def last_step_stats(self) -> StepStats | None:
         """What the latest step did (see ``StepStats``)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -17,6 +18,7 @@ import pandas as pd
 
 from lab.checks import check_bool, check_choice, check_int, check_real
 from lab.kv_policy import PagedPolicy
+from lab.profile import Profile
 from lab.scheduler import (PREEMPTION_MODES, SCHEDULING_MODES, RequestRejectedError, Scheduler,
                            SchedulerConfig, Sequence, SequenceGroup)
 
@@ -57,6 +59,7 @@ class SimConfig:
     bandwidth_efficiency: float = 0.85
     step_overhead_s: float = 1e-3
     kernel_csv: str | None = None  # calibrate attention bandwidth from `python -m lab bench kernels` output
+    profile: object = None  # a lab.profile.Profile or its JSON path: step times measured on the engine (the twin)
     max_points: int = 2000  # timeseries rows kept (decimated uniformly)
     model_overrides: dict = field(default_factory=dict)
     gpu_overrides: dict = field(default_factory=dict)
@@ -125,6 +128,15 @@ def resolve_capacity(config: SimConfig) -> tuple[int, CostModel]:
                               config.tp), cost
 
 
+def load_profile(config: SimConfig) -> Profile | None:
+    """The config's step-time profile (loaded from its path), checked against the block size."""
+    if config.profile is None:
+        return None
+    profile = config.profile if isinstance(config.profile, Profile) else Profile.load(config.profile)
+    profile.check_matches(block_size=config.block_size)
+    return profile
+
+
 def check_config(config: SimConfig) -> None:
     """Raise ``ValueError`` naming the first field of a wrong type or out of range (before anything is built)."""
     owner, big = "SimConfig", 1 << 31
@@ -146,6 +158,10 @@ def check_config(config: SimConfig) -> None:
         check_real(owner, name, getattr(config, name), 0.0, 1.0, low_open=True)
     check_real(owner, "activation_reserve_bytes", config.activation_reserve_bytes, 0.0, 1e18)
     check_real(owner, "step_overhead_s", config.step_overhead_s, 0.0, 1e6)
+    if config.profile is not None and not isinstance(config.profile, (str, Path, Profile)):
+        raise ValueError(f"SimConfig.profile={config.profile!r}: expected None, a profile path or a lab.profile.Profile")
+    if config.profile is not None and config.capacity_tokens is None:
+        raise ValueError("SimConfig.profile needs capacity_tokens: the engine's pool (num_blocks x block_size)")
     for name in ("model_overrides", "gpu_overrides"):
         if not isinstance(getattr(config, name), dict):
             raise ValueError(f"SimConfig.{name}={getattr(config, name)!r}: expected a dict of spec fields")
@@ -185,6 +201,7 @@ class Simulator:
             raise ValueError("the workload has no requests")
         self.workload, self.config = workload, config
         self.capacity_tokens, self.cost = resolve_capacity(config)
+        self.profile = load_profile(config)
         self.policy = build_policy(config, self.capacity_tokens)
         self.policy_is_paged = isinstance(self.policy, PagedPolicy)
         self.scheduler = Scheduler(scheduler_config(config), self.policy)
@@ -313,13 +330,17 @@ class Simulator:
                 self._reject(head.request_id, "capacity")
             return
         self.iteration += 1
-        duration = self.cost.iteration_time(out.num_prefill_tokens + out.num_decode_seqs,
-                                            out.prefill_attention_pairs + out.decode_kv_tokens,
-                                            out.cached_tokens_read + out.decode_kv_tokens)
-        if self.policy.copied_tokens != self.copied_tokens:
-            duration += self._pending_copy_time()
-        if out.blocks_to_swap_out or out.blocks_to_swap_in:
-            duration += self._swap_time(out)
+        if self.profile is not None:  # measured on the engine: copies and swaps are among its features
+            duration = self.profile.step_time(out)
+            self.swapped_blocks += len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+        else:
+            duration = self.cost.iteration_time(out.num_prefill_tokens + out.num_decode_seqs,
+                                                out.prefill_attention_pairs + out.decode_kv_tokens,
+                                                out.cached_tokens_read + out.decode_kv_tokens)
+            if self.policy.copied_tokens != self.copied_tokens:
+                duration += self._pending_copy_time()
+            if out.blocks_to_swap_out or out.blocks_to_swap_in:
+                duration += self._swap_time(out)
         end = self.time + duration
         self.generated_tokens += out.num_decode_seqs + len(out.prefill_done)
         if out.prefill_done:

@@ -1,0 +1,172 @@
+"""The digital twin: one workload through the real engine and through the simulator on the engine's profile, the
+same configuration both ways; one row per metric with the real value, the simulated one and the relative error.
+
+Arrivals: requests reach the engine at their arrival offsets from the start of the run (a request arriving during a
+step joins at the next step, as in the simulator). When every request arrives at t = 0 the two schedules must be
+identical step for step (``schedule_identical``). With timed arrivals which step admits a request depends on real
+step times, so the step logs may drift apart; the metrics are still compared, and the first differing step is
+reported.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from lab.engine import EngineConfig, LLMEngine, SamplingParams
+from lab.profile import Profile
+from lab.scheduler import STEP_LOG_COLUMNS
+
+from .engine import SimConfig, Simulator
+from .metrics import latency_summary
+from .workloads import Workload
+
+PLAN_COLUMNS = [c for c in STEP_LOG_COLUMNS if c != "duration_s"]
+METRICS = ("throughput_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s", "e2e_p50_s", "makespan_s",
+           "peak_blocks_in_use", "preemptions")
+
+
+@dataclass(slots=True)
+class TwinConfig:
+    """The configuration both sides share (the engine's names)."""
+
+    model: str = "tiny"
+    block_size: int = 16
+    num_blocks: int = 256
+    scheduling: str = "prefill-first"
+    preemption_mode: str = "recompute"
+    num_cpu_blocks: int = 0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    enable_prefix_caching: bool = True
+    device: str | None = None
+    attention_backend: str = "auto"
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class TwinResult:
+    table: pd.DataFrame  # metric, real, simulated, rel_error (and noise_floor with repeats)
+    real_steps: pd.DataFrame
+    simulated_steps: pd.DataFrame
+    first_difference: str  # "" when the schedules are identical
+    real_wall_s: float
+    simulated_wall_s: float
+
+
+def engine_config(config: TwinConfig) -> EngineConfig:
+    return EngineConfig(block_size=config.block_size, num_blocks=config.num_blocks, scheduling=config.scheduling,
+                        preemption_mode=config.preemption_mode, num_cpu_blocks=config.num_cpu_blocks,
+                        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                        enable_prefix_caching=config.enable_prefix_caching, device=config.device,
+                        attention_backend=config.attention_backend, seed=config.seed)
+
+
+def sim_config(config: TwinConfig, profile: Profile, max_model_len: int, num_cpu_blocks: int) -> SimConfig:
+    return SimConfig(allocator="paged", block_size=config.block_size,
+                     capacity_tokens=config.num_blocks * config.block_size, max_model_len=max_model_len,
+                     max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                     scheduling=config.scheduling, preemption_mode=config.preemption_mode,
+                     num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=config.enable_prefix_caching,
+                     profile=profile, record_steps=True, max_points=1_000_000)
+
+
+def run_real(workload: Workload, config: TwinConfig) -> tuple[dict, pd.DataFrame, float]:
+    """The workload through the engine (greedy, ``ignore_eos``, output lengths from the workload): its metrics,
+    its step log and its wall time."""
+    engine = LLMEngine(config.model, engine_config(config))
+    generator = np.random.default_rng(config.seed)
+    vocab = engine.hf_model.config.vocab_size
+    prompts = [generator.integers(0, vocab, int(length)).tolist() for length in workload.prompt_tokens]
+    params = [SamplingParams(max_tokens=int(out), ignore_eos=True) for out in workload.output_tokens]
+    for prompt, sampling in zip(prompts, params):  # every request checked before the clock starts
+        engine.scheduler.check_request(len(prompt), sampling.max_tokens, sampling.n)
+    started = time.perf_counter()
+    arrivals, next_request, peak_blocks = workload.arrival_s, 0, 0
+    while next_request < len(prompts) or engine.has_unfinished():
+        now = time.perf_counter() - started
+        while next_request < len(prompts) and arrivals[next_request] <= now:
+            engine.add_request(prompts[next_request], params[next_request])
+            next_request += 1
+        if engine.has_unfinished():
+            engine.step()
+            peak_blocks = max(peak_blocks, engine.block_manager.num_used_blocks)
+        else:
+            time.sleep(max(0.0, arrivals[next_request] - now))
+    wall = time.perf_counter() - started
+    return _real_metrics(engine, started, peak_blocks), engine.step_log(), wall
+
+
+def _real_metrics(engine: LLMEngine, started: float, peak_blocks: int) -> dict:
+    outputs = engine.finished
+    requests = pd.DataFrame({"arrival_s": [o.arrival_s - started for o in outputs],
+                             "first_token_s": [o.first_token_s - started for o in outputs],
+                             "finish_s": [o.finish_s - started for o in outputs],
+                             "output_tokens": [len(o.outputs[0]) for o in outputs]})
+    makespan = float(requests["finish_s"].max())
+    generated = int(requests["output_tokens"].sum())
+    return {"throughput_tok_s": generated / makespan, **latency_summary(requests), "makespan_s": makespan,
+            "peak_blocks_in_use": peak_blocks, "preemptions": engine.num_preemptions}
+
+
+def run_simulated(workload: Workload, config: TwinConfig, profile: Profile, max_model_len: int,
+                  num_cpu_blocks: int) -> tuple[dict, pd.DataFrame, float]:
+    started = time.perf_counter()
+    result = Simulator(workload, sim_config(config, profile, max_model_len, num_cpu_blocks)).run()
+    wall = time.perf_counter() - started
+    summary = result.summary
+    steps = result.steps
+    metrics = {name: summary[name] for name in METRICS if name in summary}
+    metrics.update(makespan_s=summary["simulated_time_s"], peak_blocks_in_use=int(steps["blocks_in_use"].max()),
+                   throughput_tok_s=summary["generated_tokens"] / summary["simulated_time_s"])
+    return metrics, steps, wall
+
+
+def first_difference(real: pd.DataFrame, simulated: pd.DataFrame) -> str:
+    """'' when the step logs agree in every column but ``duration_s``, else the first differing step."""
+    if len(real) != len(simulated):
+        shorter = min(len(real), len(simulated))
+        if (real[PLAN_COLUMNS].iloc[:shorter].to_numpy() == simulated[PLAN_COLUMNS].iloc[:shorter].to_numpy()).all():
+            return f"the real run took {len(real)} steps, the simulated one {len(simulated)}"
+    length = min(len(real), len(simulated))
+    mismatch = (real[PLAN_COLUMNS].iloc[:length].to_numpy() != simulated[PLAN_COLUMNS].iloc[:length].to_numpy())
+    rows = np.flatnonzero(mismatch.any(axis=1))
+    if not len(rows):
+        return ""
+    row = int(rows[0])
+    return (f"step {row + 1}: real {real[PLAN_COLUMNS].iloc[row].to_dict()} vs simulated "
+            f"{simulated[PLAN_COLUMNS].iloc[row].to_dict()}")
+
+
+def run_twin(workload: Workload, config: TwinConfig, profile: Profile, repeats: int = 1) -> TwinResult:
+    """Run the workload through the engine (``repeats`` times; the spread is the noise floor) and the simulator."""
+    profile.check_matches(model=config.model, block_size=config.block_size)
+    real_runs = [run_real(workload, config) for _ in range(repeats)]
+    real, real_steps, real_wall = real_runs[0]
+    probe = LLMEngine(config.model, engine_config(config))  # the engine's max_model_len and host pool size
+    simulated, simulated_steps, simulated_wall = run_simulated(workload, config, profile, probe.max_model_len,
+                                                               probe.policy.cpu_manager.num_physical_blocks
+                                                               if probe.policy.cpu_manager is not None else 0)
+    rows = []
+    for name in METRICS:
+        real_value, simulated_value = float(real[name]), float(simulated[name])
+        row = {"metric": name, "real": real_value, "simulated": simulated_value,
+               "rel_error": _relative(simulated_value, real_value)}
+        if repeats > 1:
+            row["noise_floor"] = max(_relative(float(other[0][name]), real_value) for other in real_runs[1:])
+        rows.append(row)
+    difference = first_difference(real_steps, simulated_steps)
+    rows.append({"metric": "schedule_identical", "real": 1.0, "simulated": float(difference == ""),
+                 "rel_error": 0.0 if difference == "" else 1.0})
+    rows.append({"metric": "wall_time_s", "real": real_wall, "simulated": simulated_wall,
+                 "rel_error": math.nan})
+    return TwinResult(pd.DataFrame(rows), real_steps, simulated_steps, difference, real_wall, simulated_wall)
+
+
+def _relative(value: float, reference: float) -> float:
+    if reference == 0:
+        return 0.0 if value == 0 else math.inf
+    return abs(value - reference) / abs(reference)

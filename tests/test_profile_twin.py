@@ -1,0 +1,96 @@
+"""The digital twin: a profile of the real engine fits and round-trips; the simulator on a profile plans the same
+steps as the engine; malformed or mismatched profiles give clear errors."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from lab.profile import FEATURES, Profile, ProfileError, fit, profile_engine
+from simulator import SimConfig, Simulator
+from simulator.twin import TwinConfig, run_twin
+from simulator.workloads import SyntheticSpec, synthetic_workload
+
+FIXED = {"constant": 2e-3, "prefill_tokens": 2e-5, "decode_seqs": 3e-4, "prefill_attention_pairs": 1e-8,
+         "decode_kv_tokens": 1e-7, "copied_blocks": 5e-5}
+
+
+def fixed_profile(block_size=4, model="tiny"):
+    return Profile(model, "cpu", "torch.float32", block_size, "torch", dict(FIXED))
+
+
+def test_the_fit_recovers_known_coefficients():
+    rng = np.random.default_rng(1)
+    samples = []
+    for _ in range(200):
+        features = [1.0, *rng.integers(0, 600, 2).tolist(), float(rng.integers(0, 10**5)),
+                    float(rng.integers(0, 10**4)), float(rng.integers(0, 4))]
+        true = sum(FIXED[name] * value for name, value in zip(FEATURES, features))
+        samples.append({"features": features, "duration_s": true * rng.normal(1.0, 0.01)})
+    coefficients, median_error, _ = fit(samples)
+    assert median_error < 0.02
+    for name in ("constant", "prefill_tokens", "decode_seqs"):
+        assert coefficients[name] == pytest.approx(FIXED[name], rel=0.1)
+
+
+def test_a_quick_profile_of_the_tiny_engine_fits_and_round_trips(tmp_path):
+    profile = profile_engine("tiny", block_size=4, repeats=1, quick=True)
+    assert len(profile.samples) >= 8 and set(profile.coefficients) == set(FEATURES)
+    assert all(v >= 0 and math.isfinite(v) for v in profile.coefficients.values())
+    assert math.isfinite(profile.holdout_median_rel_error) and any(s["holdout"] for s in profile.samples)
+    profile.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == profile
+
+
+TWIN_CASES = {
+    "light": dict(num_blocks=256),
+    "heavy with preemption": dict(num_blocks=40),
+    "chunked": dict(num_blocks=60, scheduling="chunked", max_num_batched_tokens=64),
+    "swap": dict(num_blocks=40, preemption_mode="swap", num_cpu_blocks=128),
+}
+
+
+@pytest.mark.parametrize("case", list(TWIN_CASES))
+def test_the_twin_plans_the_engine_s_schedule(case):
+    workload = synthetic_workload(SyntheticSpec(preset="random", num_requests=16, input_len=40, output_len=12,
+                                                range_ratio=0.5, seed=4))
+    result = run_twin(workload, TwinConfig(block_size=4, **TWIN_CASES[case]), fixed_profile())
+    assert result.first_difference == "", result.first_difference
+    table = result.table.set_index("metric")
+    assert table.loc["schedule_identical", "simulated"] == 1.0
+    assert table.loc["preemptions", "real"] == table.loc["preemptions", "simulated"]
+    assert table.loc["peak_blocks_in_use", "real"] == table.loc["peak_blocks_in_use", "simulated"]
+    if case != "light":
+        assert table.loc["preemptions", "real"] > 0
+
+
+BAD_PROFILES = [
+    (b"not json", "not a JSON profile"),
+    (b"[1, 2]", "expected a JSON object"),
+    (json.dumps({"version": 99}).encode(), "version"),
+    (json.dumps({"version": 1, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
+                 "block_size": 4, "coefficients": {**FIXED, "constant": -1.0}, "samples": []}).encode(),
+     "finite numbers >= 0"),
+    (json.dumps({"version": 1, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
+                 "block_size": "4", "coefficients": FIXED, "samples": []}).encode(), "block_size"),
+]
+
+
+@pytest.mark.parametrize("data,message", BAD_PROFILES, ids=["text", "list", "version", "negative", "type"])
+def test_malformed_profiles_are_rejected(tmp_path, data, message):
+    (tmp_path / "p.json").write_bytes(data)
+    with pytest.raises(ProfileError, match=message):
+        Profile.load(tmp_path / "p.json")
+    with pytest.raises(ValueError, match=message):
+        Simulator(synthetic_workload(SyntheticSpec(num_requests=5)),
+                  SimConfig(profile=str(tmp_path / "p.json"), capacity_tokens=4096))
+
+
+def test_mismatched_profiles_are_rejected():
+    workload = synthetic_workload(SyntheticSpec(num_requests=5))
+    with pytest.raises(ProfileError, match="block_size 4, not 16"):
+        Simulator(workload, SimConfig(profile=fixed_profile(4), capacity_tokens=4096, block_size=16))
+    with pytest.raises(ValueError, match="needs capacity_tokens"):
+        Simulator(workload, SimConfig(profile=fixed_profile(16)))
+    with pytest.raises(ProfileError, match="model 'qwen3-0.6b'"):
+        run_twin(workload, TwinConfig(block_size=16), fixed_profile(16, model="qwen3-0.6b"))

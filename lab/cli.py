@@ -6,7 +6,7 @@ import sys
 
 import pandas as pd
 
-from lab.cli_args import device, non_negative_int, output_csv, positive_int, positive_ints
+from lab.cli_args import device, non_negative_int, output_csv, positive_float, positive_int, positive_ints
 from lab.results import print_and_save
 
 
@@ -68,6 +68,14 @@ def _generate(args) -> None:
         print(f"[{output.request_id}] {output.text if output.text is not None else output.token_ids}")
     metrics = pd.DataFrame([engine.run_metrics()])
     print_and_save(metrics, args.out)
+
+
+def _bench_twin(args) -> None:
+    from simulator.twin import bench_twin  # the twin joins engine and simulator (see _twin)
+
+    table = bench_twin(args.model, args.num_requests, args.light_rate, args.repeats, device=args.device,
+                       progress=lambda message: print(message, file=sys.stderr))
+    print_and_save(table, args.out)
 
 
 def _profile(args) -> None:
@@ -142,6 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--repeats", type=positive_int, default=3, help="runs per system; medians are reported")
     e.add_argument("--out", type=output_csv, default="benchmarks/results/e2e_cpu.csv")
     e.set_defaults(run=_bench_e2e)
+
+    w = bench.add_parser("twin", help="fidelity of the simulator on the engine's profile (light and saturated load)")
+    w.add_argument("--model", default="tiny")
+    w.add_argument("--num-requests", type=positive_int, default=48)
+    w.add_argument("--light-rate", type=positive_float, default=40.0, help="req/s of the light load")
+    w.add_argument("--repeats", type=positive_int, default=2, help="real runs per load (the noise floor)")
+    w.add_argument("--device", type=device, default=None)
+    w.add_argument("--out", type=output_csv, default="benchmarks/results/twin_cpu.csv")
+    w.set_defaults(run=_bench_twin)
 
     g = commands.add_parser("generate", help="generate with the paged engine")
     g.add_argument("--model", default="tiny", help="preset or local Qwen3 checkpoint directory")

@@ -275,10 +275,16 @@ class LLMEngine:
         return self.scheduler.running
 
     # ---- requests ---------------------------------------------------------------------------------------------
-    def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None) -> int:
+    def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None,
+                    arrival_s: float | None = None) -> int:
         """Queue a prompt (token ids, or a string when the model has a tokenizer); returns its request id. Raises
-        ``ValueError`` (nothing queued) for bad parameters or a request that could never be scheduled."""
+        ``ValueError`` (nothing queued) for bad parameters or a request that could never be scheduled.
+        ``arrival_s`` (``time.perf_counter`` clock, not in the future): when the request really arrived, if it is
+        queued later (a replayed trace); latencies count from it."""
         request = self._make_request(prompt, params)
+        if arrival_s is not None:
+            check_real("add_request", "arrival_s", arrival_s, 0.0, request.arrival_s)
+            request.arrival_s = float(arrival_s)
         self._queue(request)
         return request.request_id
 

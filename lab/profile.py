@@ -17,8 +17,8 @@ from typing import Callable
 
 import numpy as np
 
-FEATURES = ("constant", "prefill_tokens", "decode_seqs", "prefill_attention_pairs", "decode_kv_tokens",
-            "copied_blocks")
+FEATURES = ("constant", "prefill_seqs", "prefill_tokens", "decode_seqs", "prefill_attention_pairs",
+            "decode_kv_tokens", "copied_blocks")
 PROFILE_VERSION = 1
 
 
@@ -29,8 +29,8 @@ class ProfileError(ValueError):
 def step_features(out) -> list[float]:
     """The features of one step's plan (``lab.scheduler.SchedulerOutput``), in ``FEATURES`` order."""
     copies = len(out.blocks_to_copy) + len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
-    return [1.0, float(out.num_prefill_tokens), float(out.num_decode_seqs), float(out.prefill_attention_pairs),
-            float(out.decode_kv_tokens), float(copies)]
+    return [1.0, float(len(out.prefill_chunks)), float(out.num_prefill_tokens), float(out.num_decode_seqs),
+            float(out.prefill_attention_pairs), float(out.decode_kv_tokens), float(copies)]
 
 
 @dataclass(slots=True)
@@ -134,8 +134,10 @@ def _scenarios(block_size: int, quick: bool) -> list[tuple[str, dict, list[tuple
                 ("chunked", {"scheduling": "chunked", "max_num_batched_tokens": 48}, [(40, 4, 1)] * 2 + [(100, 2, 1)]),
                 ("forks", {}, [(block_size + 1, 3, 2)])]
     decode = [(f"decode {batch}x{context}", {}, [(context, 6, 1)] * batch)
-              for batch in (1, 4, 16, 32) for context in (32, 128, 384)]
+              for batch in (1, 4, 16, 32, 64) for context in (32, 128, 384)]
     prefill = [(f"prefill {length}", {}, [(length, 1, 1)]) for length in (16, 48, 128, 256, 512)]
+    prefill += [(f"prefill {count} x {length}", {}, [(length, 1, 1)] * count) for count in (8, 32)
+                for length in (32, 128)]
     cached = [(f"prefill {length} after a cached prefix", {"cached_prefix": 256}, [(length, 1, 1)])
               for length in (32, 128)]
     chunked = [(f"chunked {batch} decodes + prompt", {"scheduling": "chunked", "max_num_batched_tokens": 96},

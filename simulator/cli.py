@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="system-prompt tokens shared by all (synthetic)")
     p.add_argument("--time-scale", type=positive_float, default=1.0, help="multiply trace arrival offsets by this")
     p.add_argument("--capacity-tokens", type=positive_int, default=None, help="override the KV capacity")
+    p.add_argument("--num-blocks", type=positive_int, default=None,
+                   help="the KV pool in blocks (capacity = blocks x the one --block-size), as the engine's")
+    p.add_argument("--profile", default=None, help="step times from `python -m lab profile` instead of the roofline")
     p.add_argument("--scheduling", default="prefill-first", choices=["prefill-first", "chunked"])
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, help="token budget per step")
     p.add_argument("--max-num-seqs", type=positive_int, default=256)
@@ -84,8 +87,25 @@ def _workload(args):
 def _configs(args) -> list[SimConfig]:
     if args.preset == "figure2":
         return figure2_experiment()[1]
+    capacity = args.capacity_tokens
+    if args.num_blocks is not None:
+        if len(args.block_size) != 1 or capacity is not None:
+            raise ValueError("--num-blocks needs exactly one --block-size and no --capacity-tokens")
+        capacity = args.num_blocks * args.block_size[0]
+    if args.profile is not None:
+        from lab.profile import Profile
+
+        profile = Profile.load(args.profile)
+        if capacity is None:
+            raise ValueError("--profile needs the engine's pool: --num-blocks (or --capacity-tokens)")
+        return make_configs(["paged"], args.block_size, profile=profile, capacity_tokens=capacity,
+                            max_model_len=args.max_model_len, scheduling=args.scheduling,
+                            preemption_mode=args.preemption_mode, num_cpu_blocks=args.num_cpu_blocks,
+                            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                            enable_prefix_caching=not args.no_prefix_caching, max_points=args.max_points,
+                            replicas=args.replicas, router=args.router)
     return make_configs(args.allocators, args.block_size, model=args.model, gpu=args.gpu,
-                        max_model_len=args.max_model_len, capacity_tokens=args.capacity_tokens,
+                        max_model_len=args.max_model_len, capacity_tokens=capacity,
                         scheduling=args.scheduling, address_space=args.address_space,
                         preemption_mode=args.preemption_mode, num_cpu_blocks=args.num_cpu_blocks,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

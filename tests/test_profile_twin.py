@@ -11,7 +11,7 @@ from simulator import SimConfig, Simulator
 from simulator.twin import TwinConfig, run_twin
 from simulator.workloads import SyntheticSpec, synthetic_workload
 
-FIXED = {"constant": 2e-3, "prefill_tokens": 2e-5, "decode_seqs": 3e-4, "prefill_attention_pairs": 1e-8,
+FIXED = {"constant": 2e-3, "prefill_seqs": 1e-4, "prefill_tokens": 2e-5, "decode_seqs": 3e-4, "prefill_attention_pairs": 1e-8,
          "decode_kv_tokens": 1e-7, "copied_blocks": 5e-5}
 
 
@@ -23,7 +23,7 @@ def test_the_fit_recovers_known_coefficients():
     rng = np.random.default_rng(1)
     samples = []
     for _ in range(200):
-        features = [1.0, *rng.integers(0, 600, 2).tolist(), float(rng.integers(0, 10**5)),
+        features = [1.0, float(rng.integers(0, 30)), *rng.integers(0, 600, 2).tolist(), float(rng.integers(0, 10**5)),
                     float(rng.integers(0, 10**4)), float(rng.integers(0, 4))]
         true = sum(FIXED[name] * value for name, value in zip(FEATURES, features))
         samples.append({"features": features, "duration_s": true * rng.normal(1.0, 0.01)})

@@ -103,3 +103,24 @@ def pareto(plan: pd.DataFrame) -> go.Figure:
                            marker=dict(symbol="star", size=18, color="gold", line=dict(color="black", width=1)),
                            hovertext=chosen["configuration"])
     return figure.update_layout(height=420)
+
+
+def twin_steps(real: pd.DataFrame, simulated: pd.DataFrame, column: str, title: str,
+               per_second: bool = False) -> go.Figure:
+    """A step-log column of the real run and the simulated one against (real or simulated) elapsed time;
+    ``per_second`` plots ``column / duration_s`` (e.g. decode tokens per second)."""
+    frames = []
+    for label, steps in (("real", real), ("simulated", simulated)):
+        values = steps[column] / steps["duration_s"] if per_second else steps[column]
+        frames.append(pd.DataFrame({"elapsed_s": steps["duration_s"].cumsum(), "value": values, "run": label}))
+    figure = px.line(pd.concat(frames, ignore_index=True), x="elapsed_s", y="value", color="run", title=title,
+                     line_shape="hv", labels={"elapsed_s": "elapsed s (each run's own clock)", "value": column})
+    return figure.update_layout(height=320)
+
+
+def latency_cdf(real: pd.DataFrame, simulated: pd.DataFrame, column: str) -> go.Figure:
+    """The distribution of one per-request latency, real vs simulated."""
+    data = pd.concat([real[[column]].assign(run="real"), simulated[[column]].assign(run="simulated")],
+                     ignore_index=True)
+    figure = px.ecdf(data, x=column, color="run", title=f"{column} CDF")
+    return figure.update_layout(height=320)

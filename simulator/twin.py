@@ -56,6 +56,8 @@ class TwinResult:
     first_difference: str  # "" when the schedules are identical
     real_wall_s: float
     simulated_wall_s: float
+    real_requests: pd.DataFrame | None = None  # per request: ttft_s, tpot_s, e2e_s (for CDFs)
+    simulated_requests: pd.DataFrame | None = None
 
 
 def engine_config(config: TwinConfig) -> EngineConfig:
@@ -73,6 +75,15 @@ def sim_config(config: TwinConfig, profile: Profile, max_model_len: int, num_cpu
                      scheduling=config.scheduling, preemption_mode=config.preemption_mode,
                      num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=config.enable_prefix_caching,
                      profile=profile, record_steps=True, max_points=1_000_000)
+
+
+def request_latencies(requests: pd.DataFrame) -> pd.DataFrame:
+    """``ttft_s``, ``tpot_s``, ``e2e_s`` per finished request from arrival / first token / finish times."""
+    done = requests[requests["finish_s"].notna()]
+    steps = (done["output_tokens"] - 1).clip(lower=1)
+    return pd.DataFrame({"ttft_s": done["first_token_s"] - done["arrival_s"],
+                         "tpot_s": (done["finish_s"] - done["first_token_s"]) / steps,
+                         "e2e_s": done["finish_s"] - done["arrival_s"]}).reset_index(drop=True)
 
 
 def run_real(workload: Workload, config: TwinConfig) -> tuple[dict, pd.DataFrame, float]:
@@ -113,7 +124,8 @@ def _real_metrics(engine: LLMEngine, started: float, peak_blocks: int) -> dict:
     makespan = float(requests["finish_s"].max())
     generated = int(requests["output_tokens"].sum())
     return {"throughput_tok_s": generated / makespan, **latency_summary(requests), "makespan_s": makespan,
-            "peak_blocks_in_use": peak_blocks, "preemptions": engine.num_preemptions}
+            "peak_blocks_in_use": peak_blocks, "preemptions": engine.num_preemptions,
+            "requests": request_latencies(requests)}
 
 
 def run_simulated(workload: Workload, config: TwinConfig, profile: Profile, max_model_len: int,
@@ -125,7 +137,8 @@ def run_simulated(workload: Workload, config: TwinConfig, profile: Profile, max_
     steps = result.steps
     metrics = {name: summary[name] for name in METRICS if name in summary}
     metrics.update(makespan_s=summary["simulated_time_s"], peak_blocks_in_use=int(steps["blocks_in_use"].max()),
-                   throughput_tok_s=summary["generated_tokens"] / summary["simulated_time_s"])
+                   throughput_tok_s=summary["generated_tokens"] / summary["simulated_time_s"],
+                   requests=request_latencies(result.requests))
     return metrics, steps, wall
 
 
@@ -167,7 +180,8 @@ def run_twin(workload: Workload, config: TwinConfig, profile: Profile, repeats: 
                  "rel_error": 0.0 if difference == "" else 1.0})
     rows.append({"metric": "wall_time_s", "real": real_wall, "simulated": simulated_wall,
                  "rel_error": math.nan})
-    return TwinResult(pd.DataFrame(rows), real_steps, simulated_steps, difference, real_wall, simulated_wall)
+    return TwinResult(pd.DataFrame(rows), real_steps, simulated_steps, difference, real_wall, simulated_wall,
+                      real["requests"], simulated["requests"])
 
 
 def _relative(value: float, reference: float) -> float:

@@ -9,7 +9,7 @@ from streamlit.runtime.memory_media_file_storage import MemoryMediaFileStorage
 from streamlit.testing.v1 import AppTest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ["overview", "memory_simulator", "block_pool", "kernel_lab", "runtime", "sweeps", "benchmarks"]
+PAGES = ["overview", "memory_simulator", "block_pool", "kernel_lab", "runtime", "twin", "sweeps", "benchmarks"]
 
 
 @pytest.fixture
@@ -266,3 +266,23 @@ def test_sweeps_page_runs_a_sweep_and_a_plan_and_loads_files(downloads):
     app.sidebar.file_uploader[0].upload("junk.csv", b"a,b\n1,2\n", "text/csv")
     app.run()
     assert not app.exception and any("junk.csv" in e.value for e in app.error)
+
+
+def test_twin_page_calibrates_runs_and_rejects_bad_profiles(downloads):
+    app = open_page("twin")
+    clean(app)
+    app.sidebar.file_uploader[0].upload("bad.json", b"{not json", "application/json")
+    app.run()
+    assert not app.exception and any("bad.json" in e.value or "JSON" in e.value for e in app.error)
+    app = open_page("twin")  # a fresh session
+    app.toggle(key="quick_profile").set_value(True)
+    app.button(key="calibrate").click().run()
+    clean(app)
+    app.sidebar.number_input[0].set_value(12)  # requests
+    app.button(key="run_twin").click().run()
+    clean(app)
+    table = download_table(app, downloads, "dl_twin").set_index("metric")
+    assert table.loc["schedule_identical", "simulated"] == 1.0 and len(app.get("plotly_chart")) == 4
+    app.sidebar.text_input[0].set_value("qwen3-0.6b")  # the profile was measured on "tiny"
+    app.button(key="run_twin").click().run()
+    assert not app.exception and any("measured on model 'tiny'" in e.value for e in app.error)

@@ -1,0 +1,84 @@
+import json
+import math
+
+import streamlit as st
+
+import simulator
+from lab.profile import Profile, profile_engine
+from simulator import charts
+from simulator.twin import TwinConfig, run_twin
+from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
+
+st.title("Digital twin")
+st.caption("Measure the real engine once (a profile of its step times), then run one workload through the engine "
+           "and through the simulator on that profile — same scheduler, same configuration — and compare.")
+
+with st.sidebar:
+    model = st.text_input("Model (preset or local checkpoint directory)", "tiny")
+    block_size = st.select_slider("Block size", [1, 2, 4, 8, 16, 32], 16)
+    quick = st.toggle("Quick calibration (fewer scenarios)", key="quick_profile")
+    upload = st.file_uploader("…or load a profile (JSON from `python -m lab profile`)", type=["json"])
+    st.divider()
+    num_requests = st.number_input("Requests", 1, 2000, 48)
+    rate = st.number_input("Arrival rate (req/s; 0 = all at t=0)", 0.0, 10_000.0, 0.0)
+    input_len = st.number_input("Prompt tokens (mean; ±50 %)", 2, 4096, 96)
+    output_len = st.number_input("Output tokens (mean; ±50 %)", 2, 2048, 32)
+    num_blocks = st.number_input("KV pool (blocks)", 4, 1_000_000, 256)
+    scheduling = st.radio("Scheduling", ["prefill-first", "chunked"], horizontal=True)
+    preemption = st.radio("Preemption", ["recompute", "swap"], horizontal=True)
+    repeats = st.slider("Real runs (2+: noise floor)", 1, 3, 2)
+
+if upload is not None:
+    try:
+        st.session_state["twin_profile"] = Profile.from_dict(json.loads(upload.getvalue()), upload.name)
+    except USER_ERRORS as exc:  # json's and the profile's errors are ValueErrors
+        show_error(exc)
+        st.stop()
+if st.button("Calibrate on this machine", key="calibrate"):
+    bar = st.progress(0.0, "profiling the engine…")
+    try:
+        st.session_state["twin_profile"] = profile_engine(model, block_size=block_size, quick=quick, progress=lambda
+                                                          done, total: bar.progress(done / total, f"scenario {done}"
+                                                                                    f" of {total}"))
+    except USER_ERRORS as exc:
+        show_error(exc)
+        st.stop()
+    bar.empty()
+profile: Profile | None = st.session_state.get("twin_profile")
+if profile is None:
+    st.info("Calibrate (or load a profile) first.")
+    st.stop()
+st.caption(f"Profile: {profile.model} on {profile.device} ({profile.dtype}, {profile.backend}), block size "
+           f"{profile.block_size}, {len(profile.samples)} step shapes, held-out error median "
+           f"{profile.holdout_median_rel_error:.1%}")
+
+if st.button("Run the twin", key="run_twin", type="primary"):
+    try:
+        workload = simulator.make_workload("random", num_requests=int(num_requests), rate=rate or math.inf,
+                                           input_len=int(input_len), output_len=int(output_len), range_ratio=0.5)
+        config = TwinConfig(model=model, block_size=block_size, num_blocks=int(num_blocks), scheduling=scheduling,
+                            preemption_mode=preemption)
+        with st.spinner("running the engine and the simulator…"):
+            st.session_state["twin_result"] = run_twin(workload, config, profile, repeats)
+        results_store().add("twin", f"twin: {num_requests} requests", st.session_state["twin_result"].table)
+    except USER_ERRORS as exc:
+        show_error(exc)
+        st.stop()
+result = st.session_state.get("twin_result")
+if result is None:
+    st.stop()
+if result.first_difference:
+    st.warning(f"The schedules differ (timed arrivals admit requests by real time): {result.first_difference}")
+else:
+    st.success("Identical schedules: every step planned the same in the engine and the simulator.")
+st.dataframe(result.table, hide_index=True)
+csv_download(result.table, "twin.csv", "dl_twin")
+left, right = st.columns(2)
+with left:
+    chart(charts.twin_steps(result.real_steps, result.simulated_steps, "blocks_in_use", "KV blocks in use"),
+          "twin_blocks")
+    chart(charts.latency_cdf(result.real_requests, result.simulated_requests, "ttft_s"), "twin_ttft")
+with right:
+    chart(charts.twin_steps(result.real_steps, result.simulated_steps, "num_decode_seqs", "Decode tokens/s",
+                            per_second=True), "twin_tokens")
+    chart(charts.latency_cdf(result.real_requests, result.simulated_requests, "tpot_s"), "twin_tpot")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks in one go (< 5 minutes on an H100/H200): the `gpu` tests, then the GPU kernel benchmark.
+# GPU checks in one go (< 10 minutes on an H100/H200): the `gpu` tests, the GPU kernel and e2e benchmarks, the twin.
 # CSVs and logs go to $OUT when set (the device tool's output folder), else to benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,3 +19,8 @@ if [ -f lab/bench/e2e.py ]; then
   timeout 120 python -m lab bench e2e --device cuda --model qwen3-0.6b-random --backend cupy --out "$out/e2e_gpu.csv" \
     2>&1 | tee "$out/e2e_gpu.log"
 fi
+# The digital twin on CUDA: profile Qwen3-0.6B shapes (random weights, bf16, CuPy kernels), then the twin.
+timeout 150 python -m lab profile --model qwen3-0.6b-random --device cuda --backend cupy --repeats 2 \
+  --out "$out/profile_gpu.json" 2>&1 | tail -n 12 | tee "$out/twin_gpu.log"
+timeout 90 python -m lab twin --model qwen3-0.6b-random --device cuda --backend cupy --profile "$out/profile_gpu.json" \
+  --num-requests 64 --repeats 2 --out "$out/twin_gpu.csv" 2>&1 | tail -n 16 | tee -a "$out/twin_gpu.log"

@@ -20,11 +20,14 @@ def check_array(name: str, x) -> None:
         raise ValueError(f"{name} must be a torch tensor or a NumPy array, got {type(x).__name__} {x!r:.60}")
 
 
+MAX_SCALE = 1e6  # softmax(scale * q.k): far past any head_dim ** -0.5
+
+
 def check_scale(scale) -> float:
     """The softmax scale as a float: a finite number > 0."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) or \
-            not np.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a finite number > 0, got {scale!r:.60}")
+            not 0 < float(scale) <= MAX_SCALE:
+        raise ValueError(f"scale must be a number in (0, {MAX_SCALE:g}], got {scale!r:.60}")
     return float(scale)
 
 

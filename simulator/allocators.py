@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from lab.kv_policy import PagedPolicy  # noqa: F401  (re-exported: the simulator's policies in one place)
 from lab.scheduler import NO_EVENT
 
-CONTIGUOUS_KINDS = ("contiguous-max", "contiguous-pow2", "contiguous-oracle", "contiguous-grow")
+CONTIGUOUS_KINDS = ("contiguous-max", "contiguous-pow2", "contiguous-oracle", "contiguous-grow",
+                    "contiguous-pow2-total")
 ALLOCATORS = (*CONTIGUOUS_KINDS, "paged")
 
 
@@ -156,8 +157,9 @@ class Usage:
 
 
 class ContiguousPolicy:
-    """One region per sequence: ``max`` reserves max_model_len, ``pow2`` prompt + output rounded up to a power of
-    two, ``oracle`` exactly prompt + output, ``grow`` starts at prompt + ``grow_initial_extra`` and doubles by
+    """One region per sequence: ``max`` reserves max_model_len, ``pow2`` the prompt plus the output length rounded
+    up to a power of two (the vLLM paper's Orca (Pow2): outputs over-reserved by at most 2x; ``pow2-total`` rounds
+    prompt + output instead), ``oracle`` exactly prompt + output, ``grow`` starts at prompt + ``grow_initial_extra`` and doubles by
     copying into a new region when it overflows."""
 
     supports_swap = False
@@ -176,7 +178,9 @@ class ContiguousPolicy:
     def initial_size(self, prompt_len: int, final_len: int) -> int:
         if self.kind == "contiguous-max":
             return self.max_model_len
-        if self.kind == "contiguous-pow2":
+        if self.kind == "contiguous-pow2":  # prompt + the output rounded up: output = final_len - prompt + 1
+            return prompt_len + (1 << max(final_len - prompt_len, 0).bit_length())
+        if self.kind == "contiguous-pow2-total":
             return 1 << max(final_len - 1, 0).bit_length()
         if self.kind == "contiguous-oracle":
             return final_len

@@ -140,7 +140,7 @@ def run(args) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("sweep", "plan"):
+    if argv and argv[0] in ("sweep", "plan", "paper"):
         from . import cli_sweep
 
         return getattr(cli_sweep, f"{argv[0]}_main")(argv[1:])

@@ -1,4 +1,5 @@
-"""``python -m simulator sweep`` and ``python -m simulator plan``: many simulations as Ray tasks."""
+"""``python -m simulator sweep`` and ``plan`` (many simulations as Ray tasks) and ``paper`` (the vLLM paper's
+figures)."""
 from __future__ import annotations
 
 import argparse
@@ -156,4 +157,25 @@ def plan_main(argv: list[str]) -> int:
     print(f"chosen: {best['model']} on {best['tp']} x {best['gpu']} x {best['replicas']} replicas, "
           f"{best['allocator']}: up to {best['max_rate_req_s']:.2f} req/s for ${best['cost_per_hour']:.2f}/h",
           file=sys.stderr)
+    return 0
+
+
+def paper_main(argv: list[str]) -> int:
+    from .paper import FIGURES, run_figures
+
+    p = argparse.ArgumentParser(prog="python -m simulator paper",
+                                description="The vLLM paper's figures: the simulator's numbers beside the paper's, "
+                                            "one CSV per figure and summary.csv (figure, quantity, paper, lab, "
+                                            "verdict).")
+    p.add_argument("--figure", default="all", choices=[*FIGURES, "all"])
+    p.add_argument("--out", default="benchmarks/results/paper", help="folder for the CSVs")
+    p.add_argument("--num-requests", type=positive_int, default=2000)
+    args = p.parse_args(argv)
+    try:
+        summary = run_figures(list(FIGURES) if args.figure == "all" else [args.figure], args.out, args.num_requests)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_and_save(summary, None)
+    print(f"wrote {args.out}/summary.csv and one CSV per figure", file=sys.stderr)
     return 0

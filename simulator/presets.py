@@ -8,6 +8,23 @@ from .workloads import SyntheticSpec
 # existing systems use 20.4 % (Orca-Max) to 38.2 % (Orca-Oracle) of KV memory for token states, vLLM 96.3 %.
 PAPER_FIGURE2_TOKEN_STATES = {"contiguous-max": 0.204, "contiguous-oracle": 0.382, "paged": 0.963}
 
+# The paper's Table 1 setups and the KV slots it reports for them. vLLM keeps 90 % of GPU memory and what its
+# profiling run leaves after the weights; at the paper's batch sizes the activations take ~0.1 GB per GPU.
+PAPER_SETUPS = {
+    "opt-13b": dict(model="opt-13b", gpu="a100-40gb", tp=1),
+    "opt-66b": dict(model="opt-66b", gpu="a100-40gb", tp=4),
+    "opt-175b": dict(model="opt-175b", gpu="a100-80gb", tp=8),
+}
+PAPER_TABLE1_KV_SLOTS = {"opt-13b": 15_700, "opt-66b": 9_700, "opt-175b": 60_100}
+PAPER_MEMORY = dict(gpu_memory_utilization=0.9, activation_reserve_bytes=0.1e9, max_model_len=2048)
+
+
+def paper_config(setup: str, **fields) -> SimConfig:
+    """A ``SimConfig`` on one of the paper's Table 1 setups (``PAPER_SETUPS``)."""
+    if setup not in PAPER_SETUPS:
+        raise ValueError(f"paper setup must be one of {', '.join(PAPER_SETUPS)}; got {setup!r}")
+    return SimConfig(**{**PAPER_SETUPS[setup], **PAPER_MEMORY, **fields})
+
 
 def figure2_experiment(num_requests: int = 1000, seed: int = 0) -> tuple[SyntheticSpec, list[SimConfig]]:
     """The vLLM paper's Figure 2 setup: OPT-13B on one A100-40GB, ShareGPT-like lengths, max length 2048, all

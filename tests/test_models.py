@@ -71,3 +71,12 @@ def test_tensor_parallelism_splits_weights_kv_and_work_and_pays_all_reduces():
     reduces = 2 * model.num_layers * (gpu.collective_latency_s + 256 * model.hidden_size * 2 / gpu.nvlink_bytes_s)
     assert real.iteration_time(256, 256 * 900, 256 * 900) == pytest.approx(
         ideal.iteration_time(256, 256 * 900, 256 * 900) + reduces, rel=1e-9)
+
+
+@pytest.mark.parametrize("setup", ["opt-13b", "opt-66b", "opt-175b"])
+def test_paper_setups_hold_the_kv_slots_of_table_1(setup):
+    from simulator.engine import resolve_capacity
+    from simulator.presets import PAPER_TABLE1_KV_SLOTS, paper_config
+
+    capacity, _ = resolve_capacity(paper_config(setup))
+    assert capacity == pytest.approx(PAPER_TABLE1_KV_SLOTS[setup], rel=0.10)

@@ -209,3 +209,21 @@ def test_fuzzed_runs_keep_the_accounting_identities(allocator, block_size, capac
     completed = result.requests["finish_s"].notna().to_numpy()
     assert completed.sum() + result.requests["rejected"].sum() == len(workload)
     assert result.summary["generated_tokens"] == expected_tokens(workload, completed)
+
+
+def test_paper_pow2_rounds_the_output_only_and_buddy_places_it():
+    """Orca (Pow2) in the vLLM paper over-reserves outputs by at most 2x: prompt 100 + true output 25 reserves
+    100 + 32 slots; rounding the total (``contiguous-pow2-total``) reserves 128; a buddy space then rounds the
+    region itself up to a power of two."""
+    from simulator.allocators import ContiguousPolicy
+
+    final_len = 100 + 25 - 1  # KV holds prompt + output - 1 tokens
+    paper = ContiguousPolicy("contiguous-pow2", 4096, 2048)
+    total = ContiguousPolicy("contiguous-pow2-total", 4096, 2048)
+    assert paper.initial_size(100, final_len) == 132 and total.initial_size(100, final_len) == 128
+    assert paper.initial_size(100, 100 + 32 - 1) == 132 and paper.initial_size(7, 7) == 8
+    buddy = ContiguousPolicy("contiguous-pow2", 4096, 2048, address_space="buddy")
+    assert buddy.space.rounded(buddy.initial_size(100, final_len)) == 256
+    oracle = run(small_workload(num_requests=60), allocator="contiguous-oracle", capacity_tokens=10**6).summary
+    pow2 = run(small_workload(num_requests=60), allocator="contiguous-pow2", capacity_tokens=10**6).summary
+    assert pow2["internal_frag_frac"] > 0 == oracle["internal_frag_frac"]

@@ -1,0 +1,31 @@
+"""The vLLM paper's figures run at a reduced size and return their documented columns and verdicts."""
+import pandas as pd
+import pytest
+
+from simulator.paper import FIGURES, figure2, figure13, figure18, figure19, normalized_latency, run_figures
+
+COLUMNS = {"2": {"system", "token_states_frac", "paper_token_states_frac"},
+           "13": {"workload", "system", "mean_batch_size", "paper_mean_batch_size"},
+           "18": {"workload", "block_size", "normalized_latency_s_per_token"},
+           "19": {"block_size", "preemption_mode", "normalized_latency_s_per_token", "blocks_swapped"}}
+
+
+@pytest.mark.parametrize("figure", FIGURES)
+def test_each_figure_runs_small_and_has_its_columns(figure):
+    table, summary = {"2": figure2, "13": figure13, "18": figure18, "19": figure19}[figure](120)
+    assert COLUMNS[figure] <= set(table.columns) and len(table) > 0
+    assert summary and all(row["verdict"] in ("reproduced", "partly", "not") for row in summary)
+
+
+def test_the_summary_and_csvs_are_written(tmp_path):
+    summary = run_figures(["2", "19"], tmp_path, 100)
+    assert list(summary.columns) == ["figure", "quantity", "paper", "lab", "verdict"]
+    assert (tmp_path / "figure2.csv").exists() and (tmp_path / "figure19.csv").exists()
+    assert pd.read_csv(tmp_path / "summary.csv").shape == summary.shape
+    with pytest.raises(ValueError, match="not available"):
+        run_figures(["12"], tmp_path)
+
+
+def test_normalized_latency_is_mean_latency_per_output_token():
+    requests = pd.DataFrame({"arrival_s": [0.0, 1.0], "finish_s": [2.0, 5.0], "output_tokens": [4, 8]})
+    assert normalized_latency(requests) == pytest.approx((0.5 + 0.5) / 2)

@@ -86,7 +86,8 @@ class MetricsRecorder:
 
 
 def latency_summary(requests: pd.DataFrame, n: int = 1) -> dict:
-    """TTFT, TPOT and end-to-end latency p50/p90/p99 (seconds) over completed requests."""
+    """TTFT, TPOT and end-to-end latency p50/p90/p99 (seconds) over completed requests, and the normalized
+    latency (mean seconds per output token)."""
     done = requests[requests["finish_s"].notna()]
     ttft = (done["first_token_s"] - done["arrival_s"]).to_numpy()
     e2e = (done["finish_s"] - done["arrival_s"]).to_numpy()
@@ -96,4 +97,7 @@ def latency_summary(requests: pd.DataFrame, n: int = 1) -> dict:
     for name, values in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
         for q in (50, 90, 99):
             out[f"{name}_p{q}_s"] = float(np.percentile(values, q)) if len(values) else np.nan
+    # the vLLM paper's normalized latency: mean over requests of end-to-end latency / output tokens
+    out["normalized_latency_s"] = float(np.mean(e2e / np.maximum(done["output_tokens"].to_numpy(), 1))) \
+        if len(e2e) else np.nan
     return out

@@ -75,6 +75,7 @@ MODELS = {m.name: m for m in [
     ModelSpec("qwen3-14b", 40, 5120, 40, 8, 128, 17408, 151936),
     ModelSpec("qwen3-32b", 64, 5120, 64, 8, 128, 25600, 151936),
     ModelSpec("llama-2-7b", 32, 4096, 32, 32, 128, 11008, 32000),
+    ModelSpec("llama-13b", 40, 5120, 40, 40, 128, 13824, 32000),
     ModelSpec("opt-13b", 40, 5120, 40, 40, 128, 20480, 50272, tied_embeddings=True, mlp_matrices=2),
     ModelSpec("opt-66b", 64, 9216, 72, 72, 128, 36864, 50272, tied_embeddings=True, mlp_matrices=2),
     ModelSpec("opt-175b", 96, 12288, 96, 96, 128, 49152, 50272, tied_embeddings=True, mlp_matrices=2),

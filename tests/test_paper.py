@@ -2,9 +2,13 @@
 import pandas as pd
 import pytest
 
-from simulator.paper import FIGURES, figure2, figure13, figure18, figure19, normalized_latency, run_figures
+from simulator.paper import (FIGURES, figure2, figure12, figure13, figure15, figure16, figure18, figure19,
+                             normalized_latency, run_figures)
 
 COLUMNS = {"2": {"system", "token_states_frac", "paper_token_states_frac"},
+           "12": {"model", "workload", "system", "max_rate_req_s", "knee_s_per_token"},
+           "15": {"workload", "n", "saving", "paper_saving"},
+           "16": {"prefix_tokens", "system", "max_rate_req_s"},
            "13": {"workload", "system", "mean_batch_size", "paper_mean_batch_size"},
            "18": {"workload", "block_size", "normalized_latency_s_per_token"},
            "19": {"block_size", "preemption_mode", "normalized_latency_s_per_token", "blocks_swapped"}}
@@ -12,7 +16,9 @@ COLUMNS = {"2": {"system", "token_states_frac", "paper_token_states_frac"},
 
 @pytest.mark.parametrize("figure", FIGURES)
 def test_each_figure_runs_small_and_has_its_columns(figure):
-    table, summary = {"2": figure2, "13": figure13, "18": figure18, "19": figure19}[figure](120)
+    functions = {"2": figure2, "12": figure12, "13": figure13, "15": figure15, "16": figure16, "18": figure18,
+                 "19": figure19}
+    table, summary = functions[figure](60 if figure in ("12", "16") else 120)
     assert COLUMNS[figure] <= set(table.columns) and len(table) > 0
     assert summary and all(row["verdict"] in ("reproduced", "partly", "not") for row in summary)
 
@@ -23,7 +29,7 @@ def test_the_summary_and_csvs_are_written(tmp_path):
     assert (tmp_path / "figure2.csv").exists() and (tmp_path / "figure19.csv").exists()
     assert pd.read_csv(tmp_path / "summary.csv").shape == summary.shape
     with pytest.raises(ValueError, match="not available"):
-        run_figures(["12"], tmp_path)
+        run_figures(["14"], tmp_path)
 
 
 def test_normalized_latency_is_mean_latency_per_output_token():

@@ -24,5 +24,6 @@ st.page_link("pages/block_pool.py", label="Block pool — watch paging, sharing 
 st.page_link("pages/kernel_lab.py", label="Kernel lab — paged attention vs SDPA", icon=":material/memory:")
 st.page_link("pages/runtime.py", label="Qwen3 runtime — the paged engine live", icon=":material/smart_toy:")
 st.page_link("pages/twin.py", label="Digital twin — the engine measured, then predicted by the simulator", icon=":material/compare:")
+st.page_link("pages/paper.py", label="The vLLM paper — its figures beside the simulator's, with verdicts", icon=":material/science:")
 st.page_link("pages/sweeps.py", label="Sweeps & capacity planning — many runs on Ray, cheapest config for an SLO", icon=":material/grid_on:")
 st.page_link("pages/benchmarks.py", label="Benchmarks — every result of this session", icon=":material/table_chart:")

@@ -124,3 +124,17 @@ def latency_cdf(real: pd.DataFrame, simulated: pd.DataFrame, column: str) -> go.
                      ignore_index=True)
     figure = px.ecdf(data, x=column, color="run", title=f"{column} CDF")
     return figure.update_layout(height=320)
+
+
+def paper_vs_lab(summary: pd.DataFrame) -> go.Figure:
+    """The paper's value and the lab's, side by side, for every quantity the paper states as one number."""
+    numeric = summary.assign(paper=pd.to_numeric(summary["paper"], errors="coerce"),
+                             lab=pd.to_numeric(summary["lab"], errors="coerce")).dropna(subset=["paper", "lab"])
+    figure = go.Figure()
+    colours = {"reproduced": "#16a34a", "partly": "#facc15", "not": "#dc2626"}
+    figure.add_bar(x=numeric["quantity"], y=numeric["paper"], name="paper", marker_color="#94a3b8")
+    figure.add_bar(x=numeric["quantity"], y=numeric["lab"], name="lab",
+                   marker_color=[colours.get(v, "#64748b") for v in numeric["verdict"]])
+    figure.update_layout(barmode="group", title="Paper vs lab (lab bars coloured by verdict)", height=460,
+                         yaxis_type="log", xaxis_tickangle=-35)
+    return figure

@@ -9,7 +9,8 @@ from streamlit.runtime.memory_media_file_storage import MemoryMediaFileStorage
 from streamlit.testing.v1 import AppTest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ["overview", "memory_simulator", "block_pool", "kernel_lab", "runtime", "twin", "sweeps", "benchmarks"]
+PAGES = ["overview", "memory_simulator", "block_pool", "kernel_lab", "runtime", "twin", "paper", "sweeps",
+         "benchmarks"]
 
 
 @pytest.fixture
@@ -286,3 +287,15 @@ def test_twin_page_calibrates_runs_and_rejects_bad_profiles(downloads):
     app.sidebar.text_input[0].set_value("qwen3-0.6b")  # the profile was measured on "tiny"
     app.button(key="run_twin").click().run()
     assert not app.exception and any("measured on model 'tiny'" in e.value for e in app.error)
+
+
+def test_paper_page_runs_figures_and_exports(downloads):
+    app = open_page("paper")
+    clean(app)
+    app.sidebar.multiselect[0].set_value(["2", "19"])
+    app.sidebar.number_input[0].set_value(100)
+    app.button(key="run_paper").click().run()
+    clean(app)
+    summary = download_table(app, downloads, "dl_paper")
+    assert list(summary.columns) == ["figure", "quantity", "paper", "lab", "verdict"]
+    assert set(summary["figure"].astype(str)) == {"2", "19"} and app.get("plotly_chart")

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
 PAGES = {"": "MiniPaged Lab", "memory_simulator": "Memory simulator", "block_pool": "Block pool",
-         "kernel_lab": "Kernel lab", "runtime": "Qwen3 runtime", "twin": "Digital twin",
+         "kernel_lab": "Kernel lab", "runtime": "Qwen3 runtime", "twin": "Digital twin", "paper": "The vLLM paper",
          "sweeps": "Sweeps & capacity planning", "benchmarks": "Benchmarks"}
 CHART_PAGES = {"", "memory_simulator", "block_pool", "kernel_lab", "runtime"}
 

@@ -1,0 +1,41 @@
+import tempfile
+
+import pandas as pd
+import streamlit as st
+
+from simulator import charts
+from simulator.paper import FIGURES, run_figures
+from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
+
+st.title("The vLLM paper, reproduced")
+st.caption("Kwon et al., SOSP 2023: the simulator's numbers beside the paper's, figure by figure, with a verdict "
+           "(reproduced within 25 %, partly when the order or trend holds, not otherwise).")
+
+with st.sidebar:
+    figures = st.multiselect("Figures", FIGURES, default=["2", "13", "19"])
+    num_requests = st.number_input("Requests per workload", 50, 20_000, 1000, step=250)
+
+if st.button("Run", key="run_paper", type="primary"):
+    try:
+        with st.spinner("simulating…"):
+            folder = tempfile.mkdtemp(prefix="minipaged_paper_")
+            summary = run_figures(figures, folder, int(num_requests))
+        tables = {figure: pd.read_csv(f"{folder}/figure{figure}.csv") for figure in figures}
+        st.session_state.update(paper_summary=summary, paper_tables=tables)
+        results_store().add("paper", f"paper figures {','.join(figures)}", summary)
+    except USER_ERRORS as exc:
+        show_error(exc)
+        st.stop()
+summary = st.session_state.get("paper_summary")
+if summary is None:
+    st.info("Choose figures and press Run (all seven take a few minutes at 2,000 requests).")
+    st.stop()
+counts = summary["verdict"].value_counts()
+st.markdown(" · ".join(f"**{counts.get(v, 0)}** {v}" for v in ("reproduced", "partly", "not")))
+chart(charts.paper_vs_lab(summary), "paper_vs_lab")
+st.dataframe(summary, hide_index=True)
+csv_download(summary, "paper_summary.csv", "dl_paper")
+for figure, table in st.session_state["paper_tables"].items():
+    with st.expander(f"Figure {figure}: the simulator's table"):
+        st.dataframe(table, hide_index=True)
+        csv_download(table, f"figure{figure}.csv", f"dl_figure{figure}")

@@ -1,7 +1,5 @@
 """Junk fed to every KVBlockManager operation: a typed error and an unchanged manager, or a correct result."""
-import math
 
-import pytest
 from hypothesis import given, settings, strategies as st
 
 from lab.block_manager import BlockManagerError, KVBlockManager

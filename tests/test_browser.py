@@ -16,7 +16,7 @@ CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/ch
 PAGES = {"": "MiniPaged Lab", "memory_simulator": "Memory simulator", "block_pool": "Block pool",
          "kernel_lab": "Kernel lab", "runtime": "Qwen3 runtime", "twin": "Digital twin", "paper": "The vLLM paper",
          "sweeps": "Sweeps & capacity planning", "benchmarks": "Benchmarks"}
-CHART_PAGES = {"", "memory_simulator", "block_pool", "kernel_lab", "runtime"}
+CHART_PAGES = {"", "memory_simulator", "block_pool", "kernel_lab", "runtime", "paper"}
 
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)")]

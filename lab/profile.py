@@ -97,7 +97,8 @@ class Profile:
 
 
 def fit(samples: list[dict], holdout_fraction: float = 0.2, seed: int = 0) -> tuple[dict[str, float], float, float]:
-    """Non-negative least squares on relative error (each row weighted by 1 / its duration); returns the
+    """Non-negative least squares, each row weighted by 1 / sqrt(its duration) (short steps count, long steps,
+    which dominate a run's time, count more than under relative error); returns the
     coefficients fitted on every sample and the median and max relative error on a held-out fraction (fitted
     without it)."""
     from scipy.optimize import nnls
@@ -115,8 +116,8 @@ def fit(samples: list[dict], holdout_fraction: float = 0.2, seed: int = 0) -> tu
     def solve(rows):
         scale = features[rows].max(axis=0)
         scale[scale == 0] = 1.0
-        weights = 1.0 / durations[rows]
-        solution, _ = nnls(features[rows] / scale * weights[:, None], np.ones(rows.sum()))
+        weights = 1.0 / np.sqrt(durations[rows])  # between relative (1/d) and absolute (1) error
+        solution, _ = nnls(features[rows] / scale * weights[:, None], durations[rows] * weights)
         return solution / scale
 
     trained = solve(~holdout)

@@ -362,6 +362,14 @@ class LLMEngine:
             bar.close()
         return [done[i] for i in ids]
 
+    def beam_search(self, prompts, params):
+        """The ``params.beam_width`` best continuations of each prompt (``lab.beam.BeamSearchParams``), best first,
+        as ``lab.beam.BeamSearchOutput``; beams share KV blocks through forks and copy-on-write. The engine must be
+        idle."""
+        from .beam import beam_search
+
+        return beam_search(self, prompts, params)
+
     # ---- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample; returns the requests that finished in this step."""

@@ -1,0 +1,55 @@
+"""Beam search on the paged engine: HF parity (fp32, block sizes 1, 3, 16), shared blocks freed at the end."""
+import pytest
+import torch
+
+from lab.beam import BeamSearchError, BeamSearchParams
+from lab.engine import LLMEngine
+
+PROMPTS = [[5, 17, 300, 2, 9, 41, 8], list(range(100, 119)), [7]]
+
+
+def hf_beams(engine, prompt, width, max_tokens, **options):
+    out = engine.hf_model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=width,
+                                   do_sample=False, max_new_tokens=max_tokens, output_scores=True,
+                                   return_dict_in_generate=True, **options)
+    return [row[len(prompt):].tolist() for row in out.sequences], out.sequences_scores.tolist()
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+@pytest.mark.parametrize("width", [2, 4])
+def test_beams_match_hf_without_eos(block_size, width):
+    engine = LLMEngine("tiny", num_blocks=256, block_size=block_size)
+    results = engine.beam_search(PROMPTS, BeamSearchParams(beam_width=width, max_tokens=8, ignore_eos=True))
+    for prompt, result in zip(PROMPTS, results):
+        expected, scores = hf_beams(engine, prompt, width, 8, min_new_tokens=8)
+        assert [s.token_ids for s in result.sequences] == expected
+        assert [s.score for s in result.sequences] == pytest.approx(scores, abs=1e-3)
+    manager = engine.block_manager
+    assert manager.num_free_blocks == manager.num_physical_blocks and not manager.sequences
+    assert manager.num_cow_copies > 0 or block_size == 1  # forked beams copied their shared partial block
+    manager.check_invariants()
+
+
+def test_best_beam_matches_hf_with_eos_and_early_stopping():
+    engine = LLMEngine("tiny", num_blocks=256, block_size=4)
+    prompt = PROMPTS[0]
+    greedy = engine.hf_model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):]
+    eos = int(greedy[2])  # a token the search meets early
+    engine.eos_token_ids = {eos}
+    result = engine.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=10))[0]
+    expected, _ = hf_beams(engine, prompt, 3, 10, eos_token_id=eos, pad_token_id=eos, early_stopping=True)
+    best = expected[0]
+    best = best[:best.index(eos) + 1] if eos in best else best
+    assert result.sequences[0].token_ids == best
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_physical_blocks
+
+
+@pytest.mark.parametrize("params,message", [(BeamSearchParams(0, 4), "beam_width"),
+                                            (BeamSearchParams(2, 0), "max_tokens"),
+                                            (BeamSearchParams(2, 4, length_penalty=float("nan")), "length_penalty"),
+                                            (BeamSearchParams(64, 40), "may need")])
+def test_bad_beam_search_requests_run_nothing(params, message):
+    engine = LLMEngine("tiny", num_blocks=32, block_size=4)
+    with pytest.raises(BeamSearchError, match=message):
+        engine.beam_search([[1, 2, 3]], params)
+    assert engine.block_manager.num_free_blocks == 32

@@ -51,10 +51,12 @@ class BeamSequence:
 
 @dataclass(slots=True)
 class BeamSearchOutput:
-    """The ``beam_width`` best sequences of one prompt, best first."""
+    """The ``beam_width`` best sequences of one prompt, best first. ``block_usage``: per decode step, (blocks the
+    live beams hold with sharing, blocks they would hold as separate copies)."""
 
     prompt_token_ids: list[int]
     sequences: list[BeamSequence]
+    block_usage: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -99,12 +101,13 @@ def _search(engine, prompt: list[int], params: BeamSearchParams) -> BeamSearchOu
     out = SchedulerOutput(0)
     out.prefill_chunks = [PrefillChunk(first, 0, len(prompt), [first])]
     logits = _forward(runner, manager, out, lambda beam: len(beam.data.token_ids))
-    beams, finished = [first], []
+    beams, finished, usage = [first], [], []
     eos = set() if params.ignore_eos else engine.eos_token_ids
     try:
         for step in range(params.max_tokens):
             candidates = _rank(beams, logits, width)
             beams = _advance(manager, beams, candidates, eos, finished, width, params, ids)
+            usage.append(_usage(manager, beams))
             done = len(finished) >= width or step + 1 == params.max_tokens or not beams
             if done:
                 break
@@ -120,7 +123,19 @@ def _search(engine, prompt: list[int], params: BeamSearchParams) -> BeamSearchOu
             manager.release_sequence(beam.seq_id)
         manager.take_pending_copies()
     finished.sort(key=lambda h: -h.score)
-    return BeamSearchOutput(list(prompt), finished[:width])
+    return BeamSearchOutput(list(prompt), finished[:width], usage)
+
+
+def _usage(manager, beams) -> tuple[int, int]:
+    """Blocks the beams hold (shared blocks once) and would hold as separate copies."""
+    ids = [beam.seq_id for beam in beams]
+    return manager.num_distinct_blocks(ids), sum(len(manager.get_block_table(i)) for i in ids)
+
+
+def memory_saving(usage: list[tuple[int, int]]) -> float:
+    """1 - (blocks with sharing) / (blocks as separate copies), summed over the steps (the paper's Figure 15)."""
+    shared, copies = sum(u[0] for u in usage), sum(u[1] for u in usage)
+    return 1 - shared / copies if copies else 0.0
 
 
 def _forward(runner, manager, out, kv_len) -> torch.Tensor:

@@ -53,3 +53,13 @@ def test_bad_beam_search_requests_run_nothing(params, message):
     with pytest.raises(BeamSearchError, match=message):
         engine.beam_search([[1, 2, 3]], params)
     assert engine.block_manager.num_free_blocks == 32
+
+
+def test_beams_report_their_block_sharing():
+    from lab.beam import memory_saving
+
+    engine = LLMEngine("tiny", num_blocks=256, block_size=4)
+    result = engine.beam_search([list(range(40))], BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True))[0]
+    assert len(result.block_usage) == 12
+    assert all(shared <= copies for shared, copies in result.block_usage)
+    assert 0.5 < memory_saving(result.block_usage) < 1  # the 40-token prompt's 10 blocks are held once, not 4 times

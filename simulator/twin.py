@@ -5,7 +5,9 @@ Arrivals: requests reach the engine at their arrival offsets from the start of t
 step joins at the next step, as in the simulator). When every request arrives at t = 0 the two schedules must be
 identical step for step (``schedule_identical``). With timed arrivals which step admits a request depends on real
 step times, so the step logs may drift apart; the metrics are still compared, and the first differing step is
-reported.
+reported; and a replay (``replay``) queues each request into the simulator after as many steps as the real run
+had taken when it queued it, which reproduces the real schedule step for step, so ``replay_step_time_median``
+compares each step's modelled duration with the measured one.
 """
 from __future__ import annotations
 
@@ -101,10 +103,12 @@ def run_real(workload: Workload, config: TwinConfig) -> tuple[dict, pd.DataFrame
         engine.scheduler.check_request(len(prompt), sampling.max_tokens, sampling.n)
     started = time.perf_counter()
     arrivals, next_request, peak_blocks = workload.arrival_s, 0, 0
+    admitted_after = []  # per request: how many engine steps had run when it was queued (for the replay)
     while next_request < len(prompts) or engine.has_unfinished():
         now = time.perf_counter() - started
         while next_request < len(prompts) and arrivals[next_request] <= now:
             engine.add_request(prompts[next_request], params[next_request], started + arrivals[next_request])
+            admitted_after.append(engine.num_steps)
             next_request += 1
         if engine.has_unfinished():
             engine.step()
@@ -112,7 +116,9 @@ def run_real(workload: Workload, config: TwinConfig) -> tuple[dict, pd.DataFrame
         else:
             time.sleep(max(0.0, arrivals[next_request] - now))
     wall = time.perf_counter() - started
-    return _real_metrics(engine, started, peak_blocks), engine.step_log(), wall
+    metrics = _real_metrics(engine, started, peak_blocks)
+    metrics["admitted_after"] = admitted_after
+    return metrics, engine.step_log(), wall
 
 
 def _real_metrics(engine: LLMEngine, started: float, peak_blocks: int) -> dict:
@@ -142,6 +148,25 @@ def run_simulated(workload: Workload, config: TwinConfig, profile: Profile, max_
     return metrics, steps, wall
 
 
+def replay(workload: Workload, config: TwinConfig, profile: Profile, max_model_len: int, num_cpu_blocks: int,
+           admitted_after: list[int]) -> pd.DataFrame:
+    """The simulator driven step by step with each request queued after as many steps as the real run had taken
+    when it queued it: the same schedule as the real run whatever the arrival times, so each step's modelled
+    duration can be compared with the measured one. Returns the simulated step log."""
+    sim = Simulator(workload, sim_config(config, profile, max_model_len, num_cpu_blocks), requests=[])
+    scheduler, request = sim.scheduler, 0
+    while request < len(workload) or scheduler.has_unfinished():
+        while request < len(workload) and admitted_after[request] <= scheduler.num_steps:
+            sim.assign(request)
+            sim._arrive(request)  # noqa: SLF001 - queued by step count, not by the clock
+            sim.next_arrival += 1
+            request += 1
+        if not scheduler.has_unfinished():
+            continue
+        sim._iterate()  # noqa: SLF001
+    return sim.scheduler.step_log_frame()
+
+
 def first_difference(real: pd.DataFrame, simulated: pd.DataFrame) -> str:
     """'' when the step logs agree in every column but ``duration_s``, else the first differing step."""
     if len(real) != len(simulated):
@@ -164,9 +189,9 @@ def run_twin(workload: Workload, config: TwinConfig, profile: Profile, repeats: 
     real_runs = [run_real(workload, config) for _ in range(repeats)]
     real, real_steps, real_wall = real_runs[0]
     probe = LLMEngine(config.model, engine_config(config))  # the engine's max_model_len and host pool size
+    cpu_blocks = probe.policy.cpu_manager.num_physical_blocks if probe.policy.cpu_manager is not None else 0
     simulated, simulated_steps, simulated_wall = run_simulated(workload, config, profile, probe.max_model_len,
-                                                               probe.policy.cpu_manager.num_physical_blocks
-                                                               if probe.policy.cpu_manager is not None else 0)
+                                                               cpu_blocks)
     rows = []
     for name in METRICS:
         real_value, simulated_value = float(real[name]), float(simulated[name])
@@ -178,6 +203,14 @@ def run_twin(workload: Workload, config: TwinConfig, profile: Profile, repeats: 
     difference = first_difference(real_steps, simulated_steps)
     rows.append({"metric": "schedule_identical", "real": 1.0, "simulated": float(difference == ""),
                  "rel_error": 0.0 if difference == "" else 1.0})
+    replayed = replay(workload, config, profile, probe.max_model_len, cpu_blocks, real["admitted_after"])
+    replay_difference = first_difference(real_steps, replayed)
+    rows.append({"metric": "replay_schedule_identical", "real": 1.0, "simulated": float(replay_difference == ""),
+                 "rel_error": 0.0 if replay_difference == "" else 1.0})
+    if replay_difference == "":
+        errors = (replayed["duration_s"] - real_steps["duration_s"]).abs() / real_steps["duration_s"]
+        rows.append({"metric": "replay_step_time_median", "real": float(real_steps["duration_s"].median()),
+                     "simulated": float(replayed["duration_s"].median()), "rel_error": float(errors.median())})
     rows.append({"metric": "wall_time_s", "real": real_wall, "simulated": simulated_wall,
                  "rel_error": math.nan})
     return TwinResult(pd.DataFrame(rows), real_steps, simulated_steps, difference, real_wall, simulated_wall,

@@ -94,3 +94,12 @@ def test_mismatched_profiles_are_rejected():
         Simulator(workload, SimConfig(profile=fixed_profile(16)))
     with pytest.raises(ProfileError, match="model 'qwen3-0.6b'"):
         run_twin(workload, TwinConfig(block_size=16), fixed_profile(16, model="qwen3-0.6b"))
+
+
+def test_timed_arrivals_replay_the_real_schedule_step_for_step():
+    workload = synthetic_workload(SyntheticSpec(preset="random", num_requests=16, input_len=40, output_len=12,
+                                                range_ratio=0.5, rate=200.0, seed=6))
+    result = run_twin(workload, TwinConfig(block_size=4, num_blocks=40), fixed_profile())
+    table = result.table.set_index("metric")
+    assert table.loc["replay_schedule_identical", "simulated"] == 1.0
+    assert table.loc["replay_step_time_median", "rel_error"] >= 0

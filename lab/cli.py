@@ -101,6 +101,7 @@ def _profile(args) -> None:
 
 def _twin(args) -> None:
     # The twin joins the engine and the simulator, so this one command imports simulator (the lab library does not).
+    from lab.engine import EngineConfig
     from lab.profile import Profile
     from simulator import make_workload
     from simulator.twin import TwinConfig, run_twin
@@ -109,10 +110,11 @@ def _twin(args) -> None:
     workload = make_workload(args.workload, num_requests=args.num_requests, seed=args.seed, rate=args.rate,
                              input_len=args.input_len, output_len=args.output_len, range_ratio=0.5) \
         if args.workload == "random" else make_workload(args.workload, num_requests=args.num_requests)
-    config = TwinConfig(model=args.model, block_size=args.block_size, num_blocks=args.num_blocks,
-                        scheduling=args.scheduling, preemption_mode=args.preemption_mode,
-                        num_cpu_blocks=args.num_cpu_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
-                        device=args.device, attention_backend=args.backend, seed=args.seed)
+    engine = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, scheduling=args.scheduling,
+                          preemption_mode=args.preemption_mode, num_cpu_blocks=args.num_cpu_blocks,
+                          max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
+                          attention_backend=args.backend, seed=args.seed)
+    config = TwinConfig(args.model, engine)
     result = run_twin(workload, config, profile, args.repeats)
     print_and_save(result.table, args.out)
     if result.first_difference:

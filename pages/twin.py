@@ -4,6 +4,7 @@ import math
 import streamlit as st
 
 import simulator
+from lab.engine import EngineConfig
 from lab.profile import Profile, profile_engine
 from simulator import charts
 from simulator.twin import TwinConfig, run_twin
@@ -56,8 +57,8 @@ if st.button("Run the twin", key="run_twin", type="primary"):
     try:
         workload = simulator.make_workload("random", num_requests=int(num_requests), rate=rate or math.inf,
                                            input_len=int(input_len), output_len=int(output_len), range_ratio=0.5)
-        config = TwinConfig(model=model, block_size=block_size, num_blocks=int(num_blocks), scheduling=scheduling,
-                            preemption_mode=preemption)
+        config = TwinConfig(model, EngineConfig(block_size=block_size, num_blocks=int(num_blocks),
+                                                scheduling=scheduling, preemption_mode=preemption))
         with st.spinner("running the engine and the simulator…"):
             st.session_state["twin_result"] = run_twin(workload, config, profile, repeats)
         results_store().add("twin", f"twin: {num_requests} requests", st.session_state["twin_result"].table)

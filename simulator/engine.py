@@ -227,7 +227,6 @@ class Simulator:
         self.owned = list(range(self.num_requests)) if requests is None else list(requests)
         self.next_arrival = 0  # index into owned
 
-
     # the scheduler's queues, for metrics and views
     @property
     def running(self) -> dict:
@@ -281,6 +280,17 @@ class Simulator:
     def assign(self, request: int) -> None:
         """Serve ``request`` too (a router's decision; requests are assigned in arrival order)."""
         self.owned.append(request)
+
+    def queue_now(self, request: int) -> None:
+        """Serve ``request`` and queue it now, whatever its arrival time (a replay that admits requests by step
+        count; follow with ``iterate``)."""
+        self.assign(request)
+        self._arrive(request)
+        self.next_arrival += 1
+
+    def iterate(self) -> None:
+        """Run one iteration now (a replay's driver; ``run``/``advance`` run iterations by the clock)."""
+        self._iterate()
 
     def outstanding(self) -> int:
         """Requests assigned and not yet finished or rejected (what a least-loaded router compares)."""

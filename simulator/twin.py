@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -34,20 +34,23 @@ METRICS = ("throughput_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p
 
 @dataclass(slots=True)
 class TwinConfig:
-    """The configuration both sides share (the engine's names)."""
+    """The model and the engine settings; the simulator is configured from the engine they build (its pool, host
+    pool, caps, modes and maximum length)."""
 
     model: str = "tiny"
-    block_size: int = 16
-    num_blocks: int = 256
-    scheduling: str = "prefill-first"
-    preemption_mode: str = "recompute"
-    num_cpu_blocks: int = 0
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
-    enable_prefix_caching: bool = True
-    device: str | None = None
-    attention_backend: str = "auto"
-    seed: int = 0
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_blocks=256))
+
+
+@dataclass(slots=True)
+class RealRun:
+    """The engine's side of a twin run: its metrics, step log, wall time, the step count at which each request was
+    queued, and the engine (what the simulator is configured from)."""
+
+    metrics: dict
+    steps: pd.DataFrame
+    wall_s: float
+    admitted_after: list[int]
+    engine: LLMEngine
 
 
 @dataclass(slots=True)
@@ -62,21 +65,17 @@ class TwinResult:
     simulated_requests: pd.DataFrame | None = None
 
 
-def engine_config(config: TwinConfig) -> EngineConfig:
-    return EngineConfig(block_size=config.block_size, num_blocks=config.num_blocks, scheduling=config.scheduling,
-                        preemption_mode=config.preemption_mode, num_cpu_blocks=config.num_cpu_blocks,
-                        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                        enable_prefix_caching=config.enable_prefix_caching, device=config.device,
-                        attention_backend=config.attention_backend, seed=config.seed)
-
-
-def sim_config(config: TwinConfig, profile: Profile, max_model_len: int, num_cpu_blocks: int) -> SimConfig:
-    return SimConfig(allocator="paged", block_size=config.block_size,
-                     capacity_tokens=config.num_blocks * config.block_size, max_model_len=max_model_len,
-                     max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                     scheduling=config.scheduling, preemption_mode=config.preemption_mode,
-                     num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=config.enable_prefix_caching,
-                     profile=profile, record_steps=True, max_points=1_000_000)
+def sim_config(engine: LLMEngine, profile: Profile) -> SimConfig:
+    """The simulator configured as ``engine`` is, its clock from ``profile``."""
+    settings, manager, host = engine.config, engine.block_manager, engine.policy.cpu_manager
+    return SimConfig(allocator="paged", block_size=manager.block_size,
+                     capacity_tokens=manager.num_physical_blocks * manager.block_size,
+                     max_model_len=engine.max_model_len, max_num_seqs=settings.max_num_seqs,
+                     max_num_batched_tokens=settings.max_num_batched_tokens, scheduling=settings.scheduling,
+                     preemption_mode=settings.preemption_mode,
+                     num_cpu_blocks=host.num_physical_blocks if host is not None else 0,
+                     enable_prefix_caching=settings.enable_prefix_caching, profile=profile, record_steps=True,
+                     max_points=1_000_000)
 
 
 def request_latencies(requests: pd.DataFrame) -> pd.DataFrame:
@@ -88,14 +87,14 @@ def request_latencies(requests: pd.DataFrame) -> pd.DataFrame:
                          "e2e_s": done["finish_s"] - done["arrival_s"]}).reset_index(drop=True)
 
 
-def run_real(workload: Workload, config: TwinConfig) -> tuple[dict, pd.DataFrame, float]:
+def run_real(workload: Workload, config: TwinConfig) -> RealRun:
     """The workload through the engine (greedy, ``ignore_eos``, output lengths from the workload): its metrics,
     its step log and its wall time. A throw-away engine runs a few steps first, so the timed run does not pay the
     process's one-off start-up costs (thread pools, allocator) that the profile did not measure either."""
-    warm = LLMEngine(config.model, engine_config(config))
+    warm = LLMEngine(config.model, config.engine)
     warm.generate([[1] * 64] * 8, SamplingParams(max_tokens=8, ignore_eos=True))
-    engine = LLMEngine(config.model, engine_config(config))
-    generator = np.random.default_rng(config.seed)
+    engine = LLMEngine(config.model, config.engine)
+    generator = np.random.default_rng(config.engine.seed)
     vocab = engine.hf_model.config.vocab_size
     prompts = [generator.integers(0, vocab, int(length)).tolist() for length in workload.prompt_tokens]
     params = [SamplingParams(max_tokens=int(out), ignore_eos=True) for out in workload.output_tokens]
@@ -116,9 +115,7 @@ def run_real(workload: Workload, config: TwinConfig) -> tuple[dict, pd.DataFrame
         else:
             time.sleep(max(0.0, arrivals[next_request] - now))
     wall = time.perf_counter() - started
-    metrics = _real_metrics(engine, started, peak_blocks)
-    metrics["admitted_after"] = admitted_after
-    return metrics, engine.step_log(), wall
+    return RealRun(_real_metrics(engine, started, peak_blocks), engine.step_log(), wall, admitted_after, engine)
 
 
 def _real_metrics(engine: LLMEngine, started: float, peak_blocks: int) -> dict:
@@ -134,10 +131,9 @@ def _real_metrics(engine: LLMEngine, started: float, peak_blocks: int) -> dict:
             "requests": request_latencies(requests)}
 
 
-def run_simulated(workload: Workload, config: TwinConfig, profile: Profile, max_model_len: int,
-                  num_cpu_blocks: int) -> tuple[dict, pd.DataFrame, float]:
+def run_simulated(workload: Workload, config: SimConfig) -> tuple[dict, pd.DataFrame, float]:
     started = time.perf_counter()
-    result = Simulator(workload, sim_config(config, profile, max_model_len, num_cpu_blocks)).run()
+    result = Simulator(workload, config).run()
     wall = time.perf_counter() - started
     summary = result.summary
     steps = result.steps
@@ -148,22 +144,18 @@ def run_simulated(workload: Workload, config: TwinConfig, profile: Profile, max_
     return metrics, steps, wall
 
 
-def replay(workload: Workload, config: TwinConfig, profile: Profile, max_model_len: int, num_cpu_blocks: int,
-           admitted_after: list[int]) -> pd.DataFrame:
+def replay(workload: Workload, config: SimConfig, admitted_after: list[int]) -> pd.DataFrame:
     """The simulator driven step by step with each request queued after as many steps as the real run had taken
     when it queued it: the same schedule as the real run whatever the arrival times, so each step's modelled
     duration can be compared with the measured one. Returns the simulated step log."""
-    sim = Simulator(workload, sim_config(config, profile, max_model_len, num_cpu_blocks), requests=[])
+    sim = Simulator(workload, config, requests=[])
     scheduler, request = sim.scheduler, 0
     while request < len(workload) or scheduler.has_unfinished():
         while request < len(workload) and admitted_after[request] <= scheduler.num_steps:
-            sim.assign(request)
-            sim._arrive(request)  # noqa: SLF001 - queued by step count, not by the clock
-            sim.next_arrival += 1
+            sim.queue_now(request)
             request += 1
-        if not scheduler.has_unfinished():
-            continue
-        sim._iterate()  # noqa: SLF001
+        if scheduler.has_unfinished():
+            sim.iterate()
     return sim.scheduler.step_log_frame()
 
 
@@ -185,25 +177,24 @@ def first_difference(real: pd.DataFrame, simulated: pd.DataFrame) -> str:
 
 def run_twin(workload: Workload, config: TwinConfig, profile: Profile, repeats: int = 1) -> TwinResult:
     """Run the workload through the engine (``repeats`` times; the spread is the noise floor) and the simulator."""
-    profile.check_matches(model=config.model, block_size=config.block_size)
+    profile.check_matches(model=config.model, block_size=config.engine.block_size)
     real_runs = [run_real(workload, config) for _ in range(repeats)]
-    real, real_steps, real_wall = real_runs[0]
-    probe = LLMEngine(config.model, engine_config(config))  # the engine's max_model_len and host pool size
-    cpu_blocks = probe.policy.cpu_manager.num_physical_blocks if probe.policy.cpu_manager is not None else 0
-    simulated, simulated_steps, simulated_wall = run_simulated(workload, config, profile, probe.max_model_len,
-                                                               cpu_blocks)
+    first = real_runs[0]
+    real, real_steps, real_wall = first.metrics, first.steps, first.wall_s
+    simulation = sim_config(first.engine, profile)
+    simulated, simulated_steps, simulated_wall = run_simulated(workload, simulation)
     rows = []
     for name in METRICS:
         real_value, simulated_value = float(real[name]), float(simulated[name])
         row = {"metric": name, "real": real_value, "simulated": simulated_value,
                "rel_error": _relative(simulated_value, real_value)}
         if repeats > 1:
-            row["noise_floor"] = max(_relative(float(other[0][name]), real_value) for other in real_runs[1:])
+            row["noise_floor"] = max(_relative(float(other.metrics[name]), real_value) for other in real_runs[1:])
         rows.append(row)
     difference = first_difference(real_steps, simulated_steps)
     rows.append({"metric": "schedule_identical", "real": 1.0, "simulated": float(difference == ""),
                  "rel_error": 0.0 if difference == "" else 1.0})
-    replayed = replay(workload, config, profile, probe.max_model_len, cpu_blocks, real["admitted_after"])
+    replayed = replay(workload, simulation, first.admitted_after)
     replay_difference = first_difference(real_steps, replayed)
     rows.append({"metric": "replay_schedule_identical", "real": 1.0, "simulated": float(replay_difference == ""),
                  "rel_error": 0.0 if replay_difference == "" else 1.0})
@@ -242,8 +233,8 @@ def bench_twin(model: str = "tiny", num_requests: int = 48, light_rate: float = 
         say(f"twin run, {load} load")
         workload = synthetic_workload(SyntheticSpec(preset="random", num_requests=num_requests, input_len=96,
                                                     output_len=32, range_ratio=0.5, rate=rate, seed=1))
-        result = run_twin(workload, TwinConfig(model=model, block_size=block_size, num_blocks=num_blocks,
-                                               device=device), profile, repeats)
+        engine = EngineConfig(block_size=block_size, num_blocks=num_blocks, device=device)
+        result = run_twin(workload, TwinConfig(model, engine), profile, repeats)
         rows += [{"load": load, **row} for row in result.table.to_dict("records")]
         rows.append({"load": load, "metric": "speedup_vs_real_time", "real": result.real_wall_s,
                      "simulated": result.simulated_wall_s, "rel_error": result.real_wall_s / result.simulated_wall_s})

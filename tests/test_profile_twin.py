@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+from lab.engine import EngineConfig
 from lab.profile import FEATURES, Profile, ProfileError, fit, profile_engine
 from simulator import SimConfig, Simulator
 from simulator.twin import TwinConfig, run_twin
@@ -54,7 +55,7 @@ TWIN_CASES = {
 def test_the_twin_plans_the_engine_s_schedule(case):
     workload = synthetic_workload(SyntheticSpec(preset="random", num_requests=16, input_len=40, output_len=12,
                                                 range_ratio=0.5, seed=4))
-    result = run_twin(workload, TwinConfig(block_size=4, **TWIN_CASES[case]), fixed_profile())
+    result = run_twin(workload, TwinConfig(engine=EngineConfig(block_size=4, **TWIN_CASES[case])), fixed_profile())
     assert result.first_difference == "", result.first_difference
     table = result.table.set_index("metric")
     assert table.loc["schedule_identical", "simulated"] == 1.0
@@ -93,13 +94,13 @@ def test_mismatched_profiles_are_rejected():
     with pytest.raises(ValueError, match="needs capacity_tokens"):
         Simulator(workload, SimConfig(profile=fixed_profile(16)))
     with pytest.raises(ProfileError, match="model 'qwen3-0.6b'"):
-        run_twin(workload, TwinConfig(block_size=16), fixed_profile(16, model="qwen3-0.6b"))
+        run_twin(workload, TwinConfig(engine=EngineConfig(block_size=16)), fixed_profile(16, model="qwen3-0.6b"))
 
 
 def test_timed_arrivals_replay_the_real_schedule_step_for_step():
     workload = synthetic_workload(SyntheticSpec(preset="random", num_requests=16, input_len=40, output_len=12,
                                                 range_ratio=0.5, rate=200.0, seed=6))
-    result = run_twin(workload, TwinConfig(block_size=4, num_blocks=40), fixed_profile())
+    result = run_twin(workload, TwinConfig(engine=EngineConfig(block_size=4, num_blocks=40)), fixed_profile())
     table = result.table.set_index("metric")
     assert table.loc["replay_schedule_identical", "simulated"] == 1.0
     assert table.loc["replay_step_time_median", "rel_error"] >= 0

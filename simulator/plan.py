@@ -11,7 +11,7 @@ from typing import Callable
 import pandas as pd
 
 from .models import get_gpu
-from .sweep import WORKLOAD_DEFAULTS, check_spec, run_one, start_ray
+from .sweep import WORKLOAD_DEFAULTS, check_spec, progress_bar, run_one, start_ray
 
 SLO_METRICS = tuple(f"{kind}_p{q}" for kind in ("ttft", "tpot", "e2e") for q in (50, 90, 99))
 
@@ -120,9 +120,7 @@ def run_plan(specs: list[dict], slos: dict[str, float], search: RateSearch | Non
     cheapest configuration that sustains ``target_rate`` (``chosen``). ``on_progress(done, total)`` after each."""
     search = search or RateSearch()
     prices = {**{str(s["gpu"]): get_gpu(s["gpu"]).price_per_hour for s in specs}, **(prices or {})}
-    from .sweep import _bar
-
-    bar = _bar(len(specs), progress)
+    bar = progress_bar(len(specs), progress)
     ray_init_s = 0.0
     if parallel:
         import ray

@@ -233,7 +233,7 @@ def run_sweep(grid: dict[str, list], store: str | Path, parallel: bool = True, a
     keys = [spec_key(spec) for spec in specs]
     stored = results.keys()
     todo = [(key, spec) for key, spec in dict(zip(keys, specs)).items() if key not in stored]
-    bar = _bar(len(todo), progress)
+    bar = progress_bar(len(todo), progress)
     ray_init_s = 0.0
     if parallel and todo:
         ray_init_s = start_ray(address, num_cpus)
@@ -313,7 +313,8 @@ def save_table(table: pd.DataFrame, path: str | Path) -> None:
         table.to_csv(path, index=False)
 
 
-def _bar(total: int, show: bool):
+def progress_bar(total: int, show: bool):
+    """A tqdm bar on stderr (with ETA) for ``total`` runs; disabled when ``show`` is False."""
     import sys
 
     from tqdm import tqdm

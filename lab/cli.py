@@ -7,6 +7,7 @@ import sys
 import pandas as pd
 
 from lab.cli_args import device, non_negative_int, output_csv, positive_float, positive_int, positive_ints
+from lab.profile import GRIDS
 from lab.results import print_and_save
 
 
@@ -73,7 +74,7 @@ def _generate(args) -> None:
 def _bench_twin(args) -> None:
     from simulator.twin import bench_twin  # the twin joins engine and simulator (see _twin)
 
-    table = bench_twin(args.model, args.num_requests, args.light_rate, args.repeats, device=args.device,
+    table = bench_twin(args.models.split(","), args.repeats, device=args.device, light_fraction=args.light_fraction,
                        progress=lambda message: print(message, file=sys.stderr))
     print_and_save(table, args.out)
 
@@ -89,7 +90,8 @@ def _profile(args) -> None:
         bar.total = total
         bar.update(1)
 
-    profile = profile_engine(args.model, args.device, args.block_size, args.backend, args.repeats, progress=step)
+    profile = profile_engine(args.model, args.device, args.block_size, args.backend, args.repeats, grid=args.grid,
+                             progress=step)
     bar.close()
     profile.save(args.out)
     print(f"{len(profile.samples)} step shapes on {profile.device} ({profile.dtype}, {profile.backend}); held-out "
@@ -154,10 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(run=_bench_e2e)
 
     w = bench.add_parser("twin", help="fidelity of the simulator on the engine's profile (light and saturated load)")
-    w.add_argument("--model", default="tiny")
-    w.add_argument("--num-requests", type=positive_int, default=48)
-    w.add_argument("--light-rate", type=positive_float, default=40.0, help="req/s of the light load")
-    w.add_argument("--repeats", type=positive_int, default=2, help="real runs per load (the noise floor)")
+    w.add_argument("--models", default="tiny,qwen3-0.6b-random-4l", help="comma-separated presets (see BENCH_MODELS)")
+    w.add_argument("--light-fraction", type=positive_float, default=0.35,
+                   help="light load = this fraction of the saturated run's request throughput")
+    w.add_argument("--repeats", type=positive_int, default=3, help="real runs per load (median; spread = noise floor)")
     w.add_argument("--device", type=device, default=None)
     w.add_argument("--out", type=output_csv, default="benchmarks/results/twin_cpu.csv")
     w.set_defaults(run=_bench_twin)
@@ -192,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--backend", default="auto")
     p.add_argument("--repeats", type=positive_int, default=3, help="measured rounds per scenario (medians)")
+    p.add_argument("--grid", choices=GRIDS, default="full",
+                   help="scenarios: full; small (models whose prefills take seconds on a CPU); quick")
     p.add_argument("--out", type=output_csv, default="profile.json", help="the profile (JSON)")
     p.set_defaults(run=_profile)
 

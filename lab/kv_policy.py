@@ -73,8 +73,8 @@ class PagedPolicy:
     def next_event_position(self, seq: Sequence) -> int:
         """KV length at which ``seq`` needs a copy of the partly filled block it shares, else ``NO_EVENT``."""
         table = self.manager.sequences[seq.seq_id].block_table
-        if seq.synced_len % self.block_size and self.manager.ref_counts[table[-1]] > 1:
-            return seq.synced_len + 1
+        if seq.synced_len % self.block_size and self.manager.ref_counts[table[-1]] > 1 or seq.group.beam is not None:
+            return seq.synced_len + 1  # beams are re-forked every step: their memory is an event every step
         return NO_EVENT
 
     def periodic_start(self, seq: Sequence) -> int:
@@ -149,6 +149,39 @@ class PagedPolicy:
 
     def take_copies(self) -> list[tuple[int, int]]:
         return self.manager.take_pending_copies() if self.manager.pending_copies else []
+
+    def beam_step(self, seqs: list[Sequence], counts: list[int], kv_len: int) -> list[Sequence]:
+        """Beam search's reshuffle before a step (the beams hold ``kv_len - 1`` tokens): beam ``i`` is continued by
+        ``counts[i]`` of the next beams; one continued by none is released, one continued ``c > 1`` times is forked
+        ``c - 1`` times into the released beams' sequences (sharing every block; a shared partly filled block is
+        copied on write when they append). Returns the beams in their new rank order, each parent followed by its
+        forks."""
+        released = [seq for seq, count in zip(seqs, counts) if count == 0]
+        ranked = []
+        for seq, count in zip(seqs, counts):
+            if count:
+                ranked.append(seq)
+                for _ in range(count - 1):
+                    child = released.pop()
+                    self._refork(seq, child)
+                    ranked.append(child)
+        return ranked
+
+    def _refork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` drops its blocks and becomes a fork of ``parent``."""
+        self._forget(child)
+        self._op("release_sequence", child.seq_id, 0)
+        self._op("fork_sequence", parent.seq_id, child.seq_id)
+        child.synced_len = parent.synced_len
+        blocks = len(self.manager.sequences[child.seq_id].block_table)
+        self.table_blocks += blocks
+        self._track_shared_partial([child] if parent.shared_block >= 0 else [parent, child])
+        self._count_final_block(child, blocks)
+
+    def table_slots(self) -> int:
+        """Token slots of every sequence's block table, a shared block counted once per holder (what the same
+        sequences would hold without sharing)."""
+        return self.table_blocks * self.block_size
 
     # ---- swapping -------------------------------------------------------------------------------------------------
     def can_swap_out(self, seqs: list[Sequence], kv_lens: list[int]) -> bool:

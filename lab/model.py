@@ -19,6 +19,7 @@ PRESETS = {
     "tiny": (4, 128, 4, 2, 32, 256, 1024, True),
     "tiny-hd64": (2, 256, 4, 2, 64, 512, 1024, True),  # the smallest shape the CuPy attention kernel takes
     "qwen3-0.6b-random": (28, 1024, 16, 8, 128, 3072, 151936, True),
+    "qwen3-0.6b-random-4l": (4, 1024, 16, 8, 128, 3072, 151936, True),  # its shapes, 4 of 28 layers (CPU benches)
     "qwen3-1.7b-random": (28, 2048, 16, 8, 128, 6144, 151936, True),
     "qwen3-4b-random": (36, 2560, 32, 8, 128, 9728, 151936, True),
     "qwen3-8b-random": (36, 4096, 32, 8, 128, 12288, 151936, False),

@@ -2,41 +2,79 @@
 
 ``profile_engine`` runs designed workloads through ``LLMEngine`` — single prefills of several lengths with and
 without a cached prefix, decode batches of several sizes x context lengths, chunked steps that mix the two, and
-copy-on-write of parallel samples — and records every step's plan features and measured duration. After warm-up,
-steps with identical features are repeats; their median is one sample. A non-negative least-squares fit of
-``duration = sum(coefficient x feature)`` gives the ``StepTimeModel``; its error is reported on held-out samples.
+copy-on-write of parallel samples — and records every step's plan quantities and measured duration. After
+warm-up, steps with identical quantities are repeats; their median is one sample. A non-negative least-squares fit of
+``duration = sum(coefficient x feature)`` (linear in the quantities, piecewise-linear in the decode batch size)
+gives the ``Profile``'s coefficients; its error is reported on held-out samples.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import statistics
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-FEATURES = ("constant", "prefill_seqs", "prefill_tokens", "decode_seqs", "prefill_attention_pairs",
-            "decode_kv_tokens", "copied_blocks")
-PROFILE_VERSION = 1
+QUANTITIES = ("constant", "prefill_seqs", "prefill_tokens", "decode_seqs", "prefill_attention_pairs",
+              "decode_kv_tokens", "decode_padded_kv_tokens", "copied_blocks")
+LINEAR = tuple(name for name in QUANTITIES if name != "decode_seqs")
+PROFILE_VERSION = 3
 
 
 class ProfileError(ValueError):
     """A profile file is malformed, or does not match the model or block size it is used with."""
 
 
-def step_features(out) -> list[float]:
-    """The features of one step's plan (``lab.scheduler.SchedulerOutput``), in ``FEATURES`` order."""
+def plan_quantities(out, block_size: int) -> list[float]:
+    """What the step-time model reads from one step's plan (``lab.scheduler.SchedulerOutput``), in ``QUANTITIES``
+    order. ``decode_padded_kv_tokens`` is the decode batch padded to its longest sequence's blocks: what a backend
+    that gathers a rectangular batch (the torch one) reads, while ``decode_kv_tokens`` is what a per-sequence kernel
+    reads."""
     copies = len(out.blocks_to_copy) + len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+    padded = out.num_decode_seqs * -(-out.decode_max_kv_len // block_size) * block_size
     return [1.0, float(len(out.prefill_chunks)), float(out.num_prefill_tokens), float(out.num_decode_seqs),
-            float(out.prefill_attention_pairs), float(out.decode_kv_tokens), float(copies)]
+            float(out.prefill_attention_pairs), float(out.decode_kv_tokens), float(padded), float(copies)]
+
+
+def feature_names(knots: list[int]) -> tuple[str, ...]:
+    """The model's features: the linear quantities, then one ``decode_seqs@k`` per knot of the decode batch."""
+    return LINEAR + tuple(f"decode_seqs@{k}" for k in knots)
+
+
+def design_row(quantities: list[float], knots: list[int]) -> list[float]:
+    """One row of the fit's design matrix. The decode batch enters piecewise-linearly (hat functions on the knots,
+    linear through the origin below the first and beyond the last): per-sequence work (the LM head, sampling) does
+    not cost the same per sequence at every batch size on real hardware (a CPU's BLAS changes kernels between
+    4 and 8 rows; a GPU fills its tiles), so a straight line through the batch sizes misses by 40 % at some."""
+    linear = quantities[:3] + quantities[4:]
+    batch, hats = quantities[3], [0.0] * len(knots)
+    if batch > 0:
+        if batch <= knots[0] or batch >= knots[-1]:
+            end = 0 if batch <= knots[0] else -1
+            hats[end] = batch / knots[end]
+        else:
+            upper = bisect.bisect_right(knots, batch)
+            low, high = knots[upper - 1], knots[upper]
+            hats[upper - 1], hats[upper] = (high - batch) / (high - low), (batch - low) / (high - low)
+    return linear + hats
+
+
+def decode_knots(samples: list[dict]) -> list[int]:
+    """The decode batch sizes measured in at least two samples (the grid's designed batches), or [1]."""
+    counts = Counter(int(s["quantities"][3]) for s in samples if s["quantities"][3] > 0)
+    return sorted(k for k, count in counts.items() if count >= 2) or [1]
 
 
 @dataclass(slots=True)
 class Profile:
-    """A fitted step-time model with where it was measured. ``samples`` are ``{"features": [...], "duration_s":
-    median, "repeats": n, "holdout": bool}``."""
+    """A fitted step-time model with where it was measured. ``samples`` are ``{"quantities": [...] (QUANTITIES
+    order), "duration_s": median, "repeats": n, "holdout": bool}``; ``coefficients`` are keyed by
+    ``feature_names(decode_knots)``."""
 
     model: str
     device: str
@@ -44,6 +82,7 @@ class Profile:
     block_size: int
     backend: str
     coefficients: dict[str, float]
+    decode_knots: list[int] = field(default_factory=lambda: [1])
     samples: list[dict] = field(default_factory=list)
     holdout_median_rel_error: float = math.nan
     holdout_max_rel_error: float = math.nan
@@ -51,8 +90,16 @@ class Profile:
 
     def step_time(self, out) -> float:
         """Predicted seconds of the step planned in ``out``."""
-        features = step_features(out)
-        return sum(self.coefficients[name] * value for name, value in zip(FEATURES, features))
+        return self.predictor()(out)
+
+    def predictor(self) -> Callable[[object], float]:
+        """``step_time`` with the coefficients laid out once (the simulator calls it every step)."""
+        knots, block_size = list(self.decode_knots), self.block_size
+        vector = [self.coefficients[name] for name in feature_names(knots)]
+
+        def step_time(out) -> float:
+            return sum(c * v for c, v in zip(vector, design_row(plan_quantities(out, block_size), knots)))
+        return step_time
 
     def check_matches(self, model: str | None = None, block_size: int | None = None) -> None:
         """Raise ``ProfileError`` when the profile was measured for another model or block size."""
@@ -82,28 +129,32 @@ class Profile:
         if data.get("version") != PROFILE_VERSION:
             raise ProfileError(f"{name}: profile version {data.get('version')!r}, this lab reads {PROFILE_VERSION}")
         for key, kind in (("model", str), ("device", str), ("dtype", str), ("backend", str), ("block_size", int),
-                          ("coefficients", dict), ("samples", list)):
+                          ("coefficients", dict), ("decode_knots", list), ("samples", list)):
             if not isinstance(data.get(key), kind) or isinstance(data.get(key), bool):
                 raise ProfileError(f"{name}: field {key!r} must be a {kind.__name__}, got {data.get(key)!r:.60}")
-        coefficients = data["coefficients"]
-        if set(coefficients) != set(FEATURES) or not all(
+        knots = data["decode_knots"]
+        if not knots or not all(type(k) is int and k >= 1 for k in knots) or knots != sorted(set(knots)):
+            raise ProfileError(f"{name}: decode_knots must be increasing integers >= 1, got {knots!r:.60}")
+        coefficients, names = data["coefficients"], feature_names(knots)
+        if set(coefficients) != set(names) or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
                 for v in coefficients.values()):
-            raise ProfileError(f"{name}: coefficients must be finite numbers >= 0 for exactly {', '.join(FEATURES)}")
+            raise ProfileError(f"{name}: coefficients must be finite numbers >= 0 for exactly {', '.join(names)}")
         if data["block_size"] < 1:
             raise ProfileError(f"{name}: block_size must be >= 1")
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
-def fit(samples: list[dict], holdout_fraction: float = 0.2, seed: int = 0) -> tuple[dict[str, float], float, float]:
-    """Non-negative least squares, each row weighted by 1 / sqrt(its duration) (short steps count, long steps,
-    which dominate a run's time, count more than under relative error); returns the
-    coefficients fitted on every sample and the median and max relative error on a held-out fraction (fitted
-    without it)."""
+def fit(samples: list[dict], knots: list[int], holdout_fraction: float = 0.2,
+        seed: int = 0) -> tuple[dict[str, float], float, float]:
+    """Non-negative least squares of ``duration = sum(coefficient x feature)`` on relative error (each row weighted
+    by 1 / its duration: a serving run is mostly short decode steps, and an absolute-error fit, led by the long
+    prefills, overestimates them by 10-20 % on a CPU, which the twin's TPOT shows); returns the coefficients fitted
+    on every sample and the median and max relative error on a held-out fraction (fitted without it)."""
     from scipy.optimize import nnls
 
-    features = np.array([s["features"] for s in samples], dtype=np.float64)
+    features = np.array([design_row(s["quantities"], knots) for s in samples], dtype=np.float64)
     durations = np.array([s["duration_s"] for s in samples], dtype=np.float64)
     rng = np.random.default_rng(seed)
     holdout = rng.random(len(samples)) < holdout_fraction
@@ -116,78 +167,109 @@ def fit(samples: list[dict], holdout_fraction: float = 0.2, seed: int = 0) -> tu
     def solve(rows):
         scale = features[rows].max(axis=0)
         scale[scale == 0] = 1.0
-        weights = 1.0 / np.sqrt(durations[rows])  # between relative (1/d) and absolute (1) error
+        weights = 1.0 / durations[rows]
         solution, _ = nnls(features[rows] / scale * weights[:, None], durations[rows] * weights)
         return solution / scale
 
     trained = solve(~holdout)
     errors = np.abs(features[holdout] @ trained - durations[holdout]) / durations[holdout]
     coefficients = solve(np.ones(len(samples), dtype=bool))
-    return dict(zip(FEATURES, map(float, coefficients))), float(np.median(errors)), float(errors.max())
+    return dict(zip(feature_names(knots), map(float, coefficients))), float(np.median(errors)), float(errors.max())
 
 
 # ---- measuring the engine -----------------------------------------------------------------------------------------
-def _scenarios(block_size: int, quick: bool) -> list[tuple[str, dict, list[tuple[int, int, int]]]]:
-    """(name, engine settings, requests as (prompt length, output tokens, samples n)); ``quick``: a small subset
-    (for tests)."""
-    if quick:
-        return [("decode 4x32", {}, [(32, 4, 1)] * 4), ("prefill 64", {}, [(64, 1, 1)]),
+GRIDS = ("full", "small", "quick")
+
+
+def _scenarios(block_size: int, grid: str) -> list[tuple[str, dict, list[tuple[int, int, int]]]]:
+    """(name, engine settings, requests as (prompt length, output tokens, samples n)). ``full``: the designed grid;
+    ``small``: fewer and shorter contexts, for models whose prefills take seconds on a CPU; ``quick``: a handful
+    (tests)."""
+    if grid == "quick":
+        return [("decode 4x32", {}, [(32, 4, 1)] * 4), ("decode 3x32 + 1x100", {}, [(32, 4, 1)] * 3 + [(100, 4, 1)]),
+                ("prefill 64", {}, [(64, 1, 1)]),
                 ("chunked", {"scheduling": "chunked", "max_num_batched_tokens": 48}, [(40, 4, 1)] * 2 + [(100, 2, 1)]),
                 ("forks", {}, [(block_size + 1, 3, 2)])]
-    decode = [(f"decode {batch}x{context}", {}, [(context, 6, 1)] * batch)
-              for batch in (1, 4, 16, 32, 64) for context in (32, 128, 384)]
-    prefill = [(f"prefill {length}", {}, [(length, 1, 1)]) for length in (16, 48, 128, 256, 512)]
-    prefill += [(f"prefill {count} x {length}", {}, [(length, 1, 1)] * count) for count in (8, 32)
-                for length in (32, 128)]
-    cached = [(f"prefill {length} after a cached prefix", {"cached_prefix": 256}, [(length, 1, 1)])
-              for length in (32, 128)]
+    small = grid == "small"
+    batches, contexts = ((1, 8, 32, 64), (32, 192)) if small else ((1, 4, 16, 32, 64), (32, 128, 384))
+    decode = [(f"decode {batch}x{context}", {}, [(context, 6, 1)] * batch) for batch in batches for context in contexts]
+    # one long sequence among short ones: separates the padded batch from the tokens actually read
+    mixed = ((32, 256),) if small else ((32, 384), (128, 512))
+    decode += [(f"decode {batch - 1}x{short} + 1x{long}", {}, [(short, 6, 1)] * (batch - 1) + [(long, 6, 1)])
+               for batch in ((8, 64) if small else (4, 16, 64)) for short, long in mixed]
+    lengths = (16, 64, 192, 384) if small else (16, 48, 128, 256, 512)
+    prefill = [(f"prefill {length}", {}, [(length, 1, 1)]) for length in lengths]
+    prefill += [(f"prefill {count} x {length}", {}, [(length, 1, 1)] * count)
+                for count in ((8,) if small else (8, 32)) for length in ((64,) if small else (32, 128))]
+    cached = [(f"prefill {length} after a cached prefix", {"cached_prefix": 128 if small else 256},
+               [(length, 1, 1)]) for length in (32, 128)]
     chunked = [(f"chunked {batch} decodes + prompt", {"scheduling": "chunked", "max_num_batched_tokens": 96},
-                [(64, 8, 1)] * batch + [(400, 2, 1)]) for batch in (4, 16)]
+                [(64, 8, 1)] * batch + [(400 if not small else 200, 2, 1)]) for batch in ((8,) if small else (4, 16))]
     forks = [("parallel samples (copy-on-write)", {}, [(block_size * 3 + 1, 5, 4)] * 2)]
     return decode + prefill + cached + chunked + forks
 
 
 def profile_engine(model="tiny", device: str | None = None, block_size: int = 16, backend: str = "auto",
-                   repeats: int = 3, seed: int = 0, quick: bool = False,
+                   repeats: int = 3, seed: int = 0, grid: str = "full",
                    progress: Callable[[int, int], None] | None = None) -> Profile:
-    """Measure the engine on the designed scenarios (each run once unmeasured to warm up, then ``repeats`` times)
-    and fit the step-time model."""
+    """Measure the engine on the designed scenarios and fit the step-time model. The model is loaded once; each
+    round runs every scenario on a fresh engine, round 0 unmeasured (warm-up), so a slow spell of a shared machine
+    lands on all scenarios alike instead of skewing a few (the fit would then bend around it)."""
     import torch
 
-    from .engine import EngineConfig, LLMEngine, SamplingParams
+    from .engine import EngineConfig
+    from .model import load_hf_model
 
-    scenarios = _scenarios(block_size, quick)
+    if grid not in GRIDS:
+        raise ProfileError(f"grid must be one of {', '.join(GRIDS)}, got {grid!r}")
+    scenarios = _scenarios(block_size, grid)
+    probe = EngineConfig(block_size=block_size, device=device, attention_backend=backend, seed=seed, num_blocks=1)
+    probe.check()
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = probe.dtype or (torch.bfloat16 if target.type == "cuda" else torch.float32)
+    hf_model, _ = load_hf_model(model, dtype, target, seed) if isinstance(model, str) else (model, None)
+    generators = [torch.Generator().manual_seed(seed + index) for index in range(len(scenarios))]
     groups: dict[tuple, list[float]] = {}
-    dtype = backend_name = device_name = ""
-    for index, (name, settings, requests) in enumerate(scenarios):
-        cached_prefix = settings.get("cached_prefix", 0)
-        config = EngineConfig(block_size=block_size, device=device, attention_backend=backend, seed=seed,
-                              max_num_seqs=64, **{k: v for k, v in settings.items() if k != "cached_prefix"})
-        engine = LLMEngine(model, config)
-        dtype, device_name = str(engine.runner.dtype), str(engine.device)
-        backend_name = engine.runner.attention_backend
-        vocab = engine.hf_model.config.vocab_size
-        generator = torch.Generator().manual_seed(seed + index)
-        for round_ in range(repeats + 1):  # round 0 warms this engine up
-            prefix = torch.randint(0, vocab, (cached_prefix,), generator=generator).tolist()
-            if cached_prefix:
-                engine.generate([prefix + [1]], SamplingParams(max_tokens=1, ignore_eos=True))
-            for length, outputs, n in requests:
-                prompt = prefix + torch.randint(0, vocab, (length,), generator=generator).tolist()
-                engine.add_request(prompt, SamplingParams(max_tokens=outputs, n=n, ignore_eos=True,
-                                                          temperature=0.8 if n > 1 else 0.0, seed=seed))
-            steps = 0
-            while engine.has_unfinished():
-                engine.step()
-                steps += 1
-                if round_:
-                    key = tuple(step_features(engine.last_plan))
-                    groups.setdefault(key, []).append(engine.last_step_stats().duration_s)
-        if progress is not None:
-            progress(index + 1, len(scenarios))
-    samples = [{"features": list(key), "duration_s": statistics.median(times), "repeats": len(times)}
+    engine = None
+    for round_ in range(repeats + 1):
+        for index, (_, settings, requests) in enumerate(scenarios):
+            engine = _run_scenario(hf_model, probe, settings, requests, generators[index], groups if round_ else None)
+            if progress is not None:
+                progress(round_ * len(scenarios) + index + 1, (repeats + 1) * len(scenarios))
+    samples = [{"quantities": list(key), "duration_s": statistics.median(times), "repeats": len(times)}
                for key, times in groups.items()]
-    coefficients, median_error, max_error = fit(samples, seed=seed)
-    return Profile(str(model), device_name, dtype, block_size, backend_name, coefficients, samples, median_error,
-                   max_error)
+    knots = decode_knots(samples)
+    coefficients, median_error, max_error = fit(samples, knots, seed=seed)
+    return Profile(str(model), str(engine.device), str(engine.runner.dtype), block_size,
+                   engine.runner.attention_backend, coefficients, knots, samples, median_error, max_error)
 
+
+def _run_scenario(hf_model, base, settings: dict, requests, generator, groups: dict | None):
+    """One scenario on a fresh engine sized to hold it (no preemption); each step's duration is appended to
+    ``groups`` under its features (``None``: a warm-up run)."""
+    import dataclasses
+
+    import torch
+
+    from .engine import LLMEngine, SamplingParams
+
+    cached_prefix = settings.get("cached_prefix", 0)
+    block_size = base.block_size
+    needed = sum(n * -(-(cached_prefix + length + outputs) // block_size) for length, outputs, n in requests)
+    config = dataclasses.replace(base, max_num_seqs=64, num_blocks=needed + 2 * cached_prefix // block_size + 8,
+                                 **{k: v for k, v in settings.items() if k != "cached_prefix"})
+    engine = LLMEngine(hf_model, config)
+    vocab = hf_model.config.vocab_size
+    prefix = torch.randint(0, vocab, (cached_prefix,), generator=generator).tolist()
+    if cached_prefix:
+        engine.generate([prefix + [1]], SamplingParams(max_tokens=1, ignore_eos=True))
+    for length, outputs, n in requests:
+        prompt = prefix + torch.randint(0, vocab, (length,), generator=generator).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=outputs, n=n, ignore_eos=True,
+                                                  temperature=0.8 if n > 1 else 0.0, seed=base.seed))
+    while engine.has_unfinished():
+        engine.step()
+        if groups is not None:
+            key = tuple(plan_quantities(engine.last_plan, block_size))
+            groups.setdefault(key, []).append(engine.last_step_stats().duration_s)
+    return engine

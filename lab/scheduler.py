@@ -18,8 +18,11 @@ the same.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Protocol
 
 SCHEDULING_MODES = ("prefill-first", "chunked")
@@ -95,11 +98,14 @@ class SequenceGroup:
     None when unknown; ``stream_key`` (when the token ids are None) says the stream's content is a function of
     (key, position) alone, which prefix caching can use without the tokens."""
 
-    __slots__ = ("request_id", "seqs", "token_ids", "stream_key", "data")
+    __slots__ = ("request_id", "seqs", "token_ids", "stream_key", "data", "beam")
 
-    def __init__(self, request_id, seqs: list[Sequence], token_ids=None, data=None, stream_key=None):
+    def __init__(self, request_id, seqs: list[Sequence], token_ids=None, data=None, stream_key=None, beam=None):
         self.request_id, self.seqs, self.token_ids, self.data = request_id, seqs, token_ids, data
         self.stream_key = stream_key
+        # A beam search (the simulator's): ``beam.parent_counts(num_beams)`` says, each decode step, how many of the
+        # next beams continue each live beam (in rank order); the sequences are the beams. None: independent samples.
+        self.beam = beam
 
 
 @dataclass(slots=True)
@@ -128,13 +134,14 @@ class SchedulerOutput:
     tuple, since most steps have none (a plain class, not a dataclass, because it is made every step)."""
 
     __slots__ = ("step", "num_prefill_tokens", "num_decode_seqs", "decode_seqs", "decode_kv_tokens",
-                 "prefill_attention_pairs", "cached_tokens_read", "prefill_chunks", "prefill_done",
+                 "decode_max_kv_len", "prefill_attention_pairs", "cached_tokens_read", "prefill_chunks", "prefill_done",
                  "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "preempted", "swapped_out",
                  "swapped_in", "finished")
 
     def __init__(self, step: int):
         self.step = step
         self.num_prefill_tokens = self.num_decode_seqs = self.decode_kv_tokens = self.cached_tokens_read = 0
+        self.decode_max_kv_len = 0
         self.prefill_attention_pairs = 0.0
         self.decode_seqs: list[Sequence] | None = None
         self.prefill_chunks = self.prefill_done = self.blocks_to_swap_out = self.blocks_to_swap_in = NOTHING
@@ -169,6 +176,9 @@ class StepStats:
     peak_memory_bytes: int = 0
 
 
+_step_log_row = attrgetter(*STEP_LOG_COLUMNS)
+
+
 class KVPolicy(Protocol):
     """Where sequences' KV lives: the paged block manager (``lab.kv_policy.PagedPolicy``) or a contiguous allocator
     (the simulator's baselines). One signature per operation; ``kv_len`` is the KV tokens the sequence holds."""
@@ -196,6 +206,7 @@ class KVPolicy(Protocol):
     def can_swap_in(self, seqs: list[Sequence], extra_blocks: int) -> bool: ...
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]: ...
     def take_copies(self) -> list[tuple[int, int]]: ...
+    def beam_step(self, seqs: list[Sequence], counts: list[int], kv_len: int) -> list[Sequence]: ...
     def first_decode_blocks(self, seqs: list[Sequence]) -> int: ...
 
 
@@ -219,8 +230,11 @@ class Scheduler:
         self.phase_buckets: list[dict] = [{} for _ in range(self.period)]  # step % period -> {seq_id: seq}
         self.periodic_ends: dict[int, list] = {}  # decode step -> [(seq, epoch)] getting their last block then
         self.len_offset = 0  # sum over running of (kv_len_base - step_base)
+        self.len_offset_heap: list[tuple] = []  # (-(kv_len_base - step_base), tie, epoch, seq); stale ones lazily
+        self._heap_ties = itertools.count()
         self.num_waiting_seqs = self.num_swapped_seqs = 0
         self.num_preemptions = self.num_swaps_out = 0
+        self.beam_groups: dict[SequenceGroup, None] = {}  # beam searches with beams decoding, in admission order
         self.step_log: list[tuple] | None = None
         self._output: SchedulerOutput | None = None
 
@@ -303,7 +317,7 @@ class Scheduler:
                           len(out.swapped_out), len(out.swapped_in), len(out.finished), duration_s, elapsed_s,
                           generated_tokens, self.policy.num_free_blocks(), peak_memory_bytes)
         if self.step_log is not None:
-            self.step_log.append(tuple(getattr(stats, c) for c in STEP_LOG_COLUMNS))
+            self.step_log.append(_step_log_row(stats))
         return stats
 
     def drop_unschedulable_head(self) -> SequenceGroup | None:
@@ -335,11 +349,26 @@ class Scheduler:
                 sync(seq, kv_len(seq))
         out.num_decode_seqs = len(self.running)
         out.decode_kv_tokens = self.len_offset + len(self.running) * self.step
+        out.decode_max_kv_len = self._max_len_offset() + self.step if self.running else 0
+
+    def _max_len_offset(self) -> int:
+        """max over running of (kv_len_base - step_base): the longest sequence's length is this plus ``step``
+        (backends that pad a decode batch to its longest sequence pay for it)."""
+        heap, running = self.len_offset_heap, self.running
+        while heap:
+            _, _, epoch, seq = heap[0]
+            if seq.epoch == epoch and running.get(seq.seq_id) is seq:
+                return -heap[0][0]
+            heapq.heappop(heap)
+        return 0
 
     def _reserve_decode_memory(self, out: SchedulerOutput) -> None:
         """Reserve this decode step's blocks and process its events, preempting the newest sequences until they
         all fit."""
         step = self.step
+        if self.beam_groups:
+            for group in list(self.beam_groups):
+                self._beam_step(group)
         if self.period:
             bucket = self.phase_buckets[step % self.period]
             if bucket and not self.policy.reserve(len(bucket)):
@@ -358,6 +387,17 @@ class Scheduler:
             kv_len = seq.kv_len_base + step - seq.step_base
             if self.policy.grow(seq, kv_len, False) or self._make_room(seq, kv_len, out):
                 self._schedule_memory_event(seq)
+
+    def _beam_step(self, group: SequenceGroup) -> None:
+        """Before this step's tokens: the beams that no candidate continues die, the others are continued once or
+        forked (``KVPolicy.beam_step``); the group's beams are re-ranked parents first, each followed by its forks."""
+        running = self.running
+        live = [seq for seq in group.seqs if running.get(seq.seq_id) is seq]
+        if not live:
+            del self.beam_groups[group]
+            return
+        ranked = self.policy.beam_step(live, group.beam.parent_counts(len(live)), self.kv_len(live[0]))
+        group.seqs[:] = ranked + [seq for seq in group.seqs if running.get(seq.seq_id) is not seq]
 
     def _reserve_one_by_one(self, bucket: dict, out: SchedulerOutput) -> None:
         """Not every sequence of this phase gets its block: reserve in admission order, preempting the newest."""
@@ -415,8 +455,12 @@ class Scheduler:
         self.policy.preempt(victim, kv_len)
         victim.prompt_len, victim.num_computed, victim.status = kv_len + 1, 0, "waiting"
         out.preempted = [*out.preempted, victim]
-        self.waiting.appendleft(SequenceGroup(victim.group.request_id, [victim], victim.group.token_ids,
-                                              victim.group.data, victim.group.stream_key))
+        alone = SequenceGroup(victim.group.request_id, [victim], victim.group.token_ids, victim.group.data,
+                              victim.group.stream_key)
+        if victim.group.beam is not None:  # a recomputed beam falls behind its beam search: it ends on its own
+            victim.group.seqs.remove(victim)
+            victim.group = alone
+        self.waiting.appendleft(alone)
         self.num_waiting_seqs += 1
 
     def _swap_in(self, out: SchedulerOutput) -> None:
@@ -504,8 +548,16 @@ class Scheduler:
 
     # ---- bookkeeping --------------------------------------------------------------------------------------------
     def _enter_running(self, seq: Sequence) -> None:
+        if seq.group.beam is not None:
+            self.beam_groups[seq.group] = None
         self.running[seq.seq_id] = seq
         self.len_offset += seq.kv_len_base - seq.step_base
+        heap = self.len_offset_heap
+        heapq.heappush(heap, (seq.step_base - seq.kv_len_base, next(self._heap_ties), seq.epoch, seq))
+        if len(heap) > 2 * len(self.running) + 64:  # stale entries buried below live ones: drop them (amortized O(1))
+            running = self.running
+            heap[:] = [e for e in heap if e[3].epoch == e[2] and running.get(e[3].seq_id) is e[3]]
+            heapq.heapify(heap)
 
     def _leave_running(self, seq: Sequence, kv_len: int, release: bool = True) -> None:
         """Take ``seq`` off the running set; ``release`` frees its memory (else the caller preempts or swaps it, so

@@ -32,7 +32,7 @@ def record_simulation(on_frame):
     frames = []
 
     def on_snapshot(snapshot):
-        frames.append((snapshot.iteration, snapshot.pool))
+        frames.append((snapshot.stats.step, snapshot.pool))
         on_frame(frames[-1])
 
     simulator.simulate(workload, config, on_snapshot=on_snapshot, snapshot_every=every)

@@ -27,6 +27,9 @@ with st.sidebar:
     rate = st.slider("Arrival rate (req/s; 0 = all at t=0)", 0.0, 200.0, 20.0, disabled=figure2)
     burstiness = st.slider("Burstiness (gamma shape; 1 = Poisson)", 0.1, 4.0, 1.0, disabled=figure2)
     n = st.slider("Parallel samples n", 1, 8, 1, disabled=figure2)
+    beam_width = st.slider("Beam width (beam search; 1 = off)", 1, 8, 1, disabled=figure2,
+                           help="Beams share blocks and fork or die each step (a seeded survival model); "
+                                "not together with n > 1")
     shared_prefix = st.slider("Shared system-prompt tokens", 0, 1024, 0, step=16, disabled=figure2)
     model = st.selectbox("Model", list(simulator.MODELS), index=list(simulator.MODELS).index("qwen3-8b"),
                          disabled=figure2)
@@ -61,7 +64,8 @@ def build_inputs():
         workload = simulator.load_trace_bytes(upload.getvalue(), upload.name, time_scale, int(num_requests))
     elif source == "synthetic":
         workload = cached_workload(preset, num_requests=int(num_requests), rate=rate or math.inf,
-                                           burstiness=burstiness, n=n, shared_prefix_tokens=shared_prefix,
+                                           burstiness=burstiness, n=n, beam_width=beam_width,
+                                           shared_prefix_tokens=shared_prefix,
                                            max_model_len=max_model_len)
     else:
         raise ValueError("upload a trace file first (or switch to a synthetic workload)")
@@ -77,7 +81,7 @@ def build_inputs():
 
 
 key = repr((figure2, source, upload.file_id if upload else None, locals().get("preset"), num_requests, rate,
-            burstiness, n, shared_prefix, model, gpu, capacity, utilization, max_model_len, allocators, block_sizes,
+            burstiness, n, beam_width, shared_prefix, model, gpu, capacity, utilization, max_model_len, allocators, block_sizes,
             address_space, scheduling, preemption, memory_gib, bandwidth_tbs, peak_tflops, dtype_bytes))
 if st.session_state.get("stop_sim"):  # the Stop button interrupted the last run
     st.session_state["sim_stopped_key"] = key
@@ -117,14 +121,14 @@ for tab, (label, frame) in zip(tabs, series.items()):
         chart(charts.waste_areas(frame, f"{label}: KV breakdown over time"), f"areas_{label}")
 left, right = st.columns(2)
 with left:
-    chart(charts.over_time(series, "running", "Batch size (running sequences)"), "batch_over_time")
+    chart(charts.over_time(series, "num_running", "Batch size (running sequences)"), "batch_over_time")
 with right:
     chart(charts.over_time(series, "generated_tokens", "Throughput (output tokens/s)", per_second=True),
           "throughput_over_time")
 chart(charts.latency_percentiles(summary), "latency_percentiles")
 st.subheader("Summary")
 shown = ["label", "token_states_frac", "reserved_frac", "internal_frag_frac", "external_frag_frac", "free_frac",
-         "mean_batch_size", "peak_batch_size", "throughput_tok_s", "ttft_p50_s", "tpot_p50_s", "preemptions",
+         "sharing_saving_frac", "mean_batch_size", "peak_batch_size", "throughput_tok_s", "ttft_p50_s", "tpot_p50_s", "preemptions",
          "num_requests_completed", "num_requests_rejected", "capacity_tokens"]
 st.dataframe(summary[[c for c in shown if c in summary] + [c for c in ("paper_token_states_frac",) if c in summary]],
              hide_index=True)

@@ -5,7 +5,7 @@ import streamlit as st
 
 import simulator
 from lab.engine import EngineConfig
-from lab.profile import Profile, profile_engine
+from lab.profile import GRIDS, Profile, profile_engine
 from simulator import charts
 from simulator.twin import TwinConfig, run_twin
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
@@ -17,7 +17,8 @@ st.caption("Measure the real engine once (a profile of its step times), then run
 with st.sidebar:
     model = st.text_input("Model (preset or local checkpoint directory)", "tiny")
     block_size = st.select_slider("Block size", [1, 2, 4, 8, 16, 32], 16)
-    quick = st.toggle("Quick calibration (fewer scenarios)", key="quick_profile")
+    grid = st.radio("Calibration grid", GRIDS, horizontal=True, key="profile_grid",
+                    help="full: the designed grid; small: for models whose prefills take seconds; quick: a handful")
     upload = st.file_uploader("…or load a profile (JSON from `python -m lab profile`)", type=["json"])
     st.divider()
     num_requests = st.number_input("Requests", 1, 2000, 48)
@@ -38,7 +39,7 @@ if upload is not None:
 if st.button("Calibrate on this machine", key="calibrate"):
     bar = st.progress(0.0, "profiling the engine…")
     try:
-        st.session_state["twin_profile"] = profile_engine(model, block_size=block_size, quick=quick, progress=lambda
+        st.session_state["twin_profile"] = profile_engine(model, block_size=block_size, grid=grid, progress=lambda
                                                           done, total: bar.progress(done / total, f"scenario {done}"
                                                                                     f" of {total}"))
     except USER_ERRORS as exc:

@@ -32,7 +32,7 @@ def waste_areas(timeseries: pd.DataFrame, title: str) -> go.Figure:
     """Stacked areas of the breakdown over time for one run."""
     figure = go.Figure()
     for name in CATEGORIES:
-        figure.add_scatter(x=timeseries["time_s"], y=timeseries[f"{name}_frac"] * 100, name=name, mode="lines",
+        figure.add_scatter(x=timeseries["elapsed_s"], y=timeseries[f"{name}_frac"] * 100, name=name, mode="lines",
                            stackgroup="kv", line=dict(width=0.5, color=COLOURS[name]))
     figure.update_layout(title=title, xaxis_title="simulated s", yaxis_title="% of KV", height=340,
                          yaxis_range=[0, 100])
@@ -43,10 +43,10 @@ def over_time(timeseries: dict[str, pd.DataFrame], column: str, title: str, per_
     """One line per run of ``column`` (or its rate per simulated second) over time."""
     frames = []
     for label, frame in timeseries.items():
-        values = frame[column].diff() / frame["time_s"].diff() if per_second else frame[column]
-        frames.append(pd.DataFrame({"time_s": frame["time_s"], "value": values, "run": label}))
-    data = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["time_s", "value", "run"])
-    figure = px.line(data, x="time_s", y="value", color="run", title=title, labels={"time_s": "simulated s"})
+        values = frame[column].diff() / frame["elapsed_s"].diff() if per_second else frame[column]
+        frames.append(pd.DataFrame({"elapsed_s": frame["elapsed_s"], "value": values, "run": label}))
+    data = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["elapsed_s", "value", "run"])
+    figure = px.line(data, x="elapsed_s", y="value", color="run", title=title, labels={"elapsed_s": "simulated s"})
     return figure.update_layout(height=320)
 
 

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--burstiness", type=float, default=1.0)
     p.add_argument("--num-requests", type=positive_int, default=None, help="synthetic count, or max rows of a trace")
     p.add_argument("--n", type=positive_int, default=1, help="parallel samples per request (synthetic)")
+    p.add_argument("--beam-width", type=positive_int, default=1,
+                   help="beam search of this width per request (synthetic; a seeded survival model)")
     p.add_argument("--shared-prefix", type=non_negative_int, default=0,
                    help="system-prompt tokens shared by all (synthetic)")
     p.add_argument("--time-scale", type=positive_float, default=1.0, help="multiply trace arrival offsets by this")
@@ -79,6 +81,7 @@ def _workload(args):
     if args.workload in SYNTHETIC_PRESETS:
         return synthetic_workload(SyntheticSpec(preset=args.workload, num_requests=args.num_requests or 1000,
                                                 rate=args.rate, burstiness=args.burstiness, n=args.n,
+                                                beam_width=args.beam_width,
                                                 shared_prefix_tokens=args.shared_prefix,
                                                 max_model_len=args.max_model_len, seed=args.seed))
     return load_trace(args.workload, time_scale=args.time_scale, max_rows=args.num_requests)

@@ -20,10 +20,11 @@ from lab.checks import check_bool, check_choice, check_int, check_real
 from lab.kv_policy import PagedPolicy
 from lab.profile import Profile
 from lab.scheduler import (PREEMPTION_MODES, SCHEDULING_MODES, RequestRejectedError, Scheduler,
-                           SchedulerConfig, Sequence, SequenceGroup)
+                           SchedulerConfig, Sequence, SequenceGroup, StepStats)
 
 from .allocators import ADDRESS_SPACES, ALLOCATORS, ContiguousPolicy
-from .metrics import MetricsRecorder, latency_summary
+from .beams import BeamSurvival
+from .metrics import COLUMNS, MetricsRecorder, latency_summary, row
 from .models import CostModel, GiB, get_gpu, get_model, kv_capacity_tokens, override
 from .workloads import Workload
 
@@ -65,6 +66,7 @@ class SimConfig:
     gpu_overrides: dict = field(default_factory=dict)
     replicas: int = 1  # copies of this configuration behind a request router (simulator.cluster)
     router: str = "round-robin"  # round-robin | least-loaded (fewest outstanding requests) | random
+    seed: int = 0  # seeds the beam-survival model (simulator.beams)
 
 
 @dataclass(slots=True)
@@ -86,7 +88,8 @@ class Snapshot:
 
     iteration: int
     time_s: float
-    metrics: dict
+    metrics: dict  # the timeseries row (simulator.metrics.COLUMNS) of this step
+    stats: StepStats | None = None  # the step's record, as the engine emits it
     pool: object = None  # paged: lab.block_manager.PoolSnapshot (owners, ref counts, block tables)
     free_regions: list[tuple[int, int]] | None = None  # contiguous: (start, size) holes
     regions: dict | None = None  # contiguous: sequence id -> (start, size)
@@ -150,6 +153,7 @@ def check_config(config: SimConfig) -> None:
     check_int(owner, "num_cpu_blocks", config.num_cpu_blocks, 0, MAX_BLOCKS)
     check_int(owner, "replicas", config.replicas, 1, 4096)
     check_int(owner, "tp", config.tp, 1, 64)
+    check_int(owner, "seed", config.seed, 0, 2**63 - 1)
     check_choice(owner, "router", config.router, ROUTERS)
     check_int(owner, "capacity_tokens", config.capacity_tokens, 1, MAX_CAPACITY_TOKENS, optional=True)
     for name in ("enable_prefix_caching", "record_steps"):
@@ -199,9 +203,14 @@ class Simulator:
         check_config(config)
         if len(workload) == 0:
             raise ValueError("the workload has no requests")
+        check_int("Workload", "beam_width", workload.beam_width, 1, 256)
+        if workload.beam_width > 1 and (workload.n > 1 or workload.sample_output_tokens is not None):
+            raise ValueError(f"Workload: beam_width={workload.beam_width} with n={workload.n} samples: a request "
+                             f"samples or beam-searches, not both")
         self.workload, self.config = workload, config
         self.capacity_tokens, self.cost = resolve_capacity(config)
         self.profile = load_profile(config)
+        self.profile_step_time = self.profile.predictor() if self.profile is not None else None
         self.policy = build_policy(config, self.capacity_tokens)
         self.policy_is_paged = isinstance(self.policy, PagedPolicy)
         self.scheduler = Scheduler(scheduler_config(config), self.policy)
@@ -315,6 +324,8 @@ class Simulator:
             group = SequenceGroup(request, [], self._token_ids)
         else:  # content unique to the request: prefix caching by stream position, no token lists
             group = SequenceGroup(request, [], stream_key=request)
+        if self.workload.beam_width > 1:
+            group.beam = BeamSurvival(self.config.seed, request)
         for sample, output in enumerate(outputs):
             group.seqs.append(Sequence(self.next_seq_id, group, sample, prompt, prompt + output - 1))
             self.next_seq_id += 1
@@ -341,7 +352,7 @@ class Simulator:
             return
         self.iteration += 1
         if self.profile is not None:  # measured on the engine: copies and swaps are among its features
-            duration = self.profile.step_time(out)
+            duration = self.profile_step_time(out)
             self.swapped_blocks += len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
         else:
             duration = self.cost.iteration_time(out.num_prefill_tokens + out.num_decode_seqs,
@@ -359,16 +370,23 @@ class Simulator:
         if out.swapped_in:
             for seq in out.swapped_in:
                 self._schedule_done(seq)
-        self.metrics.accumulate(self, duration)
+        values = self.policy.categories(scheduler.held_tokens())
+        self.metrics.accumulate(values, self.policy.table_slots(), len(scheduler.running), duration)
         self.time = end
         if scheduler.step != step_before:
             running = scheduler.running
             for seq, epoch in self.done_calendar.pop(scheduler.step, ()):
                 if seq.epoch == epoch and running.get(seq.seq_id) is seq:
                     self._finish(seq)
-        scheduler.end_step(duration, self.time, self.generated_tokens, want_stats=False)
-        if self.iteration % self.snapshot_every == 0 and self.on_snapshot is not None:
-            self.stopped = self.on_snapshot(self.snapshot()) is False
+        row_due = self.metrics.due(self.iteration)
+        snapshot_due = self.on_snapshot is not None and self.iteration % self.snapshot_every == 0
+        stats = scheduler.end_step(duration, self.time, self.generated_tokens, want_stats=row_due or snapshot_due)
+        if row_due:
+            if stats.num_finished:  # finishing freed memory after ``values`` was taken
+                values = self.policy.categories(scheduler.held_tokens())
+            self.metrics.record(stats, values, self.num_preemptions, self._prefix_cache_hits())
+        if snapshot_due:
+            self.stopped = self.on_snapshot(self.snapshot(stats)) is False
 
     def _start_decoding(self, seq: Sequence, first_token_time: float) -> None:
         """Prefill done: its first token is out at the end of this iteration."""
@@ -392,6 +410,9 @@ class Simulator:
             self.finish_time[request] = self.time if when is None else when
             self.num_finished += 1
 
+    def _prefix_cache_hits(self) -> int:
+        return self.policy.manager.prefix_cache_stats.hit_blocks if self.policy_is_paged else 0
+
     def _pending_copy_time(self) -> float:
         copied = self.policy.copied_tokens
         new = copied - self.copied_tokens
@@ -406,9 +427,13 @@ class Simulator:
         return self.cost.swap_time(blocks, self.config.block_size)
 
     # ---- observation -----------------------------------------------------------------------------------------
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, stats: StepStats) -> Snapshot:
+        """The state after the step ``stats`` describes (with the pool when ``snapshot_pool``)."""
         done = self.num_finished + self.num_rejected
-        snap = Snapshot(self.iteration, self.time, self.metrics.current(self), progress=done / max(1, len(self.owned)))
+        values = self.policy.categories(self.scheduler.held_tokens())
+        snap = Snapshot(self.iteration, self.time, dict(zip(COLUMNS, row(stats, values, self.num_preemptions,
+                                                                          self._prefix_cache_hits()))),
+                        stats, progress=done / max(1, len(self.owned)))
         if not self.snapshot_pool:
             return snap
         if self.policy_is_paged:

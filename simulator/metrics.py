@@ -8,20 +8,29 @@ free blocks).
 """
 from __future__ import annotations
 
+from dataclasses import fields
+from operator import attrgetter
+
 import numpy as np
 import pandas as pd
 
+from lab.scheduler import StepStats
+
 CATEGORIES = ("token_states", "reserved", "internal_fragmentation", "external_fragmentation", "free")
-COLUMNS = ("iteration", "time_s", *CATEGORIES, "running", "waiting", "blocks_in_use", "preemptions",
-           "generated_tokens", "prefix_cache_hits", "batch_tokens")
+# A timeseries row is the step's ``StepStats`` (what the engine reports too), then the memory categories and the
+# running totals of preemptions and prefix-cache hits.
+STEP_FIELDS = tuple(f.name for f in fields(StepStats))
+COLUMNS = (*STEP_FIELDS, *CATEGORIES, "preemptions", "prefix_cache_hits")
+_step_fields = attrgetter(*STEP_FIELDS)
 SUMMARY_FRACTIONS = {"token_states": "token_states_frac", "reserved": "reserved_frac",
                      "internal_fragmentation": "internal_frag_frac", "external_fragmentation": "external_frag_frac",
                      "free": "free_frac"}
 
 
 class MetricsRecorder:
-    """Accumulates time-weighted category totals every iteration and keeps at most ``2 * max_points`` timeseries
-    rows, halving them (every other row) and doubling the stride when full."""
+    """Accumulates time-weighted category totals every iteration (``accumulate``) and keeps at most
+    ``2 * max_points`` timeseries rows (``record`` when ``due``), halving them (every other row) and doubling the
+    stride when full."""
 
     def __init__(self, capacity: int, max_points: int):
         self.capacity = capacity
@@ -33,40 +42,37 @@ class MetricsRecorder:
         self.batch_time = 0.0
         self.peak_batch = 0
         self.peak_allocated = 0
+        self.allocated_time = self.unshared_time = 0.0
 
-    def accumulate(self, sim, duration: float) -> None:
-        """Weight the current state by the iteration's duration; record a timeseries row every ``stride``."""
-        values = sim.policy.categories(sim.held_tokens())
+    def accumulate(self, values: tuple, table_slots: int, batch: int, duration: float) -> None:
+        """Weight the categories ``values``, the slots the sequences would hold without sharing (``table_slots``)
+        and the decode batch size held during an iteration by its duration."""
         weighted = self.weighted
         weighted[0] += values[0] * duration
         weighted[1] += values[1] * duration
         weighted[2] += values[2] * duration
         weighted[3] += values[3] * duration
         weighted[4] += values[4] * duration
-        batch = len(sim.running)
         self.total_time += duration
         self.batch_time += batch * duration
         if batch > self.peak_batch:
             self.peak_batch = batch
         allocated = self.capacity - values[3] - values[4]
+        self.allocated_time += allocated * duration
+        self.unshared_time += table_slots * duration
         if allocated > self.peak_allocated:
             self.peak_allocated = allocated
-        if sim.iteration % self.stride == 0:
-            self.rows.append(self._row(sim, values))
-            if len(self.rows) >= 2 * self.max_points:
-                self.rows = self.rows[::2]
-                self.stride *= 2
 
-    def _row(self, sim, values) -> tuple:
-        policy, paged = sim.policy, sim.policy_is_paged
-        blocks = policy.manager.num_used_blocks if paged else np.nan
-        hits = policy.manager.prefix_cache_stats.hit_blocks if paged else 0
-        return (sim.iteration, sim.time, *values, len(sim.running), sim.scheduler.num_waiting_seqs, blocks,
-                sim.num_preemptions, sim.generated_tokens, hits, len(sim.running) + len(sim.prefilling))
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` gets a timeseries row."""
+        return step % self.stride == 0
 
-    def current(self, sim) -> dict:
-        """The latest state as a dict of ``COLUMNS``."""
-        return dict(zip(COLUMNS, self._row(sim, sim.policy.categories(sim.held_tokens()))))
+    def record(self, stats: StepStats, values: tuple, preemptions: int, prefix_cache_hits: int) -> None:
+        """Append the row of a step (its ``StepStats`` and the categories after it)."""
+        self.rows.append(row(stats, values, preemptions, prefix_cache_hits))
+        if len(self.rows) >= 2 * self.max_points:
+            self.rows = self.rows[::2]
+            self.stride *= 2
 
     def summary(self) -> dict:
         """Time-weighted mean fraction of capacity of each category, mean and peak batch size."""
@@ -75,29 +81,38 @@ class MetricsRecorder:
         if self.total_time == 0:  # nothing ever ran (e.g. every request rejected): the pool stayed free
             out["free_frac"] = 1.0
         out.update(mean_batch_size=self.batch_time / total, peak_batch_size=self.peak_batch,
-                   peak_allocated_frac=self.peak_allocated / self.capacity)
+                   peak_allocated_frac=self.peak_allocated / self.capacity,
+                   sharing_saving_frac=1 - self.allocated_time / self.unshared_time if self.unshared_time else 0.0)
         return out
 
     def timeseries(self) -> pd.DataFrame:
-        frame = pd.DataFrame(self.rows, columns=list(COLUMNS))
+        """The kept rows (``COLUMNS``) and each category's fraction of the capacity (``<category>_frac``)."""
+        if not self.rows:
+            return pd.DataFrame(columns=[*COLUMNS, *(f"{name}_frac" for name in CATEGORIES)])
+        columns = dict(zip(COLUMNS, map(np.array, zip(*self.rows))))
         for name in CATEGORIES:
-            frame[f"{name}_frac"] = frame[name] / self.capacity
-        return frame
+            columns[f"{name}_frac"] = columns[name] / self.capacity
+        return pd.DataFrame(columns)
+
+
+def row(stats: StepStats, values: tuple, preemptions: int, prefix_cache_hits: int) -> tuple:
+    """A timeseries row (``COLUMNS``)."""
+    return (*_step_fields(stats), *values, preemptions, prefix_cache_hits)
 
 
 def latency_summary(requests: pd.DataFrame, n: int = 1) -> dict:
     """TTFT, TPOT and end-to-end latency p50/p90/p99 (seconds) over completed requests, and the normalized
     latency (mean seconds per output token)."""
-    done = requests[requests["finish_s"].notna()]
-    ttft = (done["first_token_s"] - done["arrival_s"]).to_numpy()
-    e2e = (done["finish_s"] - done["arrival_s"]).to_numpy()
-    steps = np.maximum(done["output_tokens"].to_numpy() - 1, 1)
-    tpot = (done["finish_s"] - done["first_token_s"]).to_numpy() / steps
+    arrival, first, finish, outputs = (requests[c].to_numpy(dtype=np.float64)
+                                       for c in ("arrival_s", "first_token_s", "finish_s", "output_tokens"))
+    done = ~np.isnan(finish)
+    arrival, first, finish, outputs = arrival[done], first[done], finish[done], outputs[done]
+    e2e = finish - arrival
     out = {}
-    for name, values in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
-        for q in (50, 90, 99):
-            out[f"{name}_p{q}_s"] = float(np.percentile(values, q)) if len(values) else np.nan
+    for name, values in (("ttft", first - arrival), ("tpot", (finish - first) / np.maximum(outputs - 1, 1)),
+                         ("e2e", e2e)):
+        quantiles = np.percentile(values, (50, 90, 99)) if len(values) else (np.nan,) * 3
+        out.update({f"{name}_p{q}_s": float(v) for q, v in zip((50, 90, 99), quantiles)})
     # the vLLM paper's normalized latency: mean over requests of end-to-end latency / output tokens
-    out["normalized_latency_s"] = float(np.mean(e2e / np.maximum(done["output_tokens"].to_numpy(), 1))) \
-        if len(e2e) else np.nan
+    out["normalized_latency_s"] = float(np.mean(e2e / np.maximum(outputs, 1))) if len(e2e) else np.nan
     return out

@@ -1,14 +1,16 @@
 """The vLLM paper (Kwon et al., SOSP 2023) reproduced figure by figure: the simulator's numbers beside the paper's,
 with a verdict per quantity. ``python -m simulator paper --figure 2|13|18|19|all --out DIR``.
 
-Beam search's memory sharing is measured on the engine (tiny scale) and simulated with a seeded beam-survival model
-on the block manager (``simulated_beam_saving``). Verdicts: *reproduced* within 25 % of the paper's value (or the paper's claim holds), *partly* when
-the ordering or trend holds but the values do not, *not* otherwise.
+Beam search's memory sharing is measured on the engine (tiny scale) and simulated with the seeded beam-survival
+model of ``simulator.beams`` (a workload's ``beam_width``); Figures 18 and 19 also run on the tiny engine beside the
+simulator on its profile. Verdicts: *reproduced* within 25 % of the paper's value (or the paper's claim holds),
+*partly* when the ordering or trend holds but the values do not, *not* otherwise.
 """
 from __future__ import annotations
 
-import itertools
 import math
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,7 @@ from .engine import Simulator
 from .plan import RateSearch, search_max_rate
 from .presets import PAPER_FIGURE2_TOKEN_STATES, PAPER_MEMORY, PAPER_SETUPS, figure2_experiment, paper_config
 from .sweep import WORKLOAD_DEFAULTS, run_one
-from .workloads import SyntheticSpec, synthetic_workload
+from .workloads import SyntheticSpec, Workload, synthetic_workload
 
 BASELINES = {"contiguous-max": "Orca (Max)", "contiguous-pow2": "Orca (Pow2)", "contiguous-oracle": "Orca (Oracle)",
              "paged": "vLLM"}
@@ -90,24 +92,16 @@ FIGURE15_PAPER = {"alpaca": {2: 0.061, 4: 0.085, 6: 0.098}, "sharegpt": {2: 0.16
 
 
 def figure15(num_requests: int = 1000) -> tuple[pd.DataFrame, list[dict]]:
-    """Memory saved by sharing prompt blocks between parallel samples (OPT-13B): the time-weighted blocks in use
-    with n samples forking one prompt vs n independent copies of the request. (Beam search is not modelled yet;
-    ShareGPT's paper figures for n = 4 are read off the 16.2-30.5 % range.)"""
+    """Memory saved by sharing blocks (OPT-13B, B = 16): 1 - blocks in use / blocks the same sequences' tables
+    would hold as separate copies, time-weighted over the run (``sharing_saving_frac``). Parallel sampling shares
+    the prompt; beam search (``SyntheticSpec.beam_width``, the seeded survival model of ``simulator.beams``) also
+    shares the beams' common history. At tiny scale the real engine's ``beam_search`` is measured beside the
+    simulator on the same lengths. (ShareGPT's paper figures for n = 4 are read off the 16.2-30.5 % range.)"""
     rows, summary = [], []
     for preset in ("alpaca", "sharegpt"):
         for n in (2, 4, 6):
-            spec = SyntheticSpec(preset=preset, num_requests=num_requests, rate=FIGURE13_RATES[preset] / n,
-                                 max_model_len=2048, n=n)
-            shared = synthetic_workload(spec)
-            copies = shared.subset(np.repeat(np.arange(len(shared)), n))
-            copies.output_tokens = shared.sample_output_tokens.reshape(-1)
-            copies.n, copies.sample_output_tokens = 1, None
-            config = paper_config("opt-13b", block_size=16, capacity_tokens=10**7, enable_prefix_caching=False)
-            used = [Simulator(w, config).run().timeseries for w in (shared, copies)]
-            means = [np.average(t["blocks_in_use"], weights=np.gradient(t["time_s"])) for t in used]
-            saving = 1 - means[0] / means[1]
-            rows.append({"workload": preset, "n": n, "blocks_shared": means[0], "blocks_copies": means[1],
-                         "saving": saving, "paper_saving": FIGURE15_PAPER[preset][n]})
+            saving = _sharing_saving(preset, num_requests, n=n)
+            rows.append({"workload": preset, "n": n, "saving": saving, "paper_saving": FIGURE15_PAPER[preset][n]})
             grows = len(rows) < 2 or rows[-2]["workload"] != preset or saving > rows[-2]["saving"]
             verdict = _verdict(saving, FIGURE15_PAPER[preset][n])
             summary.append({"figure": "15", "quantity": f"memory saving, parallel sampling n={n}, {preset}",
@@ -118,44 +112,16 @@ def figure15(num_requests: int = 1000) -> tuple[pd.DataFrame, list[dict]]:
 
 
 FIGURE15_BEAM_PAPER = {"alpaca": {2: 0.376, 4: 0.531, 6: 0.552}, "sharegpt": {2: 0.443, 6: 0.663}}
-BEAM_PARENT_DECAY = 0.5  # the seeded survival model: the next beams' parents drawn with P(rank r) ~ 0.5 ** r
 
 
-def simulated_beam_saving(prompt_lens, output_lens, width: int, block_size: int = 16, seed: int = 0) -> float:
-    """Memory saved by beams sharing blocks, on the engine's ``KVBlockManager`` with a seeded survival model: each
-    step the ``width`` next beams pick their parents among the live beams with probability ~ ``0.5 ** rank``
-    (better beams spawn more; a beam no child picks dies and is released, one picked twice is forked)."""
-    from lab.block_manager import KVBlockManager
-
-    rng = np.random.default_rng(seed)
-    manager = KVBlockManager(1 << 22, block_size)
-    shared = copies = 0
-    for request, (prompt, output) in enumerate(zip(prompt_lens, output_lens)):
-        names = itertools.count()
-        beams = [f"{request}-{next(names)}"]
-        manager.create_sequence(beams[0], num_prompt_tokens=int(prompt))
-        for _ in range(int(output)):
-            weights = BEAM_PARENT_DECAY ** np.arange(len(beams))
-            parents = np.sort(rng.choice(len(beams), size=width, p=weights / weights.sum()))
-            picked = np.bincount(parents, minlength=len(beams))
-            next_beams = []
-            for index, beam in enumerate(beams):
-                if picked[index] == 0:
-                    manager.release_sequence(beam)
-                    continue
-                next_beams.append(beam)
-                for _ in range(picked[index] - 1):
-                    child = f"{request}-{next(names)}"
-                    manager.fork_sequence(beam, child)
-                    next_beams.append(child)
-            beams = next_beams
-            for beam in beams:
-                manager.append_tokens(beam, 1)
-            shared += manager.num_distinct_blocks(beams)
-            copies += sum(len(manager.get_block_table(beam)) for beam in beams)
-        for beam in beams:
-            manager.release_sequence(beam)
-    return 1 - shared / copies
+def _sharing_saving(preset: str, num_requests: int, n: int = 1, beam_width: int = 1) -> float:
+    """The simulator's ``sharing_saving_frac`` for one Figure 15 workload (arrivals at the Figure 13 rate per
+    sequence, an unconstrained pool so that no preemption mixes in)."""
+    width = max(n, beam_width)
+    spec = SyntheticSpec(preset=preset, num_requests=num_requests, rate=FIGURE13_RATES[preset] / width,
+                         max_model_len=2048, n=n, beam_width=beam_width)
+    config = paper_config("opt-13b", block_size=16, capacity_tokens=10**7, enable_prefix_caching=False)
+    return float(Simulator(synthetic_workload(spec), config).run().summary["sharing_saving_frac"])
 
 
 def _figure15_beams(num_requests: int) -> tuple[pd.DataFrame, list[dict]]:
@@ -166,10 +132,8 @@ def _figure15_beams(num_requests: int) -> tuple[pd.DataFrame, list[dict]]:
 
     rows, summary = [], []
     for preset, paper in FIGURE15_BEAM_PAPER.items():
-        workload = synthetic_workload(SyntheticSpec(preset=preset, num_requests=min(num_requests, 300),
-                                                    max_model_len=2048))
         for width in (2, 4, 6):
-            saving = simulated_beam_saving(workload.prompt_tokens, workload.output_tokens, width)
+            saving = _sharing_saving(preset, min(num_requests, 300), beam_width=width)
             rows.append({"workload": preset, "beam_width": width, "saving": saving,
                          "paper_saving": paper.get(width, math.nan), "source": "simulated (survival model)"})
             if width in paper:
@@ -177,11 +141,16 @@ def _figure15_beams(num_requests: int) -> tuple[pd.DataFrame, list[dict]]:
                                 "paper": paper[width], "lab": saving, "verdict": _verdict(saving, paper[width])})
     engine = LLMEngine("tiny", num_blocks=4096, block_size=16)
     generator = np.random.default_rng(0)
-    prompts = [generator.integers(0, 1024, int(n)).tolist() for n in (19, 24, 12, 31)]
+    prompt_lens, max_tokens = (19, 24, 12, 31), 40
+    prompts = [generator.integers(0, 1024, length).tolist() for length in prompt_lens]
     for width in (2, 4, 6):
-        results = engine.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=40, ignore_eos=True))
+        results = engine.beam_search(prompts, BeamSearchParams(beam_width=width, max_tokens=max_tokens,
+                                                               ignore_eos=True))
         measured = memory_saving([u for r in results for u in r.block_usage])
-        simulated = simulated_beam_saving([len(p) for p in prompts], [40] * len(prompts), width)
+        tiny = Workload("tiny beams", np.zeros(len(prompts)), np.array(prompt_lens),
+                        np.full(len(prompts), max_tokens), beam_width=width)
+        config = paper_config("opt-13b", block_size=16, capacity_tokens=10**6, enable_prefix_caching=False)
+        simulated = float(Simulator(tiny, config).run().summary["sharing_saving_frac"])
         rows.append({"workload": "tiny engine, alpaca-sized prompts, 40 tokens", "beam_width": width,
                      "saving": measured, "paper_saving": math.nan, "source": "runtime (measured)",
                      "simulated_same_lengths": simulated})
@@ -256,8 +225,10 @@ def figure13(num_requests: int = 1000) -> tuple[pd.DataFrame, list[dict]]:
     return table, summary
 
 
-def figure18(num_requests: int = 1000) -> tuple[pd.DataFrame, list[dict]]:
-    """Normalized latency per block size (OPT-13B, paper setup) on ShareGPT at 2 req/s and Alpaca at 30 req/s."""
+def figure18(num_requests: int = 1000, tiny: TinyScale | None = None) -> tuple[pd.DataFrame, list[dict]]:
+    """Normalized latency per block size (OPT-13B, paper setup) on ShareGPT at 2 req/s and Alpaca at 30 req/s; then
+    the tiny engine's measured throughput per block size beside the simulator's (``tiny``, default ``TINY``)."""
+    tiny = tiny or TINY
     rows = []
     for preset, rate in FIGURE13_RATES.items():
         workload = synthetic_workload(SyntheticSpec(preset=preset, num_requests=num_requests, rate=rate,
@@ -284,13 +255,117 @@ def figure18(num_requests: int = 1000) -> tuple[pd.DataFrame, list[dict]]:
     summary.append({"figure": "18b", "quantity": "large blocks degrade Alpaca", "paper": "yes",
                     "lab": f"B=256 {alpaca.loc[256] / alpaca.loc[16:32].min():.2f}x the best of 16-32",
                     "verdict": "reproduced" if degrades else "not"})
-    summary.append({"figure": "18b", "quantity": "small blocks slow the kernel (not modelled)", "paper": "yes",
-                    "lab": "the roofline's attention cost does not depend on the block size", "verdict": "partly"})
-    return table, summary
+    summary.append({"figure": "18b", "quantity": "small blocks slow the kernel (roofline: not modelled)",
+                    "paper": "yes", "lab": "the roofline's attention cost does not depend on the block size; see "
+                                           "the tiny engine's rows", "verdict": "partly"})
+    tiny_table, tiny_summary = _figure18_tiny(tiny)
+    return pd.concat([table, tiny_table], ignore_index=True), summary + tiny_summary
 
 
-def figure19(num_requests: int = 1000) -> tuple[pd.DataFrame, list[dict]]:
-    """Recompute vs swap by block size: ShareGPT at a rate that forces preemption on OPT-13B (paper setup)."""
+# ---- the same experiments on the real engine at tiny scale (CPU), beside the simulator on its profile -----------
+@dataclass(frozen=True)
+class TinyScale:
+    """How large the real-engine runs beside Figures 18 and 19 are: the block sizes (must include 16, the
+    reference), the profile grid per block size, and the requests of Figure 18's run (Figure 19 uses half)."""
+
+    block_sizes: tuple[int, ...] = (1, 4, 16, 64)
+    grid: str = "small"
+    num_requests: int = 64
+
+
+TINY = TinyScale()
+TINY_POOL_TOKENS = 2048
+
+
+@lru_cache(maxsize=None)
+def _tiny_profile(block_size: int, grid: str):
+    from lab.profile import profile_engine
+
+    return profile_engine("tiny", block_size=block_size, repeats=2, grid=grid)
+
+
+def _tiny_twin(workload: Workload, block_size: int, grid: str, pool_tokens: int = TINY_POOL_TOKENS,
+               **engine_settings):
+    """The tiny engine and the simulator on its profile (``simulator.twin``), the same configuration: the real and
+    simulated metrics and the real step log."""
+    from lab.engine import EngineConfig
+
+    from .twin import TwinConfig, run_twin
+
+    engine = EngineConfig(block_size=block_size, num_blocks=pool_tokens // block_size, **engine_settings)
+    result = run_twin(workload, TwinConfig("tiny", engine), _tiny_profile(block_size, grid))
+    return result.table.set_index("metric"), result.real_steps
+
+
+def _mean_batch(steps: pd.DataFrame) -> float:
+    return float(np.average(steps["num_running"], weights=steps["duration_s"]))
+
+
+def _figure18_tiny(tiny: TinyScale) -> tuple[pd.DataFrame, list[dict]]:
+    """Figure 18b at tiny scale: alpaca-sized requests, all at t = 0, through the real tiny engine on a pool of
+    2,048 slots for each block size, beside the simulator on that block size's profile."""
+    workload = synthetic_workload(SyntheticSpec(preset="alpaca", num_requests=tiny.num_requests, max_model_len=1024,
+                                                seed=5))
+    rows = []
+    for block_size in tiny.block_sizes:
+        table, steps = _tiny_twin(workload, block_size, tiny.grid)
+        rows.append({"workload": "tiny engine, alpaca-sized, 2,048-slot pool", "block_size": block_size,
+                     "real_throughput_tok_s": table.loc["throughput_tok_s", "real"],
+                     "simulated_throughput_tok_s": table.loc["throughput_tok_s", "simulated"],
+                     "mean_batch_size": _mean_batch(steps), "preemptions": table.loc["preemptions", "real"],
+                     "schedule_identical": table.loc["schedule_identical", "simulated"]})
+    frame = pd.DataFrame(rows).set_index("block_size")
+    summary = []
+    for block_size, row in frame.iterrows():
+        summary.append({"figure": "18b", "quantity": f"tiny engine throughput, B={block_size}: simulated vs real",
+                        "paper": row["real_throughput_tok_s"], "lab": row["simulated_throughput_tok_s"],
+                        "verdict": _verdict(row["simulated_throughput_tok_s"], row["real_throughput_tok_s"])})
+    real, simulated = frame["real_throughput_tok_s"], frame["simulated_throughput_tok_s"]
+    smallest, largest = min(tiny.block_sizes), max(tiny.block_sizes)
+    for label, small_or_large in ((f"small blocks (B={smallest}) slow the engine", smallest),
+                                  (f"large blocks (B={largest}) lower throughput", largest)):
+        measured, modelled = real[small_or_large] / real[16], simulated[small_or_large] / simulated[16]
+        summary.append({"figure": "18b", "quantity": f"tiny engine: {label} vs B=16", "paper": "yes",
+                        "lab": f"measured {measured:.2f}x, simulated {modelled:.2f}x of B=16",
+                        "verdict": "reproduced" if measured < 0.95 and modelled < 0.95 else
+                        "partly" if min(measured, modelled) < 0.95 else "not"})
+    return frame.reset_index(), summary
+
+
+def _figure19_tiny(tiny: TinyScale) -> tuple[pd.DataFrame, list[dict]]:
+    """Figure 19 at tiny scale: requests that overflow a 1,024-slot pool (preemption), recompute vs swap (a host
+    pool as large) for each block size, on the real tiny engine (CPU: the host pool is ordinary memory, so a swap
+    costs a copy, not a PCIe transfer) beside the simulator on that block size's profile."""
+    workload = synthetic_workload(SyntheticSpec(preset="random", num_requests=tiny.num_requests // 2, input_len=64,
+                                                output_len=96, range_ratio=0.5, seed=6))
+    rows = []
+    for block_size in tiny.block_sizes:
+        for mode in ("recompute", "swap"):
+            extra = {"num_cpu_blocks": 1024 // block_size} if mode == "swap" else {}
+            table, _ = _tiny_twin(workload, block_size, tiny.grid, 1024, preemption_mode=mode, **extra)
+            rows.append({"workload": "tiny engine, 1,024-slot pool", "block_size": block_size,
+                         "preemption_mode": mode, "real_makespan_s": table.loc["makespan_s", "real"],
+                         "simulated_makespan_s": table.loc["makespan_s", "simulated"],
+                         "preemptions": table.loc["preemptions", "real"]})
+    frame = pd.DataFrame(rows)
+    summary = []
+    for column, who in (("real_makespan_s", "measured"), ("simulated_makespan_s", "simulated")):
+        ratio = frame.pivot(index="block_size", columns="preemption_mode", values=column)
+        ratio = ratio["swap"] / ratio["recompute"]
+        frame.loc[:, f"{who}_swap_over_recompute"] = frame["block_size"].map(ratio)
+    for block_size, group in frame.groupby("block_size"):
+        measured, modelled = group.iloc[0]["measured_swap_over_recompute"], group.iloc[0][
+            "simulated_swap_over_recompute"]
+        summary.append({"figure": "19", "quantity": f"tiny engine swap / recompute time, B={block_size}: simulated vs "
+                                                    f"real", "paper": measured, "lab": modelled,
+                        "verdict": _verdict(modelled, measured, 0.1)})
+    return frame, summary
+
+
+def figure19(num_requests: int = 1000, tiny: TinyScale | None = None) -> tuple[pd.DataFrame, list[dict]]:
+    """Recompute vs swap by block size: ShareGPT at a rate that forces preemption on OPT-13B (paper setup); then the
+    same comparison on the tiny engine, measured beside the simulator (``tiny``, default ``TINY``)."""
+    tiny = tiny or TINY
     workload = synthetic_workload(SyntheticSpec(preset="sharegpt", num_requests=num_requests, rate=4.0,
                                                 max_model_len=2048))
     rows = []
@@ -314,7 +389,8 @@ def figure19(num_requests: int = 1000) -> tuple[pd.DataFrame, list[dict]]:
     if table["preemptions"].sum() == 0:
         summary.append({"figure": "19", "quantity": "preemption happened", "paper": "yes", "lab": "no",
                         "verdict": "not"})
-    return table, summary
+    tiny_table, tiny_summary = _figure19_tiny(tiny)
+    return pd.concat([table, tiny_table], ignore_index=True), summary + tiny_summary
 
 
 def run_figures(figures: list[str], out_dir: str | Path, num_requests: int = 1000) -> pd.DataFrame:

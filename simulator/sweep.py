@@ -26,14 +26,15 @@ from .models import get_gpu, get_model
 from .workloads import (SYNTHETIC_PRESETS, SyntheticSpec, Workload, check_synthetic_spec, load_trace,
                         synthetic_workload)
 
-WORKLOAD_FIELDS = ("workload", "num_requests", "rate", "burstiness", "n", "shared_prefix_tokens", "seed")
+WORKLOAD_FIELDS = ("workload", "num_requests", "rate", "burstiness", "n", "beam_width", "shared_prefix_tokens",
+                   "seed")
 ALIASES = {"trace": "workload"}  # a grid may say ``trace: [path, ...]``
 SIM_FIELDS = tuple(f.name for f in dataclasses.fields(SimConfig) if f.name not in ("model_overrides",
                                                                                     "gpu_overrides", "record_steps"))
 SIM_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SimConfig)}
 WORKLOAD_DEFAULTS = {"workload": "sharegpt", "num_requests": 1000, "rate": math.inf, "burstiness": 1.0, "n": 1,
-                     "shared_prefix_tokens": 0, "seed": 0}
-SPEC_VERSION = 1  # part of every run's key: bump when a change makes stored results stale
+                     "beam_width": 1, "shared_prefix_tokens": 0, "seed": 0}
+SPEC_VERSION = 2  # part of every run's key: bump when a change makes stored results stale
 MAX_RETRIES = 3
 
 
@@ -119,7 +120,7 @@ def sim_config(spec: dict) -> SimConfig:
 
 def _synthetic_spec(spec: dict) -> SyntheticSpec:
     return SyntheticSpec(preset=spec["workload"], num_requests=spec["num_requests"], rate=spec["rate"],
-                         burstiness=spec["burstiness"], n=spec["n"],
+                         burstiness=spec["burstiness"], n=spec["n"], beam_width=spec["beam_width"],
                          shared_prefix_tokens=spec["shared_prefix_tokens"], seed=spec["seed"],
                          max_model_len=spec.get("max_model_len", SIM_DEFAULTS["max_model_len"]))
 

@@ -25,7 +25,7 @@ from lab.scheduler import STEP_LOG_COLUMNS
 
 from .engine import SimConfig, Simulator
 from .metrics import latency_summary
-from .workloads import Workload
+from .workloads import SyntheticSpec, Workload, synthetic_workload
 
 PLAN_COLUMNS = [c for c in STEP_LOG_COLUMNS if c != "duration_s"]
 METRICS = ("throughput_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s", "e2e_p50_s", "makespan_s",
@@ -74,8 +74,7 @@ def sim_config(engine: LLMEngine, profile: Profile) -> SimConfig:
                      max_num_batched_tokens=settings.max_num_batched_tokens, scheduling=settings.scheduling,
                      preemption_mode=settings.preemption_mode,
                      num_cpu_blocks=host.num_physical_blocks if host is not None else 0,
-                     enable_prefix_caching=settings.enable_prefix_caching, profile=profile, record_steps=True,
-                     max_points=1_000_000)
+                     enable_prefix_caching=settings.enable_prefix_caching, profile=profile, record_steps=True)
 
 
 def request_latencies(requests: pd.DataFrame) -> pd.DataFrame:
@@ -87,13 +86,15 @@ def request_latencies(requests: pd.DataFrame) -> pd.DataFrame:
                          "e2e_s": done["finish_s"] - done["arrival_s"]}).reset_index(drop=True)
 
 
-def run_real(workload: Workload, config: TwinConfig) -> RealRun:
+def run_real(workload: Workload, config: TwinConfig, hf_model=None) -> RealRun:
     """The workload through the engine (greedy, ``ignore_eos``, output lengths from the workload): its metrics,
     its step log and its wall time. A throw-away engine runs a few steps first, so the timed run does not pay the
-    process's one-off start-up costs (thread pools, allocator) that the profile did not measure either."""
-    warm = LLMEngine(config.model, config.engine)
+    process's one-off start-up costs (thread pools, allocator) that the profile did not measure either.
+    ``hf_model``: the already loaded model (else ``config.model`` is loaded)."""
+    model = config.model if hf_model is None else hf_model
+    warm = LLMEngine(model, config.engine)
     warm.generate([[1] * 64] * 8, SamplingParams(max_tokens=8, ignore_eos=True))
-    engine = LLMEngine(config.model, config.engine)
+    engine = LLMEngine(model, config.engine)
     generator = np.random.default_rng(config.engine.seed)
     vocab = engine.hf_model.config.vocab_size
     prompts = [generator.integers(0, vocab, int(length)).tolist() for length in workload.prompt_tokens]
@@ -131,10 +132,15 @@ def _real_metrics(engine: LLMEngine, started: float, peak_blocks: int) -> dict:
             "requests": request_latencies(requests)}
 
 
-def run_simulated(workload: Workload, config: SimConfig) -> tuple[dict, pd.DataFrame, float]:
-    started = time.perf_counter()
-    result = Simulator(workload, config).run()
-    wall = time.perf_counter() - started
+def run_simulated(workload: Workload, config: SimConfig, repeats: int = 3) -> tuple[dict, pd.DataFrame, float]:
+    """The simulator's metrics, step log and wall time: the median of ``repeats`` runs (the runs are identical;
+    the first one pays one-off costs such as lazy imports)."""
+    walls = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        result = Simulator(workload, config).run()
+        walls.append(time.perf_counter() - started)
+    wall = float(np.median(walls))
     summary = result.summary
     steps = result.steps
     metrics = {name: summary[name] for name in METRICS if name in summary}
@@ -176,20 +182,24 @@ def first_difference(real: pd.DataFrame, simulated: pd.DataFrame) -> str:
 
 
 def run_twin(workload: Workload, config: TwinConfig, profile: Profile, repeats: int = 1) -> TwinResult:
-    """Run the workload through the engine (``repeats`` times; the spread is the noise floor) and the simulator."""
+    """Run the workload through the engine ``repeats`` times and through the simulator. ``real`` is the median of
+    the runs' values and ``noise_floor`` the largest relative distance of a run from it; the step logs, the replay
+    and the CDFs use the first run."""
     profile.check_matches(model=config.model, block_size=config.engine.block_size)
-    real_runs = [run_real(workload, config) for _ in range(repeats)]
+    hf_model = LLMEngine(config.model, config.engine, num_blocks=1).hf_model
+    real_runs = [run_real(workload, config, hf_model) for _ in range(repeats)]
     first = real_runs[0]
     real, real_steps, real_wall = first.metrics, first.steps, first.wall_s
     simulation = sim_config(first.engine, profile)
     simulated, simulated_steps, simulated_wall = run_simulated(workload, simulation)
     rows = []
     for name in METRICS:
-        real_value, simulated_value = float(real[name]), float(simulated[name])
+        measured = [float(run.metrics[name]) for run in real_runs]
+        real_value, simulated_value = float(np.median(measured)), float(simulated[name])
         row = {"metric": name, "real": real_value, "simulated": simulated_value,
                "rel_error": _relative(simulated_value, real_value)}
         if repeats > 1:
-            row["noise_floor"] = max(_relative(float(other.metrics[name]), real_value) for other in real_runs[1:])
+            row["noise_floor"] = max(_relative(value, real_value) for value in measured)
         rows.append(row)
     difference = first_difference(real_steps, simulated_steps)
     rows.append({"metric": "schedule_identical", "real": 1.0, "simulated": float(difference == ""),
@@ -214,28 +224,64 @@ def _relative(value: float, reference: float) -> float:
     return abs(value - reference) / abs(reference)
 
 
-def bench_twin(model: str = "tiny", num_requests: int = 48, light_rate: float = 40.0, repeats: int = 2,
-               block_size: int = 16, num_blocks: int = 256, device: str | None = None,
+@dataclass(slots=True)
+class BenchModel:
+    """How the fidelity benchmark runs one model on a CPU: its profile grid, its workload and its pool."""
+
+    grid: str
+    num_requests: int
+    input_len: int
+    output_len: int
+    num_blocks: int
+
+
+BENCH_MODELS = {
+    "tiny": BenchModel("full", 128, 96, 32, 256),
+    "qwen3-0.6b-random-4l": BenchModel("small", 16, 96, 24, 64),
+}
+
+
+def workload_rate(workload: Workload) -> float:
+    """Mean arrival rate in requests per second (inf when every request arrives at t = 0)."""
+    span = float(workload.arrival_s.max() - workload.arrival_s.min()) if len(workload) else 0.0
+    return (len(workload) - 1) / span if span > 0 else math.inf
+
+
+def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int = 3, block_size: int = 16,
+               device: str | None = None, light_fraction: float = 0.35,
                progress: Callable[[str], None] | None = None) -> pd.DataFrame:
-    """The fidelity benchmark: profile the engine, then run the twin at a light rate and saturated (every request
-    at t = 0); one row per (load, metric) with the error, the real run-to-run noise floor, and how much faster
-    than real time the simulator ran."""
+    """The fidelity benchmark: per model, profile the engine, run the twin saturated (every request at t = 0),
+    then at a light load (Poisson arrivals at ``light_fraction`` of the saturated run's request throughput, so it
+    is light on any machine); one row per (model, load, metric) with the error, the real run-to-run noise floor,
+    and how much faster than real time the simulator ran."""
     from lab.profile import profile_engine
 
-    from .workloads import SyntheticSpec, synthetic_workload
-
+    unknown = [m for m in models if m not in BENCH_MODELS]
+    if unknown:
+        raise ValueError(f"no benchmark settings for {', '.join(unknown)}; known: {', '.join(BENCH_MODELS)}")
     say = progress or (lambda message: None)
-    say("profiling the engine")
-    profile = profile_engine(model, device, block_size)
-    rows = [{"load": "profile", "metric": "holdout_median_rel_error", "real": math.nan, "simulated": math.nan,
-             "rel_error": profile.holdout_median_rel_error}]
-    for load, rate in (("light", light_rate), ("saturated", math.inf)):
-        say(f"twin run, {load} load")
-        workload = synthetic_workload(SyntheticSpec(preset="random", num_requests=num_requests, input_len=96,
-                                                    output_len=32, range_ratio=0.5, rate=rate, seed=1))
-        engine = EngineConfig(block_size=block_size, num_blocks=num_blocks, device=device)
-        result = run_twin(workload, TwinConfig(model, engine), profile, repeats)
-        rows += [{"load": load, **row} for row in result.table.to_dict("records")]
-        rows.append({"load": load, "metric": "speedup_vs_real_time", "real": result.real_wall_s,
-                     "simulated": result.simulated_wall_s, "rel_error": result.real_wall_s / result.simulated_wall_s})
+    rows = []
+    for model in models:
+        setup = BENCH_MODELS[model]
+        say(f"{model}: profiling the engine ({setup.grid} grid)")
+        profile = profile_engine(model, device, block_size, repeats=3 if setup.grid == "full" else 2,
+                                 grid=setup.grid)
+        rows.append({"model": model, "load": "profile", "metric": "holdout_median_rel_error", "real": math.nan,
+                     "simulated": math.nan, "rel_error": profile.holdout_median_rel_error})
+        rate = math.inf
+        for load in ("saturated", "light"):
+            say(f"{model}: twin run, {load} load")
+            workload = synthetic_workload(SyntheticSpec(preset="random", num_requests=setup.num_requests,
+                                                        input_len=setup.input_len, output_len=setup.output_len,
+                                                        range_ratio=0.5, rate=rate, seed=1))
+            engine = EngineConfig(block_size=block_size, num_blocks=setup.num_blocks, device=device)
+            result = run_twin(workload, TwinConfig(model, engine), profile, repeats)
+            table = result.table.set_index("metric")
+            rate = light_fraction * setup.num_requests / table.loc["makespan_s", "real"]
+            rows.append({"model": model, "load": load, "metric": "arrival_rate_req_s",
+                         "real": workload_rate(workload), "simulated": math.nan, "rel_error": math.nan})
+            rows += [{"model": model, "load": load, **row} for row in result.table.to_dict("records")]
+            rows.append({"model": model, "load": load, "metric": "speedup_vs_real_time", "real": result.real_wall_s,
+                         "simulated": result.simulated_wall_s,
+                         "rel_error": result.real_wall_s / result.simulated_wall_s})
     return pd.DataFrame(rows)

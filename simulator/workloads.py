@@ -27,7 +27,8 @@ class TraceFormatError(ValueError):
 class Workload:
     """Requests sorted by arrival. ``prompt_block_ids`` (Mooncake) gives per-512-token prompt block ids, so equal
     ids mean a shared prompt prefix; ``shared_prefix_tokens`` is a system prompt common to every request; each
-    request samples ``n`` outputs (``output_tokens`` holds the first sample's length, ``sample_output_tokens`` all)."""
+    request samples ``n`` outputs (``output_tokens`` holds the first sample's length, ``sample_output_tokens`` all),
+    or with ``beam_width`` > 1 runs a beam search of that width."""
 
     name: str
     arrival_s: np.ndarray
@@ -39,6 +40,7 @@ class Workload:
     sample_output_tokens: np.ndarray | None = None  # [num_requests, n]
     source: str = "synthetic"
     meta: dict = field(default_factory=dict)
+    beam_width: int = 1  # > 1: beam search, every beam as long as output_tokens (simulator.beams)
 
     def __len__(self) -> int:
         return len(self.prompt_tokens)
@@ -67,10 +69,13 @@ class Workload:
         blocks = [self.prompt_block_ids[i] for i in indices] if self.prompt_block_ids is not None else None
         samples = self.sample_output_tokens[indices] if self.sample_output_tokens is not None else None
         return Workload(self.name, self.arrival_s[indices], self.prompt_tokens[indices], self.output_tokens[indices],
-                        self.n, self.shared_prefix_tokens, blocks, samples, self.source, dict(self.meta))
+                        self.n, self.shared_prefix_tokens, blocks, samples, self.source, dict(self.meta),
+                        self.beam_width)
 
     def outputs_of(self, index: int) -> list[int]:
-        """Output lengths of every sample of request ``index``."""
+        """Output lengths of every sample (or beam) of request ``index``."""
+        if self.beam_width > 1:
+            return [int(self.output_tokens[index])] * self.beam_width
         if self.sample_output_tokens is None:
             return [int(self.output_tokens[index])] * self.n
         return [int(x) for x in self.sample_output_tokens[index]]
@@ -78,7 +83,7 @@ class Workload:
     def summary(self) -> dict:
         """Count, mean lengths, duration and rate."""
         duration = float(self.arrival_s[-1] - self.arrival_s[0]) if len(self) else 0.0
-        return {"workload": self.name, "num_requests": len(self), "n": self.n,
+        return {"workload": self.name, "num_requests": len(self), "n": self.n, "beam_width": self.beam_width,
                 "prompt_mean": float(self.prompt_tokens.mean()) if len(self) else 0.0,
                 "output_mean": float(self.output_tokens.mean()) if len(self) else 0.0,
                 "duration_s": duration, "rate_req_s": (len(self) - 1) / duration if duration > 0 else math.inf}
@@ -93,6 +98,7 @@ class SyntheticSpec:
     rate: float = math.inf  # requests/s; inf = all arrive at t=0
     burstiness: float = 1.0  # gamma shape; 1 = Poisson, < 1 burstier
     n: int = 1
+    beam_width: int = 1  # beam search of this width (not with n > 1)
     shared_prefix_tokens: int = 0
     input_len: int = 1024  # random / fixed
     output_len: int = 128  # random / fixed
@@ -126,7 +132,7 @@ def synthetic_workload(spec: SyntheticSpec) -> Workload:
         samples = np.concatenate([outputs[:, None], _resample_outputs(rng, spec, outputs, prompts)], axis=1)
     return Workload(spec.preset, arrival_times(rng, count, spec.rate, spec.burstiness), prompts.astype(np.int64),
                     outputs.astype(np.int64), n=spec.n, shared_prefix_tokens=spec.shared_prefix_tokens,
-                    sample_output_tokens=samples, meta={"spec": spec})
+                    sample_output_tokens=samples, meta={"spec": spec}, beam_width=spec.beam_width)
 
 
 def arrival_times(rng: np.random.Generator, count: int, rate: float, burstiness: float = 1.0) -> np.ndarray:
@@ -141,13 +147,17 @@ def arrival_times(rng: np.random.Generator, count: int, rate: float, burstiness:
 def check_synthetic_spec(spec: SyntheticSpec) -> None:
     owner, big = "SyntheticSpec", 10**7
     check_choice(owner, "preset", spec.preset, SYNTHETIC_PRESETS)
-    for name, low, high in (("num_requests", 1, big), ("n", 1, 1024), ("shared_prefix_tokens", 0, big),
+    for name, low, high in (("num_requests", 1, big), ("n", 1, 1024), ("beam_width", 1, 256),
+                            ("shared_prefix_tokens", 0, big),
                             ("input_len", 1, big), ("output_len", 1, big), ("seed", 0, 2**63 - 1)):
         check_int(owner, name, getattr(spec, name), low, high)
     check_int(owner, "max_model_len", spec.max_model_len, 2, 2**31, optional=True)
     check_real(owner, "rate", spec.rate, 0.0, low_open=True, allow_inf=True)
     check_real(owner, "burstiness", spec.burstiness, 0.0, 1e6, low_open=True)
     check_real(owner, "range_ratio", spec.range_ratio, 0.0, 0.999)
+    if spec.n > 1 and spec.beam_width > 1:
+        raise ValueError(f"SyntheticSpec: n={spec.n} and beam_width={spec.beam_width}: a request samples or beam-"
+                         f"searches, not both")
     if spec.max_model_len is not None and spec.max_model_len <= spec.shared_prefix_tokens + 1:
         raise ValueError(f"max_model_len={spec.max_model_len} leaves no room after the shared prefix")
 

@@ -61,8 +61,8 @@ def test_memory_simulator_reacts_and_exports(downloads):
             "free_frac", "mean_batch_size", "throughput_tok_s"} <= set(summary.columns)
     assert summary["num_requests_completed"].iloc[0] == 1000
     series = download_table(app, downloads, "dl_timeseries")
-    assert {"time_s", "token_states", "reserved", "internal_fragmentation", "external_fragmentation", "free",
-            "run"} <= set(series.columns)
+    assert {"elapsed_s", "num_running", "blocks_in_use", "token_states", "reserved", "internal_fragmentation",
+            "external_fragmentation", "free", "run"} <= set(series.columns)
     app.number_input[0].set_value(300).run()
     clean(app)
     assert download_table(app, downloads, "dl_summary")["num_requests_completed"].iloc[0] == 300
@@ -276,7 +276,7 @@ def test_twin_page_calibrates_runs_and_rejects_bad_profiles(downloads):
     app.run()
     assert not app.exception and any("bad.json" in e.value or "JSON" in e.value for e in app.error)
     app = open_page("twin")  # a fresh session
-    app.toggle(key="quick_profile").set_value(True)
+    app.radio(key="profile_grid").set_value("quick")
     app.button(key="calibrate").click().run()
     clean(app)
     app.sidebar.number_input[0].set_value(12)  # requests

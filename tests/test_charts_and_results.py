@@ -32,7 +32,7 @@ def test_simulator_figures_have_one_trace_per_category_or_run():
                             num_requests=50, rate=20.0)
     assert len(waste_bars(summary).data) == 5
     assert len(waste_areas(runs["paged-B16"].timeseries, "t").data) == 5
-    assert len(over_time({k: r.timeseries for k, r in runs.items()}, "running", "b").data) == 2
+    assert len(over_time({k: r.timeseries for k, r in runs.items()}, "num_running", "b").data) == 2
     assert len(latency_percentiles(summary).data) == 2 * 3  # two runs x three facets (TTFT, TPOT, e2e)
 
 

@@ -2,7 +2,7 @@
 import pandas as pd
 import pytest
 
-from simulator.paper import (FIGURES, figure2, figure12, figure13, figure15, figure16, figure18, figure19,
+from simulator.paper import (FIGURES, TinyScale, figure2, figure12, figure13, figure15, figure16, figure18, figure19,
                              normalized_latency, run_figures)
 
 COLUMNS = {"2": {"system", "token_states_frac", "paper_token_states_frac"},
@@ -10,23 +10,26 @@ COLUMNS = {"2": {"system", "token_states_frac", "paper_token_states_frac"},
            "15": {"workload", "n", "saving", "paper_saving"},
            "16": {"prefix_tokens", "system", "max_rate_req_s"},
            "13": {"workload", "system", "mean_batch_size", "paper_mean_batch_size"},
-           "18": {"workload", "block_size", "normalized_latency_s_per_token"},
-           "19": {"block_size", "preemption_mode", "normalized_latency_s_per_token", "blocks_swapped"}}
+           "18": {"workload", "block_size", "normalized_latency_s_per_token", "real_throughput_tok_s",
+                  "simulated_throughput_tok_s"},
+           "19": {"block_size", "preemption_mode", "normalized_latency_s_per_token", "blocks_swapped",
+                  "real_makespan_s", "simulated_makespan_s", "measured_swap_over_recompute"}}
 
 
 @pytest.mark.parametrize("figure", FIGURES)
 def test_each_figure_runs_small_and_has_its_columns(figure):
     functions = {"2": figure2, "12": figure12, "13": figure13, "15": figure15, "16": figure16, "18": figure18,
                  "19": figure19}
-    table, summary = functions[figure](60 if figure in ("12", "16") else 120)
+    small = {"tiny": TinyScale((1, 16, 64), "quick", 12)} if figure in ("18", "19") else {}
+    table, summary = functions[figure](60 if figure in ("12", "16") else 120, **small)
     assert COLUMNS[figure] <= set(table.columns) and len(table) > 0
     assert summary and all(row["verdict"] in ("reproduced", "partly", "not") for row in summary)
 
 
 def test_the_summary_and_csvs_are_written(tmp_path):
-    summary = run_figures(["2", "19"], tmp_path, 100)
+    summary = run_figures(["2", "13"], tmp_path, 100)
     assert list(summary.columns) == ["figure", "quantity", "paper", "lab", "verdict"]
-    assert (tmp_path / "figure2.csv").exists() and (tmp_path / "figure19.csv").exists()
+    assert (tmp_path / "figure2.csv").exists() and (tmp_path / "figure13.csv").exists()
     assert pd.read_csv(tmp_path / "summary.csv").shape == summary.shape
     with pytest.raises(ValueError, match="not available"):
         run_figures(["14"], tmp_path)

@@ -7,36 +7,50 @@ import numpy as np
 import pytest
 
 from lab.engine import EngineConfig
-from lab.profile import FEATURES, Profile, ProfileError, fit, profile_engine
+from lab.profile import (LINEAR, Profile, ProfileError, decode_knots, design_row, feature_names, fit,
+                         profile_engine)
 from simulator import SimConfig, Simulator
 from simulator.twin import TwinConfig, run_twin
 from simulator.workloads import SyntheticSpec, synthetic_workload
 
-FIXED = {"constant": 2e-3, "prefill_seqs": 1e-4, "prefill_tokens": 2e-5, "decode_seqs": 3e-4, "prefill_attention_pairs": 1e-8,
-         "decode_kv_tokens": 1e-7, "copied_blocks": 5e-5}
+KNOTS = [1, 4, 8, 32]
+FIXED = {"constant": 2e-3, "prefill_seqs": 1e-4, "prefill_tokens": 2e-5, "prefill_attention_pairs": 1e-8,
+         "decode_kv_tokens": 1e-7, "decode_padded_kv_tokens": 2e-7, "copied_blocks": 5e-5,
+         "decode_seqs@1": 3e-4, "decode_seqs@4": 1.2e-3, "decode_seqs@8": 4e-3, "decode_seqs@32": 5e-3}
 
 
 def fixed_profile(block_size=4, model="tiny"):
-    return Profile(model, "cpu", "torch.float32", block_size, "torch", dict(FIXED))
+    return Profile(model, "cpu", "torch.float32", block_size, "torch", dict(FIXED), list(KNOTS))
+
+
+def test_the_decode_batch_enters_piecewise_linearly():
+    assert design_row([1, 0, 0, 6, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0.5, 0.5, 0]
+    assert design_row([1, 0, 0, 64, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0, 0, 2]
+    assert design_row([1, 0, 0, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0, 0, 0]
+    assert design_row([1, 0, 0, 8, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0, 1, 0]
 
 
 def test_the_fit_recovers_known_coefficients():
+    """Batch sizes 8 and 32 nearly as costly (as a CPU's BLAS makes them): a straight line could not fit this."""
     rng = np.random.default_rng(1)
     samples = []
     for _ in range(200):
-        features = [1.0, float(rng.integers(0, 30)), *rng.integers(0, 600, 2).tolist(), float(rng.integers(0, 10**5)),
-                    float(rng.integers(0, 10**4)), float(rng.integers(0, 4))]
-        true = sum(FIXED[name] * value for name, value in zip(FEATURES, features))
-        samples.append({"features": features, "duration_s": true * rng.normal(1.0, 0.01)})
-    coefficients, median_error, _ = fit(samples)
-    assert median_error < 0.02
-    for name in ("constant", "prefill_tokens", "decode_seqs"):
+        kv_tokens = float(rng.integers(0, 10**4))
+        quantities = [1.0, float(rng.integers(0, 30)), float(rng.integers(0, 600)), float(rng.choice(KNOTS + [0, 16])),
+                      float(rng.integers(0, 10**5)), kv_tokens, kv_tokens + float(rng.integers(0, 10**4)),
+                      float(rng.integers(0, 4))]
+        true = sum(FIXED[name] * value for name, value in zip(feature_names(KNOTS), design_row(quantities, KNOTS)))
+        samples.append({"quantities": quantities, "duration_s": true * rng.normal(1.0, 0.005)})
+    assert decode_knots(samples) == [1, 4, 8, 16, 32]
+    coefficients, median_error, _ = fit(samples, KNOTS)
+    assert median_error < 0.01
+    for name in ("constant", "prefill_tokens", "decode_seqs@8", "decode_seqs@32"):
         assert coefficients[name] == pytest.approx(FIXED[name], rel=0.1)
 
 
 def test_a_quick_profile_of_the_tiny_engine_fits_and_round_trips(tmp_path):
-    profile = profile_engine("tiny", block_size=4, repeats=1, quick=True)
-    assert len(profile.samples) >= 8 and set(profile.coefficients) == set(FEATURES)
+    profile = profile_engine("tiny", block_size=4, repeats=1, grid="quick")
+    assert len(profile.samples) >= 8 and set(profile.coefficients) == set(feature_names(profile.decode_knots))
     assert all(v >= 0 and math.isfinite(v) for v in profile.coefficients.values())
     assert math.isfinite(profile.holdout_median_rel_error) and any(s["holdout"] for s in profile.samples)
     profile.save(tmp_path / "p.json")
@@ -69,15 +83,23 @@ BAD_PROFILES = [
     (b"not json", "not a JSON profile"),
     (b"[1, 2]", "expected a JSON object"),
     (json.dumps({"version": 99}).encode(), "version"),
-    (json.dumps({"version": 1, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
-                 "block_size": 4, "coefficients": {**FIXED, "constant": -1.0}, "samples": []}).encode(),
+    (json.dumps({"version": 3, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch", "block_size": 4,
+                 "coefficients": {**FIXED, "constant": -1.0}, "decode_knots": KNOTS, "samples": []}).encode(),
      "finite numbers >= 0"),
-    (json.dumps({"version": 1, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
-                 "block_size": "4", "coefficients": FIXED, "samples": []}).encode(), "block_size"),
+    (json.dumps({"version": 3, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
+                 "block_size": "4", "coefficients": FIXED, "decode_knots": KNOTS, "samples": []}).encode(),
+     "block_size"),
+    (json.dumps({"version": 3, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
+                 "block_size": 4, "coefficients": FIXED, "decode_knots": [4, 1], "samples": []}).encode(),
+     "decode_knots"),
+    (json.dumps({"version": 3, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
+                 "block_size": 4, "coefficients": FIXED, "decode_knots": [1, 4, 8], "samples": []}).encode(),
+     "for exactly"),
 ]
 
 
-@pytest.mark.parametrize("data,message", BAD_PROFILES, ids=["text", "list", "version", "negative", "type"])
+@pytest.mark.parametrize("data,message", BAD_PROFILES,
+                         ids=["text", "list", "version", "negative", "type", "knot order", "knots vs coefficients"])
 def test_malformed_profiles_are_rejected(tmp_path, data, message):
     (tmp_path / "p.json").write_bytes(data)
     with pytest.raises(ProfileError, match=message):

@@ -116,3 +116,21 @@ def test_a_group_that_could_never_come_back_is_recomputed_not_parked(scheduling)
         scheduling=scheduling)
     assert_same_plan(real, simulated)
     assert real["num_preempted"].sum() > 0 and [len(o) for o in results[0].outputs] == [14, 14, 14]
+
+
+@pytest.mark.parametrize("modes", MODES, ids=lambda m: f"{m['scheduling']}-{m['preemption_mode']}")
+def test_the_plan_s_longest_decode_sequence_is_the_longest_one_decoding(modes):
+    """``decode_max_kv_len`` (kept in a lazily pruned heap, so the simulator need not visit sequences) equals the
+    longest KV length in the decode batch, through preemption, swapping and chunked prefill."""
+    engine = LLMEngine("tiny", block_size=3, num_blocks=18, num_cpu_blocks=40, **modes)
+    prompts = make_prompts([9, 23, 5, 17, 30, 12, 2], seed=7)
+    for prompt, output in zip(prompts, [7, 12, 9, 5, 10, 8, 14]):
+        engine.add_request(prompt, SamplingParams(max_tokens=output, ignore_eos=True))
+    checked = 0
+    while engine.has_unfinished():
+        engine.step()
+        plan = engine.last_plan
+        lengths = [engine.scheduler.kv_len(seq) for seq in plan.decode_seqs or []]
+        assert plan.decode_max_kv_len == (max(lengths) if lengths else 0), plan.step
+        checked += bool(lengths)
+    assert checked > 10 and engine.num_preemptions > 0

@@ -42,7 +42,7 @@ def test_categories_sum_to_capacity_and_requests_are_conserved(config, sharing):
     workload = small_workload(**sharing)
     result = run(workload, capacity_tokens=12_000, max_points=1_000_000, **config)
     ts = result.timeseries
-    assert ts["iteration"].diff().dropna().eq(1).mean() > 0.99  # (practically) every iteration is a sample
+    assert ts["step"].diff().dropna().eq(1).mean() > 0.99  # (practically) every iteration is a sample
     assert (ts[list(CATEGORIES)].sum(axis=1) == result.summary["capacity_tokens"]).all()
     assert (ts[list(CATEGORIES)] >= 0).all().all()
     fractions = [result.summary[k] for k in ("token_states_frac", "reserved_frac", "internal_frag_frac",
@@ -65,20 +65,21 @@ def test_unconstrained_memory_closed_forms():
     assert (oracle["internal_fragmentation"] == 0).all()
     maximum = run(workload, allocator="contiguous-max", **big).timeseries
     held = maximum[["token_states", "reserved", "internal_fragmentation"]].sum(axis=1)
-    assert (held == maximum["running"] * 2048).all()
+    assert (held == maximum["num_running"] * 2048).all()
     for block_size in (1, 16, 100):
         paged = run(workload, allocator="paged", block_size=block_size, **big)
         ts = paged.timeseries
         slack = ts["reserved"] + ts["internal_fragmentation"]
-        assert (slack <= (block_size - 1) * ts["running"]).all()
+        assert (slack <= (block_size - 1) * ts["num_running"]).all()
         assert paged.summary["preemptions"] == 0
     pow2 = run(workload, allocator="contiguous-pow2", **big).summary
     oracle_summary = run(workload, allocator="contiguous-oracle", **big).summary
     assert pow2["internal_frag_frac"] > 0 and oracle_summary["internal_frag_frac"] == 0
 
 
-def test_paged_trajectory_equals_driving_the_block_manager_directly():
-    workload = small_workload(num_requests=80, n=2, shared_prefix_tokens=24)
+@pytest.mark.parametrize("sharing", [dict(n=2), dict(beam_width=3)], ids=["samples", "beams"])
+def test_paged_trajectory_equals_driving_the_block_manager_directly(sharing):
+    workload = small_workload(num_requests=80, shared_prefix_tokens=24, **sharing)
     sim = Simulator(workload, SimConfig(allocator="paged", block_size=8, capacity_tokens=3000))
     sim.policy.ops = []
     result = sim.run()
@@ -127,7 +128,7 @@ def test_deterministic_under_a_seed():
 def test_timeseries_is_bounded_and_snapshots_can_stop_a_run():
     workload = small_workload(num_requests=300)
     result = run(workload, allocator="paged", capacity_tokens=8000, max_points=50)
-    assert len(result.timeseries) < 100 and result.timeseries["iteration"].is_monotonic_increasing
+    assert len(result.timeseries) < 100 and result.timeseries["step"].is_monotonic_increasing
     seen = []
 
     def on_snapshot(snapshot):

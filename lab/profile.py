@@ -191,7 +191,7 @@ def _scenarios(block_size: int, grid: str) -> list[tuple[str, dict, list[tuple[i
                 ("chunked", {"scheduling": "chunked", "max_num_batched_tokens": 48}, [(40, 4, 1)] * 2 + [(100, 2, 1)]),
                 ("forks", {}, [(block_size + 1, 3, 2)])]
     small = grid == "small"
-    batches, contexts = ((1, 8, 32, 64), (32, 192)) if small else ((1, 4, 16, 32, 64), (32, 128, 384))
+    batches, contexts = ((1, 8, 32, 64), (32, 192)) if small else ((1, 2, 4, 8, 16, 32, 64), (32, 128, 384))
     decode = [(f"decode {batch}x{context}", {}, [(context, 6, 1)] * batch) for batch in batches for context in contexts]
     # one long sequence among short ones: separates the padded batch from the tokens actually read
     mixed = ((32, 256),) if small else ((32, 384), (128, 512))

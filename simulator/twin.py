@@ -186,9 +186,19 @@ def run_twin(workload: Workload, config: TwinConfig, profile: Profile, repeats: 
     the runs' values and ``noise_floor`` the largest relative distance of a run from it; the step logs, the replay
     and the CDFs use the first run."""
     profile.check_matches(model=config.model, block_size=config.engine.block_size)
-    hf_model = LLMEngine(config.model, config.engine, num_blocks=1).hf_model
-    real_runs = [run_real(workload, config, hf_model) for _ in range(repeats)]
-    first = real_runs[0]
+    hf_model = load_model(config)
+    return compare(workload, [run_real(workload, config, hf_model) for _ in range(repeats)], profile)
+
+
+def load_model(config: TwinConfig):
+    """The HF model the twin's real runs share (loaded once)."""
+    return LLMEngine(config.model, config.engine, num_blocks=1).hf_model
+
+
+def compare(workload: Workload, real_runs: list[RealRun], profile: Profile) -> TwinResult:
+    """The simulator configured as the real runs' engine, on ``profile``, against the real runs (see
+    ``run_twin``)."""
+    repeats, first = len(real_runs), real_runs[0]
     real, real_steps, real_wall = first.metrics, first.steps, first.wall_s
     simulation = sim_config(first.engine, profile)
     simulated, simulated_steps, simulated_wall = run_simulated(workload, simulation)
@@ -250,10 +260,11 @@ def workload_rate(workload: Workload) -> float:
 def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int = 3, block_size: int = 16,
                device: str | None = None, light_fraction: float = 0.35,
                progress: Callable[[str], None] | None = None) -> pd.DataFrame:
-    """The fidelity benchmark: per model, profile the engine, run the twin saturated (every request at t = 0),
-    then at a light load (Poisson arrivals at ``light_fraction`` of the saturated run's request throughput, so it
-    is light on any machine); one row per (model, load, metric) with the error, the real run-to-run noise floor,
-    and how much faster than real time the simulator ran."""
+    """The fidelity benchmark: per model, profile the engine, then run the twin saturated (every request at t = 0)
+    and at a light load (Poisson arrivals at ``light_fraction`` of the saturated run's request throughput, so it
+    is light on any machine), the real runs of the two loads alternating so that each load's repeats are spread
+    over the whole measurement (a shared machine's slow spells last seconds); one row per (model, load, metric)
+    with the error, the real run-to-run noise floor, and how much faster than real time the simulator ran."""
     from lab.profile import profile_engine
 
     unknown = [m for m in models if m not in BENCH_MODELS]
@@ -268,16 +279,21 @@ def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int = 3, block_
                                  grid=setup.grid)
         rows.append({"model": model, "load": "profile", "metric": "holdout_median_rel_error", "real": math.nan,
                      "simulated": math.nan, "rel_error": profile.holdout_median_rel_error})
-        rate = math.inf
-        for load in ("saturated", "light"):
-            say(f"{model}: twin run, {load} load")
-            workload = synthetic_workload(SyntheticSpec(preset="random", num_requests=setup.num_requests,
-                                                        input_len=setup.input_len, output_len=setup.output_len,
-                                                        range_ratio=0.5, rate=rate, seed=1))
-            engine = EngineConfig(block_size=block_size, num_blocks=setup.num_blocks, device=device)
-            result = run_twin(workload, TwinConfig(model, engine), profile, repeats)
-            table = result.table.set_index("metric")
-            rate = light_fraction * setup.num_requests / table.loc["makespan_s", "real"]
+        config = TwinConfig(model, EngineConfig(block_size=block_size, num_blocks=setup.num_blocks, device=device))
+        hf_model = load_model(config)
+        workloads, runs = {}, {"saturated": [], "light": []}
+        for repeat in range(repeats):
+            for load in runs:
+                if load not in workloads:
+                    rate = math.inf if load == "saturated" else \
+                        light_fraction * setup.num_requests / runs["saturated"][0].metrics["makespan_s"]
+                    workloads[load] = synthetic_workload(SyntheticSpec(
+                        preset="random", num_requests=setup.num_requests, input_len=setup.input_len,
+                        output_len=setup.output_len, range_ratio=0.5, rate=rate, seed=1))
+                say(f"{model}: real run {repeat + 1} of {repeats}, {load} load")
+                runs[load].append(run_real(workloads[load], config, hf_model))
+        for load, workload in workloads.items():
+            result = compare(workload, runs[load], profile)
             rows.append({"model": model, "load": load, "metric": "arrival_rate_req_s",
                          "real": workload_rate(workload), "simulated": math.nan, "rel_error": math.nan})
             rows += [{"model": model, "load": load, **row} for row in result.table.to_dict("records")]

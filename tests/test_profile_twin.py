@@ -126,3 +126,19 @@ def test_timed_arrivals_replay_the_real_schedule_step_for_step():
     table = result.table.set_index("metric")
     assert table.loc["replay_schedule_identical", "simulated"] == 1.0
     assert table.loc["replay_step_time_median", "rel_error"] >= 0
+
+
+def test_the_fidelity_benchmark_reports_every_metric_for_both_loads(monkeypatch):
+    from simulator import twin
+
+    monkeypatch.setitem(twin.BENCH_MODELS, "tiny", twin.BenchModel("quick", 6, 16, 6, 64))
+    table = twin.bench_twin(("tiny",), repeats=2)
+    for load in ("saturated", "light"):
+        rows = table[table["load"] == load].set_index("metric")
+        identical = "schedule_identical" if load == "saturated" else "replay_schedule_identical"
+        assert set(twin.METRICS) <= set(rows.index) and rows.loc[identical, "simulated"] == 1.0
+        assert rows.loc["speedup_vs_real_time", "rel_error"] > 1 and (rows["noise_floor"].dropna() >= 0).all()
+    rates = table[table["metric"] == "arrival_rate_req_s"].set_index("load")["real"]
+    assert rates["saturated"] == float("inf") and 0 < rates["light"] < float("inf")
+    with pytest.raises(ValueError, match="no benchmark settings"):
+        twin.bench_twin(("qwen3-8b",))

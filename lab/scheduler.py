@@ -56,6 +56,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     max_model_len: int = 1 << 30
     sync_every_step: bool = False
+    track_longest: bool = True  # plans carry decode_max_kv_len (a step-time profile reads it)
 
     def check(self) -> None:
         """Raise ``SchedulerError`` naming the first field out of range."""
@@ -349,7 +350,8 @@ class Scheduler:
                 sync(seq, kv_len(seq))
         out.num_decode_seqs = len(self.running)
         out.decode_kv_tokens = self.len_offset + len(self.running) * self.step
-        out.decode_max_kv_len = self._max_len_offset() + self.step if self.running else 0
+        if self.config.track_longest and self.running:
+            out.decode_max_kv_len = self._max_len_offset() + self.step
 
     def _max_len_offset(self) -> int:
         """max over running of (kv_len_base - step_base): the longest sequence's length is this plus ``step``
@@ -552,6 +554,8 @@ class Scheduler:
             self.beam_groups[seq.group] = None
         self.running[seq.seq_id] = seq
         self.len_offset += seq.kv_len_base - seq.step_base
+        if not self.config.track_longest:
+            return
         heap = self.len_offset_heap
         heapq.heappush(heap, (seq.step_base - seq.kv_len_base, next(self._heap_ties), seq.epoch, seq))
         if len(heap) > 2 * len(self.running) + 64:  # stale entries buried below live ones: drop them (amortized O(1))

@@ -174,7 +174,8 @@ def check_config(config: SimConfig) -> None:
 def scheduler_config(config: SimConfig) -> SchedulerConfig:
     """The scheduler settings of a simulation (the engine builds the same from its own config)."""
     return SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.scheduling,
-                           config.preemption_mode, config.max_model_len, sync_every_step=False)
+                           config.preemption_mode, config.max_model_len, sync_every_step=False,
+                           track_longest=config.profile is not None)
 
 
 def synthetic_token_ids(workload: Workload, request: int, length: int) -> list[int]:

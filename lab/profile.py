@@ -20,9 +20,9 @@ from typing import Callable
 import numpy as np
 
 QUANTITIES = ("constant", "prefill_seqs", "prefill_tokens", "decode_seqs", "prefill_attention_pairs",
-              "decode_kv_tokens", "decode_padded_kv_tokens", "copied_blocks")
+              "decode_kv_tokens", "decode_padded_kv_tokens", "copied_blocks", "swapped_blocks")
 LINEAR = tuple(name for name in QUANTITIES if name != "decode_seqs")
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 
 
 class ProfileError(ValueError):
@@ -34,10 +34,11 @@ def plan_quantities(out, block_size: int) -> list[float]:
     order. ``decode_padded_kv_tokens`` is the decode batch padded to its longest sequence's blocks: what a backend
     that gathers a rectangular batch (the torch one) reads, while ``decode_kv_tokens`` is what a per-sequence kernel
     reads."""
-    copies = len(out.blocks_to_copy) + len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+    swapped = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
     padded = out.num_decode_seqs * -(-out.decode_max_kv_len // block_size) * block_size
     return [1.0, float(len(out.prefill_chunks)), float(out.num_prefill_tokens), float(out.num_decode_seqs),
-            float(out.prefill_attention_pairs), float(out.decode_kv_tokens), float(padded), float(copies)]
+            float(out.prefill_attention_pairs), float(out.decode_kv_tokens), float(padded),
+            float(len(out.blocks_to_copy)), float(swapped)]
 
 
 def feature_names(knots: list[int]) -> tuple[str, ...]:
@@ -185,7 +186,8 @@ def _scenarios(block_size: int, grid: str) -> list[tuple[str, dict, list[tuple[i
         return [("decode 4x32", {}, [(32, 4, 1)] * 4), ("decode 3x32 + 1x100", {}, [(32, 4, 1)] * 3 + [(100, 4, 1)]),
                 ("prefill 64", {}, [(64, 1, 1)]),
                 ("chunked", {"scheduling": "chunked", "max_num_batched_tokens": 48}, [(40, 4, 1)] * 2 + [(100, 2, 1)]),
-                ("forks", {}, [(block_size + 1, 3, 2)])]
+                ("forks", {}, [(block_size + 1, 3, 2)]),
+                ("swap", {"preemption_mode": "swap", "pool_fraction": 0.5}, [(24, 12, 1)] * 4)]
     small = grid == "small"
     batches, contexts = DECODE_BATCHES[grid], (32, 192) if small else (32, 128, 384)
     decode = [(f"decode {batch}x{context}", {}, [(context, 6, 1)] * batch) for batch in batches for context in contexts]
@@ -202,7 +204,10 @@ def _scenarios(block_size: int, grid: str) -> list[tuple[str, dict, list[tuple[i
     chunked = [(f"chunked {batch} decodes + prompt", {"scheduling": "chunked", "max_num_batched_tokens": 96},
                 [(64, 8, 1)] * batch + [(400 if not small else 200, 2, 1)]) for batch in ((8,) if small else (4, 16))]
     forks = [("parallel samples (copy-on-write)", {}, [(block_size * 3 + 1, 5, 4)] * 2)]
-    return decode + prefill + cached + chunked + forks
+    # half the pool the requests need: sequences are swapped out to the host pool and back in as others finish
+    swaps = [(f"swap preemption, {count} x 64 + 48", {"preemption_mode": "swap", "pool_fraction": 0.5},
+              [(64, 48, 1)] * count) for count in (4, 16)]
+    return decode + prefill + cached + chunked + forks + swaps
 
 
 def profile_engine(model="tiny", device: str | None = None, block_size: int = 16, backend: str = "auto",
@@ -249,11 +254,16 @@ def _run_scenario(hf_model, base, settings: dict, requests, generator, groups: d
 
     from .engine import LLMEngine, SamplingParams
 
-    cached_prefix = settings.get("cached_prefix", 0)
+    cached_prefix, pool_fraction = settings.get("cached_prefix", 0), settings.get("pool_fraction", 1.0)
     block_size = base.block_size
     needed = sum(n * -(-(cached_prefix + length + outputs) // block_size) for length, outputs, n in requests)
-    config = dataclasses.replace(base, max_num_seqs=64, num_blocks=needed + 2 * cached_prefix // block_size + 8,
-                                 **{k: v for k, v in settings.items() if k != "cached_prefix"})
+    num_blocks = needed + 2 * cached_prefix // block_size + 8
+    if pool_fraction < 1:  # a pool too small for all at once (swap scenarios); the host pool holds the rest
+        longest = max(-(-(length + outputs) // block_size) for length, outputs, _ in requests)
+        num_blocks = max(int(needed * pool_fraction), 2 * longest + 2)
+    config = dataclasses.replace(base, max_num_seqs=64, num_blocks=num_blocks,
+                                 num_cpu_blocks=needed + 8 if pool_fraction < 1 else 0,
+                                 **{k: v for k, v in settings.items() if k not in ("cached_prefix", "pool_fraction")})
     engine = LLMEngine(hf_model, config)
     vocab = hf_model.config.vocab_size
     prefix = torch.randint(0, vocab, (cached_prefix,), generator=generator).tolist()

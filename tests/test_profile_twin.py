@@ -15,7 +15,7 @@ from simulator.workloads import SyntheticSpec, synthetic_workload
 
 KNOTS = [1, 4, 8, 32]
 FIXED = {"constant": 2e-3, "prefill_seqs": 1e-4, "prefill_tokens": 2e-5, "prefill_attention_pairs": 1e-8,
-         "decode_kv_tokens": 1e-7, "decode_padded_kv_tokens": 2e-7, "copied_blocks": 5e-5,
+         "decode_kv_tokens": 1e-7, "decode_padded_kv_tokens": 2e-7, "copied_blocks": 5e-5, "swapped_blocks": 8e-5,
          "decode_seqs@1": 3e-4, "decode_seqs@4": 1.2e-3, "decode_seqs@8": 4e-3, "decode_seqs@32": 5e-3}
 
 
@@ -24,10 +24,10 @@ def fixed_profile(block_size=4, model="tiny"):
 
 
 def test_the_decode_batch_enters_piecewise_linearly():
-    assert design_row([1, 0, 0, 6, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0.5, 0.5, 0]
-    assert design_row([1, 0, 0, 64, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0, 0, 2]
-    assert design_row([1, 0, 0, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0, 0, 0]
-    assert design_row([1, 0, 0, 8, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0, 1, 0]
+    assert design_row([1, 0, 0, 6, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0.5, 0.5, 0]
+    assert design_row([1, 0, 0, 64, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0, 0, 2]
+    assert design_row([1, 0, 0, 0, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0, 0, 0]
+    assert design_row([1, 0, 0, 8, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0, 1, 0]
 
 
 def test_the_fit_recovers_known_coefficients():
@@ -38,7 +38,7 @@ def test_the_fit_recovers_known_coefficients():
         kv_tokens = float(rng.integers(0, 10**4))
         quantities = [1.0, float(rng.integers(0, 30)), float(rng.integers(0, 600)), float(rng.choice(KNOTS + [0, 16])),
                       float(rng.integers(0, 10**5)), kv_tokens, kv_tokens + float(rng.integers(0, 10**4)),
-                      float(rng.integers(0, 4))]
+                      float(rng.integers(0, 4)), float(rng.integers(0, 40))]
         true = sum(FIXED[name] * value for name, value in zip(feature_names(KNOTS), design_row(quantities, KNOTS)))
         samples.append({"quantities": quantities, "duration_s": true * rng.normal(1.0, 0.005)})
     coefficients, median_error, _ = fit(samples, KNOTS)
@@ -82,16 +82,16 @@ BAD_PROFILES = [
     (b"not json", "not a JSON profile"),
     (b"[1, 2]", "expected a JSON object"),
     (json.dumps({"version": 99}).encode(), "version"),
-    (json.dumps({"version": 3, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch", "block_size": 4,
+    (json.dumps({"version": 4, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch", "block_size": 4,
                  "coefficients": {**FIXED, "constant": -1.0}, "decode_knots": KNOTS, "samples": []}).encode(),
      "finite numbers >= 0"),
-    (json.dumps({"version": 3, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
+    (json.dumps({"version": 4, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
                  "block_size": "4", "coefficients": FIXED, "decode_knots": KNOTS, "samples": []}).encode(),
      "block_size"),
-    (json.dumps({"version": 3, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
+    (json.dumps({"version": 4, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
                  "block_size": 4, "coefficients": FIXED, "decode_knots": [4, 1], "samples": []}).encode(),
      "decode_knots"),
-    (json.dumps({"version": 3, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
+    (json.dumps({"version": 4, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
                  "block_size": 4, "coefficients": FIXED, "decode_knots": [1, 4, 8], "samples": []}).encode(),
      "for exactly"),
 ]

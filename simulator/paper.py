@@ -286,14 +286,14 @@ def _tiny_profile(block_size: int, grid: str):
 
 def _tiny_twin(workload: Workload, block_size: int, grid: str, pool_tokens: int = TINY_POOL_TOKENS,
                **engine_settings):
-    """The tiny engine and the simulator on its profile (``simulator.twin``), the same configuration: the real and
-    simulated metrics and the real step log."""
+    """The tiny engine and the simulator on its profile (``simulator.twin``), the same configuration: the real
+    (median of three runs: this machine's speed drifts) and simulated metrics and the first real run's step log."""
     from lab.engine import EngineConfig
 
     from .twin import TwinConfig, run_twin
 
     engine = EngineConfig(block_size=block_size, num_blocks=pool_tokens // block_size, **engine_settings)
-    result = run_twin(workload, TwinConfig("tiny", engine), _tiny_profile(block_size, grid))
+    result = run_twin(workload, TwinConfig("tiny", engine), _tiny_profile(block_size, grid), repeats=3)
     return result.table.set_index("metric"), result.real_steps
 
 

@@ -5,7 +5,7 @@ import pandas as pd
 import streamlit as st
 
 from simulator import charts
-from simulator.paper import FIGURES, run_figures
+from simulator.paper import FIGURES, TINY, run_figures
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
 
 st.title("The vLLM paper, reproduced")
@@ -15,12 +15,15 @@ st.caption("Kwon et al., SOSP 2023: the simulator's numbers beside the paper's, 
 with st.sidebar:
     figures = st.multiselect("Figures", FIGURES, default=["2", "13", "19"])
     num_requests = st.number_input("Requests per workload", 50, 20_000, 1000, step=250)
+    with_tiny = st.toggle("Also run the real tiny engine (Figures 18, 19)", key="paper_tiny",
+                          help="Profiles the tiny Qwen3 on this machine at block sizes 1-64 and runs it beside the "
+                               "simulator: a few minutes on a CPU")
 
 if st.button("Run", key="run_paper", type="primary"):
     try:
         with st.spinner("simulating…"):
             folder = tempfile.mkdtemp(prefix="minipaged_paper_")
-            summary = run_figures(figures, folder, int(num_requests))
+            summary = run_figures(figures, folder, int(num_requests), TINY if with_tiny else None)
         tables = {figure: pd.read_csv(f"{folder}/figure{figure}.csv") for figure in figures}
         st.session_state.update(paper_summary=summary, paper_tables=tables)
         results_store().add("paper", f"paper figures {','.join(figures)}", summary)

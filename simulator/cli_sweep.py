@@ -161,7 +161,7 @@ def plan_main(argv: list[str]) -> int:
 
 
 def paper_main(argv: list[str]) -> int:
-    from .paper import FIGURES, run_figures
+    from .paper import FIGURES, TINY, run_figures
 
     p = argparse.ArgumentParser(prog="python -m simulator paper",
                                 description="The vLLM paper's figures: the simulator's numbers beside the paper's, "
@@ -169,10 +169,13 @@ def paper_main(argv: list[str]) -> int:
                                             "verdict).")
     p.add_argument("--figure", default="all", choices=[*FIGURES, "all"])
     p.add_argument("--out", default="benchmarks/results/paper", help="folder for the CSVs")
+    p.add_argument("--no-tiny", action="store_true",
+                   help="skip the real tiny-engine runs beside Figures 18 and 19 (they take minutes on a CPU)")
     p.add_argument("--num-requests", type=positive_int, default=2000)
     args = p.parse_args(argv)
     try:
-        summary = run_figures(list(FIGURES) if args.figure == "all" else [args.figure], args.out, args.num_requests)
+        summary = run_figures(list(FIGURES) if args.figure == "all" else [args.figure], args.out, args.num_requests,
+                              None if args.no_tiny else TINY)
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

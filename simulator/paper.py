@@ -226,9 +226,8 @@ def figure13(num_requests: int = 1000) -> tuple[pd.DataFrame, list[dict]]:
 
 
 def figure18(num_requests: int = 1000, tiny: TinyScale | None = None) -> tuple[pd.DataFrame, list[dict]]:
-    """Normalized latency per block size (OPT-13B, paper setup) on ShareGPT at 2 req/s and Alpaca at 30 req/s; then
-    the tiny engine's measured throughput per block size beside the simulator's (``tiny``, default ``TINY``)."""
-    tiny = tiny or TINY
+    """Normalized latency per block size (OPT-13B, paper setup) on ShareGPT at 2 req/s and Alpaca at 30 req/s; then,
+    with ``tiny``, the tiny engine's measured throughput per block size beside the simulator's."""
     rows = []
     for preset, rate in FIGURE13_RATES.items():
         workload = synthetic_workload(SyntheticSpec(preset=preset, num_requests=num_requests, rate=rate,
@@ -258,6 +257,8 @@ def figure18(num_requests: int = 1000, tiny: TinyScale | None = None) -> tuple[p
     summary.append({"figure": "18b", "quantity": "small blocks slow the kernel (roofline: not modelled)",
                     "paper": "yes", "lab": "the roofline's attention cost does not depend on the block size; see "
                                            "the tiny engine's rows", "verdict": "partly"})
+    if tiny is None:
+        return table, summary
     tiny_table, tiny_summary = _figure18_tiny(tiny)
     return pd.concat([table, tiny_table], ignore_index=True), summary + tiny_summary
 
@@ -363,9 +364,8 @@ def _figure19_tiny(tiny: TinyScale) -> tuple[pd.DataFrame, list[dict]]:
 
 
 def figure19(num_requests: int = 1000, tiny: TinyScale | None = None) -> tuple[pd.DataFrame, list[dict]]:
-    """Recompute vs swap by block size: ShareGPT at a rate that forces preemption on OPT-13B (paper setup); then the
-    same comparison on the tiny engine, measured beside the simulator (``tiny``, default ``TINY``)."""
-    tiny = tiny or TINY
+    """Recompute vs swap by block size: ShareGPT at a rate that forces preemption on OPT-13B (paper setup); then,
+    with ``tiny``, the same comparison on the tiny engine, measured beside the simulator."""
     workload = synthetic_workload(SyntheticSpec(preset="sharegpt", num_requests=num_requests, rate=4.0,
                                                 max_model_len=2048))
     rows = []
@@ -389,13 +389,17 @@ def figure19(num_requests: int = 1000, tiny: TinyScale | None = None) -> tuple[p
     if table["preemptions"].sum() == 0:
         summary.append({"figure": "19", "quantity": "preemption happened", "paper": "yes", "lab": "no",
                         "verdict": "not"})
+    if tiny is None:
+        return table, summary
     tiny_table, tiny_summary = _figure19_tiny(tiny)
     return pd.concat([table, tiny_table], ignore_index=True), summary + tiny_summary
 
 
-def run_figures(figures: list[str], out_dir: str | Path, num_requests: int = 1000) -> pd.DataFrame:
+def run_figures(figures: list[str], out_dir: str | Path, num_requests: int = 1000,
+                tiny: TinyScale | None = None) -> pd.DataFrame:
     """Run the figures, write ``figure<N>.csv`` each and ``summary.csv``; returns the summary
-    (``figure, quantity, paper, lab, verdict``)."""
+    (``figure, quantity, paper, lab, verdict``). ``tiny`` (e.g. ``TINY``): also run Figures 18 and 19 on the real
+    tiny engine beside the simulator (minutes on a CPU)."""
     unknown = [f for f in figures if f not in FIGURES]
     if unknown:
         raise ValueError(f"figure(s) {', '.join(unknown)} not available; choose from {', '.join(FIGURES)} or all")
@@ -405,7 +409,8 @@ def run_figures(figures: list[str], out_dir: str | Path, num_requests: int = 100
                  "19": figure19}
     summary = []
     for figure in figures:
-        table, rows = functions[figure](num_requests)
+        table, rows = functions[figure](num_requests, tiny) if figure in ("18", "19") else \
+            functions[figure](num_requests)
         table.to_csv(out / f"figure{figure}.csv", index=False)
         summary += rows
     frame = pd.DataFrame(summary, columns=["figure", "quantity", "paper", "lab", "verdict"])

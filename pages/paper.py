@@ -46,7 +46,10 @@ st.markdown(" · ".join(f"**{counts.get(v, 0)}** {v}" for v in ("reproduced", "p
 chart(charts.paper_vs_lab(summary), "paper_vs_lab")
 st.dataframe(summary, hide_index=True)
 csv_download(summary, "paper_summary.csv", "dl_paper")
-for figure, table in st.session_state["paper_tables"].items():
-    with st.expander(f"Figure {figure}: the simulator's table"):
+tables = st.session_state["paper_tables"]
+for tab, (figure, table) in zip(st.tabs([f"Figure {figure}" for figure in tables]), tables.items()):
+    with tab:
+        chart(charts.paper_figure(figure, table), f"paper_figure{figure}")
+        st.dataframe(summary[summary["figure"].astype(str).str.fullmatch(f"{figure}[a-z]?")], hide_index=True)
         st.dataframe(table, hide_index=True)
         csv_download(table, f"figure{figure}.csv", f"dl_figure{figure}")

@@ -138,3 +138,69 @@ def paper_vs_lab(summary: pd.DataFrame) -> go.Figure:
     figure.update_layout(barmode="group", title="Paper vs lab (lab bars coloured by verdict)", height=460,
                          yaxis_type="log", xaxis_tickangle=-35)
     return figure
+
+
+def _lab_and_paper(table: pd.DataFrame, x: str, lab: str, paper: str, facet: str | None, title: str) -> go.Figure:
+    """Bars: the lab's value and the paper's, side by side per ``x`` (and facet)."""
+    keep = [c for c in (x, facet) if c]
+    long = table.melt(id_vars=keep, value_vars=[lab, paper], var_name="source", value_name="value")
+    long["source"] = long["source"].map({lab: "lab", paper: "paper"})
+    return px.bar(long, x=x, y="value", color="source", barmode="group", facet_col=facet, title=title,
+                  labels={"value": lab})
+
+
+def paper_figure(figure: str, table: pd.DataFrame) -> go.Figure:
+    """The chart of one vLLM-paper figure from its table (``simulator.paper``): the simulator's values with the
+    paper's beside them where the paper gives numbers, and the tiny engine's measured values beside the
+    simulator's."""
+    figure = str(figure)
+    if figure == "2":
+        return _lab_and_paper(table, "system", "token_states_frac", "paper_token_states_frac", None,
+                              "Figure 2: share of KV memory holding token states")
+    if figure == "12":
+        return px.bar(table, x="system", y="max_rate_req_s", color="workload", barmode="group", facet_col="model",
+                      title="Figure 12: highest sustainable request rate (latency knee)")
+    if figure == "13":
+        return _lab_and_paper(table, "system", "mean_batch_size", "paper_mean_batch_size", "workload",
+                              "Figure 13: mean batched requests")
+    if figure == "15":
+        frame = table.assign(k=table["n"].fillna(table["beam_width"]).astype(int).astype(str),
+                             what=table["workload"].str.slice(0, 12).str.rstrip(", ") + ", " + table["n"].notna().map(
+                                 {True: "parallel n", False: "beam width"}))
+        measured = frame["source"].eq("runtime (measured)") if "source" in frame else frame["n"].isna() & False
+        bars = []
+        for rows, pairs in ((frame[~measured], (("saving", "simulator"), ("paper_saving", "paper"))),
+                            (frame[measured], (("saving", "tiny engine, measured"),
+                                               ("simulated_same_lengths", "simulator")))):
+            for column, source in pairs:
+                if column in rows and len(rows):
+                    bars.append(rows[["k", "what"]].assign(value=rows[column], source=source))
+        return px.bar(pd.concat(bars, ignore_index=True), x="k", y="value", color="source", barmode="group",
+                      facet_col="what", title="Figure 15: memory saved by sharing", labels={"value": "saving"})
+    if figure == "16":
+        return px.bar(table, x="prefix_tokens", y="max_rate_req_s", color="system", barmode="group",
+                      title="Figure 16: sustainable rate with a shared few-shot prefix")
+    if figure == "18":
+        paper = table[table["normalized_latency_s_per_token"].notna()]
+        chart = px.line(paper, x="block_size", y="normalized_latency_s_per_token", color="workload", markers=True,
+                        log_x=True, title="Figure 18b: normalized latency by block size")
+        tiny = table[table["real_throughput_tok_s"].notna()] if "real_throughput_tok_s" in table else table.iloc[:0]
+        for column, name in (("real_throughput_tok_s", "tiny engine, measured tok/s"),
+                             ("simulated_throughput_tok_s", "tiny engine, simulated tok/s")):
+            if len(tiny):
+                chart.add_scatter(x=tiny["block_size"], y=tiny[column], name=name, yaxis="y2", mode="lines+markers")
+        return chart.update_layout(yaxis2=dict(overlaying="y", side="right", title="tokens/s (tiny engine)"),
+                                   legend=dict(x=1.1))
+    if figure == "19":
+        paper = table[table["normalized_latency_s_per_token"].notna()]
+        chart = px.line(paper, x="block_size", y="normalized_latency_s_per_token", color="preemption_mode",
+                        markers=True, log_x=True, title="Figure 19: recompute vs swap by block size")
+        if "measured_swap_over_recompute" in table:
+            tiny = table[table["measured_swap_over_recompute"].notna()].drop_duplicates("block_size")
+            for column, name in (("measured_swap_over_recompute", "tiny engine swap/recompute, measured"),
+                                 ("simulated_swap_over_recompute", "tiny engine swap/recompute, simulated")):
+                chart.add_scatter(x=tiny["block_size"], y=tiny[column], name=name, yaxis="y2", mode="lines+markers")
+            chart.update_layout(yaxis2=dict(overlaying="y", side="right", title="swap / recompute (tiny)"),
+                                legend=dict(x=1.1))
+        return chart
+    raise ValueError(f"no chart for figure {figure!r}")

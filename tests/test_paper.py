@@ -2,6 +2,8 @@
 import pandas as pd
 import pytest
 
+from simulator.charts import paper_figure
+
 from simulator.paper import (FIGURES, TinyScale, figure2, figure12, figure13, figure15, figure16, figure18, figure19,
                              normalized_latency, run_figures)
 
@@ -24,6 +26,7 @@ def test_each_figure_runs_small_and_has_its_columns(figure):
     table, summary = functions[figure](60 if figure in ("12", "16") else 120, **small)
     assert COLUMNS[figure] <= set(table.columns) and len(table) > 0
     assert summary and all(row["verdict"] in ("reproduced", "partly", "not") for row in summary)
+    assert len(paper_figure(figure, table).data) >= 2  # the lab beside the paper, or the tiny engine beside the model
 
 
 def test_the_summary_and_csvs_are_written(tmp_path):

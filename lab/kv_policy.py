@@ -150,25 +150,9 @@ class PagedPolicy:
     def take_copies(self) -> list[tuple[int, int]]:
         return self.manager.take_pending_copies() if self.manager.pending_copies else []
 
-    def beam_step(self, seqs: list[Sequence], counts: list[int], kv_len: int) -> list[Sequence]:
-        """Beam search's reshuffle before a step (the beams hold ``kv_len - 1`` tokens): beam ``i`` is continued by
-        ``counts[i]`` of the next beams; one continued by none is released, one continued ``c > 1`` times is forked
-        ``c - 1`` times into the released beams' sequences (sharing every block; a shared partly filled block is
-        copied on write when they append). Returns the beams in their new rank order, each parent followed by its
-        forks."""
-        released = [seq for seq, count in zip(seqs, counts) if count == 0]
-        ranked = []
-        for seq, count in zip(seqs, counts):
-            if count:
-                ranked.append(seq)
-                for _ in range(count - 1):
-                    child = released.pop()
-                    self._refork(seq, child)
-                    ranked.append(child)
-        return ranked
-
-    def _refork(self, parent: Sequence, child: Sequence) -> None:
-        """``child`` drops its blocks and becomes a fork of ``parent``."""
+    def refork(self, parent: Sequence, child: Sequence, kv_len: int) -> None:
+        """Beam search: ``child`` drops its blocks and becomes a fork of ``parent`` (both hold ``kv_len - 1`` tokens;
+        every block is shared, a shared partly filled block is copied on write when they append)."""
         self._forget(child)
         self._op("release_sequence", child.seq_id, 0)
         self._op("fork_sequence", parent.seq_id, child.seq_id)

@@ -207,7 +207,7 @@ class KVPolicy(Protocol):
     def can_swap_in(self, seqs: list[Sequence], extra_blocks: int) -> bool: ...
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]: ...
     def take_copies(self) -> list[tuple[int, int]]: ...
-    def beam_step(self, seqs: list[Sequence], counts: list[int], kv_len: int) -> list[Sequence]: ...
+    def refork(self, parent: Sequence, child: Sequence, kv_len: int) -> None: ...
     def first_decode_blocks(self, seqs: list[Sequence]) -> int: ...
 
 
@@ -391,14 +391,24 @@ class Scheduler:
                 self._schedule_memory_event(seq)
 
     def _beam_step(self, group: SequenceGroup) -> None:
-        """Before this step's tokens: the beams that no candidate continues die, the others are continued once or
-        forked (``KVPolicy.beam_step``); the group's beams are re-ranked parents first, each followed by its forks."""
+        """Before this step's tokens: a beam continued by ``c > 1`` of the next beams is forked ``c - 1`` times into
+        the sequences of beams no candidate continues (``KVPolicy.refork``); the group's beams are re-ranked parents
+        first, each followed by its forks."""
         running = self.running
         live = [seq for seq in group.seqs if running.get(seq.seq_id) is seq]
         if not live:
             del self.beam_groups[group]
             return
-        ranked = self.policy.beam_step(live, group.beam.parent_counts(len(live)), self.kv_len(live[0]))
+        counts, kv_len = group.beam.parent_counts(len(live)), self.kv_len(live[0])
+        released = [seq for seq, count in zip(live, counts) if count == 0]
+        ranked = []
+        for seq, count in zip(live, counts):
+            if count:
+                ranked.append(seq)
+                for _ in range(count - 1):  # the extra continuations take over released beams' sequences
+                    child = released.pop()
+                    self.policy.refork(seq, child, kv_len)
+                    ranked.append(child)
         group.seqs[:] = ranked + [seq for seq in group.seqs if running.get(seq.seq_id) is not seq]
 
     def _reserve_one_by_one(self, bucket: dict, out: SchedulerOutput) -> None:

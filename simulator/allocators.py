@@ -245,18 +245,10 @@ class ContiguousPolicy:
     def release(self, seq, kv_len: int = 0) -> None:
         self._free(seq)
 
-    def beam_step(self, seqs: list, counts: list[int], kv_len: int) -> list:
-        """Beam search without sharing: a beam continued by none gets its region overwritten by a copy of a beam
-        continued several times (``kv_len - 1`` tokens copied each); returns the beams re-ranked as the paged policy
-        does."""
-        released = [seq for seq, count in zip(seqs, counts) if count == 0]
-        ranked = []
-        for seq, count in zip(seqs, counts):
-            if count:
-                ranked.append(seq)
-                ranked += [released.pop() for _ in range(count - 1)]
-                self.copied_tokens += (count - 1) * (kv_len - 1)
-        return ranked
+    def refork(self, parent, child, kv_len: int) -> None:
+        """Beam search without sharing: ``child``'s region is overwritten by a copy of ``parent``'s ``kv_len - 1``
+        tokens (charged as copy time)."""
+        self.copied_tokens += kv_len - 1
 
     def table_slots(self) -> int:
         """Token slots the sequences hold (nothing is shared)."""

@@ -4,7 +4,7 @@ A real beam search keeps the ``k`` best of the live beams' continuations; which 
 the model's probabilities. The simulator has no probabilities, so each step the ``k`` next beams draw their parents
 among the ``k`` live beams with probability proportional to ``BEAM_PARENT_DECAY ** rank`` (the better-ranked beams
 spawn more, as in a real search where a few strong hypotheses dominate). A beam no candidate continues dies and its
-blocks are released; a beam continued several times is forked (``KVPolicy.beam_step``). The scheduler calls the
+blocks are released; a beam continued several times is forked (``KVPolicy.refork``). The scheduler calls the
 model once per decode step of each beam search; ``simulator.paper`` checks its memory saving against the vLLM
 paper's Figure 15 and against the real engine's ``LLMEngine.beam_search`` at tiny scale.
 """

@@ -181,6 +181,15 @@ class _SeqState:
         return self.request.prompt + self.output
 
 
+def load_model(model: str, config: EngineConfig):
+    """``(hf_model, tokenizer_or_None)`` for a preset or checkpoint directory on ``config``'s device and dtype
+    (default: CUDA in bf16 when there is one, else the CPU in fp32): what ``LLMEngine(model, config)`` loads, for
+    callers that build several engines on one model."""
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = config.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return load_hf_model(model, dtype, device, config.seed)
+
+
 class LLMEngine:
     """A small serving engine: ``generate()`` for batch use, ``add_request()``/``step()`` for incremental use.
 
@@ -200,13 +209,11 @@ class LLMEngine:
         config.check()
         self.config = config
         if isinstance(model, str):
-            self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-            dtype = config.dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-            self.hf_model, self.tokenizer = load_hf_model(model, dtype, self.device, config.seed)
-        else:  # an already loaded Qwen3ForCausalLM (e.g. cached by the app)
-            self.hf_model, self.tokenizer = model, tokenizer
-            parameter = next(model.parameters())
-            self.device, dtype = parameter.device, parameter.dtype
+            model, tokenizer = load_model(model, config)
+        # else an already loaded Qwen3ForCausalLM (e.g. cached by the app, or shared by a profile's engines)
+        self.hf_model, self.tokenizer = model, tokenizer
+        parameter = next(model.parameters())
+        self.device, dtype = parameter.device, parameter.dtype
         hf_config = self.hf_model.config
         num_blocks = config.num_blocks
         if num_blocks is None:

@@ -218,17 +218,14 @@ def profile_engine(model="tiny", device: str | None = None, block_size: int = 16
     lands on all scenarios alike instead of skewing a few (the fit would then bend around it)."""
     import torch
 
-    from .engine import EngineConfig
-    from .model import load_hf_model
+    from .engine import EngineConfig, load_model
 
     if grid not in GRIDS:
         raise ProfileError(f"grid must be one of {', '.join(GRIDS)}, got {grid!r}")
     scenarios = _scenarios(block_size, grid)
     probe = EngineConfig(block_size=block_size, device=device, attention_backend=backend, seed=seed, num_blocks=1)
     probe.check()
-    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = probe.dtype or (torch.bfloat16 if target.type == "cuda" else torch.float32)
-    hf_model, _ = load_hf_model(model, dtype, target, seed) if isinstance(model, str) else (model, None)
+    hf_model = load_model(model, probe)[0] if isinstance(model, str) else model
     generators = [torch.Generator().manual_seed(seed + index) for index in range(len(scenarios))]
     groups: dict[tuple, list[float]] = {}
     engine = None

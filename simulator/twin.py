@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from lab.engine import EngineConfig, LLMEngine, SamplingParams
+from lab.engine import EngineConfig, LLMEngine, SamplingParams, load_model
 from lab.profile import Profile
 from lab.scheduler import STEP_LOG_COLUMNS
 
@@ -186,13 +186,8 @@ def run_twin(workload: Workload, config: TwinConfig, profile: Profile, repeats: 
     the runs' values and ``noise_floor`` the largest relative distance of a run from it; the step logs, the replay
     and the CDFs use the first run."""
     profile.check_matches(model=config.model, block_size=config.engine.block_size)
-    hf_model = load_model(config)
+    hf_model = load_model(config.model, config.engine)[0]
     return compare(workload, [run_real(workload, config, hf_model) for _ in range(repeats)], profile)
-
-
-def load_model(config: TwinConfig):
-    """The HF model the twin's real runs share (loaded once)."""
-    return LLMEngine(config.model, config.engine, num_blocks=1).hf_model
 
 
 def compare(workload: Workload, real_runs: list[RealRun], profile: Profile) -> TwinResult:
@@ -251,12 +246,6 @@ BENCH_MODELS = {
 }
 
 
-def workload_rate(workload: Workload) -> float:
-    """Mean arrival rate in requests per second (inf when every request arrives at t = 0)."""
-    span = float(workload.arrival_s.max() - workload.arrival_s.min()) if len(workload) else 0.0
-    return (len(workload) - 1) / span if span > 0 else math.inf
-
-
 def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int = 3, block_size: int = 16,
                device: str | None = None, light_fraction: float = 0.35,
                progress: Callable[[str], None] | None = None) -> pd.DataFrame:
@@ -280,7 +269,7 @@ def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int = 3, block_
         rows.append({"model": model, "load": "profile", "metric": "holdout_median_rel_error", "real": math.nan,
                      "simulated": math.nan, "rel_error": profile.holdout_median_rel_error})
         config = TwinConfig(model, EngineConfig(block_size=block_size, num_blocks=setup.num_blocks, device=device))
-        hf_model = load_model(config)
+        hf_model = load_model(config.model, config.engine)[0]
         workloads, runs = {}, {"saturated": [], "light": []}
         for repeat in range(repeats):
             for load in runs:
@@ -295,7 +284,7 @@ def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int = 3, block_
         for load, workload in workloads.items():
             result = compare(workload, runs[load], profile)
             rows.append({"model": model, "load": load, "metric": "arrival_rate_req_s",
-                         "real": workload_rate(workload), "simulated": math.nan, "rel_error": math.nan})
+                         "real": workload.summary()["rate_req_s"], "simulated": math.nan, "rel_error": math.nan})
             rows += [{"model": model, "load": load, **row} for row in result.table.to_dict("records")]
             rows.append({"model": model, "load": load, "metric": "speedup_vs_real_time", "real": result.real_wall_s,
                          "simulated": result.simulated_wall_s,

@@ -10,6 +10,11 @@ dict on that key, so the hash chains over the whole prefix while the lookup comp
 collision can never hand back a block with other contents. A caller that does not have the tokens but knows that
 a prompt's content is a function of (``stream_key``, position) can pass ``stream_key`` instead: its block ``j`` is
 keyed by (parent content id, stream key, ``j``), O(1) per block (the simulator uses it for unshared prompts).
+
+Reference counts are stored for blocks that can have several holders. A block held by an *exclusive* sequence
+(never forked, hit or cached) or reserved has exactly one holder, so its stored count stays 0 and its count of 1
+is implicit: allocating and releasing such blocks writes no per-block count (the simulator's hot path).
+``ref_counts`` adds the implicit ones back; ``is_shared`` reads the stored count.
 """
 from __future__ import annotations
 
@@ -181,10 +186,10 @@ class KVBlockManager:
         self.num_physical_blocks = int(num_physical_blocks)
         self.block_size = int(block_size)
         self.enable_prefix_caching = bool(enable_prefix_caching)
-        self.ref_counts = [0] * self.num_physical_blocks
+        self._ref_counts = [0] * self.num_physical_blocks  # stored counts (see the module docstring)
         self._cached_blocks: dict[tuple, int] = {}  # (parent_content_id, token_ids) -> block id
         self._block_keys: list[tuple | None] = [None] * self.num_physical_blocks
-        self._free_queue = FreeBlockQueue(self.num_physical_blocks, self.ref_counts, self._block_keys)
+        self._free_queue = FreeBlockQueue(self.num_physical_blocks, self._ref_counts, self._block_keys)
         self._block_content_ids: list[int] = [ROOT_CONTENT_ID] * self.num_physical_blocks
         self._next_content_id = 0
         self.sequences: dict[object, SequenceBlocks] = {}
@@ -216,6 +221,24 @@ class KVBlockManager:
         """Blocks reserved and not yet handed to a sequence."""
         self._flush_reserve()
         return list(self._reserved)
+
+    @property
+    def ref_counts(self) -> list[int]:
+        """Holders of each physical block (a reserved block counts one); a fresh list, O(pool): for views and
+        checks. The hot path asks ``is_shared``."""
+        self._flush_reserve()
+        counts = list(self._ref_counts)
+        for seq in self.sequences.values():
+            if seq.exclusive:
+                for block in seq.block_table:
+                    counts[block] += 1
+        for block in self._reserved:
+            counts[block] += 1
+        return counts
+
+    def is_shared(self, block: int) -> bool:
+        """Whether a held block has more than one holder (appending into it then copies it first)."""
+        return self._ref_counts[block] > 1
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
@@ -272,7 +295,7 @@ class KVBlockManager:
         seq = self._seq(seq_id)
         self._flush_reserve()
         if seq.stream_key is not None and seq.stream_registered < seq.stream_blocks:
-            seq.exclusive = False  # its blocks get cache keys
+            self._share(seq)  # its blocks get cache keys
             self._register_stream_blocks(seq, seq.stream_key, seq.stream_registered, seq.stream_blocks)
             seq.stream_registered = seq.stream_blocks
 
@@ -280,9 +303,10 @@ class KVBlockManager:
         """Make ``child_id`` share every block of ``parent_id`` (reference counts go up; nothing is copied)."""
         parent = self._seq(parent_id)
         self._check_new_id(child_id)
+        self._share(parent)
+        ref_counts = self._ref_counts
         for block in parent.block_table:
-            self.ref_counts[block] += 1
-        parent.exclusive = False
+            ref_counts[block] += 1
         partial = list(parent.partial_token_ids) if parent.partial_token_ids is not None else None
         known = list(parent.known_tokens) if parent.known_tokens is not None else None
         self.sequences[child_id] = SequenceBlocks(list(parent.block_table), parent.num_tokens, partial, known,
@@ -299,15 +323,10 @@ class KVBlockManager:
             if num_reserved > len(self._reserved):
                 raise OutOfBlocksError(f"releasing {num_reserved!r} reserved blocks, {len(self._reserved)} reserved")
         del self.sequences[seq_id]
-        ref_counts, free = self.ref_counts, self._free_queue
-        if num_reserved:
-            tail = self._take_reserved(num_reserved)[::-1]
-            for block in tail:
-                ref_counts[block] = 0
-            free.extend_unkeyed(tail)
-        if seq.exclusive:  # every block has count 1 and no cache key: free them in bulk
-            for block in seq.block_table:
-                ref_counts[block] = 0
+        ref_counts, free = self._ref_counts, self._free_queue
+        if num_reserved:  # reserved blocks: stored count 0 already
+            free.extend_unkeyed(self._take_reserved(num_reserved)[::-1])
+        if seq.exclusive:  # every block has one holder (stored as 0) and no cache key: free them in bulk
             free.extend_unkeyed(reversed(seq.block_table))
             return
         for block in reversed(seq.block_table):  # tail first, so a prefix's head is reused last
@@ -356,8 +375,8 @@ class KVBlockManager:
         offset = seq.num_tokens % self.block_size
         if offset == 0:
             self._check_free(1, seq_id)
-            seq.block_table.append(self._allocate_blocks(1)[0])
-        elif self.ref_counts[seq.block_table[-1]] > 1:
+            seq.block_table.append(self._held_by(seq, self._allocate_blocks(1))[0])
+        elif self._ref_counts[seq.block_table[-1]] > 1:
             self._check_free(1, seq_id)
             self._copy_on_write(seq)
         block = seq.block_table[-1]
@@ -378,7 +397,7 @@ class KVBlockManager:
         seq = self._seq(seq_id)
         self._flush_reserve()
         size, table = self.block_size, seq.block_table
-        cow = num_tokens and seq.num_tokens % size and self.ref_counts[table[-1]] > 1
+        cow = num_tokens and seq.num_tokens % size and self._ref_counts[table[-1]] > 1
         new_blocks = -(-(seq.num_tokens + num_tokens) // size) - len(table)
         if from_reserved:
             if new_blocks > len(self._reserved):
@@ -393,7 +412,7 @@ class KVBlockManager:
         take = self._take_reserved if from_reserved else self._allocate_blocks
         if seq.partial_token_ids is None:  # the simulator's hot path: no tokens to hash
             if new_blocks:
-                table.extend(take(new_blocks))
+                table.extend(self._held_by(seq, take(new_blocks)))
             seq.num_tokens += num_tokens
             return
         self._grow(seq, num_tokens, token_ids, take)
@@ -424,12 +443,10 @@ class KVBlockManager:
             raise OutOfBlocksError(f"moving {len(seq_ids)} sequences needs {len(distinct)} blocks, "
                                    f"{target.num_free_blocks} free in the target")
         placed = dict(zip(distinct, target._allocate_blocks(len(distinct))))
-        for block in placed.values():
-            target.ref_counts[block] = 0
         for seq_id, table in zip(seq_ids, tables):
             moved = SequenceBlocks([placed[b] for b in table], self.sequences[seq_id].num_tokens)
             for block in moved.block_table:
-                target.ref_counts[block] += 1
+                target._ref_counts[block] += 1
             target.sequences[seq_id] = moved
         for seq_id in seq_ids:
             self.release_sequence(seq_id)
@@ -495,7 +512,7 @@ class KVBlockManager:
     def snapshot(self) -> PoolSnapshot:
         """Copy of ref counts, owners, block tables and lengths (O(pool); for views, not the hot path)."""
         self._flush_reserve()
-        return PoolSnapshot(self.block_size, list(self.ref_counts), self.block_owners(),
+        return PoolSnapshot(self.block_size, self.ref_counts, self.block_owners(),
                             {s: list(seq.block_table) for s, seq in self.sequences.items()},
                             {s: seq.num_tokens for s, seq in self.sequences.items()},
                             [key is not None for key in self._block_keys], self.num_free_blocks)
@@ -509,17 +526,20 @@ class KVBlockManager:
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` describing the first broken invariant of the pool."""
         self._flush_reserve()
-        uses = [0] * self.num_physical_blocks
+        uses, shared_uses = [0] * self.num_physical_blocks, [0] * self.num_physical_blocks
         for seq_id, seq in self.sequences.items():
             assert len(seq.block_table) == self.blocks_for_tokens(seq.num_tokens), f"{seq_id!r}: table size"
             for block in seq.block_table:
                 uses[block] += 1
+                shared_uses[block] += not seq.exclusive
         for block in self._reserved:
             uses[block] += 1
-        assert uses == self.ref_counts, "ref counts differ from block-table uses"
+        assert shared_uses == self._ref_counts, "ref counts differ from block-table uses"
+        counts = self.ref_counts
+        assert uses == counts, "a block of an exclusive sequence or a reserved block has another holder"
         queued = self._free_queue.queued()
         assert len(queued) == len(set(queued)) == self.num_free_blocks, "free queue holds a block twice"
-        assert set(queued) == {b for b, count in enumerate(self.ref_counts) if count == 0}, "free queue vs counts"
+        assert set(queued) == {b for b, count in enumerate(counts) if count == 0}, "free queue vs counts"
         for key, block in self._cached_blocks.items():
             assert self._block_keys[block] == key, f"cache entry of block {block} disagrees with its key"
         for seq_id, seq in self.sequences.items():
@@ -638,7 +658,7 @@ class KVBlockManager:
     def _allocatable_after_hits(self, hits: list[int]) -> int:
         if not hits:
             return self._free_queue.num_free
-        return self._free_queue.num_free - sum(1 for block in hits if self.ref_counts[block] == 0)
+        return self._free_queue.num_free - sum(1 for block in hits if self._ref_counts[block] == 0)
 
     def _check_free(self, needed: int, seq_id) -> None:
         if needed > self.num_free_blocks:
@@ -650,12 +670,12 @@ class KVBlockManager:
         size, done, source = self.block_size, 0, source or self._allocate_blocks
         if seq.partial_token_ids is None:  # no tokens to hash: take all new blocks at once
             new_blocks = self.blocks_for_tokens(seq.num_tokens + num_tokens) - len(seq.block_table)
-            seq.block_table.extend(source(new_blocks))
+            seq.block_table.extend(self._held_by(seq, source(new_blocks)))
             seq.num_tokens += num_tokens
             return
         while done < num_tokens:
             if seq.num_tokens % size == 0:
-                seq.block_table.append(source(1)[0])
+                seq.block_table.append(self._held_by(seq, source(1))[0])
             take = min(size - seq.num_tokens % size, num_tokens - done)
             seq.num_tokens += take
             if seq.partial_token_ids is not None:
@@ -705,10 +725,11 @@ class KVBlockManager:
             self._reserved.extend(self._allocate_blocks(backlog))
 
     def _allocate_blocks(self, count: int) -> list[int]:
-        """``count`` blocks with reference count 1, from the head of the free queue (evicting cached ones)."""
+        """``count`` blocks from the head of the free queue (evicting cached ones), stored count still 0: the caller
+        hands them to a holder (``_held_by``) or reserves them."""
         if self._reserve_backlog:
             self._flush_reserve()
-        free, ref_counts = self._free_queue, self.ref_counts
+        free = self._free_queue
         taken = free.pop(count)
         if free.num_keyed:
             keys = self._block_keys
@@ -716,9 +737,23 @@ class KVBlockManager:
                 if keys[block] is not None:
                     free.num_keyed -= 1
                     self._uncache(block)
-        for block in taken:
-            ref_counts[block] = 1
         return taken
+
+    def _held_by(self, seq: SequenceBlocks, blocks: list[int]) -> list[int]:
+        """Fresh or reserved ``blocks`` go to ``seq``: a non-exclusive holder's count is stored."""
+        if not seq.exclusive:
+            ref_counts = self._ref_counts
+            for block in blocks:
+                ref_counts[block] = 1
+        return blocks
+
+    def _share(self, seq: SequenceBlocks) -> None:
+        """``seq`` stops being exclusive: store the counts of 1 its blocks had implicitly."""
+        if seq.exclusive:
+            seq.exclusive = False
+            ref_counts = self._ref_counts
+            for block in seq.block_table:
+                ref_counts[block] = 1
 
     def _take_reserved(self, count: int) -> list[int]:
         """The last ``count`` reserved blocks, newest first (as ``count`` single takes would hand them out)."""
@@ -734,17 +769,17 @@ class KVBlockManager:
         self._block_content_ids[block] = ROOT_CONTENT_ID
 
     def _take_cached_block(self, block: int) -> None:
-        if self.ref_counts[block] == 0:
+        if self._ref_counts[block] == 0:
             self._free_queue.take(block)
-        self.ref_counts[block] += 1
+        self._ref_counts[block] += 1
 
     def _cow_needed(self, seq: SequenceBlocks) -> int:
-        return int(seq.num_tokens % self.block_size != 0 and self.ref_counts[seq.block_table[-1]] > 1)
+        return int(seq.num_tokens % self.block_size != 0 and self._ref_counts[seq.block_table[-1]] > 1)
 
     def _copy_on_write(self, seq: SequenceBlocks) -> None:
         src = seq.block_table[-1]
-        dst = self._allocate_blocks(1)[0]
-        self.ref_counts[src] -= 1
+        dst = self._held_by(seq, self._allocate_blocks(1))[0]
+        self._ref_counts[src] -= 1
         seq.block_table[-1] = dst
         self.pending_copies.append((src, dst))
         self.num_cow_copies += 1

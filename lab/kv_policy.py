@@ -73,7 +73,7 @@ class PagedPolicy:
     def next_event_position(self, seq: Sequence) -> int:
         """KV length at which ``seq`` needs a copy of the partly filled block it shares, else ``NO_EVENT``."""
         table = self.manager.sequences[seq.seq_id].block_table
-        if seq.synced_len % self.block_size and self.manager.ref_counts[table[-1]] > 1 or seq.group.beam is not None:
+        if seq.synced_len % self.block_size and self.manager.is_shared(table[-1]) or seq.group.beam is not None:
             return seq.synced_len + 1  # beams are re-forked every step: their memory is an event every step
         return NO_EVENT
 
@@ -104,7 +104,7 @@ class PagedPolicy:
         manager, size = self.manager, self.block_size
         table = manager.sequences[seq.seq_id].block_table
         needed = -(-kv_len // size) - len(table)
-        if seq.synced_len % size and manager.ref_counts[table[-1]] > 1:
+        if seq.synced_len % size and manager.is_shared(table[-1]):
             needed += 1
         if needed > manager.num_free_blocks:
             return False
@@ -246,7 +246,7 @@ class PagedPolicy:
         for seq in seqs:
             fill = seq.synced_len % size
             block = manager.sequences[seq.seq_id].block_table[-1] if fill else -1
-            if block >= 0 and manager.ref_counts[block] > 1:
+            if block >= 0 and manager.is_shared(block):
                 seq.shared_block = block
                 holders = self.shared_partial_holders.get(block, 0)
                 if holders:

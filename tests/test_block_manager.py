@@ -47,7 +47,31 @@ def test_fork_shares_blocks_and_cow_copies_partial_last_block():
     assert m.get_block_table("p")[1] == partial and m.pending_copies == []
     m.check_invariants()
     assert m.invariants_ok()
-    m.ref_counts[full] += 1  # corrupt the pool: the check must notice
+    m._ref_counts[full] += 1  # corrupt the stored count: the check must notice
+    assert not m.invariants_ok()
+
+
+def test_exclusive_sequences_hold_implicit_counts_until_shared():
+    """An exclusive sequence's blocks are stored with count 0 (no per-block writes); ``ref_counts`` still says 1,
+    forking or registering a stream stores them, and a stray stored count is caught."""
+    m = KVBlockManager(16, 4, enable_prefix_caching=True)
+    m.create_sequence("a", num_prompt_tokens=9)
+    m.create_sequence("s", num_prompt_tokens=8, stream_key="s", register_stream=False)
+    m.reserve_blocks(2)
+    a, s = m.get_block_table("a"), m.get_block_table("s")
+    assert m._ref_counts == [0] * 16
+    assert [m.ref_counts[b] for b in a + s + m.reserved_blocks] == [1] * 7 and m.ref_counts.count(0) == 9
+    assert not any(m.is_shared(b) for b in a)
+    m.check_invariants()
+    m.fork_sequence("a", "b")
+    assert [m._ref_counts[b] for b in a] == [2, 2, 2] and m.is_shared(a[-1])
+    m.register_stream_blocks("s")
+    assert [m._ref_counts[b] for b in s] == [1, 1]
+    m.append_tokens("s", 1, from_reserved=True)  # a non-exclusive holder stores its new block's count
+    assert m._ref_counts[m.get_block_table("s")[-1]] == 1
+    m.check_invariants()
+    m.create_sequence("c", num_prompt_tokens=4)
+    m._ref_counts[m.get_block_table("c")[0]] = 1  # a stored count on an exclusive block: the check must notice
     assert not m.invariants_ok()
 
 

@@ -210,36 +210,66 @@ def _scenarios(block_size: int, grid: str) -> list[tuple[str, dict, list[tuple[i
     return decode + prefill + cached + chunked + forks + swaps
 
 
+class Profiler:
+    """Profiling in rounds: each ``run_round`` runs every scenario once on a fresh engine (the first round is
+    unmeasured warm-up); ``result`` fits the samples gathered so far. A caller that measures something else too can
+    interleave its runs with the rounds, so a shared machine's slow spells fall on the profile and its runs alike."""
+
+    def __init__(self, model="tiny", device: str | None = None, block_size: int = 16, backend: str = "auto",
+                 seed: int = 0, grid: str = "full"):
+        import torch
+
+        from .engine import EngineConfig, load_model
+
+        if grid not in GRIDS:
+            raise ProfileError(f"grid must be one of {', '.join(GRIDS)}, got {grid!r}")
+        self.scenarios, self.grid, self.seed, self.model_name = _scenarios(block_size, grid), grid, seed, str(model)
+        self.probe = EngineConfig(block_size=block_size, device=device, attention_backend=backend, seed=seed,
+                                  num_blocks=1)
+        self.probe.check()
+        self.hf_model = load_model(model, self.probe)[0] if isinstance(model, str) else model
+        self.generators = [torch.Generator().manual_seed(seed + index) for index in range(len(self.scenarios))]
+        self.groups: dict[tuple, list[float]] = {}
+        self.rounds_run, self.engine = 0, None
+
+    @property
+    def num_scenarios(self) -> int:
+        return len(self.scenarios)
+
+    def run_round(self, progress: Callable[[int], None] | None = None) -> None:
+        """Every scenario once, in order; ``progress(i)`` after the ``i``-th. The first round is not recorded."""
+        groups = self.groups if self.rounds_run else None
+        for index, (_, settings, requests) in enumerate(self.scenarios):
+            self.engine = _run_scenario(self.hf_model, self.probe, settings, requests, self.generators[index], groups)
+            if progress is not None:
+                progress(index + 1)
+        self.rounds_run += 1
+
+    def result(self) -> Profile:
+        """Fit the measured rounds (at least one after the warm-up) into a ``Profile``."""
+        if self.rounds_run < 2:
+            raise ProfileError("a profile needs a measured round after the warm-up round")
+        samples = [{"quantities": list(key), "duration_s": statistics.median(times), "repeats": len(times)}
+                   for key, times in self.groups.items()]
+        knots = list(DECODE_BATCHES[self.grid])
+        coefficients, median_error, max_error = fit(samples, knots, seed=self.seed)
+        engine = self.engine
+        return Profile(self.model_name, str(engine.device), str(engine.runner.dtype), self.probe.block_size,
+                       engine.runner.attention_backend, coefficients, knots, samples, median_error, max_error)
+
+
 def profile_engine(model="tiny", device: str | None = None, block_size: int = 16, backend: str = "auto",
                    repeats: int = 3, seed: int = 0, grid: str = "full",
                    progress: Callable[[int, int], None] | None = None) -> Profile:
     """Measure the engine on the designed scenarios and fit the step-time model. The model is loaded once; each
     round runs every scenario on a fresh engine, round 0 unmeasured (warm-up), so a slow spell of a shared machine
     lands on all scenarios alike instead of skewing a few (the fit would then bend around it)."""
-    import torch
-
-    from .engine import EngineConfig, load_model
-
-    if grid not in GRIDS:
-        raise ProfileError(f"grid must be one of {', '.join(GRIDS)}, got {grid!r}")
-    scenarios = _scenarios(block_size, grid)
-    probe = EngineConfig(block_size=block_size, device=device, attention_backend=backend, seed=seed, num_blocks=1)
-    probe.check()
-    hf_model = load_model(model, probe)[0] if isinstance(model, str) else model
-    generators = [torch.Generator().manual_seed(seed + index) for index in range(len(scenarios))]
-    groups: dict[tuple, list[float]] = {}
-    engine = None
+    profiler = Profiler(model, device, block_size, backend, seed, grid)
+    total = (repeats + 1) * profiler.num_scenarios
     for round_ in range(repeats + 1):
-        for index, (_, settings, requests) in enumerate(scenarios):
-            engine = _run_scenario(hf_model, probe, settings, requests, generators[index], groups if round_ else None)
-            if progress is not None:
-                progress(round_ * len(scenarios) + index + 1, (repeats + 1) * len(scenarios))
-    samples = [{"quantities": list(key), "duration_s": statistics.median(times), "repeats": len(times)}
-               for key, times in groups.items()]
-    knots = list(DECODE_BATCHES[grid])
-    coefficients, median_error, max_error = fit(samples, knots, seed=seed)
-    return Profile(str(model), str(engine.device), str(engine.runner.dtype), block_size,
-                   engine.runner.attention_backend, coefficients, knots, samples, median_error, max_error)
+        done = round_ * profiler.num_scenarios
+        profiler.run_round(None if progress is None else lambda index: progress(done + index, total))
+    return profiler.result()
 
 
 def _run_scenario(hf_model, base, settings: dict, requests, generator, groups: dict | None):

@@ -249,12 +249,13 @@ BENCH_MODELS = {
 def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int = 3, block_size: int = 16,
                device: str | None = None, light_fraction: float = 0.35,
                progress: Callable[[str], None] | None = None) -> pd.DataFrame:
-    """The fidelity benchmark: per model, profile the engine, then run the twin saturated (every request at t = 0)
+    """The fidelity benchmark: per model, profile the engine and run the twin saturated (every request at t = 0)
     and at a light load (Poisson arrivals at ``light_fraction`` of the saturated run's request throughput, so it
-    is light on any machine), the real runs of the two loads alternating so that each load's repeats are spread
-    over the whole measurement (a shared machine's slow spells last seconds); one row per (model, load, metric)
-    with the error, the real run-to-run noise floor, and how much faster than real time the simulator ran."""
-    from lab.profile import profile_engine
+    is light on any machine). The profile's measured rounds and the real runs take turns (a round, then a real run
+    of each load, ``repeats`` times), so a shared machine's slow spells, which last seconds to minutes, fall on the
+    calibration and on the runs it predicts alike. One row per (model, load, metric) with the error, the real
+    run-to-run noise floor, and how much faster than real time the simulator ran."""
+    from lab.profile import Profiler
 
     unknown = [m for m in models if m not in BENCH_MODELS]
     if unknown:
@@ -263,15 +264,14 @@ def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int = 3, block_
     rows = []
     for model in models:
         setup = BENCH_MODELS[model]
-        say(f"{model}: profiling the engine ({setup.grid} grid)")
-        profile = profile_engine(model, device, block_size, repeats=3 if setup.grid == "full" else 2,
-                                 grid=setup.grid)
-        rows.append({"model": model, "load": "profile", "metric": "holdout_median_rel_error", "real": math.nan,
-                     "simulated": math.nan, "rel_error": profile.holdout_median_rel_error})
+        say(f"{model}: warming up the profiler ({setup.grid} grid)")
+        profiler = Profiler(model, device, block_size, grid=setup.grid)
+        profiler.run_round()
         config = TwinConfig(model, EngineConfig(block_size=block_size, num_blocks=setup.num_blocks, device=device))
-        hf_model = load_model(config.model, config.engine)[0]
         workloads, runs = {}, {"saturated": [], "light": []}
         for repeat in range(repeats):
+            say(f"{model}: profile round {repeat + 1} of {repeats}")
+            profiler.run_round()
             for load in runs:
                 if load not in workloads:
                     rate = math.inf if load == "saturated" else \
@@ -280,7 +280,10 @@ def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int = 3, block_
                         preset="random", num_requests=setup.num_requests, input_len=setup.input_len,
                         output_len=setup.output_len, range_ratio=0.5, rate=rate, seed=1))
                 say(f"{model}: real run {repeat + 1} of {repeats}, {load} load")
-                runs[load].append(run_real(workloads[load], config, hf_model))
+                runs[load].append(run_real(workloads[load], config, profiler.hf_model))
+        profile = profiler.result()
+        rows.append({"model": model, "load": "profile", "metric": "holdout_median_rel_error", "real": math.nan,
+                     "simulated": math.nan, "rel_error": profile.holdout_median_rel_error})
         for load, workload in workloads.items():
             result = compare(workload, runs[load], profile)
             rows.append({"model": model, "load": load, "metric": "arrival_rate_req_s",

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from lab.engine import EngineConfig
-from lab.profile import (LINEAR, Profile, ProfileError, design_row, feature_names, fit,
+from lab.profile import (LINEAR, Profile, ProfileError, Profiler, design_row, feature_names, fit,
                          profile_engine)
 from simulator import SimConfig, Simulator
 from simulator.twin import TwinConfig, run_twin
@@ -54,6 +54,17 @@ def test_a_quick_profile_of_the_tiny_engine_fits_and_round_trips(tmp_path):
     assert math.isfinite(profile.holdout_median_rel_error) and any(s["holdout"] for s in profile.samples)
     profile.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == profile
+
+
+def test_profiling_in_rounds_needs_a_measured_round_and_keeps_the_samples_of_each():
+    profiler = Profiler("tiny", block_size=4, grid="quick")
+    profiler.run_round()  # warm-up: not recorded
+    with pytest.raises(ProfileError, match="measured round"):
+        profiler.result()
+    profiler.run_round()
+    profiler.run_round()
+    profile = profiler.result()
+    assert profiler.rounds_run == 3 and {s["repeats"] for s in profile.samples} >= {2}
 
 
 TWIN_CASES = {

@@ -13,6 +13,7 @@ import bisect
 import json
 import math
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -20,25 +21,29 @@ from typing import Callable
 import numpy as np
 
 QUANTITIES = ("constant", "prefill_seqs", "prefill_tokens", "decode_seqs", "prefill_attention_pairs",
-              "decode_kv_tokens", "decode_padded_kv_tokens", "copied_blocks", "swapped_blocks")
+              "decode_kv_tokens", "decode_padded_kv_tokens", "copied_blocks", "swapped_blocks", "after_idle")
 LINEAR = tuple(name for name in QUANTITIES if name != "decode_seqs")
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
+# A step that starts after the engine sat idle this long (nothing to run, waiting for an arrival) is ``after_idle``:
+# on a CPU it runs slower than the same step back to back (measured on the 0.6B shapes: a prefill +13 %), which is
+# most of a light load's TTFT error if the model ignores it.
+IDLE_GAP_S = 0.05
 
 
 class ProfileError(ValueError):
     """A profile file is malformed, or does not match the model or block size it is used with."""
 
 
-def plan_quantities(out, block_size: int) -> list[float]:
+def plan_quantities(out, block_size: int, after_idle: bool = False) -> list[float]:
     """What the step-time model reads from one step's plan (``lab.scheduler.SchedulerOutput``), in ``QUANTITIES``
     order. ``decode_padded_kv_tokens`` is the decode batch padded to its longest sequence's blocks: what a backend
     that gathers a rectangular batch (the torch one) reads, while ``decode_kv_tokens`` is what a per-sequence kernel
-    reads."""
+    reads. ``after_idle``: the executor sat idle for at least ``IDLE_GAP_S`` before this step."""
     swapped = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
     padded = out.num_decode_seqs * -(-out.decode_max_kv_len // block_size) * block_size
     return [1.0, float(len(out.prefill_chunks)), float(out.num_prefill_tokens), float(out.num_decode_seqs),
             float(out.prefill_attention_pairs), float(out.decode_kv_tokens), float(padded),
-            float(len(out.blocks_to_copy)), float(swapped)]
+            float(len(out.blocks_to_copy)), float(swapped), float(after_idle)]
 
 
 def feature_names(knots: list[int]) -> tuple[str, ...]:
@@ -82,17 +87,18 @@ class Profile:
     holdout_max_rel_error: float = math.nan
     version: int = PROFILE_VERSION
 
-    def step_time(self, out) -> float:
-        """Predicted seconds of the step planned in ``out``."""
-        return self.predictor()(out)
+    def step_time(self, out, after_idle: bool = False) -> float:
+        """Predicted seconds of the step planned in ``out`` (``after_idle``: see ``plan_quantities``)."""
+        return self.predictor()(out, after_idle)
 
-    def predictor(self) -> Callable[[object], float]:
+    def predictor(self) -> Callable[..., float]:
         """``step_time`` with the coefficients laid out once (the simulator calls it every step)."""
         knots, block_size = list(self.decode_knots), self.block_size
         vector = [self.coefficients[name] for name in feature_names(knots)]
 
-        def step_time(out) -> float:
-            return sum(c * v for c, v in zip(vector, design_row(plan_quantities(out, block_size), knots)))
+        def step_time(out, after_idle: bool = False) -> float:
+            quantities = plan_quantities(out, block_size, after_idle)
+            return sum(c * v for c, v in zip(vector, design_row(quantities, knots)))
         return step_time
 
     def check_matches(self, model: str | None = None, block_size: int | None = None) -> None:
@@ -173,6 +179,7 @@ def fit(samples: list[dict], knots: list[int], holdout_fraction: float = 0.2,
 
 # ---- measuring the engine -----------------------------------------------------------------------------------------
 GRIDS = ("full", "small", "quick")
+IDLE_SCENARIO_S = 0.25
 # The decode batch sizes each grid measures on their own: the knots of the piecewise-linear decode term. (Other batch
 # sizes occur too, in chunked and copy-on-write steps, but mixed with other work they would pin a knot badly.)
 # ``small`` keeps 2 and 4: a light load decodes 1-2 sequences per step, and with no knot between 1 and 8 the fit let
@@ -209,7 +216,10 @@ def _scenarios(block_size: int, grid: str) -> list[tuple[str, dict, list[tuple[i
     # half the pool the requests need: sequences are swapped out to the host pool and back in as others finish
     swaps = [(f"swap preemption, {count} x 64 + 48", {"preemption_mode": "swap", "pool_fraction": 0.5},
               [(64, 48, 1)] * count) for count in (4, 16)]
-    return decode + prefill + cached + chunked + forks + swaps
+    # a prompt arriving at an idle engine (the light-load case): its prefill after a pause of idle_s
+    idle = [(f"prefill {length} after {IDLE_SCENARIO_S} s idle", {"idle_s": IDLE_SCENARIO_S}, [(length, 1, 1)])
+            for length in (64, 192)]
+    return decode + prefill + cached + chunked + forks + swaps + idle
 
 
 class Profiler:
@@ -284,6 +294,7 @@ def _run_scenario(hf_model, base, settings: dict, requests, generator, groups: d
     from .engine import LLMEngine, SamplingParams
 
     cached_prefix, pool_fraction = settings.get("cached_prefix", 0), settings.get("pool_fraction", 1.0)
+    idle_s = settings.get("idle_s", 0.0)
     block_size = base.block_size
     needed = sum(n * -(-(cached_prefix + length + outputs) // block_size) for length, outputs, n in requests)
     num_blocks = needed + 2 * cached_prefix // block_size + 8
@@ -292,7 +303,8 @@ def _run_scenario(hf_model, base, settings: dict, requests, generator, groups: d
         num_blocks = max(int(needed * pool_fraction), 2 * longest + 2)
     config = dataclasses.replace(base, max_num_seqs=64, num_blocks=num_blocks,
                                  num_cpu_blocks=needed + 8 if pool_fraction < 1 else 0,
-                                 **{k: v for k, v in settings.items() if k not in ("cached_prefix", "pool_fraction")})
+                                 **{k: v for k, v in settings.items()
+                                    if k not in ("cached_prefix", "pool_fraction", "idle_s")})
     engine = LLMEngine(hf_model, config)
     vocab = hf_model.config.vocab_size
     prefix = torch.randint(0, vocab, (cached_prefix,), generator=generator).tolist()
@@ -302,9 +314,12 @@ def _run_scenario(hf_model, base, settings: dict, requests, generator, groups: d
         prompt = prefix + torch.randint(0, vocab, (length,), generator=generator).tolist()
         engine.add_request(prompt, SamplingParams(max_tokens=outputs, n=n, ignore_eos=True,
                                                   temperature=0.8 if n > 1 else 0.0, seed=base.seed))
+    if idle_s:
+        time.sleep(idle_s)
     while engine.has_unfinished():
+        after_idle = idle_s >= IDLE_GAP_S and engine.num_steps == 0
         engine.step()
         if groups is not None:
-            key = tuple(plan_quantities(engine.last_plan, block_size))
+            key = tuple(plan_quantities(engine.last_plan, block_size, after_idle))
             groups.setdefault(key, []).append(engine.last_step_stats().duration_s)
     return engine

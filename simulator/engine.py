@@ -18,7 +18,7 @@ import pandas as pd
 
 from lab.checks import check_bool, check_choice, check_int, check_real
 from lab.kv_policy import PagedPolicy
-from lab.profile import Profile
+from lab.profile import IDLE_GAP_S, Profile
 from lab.scheduler import (PREEMPTION_MODES, SCHEDULING_MODES, RequestRejectedError, Scheduler,
                            SchedulerConfig, Sequence, SequenceGroup, StepStats)
 
@@ -221,6 +221,7 @@ class Simulator:
         self.on_snapshot, self.snapshot_every = on_snapshot, max(1, snapshot_every)
         self.snapshot_pool = snapshot_pool  # copying the pool is O(blocks): progress-only callers skip it
         self.time = 0.0
+        self.after_idle = False  # the next step starts after the engine sat idle for IDLE_GAP_S or more
         self.iteration = 0
         self.done_calendar: dict[int, list] = {}  # decode step -> [(seq, epoch)] completing then
         self.next_seq_id = 0
@@ -281,7 +282,9 @@ class Simulator:
             if not scheduler.has_unfinished():
                 if self.next_arrival >= len(owned) or arrivals[owned[self.next_arrival]] >= until:
                     return
-                self.time = float(arrivals[owned[self.next_arrival]])
+                arrival = float(arrivals[owned[self.next_arrival]])
+                self.after_idle = self.after_idle or arrival - self.time >= IDLE_GAP_S
+                self.time = arrival
                 continue
             if self.time >= until:
                 return
@@ -298,8 +301,10 @@ class Simulator:
         self._arrive(request)
         self.next_arrival += 1
 
-    def iterate(self) -> None:
-        """Run one iteration now (a replay's driver; ``run``/``advance`` run iterations by the clock)."""
+    def iterate(self, after_idle: bool = False) -> None:
+        """Run one iteration now (a replay's driver; ``run``/``advance`` run iterations by the clock);
+        ``after_idle``: the engine being replayed sat idle before this step (see ``lab.profile.IDLE_GAP_S``)."""
+        self.after_idle = after_idle
         self._iterate()
 
     def outstanding(self) -> int:
@@ -353,7 +358,7 @@ class Simulator:
             return
         self.iteration += 1
         if self.profile is not None:  # measured on the engine: copies and swaps are among its features
-            duration = self.profile_step_time(out)
+            duration = self.profile_step_time(out, self.after_idle)
             self.swapped_blocks += len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
         else:
             duration = self.cost.iteration_time(out.num_prefill_tokens + out.num_decode_seqs,
@@ -363,6 +368,7 @@ class Simulator:
                 duration += self._pending_copy_time()
             if out.blocks_to_swap_out or out.blocks_to_swap_in:
                 duration += self._swap_time(out)
+        self.after_idle = False
         end = self.time + duration
         self.generated_tokens += out.num_decode_seqs + len(out.prefill_done)
         if out.prefill_done:

@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from lab.engine import EngineConfig, LLMEngine, SamplingParams, load_model
-from lab.profile import Profile
+from lab.profile import IDLE_GAP_S, Profile
 from lab.scheduler import STEP_LOG_COLUMNS
 
 from .engine import SimConfig, Simulator
@@ -44,13 +44,15 @@ class TwinConfig:
 @dataclass(slots=True)
 class RealRun:
     """The engine's side of a twin run: its metrics, step log, wall time, the step count at which each request was
-    queued, and the engine (what the simulator is configured from)."""
+    queued, the engine (what the simulator is configured from), and the steps (counted from 0) that started after
+    the engine sat idle for ``IDLE_GAP_S`` or more."""
 
     metrics: dict
     steps: pd.DataFrame
     wall_s: float
     admitted_after: list[int]
     engine: LLMEngine
+    idle_steps: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -104,6 +106,7 @@ def run_real(workload: Workload, config: TwinConfig, hf_model=None) -> RealRun:
     started = time.perf_counter()
     arrivals, next_request, peak_blocks = workload.arrival_s, 0, 0
     admitted_after = []  # per request: how many engine steps had run when it was queued (for the replay)
+    idle_steps, last_step_end = [], started
     while next_request < len(prompts) or engine.has_unfinished():
         now = time.perf_counter() - started
         while next_request < len(prompts) and arrivals[next_request] <= now:
@@ -111,12 +114,16 @@ def run_real(workload: Workload, config: TwinConfig, hf_model=None) -> RealRun:
             admitted_after.append(engine.num_steps)
             next_request += 1
         if engine.has_unfinished():
+            if time.perf_counter() - last_step_end >= IDLE_GAP_S:
+                idle_steps.append(engine.num_steps)
             engine.step()
+            last_step_end = time.perf_counter()
             peak_blocks = max(peak_blocks, engine.block_manager.num_used_blocks)
         else:
             time.sleep(max(0.0, arrivals[next_request] - now))
     wall = time.perf_counter() - started
-    return RealRun(_real_metrics(engine, started, peak_blocks), engine.step_log(), wall, admitted_after, engine)
+    return RealRun(_real_metrics(engine, started, peak_blocks), engine.step_log(), wall, admitted_after, engine,
+                   idle_steps)
 
 
 def _real_metrics(engine: LLMEngine, started: float, peak_blocks: int) -> dict:
@@ -150,18 +157,19 @@ def run_simulated(workload: Workload, config: SimConfig, repeats: int = 3) -> tu
     return metrics, steps, wall
 
 
-def replay(workload: Workload, config: SimConfig, admitted_after: list[int]) -> pd.DataFrame:
+def replay(workload: Workload, config: SimConfig, admitted_after: list[int], idle_steps=()) -> pd.DataFrame:
     """The simulator driven step by step with each request queued after as many steps as the real run had taken
-    when it queued it: the same schedule as the real run whatever the arrival times, so each step's modelled
-    duration can be compared with the measured one. Returns the simulated step log."""
+    when it queued it (and the steps that the real engine began after idling priced as such): the same schedule as
+    the real run whatever the arrival times, so each step's modelled duration can be compared with the measured one.
+    Returns the simulated step log."""
     sim = Simulator(workload, config, requests=[])
-    scheduler, request = sim.scheduler, 0
+    scheduler, request, idle = sim.scheduler, 0, set(idle_steps)
     while request < len(workload) or scheduler.has_unfinished():
         while request < len(workload) and admitted_after[request] <= scheduler.num_steps:
             sim.queue_now(request)
             request += 1
         if scheduler.has_unfinished():
-            sim.iterate()
+            sim.iterate(scheduler.num_steps in idle)
     return sim.scheduler.step_log_frame()
 
 
@@ -209,7 +217,7 @@ def compare(workload: Workload, real_runs: list[RealRun], profile: Profile) -> T
     difference = first_difference(real_steps, simulated_steps)
     rows.append({"metric": "schedule_identical", "real": 1.0, "simulated": float(difference == ""),
                  "rel_error": 0.0 if difference == "" else 1.0})
-    replayed = replay(workload, simulation, first.admitted_after)
+    replayed = replay(workload, simulation, first.admitted_after, first.idle_steps)
     replay_difference = first_difference(real_steps, replayed)
     rows.append({"metric": "replay_schedule_identical", "real": 1.0, "simulated": float(replay_difference == ""),
                  "rel_error": 0.0 if replay_difference == "" else 1.0})

@@ -7,16 +7,17 @@ import numpy as np
 import pytest
 
 from lab.engine import EngineConfig
-from lab.profile import (LINEAR, Profile, ProfileError, Profiler, design_row, feature_names, fit,
+from lab.profile import (LINEAR, PROFILE_VERSION, Profile, ProfileError, Profiler, design_row, feature_names, fit,
                          profile_engine)
 from simulator import SimConfig, Simulator
-from simulator.twin import TwinConfig, run_twin
-from simulator.workloads import SyntheticSpec, synthetic_workload
+from simulator.twin import TwinConfig, replay, run_twin
+from simulator.workloads import SyntheticSpec, Workload, synthetic_workload
 
 KNOTS = [1, 4, 8, 32]
 FIXED = {"constant": 2e-3, "prefill_seqs": 1e-4, "prefill_tokens": 2e-5, "prefill_attention_pairs": 1e-8,
          "decode_kv_tokens": 1e-7, "decode_padded_kv_tokens": 2e-7, "copied_blocks": 5e-5, "swapped_blocks": 8e-5,
-         "decode_seqs@1": 3e-4, "decode_seqs@4": 1.2e-3, "decode_seqs@8": 4e-3, "decode_seqs@32": 5e-3}
+         "after_idle": 3e-3, "decode_seqs@1": 3e-4, "decode_seqs@4": 1.2e-3, "decode_seqs@8": 4e-3,
+         "decode_seqs@32": 5e-3}
 
 
 def fixed_profile(block_size=4, model="tiny"):
@@ -24,10 +25,10 @@ def fixed_profile(block_size=4, model="tiny"):
 
 
 def test_the_decode_batch_enters_piecewise_linearly():
-    assert design_row([1, 0, 0, 6, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0.5, 0.5, 0]
-    assert design_row([1, 0, 0, 64, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0, 0, 2]
-    assert design_row([1, 0, 0, 0, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0, 0, 0]
-    assert design_row([1, 0, 0, 8, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0, 1, 0]
+    assert design_row([1, 0, 0, 6, 0, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0.5, 0.5, 0]
+    assert design_row([1, 0, 0, 64, 0, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0, 0, 2]
+    assert design_row([1, 0, 0, 0, 0, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0, 0, 0]
+    assert design_row([1, 0, 0, 8, 0, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0, 1, 0]
 
 
 def test_the_fit_recovers_known_coefficients():
@@ -38,12 +39,12 @@ def test_the_fit_recovers_known_coefficients():
         kv_tokens = float(rng.integers(0, 10**4))
         quantities = [1.0, float(rng.integers(0, 30)), float(rng.integers(0, 600)), float(rng.choice(KNOTS + [0, 16])),
                       float(rng.integers(0, 10**5)), kv_tokens, kv_tokens + float(rng.integers(0, 10**4)),
-                      float(rng.integers(0, 4)), float(rng.integers(0, 40))]
+                      float(rng.integers(0, 4)), float(rng.integers(0, 40)), float(rng.integers(0, 2))]
         true = sum(FIXED[name] * value for name, value in zip(feature_names(KNOTS), design_row(quantities, KNOTS)))
         samples.append({"quantities": quantities, "duration_s": true * rng.normal(1.0, 0.005)})
     coefficients, median_error, _ = fit(samples, KNOTS)
     assert median_error < 0.01
-    for name in ("constant", "prefill_tokens", "decode_seqs@8", "decode_seqs@32"):
+    for name in ("constant", "prefill_tokens", "after_idle", "decode_seqs@8", "decode_seqs@32"):
         assert coefficients[name] == pytest.approx(FIXED[name], rel=0.1)
 
 
@@ -54,6 +55,24 @@ def test_a_quick_profile_of_the_tiny_engine_fits_and_round_trips(tmp_path):
     assert math.isfinite(profile.holdout_median_rel_error) and any(s["holdout"] for s in profile.samples)
     profile.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == profile
+
+
+def test_a_step_after_the_engine_idled_is_priced_as_such():
+    """Requests at 0, 0.01 s and 5 s: only the third finds the engine idle for IDLE_GAP_S or more, so only its
+    prefill pays the profile's after_idle term (here 3 ms), in a clocked run and in a replay told so."""
+    workload = Workload("gaps", np.array([0.0, 0.01, 5.0]), np.array([20, 20, 20]), np.array([4, 4, 4]))
+    priced, free = fixed_profile(), fixed_profile()
+    free.coefficients["after_idle"] = 0.0
+    config = dict(capacity_tokens=4096, block_size=4, record_steps=True)
+    ttft = {}
+    for name, profile in (("priced", priced), ("free", free)):
+        requests = Simulator(workload, SimConfig(profile=profile, **config)).run().requests
+        ttft[name] = (requests["first_token_s"] - requests["arrival_s"]).to_numpy()
+    assert ttft["priced"][:2] == pytest.approx(ttft["free"][:2], abs=1e-12)
+    assert ttft["priced"][2] - ttft["free"][2] == pytest.approx(3e-3)
+    steps = {idle: replay(workload, SimConfig(profile=priced, **config), [0, 0, 3], idle)["duration_s"].to_numpy()
+             for idle in ((), (3,))}
+    assert steps[(3,)][3] - steps[()][3] == pytest.approx(3e-3) and (steps[(3,)][:3] == steps[()][:3]).all()
 
 
 def test_profiling_in_rounds_needs_a_measured_round_and_keeps_the_samples_of_each():
@@ -93,16 +112,17 @@ BAD_PROFILES = [
     (b"not json", "not a JSON profile"),
     (b"[1, 2]", "expected a JSON object"),
     (json.dumps({"version": 99}).encode(), "version"),
-    (json.dumps({"version": 4, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch", "block_size": 4,
+    (json.dumps({"version": PROFILE_VERSION, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
+                 "block_size": 4,
                  "coefficients": {**FIXED, "constant": -1.0}, "decode_knots": KNOTS, "samples": []}).encode(),
      "finite numbers >= 0"),
-    (json.dumps({"version": 4, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
+    (json.dumps({"version": PROFILE_VERSION, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
                  "block_size": "4", "coefficients": FIXED, "decode_knots": KNOTS, "samples": []}).encode(),
      "block_size"),
-    (json.dumps({"version": 4, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
+    (json.dumps({"version": PROFILE_VERSION, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
                  "block_size": 4, "coefficients": FIXED, "decode_knots": [4, 1], "samples": []}).encode(),
      "decode_knots"),
-    (json.dumps({"version": 4, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
+    (json.dumps({"version": PROFILE_VERSION, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
                  "block_size": 4, "coefficients": FIXED, "decode_knots": [1, 4, 8], "samples": []}).encode(),
      "for exactly"),
 ]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -278,24 +277,19 @@ TINY = TinyScale()
 TINY_POOL_TOKENS = 2048
 
 
-@lru_cache(maxsize=None)
-def _tiny_profile(block_size: int, grid: str):
-    from lab.profile import profile_engine
-
-    return profile_engine("tiny", block_size=block_size, repeats=2, grid=grid)
-
-
-def _tiny_twin(workload: Workload, block_size: int, grid: str, pool_tokens: int = TINY_POOL_TOKENS,
-               **engine_settings):
-    """The tiny engine and the simulator on its profile (``simulator.twin``), the same configuration: the real
-    (median of three runs: this machine's speed drifts) and simulated metrics and the first real run's step log."""
+def _tiny_twins(cases: dict, block_size: int, grid: str, pool_tokens: int = TINY_POOL_TOKENS) -> dict:
+    """The tiny engine and the simulator on its profile (``simulator.twin.calibrated_twins``: the profile's rounds
+    and three real runs of each case take turns, since this machine's speed drifts), for ``{name: (workload, engine
+    settings)}`` on one block size: ``{name: (metric table indexed by metric, the first real run's step log)}``."""
     from lab.engine import EngineConfig
 
-    from .twin import TwinConfig, run_twin
+    from .twin import TwinCase, calibrated_twins
 
-    engine = EngineConfig(block_size=block_size, num_blocks=pool_tokens // block_size, **engine_settings)
-    result = run_twin(workload, TwinConfig("tiny", engine), _tiny_profile(block_size, grid), repeats=3)
-    return result.table.set_index("metric"), result.real_steps
+    twin_cases = {name: TwinCase(workload, EngineConfig(block_size=block_size, num_blocks=pool_tokens // block_size,
+                                                        **settings))
+                  for name, (workload, settings) in cases.items()}
+    _, results = calibrated_twins("tiny", twin_cases, grid, repeats=3)
+    return {name: (result.table.set_index("metric"), result.real_steps) for name, result in results.items()}
 
 
 def _mean_batch(steps: pd.DataFrame) -> float:
@@ -309,7 +303,7 @@ def _figure18_tiny(tiny: TinyScale) -> tuple[pd.DataFrame, list[dict]]:
                                                 seed=5))
     rows = []
     for block_size in tiny.block_sizes:
-        table, steps = _tiny_twin(workload, block_size, tiny.grid)
+        table, steps = _tiny_twins({"run": (workload, {})}, block_size, tiny.grid)["run"]
         rows.append({"workload": "tiny engine, alpaca-sized, 2,048-slot pool", "block_size": block_size,
                      "real_throughput_tok_s": table.loc["throughput_tok_s", "real"],
                      "simulated_throughput_tok_s": table.loc["throughput_tok_s", "simulated"],
@@ -341,9 +335,9 @@ def _figure19_tiny(tiny: TinyScale) -> tuple[pd.DataFrame, list[dict]]:
                                                 output_len=96, range_ratio=0.5, seed=6))
     rows = []
     for block_size in tiny.block_sizes:
-        for mode in ("recompute", "swap"):
-            extra = {"num_cpu_blocks": 1024 // block_size} if mode == "swap" else {}
-            table, _ = _tiny_twin(workload, block_size, tiny.grid, 1024, preemption_mode=mode, **extra)
+        cases = {"recompute": (workload, {"preemption_mode": "recompute"}),
+                 "swap": (workload, {"preemption_mode": "swap", "num_cpu_blocks": 1024 // block_size})}
+        for mode, (table, _) in _tiny_twins(cases, block_size, tiny.grid, 1024).items():
             rows.append({"workload": "tiny engine, 1,024-slot pool", "block_size": block_size,
                          "preemption_mode": mode, "real_makespan_s": table.loc["makespan_s", "real"],
                          "simulated_makespan_s": table.loc["makespan_s", "simulated"],

@@ -65,6 +65,7 @@ class TwinResult:
     simulated_wall_s: float
     real_requests: pd.DataFrame | None = None  # per request: ttft_s, tpot_s, e2e_s (for CDFs)
     simulated_requests: pd.DataFrame | None = None
+    workload: Workload | None = None
 
 
 def sim_config(engine: LLMEngine, profile: Profile) -> SimConfig:
@@ -228,7 +229,7 @@ def compare(workload: Workload, real_runs: list[RealRun], profile: Profile) -> T
     rows.append({"metric": "wall_time_s", "real": real_wall, "simulated": simulated_wall,
                  "rel_error": math.nan})
     return TwinResult(pd.DataFrame(rows), real_steps, simulated_steps, difference, real_wall, simulated_wall,
-                      real["requests"], simulated["requests"])
+                      real["requests"], simulated["requests"], workload)
 
 
 def _relative(value: float, reference: float) -> float:
@@ -254,48 +255,75 @@ BENCH_MODELS = {
 }
 
 
+@dataclass(slots=True)
+class TwinCase:
+    """One workload on one engine configuration for ``calibrated_twins``. ``workload`` may be a callable that
+    builds it from the real runs so far (``{case name: [RealRun]}``): a light load sized from a saturated run."""
+
+    workload: Workload | Callable[[dict], Workload]
+    engine: EngineConfig
+
+
+def calibrated_twins(model: str, cases: dict[str, TwinCase], grid: str = "full", repeats: int = 3,
+                     progress: Callable[[str], None] | None = None) -> tuple[Profile, dict[str, TwinResult]]:
+    """Profile ``model`` and run every case through the engine ``repeats`` times, taking turns: a warm-up round,
+    then per repeat one measured profile round (``lab.profile.Profiler``) and one real run of each case, in order.
+    A shared machine's slow spells, which last seconds to minutes, then fall on the calibration and on the runs it
+    predicts alike. Returns the profile and each case compared with the simulator on it (``compare``). The cases
+    share one block size and device (the profile's)."""
+    from lab.profile import Profiler
+
+    engines = [case.engine for case in cases.values()]
+    if len({(engine.block_size, engine.device) for engine in engines}) != 1:
+        raise ValueError("calibrated_twins: every case needs the same block_size and device (one profile)")
+    say = progress or (lambda message: None)
+    say(f"{model}: warming up the profiler ({grid} grid)")
+    profiler = Profiler(model, engines[0].device, engines[0].block_size, grid=grid)
+    profiler.run_round()
+    workloads, runs = {}, {name: [] for name in cases}
+    for repeat in range(repeats):
+        say(f"{model}: profile round {repeat + 1} of {repeats}")
+        profiler.run_round()
+        for name, case in cases.items():
+            if name not in workloads:
+                workloads[name] = case.workload(runs) if callable(case.workload) else case.workload
+            say(f"{model}: real run {repeat + 1} of {repeats}, {name}")
+            runs[name].append(run_real(workloads[name], TwinConfig(model, case.engine), profiler.hf_model))
+    profile = profiler.result()
+    return profile, {name: compare(workloads[name], runs[name], profile) for name in cases}
+
+
 def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int = 3, block_size: int = 16,
                device: str | None = None, light_fraction: float = 0.35,
                progress: Callable[[str], None] | None = None) -> pd.DataFrame:
     """The fidelity benchmark: per model, profile the engine and run the twin saturated (every request at t = 0)
     and at a light load (Poisson arrivals at ``light_fraction`` of the saturated run's request throughput, so it
-    is light on any machine). The profile's measured rounds and the real runs take turns (a round, then a real run
-    of each load, ``repeats`` times), so a shared machine's slow spells, which last seconds to minutes, fall on the
-    calibration and on the runs it predicts alike. One row per (model, load, metric) with the error, the real
-    run-to-run noise floor, and how much faster than real time the simulator ran."""
-    from lab.profile import Profiler
-
+    is light on any machine), the profile's rounds and the real runs taking turns (``calibrated_twins``). One row
+    per (model, load, metric) with the error, the real run-to-run noise floor, and how much faster than real time
+    the simulator ran."""
     unknown = [m for m in models if m not in BENCH_MODELS]
     if unknown:
         raise ValueError(f"no benchmark settings for {', '.join(unknown)}; known: {', '.join(BENCH_MODELS)}")
-    say = progress or (lambda message: None)
     rows = []
     for model in models:
         setup = BENCH_MODELS[model]
-        say(f"{model}: warming up the profiler ({setup.grid} grid)")
-        profiler = Profiler(model, device, block_size, grid=setup.grid)
-        profiler.run_round()
-        config = TwinConfig(model, EngineConfig(block_size=block_size, num_blocks=setup.num_blocks, device=device))
-        workloads, runs = {}, {"saturated": [], "light": []}
-        for repeat in range(repeats):
-            say(f"{model}: profile round {repeat + 1} of {repeats}")
-            profiler.run_round()
-            for load in runs:
-                if load not in workloads:
-                    rate = math.inf if load == "saturated" else \
-                        light_fraction * setup.num_requests / runs["saturated"][0].metrics["makespan_s"]
-                    workloads[load] = synthetic_workload(SyntheticSpec(
-                        preset="random", num_requests=setup.num_requests, input_len=setup.input_len,
-                        output_len=setup.output_len, range_ratio=0.5, rate=rate, seed=1))
-                say(f"{model}: real run {repeat + 1} of {repeats}, {load} load")
-                runs[load].append(run_real(workloads[load], config, profiler.hf_model))
-        profile = profiler.result()
+
+        def workload(rate: float) -> Workload:
+            return synthetic_workload(SyntheticSpec(preset="random", num_requests=setup.num_requests,
+                                                    input_len=setup.input_len, output_len=setup.output_len,
+                                                    range_ratio=0.5, rate=rate, seed=1))
+
+        def light(runs: dict) -> Workload:
+            return workload(light_fraction * setup.num_requests / runs["saturated"][0].metrics["makespan_s"])
+
+        engine = EngineConfig(block_size=block_size, num_blocks=setup.num_blocks, device=device)
+        profile, results = calibrated_twins(model, {"saturated": TwinCase(workload(math.inf), engine),
+                                                    "light": TwinCase(light, engine)}, setup.grid, repeats, progress)
         rows.append({"model": model, "load": "profile", "metric": "holdout_median_rel_error", "real": math.nan,
                      "simulated": math.nan, "rel_error": profile.holdout_median_rel_error})
-        for load, workload in workloads.items():
-            result = compare(workload, runs[load], profile)
+        for load, result in results.items():
             rows.append({"model": model, "load": load, "metric": "arrival_rate_req_s",
-                         "real": workload.summary()["rate_req_s"], "simulated": math.nan, "rel_error": math.nan})
+                         "real": result.workload.summary()["rate_req_s"], "simulated": math.nan, "rel_error": math.nan})
             rows += [{"model": model, "load": load, **row} for row in result.table.to_dict("records")]
             rows.append({"model": model, "load": load, "metric": "speedup_vs_real_time", "real": result.real_wall_s,
                          "simulated": result.simulated_wall_s,

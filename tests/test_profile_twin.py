@@ -10,7 +10,7 @@ from lab.engine import EngineConfig
 from lab.profile import (LINEAR, PROFILE_VERSION, Profile, ProfileError, Profiler, design_row, feature_names, fit,
                          profile_engine)
 from simulator import SimConfig, Simulator
-from simulator.twin import TwinConfig, replay, run_twin
+from simulator.twin import TwinCase, TwinConfig, calibrated_twins, replay, run_twin
 from simulator.workloads import SyntheticSpec, Workload, synthetic_workload
 
 KNOTS = [1, 4, 8, 32]
@@ -73,6 +73,23 @@ def test_a_step_after_the_engine_idled_is_priced_as_such():
     steps = {idle: replay(workload, SimConfig(profile=priced, **config), [0, 0, 3], idle)["duration_s"].to_numpy()
              for idle in ((), (3,))}
     assert steps[(3,)][3] - steps[()][3] == pytest.approx(3e-3) and (steps[(3,)][:3] == steps[()][:3]).all()
+
+
+def test_calibrated_twins_take_turns_and_compare_every_case():
+    workload = synthetic_workload(SyntheticSpec(preset="random", num_requests=12, input_len=40, output_len=12,
+                                                range_ratio=0.5, seed=4))
+    cases = {"recompute": TwinCase(workload, EngineConfig(block_size=4, num_blocks=40)),
+             "swap": TwinCase(lambda runs: workload, EngineConfig(block_size=4, num_blocks=40,
+                                                                 preemption_mode="swap", num_cpu_blocks=64))}
+    profile, results = calibrated_twins("tiny", cases, grid="quick", repeats=2)
+    assert {s["repeats"] for s in profile.samples} >= {2} and list(results) == ["recompute", "swap"]
+    for result in results.values():
+        table = result.table.set_index("metric")
+        assert table.loc["schedule_identical", "simulated"] == 1.0 and table.loc["preemptions", "real"] > 0
+        assert result.workload is workload and "noise_floor" in table
+    with pytest.raises(ValueError, match="same block_size"):
+        calibrated_twins("tiny", {"a": TwinCase(workload, EngineConfig(block_size=4)),
+                                  "b": TwinCase(workload, EngineConfig(block_size=8))}, grid="quick")
 
 
 def test_profiling_in_rounds_needs_a_measured_round_and_keeps_the_samples_of_each():

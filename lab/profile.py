@@ -148,8 +148,9 @@ class Profile:
 
 def fit(samples: list[dict], knots: list[int], holdout_fraction: float = 0.2,
         seed: int = 0) -> tuple[dict[str, float], float, float]:
-    """Non-negative least squares of ``duration = sum(coefficient x feature)`` on relative error (each row weighted
-    by 1 / its duration: a serving run is mostly short decode steps, and an absolute-error fit, led by the long
+    """Non-negative least squares of ``duration = sum(coefficient x feature)`` on relative error, each scenario's
+    samples (``sample["scenario"]``; without it a sample is its own) weighing as much as another scenario's (each row
+    weighted by 1 / its duration: a serving run is mostly short decode steps, and an absolute-error fit, led by the long
     prefills, overestimates them by 10-20 % on a CPU, which the twin's TPOT shows); returns the coefficients fitted
     on every sample and the median and max relative error on a held-out fraction (fitted without it)."""
     from scipy.optimize import nnls
@@ -164,10 +165,16 @@ def fit(samples: list[dict], knots: list[int], holdout_fraction: float = 0.2,
     for sample, held in zip(samples, holdout):
         sample["holdout"] = bool(held)
 
+    # every scenario weighs the same in total (a decode scenario yields a sample per step, a prefill one a single
+    # sample: counted per sample, the fit served decode steps and left prefills 20-30 % low)
+    scenarios = [s.get("scenario", index) for index, s in enumerate(samples)]
+    counts = {name: scenarios.count(name) for name in set(scenarios)}
+    balance = np.array([1.0 / math.sqrt(counts[name]) for name in scenarios])
+
     def solve(rows):
         scale = features[rows].max(axis=0)
         scale[scale == 0] = 1.0
-        weights = 1.0 / durations[rows]
+        weights = balance[rows] / durations[rows]
         solution, _ = nnls(features[rows] / scale * weights[:, None], durations[rows] * weights)
         return solution / scale
 
@@ -242,6 +249,7 @@ class Profiler:
         self.hf_model = load_model(model, self.probe)[0] if isinstance(model, str) else model
         self.generators = [torch.Generator().manual_seed(seed + index) for index in range(len(self.scenarios))]
         self.groups: dict[tuple, list[float]] = {}
+        self.sources: dict[tuple, str] = {}  # quantities -> the scenario that first produced them
         self.rounds_run, self.engine = 0, None
 
     @property
@@ -253,6 +261,9 @@ class Profiler:
         groups = self.groups if self.rounds_run else None
         for index, (_, settings, requests) in enumerate(self.scenarios):
             self.engine = _run_scenario(self.hf_model, self.probe, settings, requests, self.generators[index], groups)
+            if groups is not None:
+                for key in groups:
+                    self.sources.setdefault(key, self.scenarios[index][0])
             if progress is not None:
                 progress(index + 1)
         self.rounds_run += 1
@@ -261,8 +272,8 @@ class Profiler:
         """Fit the measured rounds (at least one after the warm-up) into a ``Profile``."""
         if self.rounds_run < 2:
             raise ProfileError("a profile needs a measured round after the warm-up round")
-        samples = [{"quantities": list(key), "duration_s": statistics.median(times), "repeats": len(times)}
-                   for key, times in self.groups.items()]
+        samples = [{"quantities": list(key), "duration_s": statistics.median(times), "repeats": len(times),
+                    "scenario": self.sources[key]} for key, times in self.groups.items()]
         knots = list(DECODE_BATCHES[self.grid])
         coefficients, median_error, max_error = fit(samples, knots, seed=self.seed)
         engine = self.engine

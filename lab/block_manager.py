@@ -265,8 +265,8 @@ class KVBlockManager:
         self._check_new_id(seq_id)
         num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
         hits = self._lookup(token_ids, num_tokens, stream_key)
-        needed = -(-num_tokens // self.block_size) - len(hits)
-        if needed > (self._allocatable_after_hits(hits) if hits else self._free_queue.num_free):
+        needed = self._new_blocks_needed(num_tokens, hits)
+        if needed > self._allocatable_after_hits(hits):
             raise OutOfBlocksError(f"sequence {seq_id!r} needs {needed} blocks, {self.num_free_blocks} free")
         stream = stream_key is not None and token_ids is None and self.enable_prefix_caching
         seq = SequenceBlocks(partial_token_ids=[] if token_ids is not None and self.enable_prefix_caching else None)
@@ -318,12 +318,9 @@ class KVBlockManager:
         appends) are freed with it, as if appended first."""
         seq = self._seq(seq_id)
         if num_reserved:
-            if type(num_reserved) is not int:
-                num_reserved = _count(num_reserved, "num_reserved")
-            if self._reserve_backlog:
-                self._flush_reserve()
-            if not 0 < num_reserved <= len(self._reserved):
-                _count(num_reserved, "num_reserved")
+            num_reserved = _count(num_reserved, "num_reserved")
+            self._flush_reserve()
+            if num_reserved > len(self._reserved):
                 raise OutOfBlocksError(f"releasing {num_reserved!r} reserved blocks, {len(self._reserved)} reserved")
         del self.sequences[seq_id]
         ref_counts, free = self._ref_counts, self._free_queue
@@ -601,8 +598,7 @@ class KVBlockManager:
         return num_tokens, None
 
     def _lookup(self, token_ids: list[int] | None, num_tokens: int, stream_key) -> list[int]:
-        if self._reserve_backlog:  # the reserved blocks leave the queue first: they may evict cached ones
-            self._flush_reserve()
+        self._flush_reserve()  # the reserved blocks leave the queue first: they may evict cached ones
         if token_ids is not None:
             return self._lookup_prefix(token_ids)
         if stream_key is not None and self.enable_prefix_caching:
@@ -673,8 +669,8 @@ class KVBlockManager:
         checked there are enough."""
         size, done, source = self.block_size, 0, source or self._allocate_blocks
         if seq.partial_token_ids is None:  # no tokens to hash: take all new blocks at once
-            new_blocks = -(-(seq.num_tokens + num_tokens) // size) - len(seq.block_table)
-            seq.block_table.extend(source(new_blocks) if seq.exclusive else self._held_by(seq, source(new_blocks)))
+            new_blocks = self.blocks_for_tokens(seq.num_tokens + num_tokens) - len(seq.block_table)
+            seq.block_table.extend(self._held_by(seq, source(new_blocks)))
             seq.num_tokens += num_tokens
             return
         while done < num_tokens:

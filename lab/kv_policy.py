@@ -47,7 +47,7 @@ class PagedPolicy:
         count = None if ids is not None else prompt_len
         stream = first.group.stream_key if ids is None else None
         # Enough free blocks for the whole prompt is sufficient (hits only lower the need): skip the lookup.
-        if -(-prompt_len // self.block_size) + extra > self.free_queue.num_free and \
+        if manager.blocks_for_tokens(prompt_len) + extra > manager.num_free_blocks and \
                 not manager.can_allocate(ids, count, extra, stream):
             return False
         # A request of one sample: only its own later prefill can ask for its stream, so register on preemption
@@ -74,8 +74,8 @@ class PagedPolicy:
         """KV length at which ``seq`` needs a copy of the partly filled block it shares, else ``NO_EVENT``."""
         if seq.group.beam is not None:
             return seq.synced_len + 1  # beams are re-forked every step: their memory is an event every step
-        blocks = self.manager.sequences[seq.seq_id]
-        if not blocks.exclusive and seq.synced_len % self.block_size and self.manager.is_shared(blocks.block_table[-1]):
+        table = self.manager.sequences[seq.seq_id].block_table
+        if seq.synced_len % self.block_size and self.manager.is_shared(table[-1]):
             return seq.synced_len + 1
         return NO_EVENT
 
@@ -97,7 +97,7 @@ class PagedPolicy:
 
     def final_block_reserved(self, seq: Sequence) -> None:
         """``seq``'s last periodic block was reserved: the slots past its final length will never be filled."""
-        self._count_final_block(seq, -(-seq.final_len // self.block_size))
+        self._count_final_block(seq, self.manager.blocks_for_tokens(seq.final_len))
 
     def grow(self, seq: Sequence, kv_len: int, alone: bool) -> bool:
         """Give ``seq`` (synced) fresh blocks for ``kv_len`` tokens (copy-on-write included); False (nothing changed)

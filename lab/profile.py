@@ -14,6 +14,7 @@ import json
 import math
 import statistics
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -168,7 +169,7 @@ def fit(samples: list[dict], knots: list[int], holdout_fraction: float = 0.2,
     # every scenario weighs the same in total (a decode scenario yields a sample per step, a prefill one a single
     # sample: counted per sample, the fit served decode steps and left prefills 20-30 % low)
     scenarios = [s.get("scenario", index) for index, s in enumerate(samples)]
-    counts = {name: scenarios.count(name) for name in set(scenarios)}
+    counts = Counter(scenarios)
     balance = np.array([1.0 / math.sqrt(counts[name]) for name in scenarios])
 
     def solve(rows):
@@ -258,15 +259,18 @@ class Profiler:
 
     def run_round(self, progress: Callable[[int], None] | None = None) -> None:
         """Every scenario once, in order; ``progress(i)`` after the ``i``-th. The first round is not recorded."""
-        groups = self.groups if self.rounds_run else None
-        for index, (_, settings, requests) in enumerate(self.scenarios):
-            self.engine = _run_scenario(self.hf_model, self.probe, settings, requests, self.generators[index], groups)
-            if groups is not None:
-                for key in groups:
-                    self.sources.setdefault(key, self.scenarios[index][0])
+        for index, (name, settings, requests) in enumerate(self.scenarios):
+            record = self._recorder(name) if self.rounds_run else None
+            self.engine = _run_scenario(self.hf_model, self.probe, settings, requests, self.generators[index], record)
             if progress is not None:
                 progress(index + 1)
         self.rounds_run += 1
+
+    def _recorder(self, scenario: str) -> Callable[[tuple, float], None]:
+        def record(quantities: tuple, duration_s: float) -> None:
+            self.groups.setdefault(quantities, []).append(duration_s)
+            self.sources.setdefault(quantities, scenario)
+        return record
 
     def result(self) -> Profile:
         """Fit the measured rounds (at least one after the warm-up) into a ``Profile``."""
@@ -295,9 +299,10 @@ def profile_engine(model="tiny", device: str | None = None, block_size: int = 16
     return profiler.result()
 
 
-def _run_scenario(hf_model, base, settings: dict, requests, generator, groups: dict | None):
-    """One scenario on a fresh engine sized to hold it (no preemption); each step's duration is appended to
-    ``groups`` under its features (``None``: a warm-up run)."""
+def _run_scenario(hf_model, base, settings: dict, requests, generator,
+                  record: Callable[[tuple, float], None] | None):
+    """One scenario on a fresh engine sized to hold it; ``record(quantities, duration_s)`` for each step (``None``:
+    a warm-up run)."""
     import dataclasses
 
     import torch
@@ -330,7 +335,7 @@ def _run_scenario(hf_model, base, settings: dict, requests, generator, groups: d
     while engine.has_unfinished():
         after_idle = idle_s >= IDLE_GAP_S and engine.num_steps == 0
         engine.step()
-        if groups is not None:
-            key = tuple(plan_quantities(engine.last_plan, block_size, after_idle))
-            groups.setdefault(key, []).append(engine.last_step_stats().duration_s)
+        if record is not None:
+            record(tuple(plan_quantities(engine.last_plan, block_size, after_idle)),
+                   engine.last_step_stats().duration_s)
     return engine

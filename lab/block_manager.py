@@ -196,6 +196,7 @@ class KVBlockManager:
         self.pending_copies: list[tuple[int, int]] = []
         self._reserved: list[int] = []  # taken from the pool for appends announced in bulk (reserve_blocks)
         self._reserve_backlog = 0  # reserved blocks not yet taken off the free queue (see reserve_blocks)
+        self.num_block_references = 0  # block-table entries of every sequence plus reserved blocks (sum of counts)
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_cow_copies = 0
 
@@ -281,6 +282,7 @@ class KVBlockManager:
         seq.num_tokens = len(hits) * self.block_size
         self._record_prefix_lookup(num_tokens if token_ids is not None or stream else None, len(hits))
         self._grow(seq, num_tokens - seq.num_tokens, token_ids[seq.num_tokens:] if token_ids is not None else None)
+        self.num_block_references += len(seq.block_table)
         if stream:
             seq.stream_key, seq.stream_blocks, seq.stream_registered = stream_key, num_tokens // self.block_size, \
                 len(hits)
@@ -307,6 +309,7 @@ class KVBlockManager:
         ref_counts = self._ref_counts
         for block in parent.block_table:
             ref_counts[block] += 1
+        self.num_block_references += len(parent.block_table)
         partial = list(parent.partial_token_ids) if parent.partial_token_ids is not None else None
         known = list(parent.known_tokens) if parent.known_tokens is not None else None
         self.sequences[child_id] = SequenceBlocks(list(parent.block_table), parent.num_tokens, partial, known,
@@ -317,15 +320,20 @@ class KVBlockManager:
         ``num_reserved``, the last that many reserved blocks (ones it would have taken with ``from_reserved``
         appends) are freed with it, as if appended first."""
         seq = self._seq(seq_id)
+        reserved = self._reserved
         if num_reserved:
-            num_reserved = _count(num_reserved, "num_reserved")
+            if type(num_reserved) is not int:
+                num_reserved = _count(num_reserved, "num_reserved")
             self._flush_reserve()
-            if num_reserved > len(self._reserved):
-                raise OutOfBlocksError(f"releasing {num_reserved!r} reserved blocks, {len(self._reserved)} reserved")
+            if num_reserved > len(reserved):
+                raise OutOfBlocksError(f"releasing {num_reserved!r} reserved blocks, {len(reserved)} reserved")
         del self.sequences[seq_id]
+        self.num_block_references -= len(seq.block_table) + num_reserved
         ref_counts, free = self._ref_counts, self._free_queue
-        if num_reserved:  # reserved blocks: stored count 0 already
-            free.extend_unkeyed(self._take_reserved(num_reserved)[::-1])
+        if num_reserved:  # the newest reserved blocks, freed as if appended (stored count 0 already)
+            start = len(reserved) - num_reserved
+            free.extend_unkeyed(reserved[start:])
+            del reserved[start:]
         if seq.exclusive:  # every block has one holder (stored as 0) and no cache key: free them in bulk
             free.extend_unkeyed(reversed(seq.block_table))
             return
@@ -360,6 +368,7 @@ class KVBlockManager:
             _count(count, "count")
             raise OutOfBlocksError(f"reserving {count} blocks, {free.num_free} free")
         self._reserve_backlog += count
+        self.num_block_references += count
         free.num_free -= count
 
     def append_token(self, seq_id, token_id: int | None = None) -> int:
@@ -376,6 +385,7 @@ class KVBlockManager:
         if offset == 0:
             self._check_free(1, seq_id)
             seq.block_table.append(self._held_by(seq, self._allocate_blocks(1))[0])
+            self.num_block_references += 1
         elif self._ref_counts[seq.block_table[-1]] > 1:
             self._check_free(1, seq_id)
             self._copy_on_write(seq)
@@ -409,6 +419,8 @@ class KVBlockManager:
             self._check_free(new_blocks + bool(cow), seq_id)  # raises OutOfBlocksError
         if cow:
             self._copy_on_write(seq)
+        if not from_reserved:
+            self.num_block_references += new_blocks
         take = self._take_reserved if from_reserved else self._allocate_blocks
         if seq.partial_token_ids is None:  # the simulator's hot path: no tokens to hash
             if new_blocks:
@@ -448,6 +460,7 @@ class KVBlockManager:
             for block in moved.block_table:
                 target._ref_counts[block] += 1
             target.sequences[seq_id] = moved
+            target.num_block_references += len(moved.block_table)
         for seq_id in seq_ids:
             self.release_sequence(seq_id)
         return list(placed.items())
@@ -535,6 +548,7 @@ class KVBlockManager:
         for block in self._reserved:
             uses[block] += 1
         assert shared_uses == self._ref_counts, "ref counts differ from block-table uses"
+        assert sum(uses) == self.num_block_references, "num_block_references differs from block-table uses"
         counts = self.ref_counts
         assert uses == counts, "a block of an exclusive sequence or a reserved block has another holder"
         queued = self._free_queue.queued()

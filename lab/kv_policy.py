@@ -24,14 +24,12 @@ class PagedPolicy:
         self.cpu_manager = KVBlockManager(num_cpu_blocks, block_size) if num_cpu_blocks > 0 else None
         self.supports_swap = self.cpu_manager is not None
         self.capacity = num_blocks * block_size
-        self.table_blocks = 0  # sum of GPU block-table lengths (shared blocks counted once per holder)
         self.never_filled = 0
         self.copied_tokens = 0  # KV tokens moved by growing a region (contiguous policies); paging never copies
         # Forks share a partly filled last block until they append: block -> holders, and the slots that counting
         # those extra holders as full blocks over-subtracts from the token states.
         self.shared_partial_holders: dict[int, int] = {}
         self.shared_partial_slack = 0
-        self.ops: list[tuple] | None = None  # optional log of manager operations (tests replay it)
 
     # ---- admission ----------------------------------------------------------------------------------------------
     def can_ever_fit(self, final_len: int) -> bool:
@@ -53,14 +51,11 @@ class PagedPolicy:
         # A request of one sample: only its own later prefill can ask for its stream, so register on preemption
         # (cheaper). With several samples, a sibling's recompute may ask at any time: register now.
         register = len(first.group.seqs) > 1  # the request's samples (a recompute re-queues one of them alone)
-        if self.ops is not None:
-            self.ops.append(("create_sequence", first.seq_id, ids, count, stream, register))
         first.cached_tokens = manager.create_sequence(first.seq_id, ids, count, stream, register)
         for seq in seqs[1:]:
-            self._op("fork_sequence", first.seq_id, seq.seq_id)
+            manager.fork_sequence(first.seq_id, seq.seq_id)
             seq.cached_tokens = 0
         blocks = len(manager.sequences[first.seq_id].block_table)
-        self.table_blocks += blocks * len(seqs)
         for seq in seqs:
             seq.synced_len = prompt_len
         if len(seqs) > 1:
@@ -70,29 +65,23 @@ class PagedPolicy:
         return True
 
     # ---- growth ---------------------------------------------------------------------------------------------------
-    def next_event_position(self, seq: Sequence) -> int:
-        """KV length at which ``seq`` needs a copy of the partly filled block it shares, else ``NO_EVENT``."""
-        if seq.group.beam is not None:
-            return seq.synced_len + 1  # beams are re-forked every step: their memory is an event every step
+    def memory_needs(self, seq: Sequence) -> tuple[int, int]:
+        """For ``seq`` (synced): the KV length at which it needs a copy of the partly filled block it shares
+        (an event), and the KV length from which it needs a new block every ``block_period`` tokens; ``NO_EVENT``
+        for none (its blocks already hold ``final_len``)."""
+        if seq.group.beam is not None:  # beams are re-forked every step: their memory is an event every step
+            return seq.synced_len + 1, NO_EVENT
         table = self.manager.sequences[seq.seq_id].block_table
         if seq.synced_len % self.block_size and self.manager.is_shared(table[-1]):
-            return seq.synced_len + 1
-        return NO_EVENT
-
-    def periodic_start(self, seq: Sequence) -> int:
-        """KV length from which ``seq`` (synced, no event pending) needs a new block every ``block_period`` tokens,
-        or ``NO_EVENT`` when its blocks already hold ``final_len``."""
-        allocated = len(self.manager.sequences[seq.seq_id].block_table) * self.block_size
-        return allocated + 1 if allocated < seq.final_len else NO_EVENT
+            return seq.synced_len + 1, NO_EVENT
+        allocated = len(table) * self.block_size
+        return NO_EVENT, allocated + 1 if allocated < seq.final_len else NO_EVENT
 
     def reserve(self, count: int) -> bool:
         """Take ``count`` blocks for the sequences crossing a block boundary in this step, if that many are free."""
         if count > self.free_queue.num_free:
             return False
-        if self.ops is not None:
-            self.ops.append(("reserve_blocks", count))
         self.manager.reserve_blocks(count)
-        self.table_blocks += count
         return True
 
     def final_block_reserved(self, seq: Sequence) -> None:
@@ -110,9 +99,7 @@ class PagedPolicy:
             needed += 1
         if needed > manager.num_free_blocks:
             return False
-        before = len(table)
         self._append(seq, kv_len, False)
-        self.table_blocks += len(table) - before
         if len(table) * size >= seq.final_len and not seq.final_block_counted:
             self._count_final_block(seq, len(table))
         return True
@@ -125,8 +112,6 @@ class PagedPolicy:
     def _append(self, seq: Sequence, kv_len: int, from_reserved: bool) -> None:
         if seq.shared_block >= 0:
             self._leave_shared_partial(seq)
-        if self.ops is not None:
-            self.ops.append(("append_tokens", seq.seq_id, kv_len - seq.synced_len, None, from_reserved))
         self.manager.append_tokens(seq.seq_id, kv_len - seq.synced_len, None, from_reserved)
         seq.synced_len = kv_len
 
@@ -139,9 +124,6 @@ class PagedPolicy:
             else:
                 owed = -(-kv_len // self.block_size) - len(self.manager.sequences[seq.seq_id].block_table)
         self._forget(seq)
-        self.table_blocks -= owed
-        if self.ops is not None:
-            self.ops.append(("release_sequence", seq.seq_id, owed))
         self.manager.release_sequence(seq.seq_id, owed)
 
     def preempt(self, seq: Sequence, kv_len: int) -> None:
@@ -156,18 +138,17 @@ class PagedPolicy:
         """Beam search: ``child`` drops its blocks and becomes a fork of ``parent`` (both hold ``kv_len - 1`` tokens;
         every block is shared, a shared partly filled block is copied on write when they append)."""
         self._forget(child)
-        self._op("release_sequence", child.seq_id, 0)
-        self._op("fork_sequence", parent.seq_id, child.seq_id)
+        self.manager.release_sequence(child.seq_id)
+        self.manager.fork_sequence(parent.seq_id, child.seq_id)
         child.synced_len = parent.synced_len
         blocks = len(self.manager.sequences[child.seq_id].block_table)
-        self.table_blocks += blocks
         self._track_shared_partial([child] if parent.shared_block >= 0 else [parent, child])
         self._count_final_block(child, blocks)
 
     def table_slots(self) -> int:
         """Token slots of every sequence's block table, a shared block counted once per holder (what the same
         sequences would hold without sharing)."""
-        return self.table_blocks * self.block_size
+        return self.manager.num_block_references * self.block_size
 
     # ---- swapping -------------------------------------------------------------------------------------------------
     def can_swap_out(self, seqs: list[Sequence], kv_lens: list[int]) -> bool:
@@ -189,7 +170,7 @@ class PagedPolicy:
             manager.register_stream_blocks(seq.seq_id)  # the GPU blocks stay cached after the move
             self.sync(seq, kv_len)
             self._forget(seq)
-        mapping = self._op("move_sequences", [s.seq_id for s in seqs], self.cpu_manager)
+        mapping = manager.move_sequences([s.seq_id for s in seqs], self.cpu_manager)
         pending = {dst: src for src, dst in manager.pending_copies}
         moved = {gpu for gpu, _ in mapping}
         manager.pending_copies = [(src, dst) for src, dst in manager.pending_copies if dst not in moved]
@@ -205,9 +186,7 @@ class PagedPolicy:
 
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """Move the sequences back to the GPU pool; returns ``(cpu block, gpu block)`` copies."""
-        mapping = self._op("move_sequences_from_host", [s.seq_id for s in seqs])
-        for seq in seqs:
-            self.table_blocks += len(self.manager.sequences[seq.seq_id].block_table)
+        mapping = self.cpu_manager.move_sequences([s.seq_id for s in seqs], self.manager)
         self._track_shared_partial(seqs)
         for seq in seqs:
             self._count_final_block(seq, len(self.manager.sequences[seq.seq_id].block_table))
@@ -237,7 +216,7 @@ class PagedPolicy:
         size = self.block_size
         used = self.manager.num_physical_blocks - self.free_queue.num_free
         allocated = used * size
-        token_states = held_tokens - (self.table_blocks - used) * size + self.shared_partial_slack
+        token_states = held_tokens - (self.manager.num_block_references - used) * size + self.shared_partial_slack
         return (token_states, allocated - self.never_filled - token_states, self.never_filled, 0,
                 self.capacity - allocated)
 
@@ -266,7 +245,6 @@ class PagedPolicy:
         """Drop ``seq`` from the GPU aggregates (before it is released or swapped out)."""
         if seq.shared_block >= 0:
             self._leave_shared_partial(seq)
-        self.table_blocks -= len(self.manager.sequences[seq.seq_id].block_table)
         if seq.final_block_counted:
             self.never_filled -= seq.final_block_slack
             seq.final_block_counted = False
@@ -279,10 +257,3 @@ class PagedPolicy:
             seq.final_block_slack = blocks * self.block_size - seq.final_len
             self.never_filled += seq.final_block_slack
             seq.final_block_counted = True
-
-    def _op(self, name: str, *args):
-        if self.ops is not None:
-            self.ops.append((name, *args))
-        if name == "move_sequences_from_host":
-            return self.cpu_manager.move_sequences(args[0], self.manager)
-        return getattr(self.manager, name)(*args)

@@ -191,8 +191,7 @@ class KVPolicy(Protocol):
 
     def can_ever_fit(self, final_len: int) -> bool: ...
     def admit(self, seqs: list[Sequence], token_ids: list[int] | None) -> bool: ...
-    def next_event_position(self, seq: Sequence) -> int: ...
-    def periodic_start(self, seq: Sequence) -> int: ...
+    def memory_needs(self, seq: Sequence) -> tuple[int, int]: ...
     def reserve(self, count: int) -> bool: ...
     def final_block_reserved(self, seq: Sequence) -> None: ...
     def grow(self, seq: Sequence, kv_len: int, alone: bool) -> bool: ...
@@ -492,7 +491,7 @@ class Scheduler:
                 seq.status = "running"
                 self._enter_running(seq)
                 kv_len = self.kv_len(seq)
-                if min(self.policy.next_event_position(seq), self.policy.periodic_start(seq)) <= kv_len:
+                if min(self.policy.memory_needs(seq)) <= kv_len:
                     self.policy.grow(seq, kv_len, False)  # room was checked by can_swap_in
                 self._schedule_memory_event(seq)
             out.swapped_in = [*out.swapped_in, *group]
@@ -590,7 +589,7 @@ class Scheduler:
 
     def _schedule_memory_event(self, seq: Sequence) -> None:
         """Put ``seq``'s next irregular memory need into the calendar, or else its periodic needs into a bucket."""
-        position = self.policy.next_event_position(seq)
+        position, start = self.policy.memory_needs(seq)
         if position <= seq.final_len:
             step = seq.step_base + position - seq.kv_len_base
             events = self.memory_calendar.get(step)
@@ -599,7 +598,6 @@ class Scheduler:
             else:
                 events.append((seq, seq.epoch))
             return
-        start = self.policy.periodic_start(seq) if self.period else NO_EVENT
         if start > seq.final_len:
             return
         first = seq.step_base + start - seq.kv_len_base

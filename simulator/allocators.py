@@ -204,14 +204,11 @@ class ContiguousPolicy:
             placed.append(seq)
         return True
 
-    def next_event_position(self, seq) -> int:
-        """The KV length at which ``seq`` next needs more memory (grow only)."""
+    def memory_needs(self, seq) -> tuple[int, int]:
+        """The KV length at which ``seq`` next needs more memory (grow only), and no periodic needs."""
         if self.kind != "contiguous-grow" or seq.region[1] >= seq.final_len:
-            return NO_EVENT
-        return seq.region[1] + 1
-
-    def periodic_start(self, seq) -> int:
-        return NO_EVENT
+            return NO_EVENT, NO_EVENT
+        return seq.region[1] + 1, NO_EVENT
 
     def reserve(self, count: int) -> bool:
         return False

@@ -227,16 +227,21 @@ class Simulator:
         self.next_seq_id = 0
         self.generated_tokens = self.copied_tokens = self.swapped_blocks = 0
         self.num_requests = len(workload)
-        self.first_token_time = np.full(self.num_requests, np.nan)
-        self.finish_time = np.full(self.num_requests, np.nan)
-        self.samples_left = np.zeros(self.num_requests, dtype=np.int64)
-        self.rejected = np.zeros(self.num_requests, dtype=bool)
+        # per request, plain lists (numpy scalars cost ~1 us an access in this loop); arrays in the result
+        self.first_token_time = [math.nan] * self.num_requests
+        self.finish_time = [math.nan] * self.num_requests
+        self.samples_left = [0] * self.num_requests
+        self.rejected = [False] * self.num_requests
+        self.prompt_tokens = workload.prompt_tokens.tolist()
         self.rejection_reasons: dict[str, int] = {}
         self.num_finished = self.num_rejected = 0
         self.metrics = MetricsRecorder(self.policy.capacity, config.max_points)
         self.stopped = False
         self.owned = list(range(self.num_requests)) if requests is None else list(requests)
+        self.arrival_s = workload.arrival_s.tolist()
         self.next_arrival = 0  # index into owned
+        self.next_arrival_s = math.inf  # arrival time of owned[next_arrival]
+        self._update_next_arrival()
 
     # the scheduler's queues, for metrics and views
     @property
@@ -273,16 +278,16 @@ class Simulator:
     def advance(self, until: float) -> None:
         """Run iterations while there is work and the clock is before ``until`` (an iteration that starts before
         ``until`` may end after it); requests arrive as the clock passes them."""
-        arrivals, owned = self.workload.arrival_s, self.owned
         scheduler = self.scheduler
         while not self.stopped:
-            while self.next_arrival < len(owned) and arrivals[owned[self.next_arrival]] <= self.time:
-                self._arrive(owned[self.next_arrival])
+            while self.next_arrival_s <= self.time:
+                self._arrive(self.owned[self.next_arrival])
                 self.next_arrival += 1
+                self._update_next_arrival()
             if not scheduler.has_unfinished():
-                if self.next_arrival >= len(owned) or arrivals[owned[self.next_arrival]] >= until:
+                arrival = self.next_arrival_s
+                if arrival >= until:  # inf when every owned request has arrived
                     return
-                arrival = float(arrivals[owned[self.next_arrival]])
                 self.after_idle = self.after_idle or arrival - self.time >= IDLE_GAP_S
                 self.time = arrival
                 continue
@@ -293,6 +298,12 @@ class Simulator:
     def assign(self, request: int) -> None:
         """Serve ``request`` too (a router's decision; requests are assigned in arrival order)."""
         self.owned.append(request)
+        self._update_next_arrival()
+
+    def _update_next_arrival(self) -> None:
+        owned = self.owned
+        self.next_arrival_s = self.arrival_s[owned[self.next_arrival]] if self.next_arrival < len(owned) else \
+            math.inf
 
     def queue_now(self, request: int) -> None:
         """Serve ``request`` and queue it now, whatever its arrival time (a replay that admits requests by step
@@ -300,6 +311,7 @@ class Simulator:
         self.assign(request)
         self._arrive(request)
         self.next_arrival += 1
+        self._update_next_arrival()
 
     def iterate(self, after_idle: bool = False) -> None:
         """Run one iteration now (a replay's driver; ``run``/``advance`` run iterations by the clock);
@@ -318,7 +330,7 @@ class Simulator:
 
     def _arrive(self, request: int) -> None:
         outputs = self.workload.outputs_of(request)
-        prompt = int(self.workload.prompt_tokens[request])
+        prompt = self.prompt_tokens[request]
         try:
             self.scheduler.check_request(prompt, max(outputs), len(outputs))
         except RequestRejectedError as error:
@@ -398,7 +410,7 @@ class Simulator:
     def _start_decoding(self, seq: Sequence, first_token_time: float) -> None:
         """Prefill done: its first token is out at the end of this iteration."""
         request = seq.group.request_id
-        if np.isnan(self.first_token_time[request]):
+        if math.isnan(self.first_token_time[request]):
             self.first_token_time[request] = first_token_time
         if seq.prompt_len >= seq.final_len:
             self._finish(seq, first_token_time)
@@ -453,8 +465,10 @@ class Simulator:
 
     def _result(self) -> SimResult:
         requests = pd.DataFrame({"arrival_s": self.workload.arrival_s, "prompt_tokens": self.workload.prompt_tokens,
-                                 "output_tokens": self.workload.output_tokens, "rejected": self.rejected,
-                                 "first_token_s": self.first_token_time, "finish_s": self.finish_time})
+                                 "output_tokens": self.workload.output_tokens,
+                                 "rejected": np.array(self.rejected, dtype=bool),
+                                 "first_token_s": np.array(self.first_token_time, dtype=np.float64),
+                                 "finish_s": np.array(self.finish_time, dtype=np.float64)})
         if len(self.owned) != self.num_requests:  # a replica: its own requests (index = request id)
             requests = requests.iloc[self.owned]
         summary = {"allocator": self.config.allocator, "block_size": self.config.block_size

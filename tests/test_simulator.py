@@ -77,29 +77,54 @@ def test_unconstrained_memory_closed_forms():
     assert pow2["internal_frag_frac"] > 0 and oracle_summary["internal_frag_frac"] == 0
 
 
+class RecordingManager(KVBlockManager):
+    """A block manager that logs the policy's calls into it (not the calls it makes into itself)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ops, self.depth = [], 0
+
+
+def _recorded(name):
+    def call(self, *args):
+        if self.depth == 0:
+            self.ops.append((name, *args))
+        self.depth += 1
+        try:
+            return getattr(KVBlockManager, name)(self, *args)
+        finally:
+            self.depth -= 1
+    return call
+
+
+for _name in ("create_sequence", "fork_sequence", "append_tokens", "release_sequence", "reserve_blocks",
+              "register_stream_blocks"):
+    setattr(RecordingManager, _name, _recorded(_name))
+
+
 @pytest.mark.parametrize("sharing", [dict(n=2), dict(beam_width=3)], ids=["samples", "beams"])
-def test_paged_trajectory_equals_driving_the_block_manager_directly(sharing):
+def test_paged_trajectory_equals_driving_the_block_manager_directly(sharing, monkeypatch):
+    monkeypatch.setattr("lab.kv_policy.KVBlockManager", RecordingManager)
     workload = small_workload(num_requests=80, shared_prefix_tokens=24, **sharing)
     sim = Simulator(workload, SimConfig(allocator="paged", block_size=8, capacity_tokens=3000))
-    sim.policy.ops = []
     result = sim.run()
     assert result.summary["preemptions"] > 0  # the small pool forces preemption paths too
     mine = sim.policy.manager
     bulk = KVBlockManager(mine.num_physical_blocks, 8, enable_prefix_caching=True)
     per_token = KVBlockManager(mine.num_physical_blocks, 8, enable_prefix_caching=True)
-    for name, *args in sim.policy.ops:
+    for name, *args in mine.ops:
         getattr(bulk, name)(*args)
         if name == "append_tokens":  # (seq, count, token ids, from_reserved): one token at a time
             for _ in range(args[1]):
                 per_token.append_tokens(args[0], 1, None, args[3])
         else:
             getattr(per_token, name)(*args)
-        seq_id = args[-1] if name == "fork_sequence" else args[0]
+        seq_id = args[1] if name == "fork_sequence" else args[0]
         if name not in ("release_sequence", "reserve_blocks"):
             assert bulk.get_block_table(seq_id) == per_token.get_block_table(seq_id)
         assert bulk.ref_counts == per_token.ref_counts
     assert bulk.ref_counts == mine.ref_counts and bulk.num_free_blocks == mine.num_physical_blocks
-    assert any(name == "reserve_blocks" for name, *_ in sim.policy.ops) and not mine.reserved_blocks
+    assert any(name == "reserve_blocks" for name, *_ in mine.ops) and not mine.reserved_blocks
     mine.check_invariants()
 
 

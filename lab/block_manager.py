@@ -98,11 +98,10 @@ class FreeBlockQueue:
     def __len__(self) -> int:
         return self.num_free
 
-    def extend_unkeyed(self, blocks) -> None:
+    def extend_unkeyed(self, blocks: list[int]) -> None:
         """Queue blocks that have no cache key (the bulk release path)."""
-        before = len(self.entries)
         self.entries.extend(blocks)
-        self.num_free += len(self.entries) - before
+        self.num_free += len(blocks)
 
     def push(self, block: int) -> None:
         if self.block_keys[block] is not None:
@@ -251,7 +250,7 @@ class KVBlockManager:
         """Whether ``create_sequence`` with these arguments would succeed now, leaving ``extra_blocks`` free too."""
         num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
         hits = self._lookup(token_ids, num_tokens, stream_key)
-        return self._new_blocks_needed(num_tokens, hits) + extra_blocks <= self._allocatable_after_hits(hits)
+        return self._shortfall(num_tokens, hits) + extra_blocks <= 0
 
     def create_sequence(self, seq_id, prompt_token_ids: Sequence[int] | None = None,
                         num_prompt_tokens: int | None = None, stream_key=None, register_stream: bool = True) -> int:
@@ -266,9 +265,9 @@ class KVBlockManager:
         self._check_new_id(seq_id)
         num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
         hits = self._lookup(token_ids, num_tokens, stream_key)
-        needed = self._new_blocks_needed(num_tokens, hits)
-        if needed > self._allocatable_after_hits(hits):
-            raise OutOfBlocksError(f"sequence {seq_id!r} needs {needed} blocks, {self.num_free_blocks} free")
+        if self._shortfall(num_tokens, hits) > 0:
+            raise OutOfBlocksError(f"sequence {seq_id!r} needs {self.blocks_for_tokens(num_tokens) - len(hits)} "
+                                   f"blocks, {self.num_free_blocks} free")
         stream = stream_key is not None and token_ids is None and self.enable_prefix_caching
         seq = SequenceBlocks(partial_token_ids=[] if token_ids is not None and self.enable_prefix_caching else None)
         self.sequences[seq_id] = seq
@@ -322,11 +321,12 @@ class KVBlockManager:
         seq = self._seq(seq_id)
         reserved = self._reserved
         if num_reserved:
-            if type(num_reserved) is not int:
-                num_reserved = _count(num_reserved, "num_reserved")
+            num_reserved = _count(num_reserved, "num_reserved")
             self._flush_reserve()
             if num_reserved > len(reserved):
                 raise OutOfBlocksError(f"releasing {num_reserved!r} reserved blocks, {len(reserved)} reserved")
+        else:
+            num_reserved = 0
         del self.sequences[seq_id]
         self.num_block_references -= len(seq.block_table) + num_reserved
         ref_counts, free = self._ref_counts, self._free_queue
@@ -335,7 +335,8 @@ class KVBlockManager:
             free.extend_unkeyed(reserved[start:])
             del reserved[start:]
         if seq.exclusive:  # every block has one holder (stored as 0) and no cache key: free them in bulk
-            free.extend_unkeyed(reversed(seq.block_table))
+            seq.block_table.reverse()  # the table dies with the sequence: reverse it in place
+            free.extend_unkeyed(seq.block_table)
             return
         for block in reversed(seq.block_table):  # tail first, so a prefix's head is reused last
             count = ref_counts[block] - 1
@@ -666,13 +667,13 @@ class KVBlockManager:
         self.prefix_cache_stats.hit_blocks += num_hits
         self.prefix_cache_stats.hit_tokens += num_hits * self.block_size
 
-    def _new_blocks_needed(self, num_tokens: int, hits: list[int]) -> int:
-        return self.blocks_for_tokens(num_tokens) - len(hits)
-
-    def _allocatable_after_hits(self, hits: list[int]) -> int:
-        if not hits:
-            return self._free_queue.num_free
-        return self._free_queue.num_free - sum(1 for block in hits if self._ref_counts[block] == 0)
+    def _shortfall(self, num_tokens: int, hits: list[int]) -> int:
+        """Blocks missing to allocate a prompt of ``num_tokens`` tokens with these cache hits (<= 0: it fits). A hit
+        on a free cached block takes it off the free queue too."""
+        allocatable = self._free_queue.num_free
+        if hits:
+            allocatable -= sum(1 for block in hits if self._ref_counts[block] == 0)
+        return -(-num_tokens // self.block_size) - len(hits) - allocatable
 
     def _check_free(self, needed: int, seq_id) -> None:
         if needed > self.num_free_blocks:
@@ -684,7 +685,10 @@ class KVBlockManager:
         size, done, source = self.block_size, 0, source or self._allocate_blocks
         if seq.partial_token_ids is None:  # no tokens to hash: take all new blocks at once
             new_blocks = self.blocks_for_tokens(seq.num_tokens + num_tokens) - len(seq.block_table)
-            seq.block_table.extend(self._held_by(seq, source(new_blocks)))
+            if seq.block_table:
+                seq.block_table.extend(self._held_by(seq, source(new_blocks)))
+            else:  # a fresh list from source: keep it instead of copying it
+                seq.block_table = self._held_by(seq, source(new_blocks))
             seq.num_tokens += num_tokens
             return
         while done < num_tokens:

@@ -362,15 +362,20 @@ class KVBlockManager:
 
         O(1): the blocks leave the free count now and the free queue at the next operation that could tell the
         difference, which then takes them all at once, in the order single reservations would have."""
-        if type(count) is not int:
+        if not self.try_reserve_blocks(count):
+            raise OutOfBlocksError(f"reserving {count} blocks, {self.num_free_blocks} free")
+
+    def try_reserve_blocks(self, count: int) -> bool:
+        """``reserve_blocks`` that returns False (nothing changed) when fewer than ``count`` blocks are free."""
+        if type(count) is not int or count < 0:
             count = _count(count, "count")
         free = self._free_queue
-        if not 0 <= count <= free.num_free:
-            _count(count, "count")
-            raise OutOfBlocksError(f"reserving {count} blocks, {free.num_free} free")
+        if count > free.num_free:
+            return False
         self._reserve_backlog += count
         self.num_block_references += count
         free.num_free -= count
+        return True
 
     def append_token(self, seq_id, token_id: int | None = None) -> int:
         """Append one token and return its linear slot ``physical_block * block_size + offset``.

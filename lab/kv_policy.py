@@ -21,6 +21,9 @@ class PagedPolicy:
         self.block_size = self.block_period = block_size
         self.manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching)
         self.free_queue = self.manager._free_queue  # read on every step: the count of free blocks
+        # reserve(count): take blocks for the sequences crossing a block boundary in this step, if that many are
+        # free (the scheduler's per-step call, bound to the manager without a wrapper)
+        self.reserve = self.manager.try_reserve_blocks
         self.cpu_manager = KVBlockManager(num_cpu_blocks, block_size) if num_cpu_blocks > 0 else None
         self.supports_swap = self.cpu_manager is not None
         self.capacity = num_blocks * block_size
@@ -76,13 +79,6 @@ class PagedPolicy:
             return seq.synced_len + 1, NO_EVENT
         allocated = len(table) * self.block_size
         return NO_EVENT, allocated + 1 if allocated < seq.final_len else NO_EVENT
-
-    def reserve(self, count: int) -> bool:
-        """Take ``count`` blocks for the sequences crossing a block boundary in this step, if that many are free."""
-        if count > self.free_queue.num_free:
-            return False
-        self.manager.reserve_blocks(count)
-        return True
 
     def final_block_reserved(self, seq: Sequence) -> None:
         """``seq``'s last periodic block was reserved: the slots past its final length will never be filled."""

@@ -187,6 +187,7 @@ class KVBlockManager:
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self._ref_counts = [0] * self.num_physical_blocks  # stored counts (see the module docstring)
         self._cached_blocks: dict[tuple, int] = {}  # (parent_content_id, token_ids) -> block id
+        self._cached_streams: set = set()  # stream keys that ever had a block registered (others cannot hit)
         self._block_keys: list[tuple | None] = [None] * self.num_physical_blocks
         self._free_queue = FreeBlockQueue(self.num_physical_blocks, self._ref_counts, self._block_keys)
         self._block_content_ids: list[int] = [ROOT_CONTENT_ID] * self.num_physical_blocks
@@ -269,7 +270,7 @@ class KVBlockManager:
             raise OutOfBlocksError(f"sequence {seq_id!r} needs {self.blocks_for_tokens(num_tokens) - len(hits)} "
                                    f"blocks, {self.num_free_blocks} free")
         stream = stream_key is not None and token_ids is None and self.enable_prefix_caching
-        seq = SequenceBlocks(partial_token_ids=[] if token_ids is not None and self.enable_prefix_caching else None)
+        seq = SequenceBlocks([], 0, [] if token_ids is not None and self.enable_prefix_caching else None)
         self.sequences[seq_id] = seq
         for block in hits:
             self._take_cached_block(block)
@@ -618,10 +619,11 @@ class KVBlockManager:
         return num_tokens, None
 
     def _lookup(self, token_ids: list[int] | None, num_tokens: int, stream_key) -> list[int]:
-        self._flush_reserve()  # the reserved blocks leave the queue first: they may evict cached ones
         if token_ids is not None:
+            self._flush_reserve()  # the reserved blocks leave the queue first: they may evict cached ones
             return self._lookup_prefix(token_ids)
-        if stream_key is not None and self.enable_prefix_caching:
+        if stream_key is not None and stream_key in self._cached_streams:
+            self._flush_reserve()
             return self._lookup_stream(stream_key, num_tokens)
         return []
 
@@ -640,6 +642,7 @@ class KVBlockManager:
         """Register the sequence's full blocks ``first <= j < end`` under stream keys (as full prompt blocks are)."""
         cached, keys, content_ids = self._cached_blocks, self._block_keys, self._block_content_ids
         parent = seq.parent_content_id
+        self._cached_streams.add(stream_key)
         for index in range(first, end):
             key = (parent, _STREAM, stream_key, index)
             block = cached.get(key)
@@ -668,7 +671,7 @@ class KVBlockManager:
     def _record_prefix_lookup(self, num_tokens: int | None, num_hits: int) -> None:
         if num_tokens is None or not self.enable_prefix_caching:
             return
-        self.prefix_cache_stats.queried_blocks += max(num_tokens - 1, 0) // self.block_size
+        self.prefix_cache_stats.queried_blocks += (num_tokens - 1) // self.block_size if num_tokens else 0
         self.prefix_cache_stats.hit_blocks += num_hits
         self.prefix_cache_stats.hit_tokens += num_hits * self.block_size
 

@@ -48,21 +48,20 @@ class PagedPolicy:
         count = None if ids is not None else prompt_len
         stream = first.group.stream_key if ids is None else None
         # Enough free blocks for the whole prompt is sufficient (hits only lower the need): skip the lookup.
-        if manager.blocks_for_tokens(prompt_len) + extra > manager.num_free_blocks and \
+        if manager.blocks_for_tokens(prompt_len) + extra > self.free_queue.num_free and \
                 not manager.can_allocate(ids, count, extra, stream):
             return False
         # A request of one sample: only its own later prefill can ask for its stream, so register on preemption
         # (cheaper). With several samples, a sibling's recompute may ask at any time: register now.
         register = len(first.group.seqs) > 1  # the request's samples (a recompute re-queues one of them alone)
         first.cached_tokens = manager.create_sequence(first.seq_id, ids, count, stream, register)
-        for seq in seqs[1:]:
-            manager.fork_sequence(first.seq_id, seq.seq_id)
-            seq.cached_tokens = 0
-        blocks = len(manager.sequences[first.seq_id].block_table)
-        for seq in seqs:
-            seq.synced_len = prompt_len
+        first.synced_len = prompt_len
         if len(seqs) > 1:
+            for seq in seqs[1:]:
+                manager.fork_sequence(first.seq_id, seq.seq_id)
+                seq.cached_tokens, seq.synced_len = 0, prompt_len
             self._track_shared_partial(seqs)
+        blocks = len(manager.sequences[first.seq_id].block_table)
         for seq in seqs:
             self._count_final_block(seq, blocks)
         return True
@@ -82,7 +81,7 @@ class PagedPolicy:
 
     def final_block_reserved(self, seq: Sequence) -> None:
         """``seq``'s last periodic block was reserved: the slots past its final length will never be filled."""
-        self._count_final_block(seq, self.manager.blocks_for_tokens(seq.final_len))
+        self._count_final_block(seq, -(-seq.final_len // self.block_size))
 
     def grow(self, seq: Sequence, kv_len: int, alone: bool) -> bool:
         """Give ``seq`` (synced) fresh blocks for ``kv_len`` tokens (copy-on-write included); False (nothing changed)

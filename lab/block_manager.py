@@ -280,7 +280,11 @@ class KVBlockManager:
         if seq.partial_token_ids is not None:
             seq.known_tokens = token_ids[:len(hits) * self.block_size]
         seq.num_tokens = len(hits) * self.block_size
-        self._record_prefix_lookup(num_tokens if token_ids is not None or stream else None, len(hits))
+        if self.enable_prefix_caching and (token_ids is not None or stream):
+            stats = self.prefix_cache_stats
+            stats.queried_blocks += (num_tokens - 1) // self.block_size if num_tokens else 0
+            stats.hit_blocks += len(hits)
+            stats.hit_tokens += len(hits) * self.block_size
         self._grow(seq, num_tokens - seq.num_tokens, token_ids[seq.num_tokens:] if token_ids is not None else None)
         self.num_block_references += len(seq.block_table)
         if stream:
@@ -322,7 +326,8 @@ class KVBlockManager:
         seq = self._seq(seq_id)
         reserved = self._reserved
         if num_reserved:
-            num_reserved = _count(num_reserved, "num_reserved")
+            if type(num_reserved) is not int or num_reserved < 0:
+                num_reserved = _count(num_reserved, "num_reserved")
             self._flush_reserve()
             if num_reserved > len(reserved):
                 raise OutOfBlocksError(f"releasing {num_reserved!r} reserved blocks, {len(reserved)} reserved")
@@ -667,13 +672,6 @@ class KVBlockManager:
             hits.append(block)
             parent = self._block_content_ids[block]
         return hits
-
-    def _record_prefix_lookup(self, num_tokens: int | None, num_hits: int) -> None:
-        if num_tokens is None or not self.enable_prefix_caching:
-            return
-        self.prefix_cache_stats.queried_blocks += (num_tokens - 1) // self.block_size if num_tokens else 0
-        self.prefix_cache_stats.hit_blocks += num_hits
-        self.prefix_cache_stats.hit_tokens += num_hits * self.block_size
 
     def _shortfall(self, num_tokens: int, hits: list[int]) -> int:
         """Blocks missing to allocate a prompt of ``num_tokens`` tokens with these cache hits (<= 0: it fits). A hit

@@ -7,7 +7,6 @@ keeps sequence lengths implicit and a calendar of memory events; the simulator k
 """
 from __future__ import annotations
 
-import gc
 import math
 import time
 from array import array
@@ -272,11 +271,7 @@ class Simulator:
 
             return run_cluster(self.workload, self.config, self.on_snapshot, self.snapshot_every)
         started = time.perf_counter()
-        gc.freeze()  # what exists now (the workload, the pool's per-block lists) is long-lived: no full GC pass over it
-        try:
-            self.advance(math.inf)
-        finally:
-            gc.unfreeze()
+        self.advance(math.inf)
         return self.finish_run(started)
 
     def advance(self, until: float) -> None:

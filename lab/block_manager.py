@@ -187,7 +187,6 @@ class KVBlockManager:
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self._ref_counts = [0] * self.num_physical_blocks  # stored counts (see the module docstring)
         self._cached_blocks: dict[tuple, int] = {}  # (parent_content_id, token_ids) -> block id
-        self._cached_streams: set = set()  # stream keys that ever had a block registered (others cannot hit)
         self._block_keys: list[tuple | None] = [None] * self.num_physical_blocks
         self._free_queue = FreeBlockQueue(self.num_physical_blocks, self._ref_counts, self._block_keys)
         self._block_content_ids: list[int] = [ROOT_CONTENT_ID] * self.num_physical_blocks
@@ -337,9 +336,7 @@ class KVBlockManager:
         self.num_block_references -= len(seq.block_table) + num_reserved
         ref_counts, free = self._ref_counts, self._free_queue
         if num_reserved:  # the newest reserved blocks, freed as if appended (stored count 0 already)
-            start = len(reserved) - num_reserved
-            free.extend_unkeyed(reserved[start:])
-            del reserved[start:]
+            free.extend_unkeyed(self._take_reserved(num_reserved)[::-1])
         if seq.exclusive:  # every block has one holder (stored as 0) and no cache key: free them in bulk
             seq.block_table.reverse()  # the table dies with the sequence: reverse it in place
             free.extend_unkeyed(seq.block_table)
@@ -627,7 +624,8 @@ class KVBlockManager:
         if token_ids is not None:
             self._flush_reserve()  # the reserved blocks leave the queue first: they may evict cached ones
             return self._lookup_prefix(token_ids)
-        if stream_key is not None and stream_key in self._cached_streams:
+        # a stream hits only from its first block on: without that block cached, skip the flush and the lookup
+        if stream_key is not None and (ROOT_CONTENT_ID, _STREAM, stream_key, 0) in self._cached_blocks:
             self._flush_reserve()
             return self._lookup_stream(stream_key, num_tokens)
         return []
@@ -647,7 +645,6 @@ class KVBlockManager:
         """Register the sequence's full blocks ``first <= j < end`` under stream keys (as full prompt blocks are)."""
         cached, keys, content_ids = self._cached_blocks, self._block_keys, self._block_content_ids
         parent = seq.parent_content_id
-        self._cached_streams.add(stream_key)
         for index in range(first, end):
             key = (parent, _STREAM, stream_key, index)
             block = cached.get(key)

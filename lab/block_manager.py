@@ -323,20 +323,19 @@ class KVBlockManager:
         ``num_reserved``, the last that many reserved blocks (ones it would have taken with ``from_reserved``
         appends) are freed with it, as if appended first."""
         seq = self._seq(seq_id)
-        reserved = self._reserved
         if num_reserved:
             if type(num_reserved) is not int or num_reserved < 0:
                 num_reserved = _count(num_reserved, "num_reserved")
             self._flush_reserve()
-            if num_reserved > len(reserved):
-                raise OutOfBlocksError(f"releasing {num_reserved!r} reserved blocks, {len(reserved)} reserved")
+            if num_reserved > len(self._reserved):
+                raise OutOfBlocksError(f"releasing {num_reserved!r} reserved blocks, {len(self._reserved)} reserved")
         else:
             num_reserved = 0
         del self.sequences[seq_id]
         self.num_block_references -= len(seq.block_table) + num_reserved
         ref_counts, free = self._ref_counts, self._free_queue
         if num_reserved:  # the newest reserved blocks, freed as if appended (stored count 0 already)
-            free.extend_unkeyed(self._take_reserved(num_reserved)[::-1])
+            free.extend_unkeyed(self._take_reserved(num_reserved, newest_first=False))
         if seq.exclusive:  # every block has one holder (stored as 0) and no cache key: free them in bulk
             seq.block_table.reverse()  # the table dies with the sequence: reverse it in place
             free.extend_unkeyed(seq.block_table)
@@ -776,12 +775,15 @@ class KVBlockManager:
             for block in seq.block_table:
                 ref_counts[block] = 1
 
-    def _take_reserved(self, count: int) -> list[int]:
-        """The last ``count`` reserved blocks, newest first (as ``count`` single takes would hand them out)."""
+    def _take_reserved(self, count: int, newest_first: bool = True) -> list[int]:
+        """The last ``count`` reserved blocks, newest first (as ``count`` single takes would hand them out), or in
+        the order they were reserved."""
         reserved = self._reserved
         start = len(reserved) - count
-        taken = reserved[start:][::-1]
+        taken = reserved[start:]
         del reserved[start:]
+        if newest_first:
+            taken.reverse()
         return taken
 
     def _uncache(self, block: int) -> None:

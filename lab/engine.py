@@ -398,8 +398,10 @@ class LLMEngine:
                 self._accept(seq, logits[row], now)
         post = time.perf_counter()
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
-        self._last_stats = self.scheduler.end_step(post - started, post - self.started_s, self.generated_tokens,
-                                                   peak_memory_bytes(self.device))
+        memory = peak_memory_bytes(self.device)
+        ended = time.perf_counter()
+        self._last_stats = self.scheduler.end_step(ended - started, ended - self.started_s, self.generated_tokens,
+                                                   memory)
         self.scheduler_s += time.perf_counter() - post
         if self.on_step:
             self.on_step(self._last_stats)

@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--models", default="tiny,qwen3-0.6b-random-4l", help="comma-separated presets (see BENCH_MODELS)")
     w.add_argument("--light-fraction", type=positive_float, default=0.35,
                    help="light load = this fraction of the saturated run's request throughput")
-    w.add_argument("--repeats", type=positive_int, default=3, help="real runs per load (median; spread = noise floor)")
+    w.add_argument("--repeats", type=positive_int, default=None,
+                   help="profile rounds and real runs per load (median; spread = noise floor); default: the model's")
     w.add_argument("--device", type=device, default=None)
     w.add_argument("--out", type=output_csv, default="benchmarks/results/twin_cpu.csv")
     w.set_defaults(run=_bench_twin)
@@ -193,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", type=device, default=None)
     p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--backend", default="auto")
-    p.add_argument("--repeats", type=positive_int, default=3, help="measured rounds per scenario (medians)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="measured rounds per scenario (means)")
     p.add_argument("--grid", choices=GRIDS, default="full",
                    help="scenarios: full; small (models whose prefills take seconds on a CPU); quick")
     p.add_argument("--out", type=output_csv, default="profile.json", help="the profile (JSON)")

@@ -140,7 +140,7 @@ def _real_metrics(engine: LLMEngine, started: float, peak_blocks: int) -> dict:
             "requests": request_latencies(requests)}
 
 
-def run_simulated(workload: Workload, config: SimConfig, repeats: int = 3) -> tuple[dict, pd.DataFrame, float]:
+def run_simulated(workload: Workload, config: SimConfig, repeats: int = 5) -> tuple[dict, pd.DataFrame, float]:
     """The simulator's metrics, step log and wall time: the median of ``repeats`` runs (the runs are identical;
     the first one pays one-off costs such as lazy imports)."""
     walls = []
@@ -240,18 +240,22 @@ def _relative(value: float, reference: float) -> float:
 
 @dataclass(slots=True)
 class BenchModel:
-    """How the fidelity benchmark runs one model on a CPU: its profile grid, its workload and its pool."""
+    """How the fidelity benchmark runs one model on a CPU: its profile grid, its workload, its pool, and how many
+    profile rounds and real runs per load it takes turns with."""
 
     grid: str
     num_requests: int
     input_len: int
     output_len: int
     num_blocks: int
+    repeats: int
 
 
+# The tiny model's steps take 3-10 ms and follow this machine's speed drift, by +-12 % between runs of one workload a
+# few seconds apart: five rounds and runs (a real run takes 1-3 s) make its medians and the profile's means steadier.
 BENCH_MODELS = {
-    "tiny": BenchModel("full", 128, 96, 32, 256),
-    "qwen3-0.6b-random-4l": BenchModel("small", 16, 96, 24, 64),
+    "tiny": BenchModel("full", 128, 96, 32, 256, repeats=5),
+    "qwen3-0.6b-random-4l": BenchModel("small", 16, 96, 24, 64, repeats=3),
 }
 
 
@@ -293,7 +297,7 @@ def calibrated_twins(model: str, cases: dict[str, TwinCase], grid: str = "full",
     return profile, {name: compare(workloads[name], runs[name], profile) for name in cases}
 
 
-def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int = 3, block_size: int = 16,
+def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int | None = None, block_size: int = 16,
                device: str | None = None, light_fraction: float = 0.35,
                progress: Callable[[str], None] | None = None) -> pd.DataFrame:
     """The fidelity benchmark: per model, profile the engine and run the twin saturated (every request at t = 0)
@@ -318,7 +322,8 @@ def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int = 3, block_
 
         engine = EngineConfig(block_size=block_size, num_blocks=setup.num_blocks, device=device)
         profile, results = calibrated_twins(model, {"saturated": TwinCase(workload(math.inf), engine),
-                                                    "light": TwinCase(light, engine)}, setup.grid, repeats, progress)
+                                                    "light": TwinCase(light, engine)}, setup.grid,
+                                            repeats or setup.repeats, progress)
         rows.append({"model": model, "load": "profile", "metric": "holdout_median_rel_error", "real": math.nan,
                      "simulated": math.nan, "rel_error": profile.holdout_median_rel_error})
         for load, result in results.items():

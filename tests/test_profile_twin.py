@@ -178,8 +178,8 @@ def test_timed_arrivals_replay_the_real_schedule_step_for_step():
 def test_the_fidelity_benchmark_reports_every_metric_for_both_loads(monkeypatch):
     from simulator import twin
 
-    monkeypatch.setitem(twin.BENCH_MODELS, "tiny", twin.BenchModel("quick", 6, 16, 6, 64))
-    table = twin.bench_twin(("tiny",), repeats=2)
+    monkeypatch.setitem(twin.BENCH_MODELS, "tiny", twin.BenchModel("quick", 6, 16, 6, 64, repeats=2))
+    table = twin.bench_twin(("tiny",))  # the model's own repeats
     for load in ("saturated", "light"):
         rows = table[table["load"] == load].set_index("metric")
         identical = "schedule_identical" if load == "saturated" else "replay_schedule_identical"

@@ -153,11 +153,12 @@ class Profile:
 def fit(samples: list[dict], knots: list[int], holdout_fraction: float = 0.2,
         seed: int = 0) -> tuple[dict[str, float], float, float]:
     """Non-negative least squares of ``duration = sum(coefficient x feature)`` on relative error, each scenario's
-    samples (``sample["scenario"]``; without it a sample is its own) weighing as much as another scenario's (each row
-    weighted by 1 / its duration: a serving run is mostly short decode steps, and an absolute-error fit, led by the long
-    prefills, overestimates them by 10-20 % on a CPU, which the twin's TPOT shows). The relative error is taken
-    against the fitted duration, not the measured one (iteratively reweighted): dividing by the measurement
-    discounts exactly the slow repeats, and the fit came out 3-5 % below the mean step time. Returns the
+    samples (``sample["scenario"]``; without it a sample is its own) weighing as much as another scenario's. Relative,
+    not absolute: a serving run is mostly short decode steps, and an absolute-error fit, led by the long prefills,
+    overestimates them by 10-20 % on a CPU, which the twin's TPOT shows. Each row's error is relative to its fitted
+    duration, not its measured one (first solved against the measurement, then reweighted ``REWEIGHTINGS`` times):
+    dividing by the measurement discounts exactly the slow repeats, and that fit came out 3-5 % below the mean step
+    time. Returns the
     coefficients fitted on every sample and the median and max relative error on a held-out fraction (fitted
     without it)."""
     from scipy.optimize import nnls

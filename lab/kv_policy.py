@@ -61,7 +61,7 @@ class PagedPolicy:
                 manager.fork_sequence(first.seq_id, seq.seq_id)
                 seq.cached_tokens, seq.synced_len = 0, prompt_len
             self._track_shared_partial(seqs)
-        blocks = len(manager.sequences[first.seq_id].block_table)
+        blocks = -(-prompt_len // self.block_size)  # a prompt's table: its hits plus fresh blocks
         for seq in seqs:
             self._count_final_block(seq, blocks)
         return True
@@ -73,10 +73,11 @@ class PagedPolicy:
         for none (its blocks already hold ``final_len``)."""
         if seq.group.beam is not None:  # beams are re-forked every step: their memory is an event every step
             return seq.synced_len + 1, NO_EVENT
-        table = self.manager.sequences[seq.seq_id].block_table
-        if seq.synced_len % self.block_size and self.manager.is_shared(table[-1]):
+        # A shared partly filled last block comes from a fork (prefix-cache hits are full blocks), and
+        # _track_shared_partial recorded it; the table holds the blocks of the synced tokens.
+        if seq.shared_block >= 0 and self.manager.is_shared(seq.shared_block):
             return seq.synced_len + 1, NO_EVENT
-        allocated = len(table) * self.block_size
+        allocated = -(-seq.synced_len // self.block_size) * self.block_size
         return NO_EVENT, allocated + 1 if allocated < seq.final_len else NO_EVENT
 
     def final_block_reserved(self, seq: Sequence) -> None:
@@ -117,7 +118,7 @@ class PagedPolicy:
             if seq.shared_block >= 0:
                 self.sync(seq, kv_len)
             else:
-                owed = -(-kv_len // self.block_size) - len(self.manager.sequences[seq.seq_id].block_table)
+                owed = -(-kv_len // self.block_size) - -(-seq.synced_len // self.block_size)
         self._forget(seq)
         self.manager.release_sequence(seq.seq_id, owed)
 

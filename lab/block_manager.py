@@ -274,30 +274,28 @@ class KVBlockManager:
         if self._shortfall(num_tokens, hits) > 0:
             raise OutOfBlocksError(f"sequence {seq_id!r} needs {self.blocks_for_tokens(num_tokens) - len(hits)} "
                                    f"blocks, {self.num_free_blocks} free")
+        tracked = token_ids is not None and self.enable_prefix_caching  # its tokens are hashed into cache keys
         stream = stream_key is not None and token_ids is None and self.enable_prefix_caching
-        seq = SequenceBlocks(array(BLOCK_ID), 0, [] if token_ids is not None and self.enable_prefix_caching else None)
-        self.sequences[seq_id] = seq
+        cached = len(hits) * self.block_size
         for block in hits:
             self._take_cached_block(block)
-            seq.block_table.append(block)
-            seq.parent_content_id = self._block_content_ids[block]
-        seq.exclusive = not hits and seq.partial_token_ids is None
-        if seq.partial_token_ids is not None:
-            seq.known_tokens = token_ids[:len(hits) * self.block_size]
-        seq.num_tokens = len(hits) * self.block_size
-        if self.enable_prefix_caching and (token_ids is not None or stream):
+        seq = SequenceBlocks(array(BLOCK_ID, hits), cached, [] if tracked else None,
+                             token_ids[:cached] if tracked else None,
+                             self._block_content_ids[hits[-1]] if hits else ROOT_CONTENT_ID, not hits and not tracked)
+        self.sequences[seq_id] = seq
+        if tracked or stream:
             stats = self.prefix_cache_stats
             stats.queried_blocks += (num_tokens - 1) // self.block_size if num_tokens else 0
             stats.hit_blocks += len(hits)
-            stats.hit_tokens += len(hits) * self.block_size
-        self._grow(seq, num_tokens - seq.num_tokens, token_ids[seq.num_tokens:] if token_ids is not None else None)
+            stats.hit_tokens += cached
+        self._grow(seq, num_tokens - cached, token_ids[cached:] if token_ids is not None else None)
         self.num_block_references += len(seq.block_table)
         if stream:
             seq.stream_key, seq.stream_blocks, seq.stream_registered = stream_key, num_tokens // self.block_size, \
                 len(hits)
             if register_stream:
                 self.register_stream_blocks(seq_id)
-        return len(hits) * self.block_size
+        return cached
 
     def register_stream_blocks(self, seq_id) -> None:
         """Register a stream sequence's full prompt blocks in the prefix cache (if not done yet). With the free
@@ -692,7 +690,7 @@ class KVBlockManager:
         checked there are enough."""
         size, done, source = self.block_size, 0, source or self._allocate_blocks
         if seq.partial_token_ids is None:  # no tokens to hash: take all new blocks at once
-            new_blocks = self.blocks_for_tokens(seq.num_tokens + num_tokens) - len(seq.block_table)
+            new_blocks = -(-(seq.num_tokens + num_tokens) // size) - len(seq.block_table)
             if seq.block_table:
                 seq.block_table.extend(self._held_by(seq, source(new_blocks)))
             else:  # a fresh list from source: keep it instead of copying it

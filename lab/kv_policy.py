@@ -36,7 +36,7 @@ class PagedPolicy:
 
     # ---- admission ----------------------------------------------------------------------------------------------
     def can_ever_fit(self, final_len: int) -> bool:
-        return self.manager.blocks_for_tokens(final_len) <= self.manager.num_physical_blocks
+        return -(-final_len // self.block_size) <= self.manager.num_physical_blocks
 
     def admit(self, seqs: list[Sequence], token_ids: list[int] | None) -> bool:
         """Allocate a group's prompt (the first sequence; the others fork it), if the prompt and the group's first
@@ -47,8 +47,9 @@ class PagedPolicy:
         ids = token_ids if token_ids is not None and len(token_ids) == prompt_len else None
         count = None if ids is not None else prompt_len
         stream = first.group.stream_key if ids is None else None
+        blocks = -(-prompt_len // self.block_size)  # its table: cache hits plus fresh blocks
         # Enough free blocks for the whole prompt is sufficient (hits only lower the need): skip the lookup.
-        if manager.blocks_for_tokens(prompt_len) + extra > self.free_queue.num_free and \
+        if blocks + extra > self.free_queue.num_free and \
                 not manager.can_allocate(ids, count, extra, stream):
             return False
         # A request of one sample: only its own later prefill can ask for its stream, so register on preemption
@@ -61,7 +62,6 @@ class PagedPolicy:
                 manager.fork_sequence(first.seq_id, seq.seq_id)
                 seq.cached_tokens, seq.synced_len = 0, prompt_len
             self._track_shared_partial(seqs)
-        blocks = -(-prompt_len // self.block_size)  # a prompt's table: its hits plus fresh blocks
         for seq in seqs:
             self._count_final_block(seq, blocks)
         return True

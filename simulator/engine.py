@@ -427,6 +427,9 @@ class Simulator:
         if self.samples_left[request] == 0:
             self.finish_time[request] = self.time if when is None else when
             self.num_finished += 1
+            # The group and its sequences reference each other: drop the list so that reference counting frees
+            # them now, while their memory is hot, instead of the cyclic GC later (3-4 % of a replay's time).
+            seq.group.seqs = []
 
     def _prefix_cache_hits(self) -> int:
         return self.policy.manager.prefix_cache_stats.hit_blocks if self.policy_is_paged else 0

@@ -277,18 +277,21 @@ class KVBlockManager:
         tracked = token_ids is not None and self.enable_prefix_caching  # its tokens are hashed into cache keys
         stream = stream_key is not None and token_ids is None and self.enable_prefix_caching
         cached = len(hits) * self.block_size
-        for block in hits:
-            self._take_cached_block(block)
-        seq = SequenceBlocks(array(BLOCK_ID, hits), cached, [] if tracked else None,
-                             token_ids[:cached] if tracked else None,
-                             self._block_content_ids[hits[-1]] if hits else ROOT_CONTENT_ID, not hits and not tracked)
+        if hits or tracked:
+            for block in hits:
+                self._take_cached_block(block)
+            seq = SequenceBlocks(array(BLOCK_ID, hits), cached, [] if tracked else None,
+                                 token_ids[:cached] if tracked else None,
+                                 self._block_content_ids[hits[-1]] if hits else ROOT_CONTENT_ID)
+            self._grow(seq, num_tokens - cached, token_ids[cached:] if token_ids is not None else None)
+        else:  # fresh blocks only, each with one holder (the simulator's hot path)
+            seq = SequenceBlocks(self._allocate_blocks(-(-num_tokens // self.block_size)), num_tokens, exclusive=True)
         self.sequences[seq_id] = seq
         if tracked or stream:
             stats = self.prefix_cache_stats
             stats.queried_blocks += (num_tokens - 1) // self.block_size if num_tokens else 0
             stats.hit_blocks += len(hits)
             stats.hit_tokens += cached
-        self._grow(seq, num_tokens - cached, token_ids[cached:] if token_ids is not None else None)
         self.num_block_references += len(seq.block_table)
         if stream:
             seq.stream_key, seq.stream_blocks, seq.stream_registered = stream_key, num_tokens // self.block_size, \

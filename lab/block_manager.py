@@ -271,7 +271,8 @@ class KVBlockManager:
         self._check_new_id(seq_id)
         num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
         hits = self._lookup(token_ids, num_tokens, stream_key)
-        if self._shortfall(num_tokens, hits) > 0:
+        # enough free blocks for the whole prompt suffice (hits only lower the need): skip counting them
+        if -(-num_tokens // self.block_size) > self._free_queue.num_free and self._shortfall(num_tokens, hits) > 0:
             raise OutOfBlocksError(f"sequence {seq_id!r} needs {self.blocks_for_tokens(num_tokens) - len(hits)} "
                                    f"blocks, {self.num_free_blocks} free")
         tracked = token_ids is not None and self.enable_prefix_caching  # its tokens are hashed into cache keys

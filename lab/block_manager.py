@@ -518,10 +518,15 @@ class KVBlockManager:
 
         tables = [self._seq(s).block_table for s in seq_ids]
         width = max((len(t) for t in tables), default=0)
-        out = torch.zeros((len(tables), max(width, 1)), dtype=torch.int32)
-        for row, table in enumerate(tables):
-            out[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-        return out.to(device) if device is not None else out
+        if not width:
+            out = torch.zeros((len(tables), 1), dtype=torch.int32)
+            return out.to(device) if device is not None else out
+        rows, padding = array(BLOCK_ID), array(BLOCK_ID, bytes(4 * width))
+        for table in tables:  # one flat C array, viewed as a tensor and copied once (not one tensor per row)
+            rows.extend(table)
+            rows.extend(padding[len(table):])
+        out = torch.frombuffer(rows, dtype=torch.int32).view(len(tables), width)
+        return out.to(device) if device is not None and torch.device(device).type != "cpu" else out.clone()
 
     def get_seq_lens_tensor(self, seq_ids: Iterable, device=None):
         """int32 ``[num_seqs]`` sequence lengths."""

@@ -27,6 +27,8 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+import numpy as np
+
 ROOT_CONTENT_ID = -1
 BLOCK_ID = "i"  # block tables, the free queue and reservations are C int arrays: no per-id object traffic
 _STREAM = object()  # marks a block key made from a stream key instead of token ids
@@ -94,7 +96,7 @@ class FreeBlockQueue:
     middle, so only their entry positions are tracked)."""
 
     def __init__(self, num_blocks: int, ref_counts: list[int], block_keys: list):
-        self.entries = array(BLOCK_ID, range(num_blocks))
+        self.entries = array(BLOCK_ID, np.arange(num_blocks, dtype=np.intc).tobytes())  # 150 x array(range(n))
         self.head = 0  # entries[head:] are queued
         self.base = 0  # entries dropped by compaction (positions are absolute)
         self.num_free, self.num_stale, self.num_keyed = num_blocks, 0, 0

@@ -96,7 +96,7 @@ class FreeBlockQueue:
     middle, so only their entry positions are tracked)."""
 
     def __init__(self, num_blocks: int, ref_counts: list[int], block_keys: list):
-        self.entries = array(BLOCK_ID, np.arange(num_blocks, dtype=np.intc).tobytes())  # 150 x array(range(n))
+        self.entries = array(BLOCK_ID, np.arange(num_blocks, dtype=np.intc).tobytes())  # 150 x array(range())'s speed
         self.head = 0  # entries[head:] are queued
         self.base = 0  # entries dropped by compaction (positions are absolute)
         self.num_free, self.num_stale, self.num_keyed = num_blocks, 0, 0
@@ -523,7 +523,7 @@ class KVBlockManager:
         if not width:
             out = torch.zeros((len(tables), 1), dtype=torch.int32)
             return out.to(device) if device is not None else out
-        rows, padding = array(BLOCK_ID), array(BLOCK_ID, bytes(4 * width))
+        rows, padding = array(BLOCK_ID), array(BLOCK_ID, [0]) * width
         for table in tables:  # one flat C array, viewed as a tensor and copied once (not one tensor per row)
             rows.extend(table)
             rows.extend(padding[len(table):])
@@ -704,7 +704,7 @@ class KVBlockManager:
             new_blocks = -(-(seq.num_tokens + num_tokens) // size) - len(seq.block_table)
             if seq.block_table:
                 seq.block_table.extend(self._held_by(seq, source(new_blocks)))
-            else:  # a fresh list from source: keep it instead of copying it
+            else:  # a fresh array from source: keep it instead of copying it
                 seq.block_table = self._held_by(seq, source(new_blocks))
             seq.num_tokens += num_tokens
             return

@@ -135,7 +135,7 @@ def bench_sweep(num_cpus: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simulator.bench", description=__doc__)
     parser.add_argument("--trace", default=str(AZURE_CONV))
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9, help="alternating paged/oracle pairs (median)")
     parser.add_argument("--large", type=int, default=100_000)
     parser.add_argument("--csv-rows", type=int, default=1_000_000)
     parser.add_argument("--out", default="benchmarks/results/simulator.csv")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import operator
 import statistics
 import time
 from collections import Counter
@@ -102,7 +103,7 @@ class Profile:
 
         def step_time(out, after_idle: bool = False) -> float:
             quantities = plan_quantities(out, block_size, after_idle)
-            return sum(c * v for c, v in zip(vector, design_row(quantities, knots)))
+            return sum(map(operator.mul, vector, design_row(quantities, knots)))
         return step_time
 
     def check_matches(self, model: str | None = None, block_size: int | None = None) -> None:

@@ -273,10 +273,11 @@ class KVBlockManager:
         self._check_new_id(seq_id)
         num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
         hits = self._lookup(token_ids, num_tokens, stream_key)
+        blocks = -(-num_tokens // self.block_size)
         # enough free blocks for the whole prompt suffice (hits only lower the need): skip counting them
-        if -(-num_tokens // self.block_size) > self._free_queue.num_free and self._shortfall(num_tokens, hits) > 0:
-            raise OutOfBlocksError(f"sequence {seq_id!r} needs {self.blocks_for_tokens(num_tokens) - len(hits)} "
-                                   f"blocks, {self.num_free_blocks} free")
+        if blocks > self._free_queue.num_free and self._shortfall(num_tokens, hits) > 0:
+            raise OutOfBlocksError(f"sequence {seq_id!r} needs {blocks - len(hits)} blocks, "
+                                   f"{self.num_free_blocks} free")
         tracked = token_ids is not None and self.enable_prefix_caching  # its tokens are hashed into cache keys
         stream = stream_key is not None and token_ids is None and self.enable_prefix_caching
         cached = len(hits) * self.block_size
@@ -288,7 +289,7 @@ class KVBlockManager:
                                  self._block_content_ids[hits[-1]] if hits else ROOT_CONTENT_ID)
             self._grow(seq, num_tokens - cached, token_ids[cached:] if token_ids is not None else None)
         else:  # fresh blocks only, each with one holder (the simulator's hot path)
-            seq = SequenceBlocks(self._allocate_blocks(-(-num_tokens // self.block_size)), num_tokens, exclusive=True)
+            seq = SequenceBlocks(self._allocate_blocks(blocks), num_tokens, exclusive=True)
         self.sequences[seq_id] = seq
         if tracked or stream:
             stats = self.prefix_cache_stats
@@ -520,15 +521,15 @@ class KVBlockManager:
 
         tables = [self._seq(s).block_table for s in seq_ids]
         width = max((len(t) for t in tables), default=0)
-        if not width:
+        if width:
+            rows, padding = array(BLOCK_ID), array(BLOCK_ID, [0]) * width
+            for table in tables:  # one flat C array, viewed as a tensor and copied once (not one tensor per row)
+                rows.extend(table)
+                rows.extend(padding[len(table):])
+            out = torch.frombuffer(rows, dtype=torch.int32).view(len(tables), width).clone()
+        else:
             out = torch.zeros((len(tables), 1), dtype=torch.int32)
-            return out.to(device) if device is not None else out
-        rows, padding = array(BLOCK_ID), array(BLOCK_ID, [0]) * width
-        for table in tables:  # one flat C array, viewed as a tensor and copied once (not one tensor per row)
-            rows.extend(table)
-            rows.extend(padding[len(table):])
-        out = torch.frombuffer(rows, dtype=torch.int32).view(len(tables), width)
-        return out.to(device) if device is not None and torch.device(device).type != "cpu" else out.clone()
+        return out.to(device) if device is not None else out
 
     def get_seq_lens_tensor(self, seq_ids: Iterable, device=None):
         """int32 ``[num_seqs]`` sequence lengths."""
@@ -702,10 +703,7 @@ class KVBlockManager:
         size, done, source = self.block_size, 0, source or self._allocate_blocks
         if seq.partial_token_ids is None:  # no tokens to hash: take all new blocks at once
             new_blocks = -(-(seq.num_tokens + num_tokens) // size) - len(seq.block_table)
-            if seq.block_table:
-                seq.block_table.extend(self._held_by(seq, source(new_blocks)))
-            else:  # a fresh array from source: keep it instead of copying it
-                seq.block_table = self._held_by(seq, source(new_blocks))
+            seq.block_table.extend(self._held_by(seq, source(new_blocks)))
             seq.num_tokens += num_tokens
             return
         while done < num_tokens:

@@ -4,8 +4,8 @@
 without a cached prefix, decode batches of several sizes x context lengths, chunked steps that mix the two, and
 copy-on-write of parallel samples — and records every step's plan quantities and measured duration. After
 warm-up, steps with identical quantities are repeats; their mean is one sample (a run's makespan and TPOT are sums of
-step times, which follow the mean of a CPU's right-skewed step times, not their median). A non-negative least-squares fit of
-``duration = sum(coefficient x feature)`` (linear in the quantities, piecewise-linear in the decode batch size)
+step times, which follow the mean of a CPU's right-skewed step times, not their median). A non-negative least-squares
+fit of ``duration = sum(coefficient x feature)`` (linear in the quantities, piecewise-linear in the decode batch size)
 gives the ``Profile``'s coefficients; its error is reported on held-out samples.
 """
 from __future__ import annotations
@@ -159,9 +159,8 @@ def fit(samples: list[dict], knots: list[int], holdout_fraction: float = 0.2,
     overestimates them by 10-20 % on a CPU, which the twin's TPOT shows. Each row's error is relative to its fitted
     duration, not its measured one (first solved against the measurement, then reweighted ``REWEIGHTINGS`` times):
     dividing by the measurement discounts exactly the slow repeats, and that fit came out 3-5 % below the mean step
-    time. Returns the
-    coefficients fitted on every sample and the median and max relative error on a held-out fraction (fitted
-    without it)."""
+    time. Returns the coefficients fitted on every sample and the median and max relative error on a held-out
+    fraction (fitted without it)."""
     from scipy.optimize import nnls
 
     features = np.array([design_row(s["quantities"], knots) for s in samples], dtype=np.float64)

@@ -66,6 +66,7 @@ def test_the_fit_predicts_the_mean_of_right_skewed_step_times():
     assert sum(predicted) == pytest.approx(sum(measured), rel=0.015)
     assert sum(predicted) == pytest.approx(sum(true_means), rel=0.03)
 
+
 def test_a_quick_profile_of_the_tiny_engine_fits_and_round_trips(tmp_path):
     profile = profile_engine("tiny", block_size=4, repeats=1, grid="quick")
     assert len(profile.samples) >= 8 and set(profile.coefficients) == set(feature_names(profile.decode_knots))

@@ -8,7 +8,7 @@ import pandas as pd
 
 from lab.cli_args import device, non_negative_int, output_csv, positive_float, positive_int, positive_ints
 from lab.profile import GRIDS
-from lab.results import print_and_save
+from lab.results import print_and_save, save_csv
 
 
 def _bench_kernels(args) -> None:
@@ -119,6 +119,8 @@ def _twin(args) -> None:
     config = TwinConfig(args.model, engine)
     result = run_twin(workload, config, profile, args.repeats)
     print_and_save(result.table, args.out)
+    if args.steps_out:
+        save_csv(result.steps_table(), args.steps_out)
     if result.first_difference:
         print(f"schedules differ at {result.first_difference}")
 
@@ -219,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--repeats", type=positive_int, default=1, help="real runs (2+: the noise floor)")
     t.add_argument("--seed", type=non_negative_int, default=0)
     t.add_argument("--out", type=output_csv, default=None)
+    t.add_argument("--steps-out", type=output_csv, default=None,
+                   help="CSV of the real run's steps with each step's modelled time beside its measured one")
     t.set_defaults(run=_twin)
     return parser
 

@@ -75,6 +75,7 @@ else:
     st.success("Identical schedules: every step planned the same in the engine and the simulator.")
 st.dataframe(result.table, hide_index=True)
 csv_download(result.table, "twin.csv", "dl_twin")
+csv_download(result.steps_table(), "twin_steps.csv", "dl_twin_steps", "Download the steps (measured and modelled time)")
 left, right = st.columns(2)
 with left:
     chart(charts.twin_steps(result.real_steps, result.simulated_steps, "blocks_in_use", "KV blocks in use"),

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU checks in one go (about 6 minutes on an H200, at most 10): the `gpu` tests, the digital twin on CUDA, the
 # GPU kernel and e2e benchmarks, most important first. Arguments pick steps (tests profile twin kernels e2e; default
-# all), e.g. `scripts/gpu_check.sh profile twin` to redo the twin alone. Six files go to $OUT when set (the device tool's output
-# folder, which returns at most eight), else to benchmarks/results/: gpu_info.csv, gpu_check.log (everything
-# printed), profile_gpu.json, twin_gpu.csv, kernels_gpu.csv, e2e_gpu.csv.
+# all), e.g. `scripts/gpu_check.sh profile twin` to redo the twin alone. Seven files go to $OUT when set (the device
+# tool's output folder, which returns at most eight), else to benchmarks/results/: gpu_info.csv, gpu_check.log
+# (everything printed), profile_gpu.json, twin_gpu.csv, twin_steps_gpu.csv (each real step's measured and modelled
+# time), kernels_gpu.csv, e2e_gpu.csv.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
@@ -36,7 +37,8 @@ step tests 150 "$py" -m pytest -m gpu -q -rfE --tb=short --durations=8 -p no:cac
 step profile 170 "$py" -m lab profile --model qwen3-0.6b-random --device cuda --backend cupy --repeats 2 \
   --out "$out/profile_gpu.json"
 step twin 60 "$py" -m lab twin --model qwen3-0.6b-random --device cuda --backend cupy \
-  --profile "$out/profile_gpu.json" --num-requests 64 --repeats 2 --out "$out/twin_gpu.csv"
+  --profile "$out/profile_gpu.json" --num-requests 64 --repeats 2 --out "$out/twin_gpu.csv" \
+  --steps-out "$out/twin_steps_gpu.csv"
 step kernels 60 "$py" -m lab bench kernels --device cuda --dtype bfloat16 --backends torch,cupy \
   --batch 1,8,64 --context 512,4096,32768 --block-size 16 --repeats 20 --out "$out/kernels_gpu.csv"
 # One run per system (each about 35 s with its warm-up on an H200: the 0.6B model's 256-token decodes are bound by

@@ -66,6 +66,15 @@ class TwinResult:
     real_requests: pd.DataFrame | None = None  # per request: ttft_s, tpot_s, e2e_s (for CDFs)
     simulated_requests: pd.DataFrame | None = None
     workload: Workload | None = None
+    replayed_steps: pd.DataFrame | None = None  # the simulator replaying the real admissions (None: no match)
+
+    def steps_table(self) -> pd.DataFrame:
+        """The real run's step log, ``duration_s`` renamed ``real_duration_s``, with ``simulated_duration_s``
+        beside it: the modelled time of the same step in the replay (NaN where the replay's schedule differed)."""
+        table = self.real_steps.rename(columns={"duration_s": "real_duration_s"})
+        matched = self.replayed_steps is not None
+        table["simulated_duration_s"] = self.replayed_steps["duration_s"].to_numpy() if matched else math.nan
+        return table
 
 
 def sim_config(engine: LLMEngine, profile: Profile) -> SimConfig:
@@ -229,7 +238,8 @@ def compare(workload: Workload, real_runs: list[RealRun], profile: Profile) -> T
     rows.append({"metric": "wall_time_s", "real": real_wall, "simulated": simulated_wall,
                  "rel_error": math.nan})
     return TwinResult(pd.DataFrame(rows), real_steps, simulated_steps, difference, real_wall, simulated_wall,
-                      real["requests"], simulated["requests"], workload)
+                      real["requests"], simulated["requests"], workload,
+                      replayed if replay_difference == "" else None)
 
 
 def _relative(value: float, reference: float) -> float:

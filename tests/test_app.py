@@ -284,6 +284,8 @@ def test_twin_page_calibrates_runs_and_rejects_bad_profiles(downloads):
     clean(app)
     table = download_table(app, downloads, "dl_twin").set_index("metric")
     assert table.loc["schedule_identical", "simulated"] == 1.0 and len(app.get("plotly_chart")) == 4
+    steps = download_table(app, downloads, "dl_twin_steps")
+    assert (steps["real_duration_s"] > 0).all() and (steps["simulated_duration_s"] > 0).all()
     app.sidebar.text_input[0].set_value("qwen3-0.6b")  # the profile was measured on "tiny"
     app.button(key="run_twin").click().run()
     assert not app.exception and any("measured on model 'tiny'" in e.value for e in app.error)

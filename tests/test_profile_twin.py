@@ -4,6 +4,7 @@ import json
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from lab.engine import EngineConfig
@@ -208,3 +209,18 @@ def test_the_fidelity_benchmark_reports_every_metric_for_both_loads(monkeypatch)
     assert rates["saturated"] == float("inf") and 0 < rates["light"] < float("inf")
     with pytest.raises(ValueError, match="no benchmark settings"):
         twin.bench_twin(("qwen3-8b",))
+
+
+def test_the_cli_profiles_then_runs_the_twin_and_writes_both_step_times(tmp_path, capsys):
+    from lab.cli import main
+
+    profile, table, steps = tmp_path / "p.json", tmp_path / "twin.csv", tmp_path / "steps.csv"
+    assert main(["profile", "--grid", "quick", "--repeats", "1", "--block-size", "4", "--out", str(profile)]) == 0
+    assert "held-out relative error" in capsys.readouterr().out
+    assert main(["twin", "--profile", str(profile), "--num-requests", "6", "--input-len", "20", "--output-len", "5",
+                 "--block-size", "4", "--num-blocks", "24", "--out", str(table), "--steps-out", str(steps)]) == 0
+    rows = pd.read_csv(table).set_index("metric")
+    assert rows.loc["schedule_identical", "simulated"] == 1.0
+    log = pd.read_csv(steps)
+    assert len(log) > 5 and (log["real_duration_s"] > 0).all() and (log["simulated_duration_s"] > 0).all()
+    assert main(["twin", "--profile", str(profile), "--block-size", "16", "--num-requests", "2"]) == 2  # mismatch

@@ -271,7 +271,10 @@ class KVBlockManager:
         has at least one token to compute. Raises ``OutOfBlocksError`` (nothing changed) when the pool is too small.
         """
         self._check_new_id(seq_id)
-        num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
+        if prompt_token_ids is None and type(num_prompt_tokens) is int and num_prompt_tokens >= 0:
+            num_tokens, token_ids = num_prompt_tokens, None  # the simulator's call, checked without _prompt_args
+        else:
+            num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
         hits = self._lookup(token_ids, num_tokens, stream_key)
         blocks = -(-num_tokens // self.block_size)
         # enough free blocks for the whole prompt suffice (hits only lower the need): skip counting them
@@ -343,13 +346,14 @@ class KVBlockManager:
         else:
             num_reserved = 0
         del self.sequences[seq_id]
-        self.num_block_references -= len(seq.block_table) + num_reserved
+        table = seq.block_table
+        self.num_block_references -= len(table) + num_reserved
         ref_counts, free = self._ref_counts, self._free_queue
         if num_reserved:  # the newest reserved blocks, freed as if appended (stored count 0 already)
             free.extend_unkeyed(self._take_reserved(num_reserved, newest_first=False))
         if seq.exclusive:  # every block has one holder (stored as 0) and no cache key: free them in bulk
-            seq.block_table.reverse()  # the table dies with the sequence: reverse it in place
-            free.extend_unkeyed(seq.block_table)
+            table.reverse()  # the table dies with the sequence: reverse it in place
+            free.extend_unkeyed(table)
             return
         for block in reversed(seq.block_table):  # tail first, so a prefix's head is reused last
             count = ref_counts[block] - 1

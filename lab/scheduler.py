@@ -228,7 +228,7 @@ class Scheduler:
         self.memory_calendar: dict[int, list] = {}  # decode step -> [(seq, epoch)] needing memory then
         self.period = policy.block_period
         self.phase_buckets: list[dict] = [{} for _ in range(self.period)]  # step % period -> {seq_id: seq}
-        self.periodic_ends: dict[int, list] = {}  # decode step -> [(seq, epoch)] getting their last block then
+        self.periodic_ends: dict[int, list] = {}  # decode step -> sequences whose last block is reserved then
         self.len_offset = 0  # sum over running of (kv_len_base - step_base)
         self.len_offset_heap: list[tuple] = []  # (-(kv_len_base - step_base), tie, epoch, seq); stale ones lazily
         self._heap_ties = itertools.count()
@@ -375,10 +375,12 @@ class Scheduler:
             if bucket and not self.policy.reserve(len(bucket)):
                 self._reserve_one_by_one(bucket, out)
             if step in self.periodic_ends:
-                for seq, epoch in self.periodic_ends.pop(step):
-                    if seq.epoch == epoch and seq.phase >= 0:
-                        self._leave_bucket(seq)
-                        self.policy.final_block_reserved(seq)
+                # The sequence keeps its bucket: it finishes before its phase comes round again (its final length
+                # lies within this last block), and leaving the running set removes it.
+                final_block_reserved = self.policy.final_block_reserved
+                for seq in self.periodic_ends.pop(step):
+                    if seq.periodic_last == step:  # else it left running since (a repeat is a no-op)
+                        final_block_reserved(seq)
         if step not in self.memory_calendar:
             return
         running = self.running
@@ -606,9 +608,9 @@ class Scheduler:
         self.phase_buckets[seq.phase][seq.seq_id] = seq
         ends = self.periodic_ends.get(last)
         if ends is None:
-            self.periodic_ends[last] = [(seq, seq.epoch)]
+            self.periodic_ends[last] = [seq]
         else:
-            ends.append((seq, seq.epoch))
+            ends.append(seq)
 
     def _leave_bucket(self, seq: Sequence) -> None:
         del self.phase_buckets[seq.phase][seq.seq_id]

@@ -99,6 +99,8 @@ def _profile(args) -> None:
           f"wrote {args.out}")
     for name, value in profile.coefficients.items():
         print(f"  {name:<24} {value:.4g}")
+    print("per scenario (median measured vs fitted step time):")
+    print_and_save(profile.scenario_errors(), None)
 
 
 def _twin(args) -> None:

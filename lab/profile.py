@@ -98,13 +98,35 @@ class Profile:
 
     def predictor(self) -> Callable[..., float]:
         """``step_time`` with the coefficients laid out once (the simulator calls it every step)."""
-        knots, block_size = list(self.decode_knots), self.block_size
-        vector = [self.coefficients[name] for name in feature_names(knots)]
+        time_of, block_size = self.quantities_predictor(), self.block_size
 
         def step_time(out, after_idle: bool = False) -> float:
-            quantities = plan_quantities(out, block_size, after_idle)
-            return sum(map(operator.mul, vector, design_row(quantities, knots)))
+            return time_of(plan_quantities(out, block_size, after_idle))
         return step_time
+
+    def quantities_predictor(self) -> Callable[[list[float]], float]:
+        """The fitted seconds of a step given its quantities (``QUANTITIES`` order, as samples hold them)."""
+        knots = list(self.decode_knots)
+        vector = [self.coefficients[name] for name in feature_names(knots)]
+
+        def time_of(quantities: list[float]) -> float:
+            return sum(map(operator.mul, vector, design_row(quantities, knots)))
+        return time_of
+
+    def scenario_errors(self) -> "pd.DataFrame":
+        """Per scenario: its samples, the median measured and fitted step time, and the signed relative error of
+        the fitted median (where the fit misses, and whether short and long scenarios ran alike)."""
+        import pandas as pd
+
+        step_time, rows = self.quantities_predictor(), {}
+        for sample in self.samples:
+            rows.setdefault(sample.get("scenario", "?"), []).append((sample["duration_s"],
+                                                                     step_time(sample["quantities"])))
+        table = pd.DataFrame([{"scenario": name, "samples": len(pairs),
+                               "measured_s": statistics.median(m for m, _ in pairs),
+                               "fitted_s": statistics.median(f for _, f in pairs)} for name, pairs in rows.items()])
+        table["rel_error"] = table["fitted_s"] / table["measured_s"] - 1
+        return table
 
     def check_matches(self, model: str | None = None, block_size: int | None = None) -> None:
         """Raise ``ProfileError`` when the profile was measured for another model or block size."""

@@ -53,6 +53,8 @@ if profile is None:
 st.caption(f"Profile: {profile.model} on {profile.device} ({profile.dtype}, {profile.backend}), block size "
            f"{profile.block_size}, {len(profile.samples)} step shapes, held-out error median "
            f"{profile.holdout_median_rel_error:.1%}")
+with st.expander("The fit, scenario by scenario (median measured vs fitted step time)"):
+    st.dataframe(profile.scenario_errors(), hide_index=True)
 
 if st.button("Run the twin", key="run_twin", type="primary"):
     try:

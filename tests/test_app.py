@@ -279,6 +279,8 @@ def test_twin_page_calibrates_runs_and_rejects_bad_profiles(downloads):
     app.radio(key="profile_grid").set_value("quick")
     app.button(key="calibrate").click().run()
     clean(app)
+    fit = app.dataframe[0].value  # the profile's fit, scenario by scenario
+    assert {"scenario", "measured_s", "fitted_s", "rel_error"} <= set(fit.columns) and len(fit) >= 5
     app.sidebar.number_input[0].set_value(12)  # requests
     app.button(key="run_twin").click().run()
     clean(app)

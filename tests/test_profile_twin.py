@@ -216,7 +216,8 @@ def test_the_cli_profiles_then_runs_the_twin_and_writes_both_step_times(tmp_path
 
     profile, table, steps = tmp_path / "p.json", tmp_path / "twin.csv", tmp_path / "steps.csv"
     assert main(["profile", "--grid", "quick", "--repeats", "1", "--block-size", "4", "--out", str(profile)]) == 0
-    assert "held-out relative error" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "held-out relative error" in printed and "per scenario" in printed and "prefill 64" in printed
     assert main(["twin", "--profile", str(profile), "--num-requests", "6", "--input-len", "20", "--output-len", "5",
                  "--block-size", "4", "--num-blocks", "24", "--out", str(table), "--steps-out", str(steps)]) == 0
     rows = pd.read_csv(table).set_index("metric")
@@ -224,3 +225,17 @@ def test_the_cli_profiles_then_runs_the_twin_and_writes_both_step_times(tmp_path
     log = pd.read_csv(steps)
     assert len(log) > 5 and (log["real_duration_s"] > 0).all() and (log["simulated_duration_s"] > 0).all()
     assert main(["twin", "--profile", str(profile), "--block-size", "16", "--num-requests", "2"]) == 2  # mismatch
+
+
+def test_scenario_errors_compare_each_scenario_s_median_with_the_fit():
+    profile = fixed_profile()
+    time_of = profile.quantities_predictor()
+    decode = [1.0, 0.0, 0.0, 4.0, 0.0, 200.0, 256.0, 0.0, 0.0, 0.0]
+    prefill = [1.0, 1.0, 64.0, 0.0, 2080.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    profile.samples = [{"quantities": decode, "duration_s": time_of(decode) * 1.25, "scenario": "slow decode"},
+                       {"quantities": decode, "duration_s": time_of(decode) * 1.25, "scenario": "slow decode"},
+                       {"quantities": prefill, "duration_s": time_of(prefill), "scenario": "prefill"}]
+    table = profile.scenario_errors().set_index("scenario")
+    assert table.loc["slow decode", "samples"] == 2 and table.loc["prefill", "samples"] == 1
+    assert table.loc["slow decode", "rel_error"] == pytest.approx(1 / 1.25 - 1)
+    assert table.loc["prefill", "rel_error"] == pytest.approx(0.0, abs=1e-12)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import pandas as pd
 
 QUANTITIES = ("constant", "prefill_seqs", "prefill_tokens", "decode_seqs", "prefill_attention_pairs",
               "decode_kv_tokens", "decode_padded_kv_tokens", "copied_blocks", "swapped_blocks", "after_idle")
@@ -113,11 +114,9 @@ class Profile:
             return sum(map(operator.mul, vector, design_row(quantities, knots)))
         return time_of
 
-    def scenario_errors(self) -> "pd.DataFrame":
+    def scenario_errors(self) -> pd.DataFrame:
         """Per scenario: its samples, the median measured and fitted step time, and the signed relative error of
         the fitted median (where the fit misses, and whether short and long scenarios ran alike)."""
-        import pandas as pd
-
         step_time, rows = self.quantities_predictor(), {}
         for sample in self.samples:
             rows.setdefault(sample.get("scenario", "?"), []).append((sample["duration_s"],

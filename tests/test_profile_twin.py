@@ -218,6 +218,10 @@ def test_the_cli_profiles_then_runs_the_twin_and_writes_both_step_times(tmp_path
     assert main(["profile", "--grid", "quick", "--repeats", "1", "--block-size", "4", "--out", str(profile)]) == 0
     printed = capsys.readouterr().out
     assert "held-out relative error" in printed and "per scenario" in printed and "prefill 64" in printed
+    from lab.profile import Profile, _scenarios
+
+    listed = set(Profile.load(profile).scenario_errors()["scenario"])
+    assert listed == {name for name, _, _ in _scenarios(4, "quick")}  # every scenario, shared shapes too
     assert main(["twin", "--profile", str(profile), "--num-requests", "6", "--input-len", "20", "--output-len", "5",
                  "--block-size", "4", "--num-blocks", "24", "--out", str(table), "--steps-out", str(steps)]) == 0
     rows = pd.read_csv(table).set_index("metric")
@@ -234,8 +238,9 @@ def test_scenario_errors_compare_each_scenario_s_median_with_the_fit():
     prefill = [1.0, 1.0, 64.0, 0.0, 2080.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     profile.samples = [{"quantities": decode, "duration_s": time_of(decode) * 1.25, "scenario": "slow decode"},
                        {"quantities": decode, "duration_s": time_of(decode) * 1.25, "scenario": "slow decode"},
-                       {"quantities": prefill, "duration_s": time_of(prefill), "scenario": "prefill"}]
+                       {"quantities": prefill, "duration_s": time_of(prefill), "scenario": "prefill",
+                        "scenarios": ["prefill", "slow decode"]}]  # a shape two scenarios produced counts in both
     table = profile.scenario_errors().set_index("scenario")
-    assert table.loc["slow decode", "samples"] == 2 and table.loc["prefill", "samples"] == 1
+    assert table.loc["slow decode", "samples"] == 3 and table.loc["prefill", "samples"] == 1
     assert table.loc["slow decode", "rel_error"] == pytest.approx(1 / 1.25 - 1)
     assert table.loc["prefill", "rel_error"] == pytest.approx(0.0, abs=1e-12)

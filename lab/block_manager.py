@@ -271,10 +271,7 @@ class KVBlockManager:
         has at least one token to compute. Raises ``OutOfBlocksError`` (nothing changed) when the pool is too small.
         """
         self._check_new_id(seq_id)
-        if prompt_token_ids is None and type(num_prompt_tokens) is int and num_prompt_tokens >= 0:
-            num_tokens, token_ids = num_prompt_tokens, None  # the simulator's call, checked without _prompt_args
-        else:
-            num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
+        num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
         hits = self._lookup(token_ids, num_tokens, stream_key)
         blocks = -(-num_tokens // self.block_size)
         # enough free blocks for the whole prompt suffice (hits only lower the need): skip counting them
@@ -355,7 +352,7 @@ class KVBlockManager:
             table.reverse()  # the table dies with the sequence: reverse it in place
             free.extend_unkeyed(table)
             return
-        for block in reversed(seq.block_table):  # tail first, so a prefix's head is reused last
+        for block in reversed(table):  # tail first, so a prefix's head is reused last
             count = ref_counts[block] - 1
             ref_counts[block] = count
             if count == 0:
@@ -631,6 +628,8 @@ class KVBlockManager:
             raise DuplicateSequenceError(f"sequence {seq_id!r} already exists")
 
     def _prompt_args(self, prompt_token_ids, num_prompt_tokens) -> tuple[int, list[int] | None]:
+        if prompt_token_ids is None and type(num_prompt_tokens) is int and num_prompt_tokens >= 0:
+            return num_prompt_tokens, None  # a plain count (the simulator's every admission)
         if prompt_token_ids is not None:
             token_ids = _token_list(prompt_token_ids, "prompt_token_ids")
             if num_prompt_tokens is not None and num_prompt_tokens != len(token_ids):

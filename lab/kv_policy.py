@@ -63,8 +63,7 @@ class PagedPolicy:
                 seq.cached_tokens, seq.synced_len = 0, prompt_len
             self._track_shared_partial(seqs)
         for seq in seqs:
-            if blocks * self.block_size >= seq.final_len:  # else its final block comes later
-                self._count_final_block(seq, blocks)
+            self._count_final_block(seq, blocks)
         return True
 
     # ---- growth ---------------------------------------------------------------------------------------------------

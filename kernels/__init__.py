@@ -110,15 +110,19 @@ def swap_blocks(src_key_cache, src_value_cache, dst_key_cache, dst_value_cache, 
 
 
 def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float | None = None,
-                           backend: str = "auto", check: bool = True, out=None):
+                           backend: str = "auto", check: bool = True, out=None, max_seq_len: int | None = None):
     """One decode step of attention: ``query [num_seqs, num_q_heads, head_dim]`` against each sequence's first
     ``seq_lens[s]`` cached tokens, found through ``block_tables``. GQA maps q head ``h`` to kv head
     ``h // (num_q_heads // num_kv_heads)``; ``scale`` defaults to ``head_dim ** -0.5``. Returns ``out`` like query
-    (written into ``out`` when given)."""
+    (written into ``out`` when given). ``max_seq_len``: ``max(seq_lens)`` when the caller knows it on the host (a
+    runner calls this once per layer with the same lengths): with CUDA tensors, reading it from ``seq_lens`` waits
+    for the GPU to finish the work queued so far, every call."""
     if check:
         validate.check_attention_args(query, key_cache, value_cache, block_tables, seq_lens)
+        validate.check_max_seq_len(max_seq_len, seq_lens)
     else:
         validate.check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens)
+        validate.check_max_seq_len(max_seq_len)
     if out is not None:
         validate.check_out(out, query)
     scale = validate.check_scale(query.shape[-1] ** -0.5 if scale is None else scale)
@@ -131,7 +135,7 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
         result = result if isinstance(query, np.ndarray) else _like(result, query)
     else:
         result = _backend_module(name).paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens,
-                                                              scale, out=out)
+                                                              scale, out=out, max_seq_len=max_seq_len)
     if out is not None and result is not out:
         out[...] = result
         return out

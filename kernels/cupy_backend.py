@@ -206,10 +206,11 @@ def choose_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm
 
 
 def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float,
-                           partition_size: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                           partition_size: int | None = None, out: torch.Tensor | None = None,
+                           max_seq_len: int | None = None) -> torch.Tensor:
     """Decode attention with the v1 or v2 kernel (``partition_size``: None chooses, 0 forces v1, >0 forces v2).
     Sequences of length 0 get zeros. ``out`` may have any strides: the kernel writes a dense buffer that is then
-    copied into it."""
+    copied into it. ``max_seq_len``: the longest of ``seq_lens`` if known (else read from them: a device sync)."""
     validate.check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens)
     if out is not None:
         validate.check_out(out, query)
@@ -222,20 +223,21 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
     dense = out if out is not None and out.is_contiguous() else torch.empty(query.shape, dtype=query.dtype,
                                                                            device=device)
     if num_seqs:
-        _attend(dense, query.contiguous(), key_cache, value_cache, block_tables, seq_lens, scale, partition_size)
+        _attend(dense, query.contiguous(), key_cache, value_cache, block_tables, seq_lens, scale, partition_size,
+                max_seq_len)
     if out is not None and dense is not out:
         out.copy_(dense)
         return out
     return dense
 
 
-def _attend(out, query, key_cache, value_cache, block_tables, seq_lens, scale, partition_size) -> None:
+def _attend(out, query, key_cache, value_cache, block_tables, seq_lens, scale, partition_size, max_seq_len) -> None:
     num_seqs, num_q_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
     group, device = num_q_heads // num_kv_heads, query.device
     block_tables = block_tables.to(device=device, dtype=torch.int32).contiguous()
     seq_lens = seq_lens.to(device=device, dtype=torch.int32).contiguous()
-    max_seq_len = int(seq_lens.max())
+    max_seq_len = int(seq_lens.max()) if max_seq_len is None else int(max_seq_len)
     if partition_size is None:
         partition_size = choose_partition_size(num_seqs, num_kv_heads, max_seq_len, _sm_count(device))
     num_parts = max(1, -(-max_seq_len // partition_size)) if partition_size else 1

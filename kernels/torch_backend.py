@@ -42,14 +42,17 @@ def swap_blocks(src_key_cache, src_value_cache, dst_key_cache, dst_value_cache, 
 
 
 def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, max_seq_len: int | None = None) -> torch.Tensor:
     """GQA decode attention over paged K/V, computed block-wise straight from the gathered blocks (no re-layout).
 
-    Softmax statistics are float32; on CPU half types are computed in float32 throughout.
+    Softmax statistics are float32; on CPU half types are computed in float32 throughout. ``max_seq_len``: the
+    longest of ``seq_lens`` if known (else read from them: a device sync on CUDA).
     """
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device) if out is None else out
     seq_lens = seq_lens.to(device=key_cache.device, dtype=torch.long)
-    num_blocks_used = int(-(-int(seq_lens.max()) // key_cache.shape[2])) if len(seq_lens) else 0
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max()) if len(seq_lens) else 0
+    num_blocks_used = -(-int(max_seq_len) // key_cache.shape[2])
     if num_blocks_used == 0:  # every sequence is empty
         return out.zero_()
     # Entries past a sequence's blocks are padding (-1 by convention): read block 0 there, masked out below.
@@ -87,8 +90,9 @@ def _attend_chunk(query, key_cache, value_cache, block_tables, seq_lens, scale, 
     positions = torch.arange(num_blocks_used * block_size, device=query.device).view(num_blocks_used, 1, 1, block_size)
     beyond_end = positions >= seq_lens.view(num_seqs, 1, 1, 1, 1)
     scores.masked_fill_(beyond_end, float("-inf"))
-    # Stale slots may hold anything, NaN included (0 * NaN = NaN): zero them, touching only the tail blocks.
-    first_tail = int(seq_lens.min()) // block_size
+    # Stale slots may hold anything, NaN included (0 * NaN = NaN): zero them, on CPU touching only the tail blocks
+    # (on CUDA finding those would wait for the GPU; masking every block costs less)
+    first_tail = int(seq_lens.min()) // block_size if query.is_cpu else 0
     values[:, first_tail:].masked_fill_(beyond_end[:, first_tail:].transpose(-1, -2), 0)
     # An empty sequence's max is -inf; clamping it keeps its probabilities 0 (and its output 0) instead of NaN.
     probs = torch.exp(scores - scores.amax(dim=(1, 4), keepdim=True).clamp_min(torch.finfo(torch.float32).min))

@@ -120,6 +120,20 @@ def check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens
     return num_blocks, num_kv_heads, block_size, head_dim
 
 
+def check_max_seq_len(max_seq_len, seq_lens=None) -> None:
+    """``max_seq_len`` is None or an int >= 0; with ``seq_lens`` (a look at the data) it must equal their maximum (0
+    for none)."""
+    if max_seq_len is None:
+        return
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) or max_seq_len < 0:
+        raise ValueError(f"max_seq_len must be None or an integer >= 0, got {max_seq_len!r}")
+    if seq_lens is not None:
+        lens = to_numpy(seq_lens)
+        longest = int(lens.max()) if lens.size else 0
+        if max_seq_len != longest:
+            raise ValueError(f"max_seq_len={max_seq_len} but the longest of seq_lens is {longest}")
+
+
 def check_out(out, query) -> None:
     """``out`` must match ``query`` in shape, dtype and device."""
     if shape_of(out) != shape_of(query):

@@ -102,7 +102,8 @@ class ForwardBatch:
 
     ``prefill_lens``/``prefill_cached`` give each prefill sequence's new-token count and how many tokens before them
     are already in the cache (prefix hits); ``prefill_block_tables`` their block tables. ``block_tables``/``seq_lens``
-    describe the decode sequences (``seq_lens`` includes the token being decoded).
+    describe the decode sequences (``seq_lens`` includes the token being decoded; ``max_seq_len`` is their longest,
+    known on the host so that the decode kernels need not read it back from the device every layer).
     """
 
     input_ids: torch.Tensor
@@ -113,6 +114,7 @@ class ForwardBatch:
     prefill_block_tables: list[torch.Tensor]
     block_tables: torch.Tensor | None
     seq_lens: torch.Tensor | None
+    max_seq_len: int = 0
 
 
 class PagedQwen3:
@@ -195,6 +197,7 @@ class PagedQwen3:
                 rows.append(len(input_ids) - 1)
                 sampled.append(chunk.samples)
         block_tables = seq_lens = None
+        max_seq_len = 0
         decode = out.decode_seqs or []
         if decode:
             first = len(input_ids)
@@ -208,12 +211,13 @@ class PagedQwen3:
             seq_ids = [seq.seq_id for seq in decode]
             block_tables = block_manager.get_block_tables_tensor(seq_ids, self.device)
             seq_lens = block_manager.get_seq_lens_tensor(seq_ids, self.device)
+            max_seq_len = max(positions[first:]) + 1
         if not input_ids:
             return None, torch.empty(0, dtype=torch.long), []
         as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
         batch = ForwardBatch(as_tensor(input_ids), as_tensor(positions),
                              block_manager.get_slot_mapping_tensor(spans, self.device), lens, cached, tables,
-                             block_tables, seq_lens)
+                             block_tables, seq_lens, max_seq_len)
         return batch, as_tensor(rows), sampled
 
     @torch.inference_mode()
@@ -254,7 +258,8 @@ class PagedQwen3:
         if batch.block_tables is not None:
             out[start:] = kernels.paged_attention_decode(q[start:], self.key_caches[layer], self.value_caches[layer],
                                                          batch.block_tables, batch.seq_lens, self.scale,
-                                                         backend=self.attention_backend, check=False)
+                                                         backend=self.attention_backend, check=False,
+                                                         max_seq_len=batch.max_seq_len)
         return out
 
     def _prefill_attention(self, layer: int, q, k, v, cached: int, block_table) -> torch.Tensor:

@@ -263,21 +263,27 @@ def test_swap_preemption_in_a_tiny_pool_matches_hf(prompts, hf_reference, schedu
     policy.cpu_manager.check_invariants()
 
 
-def test_engine_cache_writes_never_name_a_slot_twice(monkeypatch, prompts):
-    """The engine writes with check=False; the block manager must never hand one slot to two tokens of a step."""
+def test_engine_kernel_calls_pass_the_checks_they_skip(monkeypatch, prompts):
+    """The engine calls the kernels with check=False: the block manager must never hand one slot to two tokens of a
+    step, and the decode calls' host-side max_seq_len must be their seq_lens' maximum (run here with the checks)."""
     import kernels
 
-    real = kernels.write_kv_cache
+    real_write, real_decode, decode_calls = kernels.write_kv_cache, kernels.paged_attention_decode, []
 
-    def checked(key, value, key_cache, value_cache, slot_mapping, backend="auto", check=True):
+    def checked_write(key, value, key_cache, value_cache, slot_mapping, backend="auto", check=True):
         used = slot_mapping[slot_mapping >= 0]
         assert used.unique().numel() == used.numel()
-        return real(key, value, key_cache, value_cache, slot_mapping, backend=backend, check=check)
+        return real_write(key, value, key_cache, value_cache, slot_mapping, backend=backend, check=check)
 
-    monkeypatch.setattr(kernels, "write_kv_cache", checked)
+    def checked_decode(*args, check=True, **named):
+        decode_calls.append(named["max_seq_len"])
+        return real_decode(*args, check=True, **named)
+
+    monkeypatch.setattr(kernels, "write_kv_cache", checked_write)
+    monkeypatch.setattr(kernels, "paged_attention_decode", checked_decode)
     engine = LLMEngine("tiny", block_size=3, num_blocks=40, scheduling="chunked", max_num_batched_tokens=16)
     engine.generate(prompts + prompts[:2], SamplingParams(max_tokens=5, n=2, temperature=1.0, seed=1))
-    assert engine.num_preemptions > 0
+    assert engine.num_preemptions > 0 and decode_calls and min(decode_calls) > 0
 
 
 @pytest.mark.parametrize("settings,message", [

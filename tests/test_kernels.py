@@ -30,6 +30,27 @@ def test_decode_matches_reference_cpu(backend, block_size, group):
     assert returned is out and relative_error(out, reference_decode(case)) < 1e-5
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+def test_decode_with_host_max_seq_len_matches_reference(backend, block_size):
+    """A runner passes the longest length it knows on the host (no device read-back); results are unchanged."""
+    case = make_decode_case([0, 3, block_size + 2, 61], block_size, num_kv_heads=2, group=2, head_dim=32)
+    out = torch.full_like(case.query, float("nan"))
+    kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                                   backend=backend, check=False, out=out, max_seq_len=61)
+    assert relative_error(out, reference_decode(case)) < 1e-5 and (out[0] == 0).all()
+
+
+def test_decode_rejects_a_wrong_max_seq_len():
+    case = make_decode_case([5, 9], 4, num_kv_heads=1, group=2, head_dim=8)
+    args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens)
+    with pytest.raises(ValueError, match="max_seq_len=8 but the longest of seq_lens is 9"):
+        kernels.paged_attention_decode(*args, max_seq_len=8)
+    for bad in (-1, 2.5, True, "9"):  # the type is checked even unchecked (no look at the data needed)
+        with pytest.raises(ValueError, match="max_seq_len must be None or an integer >= 0"):
+            kernels.paged_attention_decode(*args, check=False, max_seq_len=bad)
+
+
 def test_reference_takes_numpy_and_matches_plain_softmax():
     case = make_decode_case([5, 9], 4, num_kv_heads=1, group=2, head_dim=8)
     q, kc, vc = (t.double().numpy() for t in (case.query, case.key_cache, case.value_cache))
@@ -204,6 +225,19 @@ def test_decode_matches_reference_cuda(backend, dtype, block_size, group, head_d
     out = kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
                                          case.seq_lens, backend=backend, out=out)
     assert out.dtype == dtype and relative_error(out, reference_decode(case)) < TOLERANCE[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("block_size", [3, 16])
+def test_decode_with_host_max_seq_len_cuda(backend, block_size):
+    """The runner's path on CUDA: lengths' maximum given from the host, inputs unchecked."""
+    lengths = [0, 1, 3 * block_size + 1, 700, 1300]
+    case = make_decode_case(lengths, block_size, num_kv_heads=2, group=2, head_dim=128, device="cuda")
+    out = torch.full_like(case.query, float("nan"))
+    kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                                   backend=backend, check=False, out=out, max_seq_len=max(lengths))
+    assert relative_error(out, reference_decode(case)) < TOLERANCE[torch.float32]
 
 
 @pytest.mark.gpu

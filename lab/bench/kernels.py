@@ -85,16 +85,20 @@ def bench_one(batch: int, context: int, config: KernelBenchConfig) -> list[dict]
 
 
 def _variants(backend, query, key_cache, value_cache, block_tables, seq_lens):
-    args = (query, key_cache, value_cache, block_tables, seq_lens)
+    """Each call as the engine makes it: unchecked, the longest length given from the host."""
+    args, longest = (query, key_cache, value_cache, block_tables, seq_lens), int(seq_lens.max())
     if backend != "cupy":
-        yield backend, lambda: kernels.paged_attention_decode(*args, backend=backend, check=False)
+        yield backend, lambda: kernels.paged_attention_decode(*args, backend=backend, check=False,
+                                                              max_seq_len=longest)
         return
     from kernels import cupy_backend
 
     scale = query.shape[-1] ** -0.5
-    yield "cupy-auto", lambda: kernels.paged_attention_decode(*args, backend="cupy", check=False)
-    yield "cupy-v1", lambda: cupy_backend.paged_attention_decode(*args, scale, partition_size=0)
-    yield "cupy-v2", lambda: cupy_backend.paged_attention_decode(*args, scale, partition_size=512)
+    yield "cupy-auto", lambda: kernels.paged_attention_decode(*args, backend="cupy", check=False,
+                                                              max_seq_len=longest)
+    yield "cupy-v1", lambda: cupy_backend.paged_attention_decode(*args, scale, partition_size=0, max_seq_len=longest)
+    yield "cupy-v2", lambda: cupy_backend.paged_attention_decode(*args, scale, partition_size=512,
+                                                                 max_seq_len=longest)
 
 
 def _row(kernel, batch, context, seconds, sdpa_seconds, kv_bytes, error) -> dict:

@@ -392,10 +392,12 @@ class LLMEngine:
         self.runner.execute_copies(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         batch, rows, sampled = self.runner.prepare(out, self.block_manager, self.scheduler.kv_len)
         logits = self.runner.forward(batch, rows) if batch is not None else None
+        # every row's greedy token with one op and one read-back (per row, each read would wait for the GPU)
+        greedy = logits.argmax(dim=-1).tolist() if logits is not None else []
         now = time.perf_counter()
         for row, seqs in enumerate(sampled):
             for seq in seqs:
-                self._accept(seq, logits[row], now)
+                self._accept(seq, logits[row], greedy[row], now)
         post = time.perf_counter()
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
         memory = peak_memory_bytes(self.device)
@@ -423,12 +425,13 @@ class LLMEngine:
         same columns)."""
         return self.scheduler.step_log_frame()
 
-    def _accept(self, seq: SchedSequence, logits: torch.Tensor, now: float) -> None:
-        """Sample the next token of ``seq`` from its logits; finish it on EOS, a stop token or max_tokens."""
+    def _accept(self, seq: SchedSequence, logits: torch.Tensor, greedy_token: int, now: float) -> None:
+        """Sample the next token of ``seq`` from its logits (``greedy_token``: their argmax); finish it on EOS, a
+        stop token or max_tokens."""
         state = seq.data
         if self.record_logits:
             state.logits = (state.logits or []) + [logits.detach().cpu()]
-        token = self._sample(logits, state)
+        token = greedy_token if state.request.params.temperature == 0 else self._sample(logits, state)
         state.output.append(token)
         self.generated_tokens += 1
         request = state.request
@@ -441,8 +444,6 @@ class LLMEngine:
 
     def _sample(self, logits: torch.Tensor, state: _SeqState) -> int:
         params = state.request.params
-        if params.temperature == 0:
-            return int(torch.argmax(logits))
         logits = logits / float(params.temperature)
         if params.top_k:
             kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]

@@ -101,20 +101,15 @@ def _kernel(name: str, dtype: torch.dtype, head_dim: int = 64, group: int = 1):
     return _module(dtype, head_dim, group).get_function(name)
 
 
-def _as_cupy(tensor: torch.Tensor):
-    import cupy
-
-    if tensor.dtype in (torch.bfloat16, torch.float16):
-        tensor = tensor.view(torch.int16)  # cupy has no bfloat16; the kernel only sees the pointer
-    return cupy.from_dlpack(tensor.detach())
-
-
 def _launch(kernel, grid, block, args, device: torch.device, shared_mem: int = 0) -> None:
+    """Launch on torch's current stream. Tensors go in as their device addresses: CuPy passes a Python int as a
+    64-bit value, a pointer's size, where a DLPack view per tensor made a CuPy array object every launch (bf16 needs
+    no int16 view either: the kernel only sees the pointer). Callers pass contiguous tensors on ``device``."""
     import cupy
 
     stream = torch.cuda.current_stream(device)
     with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
-        kernel(grid, block, tuple(_as_cupy(a) if isinstance(a, torch.Tensor) else a for a in args),
+        kernel(grid, block, tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args),
                shared_mem=shared_mem)
 
 

@@ -219,3 +219,26 @@ def test_no_instance_spills():
 
 def test_qwen3_06b_configuration_fits_128_registers():
     assert entries_for(ptxas_report("90"), "bf16_t", 128, 2)["registers"] <= 128
+
+
+def test_launch_passes_tensors_as_device_addresses(monkeypatch):
+    """What reaches the CuPy kernel: each tensor's address as a Python int (CuPy passes it as a 64-bit value), bf16
+    included, scalars unchanged, on torch's current stream of the tensors' device."""
+    import contextlib
+    import types
+
+    import cupy
+
+    entered, calls = [], []
+    monkeypatch.setattr(cupy.cuda, "Device", lambda index: entered.append(("device", index)) or contextlib.nullcontext())
+    monkeypatch.setattr(cupy.cuda, "ExternalStream",
+                        lambda pointer: entered.append(("stream", pointer)) or contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: types.SimpleNamespace(cuda_stream=1234))
+    bf16, table = torch.zeros(4, 8, dtype=torch.bfloat16), torch.arange(6, dtype=torch.int32)[2:]
+    cupy_backend._launch(lambda grid, block, args, shared_mem: calls.append((grid, block, args, shared_mem)),
+                         (3, 2), (64,), (bf16, table, np.float32(0.5), np.int32(7)), torch.device("cuda", 1), 96)
+    ((grid, block, args, shared_mem),) = calls
+    assert (grid, block, shared_mem) == ((3, 2), (64,), 96) and entered == [("device", 1), ("stream", 1234)]
+    assert args[:2] == (bf16.data_ptr(), table.data_ptr()) and all(type(a) is int for a in args[:2])
+    assert table.data_ptr() == table.untyped_storage().data_ptr() + 2 * 4  # a view's address includes its offset
+    assert args[2:] == (np.float32(0.5), np.int32(7)) and type(args[3]) is np.int32

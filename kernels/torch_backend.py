@@ -52,7 +52,7 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
     seq_lens = seq_lens.to(device=key_cache.device, dtype=torch.long)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if len(seq_lens) else 0
-    num_blocks_used = -(-int(max_seq_len) // key_cache.shape[2])
+    num_blocks_used = min(-(-int(max_seq_len) // key_cache.shape[2]), block_tables.shape[1])
     if num_blocks_used == 0:  # every sequence is empty
         return out.zero_()
     # Entries past a sequence's blocks are padding (-1 by convention): read block 0 there, masked out below.

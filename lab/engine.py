@@ -392,12 +392,14 @@ class LLMEngine:
         self.runner.execute_copies(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         batch, rows, sampled = self.runner.prepare(out, self.block_manager, self.scheduler.kv_len)
         logits = self.runner.forward(batch, rows) if batch is not None else None
-        # every row's greedy token with one op and one read-back (per row, each read would wait for the GPU)
-        greedy = logits.argmax(dim=-1).tolist() if logits is not None else []
+        # every row's greedy token with one op and one read-back (per row, each read would wait for the GPU); a
+        # row's sequences belong to one request, so its first one says whether the row samples greedily
+        any_greedy = any(seqs[0].data.request.params.temperature == 0 for seqs in sampled)
+        greedy = logits.argmax(dim=-1).tolist() if any_greedy else None
         now = time.perf_counter()
         for row, seqs in enumerate(sampled):
             for seq in seqs:
-                self._accept(seq, logits[row], greedy[row], now)
+                self._accept(seq, logits[row], greedy[row] if greedy else None, now)
         post = time.perf_counter()
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
         memory = peak_memory_bytes(self.device)
@@ -425,9 +427,9 @@ class LLMEngine:
         same columns)."""
         return self.scheduler.step_log_frame()
 
-    def _accept(self, seq: SchedSequence, logits: torch.Tensor, greedy_token: int, now: float) -> None:
-        """Sample the next token of ``seq`` from its logits (``greedy_token``: their argmax); finish it on EOS, a
-        stop token or max_tokens."""
+    def _accept(self, seq: SchedSequence, logits: torch.Tensor, greedy_token: int | None, now: float) -> None:
+        """Sample the next token of ``seq`` from its logits (``greedy_token``: their argmax, given for greedy
+        requests); finish it on EOS, a stop token or max_tokens."""
         state = seq.data
         if self.record_logits:
             state.logits = (state.logits or []) + [logits.detach().cpu()]

@@ -271,38 +271,48 @@ class KVBlockManager:
         has at least one token to compute. Raises ``OutOfBlocksError`` (nothing changed) when the pool is too small.
         """
         self._check_new_id(seq_id)
-        num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
+        if prompt_token_ids is None and type(num_prompt_tokens) is int and num_prompt_tokens >= 0:
+            num_tokens, token_ids = num_prompt_tokens, None  # a plain count (the simulator's every admission)
+        else:
+            num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
         hits = self._lookup(token_ids, num_tokens, stream_key)
-        blocks = -(-num_tokens // self.block_size)
+        size = self.block_size
+        blocks = -(-num_tokens // size)
         # enough free blocks for the whole prompt suffice (hits only lower the need): skip counting them
         if blocks > self._free_queue.num_free and self._shortfall(num_tokens, hits) > 0:
             raise OutOfBlocksError(f"sequence {seq_id!r} needs {blocks - len(hits)} blocks, "
                                    f"{self.num_free_blocks} free")
         tracked = token_ids is not None and self.enable_prefix_caching  # its tokens are hashed into cache keys
-        stream = stream_key is not None and token_ids is None and self.enable_prefix_caching
-        cached = len(hits) * self.block_size
+        if token_ids is not None or not self.enable_prefix_caching:
+            stream_key = None
         if hits or tracked:
-            for block in hits:
-                self._take_cached_block(block)
-            seq = SequenceBlocks(array(BLOCK_ID, hits), cached, [] if tracked else None,
-                                 token_ids[:cached] if tracked else None,
-                                 self._block_content_ids[hits[-1]] if hits else ROOT_CONTENT_ID)
-            self._grow(seq, num_tokens - cached, token_ids[cached:] if token_ids is not None else None)
+            seq = self._create_from_cache(hits, num_tokens, token_ids)
+            seq.stream_key, seq.stream_blocks, seq.stream_registered = stream_key, num_tokens // size, len(hits)
         else:  # fresh blocks only, each with one holder (the simulator's hot path)
-            seq = SequenceBlocks(self._allocate_blocks(blocks), num_tokens, exclusive=True)
+            seq = SequenceBlocks(self._allocate_blocks(blocks), num_tokens, None, None, ROOT_CONTENT_ID, True,
+                                 stream_key, num_tokens // size)
         self.sequences[seq_id] = seq
-        if tracked or stream:
-            stats = self.prefix_cache_stats
-            stats.queried_blocks += (num_tokens - 1) // self.block_size if num_tokens else 0
-            stats.hit_blocks += len(hits)
-            stats.hit_tokens += cached
         self.num_block_references += len(seq.block_table)
-        if stream:
-            seq.stream_key, seq.stream_blocks, seq.stream_registered = stream_key, num_tokens // self.block_size, \
-                len(hits)
-            if register_stream:
-                self.register_stream_blocks(seq_id)
-        return cached
+        if tracked or stream_key is not None:  # the lookup counts in the prefix-cache statistics
+            stats = self.prefix_cache_stats
+            stats.queried_blocks += (num_tokens - 1) // size if num_tokens else 0
+            if hits:
+                stats.hit_blocks += len(hits)
+                stats.hit_tokens += len(hits) * size
+        if register_stream and stream_key is not None:
+            self.register_stream_blocks(seq_id)
+        return len(hits) * size
+
+    def _create_from_cache(self, hits: list[int], num_tokens: int, token_ids: list[int] | None) -> SequenceBlocks:
+        """A new sequence's blocks: the cache hits, then fresh blocks (hashing its tokens when they are known)."""
+        tracked, cached = token_ids is not None and self.enable_prefix_caching, len(hits) * self.block_size
+        for block in hits:
+            self._take_cached_block(block)
+        seq = SequenceBlocks(array(BLOCK_ID, hits), cached, [] if tracked else None,
+                             token_ids[:cached] if tracked else None,
+                             self._block_content_ids[hits[-1]] if hits else ROOT_CONTENT_ID)
+        self._grow(seq, num_tokens - cached, token_ids[cached:] if token_ids is not None else None)
+        return seq
 
     def register_stream_blocks(self, seq_id) -> None:
         """Register a stream sequence's full prompt blocks in the prefix cache (if not done yet). With the free
@@ -333,13 +343,16 @@ class KVBlockManager:
         """Drop a sequence; blocks whose count reaches zero become free (cached ones stay reusable, LRU). With
         ``num_reserved``, the last that many reserved blocks (ones it would have taken with ``from_reserved``
         appends) are freed with it, as if appended first."""
-        seq = self._seq(seq_id)
+        try:
+            seq = self.sequences[seq_id]
+        except (KeyError, TypeError):
+            seq = self._seq(seq_id)  # raises the typed error
         if num_reserved:
             if type(num_reserved) is not int or num_reserved < 0:
                 num_reserved = _count(num_reserved, "num_reserved")
-            self._flush_reserve()
-            if num_reserved > len(self._reserved):
-                raise OutOfBlocksError(f"releasing {num_reserved!r} reserved blocks, {len(self._reserved)} reserved")
+            if num_reserved > len(self._reserved) + self._reserve_backlog:
+                raise OutOfBlocksError(f"releasing {num_reserved!r} reserved blocks, "
+                                       f"{len(self._reserved) + self._reserve_backlog} reserved")
         else:
             num_reserved = 0
         del self.sequences[seq_id]
@@ -350,7 +363,8 @@ class KVBlockManager:
             free.extend_unkeyed(self._take_reserved(num_reserved, newest_first=False))
         if seq.exclusive:  # every block has one holder (stored as 0) and no cache key: free them in bulk
             table.reverse()  # the table dies with the sequence: reverse it in place
-            free.extend_unkeyed(table)
+            free.entries.extend(table)  # (FreeBlockQueue.extend_unkeyed, inline: twice per request)
+            free.num_free += len(table)
             return
         for block in reversed(table):  # tail first, so a prefix's head is reused last
             count = ref_counts[block] - 1
@@ -383,12 +397,17 @@ class KVBlockManager:
         """``reserve_blocks`` that returns False (nothing changed) when fewer than ``count`` blocks are free."""
         if type(count) is not int or count < 0:
             count = _count(count, "count")
+        return self.try_reserve_counted_blocks(count)
+
+    def try_reserve_counted_blocks(self, count: int) -> bool:
+        """``try_reserve_blocks`` for a ``count`` the caller guarantees is an int >= 0 (a scheduler's per-step
+        call with a count of sequences: the check would cost a tenth of the call)."""
         free = self._free_queue
         if count > free.num_free:
             return False
+        free.num_free -= count
         self._reserve_backlog += count
         self.num_block_references += count
-        free.num_free -= count
         return True
 
     def append_token(self, seq_id, token_id: int | None = None) -> int:
@@ -487,7 +506,8 @@ class KVBlockManager:
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Return and clear the copy-on-write copies ``(src_block, dst_block)`` the cache must execute."""
-        copies, self.pending_copies = self.pending_copies, []
+        copies = self.pending_copies[:]
+        self.pending_copies.clear()  # the same list: a policy holds it to see pending copies without a call
         return copies
 
     # ---- exports ------------------------------------------------------------------------------------------
@@ -794,6 +814,8 @@ class KVBlockManager:
     def _take_reserved(self, count: int, newest_first: bool = True) -> array:
         """The last ``count`` reserved blocks, newest first (as ``count`` single takes would hand them out), or in
         the order they were reserved."""
+        if self._reserve_backlog:
+            self._flush_reserve()
         reserved = self._reserved
         start = len(reserved) - count
         taken = reserved[start:]

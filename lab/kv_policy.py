@@ -21,9 +21,10 @@ class PagedPolicy:
         self.block_size = self.block_period = block_size
         self.manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching)
         self.free_queue = self.manager._free_queue  # read on every step: the count of free blocks
+        self.pending_copies = self.manager.pending_copies  # copy-on-write copies queued (the manager's own list)
         # reserve(count): take blocks for the sequences crossing a block boundary in this step, if that many are
-        # free (the scheduler's per-step call, bound to the manager without a wrapper)
-        self.reserve = self.manager.try_reserve_blocks
+        # free (the scheduler's per-step call with a bucket's size, bound to the manager without a wrapper)
+        self.reserve = self.manager.try_reserve_counted_blocks
         self.cpu_manager = KVBlockManager(num_cpu_blocks, block_size) if num_cpu_blocks > 0 else None
         self.supports_swap = self.cpu_manager is not None
         self.capacity = num_blocks * block_size
@@ -63,7 +64,8 @@ class PagedPolicy:
                 seq.cached_tokens, seq.synced_len = 0, prompt_len
             self._track_shared_partial(seqs)
         for seq in seqs:
-            self._count_final_block(seq, blocks)
+            if blocks * self.block_size >= seq.final_len:  # (most prompts leave their final block to decoding)
+                self._count_final_block(seq, blocks)
         return True
 
     # ---- growth ---------------------------------------------------------------------------------------------------
@@ -128,7 +130,7 @@ class PagedPolicy:
         self.release(seq, kv_len)
 
     def take_copies(self) -> list[tuple[int, int]]:
-        return self.manager.take_pending_copies() if self.manager.pending_copies else []
+        return self.manager.take_pending_copies()
 
     def refork(self, parent: Sequence, child: Sequence, kv_len: int) -> None:
         """Beam search: ``child`` drops its blocks and becomes a fork of ``parent`` (both hold ``kv_len - 1`` tokens;
@@ -140,11 +142,6 @@ class PagedPolicy:
         blocks = len(self.manager.sequences[child.seq_id].block_table)
         self._track_shared_partial([child] if parent.shared_block >= 0 else [parent, child])
         self._count_final_block(child, blocks)
-
-    def table_slots(self) -> int:
-        """Token slots of every sequence's block table, a shared block counted once per holder (what the same
-        sequences would hold without sharing)."""
-        return self.manager.num_block_references * self.block_size
 
     # ---- swapping -------------------------------------------------------------------------------------------------
     def can_swap_out(self, seqs: list[Sequence], kv_lens: list[int]) -> bool:
@@ -169,7 +166,7 @@ class PagedPolicy:
         mapping = manager.move_sequences([s.seq_id for s in seqs], self.cpu_manager)
         pending = {dst: src for src, dst in manager.pending_copies}
         moved = {gpu for gpu, _ in mapping}
-        manager.pending_copies = [(src, dst) for src, dst in manager.pending_copies if dst not in moved]
+        manager.pending_copies[:] = [(src, dst) for src, dst in manager.pending_copies if dst not in moved]
         return [(pending.get(gpu, gpu), cpu) for gpu, cpu in mapping]
 
     def first_decode_blocks(self, seqs: list[Sequence]) -> int:
@@ -209,12 +206,17 @@ class PagedPolicy:
     def categories(self, held_tokens: int) -> tuple[int, int, int, int, int]:
         """(token_states, reserved, internal, external fragmentation = 0, free) in slots. ``held_tokens`` counts
         every holder's tokens; shared full blocks are stored once, so their extra holders are subtracted."""
-        size = self.block_size
-        used = self.manager.num_physical_blocks - self.free_queue.num_free
-        allocated = used * size
-        token_states = held_tokens - (self.manager.num_block_references - used) * size + self.shared_partial_slack
-        return (token_states, allocated - self.never_filled - token_states, self.never_filled, 0,
-                self.capacity - allocated)
+        return self.memory_sample(held_tokens)[:5]
+
+    def memory_sample(self, held_tokens: int) -> tuple[int, int, int, int, int, int]:
+        """``categories`` plus the token slots of every sequence's block table, a shared block counted once per
+        holder (what the same sequences would hold without sharing): one call a step for the simulator."""
+        size, capacity, never_filled = self.block_size, self.capacity, self.never_filled
+        allocated = capacity - self.free_queue.num_free * size
+        table_slots = self.manager.num_block_references * size
+        token_states = held_tokens - table_slots + allocated + self.shared_partial_slack
+        return (token_states, allocated - never_filled - token_states, never_filled, 0, capacity - allocated,
+                table_slots)
 
     # ---- internals ------------------------------------------------------------------------------------------------
     def _track_shared_partial(self, seqs: list[Sequence]) -> None:

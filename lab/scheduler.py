@@ -28,6 +28,7 @@ from typing import Protocol
 SCHEDULING_MODES = ("prefill-first", "chunked")
 PREEMPTION_MODES = ("recompute", "swap")
 NO_EVENT = 1 << 62  # a KV length no sequence reaches: "needs no more memory"
+PERIODIC_END = -1  # a memory-calendar entry's epoch that marks a sequence's last periodic block (epochs are >= 0)
 STEP_LOG_COLUMNS = ("step", "num_prefill_tokens", "num_decode_seqs", "num_running", "num_waiting", "num_swapped",
                     "blocks_in_use", "cpu_blocks_in_use", "num_preempted", "num_swapped_out", "num_swapped_in",
                     "num_finished", "duration_s")
@@ -188,6 +189,7 @@ class KVPolicy(Protocol):
     supports_swap: bool
     copied_tokens: int  # KV tokens copied within the device so far (grow-by-copy)
     block_period: int  # tokens between periodic needs (a block each), 0 for none
+    pending_copies: list  # copy-on-write (src, dst) block copies not yet taken (an empty sequence when none)
 
     def can_ever_fit(self, final_len: int) -> bool: ...
     def admit(self, seqs: list[Sequence], token_ids: list[int] | None) -> bool: ...
@@ -206,6 +208,8 @@ class KVPolicy(Protocol):
     def can_swap_in(self, seqs: list[Sequence], extra_blocks: int) -> bool: ...
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]: ...
     def take_copies(self) -> list[tuple[int, int]]: ...
+    def categories(self, held_tokens: int) -> tuple[int, int, int, int, int]: ...
+    def memory_sample(self, held_tokens: int) -> tuple[int, int, int, int, int, int]: ...
     def refork(self, parent: Sequence, child: Sequence, kv_len: int) -> None: ...
     def first_decode_blocks(self, seqs: list[Sequence]) -> int: ...
 
@@ -225,10 +229,10 @@ class Scheduler:
         self.swapped: deque[list[Sequence]] = deque()
         self.step = 0  # decode steps so far
         self.num_steps = 0
-        self.memory_calendar: dict[int, list] = {}  # decode step -> [(seq, epoch)] needing memory then
+        # decode step -> [(seq, epoch)] needing memory then, or [(seq, PERIODIC_END)] whose last block is reserved
+        self.memory_calendar: dict[int, list] = {}
         self.period = policy.block_period
         self.phase_buckets: list[dict] = [{} for _ in range(self.period)]  # step % period -> {seq_id: seq}
-        self.periodic_ends: dict[int, list] = {}  # decode step -> sequences whose last block is reserved then
         self.len_offset = 0  # sum over running of (kv_len_base - step_base)
         self.len_offset_heap: list[tuple] = []  # (-(kv_len_base - step_base), tie, epoch, seq); stale ones lazily
         self._heap_ties = itertools.count()
@@ -283,9 +287,8 @@ class Scheduler:
                 self._schedule_prefills(out, self.config.max_num_batched_tokens)
             if not out.prefill_chunks:
                 self._schedule_decode(out)
-        copies = self.policy.take_copies()
-        if copies:
-            out.blocks_to_copy = copies
+        if self.policy.pending_copies:
+            out.blocks_to_copy = self.policy.take_copies()
         if out.prefill_done:
             for seq in out.prefill_done:
                 self._start_decoding(seq)
@@ -374,17 +377,16 @@ class Scheduler:
             bucket = self.phase_buckets[step % self.period]
             if bucket and not self.policy.reserve(len(bucket)):
                 self._reserve_one_by_one(bucket, out)
-            if step in self.periodic_ends:
-                # The sequence keeps its bucket: it finishes before its phase comes round again (its final length
-                # lies within this last block), and leaving the running set removes it.
-                final_block_reserved = self.policy.final_block_reserved
-                for seq in self.periodic_ends.pop(step):
-                    if seq.periodic_last == step:  # else it left running since (a repeat is a no-op)
-                        final_block_reserved(seq)
         if step not in self.memory_calendar:
             return
         running = self.running
         for seq, epoch in self.memory_calendar.pop(step):
+            if epoch == PERIODIC_END:
+                # The sequence keeps its bucket: it finishes before its phase comes round again (its final length
+                # lies within this last block), and leaving the running set removes it.
+                if seq.periodic_last == step:  # else it left running since (a repeat is a no-op)
+                    self.policy.final_block_reserved(seq)
+                continue
             if seq.epoch != epoch or running.get(seq.seq_id) is not seq:
                 continue
             kv_len = seq.kv_len_base + step - seq.step_base
@@ -580,7 +582,8 @@ class Scheduler:
         if not release:
             self._materialize(seq)
         if seq.phase >= 0:
-            self._leave_bucket(seq)
+            del self.phase_buckets[seq.phase][seq.seq_id]
+            seq.phase = -1
         seq.periodic_first = seq.periodic_last = -1
         seq.boundary_pending = False
         del self.running[seq.seq_id]
@@ -606,15 +609,11 @@ class Scheduler:
         last = first + (seq.final_len - start) // self.period * self.period
         seq.periodic_first, seq.periodic_last, seq.phase = first, last, first % self.period
         self.phase_buckets[seq.phase][seq.seq_id] = seq
-        ends = self.periodic_ends.get(last)
-        if ends is None:
-            self.periodic_ends[last] = [seq]
+        events = self.memory_calendar.get(last)
+        if events is None:
+            self.memory_calendar[last] = [(seq, PERIODIC_END)]
         else:
-            ends.append(seq)
-
-    def _leave_bucket(self, seq: Sequence) -> None:
-        del self.phase_buckets[seq.phase][seq.seq_id]
-        seq.phase = -1
+            events.append((seq, PERIODIC_END))
 
     def _reserved_len(self, seq: Sequence) -> int:
         """KV length that ``seq``'s blocks, reserved ones included, reach at its last periodic block so far (0 when

@@ -164,6 +164,7 @@ class ContiguousPolicy:
 
     supports_swap = False
     block_period = 0  # no periodic needs: a region grows only at its own events
+    pending_copies = ()  # nothing is ever copied on write
 
     def __init__(self, kind: str, capacity_tokens: int, max_model_len: int, address_space: str = "first-fit",
                  grow_initial_extra: int = 16):
@@ -247,10 +248,6 @@ class ContiguousPolicy:
         tokens (charged as copy time)."""
         self.copied_tokens += kv_len - 1
 
-    def table_slots(self) -> int:
-        """Token slots the sequences hold (nothing is shared)."""
-        return self.usage.allocated
-
     preempt = release
 
     def blocks_in_use(self) -> int:
@@ -287,7 +284,11 @@ class ContiguousPolicy:
 
     def categories(self, held_tokens: int) -> tuple[int, int, int, int, int]:
         """(token_states, reserved, internal, external fragmentation, free) in slots, given the tokens held."""
+        return self.memory_sample(held_tokens)[:5]
+
+    def memory_sample(self, held_tokens: int) -> tuple[int, int, int, int, int, int]:
+        """``categories`` plus the token slots the sequences hold (nothing is shared: the allocated slots)."""
         usage, space = self.usage, self.space
         external = space.num_free - space.largest_free()
         return (held_tokens, usage.will_fill - held_tokens, usage.never_filled, external,
-                self.capacity - usage.allocated - external)
+                self.capacity - usage.allocated - external, usage.allocated)

@@ -388,8 +388,8 @@ class Simulator:
         if out.swapped_in:
             for seq in out.swapped_in:
                 self._schedule_done(seq)
-        values = self.policy.categories(scheduler.held_tokens())
-        self.metrics.accumulate(values, self.policy.table_slots(), len(scheduler.running), duration)
+        values = self.policy.memory_sample(scheduler.held_tokens())
+        self.metrics.accumulate(values, len(scheduler.running), duration)
         self.time = end
         if scheduler.step != step_before:
             running = scheduler.running
@@ -400,8 +400,8 @@ class Simulator:
         snapshot_due = self.on_snapshot is not None and self.iteration % self.snapshot_every == 0
         stats = scheduler.end_step(duration, self.time, self.generated_tokens, want_stats=row_due or snapshot_due)
         if row_due:
-            if stats.num_finished:  # finishing freed memory after ``values`` was taken
-                values = self.policy.categories(scheduler.held_tokens())
+            # finishing freed memory after ``values`` was taken
+            values = self.policy.categories(scheduler.held_tokens()) if stats.num_finished else values[:5]
             self.metrics.record(stats, values, self.num_preemptions, self._prefix_cache_hits())
         if snapshot_due:
             self.stopped = self.on_snapshot(self.snapshot(stats)) is False

@@ -44,9 +44,9 @@ class MetricsRecorder:
         self.peak_allocated = 0
         self.allocated_time = self.unshared_time = 0.0
 
-    def accumulate(self, values: tuple, table_slots: int, batch: int, duration: float) -> None:
-        """Weight the categories ``values``, the slots the sequences would hold without sharing (``table_slots``)
-        and the decode batch size held during an iteration by its duration."""
+    def accumulate(self, values: tuple, batch: int, duration: float) -> None:
+        """Weight ``values`` (a policy's ``memory_sample``: the categories, then the slots the sequences would hold
+        without sharing) and the decode batch size held during an iteration by its duration."""
         weighted = self.weighted
         weighted[0] += values[0] * duration
         weighted[1] += values[1] * duration
@@ -59,7 +59,7 @@ class MetricsRecorder:
             self.peak_batch = batch
         allocated = self.capacity - values[3] - values[4]
         self.allocated_time += allocated * duration
-        self.unshared_time += table_slots * duration
+        self.unshared_time += values[5] * duration
         if allocated > self.peak_allocated:
             self.peak_allocated = allocated
 

@@ -98,7 +98,7 @@ def _recorded(name):
 
 
 for _name in ("create_sequence", "fork_sequence", "append_tokens", "release_sequence", "try_reserve_blocks",
-              "register_stream_blocks"):
+              "try_reserve_counted_blocks", "register_stream_blocks"):
     setattr(RecordingManager, _name, _recorded(_name))
 
 
@@ -120,11 +120,11 @@ def test_paged_trajectory_equals_driving_the_block_manager_directly(sharing, mon
         else:
             getattr(per_token, name)(*args)
         seq_id = args[1] if name == "fork_sequence" else args[0]
-        if name not in ("release_sequence", "try_reserve_blocks"):
+        if name not in ("release_sequence", "try_reserve_blocks", "try_reserve_counted_blocks"):
             assert bulk.get_block_table(seq_id) == per_token.get_block_table(seq_id)
         assert bulk.ref_counts == per_token.ref_counts
     assert bulk.ref_counts == mine.ref_counts and bulk.num_free_blocks == mine.num_physical_blocks
-    assert any(name == "try_reserve_blocks" for name, *_ in mine.ops) and not mine.reserved_blocks
+    assert any(name == "try_reserve_counted_blocks" for name, *_ in mine.ops) and not mine.reserved_blocks
     mine.check_invariants()
 
 

@@ -287,10 +287,11 @@ class KVBlockManager:
             stream_key = None
         if hits or tracked:
             seq = self._create_from_cache(hits, num_tokens, token_ids)
-            seq.stream_key, seq.stream_blocks, seq.stream_registered = stream_key, num_tokens // size, len(hits)
+            if stream_key is not None:
+                seq.stream_key, seq.stream_blocks, seq.stream_registered = stream_key, num_tokens // size, len(hits)
         else:  # fresh blocks only, each with one holder (the simulator's hot path)
             seq = SequenceBlocks(self._allocate_blocks(blocks), num_tokens, None, None, ROOT_CONTENT_ID, True,
-                                 stream_key, num_tokens // size)
+                                 stream_key, num_tokens // size if stream_key is not None else 0)
         self.sequences[seq_id] = seq
         self.num_block_references += len(seq.block_table)
         if tracked or stream_key is not None:  # the lookup counts in the prefix-cache statistics

@@ -41,7 +41,10 @@ def test_fork_shares_blocks_and_cow_copies_partial_last_block():
     slot = m.append_token("c")
     new = m.get_block_table("c")[1]
     assert new != partial and slot == new * 4 + 2
-    assert m.take_pending_copies() == [(partial, new)] and m.take_pending_copies() == []
+    pending = m.pending_copies  # the policy keeps this list to see copies without a call: it must stay the same
+    copies = m.take_pending_copies()
+    assert copies == [(partial, new)] and m.take_pending_copies() == [] and m.pending_copies is pending
+    assert copies is not pending  # the caller owns what it took
     assert m.get_block_table("c")[0] == full and m.ref_counts[full] == 2
     m.append_token("p")  # parent's block is no longer shared: written in place, no copy
     assert m.get_block_table("p")[1] == partial and m.pending_copies == []
@@ -416,6 +419,16 @@ def test_reservations_are_checked_and_released_with_a_sequence():
     m.check_invariants()
     m.release_sequence("a", 1)  # with the reserved block it never took
     assert m.num_free_blocks == 6 and not m.reserved_blocks and not m.sequences
+    # the scheduler's per-step call: no argument check, the same effect; a release checks the reservations still
+    # pending (not yet taken off the free queue) before it changes anything
+    assert m.try_reserve_counted_blocks(0) and m.try_reserve_counted_blocks(3) and not m.try_reserve_counted_blocks(4)
+    m.create_sequence("b", num_prompt_tokens=4)
+    with pytest.raises(OutOfBlocksError):
+        m.release_sequence("b", 4)
+    assert m.num_free_blocks == 2 and m.get_sequence_length("b") == 4
+    m.release_sequence("b", 3)
+    assert m.num_free_blocks == 6 and not m.reserved_blocks and not m.sequences
+    m.check_invariants()
 
 
 def test_invariants_catch_a_block_cached_under_other_tokens():

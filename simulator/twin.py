@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from lab.engine import EngineConfig, LLMEngine, SamplingParams, load_model
-from lab.profile import IDLE_GAP_S, Profile
+from lab.profile import IDLE_GAP_S, Profile, steady_state_allocator
 from lab.scheduler import STEP_LOG_COLUMNS
 
 from .engine import SimConfig, Simulator
@@ -101,8 +101,10 @@ def request_latencies(requests: pd.DataFrame) -> pd.DataFrame:
 def run_real(workload: Workload, config: TwinConfig, hf_model=None) -> RealRun:
     """The workload through the engine (greedy, ``ignore_eos``, output lengths from the workload): its metrics,
     its step log and its wall time. A throw-away engine runs a few steps first, so the timed run does not pay the
-    process's one-off start-up costs (thread pools, allocator) that the profile did not measure either.
+    process's one-off start-up costs (thread pools, allocator) that the profile did not measure either; freed memory
+    stays in the process (``steady_state_allocator``), as in the profile.
     ``hf_model``: the already loaded model (else ``config.model`` is loaded)."""
+    steady_state_allocator()  # as the profile measured it
     model = config.model if hf_model is None else hf_model
     warm = LLMEngine(model, config.engine)
     warm.generate([[1] * 64] * 8, SamplingParams(max_tokens=8, ignore_eos=True))

@@ -28,7 +28,12 @@ import pandas as pd
 QUANTITIES = ("constant", "prefill_seqs", "prefill_tokens", "decode_seqs", "prefill_attention_pairs",
               "decode_kv_tokens", "decode_padded_kv_tokens", "copied_blocks", "swapped_blocks", "after_idle")
 LINEAR = tuple(name for name in QUANTITIES if name != "decode_seqs")
-PROFILE_VERSION = 5
+# 1 for a step that prefills anything: the prefill path's own fixed cost a step, beyond the decode path's (on the tiny
+# model 0.77 ms of a 3 ms prefill step). Without it the one constant averaged the two paths and priced every
+# decode-only step too high: light-load TPOT +2 to +6 % in paired comparisons, held-out error 4.4-6.6 % (3.7-4.6 %
+# with it).
+STEP_FEATURES = ("prefill_step",)
+PROFILE_VERSION = 6
 # A step that starts after the engine sat idle this long (nothing to run, waiting for an arrival) is ``after_idle``:
 # on a CPU it runs slower than the same step back to back (measured on the 0.6B shapes: a prefill +13 %), which is
 # most of a light load's TTFT error if the model ignores it.
@@ -54,8 +59,9 @@ def plan_quantities(out, block_size: int, after_idle: bool = False) -> list[floa
 
 
 def feature_names(knots: list[int]) -> tuple[str, ...]:
-    """The model's features: the linear quantities, then one ``decode_seqs@k`` per knot of the decode batch."""
-    return LINEAR + tuple(f"decode_seqs@{k}" for k in knots)
+    """The model's features: the linear quantities, ``STEP_FEATURES``, then one ``decode_seqs@k`` per knot of the
+    decode batch."""
+    return LINEAR + STEP_FEATURES + tuple(f"decode_seqs@{k}" for k in knots)
 
 
 def design_row(quantities: list[float], knots: list[int]) -> list[float]:
@@ -63,7 +69,7 @@ def design_row(quantities: list[float], knots: list[int]) -> list[float]:
     linear through the origin below the first and beyond the last): per-sequence work (the LM head, sampling) does
     not cost the same per sequence at every batch size on real hardware (a CPU's BLAS changes kernels between
     4 and 8 rows; a GPU fills its tiles), so a straight line through the batch sizes misses by 40 % at some."""
-    linear = quantities[:3] + quantities[4:]
+    linear = quantities[:3] + quantities[4:] + [1.0 if quantities[2] > 0 else 0.0]  # then STEP_FEATURES
     batch, hats = quantities[3], [0.0] * len(knots)
     if batch > 0:
         if batch <= knots[0] or batch >= knots[-1]:

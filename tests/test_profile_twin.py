@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 
 from lab.engine import EngineConfig
-from lab.profile import (LINEAR, PROFILE_VERSION, Profile, ProfileError, Profiler, design_row, feature_names, fit,
-                         profile_engine)
+from lab.profile import (LINEAR, PROFILE_VERSION, STEP_FEATURES, Profile, ProfileError, Profiler, design_row,
+                         feature_names, fit, profile_engine)
 from simulator import SimConfig, Simulator
 from simulator.twin import TwinCase, TwinConfig, calibrated_twins, replay, run_twin
 from simulator.workloads import SyntheticSpec, Workload, synthetic_workload
@@ -17,7 +17,7 @@ from simulator.workloads import SyntheticSpec, Workload, synthetic_workload
 KNOTS = [1, 4, 8, 32]
 FIXED = {"constant": 2e-3, "prefill_seqs": 1e-4, "prefill_tokens": 2e-5, "prefill_attention_pairs": 1e-8,
          "decode_kv_tokens": 1e-7, "decode_padded_kv_tokens": 2e-7, "copied_blocks": 5e-5, "swapped_blocks": 8e-5,
-         "after_idle": 3e-3, "decode_seqs@1": 3e-4, "decode_seqs@4": 1.2e-3, "decode_seqs@8": 4e-3,
+         "after_idle": 3e-3, "prefill_step": 8e-4, "decode_seqs@1": 3e-4, "decode_seqs@4": 1.2e-3, "decode_seqs@8": 4e-3,
          "decode_seqs@32": 5e-3}
 
 
@@ -26,10 +26,12 @@ def fixed_profile(block_size=4, model="tiny"):
 
 
 def test_the_decode_batch_enters_piecewise_linearly():
-    assert design_row([1, 0, 0, 6, 0, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0.5, 0.5, 0]
-    assert design_row([1, 0, 0, 64, 0, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0, 0, 2]
-    assert design_row([1, 0, 0, 0, 0, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0, 0, 0]
-    assert design_row([1, 0, 0, 8, 0, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR):] == [0, 0, 1, 0]
+    assert design_row([1, 1, 40, 6, 0, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR)] == 1.0  # a step that prefills
+    assert design_row([1, 0, 0, 6, 0, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR)] == 0.0
+    assert design_row([1, 0, 0, 6, 0, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR) + len(STEP_FEATURES):] == [0, 0.5, 0.5, 0]
+    assert design_row([1, 0, 0, 64, 0, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR) + len(STEP_FEATURES):] == [0, 0, 0, 2]
+    assert design_row([1, 0, 0, 0, 0, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR) + len(STEP_FEATURES):] == [0, 0, 0, 0]
+    assert design_row([1, 0, 0, 8, 0, 0, 0, 0, 0, 0], KNOTS)[len(LINEAR) + len(STEP_FEATURES):] == [0, 0, 1, 0]
 
 
 def test_the_fit_recovers_known_coefficients():
@@ -38,14 +40,16 @@ def test_the_fit_recovers_known_coefficients():
     samples = []
     for _ in range(200):
         kv_tokens = float(rng.integers(0, 10**4))
-        quantities = [1.0, float(rng.integers(0, 30)), float(rng.integers(0, 600)), float(rng.choice(KNOTS + [0, 16])),
+        prefills = rng.random() < 0.5  # else a decode-only step (no prefill_step)
+        quantities = [1.0, float(rng.integers(1, 30)) * prefills, float(rng.integers(1, 600)) * prefills,
+                      float(rng.choice(KNOTS + [0, 16])),
                       float(rng.integers(0, 10**5)), kv_tokens, kv_tokens + float(rng.integers(0, 10**4)),
                       float(rng.integers(0, 4)), float(rng.integers(0, 40)), float(rng.integers(0, 2))]
         true = sum(FIXED[name] * value for name, value in zip(feature_names(KNOTS), design_row(quantities, KNOTS)))
         samples.append({"quantities": quantities, "duration_s": true * rng.normal(1.0, 0.005)})
     coefficients, median_error, _ = fit(samples, KNOTS)
     assert median_error < 0.01
-    for name in ("constant", "prefill_tokens", "after_idle", "decode_seqs@8", "decode_seqs@32"):
+    for name in ("constant", "prefill_tokens", "after_idle", "prefill_step", "decode_seqs@8", "decode_seqs@32"):
         assert coefficients[name] == pytest.approx(FIXED[name], rel=0.1)
 
 
@@ -62,7 +66,8 @@ def test_the_fit_predicts_the_mean_of_right_skewed_step_times():
         samples.append({"quantities": quantities, "duration_s": true * (0.8 + rng.exponential(0.2))})
         true_means.append(true)
     coefficients, _, _ = fit(samples, KNOTS)
-    predicted = [coefficients["constant"] + coefficients["prefill_tokens"] * s["quantities"][2] for s in samples]
+    predicted = [coefficients["constant"] + coefficients["prefill_step"] * (s["quantities"][2] > 0)
+                 + coefficients["prefill_tokens"] * s["quantities"][2] for s in samples]
     measured = [s["duration_s"] for s in samples]
     assert sum(predicted) == pytest.approx(sum(measured), rel=0.015)
     assert sum(predicted) == pytest.approx(sum(true_means), rel=0.03)

@@ -641,6 +641,10 @@ class Scheduler:
 
     def step_log_frame(self):
         """The step log as a DataFrame with ``STEP_LOG_COLUMNS`` (empty when logging was off)."""
+        import numpy as np
         import pandas as pd
 
-        return pd.DataFrame(self.step_log or [], columns=list(STEP_LOG_COLUMNS))
+        if not self.step_log:
+            return pd.DataFrame([], columns=list(STEP_LOG_COLUMNS))
+        # column arrays, not rows: half the time of pandas' row conversion (the twin's simulator pays it every run)
+        return pd.DataFrame(dict(zip(STEP_LOG_COLUMNS, map(np.array, zip(*self.step_log)))))

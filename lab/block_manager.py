@@ -271,10 +271,7 @@ class KVBlockManager:
         has at least one token to compute. Raises ``OutOfBlocksError`` (nothing changed) when the pool is too small.
         """
         self._check_new_id(seq_id)
-        if prompt_token_ids is None and type(num_prompt_tokens) is int and num_prompt_tokens >= 0:
-            num_tokens, token_ids = num_prompt_tokens, None  # a plain count (the simulator's every admission)
-        else:
-            num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
+        num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
         hits = self._lookup(token_ids, num_tokens, stream_key)
         size = self.block_size
         blocks = -(-num_tokens // size)
@@ -344,10 +341,7 @@ class KVBlockManager:
         """Drop a sequence; blocks whose count reaches zero become free (cached ones stay reusable, LRU). With
         ``num_reserved``, the last that many reserved blocks (ones it would have taken with ``from_reserved``
         appends) are freed with it, as if appended first."""
-        try:
-            seq = self.sequences[seq_id]
-        except (KeyError, TypeError):
-            seq = self._seq(seq_id)  # raises the typed error
+        seq = self._seq(seq_id)
         if num_reserved:
             if type(num_reserved) is not int or num_reserved < 0:
                 num_reserved = _count(num_reserved, "num_reserved")
@@ -364,8 +358,7 @@ class KVBlockManager:
             free.extend_unkeyed(self._take_reserved(num_reserved, newest_first=False))
         if seq.exclusive:  # every block has one holder (stored as 0) and no cache key: free them in bulk
             table.reverse()  # the table dies with the sequence: reverse it in place
-            free.entries.extend(table)  # (FreeBlockQueue.extend_unkeyed, inline: twice per request)
-            free.num_free += len(table)
+            free.extend_unkeyed(table)
             return
         for block in reversed(table):  # tail first, so a prefix's head is reused last
             count = ref_counts[block] - 1

@@ -64,8 +64,7 @@ class PagedPolicy:
                 seq.cached_tokens, seq.synced_len = 0, prompt_len
             self._track_shared_partial(seqs)
         for seq in seqs:
-            if blocks * self.block_size >= seq.final_len:  # (most prompts leave their final block to decoding)
-                self._count_final_block(seq, blocks)
+            self._count_final_block(seq, blocks)
         return True
 
     # ---- growth ---------------------------------------------------------------------------------------------------
@@ -203,14 +202,11 @@ class PagedPolicy:
     def num_free_blocks(self) -> int:
         return self.manager.num_free_blocks
 
-    def categories(self, held_tokens: int) -> tuple[int, int, int, int, int]:
-        """(token_states, reserved, internal, external fragmentation = 0, free) in slots. ``held_tokens`` counts
-        every holder's tokens; shared full blocks are stored once, so their extra holders are subtracted."""
-        return self.memory_sample(held_tokens)[:5]
-
     def memory_sample(self, held_tokens: int) -> tuple[int, int, int, int, int, int]:
-        """``categories`` plus the token slots of every sequence's block table, a shared block counted once per
-        holder (what the same sequences would hold without sharing): one call a step for the simulator."""
+        """(token_states, reserved, internal, external fragmentation = 0, free) in slots, then the token slots of
+        every sequence's block table, a shared block counted once per holder (what the same sequences would hold
+        without sharing). ``held_tokens`` counts every holder's tokens; shared full blocks are stored once, so their
+        extra holders are subtracted."""
         size, capacity, never_filled = self.block_size, self.capacity, self.never_filled
         allocated = capacity - self.free_queue.num_free * size
         table_slots = self.manager.num_block_references * size

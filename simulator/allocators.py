@@ -282,12 +282,9 @@ class ContiguousPolicy:
         self.usage.will_fill += sign * min(size, seq.final_len)
         self.usage.never_filled += sign * max(0, size - seq.final_len)
 
-    def categories(self, held_tokens: int) -> tuple[int, int, int, int, int]:
-        """(token_states, reserved, internal, external fragmentation, free) in slots, given the tokens held."""
-        return self.memory_sample(held_tokens)[:5]
-
     def memory_sample(self, held_tokens: int) -> tuple[int, int, int, int, int, int]:
-        """``categories`` plus the token slots the sequences hold (nothing is shared: the allocated slots)."""
+        """(token_states, reserved, internal, external fragmentation, free) in slots given the tokens held, then the
+        token slots the sequences hold (nothing is shared: the allocated slots)."""
         usage, space = self.usage, self.space
         external = space.num_free - space.largest_free()
         return (held_tokens, usage.will_fill - held_tokens, usage.never_filled, external,

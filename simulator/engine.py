@@ -401,7 +401,7 @@ class Simulator:
         stats = scheduler.end_step(duration, self.time, self.generated_tokens, want_stats=row_due or snapshot_due)
         if row_due:
             # finishing freed memory after ``values`` was taken
-            values = self.policy.categories(scheduler.held_tokens()) if stats.num_finished else values[:5]
+            values = self._categories() if stats.num_finished else values[:5]
             self.metrics.record(stats, values, self.num_preemptions, self._prefix_cache_hits())
         if snapshot_due:
             self.stopped = self.on_snapshot(self.snapshot(stats)) is False
@@ -431,6 +431,10 @@ class Simulator:
             # them now, while their memory is hot, instead of the cyclic GC later (3-4 % of a replay's time).
             seq.group.seqs = []
 
+    def _categories(self) -> tuple[int, int, int, int, int]:
+        """The memory categories now (``simulator.metrics.CATEGORIES``)."""
+        return self.policy.memory_sample(self.scheduler.held_tokens())[:5]
+
     def _prefix_cache_hits(self) -> int:
         return self.policy.manager.prefix_cache_stats.hit_blocks if self.policy_is_paged else 0
 
@@ -451,7 +455,7 @@ class Simulator:
     def snapshot(self, stats: StepStats) -> Snapshot:
         """The state after the step ``stats`` describes (with the pool when ``snapshot_pool``)."""
         done = self.num_finished + self.num_rejected
-        values = self.policy.categories(self.scheduler.held_tokens())
+        values = self._categories()
         snap = Snapshot(self.iteration, self.time, dict(zip(COLUMNS, row(stats, values, self.num_preemptions,
                                                                           self._prefix_cache_hits()))),
                         stats, progress=done / max(1, len(self.owned)))

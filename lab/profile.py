@@ -26,14 +26,21 @@ import numpy as np
 import pandas as pd
 
 QUANTITIES = ("constant", "prefill_seqs", "prefill_tokens", "decode_seqs", "prefill_attention_pairs",
-              "decode_kv_tokens", "decode_padded_kv_tokens", "copied_blocks", "swapped_blocks", "after_idle")
+              "decode_kv_tokens", "decode_padded_kv_tokens", "copied_blocks", "swapped_blocks", "after_idle",
+              "previous_prefill_tokens")
 LINEAR = tuple(name for name in QUANTITIES if name != "decode_seqs")
 # 1 for a step that prefills anything: the prefill path's own fixed cost a step, beyond the decode path's (on the tiny
 # model 0.77 ms of a 3 ms prefill step). Without it the one constant averaged the two paths and priced every
 # decode-only step too high: light-load TPOT +2 to +6 % in paired comparisons, held-out error 4.4-6.6 % (3.7-4.6 %
 # with it).
-STEP_FEATURES = ("prefill_step",)
-PROFILE_VERSION = 6
+#
+# ``after_prefill_step`` (1 for a step right after a prefill) and the quantity ``previous_prefill_tokens``: a prefill's
+# activations evict from the CPU's caches what the next step reads. On the tiny model the first decode after a batch
+# prefill ran 10-20 % slower than the ones after it (2.62 vs 2.50 ms after 512 tokens, 4.15 vs 3.55 ms after 2,048),
+# and a decode scenario's steps are a fifth such; in a light load after a 96-token prefill, 2 %. Refitted on the same
+# measurements, the held-out error went 8.9 / 8.8 / 7.1 / 10.4 % -> 7.6 / 7.0 / 6.9 / 9.5 %.
+STEP_FEATURES = ("prefill_step", "after_prefill_step")
+PROFILE_VERSION = 7
 # A step that starts after the engine sat idle this long (nothing to run, waiting for an arrival) is ``after_idle``:
 # on a CPU it runs slower than the same step back to back (measured on the 0.6B shapes: a prefill +13 %), which is
 # most of a light load's TTFT error if the model ignores it.
@@ -46,16 +53,17 @@ class ProfileError(ValueError):
     """A profile file is malformed, or does not match the model or block size it is used with."""
 
 
-def plan_quantities(out, block_size: int, after_idle: bool = False) -> list[float]:
+def plan_quantities(out, block_size: int, after_idle: bool = False, previous_prefill_tokens: int = 0) -> list[float]:
     """What the step-time model reads from one step's plan (``lab.scheduler.SchedulerOutput``), in ``QUANTITIES``
     order. ``decode_padded_kv_tokens`` is the decode batch padded to its longest sequence's blocks: what a backend
     that gathers a rectangular batch (the torch one) reads, while ``decode_kv_tokens`` is what a per-sequence kernel
-    reads. ``after_idle``: the executor sat idle for at least ``IDLE_GAP_S`` before this step."""
+    reads. ``after_idle``: the executor sat idle for at least ``IDLE_GAP_S`` before this step;
+    ``previous_prefill_tokens``: the tokens the step before this one prefilled."""
     swapped = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
     padded = out.num_decode_seqs * -(-out.decode_max_kv_len // block_size) * block_size
     return [1.0, float(len(out.prefill_chunks)), float(out.num_prefill_tokens), float(out.num_decode_seqs),
             float(out.prefill_attention_pairs), float(out.decode_kv_tokens), float(padded),
-            float(len(out.blocks_to_copy)), float(swapped), float(after_idle)]
+            float(len(out.blocks_to_copy)), float(swapped), float(after_idle), float(previous_prefill_tokens)]
 
 
 def feature_names(knots: list[int]) -> tuple[str, ...]:
@@ -69,7 +77,8 @@ def design_row(quantities: list[float], knots: list[int]) -> list[float]:
     linear through the origin below the first and beyond the last): per-sequence work (the LM head, sampling) does
     not cost the same per sequence at every batch size on real hardware (a CPU's BLAS changes kernels between
     4 and 8 rows; a GPU fills its tiles), so a straight line through the batch sizes misses by 40 % at some."""
-    linear = quantities[:3] + quantities[4:] + [1.0 if quantities[2] > 0 else 0.0]  # then STEP_FEATURES
+    linear = quantities[:3] + quantities[4:] + [1.0 if quantities[2] > 0 else 0.0,  # then STEP_FEATURES
+                                                1.0 if quantities[10] > 0 else 0.0]
     batch, hats = quantities[3], [0.0] * len(knots)
     if batch > 0:
         if batch <= knots[0] or batch >= knots[-1]:
@@ -100,16 +109,17 @@ class Profile:
     holdout_max_rel_error: float = math.nan
     version: int = PROFILE_VERSION
 
-    def step_time(self, out, after_idle: bool = False) -> float:
-        """Predicted seconds of the step planned in ``out`` (``after_idle``: see ``plan_quantities``)."""
-        return self.predictor()(out, after_idle)
+    def step_time(self, out, after_idle: bool = False, previous_prefill_tokens: int = 0) -> float:
+        """Predicted seconds of the step planned in ``out`` (``after_idle``, ``previous_prefill_tokens``: see
+        ``plan_quantities``)."""
+        return self.predictor()(out, after_idle, previous_prefill_tokens)
 
     def predictor(self) -> Callable[..., float]:
         """``step_time`` with the coefficients laid out once (the simulator calls it every step)."""
         time_of, block_size = self.quantities_predictor(), self.block_size
 
-        def step_time(out, after_idle: bool = False) -> float:
-            return time_of(plan_quantities(out, block_size, after_idle))
+        def step_time(out, after_idle: bool = False, previous_prefill_tokens: int = 0) -> float:
+            return time_of(plan_quantities(out, block_size, after_idle, previous_prefill_tokens))
         return step_time
 
     def quantities_predictor(self) -> Callable[[list[float]], float]:
@@ -171,14 +181,27 @@ class Profile:
         if not knots or not all(type(k) is int and k >= 1 for k in knots) or knots != sorted(set(knots)):
             raise ProfileError(f"{name}: decode_knots must be increasing integers >= 1, got {knots!r:.60}")
         coefficients, names = data["coefficients"], feature_names(knots)
-        if set(coefficients) != set(names) or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-                for v in coefficients.values()):
+        if set(coefficients) != set(names) or not all(_is_number(v) and v >= 0 for v in coefficients.values()):
             raise ProfileError(f"{name}: coefficients must be finite numbers >= 0 for exactly {', '.join(names)}")
         if data["block_size"] < 1:
             raise ProfileError(f"{name}: block_size must be >= 1")
+        for index, sample in enumerate(data["samples"]):
+            if not _is_sample(sample):
+                raise ProfileError(f"{name}: sample {index} must hold {len(QUANTITIES)} numeric quantities "
+                                   f"({', '.join(QUANTITIES)}) and a duration_s > 0, got {sample!r:.80}")
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_sample(sample) -> bool:
+    if not isinstance(sample, dict) or not _is_number(sample.get("duration_s")) or sample["duration_s"] <= 0:
+        return False
+    quantities = sample.get("quantities")
+    return isinstance(quantities, list) and len(quantities) == len(QUANTITIES) and all(map(_is_number, quantities))
 
 
 def fit(samples: list[dict], knots: list[int], holdout_fraction: float = 0.2,
@@ -405,10 +428,11 @@ def _run_scenario(hf_model, base, settings: dict, requests, generator,
         time.sleep(idle_s)
     while engine.has_unfinished():
         after_idle = idle_s >= IDLE_GAP_S and engine.num_steps == 0
+        previous = engine.last_plan.num_prefill_tokens if engine.last_plan is not None else 0
         started = time.perf_counter()
         engine.step()
         # the whole call, its closing bookkeeping too: a serving loop's clock advances by that
         duration_s = time.perf_counter() - started
         if record is not None:
-            record(tuple(plan_quantities(engine.last_plan, block_size, after_idle)), duration_s)
+            record(tuple(plan_quantities(engine.last_plan, block_size, after_idle, previous)), duration_s)
     return engine

@@ -223,6 +223,7 @@ class Simulator:
         self.snapshot_pool = snapshot_pool  # copying the pool is O(blocks): progress-only callers skip it
         self.time = 0.0
         self.after_idle = False  # the next step starts after the engine sat idle for IDLE_GAP_S or more
+        self.previous_prefill_tokens = 0  # the last step's (a profile's step time depends on it)
         self.iteration = 0
         self.done_calendar: dict[int, list] = {}  # decode step -> [(seq, epoch)] completing then
         self.next_seq_id = 0
@@ -369,7 +370,8 @@ class Simulator:
             return
         self.iteration += 1
         if self.profile is not None:  # measured on the engine: copies and swaps are among its features
-            duration = self.profile_step_time(out, self.after_idle)
+            duration = self.profile_step_time(out, self.after_idle, self.previous_prefill_tokens)
+            self.previous_prefill_tokens = out.num_prefill_tokens
             self.swapped_blocks += len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
         else:
             duration = self.cost.iteration_time(out.num_prefill_tokens + out.num_decode_seqs,

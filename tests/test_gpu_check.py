@@ -1,0 +1,70 @@
+"""``scripts/gpu_check.sh`` runs only where a GPU is lent, for minutes at most: its command lines are checked here, on
+CPU, so that a lent GPU is not spent on a renamed flag. Each step's ``python -m lab`` arguments parse with the CLI's
+own parser (the device check told that CUDA exists), name known models, backends and systems, and the twin reads the
+profile the profile step writes; the pytest step collects ``gpu`` tests; the steps' time limits fit one device call."""
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lab.bench.e2e import SYSTEMS
+from lab.cli import build_parser
+from lab.model import PRESETS
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+DEVICE_CALL_LIMIT_S = 600  # the device tool's longest command
+
+
+def script_steps(out: Path) -> dict[str, tuple[int, list[str]]]:
+    """``{step name: (time limit in s, command argv)}`` from the script's ``step NAME LIMIT COMMAND...`` lines."""
+    text = SCRIPT.read_text().replace("\\\n", " ")
+    steps = {}
+    for line in text.splitlines():
+        if line.startswith("step "):
+            words = shlex.split(line.replace('"$py"', "python").replace('"$out', f'"{out}'))
+            steps[words[1]] = (int(words[2]), words[3:])
+    return steps
+
+
+@pytest.fixture
+def steps(tmp_path, monkeypatch):
+    monkeypatch.setattr("lab.hardware.check_device", lambda name: name)  # as on the GPU machine
+    return script_steps(tmp_path)
+
+
+def lab_args(argv: list[str]):
+    assert argv[:3] == ["python", "-m", "lab"], argv
+    return build_parser().parse_args(argv[3:])
+
+
+def test_every_step_runs_and_they_fit_one_device_call(steps):
+    default = re.search(r'steps=" \$\{\*:-([a-z0-9 ]+)\} "', SCRIPT.read_text()).group(1).split()
+    assert list(steps) == default == ["tests", "profile", "twin", "kernels", "e2e"]
+    # the limits bound the run; a few seconds more go to nvidia-smi and the version line
+    assert sum(limit for limit, _ in steps.values()) <= DEVICE_CALL_LIMIT_S - 10
+
+
+def test_the_lab_commands_parse_with_known_names(steps):
+    profile, twin = lab_args(steps["profile"][1]), lab_args(steps["twin"][1])
+    kernels, e2e = lab_args(steps["kernels"][1]), lab_args(steps["e2e"][1])
+    for args in (profile, twin, e2e):
+        assert args.model in PRESETS and args.device == "cuda" and args.backend == "cupy"
+    assert twin.profile == profile.out and twin.model == profile.model
+    assert set(kernels.backends.split(",")) <= {"torch", "cupy", "reference"} and kernels.device == "cuda"
+    assert set(e2e.systems.split(",")) <= set(SYSTEMS)
+
+
+def test_the_pytest_step_collects_gpu_tests(steps):
+    argv = steps["tests"][1]
+    assert argv[:3] == ["python", "-m", "pytest"] and "gpu" in argv
+    files = [word for word in argv if word.startswith("tests/")]
+    assert files and all((ROOT / name).is_file() for name in files)
+    collected = subprocess.run([sys.executable, *argv[1:], "--collect-only"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=300)
+    assert collected.returncode == 0, collected.stdout[-2000:] + collected.stderr[-2000:]
+    for name in files:  # each file named holds some of the gpu tests
+        assert f"{name}::" in collected.stdout, name

@@ -29,6 +29,8 @@ QUANTITIES = ("constant", "prefill_seqs", "prefill_tokens", "decode_seqs", "pref
               "decode_kv_tokens", "decode_padded_kv_tokens", "copied_blocks", "swapped_blocks", "after_idle",
               "previous_prefill_tokens")
 LINEAR = tuple(name for name in QUANTITIES if name != "decode_seqs")
+PREFILL_TOKENS, DECODE_SEQS = QUANTITIES.index("prefill_tokens"), QUANTITIES.index("decode_seqs")
+PREVIOUS_PREFILL_TOKENS = QUANTITIES.index("previous_prefill_tokens")
 # 1 for a step that prefills anything: the prefill path's own fixed cost a step, beyond the decode path's (on the tiny
 # model 0.77 ms of a 3 ms prefill step). Without it the one constant averaged the two paths and priced every
 # decode-only step too high: light-load TPOT +2 to +6 % in paired comparisons, held-out error 4.4-6.6 % (3.7-4.6 %
@@ -38,7 +40,7 @@ LINEAR = tuple(name for name in QUANTITIES if name != "decode_seqs")
 # activations evict from the CPU's caches what the next step reads. On the tiny model the first decode after a batch
 # prefill ran 10-20 % slower than the ones after it (2.62 vs 2.50 ms after 512 tokens, 4.15 vs 3.55 ms after 2,048),
 # and a decode scenario's steps are a fifth such; in a light load after a 96-token prefill, 2 %. Refitted on the same
-# measurements, the held-out error went 8.9 / 8.8 / 7.1 / 10.4 % -> 7.6 / 7.0 / 6.9 / 9.5 %.
+# measurements with and without them, the held-out error was lower in 7 of 7 pairs (e.g. 8.9 -> 7.6 %).
 STEP_FEATURES = ("prefill_step", "after_prefill_step")
 PROFILE_VERSION = 7
 # A step that starts after the engine sat idle this long (nothing to run, waiting for an arrival) is ``after_idle``:
@@ -77,9 +79,10 @@ def design_row(quantities: list[float], knots: list[int]) -> list[float]:
     linear through the origin below the first and beyond the last): per-sequence work (the LM head, sampling) does
     not cost the same per sequence at every batch size on real hardware (a CPU's BLAS changes kernels between
     4 and 8 rows; a GPU fills its tiles), so a straight line through the batch sizes misses by 40 % at some."""
-    linear = quantities[:3] + quantities[4:] + [1.0 if quantities[2] > 0 else 0.0,  # then STEP_FEATURES
-                                                1.0 if quantities[10] > 0 else 0.0]
-    batch, hats = quantities[3], [0.0] * len(knots)
+    linear = quantities[:DECODE_SEQS] + quantities[DECODE_SEQS + 1:]
+    linear += [1.0 if quantities[PREFILL_TOKENS] > 0 else 0.0,  # STEP_FEATURES
+               1.0 if quantities[PREVIOUS_PREFILL_TOKENS] > 0 else 0.0]
+    batch, hats = quantities[DECODE_SEQS], [0.0] * len(knots)
     if batch > 0:
         if batch <= knots[0] or batch >= knots[-1]:
             end = 0 if batch <= knots[0] else -1

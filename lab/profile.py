@@ -276,11 +276,12 @@ GRIDS = ("full", "small", "quick")
 IDLE_SCENARIO_S = 0.25
 # The decode batch sizes each grid measures on their own: the knots of the piecewise-linear decode term. (Other batch
 # sizes occur too, in chunked and copy-on-write steps, but mixed with other work they would pin a knot badly.)
-# ``small`` keeps 2 and 4: a light load decodes 1-2 sequences per step, and with no knot between 1 and 8 the fit let
-# the batch-1 term go to zero (the 0.6B-shaped LM head costs 38 ms at 1 row, ~120 ms at 8), 20 % low on light TPOT;
-# and 16: on a CPU those shapes decode 16 sequences faster than 8 (89 vs 106 ms; BLAS changes kernels), which a line
-# from 8 to 32 missed in the saturated twin (its batches are 9-16).
-DECODE_BATCHES = {"full": (1, 2, 4, 8, 16, 32, 64), "small": (1, 2, 4, 8, 16, 32, 64), "quick": (4,)}
+# ``small`` has every knot ``full`` has. Without 2 and 4 (a light load decodes 1-2 sequences per step) the fit let the
+# batch-1 term go to zero (the 0.6B-shaped LM head costs 38 ms at 1 row, ~120 ms at 8), 20 % low on light TPOT; without
+# 16, a line from 8 to 32 missed that on a CPU those shapes decode 16 sequences faster than 8 (89 vs 106 ms; BLAS
+# changes kernels), the batch sizes of the saturated twin (9-16).
+DECODE_KNOTS = (1, 2, 4, 8, 16, 32, 64)
+DECODE_BATCHES = {"full": DECODE_KNOTS, "small": DECODE_KNOTS, "quick": (4,)}
 
 
 def _scenarios(block_size: int, grid: str) -> list[tuple[str, dict, list[tuple[int, int, int]]]]:

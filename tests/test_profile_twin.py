@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 
 from lab.engine import EngineConfig
-from lab.profile import (LINEAR, PROFILE_VERSION, QUANTITIES, STEP_FEATURES, Profile, ProfileError, Profiler, design_row,
-                         feature_names, fit, profile_engine)
+from lab.profile import (LINEAR, PREFILL_TOKENS, PREVIOUS_PREFILL_TOKENS, PROFILE_VERSION, STEP_FEATURES, Profile,
+                         ProfileError, Profiler, design_row, feature_names, fit, profile_engine)
 from simulator import SimConfig, Simulator
 from simulator.twin import TwinCase, TwinConfig, calibrated_twins, replay, run_twin
 from simulator.workloads import SyntheticSpec, Workload, synthetic_workload
@@ -17,8 +17,8 @@ from simulator.workloads import SyntheticSpec, Workload, synthetic_workload
 KNOTS = [1, 4, 8, 32]
 FIXED = {"constant": 2e-3, "prefill_seqs": 1e-4, "prefill_tokens": 2e-5, "prefill_attention_pairs": 1e-8,
          "decode_kv_tokens": 1e-7, "decode_padded_kv_tokens": 2e-7, "copied_blocks": 5e-5, "swapped_blocks": 8e-5,
-         "after_idle": 3e-3, "previous_prefill_tokens": 1e-7, "prefill_step": 8e-4, "after_prefill_step": 2e-4, "decode_seqs@1": 3e-4, "decode_seqs@4": 1.2e-3, "decode_seqs@8": 4e-3,
-         "decode_seqs@32": 5e-3}
+         "after_idle": 3e-3, "previous_prefill_tokens": 1e-7, "prefill_step": 8e-4, "after_prefill_step": 2e-4,
+         "decode_seqs@1": 3e-4, "decode_seqs@4": 1.2e-3, "decode_seqs@8": 4e-3, "decode_seqs@32": 5e-3}
 
 
 def fixed_profile(block_size=4, model="tiny"):
@@ -88,9 +88,9 @@ def test_a_quick_profile_of_the_tiny_engine_fits_and_round_trips(tmp_path):
     assert len(profile.samples) >= 8 and set(profile.coefficients) == set(feature_names(profile.decode_knots))
     assert all(v >= 0 and math.isfinite(v) for v in profile.coefficients.values())
     assert math.isfinite(profile.holdout_median_rel_error) and any(s["holdout"] for s in profile.samples)
-    previous, prefill = QUANTITIES.index("previous_prefill_tokens"), QUANTITIES.index("prefill_tokens")
     # the first decode of "decode 4x32" records the size of the prefill before it
-    assert any(s["quantities"][previous] == 128 and s["quantities"][prefill] == 0 for s in profile.samples)
+    assert any(s["quantities"][PREVIOUS_PREFILL_TOKENS] == 128 and s["quantities"][PREFILL_TOKENS] == 0
+               for s in profile.samples)
     profile.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == profile
 

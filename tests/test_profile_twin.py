@@ -8,8 +8,9 @@ import pandas as pd
 import pytest
 
 from lab.engine import EngineConfig
-from lab.profile import (LINEAR, PREFILL_TOKENS, PREVIOUS_PREFILL_TOKENS, PROFILE_VERSION, STEP_FEATURES, Profile,
-                         ProfileError, Profiler, design_row, feature_names, fit, profile_engine)
+from lab.profile import (DECODE_SEQS, LINEAR, PREFILL_TOKENS, PREVIOUS_PREFILL_TOKENS, PROFILE_VERSION, STEP_FEATURES,
+                         Profile, ProfileError, Profiler, _run_scenario, _scenarios, decode_knots, design_row,
+                         feature_names, fit, profile_engine)
 from simulator import SimConfig, Simulator
 from simulator.twin import TwinCase, TwinConfig, calibrated_twins, replay, run_twin
 from simulator.workloads import SyntheticSpec, Workload, synthetic_workload
@@ -61,6 +62,33 @@ def test_the_fit_recovers_known_coefficients():
     def after_1000(c):
         return c["after_prefill_step"] + 1000 * c["previous_prefill_tokens"]
     assert after_1000(coefficients) == pytest.approx(after_1000(FIXED), rel=0.1)
+
+
+def test_the_ladder_decodes_every_batch_size_and_each_is_a_knot():
+    """A CPU's BLAS picks its kernel by the row count, so a batch's cost is not monotone in its size (MKL on an AMD
+    EPYC: 3 rows of the 0.6B LM head took 100 ms, 4 rows 72). The small grid's ladder decodes every size from 16 down
+    to 1 once, and a fit with a knot at each prices such a table exactly where interpolation could not."""
+    import torch
+
+    from lab.engine import load_model
+
+    assert decode_knots("small") == list(range(1, 17)) + [32, 64] and set(range(1, 33)) <= set(decode_knots("full"))
+    name, settings, requests = next(s for s in _scenarios(16, "small") if s[0].startswith("decode ladder"))
+    base = EngineConfig(block_size=16, num_blocks=1)
+    seen = []
+    _run_scenario(load_model("tiny", base)[0], base, settings, requests, torch.Generator().manual_seed(0),
+                  lambda quantities, duration_s: seen.append(quantities))
+    assert [q[DECODE_SEQS] for q in seen if q[PREFILL_TOKENS] == 0] == list(range(16, 0, -1))
+
+    knots = decode_knots("small")
+    batch_ms = {batch: 30 + 70 * (batch % 4 == 3) + 2 * batch for batch in range(1, 17)}  # 3, 7, 11, 15 slow
+    samples = [{"quantities": step_quantities(0, batch), "duration_s": ms / 1e3} for batch, ms in batch_ms.items()]
+    samples += [{"quantities": step_quantities(tokens), "duration_s": (30 + tokens / 10) / 1e3}
+                for tokens in (16, 64, 256)]
+    coefficients, _, _ = fit(samples, knots)
+    profile = Profile("tiny", "cpu", "torch.float32", 16, "torch", coefficients, knots)
+    for batch, ms in batch_ms.items():
+        assert profile.quantities_predictor()(step_quantities(0, batch)) == pytest.approx(ms / 1e3, rel=1e-3)
 
 
 def test_the_fit_predicts_the_mean_of_right_skewed_step_times():

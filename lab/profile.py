@@ -412,6 +412,20 @@ def profile_engine(model="tiny", device: str | None = None, block_size: int = 16
     return profiler.result()
 
 
+def scatter_free_blocks(manager, rng: random.Random) -> None:
+    """Leave the free blocks of ``manager`` (a ``KVBlockManager``) queued in a random order, as a serving engine's are
+    once requests have come and gone: a fresh pool hands out consecutive blocks, whose K/V a decode step gathers
+    faster. Measured on the tiny model (AMD EPYC, torch backend), a 32-sequence decode step ran 3-4 % slower on an
+    engine that had served a saturated run, or on a fresh one with its free queue shuffled, than on a fresh one; a
+    profile of fresh pools priced the saturated twin's steps 3-4 % low."""
+    seq_ids = [("scatter", index) for index in range(manager.num_free_blocks)]
+    for seq_id in seq_ids:
+        manager.create_sequence(seq_id, num_prompt_tokens=manager.block_size)
+    rng.shuffle(seq_ids)
+    for seq_id in seq_ids:
+        manager.release_sequence(seq_id)
+
+
 def _run_scenario(hf_model, base, settings: dict, requests, generator,
                   record: Callable[[tuple, float], None] | None):
     """One scenario on a fresh engine sized to hold it; ``record(quantities, duration_s)`` for each step (``None``:
@@ -435,6 +449,7 @@ def _run_scenario(hf_model, base, settings: dict, requests, generator,
                                  **{k: v for k, v in settings.items()
                                     if k not in ("cached_prefix", "pool_fraction", "idle_s")})
     engine = LLMEngine(hf_model, config)
+    scatter_free_blocks(engine.block_manager, random.Random(int(torch.randint(0, 2**31, (1,), generator=generator))))
     vocab = hf_model.config.vocab_size
     prefix = torch.randint(0, vocab, (cached_prefix,), generator=generator).tolist()
     if cached_prefix:

@@ -329,7 +329,8 @@ def test_timed_arrivals_replay_the_real_schedule_step_for_step():
 def test_the_fidelity_benchmark_reports_every_metric_for_both_loads(monkeypatch):
     from simulator import twin
 
-    monkeypatch.setitem(twin.BENCH_MODELS, "tiny", twin.BenchModel("quick", 6, 16, 6, 64, repeats=2))
+    monkeypatch.setitem(twin.BENCH_MODELS, "tiny", twin.BenchModel("quick", 6, 16, 6, 64, repeats=2,
+                                                                          light_requests=4))
     table = twin.bench_twin(("tiny",))  # the model's own repeats
     for load in ("saturated", "light"):
         rows = table[table["load"] == load].set_index("metric")
@@ -338,6 +339,8 @@ def test_the_fidelity_benchmark_reports_every_metric_for_both_loads(monkeypatch)
         assert rows.loc["speedup_vs_real_time", "rel_error"] > 1 and (rows["noise_floor"].dropna() >= 0).all()
     rates = table[table["metric"] == "arrival_rate_req_s"].set_index("load")["real"]
     assert rates["saturated"] == float("inf") and 0 < rates["light"] < float("inf")
+    sizes = table[table["metric"] == "num_requests"].set_index("load")["real"]
+    assert sizes["saturated"] == 6 and sizes["light"] == 4
     with pytest.raises(ValueError, match="no benchmark settings"):
         twin.bench_twin(("qwen3-8b",))
 

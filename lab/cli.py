@@ -161,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = bench.add_parser("twin", help="fidelity of the simulator on the engine's profile (light and saturated load)")
     w.add_argument("--models", default="tiny,qwen3-0.6b-random-4l", help="comma-separated presets (see BENCH_MODELS)")
-    w.add_argument("--light-fraction", type=positive_float, default=0.35,
-                   help="light load = this fraction of the saturated run's request throughput")
+    w.add_argument("--light-fraction", type=positive_float, default=None,
+                   help="light load = this fraction of the saturated run's request throughput; default: the model's")
     w.add_argument("--repeats", type=positive_int, default=None,
                    help="profile rounds and real runs per load (median; spread = noise floor); default: the model's")
     w.add_argument("--device", type=device, default=None)

@@ -1,10 +1,11 @@
 """Profile the real engine and fit a step-time model the simulator can run on (the digital twin's clock).
 
 ``profile_engine`` runs designed workloads through ``LLMEngine`` — single prefills of several lengths with and
-without a cached prefix, decode batches of several sizes x context lengths, chunked steps that mix the two, and
-copy-on-write of parallel samples — and records every step's plan quantities and measured duration. After
-warm-up, steps with identical quantities are repeats; their mean is one sample (a run's makespan and TPOT are sums of
-step times, which follow the mean of a CPU's right-skewed step times, not their median). A non-negative least-squares
+without a cached prefix, decode batches of several sizes x context lengths and of every size up to a ladder's top,
+chunked steps that mix the two, and copy-on-write of parallel samples — each on a fresh engine whose free blocks are
+scattered as a serving engine's are, and records every step's plan quantities and measured duration. After warm-up,
+steps with identical quantities are repeats; their mean is one sample (a run's makespan and TPOT are sums of step
+times, which follow the mean of a CPU's right-skewed step times, not their median). A non-negative least-squares
 fit of ``duration = sum(coefficient x feature)`` (linear in the quantities, piecewise-linear in the decode batch size)
 gives the ``Profile``'s coefficients; its error is reported on held-out samples.
 """

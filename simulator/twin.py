@@ -262,17 +262,19 @@ class BenchModel:
     num_blocks: int
     repeats: int
     light_requests: int = 0  # the light load's requests (0: num_requests)
+    light_fraction: float = 0.35  # the light load's arrival rate, as a fraction of the saturated request throughput
 
 
 # The tiny model's steps take 3-10 ms and follow this machine's speed drift, by +-12 % between runs of one workload a
 # few seconds apart: five rounds and runs (a real run takes 1-3 s) make its medians and the profile's means steadier.
 BENCH_MODELS = {
     "tiny": BenchModel("full", 128, 96, 32, 256, repeats=5),
-    "qwen3-0.6b-random-4l": BenchModel("small", 16, 96, 24, 64, repeats=3, light_requests=32),
+    "qwen3-0.6b-random-4l": BenchModel("small", 16, 96, 24, 64, repeats=3, light_requests=32, light_fraction=0.2),
 }
-# The 0.6B shapes' light load keeps one request in flight most of the time, so a request's TTFT is a prefill alone or
-# a prefill after the rest of a 45-95 ms decode step: of 16 requests the median sits between the two modes, and the
-# simulated one moved 122-137 ms as the rate went 0.42-0.48 requests/s (with 32 requests, 140-148 ms).
+# The 0.6B shapes' light load keeps about one request in flight, so a request's TTFT is a prefill alone or a prefill
+# after the rest of a 45-130 ms decode step. 16 requests at 0.35 of the saturated throughput arrived at 0.44-0.47/s (a
+# small Poisson sample runs late), and their median sat between the two modes: the simulated one moved 127-152 ms
+# as the rate varied by +-10 %. 32 requests at 0.2 arrive at about that rate, and it moved 141-149 ms.
 
 
 @dataclass(slots=True)
@@ -314,11 +316,11 @@ def calibrated_twins(model: str, cases: dict[str, TwinCase], grid: str = "full",
 
 
 def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int | None = None, block_size: int = 16,
-               device: str | None = None, light_fraction: float = 0.35,
+               device: str | None = None, light_fraction: float | None = None,
                progress: Callable[[str], None] | None = None) -> pd.DataFrame:
     """The fidelity benchmark: per model, profile the engine and run the twin saturated (every request at t = 0)
     and at a light load (Poisson arrivals at ``light_fraction`` of the saturated run's request throughput, so it
-    is light on any machine), the profile's rounds and the real runs taking turns (``calibrated_twins``). One row
+    is light on any machine; ``None``: the model's ``BenchModel.light_fraction``), the profile's rounds and the real runs taking turns (``calibrated_twins``). One row
     per (model, load, metric) with the error, the real run-to-run noise floor, and how much faster than real time
     the simulator ran."""
     unknown = [m for m in models if m not in BENCH_MODELS]
@@ -334,7 +336,8 @@ def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int | None = No
                                                     range_ratio=0.5, rate=rate, seed=1))
 
         def light(runs: dict) -> Workload:
-            return workload(light_fraction * setup.num_requests / runs["saturated"][0].metrics["makespan_s"],
+            fraction = setup.light_fraction if light_fraction is None else light_fraction
+            return workload(fraction * setup.num_requests / runs["saturated"][0].metrics["makespan_s"],
                             setup.light_requests or setup.num_requests)
 
         engine = EngineConfig(block_size=block_size, num_blocks=setup.num_blocks, device=device)

@@ -99,6 +99,7 @@ def _profile(args) -> None:
           f"wrote {args.out}")
     for name, value in profile.coefficients.items():
         print(f"  {name:<24} {value:.4g}")
+    print(f"  {'add_request_s':<24} {profile.add_request_s:.4g}  (per request, between steps)")
     print("per scenario (median measured vs fitted step time):")
     print_and_save(profile.scenario_errors(), None)
 

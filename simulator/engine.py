@@ -224,6 +224,10 @@ class Simulator:
         self.time = 0.0
         self.after_idle = False  # the next step starts after the engine sat idle for IDLE_GAP_S or more
         self.previous_prefill_tokens = 0  # the last step's (a profile's step time depends on it)
+        # a profile's per-request add_request time, and what arrivals since the last step owe: the engine admits
+        # them between steps, which delays the next one
+        self.add_request_s = self.profile.add_request_s if self.profile is not None else 0.0
+        self.admission_s = 0.0
         self.iteration = 0
         self.done_calendar: dict[int, list] = {}  # decode step -> [(seq, epoch)] completing then
         self.next_seq_id = 0
@@ -349,6 +353,7 @@ class Simulator:
             self.next_seq_id += 1
         self.samples_left[request] = len(outputs)
         self.scheduler.add(group)
+        self.admission_s += self.add_request_s
 
     def _token_ids(self, seq: Sequence, length: int) -> list[int]:
         return synthetic_token_ids(self.workload, seq.group.request_id, length)
@@ -382,6 +387,9 @@ class Simulator:
             if out.blocks_to_swap_out or out.blocks_to_swap_in:
                 duration += self._swap_time(out)
         self.after_idle = False
+        if self.admission_s:
+            self.time += self.admission_s
+            self.admission_s = 0.0
         end = self.time + duration
         self.generated_tokens += out.num_decode_seqs + len(out.prefill_done)
         if out.prefill_done:

@@ -139,6 +139,7 @@ def test_a_quick_profile_of_the_tiny_engine_fits_and_round_trips(tmp_path):
     # the first decode of "decode 4x32" records the size of the prefill before it
     assert any(s["quantities"][PREVIOUS_PREFILL_TOKENS] == 128 and s["quantities"][PREFILL_TOKENS] == 0
                for s in profile.samples)
+    assert 0 < profile.add_request_s < 0.01  # measured: tens of microseconds a request
     profile.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == profile
 
@@ -185,6 +186,22 @@ def test_profiling_keeps_freed_memory_for_reuse():
     # without it glibc trims what a step freed (more than its dynamic threshold, at most 64 MiB) every time
     assert min(default[2:]) > 1000, default
     assert sum(steady[2:]) < sum(default[2:]) / 3, (steady, default)
+
+
+def test_admitting_requests_delays_the_next_step_by_the_profile_s_add_request_time():
+    """The engine admits arrivals between steps (``add_request``, 34 us a request on the tiny CPU model): three
+    requests at t = 0 start the first step 3 x add_request_s late, and a request arriving at an idle engine its own
+    prefill by one add_request_s; step durations are unchanged."""
+    workload = Workload("admit", np.array([0.0, 0.0, 0.0, 5.0]), np.array([20, 20, 20, 20]), np.array([4, 4, 4, 4]))
+    charged, free = fixed_profile(), fixed_profile()
+    charged.add_request_s = 1e-3
+    config = dict(capacity_tokens=4096, block_size=4, record_steps=True)
+    runs = {name: Simulator(workload, SimConfig(profile=profile, **config)).run()
+            for name, profile in (("charged", charged), ("free", free))}
+    ttft = {name: (run.requests["first_token_s"] - run.requests["arrival_s"]).to_numpy() for name, run in runs.items()}
+    assert ttft["charged"][:3] - ttft["free"][:3] == pytest.approx([3e-3] * 3)
+    assert ttft["charged"][3] - ttft["free"][3] == pytest.approx(1e-3)
+    assert (runs["charged"].steps["duration_s"].to_numpy() == runs["free"].steps["duration_s"].to_numpy()).all()
 
 
 def test_a_step_after_the_engine_idled_is_priced_as_such():
@@ -292,12 +309,15 @@ BAD_PROFILES = [
                  "block_size": 4, "coefficients": FIXED, "decode_knots": KNOTS,
                  "samples": [{"quantities": [1.0] * 10, "duration_s": 0.002}]}).encode(),  # a version-6 sample
      "sample 0 must hold 11 numeric quantities"),
+    (json.dumps({"version": PROFILE_VERSION, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
+                 "block_size": 4, "coefficients": FIXED, "decode_knots": KNOTS, "samples": [],
+                 "add_request_s": -1e-5}).encode(), "add_request_s must be a finite number >= 0"),
 ]
 
 
 @pytest.mark.parametrize("data,message", BAD_PROFILES,
                          ids=["text", "list", "version", "negative", "type", "knot order", "knots vs coefficients",
-                              "short sample"])
+                              "short sample", "negative add_request_s"])
 def test_malformed_profiles_are_rejected(tmp_path, data, message):
     (tmp_path / "p.json").write_bytes(data)
     with pytest.raises(ProfileError, match=message):

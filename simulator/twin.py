@@ -320,9 +320,9 @@ def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int | None = No
                progress: Callable[[str], None] | None = None) -> pd.DataFrame:
     """The fidelity benchmark: per model, profile the engine and run the twin saturated (every request at t = 0)
     and at a light load (Poisson arrivals at ``light_fraction`` of the saturated run's request throughput, so it
-    is light on any machine; ``None``: the model's ``BenchModel.light_fraction``), the profile's rounds and the real runs taking turns (``calibrated_twins``). One row
-    per (model, load, metric) with the error, the real run-to-run noise floor, and how much faster than real time
-    the simulator ran."""
+    is light on any machine; ``None``: the model's ``BenchModel.light_fraction``), the profile's rounds and the real
+    runs taking turns (``calibrated_twins``). One row per (model, load, metric) with the error, the real run-to-run
+    noise floor, and how much faster than real time the simulator ran."""
     unknown = [m for m in models if m not in BENCH_MODELS]
     if unknown:
         raise ValueError(f"no benchmark settings for {', '.join(unknown)}; known: {', '.join(BENCH_MODELS)}")

@@ -28,10 +28,14 @@ import pandas as pd
 
 QUANTITIES = ("constant", "prefill_seqs", "prefill_tokens", "decode_seqs", "prefill_attention_pairs",
               "decode_kv_tokens", "decode_padded_kv_tokens", "copied_blocks", "swapped_blocks", "after_idle",
-              "previous_prefill_tokens")
-LINEAR = tuple(name for name in QUANTITIES if name != "decode_seqs")
+              "previous_prefill_tokens", "prefill_logit_rows")
+# The decode batch and the prompt chunks that sample (``prefill_logit_rows``) enter only through the piecewise-linear
+# term of the step's logit rows (``design_row``): they are the rows of one LM-head GEMM.
+LINEAR = tuple(name for name in QUANTITIES if name not in ("decode_seqs", "prefill_logit_rows"))
 PREFILL_TOKENS, DECODE_SEQS = QUANTITIES.index("prefill_tokens"), QUANTITIES.index("decode_seqs")
 PREVIOUS_PREFILL_TOKENS = QUANTITIES.index("previous_prefill_tokens")
+PREFILL_LOGIT_ROWS = QUANTITIES.index("prefill_logit_rows")
+LINEAR_INDICES = tuple(QUANTITIES.index(name) for name in LINEAR)
 # 1 for a step that prefills anything: the prefill path's own fixed cost a step, beyond the decode path's (on the tiny
 # model 0.77 ms of a 3 ms prefill step). Without it the one constant averaged the two paths and priced every
 # decode-only step too high: light-load TPOT +2 to +6 % in paired comparisons, held-out error 4.4-6.6 % (3.7-4.6 %
@@ -42,8 +46,11 @@ PREVIOUS_PREFILL_TOKENS = QUANTITIES.index("previous_prefill_tokens")
 # prefill ran 10-20 % slower than the ones after it (2.62 vs 2.50 ms after 512 tokens, 4.15 vs 3.55 ms after 2,048),
 # and a decode scenario's steps are a fifth such; in a light load after a 96-token prefill, 2 %. Refitted on the same
 # measurements with and without them, the held-out error was lower in 7 of 7 pairs (e.g. 8.9 -> 7.6 %).
-STEP_FEATURES = ("prefill_step", "after_prefill_step")
-PROFILE_VERSION = 7
+#
+# ``decode_step`` (1 for a step that decodes): the decode path's own fixed cost, now that the logit-rows term prices
+# prefill-only steps too and can no longer hold it.
+STEP_FEATURES = ("prefill_step", "decode_step", "after_prefill_step")
+PROFILE_VERSION = 8
 # A step that starts after the engine sat idle this long (nothing to run, waiting for an arrival) is ``after_idle``:
 # on a CPU it runs slower than the same step back to back (measured on the 0.6B shapes: a prefill +13 %), which is
 # most of a light load's TTFT error if the model ignores it.
@@ -61,29 +68,37 @@ def plan_quantities(out, block_size: int, after_idle: bool = False, previous_pre
     order. ``decode_padded_kv_tokens`` is the decode batch padded to its longest sequence's blocks: what a backend
     that gathers a rectangular batch (the torch one) reads, while ``decode_kv_tokens`` is what a per-sequence kernel
     reads. ``after_idle``: the executor sat idle for at least ``IDLE_GAP_S`` before this step;
-    ``previous_prefill_tokens``: the tokens the step before this one prefilled."""
+    ``previous_prefill_tokens``: the tokens the step before this one prefilled; ``prefill_logit_rows``: the prompt
+    chunks that complete their prompt, whose last position goes through the LM head (a group's forks share one)."""
     swapped = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
     padded = out.num_decode_seqs * -(-out.decode_max_kv_len // block_size) * block_size
-    return [1.0, float(len(out.prefill_chunks)), float(out.num_prefill_tokens), float(out.num_decode_seqs),
+    chunks = out.prefill_chunks
+    return [1.0, float(len(chunks)), float(out.num_prefill_tokens), float(out.num_decode_seqs),
             float(out.prefill_attention_pairs), float(out.decode_kv_tokens), float(padded),
-            float(len(out.blocks_to_copy)), float(swapped), float(after_idle), float(previous_prefill_tokens)]
+            float(len(out.blocks_to_copy)), float(swapped), float(after_idle), float(previous_prefill_tokens),
+            float(sum(1 for chunk in chunks if chunk.samples) if chunks else 0)]
 
 
 def feature_names(knots: list[int]) -> tuple[str, ...]:
-    """The model's features: the linear quantities, ``STEP_FEATURES``, then one ``decode_seqs@k`` per knot of the
-    decode batch."""
-    return LINEAR + STEP_FEATURES + tuple(f"decode_seqs@{k}" for k in knots)
+    """The model's features: the linear quantities, ``STEP_FEATURES``, then one ``logit_rows@k`` per knot of the
+    logit-rows term."""
+    return LINEAR + STEP_FEATURES + tuple(f"logit_rows@{k}" for k in knots)
 
 
 def design_row(quantities: list[float], knots: list[int]) -> list[float]:
-    """One row of the fit's design matrix. The decode batch enters piecewise-linearly (hat functions on the knots,
-    linear through the origin below the first and beyond the last): per-sequence work (the LM head, sampling) does
-    not cost the same per sequence at every batch size on real hardware (a CPU's BLAS changes kernels between
-    4 and 8 rows; a GPU fills its tiles), so a straight line through the batch sizes misses by 40 % at some."""
-    linear = quantities[:DECODE_SEQS] + quantities[DECODE_SEQS + 1:]
+    """One row of the fit's design matrix. The step's logit rows (decode sequences plus prompt chunks that sample)
+    enter piecewise-linearly (hat functions on the knots, linear through the origin below the first and beyond the
+    last): per-row work (the LM head, sampling) does not cost the same per row at every count on real hardware (a
+    CPU's BLAS changes kernels with the row count; a GPU fills its tiles), so a straight line misses by 40 % at some
+    counts. A prompt's last row goes through the same LM-head GEMM as a decode row: on the 0.6B shapes (MKL, AMD
+    EPYC) two prompts of 32 tokens took 134 ms to prefill and one of 64 took 100 (the LM head's 1 -> 2 rows), while
+    a model with a linear per-prompt cost and the decode batch alone in the hats missed mixed chunked steps by up to
+    +32 % and -18 % (7 decodes + 1 completing prompt is 8 rows, cheaper than 7 on that BLAS)."""
+    linear = [quantities[index] for index in LINEAR_INDICES]
     linear += [1.0 if quantities[PREFILL_TOKENS] > 0 else 0.0,  # STEP_FEATURES
+               1.0 if quantities[DECODE_SEQS] > 0 else 0.0,
                1.0 if quantities[PREVIOUS_PREFILL_TOKENS] > 0 else 0.0]
-    batch, hats = quantities[DECODE_SEQS], [0.0] * len(knots)
+    batch, hats = quantities[DECODE_SEQS] + quantities[PREFILL_LOGIT_ROWS], [0.0] * len(knots)
     if batch > 0:
         if batch <= knots[0] or batch >= knots[-1]:
             end = 0 if batch <= knots[0] else -1

@@ -8,9 +8,10 @@ import pandas as pd
 import pytest
 
 from lab.engine import EngineConfig
-from lab.profile import (DECODE_SEQS, LINEAR, PREFILL_TOKENS, PREVIOUS_PREFILL_TOKENS, PROFILE_VERSION, STEP_FEATURES,
-                         Profile, ProfileError, Profiler, _run_scenario, _scenarios, decode_knots, design_row,
-                         feature_names, fit, profile_engine, scatter_free_blocks)
+from lab.profile import (DECODE_SEQS, LINEAR, PREFILL_LOGIT_ROWS, PREFILL_TOKENS, PREVIOUS_PREFILL_TOKENS,
+                         PROFILE_VERSION, STEP_FEATURES, Profile, ProfileError, Profiler, _run_scenario, _scenarios,
+                         decode_knots, design_row, feature_names, fit, plan_quantities, profile_engine,
+                         scatter_free_blocks)
 from simulator import SimConfig, Simulator
 from simulator.twin import TwinCase, TwinConfig, calibrated_twins, replay, run_twin
 from simulator.workloads import SyntheticSpec, Workload, synthetic_workload
@@ -18,26 +19,47 @@ from simulator.workloads import SyntheticSpec, Workload, synthetic_workload
 KNOTS = [1, 4, 8, 32]
 FIXED = {"constant": 2e-3, "prefill_seqs": 1e-4, "prefill_tokens": 2e-5, "prefill_attention_pairs": 1e-8,
          "decode_kv_tokens": 1e-7, "decode_padded_kv_tokens": 2e-7, "copied_blocks": 5e-5, "swapped_blocks": 8e-5,
-         "after_idle": 3e-3, "previous_prefill_tokens": 1e-7, "prefill_step": 8e-4, "after_prefill_step": 2e-4,
-         "decode_seqs@1": 3e-4, "decode_seqs@4": 1.2e-3, "decode_seqs@8": 4e-3, "decode_seqs@32": 5e-3}
+         "after_idle": 3e-3, "previous_prefill_tokens": 1e-7, "prefill_step": 8e-4, "decode_step": 6e-4,
+         "after_prefill_step": 2e-4, "logit_rows@1": 3e-4, "logit_rows@4": 1.2e-3, "logit_rows@8": 4e-3,
+         "logit_rows@32": 5e-3}
 
 
 def fixed_profile(block_size=4, model="tiny"):
     return Profile(model, "cpu", "torch.float32", block_size, "torch", dict(FIXED), list(KNOTS))
 
 
-def step_quantities(prefill_tokens=0, decode_seqs=0, previous_prefill_tokens=0):
-    return [1, int(prefill_tokens > 0), prefill_tokens, decode_seqs, 0, 0, 0, 0, 0, 0, previous_prefill_tokens]
+def step_quantities(prefill_tokens=0, decode_seqs=0, previous_prefill_tokens=0, prompts=None):
+    """One step's quantities: ``prompts`` chunks (default: one if anything is prefilled) that all sample."""
+    prompts = int(prefill_tokens > 0) if prompts is None else prompts
+    return [1, prompts, prefill_tokens, decode_seqs, 0, 0, 0, 0, 0, 0, previous_prefill_tokens, prompts]
 
 
-def test_the_decode_batch_enters_piecewise_linearly():
+def test_the_logit_rows_enter_piecewise_linearly():
     hats = len(LINEAR) + len(STEP_FEATURES)
-    assert design_row(step_quantities(40, 6), KNOTS)[len(LINEAR):hats] == [1.0, 0.0]  # a step that prefills
-    assert design_row(step_quantities(0, 6, 300), KNOTS)[len(LINEAR):hats] == [0.0, 1.0]  # a step after one
+    assert design_row(step_quantities(40, 6), KNOTS)[len(LINEAR):hats] == [1.0, 1.0, 0.0]  # prefills and decodes
+    assert design_row(step_quantities(0, 6, 300), KNOTS)[len(LINEAR):hats] == [0.0, 1.0, 1.0]  # a step after one
     assert design_row(step_quantities(0, 6), KNOTS)[hats:] == [0, 0.5, 0.5, 0]
     assert design_row(step_quantities(0, 64), KNOTS)[hats:] == [0, 0, 0, 2]
     assert design_row(step_quantities(), KNOTS)[hats:] == [0, 0, 0, 0]
     assert design_row(step_quantities(0, 8), KNOTS)[hats:] == [0, 0, 1, 0]
+    # a prompt's last row goes through the LM head with the decode rows: 7 decodes + 1 prompt price as 8 rows
+    assert design_row(step_quantities(90, 7), KNOTS)[hats:] == design_row(step_quantities(0, 8), KNOTS)[hats:]
+    assert design_row(step_quantities(300, 0, prompts=4), KNOTS)[hats:] == [0, 1, 0, 0]
+    # a chunk that does not complete its prompt samples nothing
+    partial = step_quantities(90, 7)
+    partial[-1] = 0
+    assert design_row(partial, KNOTS)[hats:] == design_row(step_quantities(0, 7), KNOTS)[hats:]
+
+
+def test_plan_quantities_count_the_prompt_chunks_that_sample():
+    from lab.scheduler import PrefillChunk, SchedulerOutput
+
+    out = SchedulerOutput(0)
+    out.prefill_chunks = [PrefillChunk("a", 0, 32, samples=["a"]), PrefillChunk("b", 0, 64),
+                          PrefillChunk("c", 0, 16, samples=["c0", "c1", "c2"])]  # b's prompt continues next step
+    out.num_prefill_tokens, out.num_decode_seqs = 112, 5
+    quantities = plan_quantities(out, 16)
+    assert quantities[1] == 3 and quantities[PREFILL_LOGIT_ROWS] == 2 and quantities[DECODE_SEQS] == 5
 
 
 def test_the_fit_recovers_known_coefficients():
@@ -51,12 +73,12 @@ def test_the_fit_recovers_known_coefficients():
                       float(rng.choice(KNOTS + [0, 16])),
                       float(rng.integers(0, 10**5)), kv_tokens, kv_tokens + float(rng.integers(0, 10**4)),
                       float(rng.integers(0, 4)), float(rng.integers(0, 40)), float(rng.integers(0, 2)),
-                      float(rng.integers(0, 2000)) * (rng.random() < 0.5)]
+                      float(rng.integers(0, 2000)) * (rng.random() < 0.5), float(rng.integers(0, 4)) * prefills]
         true = sum(FIXED[name] * value for name, value in zip(feature_names(KNOTS), design_row(quantities, KNOTS)))
         samples.append({"quantities": quantities, "duration_s": true * rng.normal(1.0, 0.005)})
     coefficients, median_error, _ = fit(samples, KNOTS)
     assert median_error < 0.01
-    for name in ("constant", "prefill_tokens", "after_idle", "prefill_step", "decode_seqs@8", "decode_seqs@32"):
+    for name in ("constant", "prefill_tokens", "after_idle", "prefill_step", "logit_rows@8", "logit_rows@32"):
         assert coefficients[name] == pytest.approx(FIXED[name], rel=0.1)
     # the two after-prefill terms are small beside the noise and trade off; their sum at a typical size is pinned
     def after_1000(c):
@@ -120,7 +142,7 @@ def test_the_fit_predicts_the_mean_of_right_skewed_step_times():
     for _ in range(300):
         tokens = float(rng.integers(0, 600))
         true = FIXED["constant"] + FIXED["prefill_tokens"] * tokens
-        quantities = [1.0, 0.0, tokens] + [0.0] * 8
+        quantities = [1.0, 0.0, tokens] + [0.0] * 9
         samples.append({"quantities": quantities, "duration_s": true * (0.8 + rng.exponential(0.2))})
         true_means.append(true)
     coefficients, _, _ = fit(samples, KNOTS)
@@ -307,8 +329,8 @@ BAD_PROFILES = [
      "for exactly"),
     (json.dumps({"version": PROFILE_VERSION, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
                  "block_size": 4, "coefficients": FIXED, "decode_knots": KNOTS,
-                 "samples": [{"quantities": [1.0] * 10, "duration_s": 0.002}]}).encode(),  # a version-6 sample
-     "sample 0 must hold 11 numeric quantities"),
+                 "samples": [{"quantities": [1.0] * 11, "duration_s": 0.002}]}).encode(),  # a version-7 sample
+     "sample 0 must hold 12 numeric quantities"),
     (json.dumps({"version": PROFILE_VERSION, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
                  "block_size": 4, "coefficients": FIXED, "decode_knots": KNOTS, "samples": [],
                  "add_request_s": -1e-5}).encode(), "add_request_s must be a finite number >= 0"),
@@ -388,8 +410,8 @@ def test_the_cli_profiles_then_runs_the_twin_and_writes_both_step_times(tmp_path
 def test_scenario_errors_compare_each_scenario_s_median_with_the_fit():
     profile = fixed_profile()
     time_of = profile.quantities_predictor()
-    decode = [1.0, 0.0, 0.0, 4.0, 0.0, 200.0, 256.0, 0.0, 0.0, 0.0, 0.0]
-    prefill = [1.0, 1.0, 64.0, 0.0, 2080.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    decode = [1.0, 0.0, 0.0, 4.0, 0.0, 200.0, 256.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    prefill = [1.0, 1.0, 64.0, 0.0, 2080.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     profile.samples = [{"quantities": decode, "duration_s": time_of(decode) * 1.25, "scenario": "slow decode"},
                        {"quantities": decode, "duration_s": time_of(decode) * 1.25, "scenario": "slow decode"},
                        {"quantities": prefill, "duration_s": time_of(prefill), "scenario": "prefill",

@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", type=output_csv, default="benchmarks/results/e2e_cpu.csv")
     e.set_defaults(run=_bench_e2e)
 
-    w = bench.add_parser("twin", help="fidelity of the simulator on the engine's profile (light and saturated load)")
+    w = bench.add_parser("twin", help="fidelity of the simulator on the engine's profile (saturated, light, chunked)")
     w.add_argument("--models", default="tiny,qwen3-0.6b-random-4l", help="comma-separated presets (see BENCH_MODELS)")
     w.add_argument("--light-fraction", type=positive_float, default=None,
                    help="light load = this fraction of the saturated run's request throughput; default: the model's")

@@ -296,8 +296,8 @@ def steady_state_allocator() -> bool:
 
 GRIDS = ("full", "small", "quick")
 IDLE_SCENARIO_S = 0.25
-# The decode batch sizes each grid measures on their own: the knots of the piecewise-linear decode term. (Other batch
-# sizes occur too, in chunked and copy-on-write steps, but mixed with other work they would pin a knot badly.)
+# The decode batch sizes each grid measures on their own: the knots of the piecewise-linear logit-rows term. (Other
+# row counts occur too, in prefills and chunked steps, but mixed with other work they would pin a knot badly.)
 # ``small`` has every knot ``full`` has. Without 2 and 4 (a light load decodes 1-2 sequences per step) the fit let the
 # batch-1 term go to zero (the 0.6B-shaped LM head costs 38 ms at 1 row, ~120 ms at 8), 20 % low on light TPOT; without
 # 16, a line from 8 to 32 missed that on a CPU those shapes decode 16 sequences faster than 8 (89 vs 106 ms; BLAS
@@ -313,7 +313,7 @@ DECODE_LADDER = {"full": 32, "small": 16, "quick": 0}
 
 
 def decode_knots(grid: str) -> list[int]:
-    """The knots of the decode term a profile on ``grid`` fits: its decode batches and every ladder size."""
+    """The knots of the logit-rows term a profile on ``grid`` fits: its decode batches and every ladder size."""
     return sorted(set(DECODE_BATCHES[grid]) | set(range(1, DECODE_LADDER[grid] + 1)))
 
 

@@ -11,6 +11,7 @@ compares each step's modelled duration with the measured one.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -263,6 +264,7 @@ class BenchModel:
     repeats: int
     light_requests: int = 0  # the light load's requests (0: num_requests)
     light_fraction: float = 0.35  # the light load's arrival rate, as a fraction of the saturated request throughput
+    chunked_budget: int = 128  # the chunked load's tokens a step (max_num_batched_tokens), below the longer prompts
 
 
 # The tiny model's steps take 3-10 ms and follow this machine's speed drift, by +-12 % between runs of one workload a
@@ -318,11 +320,12 @@ def calibrated_twins(model: str, cases: dict[str, TwinCase], grid: str = "full",
 def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int | None = None, block_size: int = 16,
                device: str | None = None, light_fraction: float | None = None,
                progress: Callable[[str], None] | None = None) -> pd.DataFrame:
-    """The fidelity benchmark: per model, profile the engine and run the twin saturated (every request at t = 0)
-    and at a light load (Poisson arrivals at ``light_fraction`` of the saturated run's request throughput, so it
-    is light on any machine; ``None``: the model's ``BenchModel.light_fraction``), the profile's rounds and the real
-    runs taking turns (``calibrated_twins``). One row per (model, load, metric) with the error, the real run-to-run
-    noise floor, and how much faster than real time the simulator ran."""
+    """The fidelity benchmark: per model, profile the engine and run the twin saturated (every request at t = 0),
+    at a light load (Poisson arrivals at ``light_fraction`` of the saturated run's request throughput, so it is
+    light on any machine; ``None``: the model's ``BenchModel.light_fraction``) and saturated under chunked prefill
+    (``BenchModel.chunked_budget`` tokens a step, so long prompts are spread over steps beside the decodes), the
+    profile's rounds and the real runs taking turns (``calibrated_twins``). One row per (model, load, metric) with
+    the error, the real run-to-run noise floor, and how much faster than real time the simulator ran."""
     unknown = [m for m in models if m not in BENCH_MODELS]
     if unknown:
         raise ValueError(f"no benchmark settings for {', '.join(unknown)}; known: {', '.join(BENCH_MODELS)}")
@@ -341,8 +344,10 @@ def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int | None = No
                             setup.light_requests or setup.num_requests)
 
         engine = EngineConfig(block_size=block_size, num_blocks=setup.num_blocks, device=device)
+        chunked = dataclasses.replace(engine, scheduling="chunked", max_num_batched_tokens=setup.chunked_budget)
         profile, results = calibrated_twins(model, {"saturated": TwinCase(workload(math.inf), engine),
-                                                    "light": TwinCase(light, engine)}, setup.grid,
+                                                    "light": TwinCase(light, engine),
+                                                    "chunked": TwinCase(workload(math.inf), chunked)}, setup.grid,
                                             repeats or setup.repeats, progress)
         rows.append({"model": model, "load": "profile", "metric": "holdout_median_rel_error", "real": math.nan,
                      "simulated": math.nan, "rel_error": profile.holdout_median_rel_error})

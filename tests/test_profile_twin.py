@@ -368,21 +368,22 @@ def test_timed_arrivals_replay_the_real_schedule_step_for_step():
     assert table.loc["replay_step_time_median", "rel_error"] >= 0
 
 
-def test_the_fidelity_benchmark_reports_every_metric_for_both_loads(monkeypatch):
+def test_the_fidelity_benchmark_reports_every_metric_for_every_load(monkeypatch):
     from simulator import twin
 
     monkeypatch.setitem(twin.BENCH_MODELS, "tiny", twin.BenchModel("quick", 6, 16, 6, 64, repeats=2,
-                                                                          light_requests=4))
+                                                                          light_requests=4, chunked_budget=12))
     table = twin.bench_twin(("tiny",))  # the model's own repeats
-    for load in ("saturated", "light"):
+    for load in ("saturated", "light", "chunked"):
         rows = table[table["load"] == load].set_index("metric")
-        identical = "schedule_identical" if load == "saturated" else "replay_schedule_identical"
+        identical = "replay_schedule_identical" if load == "light" else "schedule_identical"
         assert set(twin.METRICS) <= set(rows.index) and rows.loc[identical, "simulated"] == 1.0
         assert rows.loc["speedup_vs_real_time", "rel_error"] > 1 and (rows["noise_floor"].dropna() >= 0).all()
     rates = table[table["metric"] == "arrival_rate_req_s"].set_index("load")["real"]
     assert rates["saturated"] == float("inf") and 0 < rates["light"] < float("inf")
     sizes = table[table["metric"] == "num_requests"].set_index("load")["real"]
     assert sizes["saturated"] == 6 and sizes["light"] == 4
+    assert sizes["chunked"] == 6
     with pytest.raises(ValueError, match="no benchmark settings"):
         twin.bench_twin(("qwen3-8b",))
 

@@ -47,8 +47,9 @@ LINEAR_INDICES = tuple(QUANTITIES.index(name) for name in LINEAR)
 # and a decode scenario's steps are a fifth such; in a light load after a 96-token prefill, 2 %. Refitted on the same
 # measurements with and without them, the held-out error was lower in 7 of 7 pairs (e.g. 8.9 -> 7.6 %).
 #
-# ``decode_step`` (1 for a step that decodes): the decode path's own fixed cost, now that the logit-rows term prices
-# prefill-only steps too and can no longer hold it.
+# ``decode_step`` (1 for a step that decodes): the decode path's own fixed cost, which the logit-rows term can no
+# longer hold now that it prices prefill-only steps too. On the CPU profiles measured so far it fits to 0; it is there
+# for backends whose decode path has one (a GPU's paged-attention launches).
 STEP_FEATURES = ("prefill_step", "decode_step", "after_prefill_step")
 PROFILE_VERSION = 8
 # A step that starts after the engine sat idle this long (nothing to run, waiting for an arrival) is ``after_idle``:

@@ -11,10 +11,9 @@ compares each step's modelled duration with the measured one.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -344,7 +343,7 @@ def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int | None = No
                             setup.light_requests or setup.num_requests)
 
         engine = EngineConfig(block_size=block_size, num_blocks=setup.num_blocks, device=device)
-        chunked = dataclasses.replace(engine, scheduling="chunked", max_num_batched_tokens=setup.chunked_budget)
+        chunked = replace(engine, scheduling="chunked", max_num_batched_tokens=setup.chunked_budget)
         profile, results = calibrated_twins(model, {"saturated": TwinCase(workload(math.inf), engine),
                                                     "light": TwinCase(light, engine),
                                                     "chunked": TwinCase(workload(math.inf), chunked)}, setup.grid,

@@ -344,9 +344,10 @@ def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int | None = No
 
         engine = EngineConfig(block_size=block_size, num_blocks=setup.num_blocks, device=device)
         chunked = replace(engine, scheduling="chunked", max_num_batched_tokens=setup.chunked_budget)
-        profile, results = calibrated_twins(model, {"saturated": TwinCase(workload(math.inf), engine),
+        at_once = workload(math.inf)  # the saturated and the chunked load: one workload, two schedulers
+        profile, results = calibrated_twins(model, {"saturated": TwinCase(at_once, engine),
                                                     "light": TwinCase(light, engine),
-                                                    "chunked": TwinCase(workload(math.inf), chunked)}, setup.grid,
+                                                    "chunked": TwinCase(at_once, chunked)}, setup.grid,
                                             repeats or setup.repeats, progress)
         rows.append({"model": model, "load": "profile", "metric": "holdout_median_rel_error", "real": math.nan,
                      "simulated": math.nan, "rel_error": profile.holdout_median_rel_error})

@@ -1,11 +1,7 @@
-import tempfile
-from pathlib import Path
-
-import pandas as pd
 import streamlit as st
 
 from simulator import charts
-from simulator.paper import FIGURES, TINY, run_figures
+from simulator.paper import FIGURES, SAVED_RUN, TINY, compute_figures, load_figures
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
 
 st.title("The vLLM paper, reproduced")
@@ -22,22 +18,17 @@ with st.sidebar:
 if st.button("Run", key="run_paper", type="primary"):
     try:
         with st.spinner("simulating…"):
-            folder = tempfile.mkdtemp(prefix="minipaged_paper_")
-            summary = run_figures(figures, folder, int(num_requests), TINY if with_tiny else None)
-        tables = {figure: pd.read_csv(f"{folder}/figure{figure}.csv") for figure in figures}
+            summary, tables = compute_figures(figures, int(num_requests), TINY if with_tiny else None)
         st.session_state.update(paper_summary=summary, paper_tables=tables)
         results_store().add("paper", f"paper figures {','.join(figures)}", summary)
     except USER_ERRORS as exc:
         show_error(exc)
         st.stop()
-SAVED = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "paper"
 summary = st.session_state.get("paper_summary")
-if summary is None and (SAVED / "summary.csv").exists():  # the last full run, committed with the lab
-    summary = pd.read_csv(SAVED / "summary.csv", dtype={"figure": str})
-    st.session_state["paper_tables"] = {path.stem.removeprefix("figure"): pd.read_csv(path)
-                                        for path in sorted(SAVED.glob("figure*.csv"))}
-    st.caption(f"Showing the last full run ({SAVED.relative_to(SAVED.parents[2])}, 2,000 requests per workload); "
-               f"press Run to recompute.")
+if summary is None and (saved := load_figures(SAVED_RUN)) is not None:
+    summary, st.session_state["paper_tables"] = saved
+    st.caption(f"Showing the last full run ({SAVED_RUN.relative_to(SAVED_RUN.parents[2])}, 2,000 requests per "
+               f"workload); press Run to recompute.")
 if summary is None:
     st.info("Choose figures and press Run (all seven take a few minutes at 2,000 requests).")
     st.stop()

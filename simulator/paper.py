@@ -30,6 +30,7 @@ FIGURE13_PAPER = {"sharegpt": {"contiguous-max": 7.00, "contiguous-pow2": 9.81, 
 FIGURE13_RATES = {"sharegpt": 2.0, "alpaca": 30.0}
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FIGURES = ("2", "12", "13", "15", "16", "18", "19")
+SAVED_RUN = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "paper"  # the last full run
 
 
 def normalized_latency(requests: pd.DataFrame) -> float:
@@ -389,24 +390,46 @@ def figure19(num_requests: int = 1000, tiny: TinyScale | None = None) -> tuple[p
     return pd.concat([table, tiny_table], ignore_index=True), summary + tiny_summary
 
 
-def run_figures(figures: list[str], out_dir: str | Path, num_requests: int = 1000,
-                tiny: TinyScale | None = None) -> pd.DataFrame:
-    """Run the figures, write ``figure<N>.csv`` each and ``summary.csv``; returns the summary
-    (``figure, quantity, paper, lab, verdict``). ``tiny`` (e.g. ``TINY``): also run Figures 18 and 19 on the real
-    tiny engine beside the simulator (minutes on a CPU)."""
+SUMMARY_COLUMNS = ["figure", "quantity", "paper", "lab", "verdict"]
+
+
+def compute_figures(figures: list[str], num_requests: int = 1000,
+                    tiny: TinyScale | None = None) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
+    """Run the figures; returns the summary (``figure, quantity, paper, lab, verdict``) and each figure's table by
+    figure. ``tiny`` (e.g. ``TINY``): also run Figures 18 and 19 on the real tiny engine beside the simulator
+    (minutes on a CPU)."""
     unknown = [f for f in figures if f not in FIGURES]
     if unknown:
         raise ValueError(f"figure(s) {', '.join(unknown)} not available; choose from {', '.join(FIGURES)} or all")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     functions = {"2": figure2, "12": figure12, "13": figure13, "15": figure15, "16": figure16, "18": figure18,
                  "19": figure19}
-    summary = []
+    summary, tables = [], {}
     for figure in figures:
-        table, rows = functions[figure](num_requests, tiny) if figure in ("18", "19") else \
+        tables[figure], rows = functions[figure](num_requests, tiny) if figure in ("18", "19") else \
             functions[figure](num_requests)
-        table.to_csv(out / f"figure{figure}.csv", index=False)
         summary += rows
-    frame = pd.DataFrame(summary, columns=["figure", "quantity", "paper", "lab", "verdict"])
-    frame.to_csv(out / "summary.csv", index=False)
-    return frame
+    return pd.DataFrame(summary, columns=SUMMARY_COLUMNS), tables
+
+
+def run_figures(figures: list[str], out_dir: str | Path, num_requests: int = 1000,
+                tiny: TinyScale | None = None) -> pd.DataFrame:
+    """``compute_figures``, then write ``figure<N>.csv`` each and ``summary.csv`` to ``out_dir``; returns the
+    summary."""
+    summary, tables = compute_figures(figures, num_requests, tiny)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for figure, table in tables.items():
+        table.to_csv(out / f"figure{figure}.csv", index=False)
+    summary.to_csv(out / "summary.csv", index=False)
+    return summary
+
+
+def load_figures(folder: str | Path) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]] | None:
+    """A run ``run_figures`` wrote to ``folder``: its summary and tables, or None where the folder holds none."""
+    folder = Path(folder)
+    if not (folder / "summary.csv").exists():
+        return None
+    summary = pd.read_csv(folder / "summary.csv", dtype={"figure": str})
+    tables = {figure: pd.read_csv(folder / f"figure{figure}.csv") for figure in FIGURES
+              if (folder / f"figure{figure}.csv").exists()}
+    return summary, tables

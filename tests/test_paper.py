@@ -4,8 +4,8 @@ import pytest
 
 from simulator.charts import paper_figure
 
-from simulator.paper import (FIGURES, TinyScale, figure2, figure12, figure13, figure15, figure16, figure18, figure19,
-                             normalized_latency, run_figures)
+from simulator.paper import (FIGURES, SAVED_RUN, TinyScale, figure2, figure12, figure13, figure15, figure16, figure18,
+                             figure19, load_figures, normalized_latency, run_figures)
 
 COLUMNS = {"2": {"system", "token_states_frac", "paper_token_states_frac"},
            "12": {"model", "workload", "system", "max_rate_req_s", "knee_s_per_token"},
@@ -36,6 +36,15 @@ def test_the_summary_and_csvs_are_written(tmp_path):
     assert pd.read_csv(tmp_path / "summary.csv").shape == summary.shape
     with pytest.raises(ValueError, match="not available"):
         run_figures(["14"], tmp_path)
+    loaded_summary, tables = load_figures(tmp_path)
+    pd.testing.assert_frame_equal(loaded_summary, summary.astype({"figure": str}))
+    assert list(tables) == ["2", "13"]  # in the paper's order, not the files' names' order
+    assert load_figures(tmp_path / "nothing here") is None
+
+
+def test_the_committed_full_run_loads():
+    summary, tables = load_figures(SAVED_RUN)
+    assert set(summary["verdict"]) <= {"reproduced", "partly", "not"} and set(tables) == set(FIGURES)
 
 
 def test_normalized_latency_is_mean_latency_per_output_token():

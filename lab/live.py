@@ -12,35 +12,23 @@ from .block_manager import PoolSnapshot
 from .engine import EngineConfig, LLMEngine, SamplingParams, StepStats
 
 
+def _runtime_engine_defaults() -> EngineConfig:
+    return EngineConfig(num_blocks=256, max_num_seqs=32)
+
+
 @dataclass(slots=True)
 class RuntimeRunConfig:
-    """A request mix and the engine settings to serve it with."""
+    """A request mix (seeded: prompts, output lengths and sampling) and the engine settings to serve it with."""
 
     model: str = "tiny"
     num_requests: int = 16
     prompt_len_range: tuple[int, int] = (16, 128)
     max_tokens_range: tuple[int, int] = (16, 64)
     shared_prefix_tokens: int = 0
-    block_size: int = 16
-    num_blocks: int = 256
-    enable_prefix_caching: bool = True
     n: int = 1
     temperature: float = 0.0
-    attention_backend: str = "auto"
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 4096
-    scheduling: str = "prefill-first"
-    preemption_mode: str = "recompute"
-    num_cpu_blocks: int = 0
     seed: int = 0
-
-    def engine_config(self) -> EngineConfig:
-        """The engine settings of this run."""
-        return EngineConfig(block_size=self.block_size, num_blocks=self.num_blocks,
-                            attention_backend=self.attention_backend, enable_prefix_caching=self.enable_prefix_caching,
-                            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                            scheduling=self.scheduling, preemption_mode=self.preemption_mode,
-                            num_cpu_blocks=self.num_cpu_blocks, seed=self.seed)
+    engine: EngineConfig = field(default_factory=_runtime_engine_defaults)
 
 
 @dataclass(slots=True)
@@ -75,7 +63,7 @@ def run_runtime(config: RuntimeRunConfig,
     steps, with ``pool.host_pool`` when swapping) may return False to stop early. ``hf_model`` reuses an already
     loaded model."""
     steps, frames = [], []
-    engine = LLMEngine(hf_model if hf_model is not None else config.model, config.engine_config(),
+    engine = LLMEngine(hf_model if hf_model is not None else config.model, config.engine,
                        tokenizer=tokenizer)
     prompts, max_tokens = random_requests(config.num_requests, config.prompt_len_range, config.max_tokens_range,
                                           engine.hf_model.config.vocab_size, config.seed, config.shared_prefix_tokens)

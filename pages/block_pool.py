@@ -4,6 +4,7 @@ import streamlit as st
 
 import simulator
 from lab.charts import block_pool_figure, block_pool_frame, block_table_frame
+from lab.engine import EngineConfig
 from lab.live import RuntimeRunConfig, run_runtime
 from pages._ui import USER_ERRORS, chart, csv_download, show_error
 
@@ -40,9 +41,11 @@ def record_simulation(on_frame):
 
 
 def record_runtime(on_frame):
+    engine_config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=64,
+                                 preemption_mode=preemption)
     config = RuntimeRunConfig(num_requests=num_requests, prompt_len_range=(8, 48), max_tokens_range=(8, 48),
-                              shared_prefix_tokens=shared_prefix, block_size=block_size, num_blocks=num_blocks, n=n,
-                              temperature=1.0 if n > 1 else 0.0, max_num_seqs=64, preemption_mode=preemption)
+                              shared_prefix_tokens=shared_prefix, n=n, temperature=1.0 if n > 1 else 0.0,
+                              engine=engine_config)
     frames = []
 
     def on_step(stats, pool):

@@ -6,6 +6,7 @@ import streamlit as st
 
 from lab.bench.e2e import E2EConfig, run_e2e_bench
 from lab.charts import engine_live_figure, latency_histograms, system_comparison_figure
+from lab.engine import EngineConfig
 from lab.live import RuntimeRunConfig, run_runtime
 from lab.model import load_hf_model
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
@@ -41,11 +42,12 @@ with st.sidebar:
                           help="swap: preempted sequences move to a host KV pool and come back later")
     run = st.button("Run", type="primary", key="run")
 
+engine_config = EngineConfig(block_size=block_size, num_blocks=int(num_blocks), enable_prefix_caching=prefix_caching,
+                             attention_backend=backend, max_num_seqs=32, scheduling=scheduling,
+                             max_num_batched_tokens=int(budget), preemption_mode=preemption)
 config = RuntimeRunConfig(model=model, num_requests=num_requests, prompt_len_range=prompt_range,
-                          max_tokens_range=output_range, shared_prefix_tokens=shared_prefix, block_size=block_size,
-                          num_blocks=int(num_blocks), enable_prefix_caching=prefix_caching, n=n,
-                          temperature=temperature, attention_backend=backend, scheduling=scheduling,
-                          max_num_batched_tokens=int(budget), preemption_mode=preemption)
+                          max_tokens_range=output_range, shared_prefix_tokens=shared_prefix, n=n,
+                          temperature=temperature, engine=engine_config)
 if run or "runtime_run" not in st.session_state:
     slot = st.empty()
     live = slot.container(border=True)

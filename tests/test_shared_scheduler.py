@@ -76,17 +76,18 @@ def test_engine_and_simulator_plan_identical_steps(modes, caching, n):
 @given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6), data=st.data(),
        block_size=st.sampled_from([1, 3, 4, 16]), n=st.integers(1, 3), caching=st.booleans(),
        scheduling=st.sampled_from(["prefill-first", "chunked"]), swap=st.booleans(), slack=st.integers(0, 20),
-       budget=st.integers(4, 64), seed=st.integers(0, 10_000))
+       budget=st.integers(4, 64), seed=st.integers(0, 10_000), extra_seqs=st.integers(0, 6),
+       num_cpu_blocks=st.integers(0, 12))
 def test_fuzzed_workloads_plan_identically(lengths, data, block_size, n, caching, scheduling, swap, slack, budget,
-                                           seed):
+                                           seed, extra_seqs, num_cpu_blocks):
     outputs = data.draw(st.lists(st.integers(1, 12), min_size=len(lengths), max_size=len(lengths)))
     shared = data.draw(st.integers(0, min(lengths)))
     longest = max(p + o for p, o in zip(lengths, outputs))
     num_blocks = -(-longest // block_size) + n + slack
     _, results, real, simulated = engine_and_simulator_logs(
         make_prompts(lengths, shared, seed), outputs, n=n, shared_prefix=shared, block_size=block_size,
-        num_blocks=num_blocks, enable_prefix_caching=caching, scheduling=scheduling,
-        preemption_mode="swap" if swap else "recompute", max_num_batched_tokens=budget)
+        num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=caching, scheduling=scheduling,
+        preemption_mode="swap" if swap else "recompute", max_num_batched_tokens=budget, max_num_seqs=n + extra_seqs)
     assert_same_plan(real, simulated)
     assert [len(o) for r in results for o in r.outputs] == [o for o in outputs for _ in range(n)]
 

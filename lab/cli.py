@@ -108,13 +108,10 @@ def _twin(args) -> None:
     # The twin joins the engine and the simulator, so this one command imports simulator (the lab library does not).
     from lab.engine import EngineConfig
     from lab.profile import Profile
-    from simulator import make_workload
     from simulator.twin import TwinConfig, run_twin
 
     profile = Profile.load(args.profile)
-    workload = make_workload(args.workload, num_requests=args.num_requests, seed=args.seed, rate=args.rate,
-                             input_len=args.input_len, output_len=args.output_len, range_ratio=0.5) \
-        if args.workload == "random" else make_workload(args.workload, num_requests=args.num_requests)
+    workload = _twin_workload(args)
     engine = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, scheduling=args.scheduling,
                           preemption_mode=args.preemption_mode, num_cpu_blocks=args.num_cpu_blocks,
                           max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
@@ -208,9 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     t = commands.add_parser("twin", help="one workload through the engine and the simulator on its profile")
     t.add_argument("--model", default="tiny")
     t.add_argument("--profile", required=True, help="from python -m lab profile")
-    t.add_argument("--workload", default="random", help="random (--input-len/--output-len), a preset or a trace")
-    t.add_argument("--num-requests", type=positive_int, default=32)
-    t.add_argument("--rate", type=float, default=float("inf"), help="req/s (random); inf = all at t=0")
+    t.add_argument("--workload", default="random",
+                   help="random or fixed (--input-len/--output-len), another preset, or a trace file")
+    t.add_argument("--num-requests", type=positive_int, default=32, help="requests drawn, or a trace's first rows")
+    t.add_argument("--rate", type=float, default=None, help="req/s for a preset (default inf: all at t=0)")
+    t.add_argument("--time-scale", type=positive_float, default=1.0, help="multiply a trace's arrival offsets")
     t.add_argument("--input-len", type=positive_int, default=96)
     t.add_argument("--output-len", type=positive_int, default=32)
     t.add_argument("--block-size", type=positive_int, default=16)
@@ -238,6 +237,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _twin_workload(args):
+    """A preset drawn at ``--rate`` (the lengths of ``random`` and ``fixed`` from ``--input-len``/``--output-len``),
+    or a trace's first ``--num-requests`` rows at their own arrival times, scaled by ``--time-scale``."""
+    from simulator import SYNTHETIC_PRESETS, make_workload
+
+    if args.workload in SYNTHETIC_PRESETS:
+        lengths = dict(input_len=args.input_len, output_len=args.output_len, range_ratio=0.5) \
+            if args.workload in ("random", "fixed") else {}
+        return make_workload(args.workload, num_requests=args.num_requests, seed=args.seed,
+                             rate=float("inf") if args.rate is None else args.rate, **lengths)
+    if args.rate is not None:
+        raise ValueError(f"--rate applies to a synthetic preset ({', '.join(SYNTHETIC_PRESETS)}); the trace "
+                         f"{args.workload} keeps its own arrival times (scale them with --time-scale)")
+    return make_workload(args.workload, num_requests=args.num_requests, time_scale=args.time_scale)
 
 
 def _token_ids(text: str) -> list[int]:

@@ -421,3 +421,22 @@ def test_scenario_errors_compare_each_scenario_s_median_with_the_fit():
     assert table.loc["slow decode", "samples"] == 3 and table.loc["prefill", "samples"] == 1
     assert table.loc["slow decode", "rel_error"] == pytest.approx(1 / 1.25 - 1)
     assert table.loc["prefill", "rel_error"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_the_cli_twin_workload_honours_rate_lengths_and_trace_times(tmp_path):
+    from lab.cli import _twin_workload, build_parser
+
+    def workload(*argv):
+        return _twin_workload(build_parser().parse_args(["twin", "--profile", "p.json", *argv]))
+
+    assert (workload("--workload", "alpaca", "--num-requests", "20").arrival_s == 0).all()  # default: all at t = 0
+    timed = workload("--workload", "alpaca", "--num-requests", "20", "--rate", "5")
+    assert timed.arrival_s[-1] > 0 and len(timed) == 20
+    fixed = workload("--workload", "fixed", "--input-len", "30", "--output-len", "7", "--num-requests", "3")
+    assert list(fixed.prompt_tokens) == [30] * 3 and list(fixed.output_tokens) == [7] * 3
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_time_s,prompt_tokens,output_tokens\n0,10,5\n2,12,6\n4,14,7\n")
+    scaled = workload("--workload", str(trace), "--num-requests", "2", "--time-scale", "0.5")
+    assert list(scaled.arrival_s) == [0.0, 1.0]
+    with pytest.raises(ValueError, match="keeps its own arrival times"):
+        workload("--workload", str(trace), "--rate", "3")

@@ -108,10 +108,11 @@ def _twin(args) -> None:
     # The twin joins the engine and the simulator, so this one command imports simulator (the lab library does not).
     from lab.engine import EngineConfig
     from lab.profile import Profile
-    from simulator.twin import TwinConfig, run_twin
+    from simulator.twin import TwinConfig, run_twin, twin_workload
 
     profile = Profile.load(args.profile)
-    workload = _twin_workload(args)
+    workload = twin_workload(args.workload, args.num_requests, args.rate, args.input_len, args.output_len,
+                             args.time_scale, args.seed)
     engine = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, scheduling=args.scheduling,
                           preemption_mode=args.preemption_mode, num_cpu_blocks=args.num_cpu_blocks,
                           max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
@@ -237,22 +238,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-def _twin_workload(args):
-    """A preset drawn at ``--rate`` (the lengths of ``random`` and ``fixed`` from ``--input-len``/``--output-len``),
-    or a trace's first ``--num-requests`` rows at their own arrival times, scaled by ``--time-scale``."""
-    from simulator import SYNTHETIC_PRESETS, make_workload
-
-    if args.workload in SYNTHETIC_PRESETS:
-        lengths = dict(input_len=args.input_len, output_len=args.output_len, range_ratio=0.5) \
-            if args.workload in ("random", "fixed") else {}
-        return make_workload(args.workload, num_requests=args.num_requests, seed=args.seed,
-                             rate=float("inf") if args.rate is None else args.rate, **lengths)
-    if args.rate is not None:
-        raise ValueError(f"--rate applies to a synthetic preset ({', '.join(SYNTHETIC_PRESETS)}); the trace "
-                         f"{args.workload} keeps its own arrival times (scale them with --time-scale)")
-    return make_workload(args.workload, num_requests=args.num_requests, time_scale=args.time_scale)
 
 
 def _token_ids(text: str) -> list[int]:

@@ -1,5 +1,4 @@
 import json
-import math
 
 import streamlit as st
 
@@ -7,7 +6,7 @@ import simulator
 from lab.engine import EngineConfig
 from lab.profile import GRIDS, Profile, profile_engine
 from simulator import charts
-from simulator.twin import TwinConfig, run_twin
+from simulator.twin import TwinConfig, run_twin, twin_workload
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
 
 st.title("Digital twin")
@@ -21,10 +20,20 @@ with st.sidebar:
                     help="full: the designed grid; small: for models whose prefills take seconds; quick: a handful")
     upload = st.file_uploader("…or load a profile (JSON from `python -m lab profile`)", type=["json"])
     st.divider()
-    num_requests = st.number_input("Requests", 1, 2000, 48)
-    rate = st.number_input("Arrival rate (req/s; 0 = all at t=0)", 0.0, 10_000.0, 0.0)
-    input_len = st.number_input("Prompt tokens (mean; ±50 %)", 2, 4096, 96)
-    output_len = st.number_input("Output tokens (mean; ±50 %)", 2, 2048, 32)
+    sources = [*simulator.SYNTHETIC_PRESETS, "upload a trace"]
+    source = st.selectbox("Workload", sources, index=sources.index("random"), key="twin_workload",
+                          help="random and fixed take the lengths below; a trace keeps its own arrival times")
+    num_requests = st.number_input("Requests (trace: its first rows)", 1, 2000, 48)
+    if source == "upload a trace":
+        trace = st.file_uploader("Trace (Azure CSV, Mooncake JSONL or arrival_time_s,prompt_tokens,output_tokens)",
+                                 type=["csv", "jsonl", "json"], key="twin_trace")
+        time_scale = st.number_input("Time scale (multiplies arrival offsets)", 0.001, 1000.0, 1.0)
+    else:
+        rate = st.number_input("Arrival rate (req/s; 0 = all at t=0)", 0.0, 10_000.0, 0.0)
+        input_len = st.number_input("Prompt tokens (random: mean, ±50 %)", 2, 4096, 96,
+                                    disabled=source not in ("random", "fixed"))
+        output_len = st.number_input("Output tokens (random: mean, ±50 %)", 2, 2048, 32,
+                                     disabled=source not in ("random", "fixed"))
     num_blocks = st.number_input("KV pool (blocks)", 4, 1_000_000, 256)
     scheduling = st.radio("Scheduling", ["prefill-first", "chunked"], horizontal=True)
     preemption = st.radio("Preemption", ["recompute", "swap"], horizontal=True)
@@ -58,13 +67,18 @@ with st.expander("The fit, scenario by scenario (median measured vs fitted step 
 
 if st.button("Run the twin", key="run_twin", type="primary"):
     try:
-        workload = simulator.make_workload("random", num_requests=int(num_requests), rate=rate or math.inf,
-                                           input_len=int(input_len), output_len=int(output_len), range_ratio=0.5)
+        if source != "upload a trace":
+            workload = twin_workload(source, int(num_requests), rate or None, int(input_len), int(output_len))
+        elif trace is None:
+            raise ValueError("upload a trace file first (or choose a synthetic workload)")
+        else:
+            workload = simulator.load_trace_bytes(trace.getvalue(), trace.name, time_scale, int(num_requests))
         config = TwinConfig(model, EngineConfig(block_size=block_size, num_blocks=int(num_blocks),
                                                 scheduling=scheduling, preemption_mode=preemption))
         with st.spinner("running the engine and the simulator…"):
             st.session_state["twin_result"] = run_twin(workload, config, profile, repeats)
-        results_store().add("twin", f"twin: {num_requests} requests", st.session_state["twin_result"].table)
+        results_store().add("twin", f"twin: {workload.name}, {len(workload)} requests",
+                            st.session_state["twin_result"].table)
     except USER_ERRORS as exc:
         show_error(exc)
         st.stop()

@@ -77,6 +77,24 @@ class TwinResult:
         return table
 
 
+def twin_workload(source: str, num_requests: int, rate: float | None = None, input_len: int = 96,
+                  output_len: int = 32, time_scale: float = 1.0, seed: int = 0) -> Workload:
+    """A preset drawn at ``rate`` requests/s (None: all at t = 0; ``random`` and ``fixed`` take ``input_len`` and
+    ``output_len``, ``random`` ±50 %), or a trace file's first ``num_requests`` rows at their own arrival times
+    multiplied by ``time_scale`` (a ``rate`` with a trace is an error)."""
+    from . import SYNTHETIC_PRESETS, make_workload
+
+    if source in SYNTHETIC_PRESETS:
+        lengths = dict(input_len=input_len, output_len=output_len, range_ratio=0.5) \
+            if source in ("random", "fixed") else {}
+        return make_workload(source, num_requests=num_requests, seed=seed, rate=math.inf if rate is None else rate,
+                             **lengths)
+    if rate is not None:
+        raise ValueError(f"a rate applies to a synthetic preset ({', '.join(SYNTHETIC_PRESETS)}); the trace {source} "
+                         f"keeps its own arrival times (scale them with the time scale)")
+    return make_workload(source, num_requests=num_requests, time_scale=time_scale)
+
+
 def sim_config(engine: LLMEngine, profile: Profile) -> SimConfig:
     """The simulator configured as ``engine`` is, its clock from ``profile``."""
     settings, manager, host = engine.config, engine.block_manager, engine.policy.cpu_manager

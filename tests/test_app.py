@@ -288,6 +288,14 @@ def test_twin_page_calibrates_runs_and_rejects_bad_profiles(downloads):
     assert table.loc["schedule_identical", "simulated"] == 1.0 and len(app.get("plotly_chart")) == 4
     steps = download_table(app, downloads, "dl_twin_steps")
     assert (steps["real_duration_s"] > 0).all() and (steps["simulated_duration_s"] > 0).all()
+    app.selectbox(key="twin_workload").set_value("upload a trace").run()
+    app.button(key="run_twin").click().run()
+    assert not app.exception and any("upload a trace file first" in e.value for e in app.error)
+    app.file_uploader(key="twin_trace").upload(
+        "t.csv", b"arrival_time_s,prompt_tokens,output_tokens\n0,20,4\n0.01,30,5\n0.02,10,6\n", "text/csv")
+    app.button(key="run_twin").click().run()
+    clean(app)
+    assert len(app.session_state["twin_result"].real_requests) == 3  # the trace's three requests
     app.sidebar.text_input[0].set_value("qwen3-0.6b")  # the profile was measured on "tiny"
     app.button(key="run_twin").click().run()
     assert not app.exception and any("measured on model 'tiny'" in e.value for e in app.error)

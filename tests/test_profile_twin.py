@@ -13,7 +13,7 @@ from lab.profile import (DECODE_SEQS, LINEAR, PREFILL_LOGIT_ROWS, PREFILL_TOKENS
                          decode_knots, design_row, feature_names, fit, plan_quantities, profile_engine,
                          scatter_free_blocks)
 from simulator import SimConfig, Simulator
-from simulator.twin import TwinCase, TwinConfig, calibrated_twins, replay, run_twin
+from simulator.twin import TwinCase, TwinConfig, calibrated_twins, replay, run_twin, twin_workload
 from simulator.workloads import SyntheticSpec, Workload, synthetic_workload
 
 KNOTS = [1, 4, 8, 32]
@@ -423,20 +423,19 @@ def test_scenario_errors_compare_each_scenario_s_median_with_the_fit():
     assert table.loc["prefill", "rel_error"] == pytest.approx(0.0, abs=1e-12)
 
 
-def test_the_cli_twin_workload_honours_rate_lengths_and_trace_times(tmp_path):
-    from lab.cli import _twin_workload, build_parser
+def test_the_twin_workload_honours_rate_lengths_and_trace_times(tmp_path, capsys):
+    from lab.cli import main
 
-    def workload(*argv):
-        return _twin_workload(build_parser().parse_args(["twin", "--profile", "p.json", *argv]))
-
-    assert (workload("--workload", "alpaca", "--num-requests", "20").arrival_s == 0).all()  # default: all at t = 0
-    timed = workload("--workload", "alpaca", "--num-requests", "20", "--rate", "5")
+    assert (twin_workload("alpaca", 20).arrival_s == 0).all()  # no rate: all at t = 0
+    timed = twin_workload("alpaca", 20, rate=5.0)
     assert timed.arrival_s[-1] > 0 and len(timed) == 20
-    fixed = workload("--workload", "fixed", "--input-len", "30", "--output-len", "7", "--num-requests", "3")
+    fixed = twin_workload("fixed", 3, input_len=30, output_len=7)
     assert list(fixed.prompt_tokens) == [30] * 3 and list(fixed.output_tokens) == [7] * 3
     trace = tmp_path / "t.csv"
     trace.write_text("arrival_time_s,prompt_tokens,output_tokens\n0,10,5\n2,12,6\n4,14,7\n")
-    scaled = workload("--workload", str(trace), "--num-requests", "2", "--time-scale", "0.5")
-    assert list(scaled.arrival_s) == [0.0, 1.0]
+    assert list(twin_workload(str(trace), 2, time_scale=0.5).arrival_s) == [0.0, 1.0]
     with pytest.raises(ValueError, match="keeps its own arrival times"):
-        workload("--workload", str(trace), "--rate", "3")
+        twin_workload(str(trace), 2, rate=3.0)
+    fixed_profile().save(tmp_path / "p.json")  # the CLI passes its arguments through and reports the error
+    assert main(["twin", "--profile", str(tmp_path / "p.json"), "--workload", str(trace), "--rate", "3"]) == 2
+    assert "keeps its own arrival times" in capsys.readouterr().err

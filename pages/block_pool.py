@@ -2,10 +2,8 @@ import time
 
 import streamlit as st
 
-import simulator
 from lab.charts import block_pool_figure, block_pool_frame, block_table_frame
-from lab.engine import EngineConfig
-from lab.live import RuntimeRunConfig, run_runtime
+from simulator.pool_frames import PoolRunConfig, busiest_frame, record_pool_frames
 from pages._ui import USER_ERRORS, chart, csv_download, show_error
 
 st.title("Block pool")
@@ -25,37 +23,9 @@ with st.sidebar:
     run = st.button("Run", type="primary", key="run")
 
 
-def record_simulation(on_frame):
-    workload = simulator.make_workload("alpaca", num_requests=num_requests, rate=40.0, n=n,
-                                       shared_prefix_tokens=shared_prefix)
-    config = simulator.SimConfig(allocator="paged", block_size=block_size, capacity_tokens=num_blocks * block_size,
-                                 max_model_len=4096, preemption_mode=preemption)
-    frames = []
-
-    def on_snapshot(snapshot):
-        frames.append((snapshot.stats.step, snapshot.pool))
-        on_frame(frames[-1])
-
-    simulator.simulate(workload, config, on_snapshot=on_snapshot, snapshot_every=every)
-    return frames
-
-
-def record_runtime(on_frame):
-    engine_config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_seqs=64,
-                                 preemption_mode=preemption)
-    config = RuntimeRunConfig(num_requests=num_requests, prompt_len_range=(8, 48), max_tokens_range=(8, 48),
-                              shared_prefix_tokens=shared_prefix, n=n, temperature=1.0 if n > 1 else 0.0,
-                              engine=engine_config)
-    frames = []
-
-    def on_step(stats, pool):
-        if pool is not None:
-            frames.append((stats.step, pool))
-            on_frame(frames[-1])
-
-    run_runtime(config, on_step=on_step, frame_every=every)
-    return frames
-
+config = PoolRunConfig(source="simulator" if source.startswith("simulator") else "engine", num_blocks=num_blocks,
+                       block_size=block_size, num_requests=num_requests, n=n, shared_prefix_tokens=shared_prefix,
+                       preemption_mode=preemption, frame_every=every)
 
 if run or "pool_frames" not in st.session_state:
     live = st.empty()
@@ -68,11 +38,8 @@ if run or "pool_frames" not in st.session_state:
             shown[0] = time.perf_counter()
 
     try:
-        frames = (record_simulation if source.startswith("simulator") else record_runtime)(on_frame)
-        if not frames:
-            raise ValueError("the run ended before the first frame; record frames more often")
-        busiest = max(range(len(frames)), key=lambda i: len(frames[i][1].ref_counts) - frames[i][1].num_free_blocks)
-        st.session_state.update(pool_frames=frames, pool_index=busiest)  # open on the fullest frame
+        frames = record_pool_frames(config, on_frame)
+        st.session_state.update(pool_frames=frames, pool_index=busiest_frame(frames))  # open on the fullest frame
     except USER_ERRORS as exc:
         show_error(exc)
         st.stop()

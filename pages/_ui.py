@@ -8,6 +8,24 @@ from lab.results import ResultStore, to_csv_bytes
 USER_ERRORS = (ValueError, RuntimeError, OSError, KeyError)
 
 
+def _enter_through_app() -> None:
+    """Route a page opened by its own URL through ``app.py``. Streamlit treats an app with a ``pages/`` folder as an
+    old-style multipage app until some session has run the entry script's ``st.navigation``; until then a deep link
+    (a bookmark of ``/twin`` on a freshly started server) ran the page file alone: no wide layout, and a sidebar
+    listing the folder's files (``_ui`` included). The flag is process-wide, so this acts at most once; the rerun
+    runs ``app.py``, whose navigation resolves the same URL."""
+    try:
+        from streamlit.runtime.pages_manager import PagesManager
+    except ImportError:  # another Streamlit layout: nothing to correct
+        return
+    if getattr(PagesManager, "uses_pages_directory", None):
+        PagesManager.uses_pages_directory = False
+        st.rerun()
+
+
+_enter_through_app()  # each page imports this module first, so it runs before the page draws anything
+
+
 def results_store() -> ResultStore:
     if "results" not in st.session_state:
         st.session_state["results"] = ResultStore()

@@ -1,8 +1,7 @@
-import time
-
 import streamlit as st
 
 from lab.charts import block_pool_figure, block_pool_frame, block_table_frame
+from lab.live import throttled
 from simulator.pool_frames import PoolRunConfig, busiest_frame, record_pool_frames
 from pages._ui import USER_ERRORS, chart, csv_download, show_error
 
@@ -29,16 +28,13 @@ config = PoolRunConfig(source="simulator" if source.startswith("simulator") else
 
 if run or "pool_frames" not in st.session_state:
     live = st.empty()
-    shown = [0.0]
 
-    def on_frame(frame):
-        if time.perf_counter() - shown[0] > 0.25:  # redraw at most 4 times a second
-            iteration, pool = frame
-            live.plotly_chart(block_pool_figure(pool.ref_counts, pool.owners, title=f"iteration {iteration}"))
-            shown[0] = time.perf_counter()
+    def draw_frame(frame):
+        iteration, pool = frame
+        live.plotly_chart(block_pool_figure(pool.ref_counts, pool.owners, title=f"iteration {iteration}"))
 
     try:
-        frames = record_pool_frames(config, on_frame)
+        frames = record_pool_frames(config, throttled(draw_frame, 0.25))  # at most 4 redraws a second
         st.session_state.update(pool_frames=frames, pool_index=busiest_frame(frames))  # open on the fullest frame
     except USER_ERRORS as exc:
         show_error(exc)

@@ -1,5 +1,4 @@
 import dataclasses
-import time
 
 import pandas as pd
 import streamlit as st
@@ -7,7 +6,7 @@ import streamlit as st
 from lab.bench.e2e import E2EConfig, run_e2e_bench
 from lab.charts import engine_live_figure, latency_histograms, system_comparison_figure
 from lab.engine import EngineConfig
-from lab.live import RuntimeRunConfig, run_runtime
+from lab.live import RuntimeRunConfig, run_runtime, throttled
 from lab.model import load_hf_model
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
 
@@ -53,13 +52,9 @@ if run or "runtime_run" not in st.session_state:
     live = slot.container(border=True)
     tiles = [col.empty() for col in live.columns(7)]
     plot = live.empty()
-    history, last_draw = [], [0.0]
+    history = []
 
-    def on_step(stats, pool):
-        history.append(stats)
-        if time.perf_counter() - last_draw[0] < 0.25:  # redraw at most 4 times a second: drawing is not free
-            return
-        last_draw[0] = time.perf_counter()
+    def draw(stats):
         elapsed = max(stats.elapsed_s, 1e-9)
         for tile, (label, value) in zip(tiles, [("tokens/s", f"{stats.generated_tokens / elapsed:,.0f}"),
                                                 ("running", stats.num_running), ("waiting", stats.num_waiting),
@@ -69,6 +64,12 @@ if run or "runtime_run" not in st.session_state:
                                                 ("peak memory", f"{stats.peak_memory_bytes / 2**20:,.0f} MiB")]):
             tile.metric(label, value)
         plot.plotly_chart(engine_live_figure(pd.DataFrame([dataclasses.asdict(s) for s in history])))
+
+    redraw = throttled(draw, 0.25)  # at most 4 times a second: drawing is not free
+
+    def on_step(stats, pool):
+        history.append(stats)
+        redraw(stats)
 
     try:
         hf_model, tokenizer = cached_model(model)

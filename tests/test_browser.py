@@ -1,5 +1,6 @@
 """The real app in a real browser: `streamlit run app.py` on a free loopback port, every page driven by Playwright in
 Debian's Chromium (never a downloaded browser). Screenshots go to a temp dir, or to $MINIPAGED_SCREENSHOT_DIR."""
+import contextlib
 import os
 import shutil
 import socket
@@ -28,8 +29,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+@contextlib.contextmanager
+def streamlit_server():
+    """``streamlit run app.py`` on a free loopback port; yields its URL once it answers."""
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.address",
@@ -55,6 +57,12 @@ def server():
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with streamlit_server() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +129,38 @@ def test_moving_a_slider_reruns_the_simulator(server, browser, shots):
     no_exception(page)
     page.screenshot(path=str(shots / "memory_simulator_after_slider.png"), full_page=True)
     page.close()
+
+
+def test_the_twin_calibrates_and_runs_both_ways(server, browser, shots):
+    page = browser.new_page(viewport={"width": 1400, "height": 2000})  # tall: the error table and the charts
+    page.goto(f"{server}/twin", timeout=60_000)
+    settle(page, False)
+    # the quick grid keeps CI short; screenshots for the README calibrate on the full grid, a real fit
+    grid = "full" if os.environ.get("MINIPAGED_SCREENSHOT_DIR") else "quick"
+    page.locator('[data-testid="stSidebar"] label').filter(has_text=grid).click()
+    settle(page, False)
+    page.get_by_role("button", name="Calibrate on this machine").click()
+    page.get_by_role("button", name="Run the twin").wait_for(timeout=180_000)
+    settle(page, False)
+    no_exception(page)
+    page.get_by_role("button", name="Run the twin").click()
+    page.wait_for_selector(".js-plotly-plot .main-svg", timeout=180_000)
+    settle(page, True)
+    no_exception(page)
+    assert "Identical schedules" in page.locator('[data-testid="stAlert"]').first.inner_text()
+    assert page.locator(".js-plotly-plot").count() == 4  # blocks, tokens/s, TTFT and TPOT CDFs
+    page.screenshot(path=str(shots / "twin_run.png"), full_page=True)
+    page.close()
+
+
+def test_a_deep_link_on_a_fresh_server_goes_through_the_app_s_navigation(browser):
+    with streamlit_server() as url:  # no session has run app.py yet
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{url}/kernel_lab", timeout=60_000)
+        settle(page, True)
+        no_exception(page)
+        assert "Kernel lab" in page.locator("h1").first.inner_text()
+        navigation = page.locator('[data-testid="stSidebarNav"]').inner_text()
+        assert "Digital twin" in navigation and "Memory simulator" in navigation  # app.py's titles, not file names
+        assert "ui" not in navigation.split()
+        page.close()

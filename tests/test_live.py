@@ -2,7 +2,7 @@
 import pytest
 
 from lab.engine import EngineConfig
-from lab.live import RuntimeRunConfig, random_requests, run_runtime
+from lab.live import RuntimeRunConfig, random_requests, run_runtime, throttled
 
 
 def test_random_requests_are_seeded_share_the_prefix_and_respect_the_ranges():
@@ -36,3 +36,12 @@ def test_on_step_returning_false_stops_the_run_early():
     run = run_runtime(RuntimeRunConfig(num_requests=4), on_step=lambda stats, pool: seen.append(stats.step) or
                       len(seen) < 3)
     assert run.stopped and seen == [1, 2, 3] and len(run.steps) == 3
+
+
+def test_throttled_passes_the_first_call_then_at_most_one_per_interval():
+    now, calls = [0.0], []
+    show = throttled(lambda *args, **kwargs: calls.append((args, kwargs)), 1.0, clock=lambda: now[0])
+    for t in (0.0, 0.3, 0.99, 1.0, 1.5, 2.2, 2.3):
+        now[0] = t
+        show(t, label="x")
+    assert [args[0] for args, _ in calls] == [0.0, 1.0, 2.2] and calls[0][1] == {"label": "x"}

@@ -84,15 +84,19 @@ def _profile(args) -> None:
 
     from lab.profile import profile_engine
 
-    bar = tqdm(total=1, desc="profiling", unit="scenario", file=sys.stderr)
+    bars = []  # the bar starts with the first scenario, once the model has loaded (or failed to, with no bar drawn)
 
     def step(done, total):
-        bar.total = total
-        bar.update(1)
+        if not bars:
+            bars.append(tqdm(total=total, desc="profiling", unit="scenario", file=sys.stderr))
+        bars[0].update(1)
 
-    profile = profile_engine(args.model, args.device, args.block_size, args.backend, args.repeats, grid=args.grid,
-                             progress=step)
-    bar.close()
+    try:
+        profile = profile_engine(args.model, args.device, args.block_size, args.backend, args.repeats,
+                                 grid=args.grid, progress=step)
+    finally:
+        for bar in bars:
+            bar.close()
     profile.save(args.out)
     print(f"{len(profile.samples)} step shapes on {profile.device} ({profile.dtype}, {profile.backend}); held-out "
           f"relative error median {profile.holdout_median_rel_error:.1%}, max {profile.holdout_max_rel_error:.1%}; "

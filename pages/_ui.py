@@ -1,4 +1,5 @@
-"""Streamlit glue shared by the pages: the session's result store, error display, CSV downloads."""
+"""Streamlit glue shared by the pages: deep links routed through app.py, the session's result store, error display,
+CSV downloads, charts."""
 from __future__ import annotations
 
 import streamlit as st

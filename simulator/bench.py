@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from lab.cli_args import positive_int
 from lab.results import print_and_save
 
 from .engine import SimConfig, Simulator
@@ -135,12 +136,12 @@ def bench_sweep(num_cpus: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simulator.bench", description=__doc__)
     parser.add_argument("--trace", default=str(AZURE_CONV))
-    parser.add_argument("--repeats", type=int, default=9, help="alternating paged/oracle pairs (median)")
-    parser.add_argument("--large", type=int, default=100_000)
-    parser.add_argument("--csv-rows", type=int, default=1_000_000)
+    parser.add_argument("--repeats", type=positive_int, default=9, help="alternating paged/oracle pairs (median)")
+    parser.add_argument("--large", type=positive_int, default=100_000, help="requests of the synthetic run")
+    parser.add_argument("--csv-rows", type=positive_int, default=1_000_000, help="rows of the trace-load test")
     parser.add_argument("--out", default="benchmarks/results/simulator.csv")
     parser.add_argument("--sweep", action="store_true", help="only the sweep benchmark (serial vs Ray)")
-    parser.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray (--sweep)")
+    parser.add_argument("--num-cpus", type=positive_int, default=2, help="CPUs of the local Ray (--sweep)")
     args = parser.parse_args(argv)
     if args.sweep:
         out = args.out if args.out != parser.get_default("out") else "benchmarks/results/sweep.csv"

@@ -1,0 +1,38 @@
+"""``python -m simulator.bench`` at a tiny size: every row it reports, the in-run ratio, and its argument checks."""
+import pandas as pd
+import pytest
+
+from lab.bench.timing import median_seconds
+from simulator.bench import main
+
+
+def test_the_bench_reports_replay_speeds_their_ratio_memory_and_trace_loads(tmp_path, capsys):
+    trace = tmp_path / "trace.csv"
+    rows = "\n".join(f"{i * 0.05},{20 + i % 7},{5 + i % 5}" for i in range(60))
+    trace.write_text("arrival_time_s,prompt_tokens,output_tokens\n" + rows + "\n")
+    out = tmp_path / "bench.csv"
+    assert main(["--trace", str(trace), "--repeats", "3", "--large", "300", "--csv-rows", "200",
+                 "--out", str(out)]) == 0
+    table = pd.read_csv(out).set_index("case")
+    paged, oracle = table.loc["azure-conv replay, paged"], table.loc["azure-conv replay, contiguous-oracle"]
+    assert paged["completed"] == oracle["completed"] == 60 and paged["value"] > 0 and oracle["value"] > 0
+    assert table.loc["paged / contiguous-oracle speed", "unit"] == "ratio (median of 3 alternating pairs)"
+    assert table.loc["300 requests: peak traced memory", "value"] > 0
+    assert table.loc["300 sharegpt requests, paged", "completed"] == 300
+    assert {"load 200-row generic CSV", "load 200-row Mooncake JSONL"} <= set(table.index)
+
+
+def test_a_missing_trace_is_skipped_with_a_line_and_bad_sizes_are_refused(tmp_path, capsys):
+    out = tmp_path / "bench.csv"
+    assert main(["--trace", str(tmp_path / "none.csv"), "--large", "50", "--csv-rows", "10", "--out", str(out)]) == 0
+    assert "skipping the trace replay" in capsys.readouterr().out
+    assert not pd.read_csv(out)["case"].str.startswith("azure-conv").any()
+    for flag in ("--repeats", "--large", "--csv-rows", "--num-cpus"):
+        with pytest.raises(SystemExit):
+            main([flag, "0"])
+
+
+def test_median_seconds_warms_up_then_takes_the_median():
+    calls = []
+    seconds = median_seconds(lambda: calls.append(1), repeats=5, warmup=2)
+    assert len(calls) == 7 and 0 <= seconds < 0.1

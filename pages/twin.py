@@ -70,14 +70,27 @@ st.caption(f"Profile: {profile.model} on {profile.device} ({profile.dtype}, {pro
 with st.expander("The fit, scenario by scenario (median measured vs fitted step time)"):
     st.dataframe(profile.scenario_errors(), hide_index=True)
 
+
+
+def build_workload():
+    if source != "upload a trace":
+        return twin_workload(source, int(num_requests), rate or None, int(input_len), int(output_len))
+    if trace is None:
+        raise ValueError("upload a trace file first (or choose a synthetic workload)")
+    return simulator.load_trace_bytes(trace.getvalue(), trace.name, time_scale, int(num_requests))
+
+
+if source != "upload a trace" or trace is not None:
+    try:  # what the run will serve, and how long its arrivals alone keep each real run going
+        shown = build_workload().summary()
+        st.caption(f"Workload: {shown['num_requests']} requests arriving over {shown['duration_s']:.1f} s (each "
+                   f"real run lasts at least that), prompts {shown['prompt_mean']:.0f} and outputs "
+                   f"{shown['output_mean']:.0f} tokens on average")
+    except USER_ERRORS as exc:
+        show_error(exc)
 if st.button("Run the twin", key="run_twin", type="primary"):
     try:
-        if source != "upload a trace":
-            workload = twin_workload(source, int(num_requests), rate or None, int(input_len), int(output_len))
-        elif trace is None:
-            raise ValueError("upload a trace file first (or choose a synthetic workload)")
-        else:
-            workload = simulator.load_trace_bytes(trace.getvalue(), trace.name, time_scale, int(num_requests))
+        workload = build_workload()
         config = TwinConfig(model, EngineConfig(block_size=block_size, num_blocks=int(num_blocks),
                                                 scheduling=scheduling, preemption_mode=preemption))
         with st.spinner("running the engine and the simulator…"):

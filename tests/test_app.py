@@ -296,6 +296,11 @@ def test_twin_page_calibrates_runs_and_rejects_bad_profiles(downloads):
     app.button(key="run_twin").click().run()
     clean(app)
     assert len(app.session_state["twin_result"].real_requests) == 3  # the trace's three requests
+    assert any("3 requests arriving over 0.0 s" in caption.value for caption in app.caption)
+    app.file_uploader(key="twin_trace").upload("junk.csv", b"a,b\n1,2\n", "text/csv")
+    app.run()
+    assert not app.exception and any("junk.csv" in e.value for e in app.error)  # named before any run
+    app.selectbox(key="twin_workload").set_value("random").run()
     app.sidebar.text_input[0].set_value("qwen3-0.6b")  # the profile was measured on "tiny"
     app.button(key="run_twin").click().run()
     assert not app.exception and any("measured on model 'tiny'" in e.value for e in app.error)

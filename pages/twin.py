@@ -80,17 +80,22 @@ def build_workload():
     return simulator.load_trace_bytes(trace.getvalue(), trace.name, time_scale, int(num_requests))
 
 
-if source != "upload a trace" or trace is not None:
-    try:  # what the run will serve, and how long its arrivals alone keep each real run going
-        shown = build_workload().summary()
-        st.caption(f"Workload: {shown['num_requests']} requests arriving over {shown['duration_s']:.1f} s (each "
-                   f"real run lasts at least that), prompts {shown['prompt_mean']:.0f} and outputs "
-                   f"{shown['output_mean']:.0f} tokens on average")
-    except USER_ERRORS as exc:
+try:  # built once a run: shown here (how long its arrivals alone keep each real run going), served below
+    workload, workload_error = build_workload(), None
+    shown = workload.summary()
+    st.caption(f"Workload: {shown['num_requests']} requests arriving over {shown['duration_s']:.1f} s (each real "
+               f"run lasts at least that), prompts {shown['prompt_mean']:.0f} and outputs "
+               f"{shown['output_mean']:.0f} tokens on average")
+except USER_ERRORS as exc:
+    workload, workload_error = None, exc
+    if source != "upload a trace" or trace is not None:  # a bad input is named before any run
         show_error(exc)
 if st.button("Run the twin", key="run_twin", type="primary"):
+    if workload is None:
+        if source == "upload a trace" and trace is None:
+            show_error(workload_error)
+        st.stop()
     try:
-        workload = build_workload()
         config = TwinConfig(model, EngineConfig(block_size=block_size, num_blocks=int(num_blocks),
                                                 scheduling=scheduling, preemption_mode=preemption))
         with st.spinner("running the engine and the simulator…"):

@@ -23,9 +23,10 @@ from lab.engine import EngineConfig, LLMEngine, SamplingParams, load_model
 from lab.profile import IDLE_GAP_S, Profile, steady_state_allocator
 from lab.scheduler import STEP_LOG_COLUMNS
 
+from . import make_workload
 from .engine import SimConfig, Simulator
 from .metrics import latency_summary
-from .workloads import SyntheticSpec, Workload, synthetic_workload
+from .workloads import SYNTHETIC_PRESETS, SyntheticSpec, Workload, synthetic_workload
 
 PLAN_COLUMNS = [c for c in STEP_LOG_COLUMNS if c != "duration_s"]
 METRICS = ("throughput_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s", "e2e_p50_s", "makespan_s",
@@ -82,8 +83,6 @@ def twin_workload(source: str, num_requests: int, rate: float | None = None, inp
     """A preset drawn at ``rate`` requests/s (None: all at t = 0; ``random`` and ``fixed`` take ``input_len`` and
     ``output_len``, ``random`` ±50 %), or a trace file's first ``num_requests`` rows at their own arrival times
     multiplied by ``time_scale`` (a ``rate`` with a trace is an error)."""
-    from . import SYNTHETIC_PRESETS, make_workload
-
     if source in SYNTHETIC_PRESETS:
         lengths = dict(input_len=input_len, output_len=output_len, range_ratio=0.5) \
             if source in ("random", "fixed") else {}

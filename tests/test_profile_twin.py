@@ -310,6 +310,35 @@ def test_the_twin_plans_the_engine_s_schedule(case):
         assert table.loc["preemptions", "real"] > 0
 
 
+def test_the_real_run_is_warmed_up_on_its_own_workload_s_first_steps(monkeypatch):
+    """Before the clock starts, throw-away engines run the workload's first steps (its largest prefill), so the
+    timed run's first step does not fault in memory a long-running engine would have mapped; the timed engine's
+    log starts with the same first step, untouched by the warm-up."""
+    import simulator.twin as twin
+
+    engines = []
+
+    class Recorded(twin.LLMEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(twin, "LLMEngine", Recorded)
+    workload = synthetic_workload(SyntheticSpec(preset="fixed", num_requests=12, input_len=50, output_len=6,
+                                                rate=math.inf))
+    engine = EngineConfig(block_size=4, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=256)
+    run = twin.run_real(workload, TwinConfig(engine=engine))
+    timed, *warm = engines
+    assert run.engine is timed and len(warm) == twin.WARM_UP_RUNS
+    for throwaway in warm:
+        log = throwaway.step_log()
+        assert len(log) == twin.WARM_UP_STEPS
+        assert log.iloc[0]["num_prefill_tokens"] == 250  # five 50-token prompts fill the 256-token budget
+        first = ["num_prefill_tokens", "num_running", "blocks_in_use"]  # (it queues at most max_num_seqs requests)
+        assert log[first].iloc[0].equals(run.steps[first].iloc[0])
+    assert run.steps["num_finished"].sum() == 12 and len(run.admitted_after) == 12
+
+
 BAD_PROFILES = [
     (b"not json", "not a JSON profile"),
     (b"[1, 2]", "expected a JSON object"),

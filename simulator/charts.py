@@ -1,6 +1,9 @@
 """Plotly figures of simulator results (pure functions of result tables)."""
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
@@ -106,16 +109,35 @@ def pareto(plan: pd.DataFrame) -> go.Figure:
 
 
 def twin_steps(real: pd.DataFrame, simulated: pd.DataFrame, column: str, title: str,
-               per_second: bool = False) -> go.Figure:
+               per_second: bool = False, windows: int = 60) -> go.Figure:
     """A step-log column of the real run and the simulated one against (real or simulated) elapsed time;
-    ``per_second`` plots ``column / duration_s`` (e.g. decode tokens per second)."""
+    ``per_second`` plots ``column`` summed over time windows per second of window (e.g. decode tokens per second),
+    ``windows`` of them over the longer run (a step's count lands in the window where it ends)."""
+    longest = max(float(steps["duration_s"].sum()) for steps in (real, simulated))
     frames = []
     for label, steps in (("real", real), ("simulated", simulated)):
-        values = steps[column] / steps["duration_s"] if per_second else steps[column]
-        frames.append(pd.DataFrame({"elapsed_s": steps["duration_s"].cumsum(), "value": values, "run": label}))
+        ends = steps["duration_s"].cumsum()
+        if per_second:
+            frame = windowed_rate(ends, steps[column], longest / windows)
+        else:
+            frame = pd.DataFrame({"elapsed_s": ends, "value": steps[column]})
+        frames.append(frame.assign(run=label))
     figure = px.line(pd.concat(frames, ignore_index=True), x="elapsed_s", y="value", color="run", title=title,
-                     line_shape="hv", labels={"elapsed_s": "elapsed s (each run's own clock)", "value": column})
+                     line_shape="hv", labels={"elapsed_s": "elapsed s (each run's own clock)",
+                                              "value": f"{column} per s" if per_second else column})
     return figure.update_layout(height=320)
+
+
+def windowed_rate(ends: pd.Series, counts: pd.Series, width_s: float) -> pd.DataFrame:
+    """``counts`` (one per step, ending at ``ends`` seconds) per second in consecutive windows of ``width_s``, empty
+    windows included: ``elapsed_s`` (the window's start), ``value``."""
+    if len(ends) == 0 or width_s <= 0:
+        return pd.DataFrame({"elapsed_s": [], "value": []})
+    position = ends.to_numpy() / width_s
+    num_windows = max(1, math.ceil(position[-1] - 1e-9))
+    window = np.clip(np.ceil(position).astype(int) - 1, 0, num_windows - 1)  # (k-1) w < end <= k w: window k-1
+    totals = np.bincount(window, weights=counts.to_numpy(dtype=float), minlength=num_windows)
+    return pd.DataFrame({"elapsed_s": np.arange(len(totals)) * width_s, "value": totals / width_s})
 
 
 def latency_cdf(real: pd.DataFrame, simulated: pd.DataFrame, column: str) -> go.Figure:

@@ -61,3 +61,20 @@ def test_result_store_round_trip():
         store.load_csv(b"", "bad.csv")
     with pytest.raises(ValueError, match="no stored result"):
         store.side_by_side(["nope"])
+
+
+def test_the_twin_s_tokens_per_second_are_counted_in_time_windows():
+    from simulator.charts import twin_steps, windowed_rate
+
+    # steps ending at 0.5, 1, 1.5 and 4 s: a window holds the steps that end in it, empty windows count 0
+    rate = windowed_rate(pd.Series([0.5, 1.0, 1.5, 4.0]), pd.Series([1, 2, 3, 4]), 1.0)
+    assert rate["elapsed_s"].tolist() == [0.0, 1.0, 2.0, 3.0] and rate["value"].tolist() == [3.0, 3.0, 0.0, 4.0]
+    assert windowed_rate(pd.Series([0.3]), pd.Series([6]), 0.5)["value"].tolist() == [12.0]
+    real = pd.DataFrame({"duration_s": [0.02] * 100, "num_decode_seqs": [0] + [8] * 99})  # 8 tokens / 20 ms
+    simulated = real.assign(duration_s=0.01)  # twice as fast
+    figure = twin_steps(real, simulated, "num_decode_seqs", "Decode tokens/s", per_second=True, windows=20)
+    by_run = {trace.name: trace for trace in figure.data}
+    assert len(by_run["real"].x) == 20 and len(by_run["simulated"].x) == 10  # windows of 0.1 s over 2 s and 1 s
+    assert by_run["real"].y[5] == pytest.approx(400.0) and by_run["simulated"].y[5] == pytest.approx(800.0)
+    # the total over the windows is every token, once
+    assert sum(by_run["real"].y) * 0.1 == pytest.approx(8 * 99)

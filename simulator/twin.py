@@ -131,7 +131,8 @@ def run_real(workload: Workload, config: TwinConfig, hf_model=None) -> RealRun:
     engine = LLMEngine(model, config.engine)
     for prompt, sampling in zip(prompts, params):  # every request checked before the clock starts
         engine.scheduler.check_request(len(prompt), sampling.max_tokens, sampling.n)
-    warm_up(model, config.engine, prompts, params)
+    # the timed engine's pool, as resolved (a pool sized from free GPU memory would come out smaller the second time)
+    warm_up(model, replace(config.engine, num_blocks=engine.block_manager.num_physical_blocks), prompts, params)
     started = time.perf_counter()
     arrivals, next_request, peak_blocks = workload.arrival_s, 0, 0
     admitted_after = []  # per request: how many engine steps had run when it was queued (for the replay)

@@ -337,7 +337,7 @@ def _scenarios(block_size: int, grid: str) -> list[tuple[str, dict, list[tuple[i
                for batch in ((8, 64) if small else (4, 16, 64)) for short, long in mixed]
     ladder = DECODE_LADDER[grid]
     decode.append((f"decode ladder {ladder}..1", {}, [(32, outputs, 1) for outputs in range(2, ladder + 2)]))
-    lengths = (16, 64, 192, 384) if small else (16, 48, 128, 256, 512)
+    lengths = (16, 64, 192, 384, 1024) if small else (16, 48, 128, 256, 512, 1024, 2048, 4096)
     prefill = [(f"prefill {length}", {}, [(length, 1, 1)]) for length in lengths]
     prefill += [(f"prefill {count} x {length}", {}, [(length, 1, 1)] * count)
                 for count in ((8,) if small else (8, 32)) for length in ((64,) if small else (32, 128))]
@@ -353,6 +353,12 @@ def _scenarios(block_size: int, grid: str) -> list[tuple[str, dict, list[tuple[i
     idle = [(f"prefill {length} after {IDLE_SCENARIO_S} s idle", {"idle_s": IDLE_SCENARIO_S}, [(length, 1, 1)])
             for length in (64, 192)]
     return decode + prefill + cached + chunked + forks + swaps + idle
+
+
+def _longest_sequence(scenario: tuple[str, dict, list[tuple[int, int, int]]]) -> int:
+    """The most tokens one sequence of a scenario holds: its cached prefix, its prompt and its outputs."""
+    _, settings, requests = scenario
+    return settings.get("cached_prefix", 0) + max(length + outputs for length, outputs, _ in requests)
 
 
 class Profiler:
@@ -374,6 +380,9 @@ class Profiler:
                                   num_blocks=1)
         self.probe.check()
         self.hf_model = load_model(model, self.probe)[0] if isinstance(model, str) else model
+        # a model with a shorter context than the grid's longest prompts profiles the scenarios it can run
+        max_len = getattr(self.hf_model.config, "max_position_embeddings", None) or math.inf
+        self.scenarios = [scenario for scenario in self.scenarios if _longest_sequence(scenario) <= max_len]
         self.generators = [torch.Generator().manual_seed(seed + index) for index in range(len(self.scenarios))]
         self.groups: dict[tuple, list[float]] = {}
         self.sources: dict[tuple, list[str]] = {}  # quantities -> the scenarios that produced them, first first

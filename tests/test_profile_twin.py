@@ -288,6 +288,20 @@ def test_profiling_in_rounds_needs_a_measured_round_and_keeps_the_samples_of_eac
     assert profiler.rounds_run == 3 and {s["repeats"] for s in profile.samples} >= {2}
 
 
+def test_a_model_with_a_short_context_profiles_the_scenarios_it_can_hold():
+    from lab.engine import EngineConfig, load_model
+
+    hf_model = load_model("tiny", EngineConfig())[0]
+    full = Profiler(hf_model, block_size=16)
+    assert any(name == "prefill 4096" for name, _, _ in full.scenarios)
+    hf_model.config.max_position_embeddings = 600  # e.g. a checkpoint trained on short contexts
+    short = Profiler(hf_model, block_size=16)
+    names = [name for name, _, _ in short.scenarios]
+    assert "prefill 512" in names and "prefill 1024" not in names and "decode 4x384" in names
+    assert "prefill 128 after a cached prefix" in names  # 256 cached + 128 + 1 output
+    assert len(short.generators) == short.num_scenarios < full.num_scenarios
+
+
 TWIN_CASES = {
     "light": dict(num_blocks=256),
     "heavy with preemption": dict(num_blocks=40),

@@ -11,6 +11,7 @@ compares each step's modelled duration with the measured one.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -166,7 +167,7 @@ def warm_up(hf_model, engine: EngineConfig, prompts: list[list[int]], params: li
     in four runs. One throw-away engine left 30-2,000 faults, two about 30."""
     for _ in range(WARM_UP_RUNS):
         warm = LLMEngine(hf_model, engine)
-        for prompt, sampling in list(zip(prompts, params))[:engine.max_num_seqs]:
+        for prompt, sampling in itertools.islice(zip(prompts, params), engine.max_num_seqs):
             warm.add_request(prompt, sampling)
         for _ in range(WARM_UP_STEPS):
             if warm.has_unfinished():

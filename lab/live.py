@@ -49,8 +49,9 @@ def throttled(callback: Callable[..., object], interval_s: float,
     """``callback`` passed on at most once per ``interval_s`` (the first call always), for progress bars and live
     charts: each redraw costs the browser and the app server CPU time that the work being measured then loses. On a
     2-vCPU machine, calibrating on the twin page with its bar redrawn after every scenario (about 9 a second) fitted
-    step times 13-20 % above what the engine then ran at (throughput, three runs); redrawn every 2 s, 2-7 %
-    either way (four runs)."""
+    step times 13-20 % above what the engine then ran at (throughput, three runs); redrawn every 2 s (and with a static
+    note, not a spinner, during the runs it predicts), within -15 to +11 % in eight runs, the rest being the browser
+    sharing the CPUs."""
     last = [-math.inf]
 
     def call(*args, **kwargs) -> None:

@@ -6,6 +6,7 @@ import torch
 import kernels
 from lab.bench.kernels import KernelBenchConfig, check_against_reference, run_kernel_bench
 from lab.charts import kernel_bandwidth_figure, kernel_time_figure
+from lab.live import throttled
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
 
 cached_check = st.cache_data(check_against_reference, show_spinner="checking against the reference…")
@@ -41,7 +42,8 @@ if run or "kernel_table" not in st.session_state:
             raise ValueError("choose at least one batch size and one context length")
         correctness = cached_check(dataclasses.replace(config, backends=tuple(backends)))
         bar = st.progress(0.0, "timing kernels…")
-        table = run_kernel_bench(config, progress=lambda done, total: bar.progress(done / total, "timing kernels…"))
+        show = throttled(lambda done, total: bar.progress(done / total, "timing kernels…"), 1.0)  # redraws cost time
+        table = run_kernel_bench(config, progress=show)
         bar.empty()
         st.session_state.update(kernel_table=table, kernel_correctness=correctness)
         results_store().add("kernels", f"kernels: {shape}, {dtype}, B={block_size}", table)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -21,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from lab.engine import EngineConfig, LLMEngine, SamplingParams, load_model
-from lab.profile import IDLE_GAP_S, Profile, steady_state_allocator
+from lab.profile import IDLE_GAP_S, Profile, scatter_free_blocks, steady_state_allocator
 from lab.scheduler import STEP_LOG_COLUMNS
 
 from . import make_workload
@@ -119,9 +120,12 @@ def request_latencies(requests: pd.DataFrame) -> pd.DataFrame:
 
 def run_real(workload: Workload, config: TwinConfig, hf_model=None) -> RealRun:
     """The workload through the engine (greedy, ``ignore_eos``, output lengths from the workload): its metrics,
-    its step log and its wall time. Throw-away engines run the workload's first steps before it (``warm_up``), so
-    the timed run pays neither the process's one-off start-up costs nor first-touch memory, which the profile did not
-    measure either; freed memory stays in the process (``steady_state_allocator``), as in the profile.
+    its step log and its wall time. The engine starts as a serving engine that has run a while, the state the profile
+    measured: throw-away engines run the workload's first steps before it (``warm_up``), so the timed run pays
+    neither the process's one-off start-up costs nor first-touch memory; freed memory stays in the process
+    (``steady_state_allocator``); and its free blocks are queued in a random order (``scatter_free_blocks``: a fresh
+    pool hands out consecutive blocks, and the tiny model's light run decoded 2 % faster on one than the profile's
+    scattered pools had, its TPOT simulated +5.5 against +3.3 % scattered, four runs each, alternating).
     ``hf_model``: the already loaded model (else ``config.model`` is loaded)."""
     steady_state_allocator()  # as the profile measured it
     model = load_model(config.model, config.engine)[0] if hf_model is None else hf_model
@@ -132,6 +136,7 @@ def run_real(workload: Workload, config: TwinConfig, hf_model=None) -> RealRun:
     engine = LLMEngine(model, config.engine)
     for prompt, sampling in zip(prompts, params):  # every request checked before the clock starts
         engine.scheduler.check_request(len(prompt), sampling.max_tokens, sampling.n)
+    scatter_free_blocks(engine.block_manager, random.Random(config.engine.seed))  # a serving engine's pool, as profiled
     # the timed engine's pool, as resolved (a pool sized from free GPU memory would come out smaller the second time)
     warm_up(model, replace(config.engine, num_blocks=engine.block_manager.num_physical_blocks), prompts, params)
     started = time.perf_counter()

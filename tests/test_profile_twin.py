@@ -288,6 +288,27 @@ def test_profiling_in_rounds_needs_a_measured_round_and_keeps_the_samples_of_eac
     assert profiler.rounds_run == 3 and {s["repeats"] for s in profile.samples} >= {2}
 
 
+def test_the_timed_engine_starts_with_its_free_blocks_scattered(monkeypatch):
+    """As the profile's engines do: a fresh pool would hand the first request consecutive blocks."""
+    import simulator.twin as twin
+
+    tables = []
+
+    class Recorded(twin.LLMEngine):
+        def step(self):
+            outputs = super().step()
+            if self.num_steps == 1:
+                tables.extend(self.block_manager.snapshot().block_tables.values())
+            return outputs
+
+    monkeypatch.setattr(twin, "LLMEngine", Recorded)
+    workload = synthetic_workload(SyntheticSpec(preset="fixed", num_requests=1, input_len=60, output_len=3,
+                                                rate=math.inf))
+    twin.run_real(workload, TwinConfig(engine=EngineConfig(block_size=4, num_blocks=256)))
+    timed = tables[-1]  # the warm-up engines' tables come first
+    assert len(timed) == 15 and timed != sorted(timed)
+
+
 def test_a_model_with_a_short_context_profiles_the_scenarios_it_can_hold():
     from lab.engine import EngineConfig, load_model
 

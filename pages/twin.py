@@ -71,7 +71,6 @@ with st.expander("The fit, scenario by scenario (median measured vs fitted step 
     st.dataframe(profile.scenario_errors(), hide_index=True)
 
 
-
 def build_workload():
     if source != "upload a trace":
         return twin_workload(source, int(num_requests), rate or None, int(input_len), int(output_len))

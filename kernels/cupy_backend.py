@@ -107,10 +107,22 @@ def _launch(kernel, grid, block, args, device: torch.device, shared_mem: int = 0
     no int16 view either: the kernel only sees the pointer). Callers pass contiguous tensors on ``device``."""
     import cupy
 
-    stream = torch.cuda.current_stream(device)
-    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
+    with cupy.cuda.Device(device.index), _cupy_stream(torch.cuda.current_stream(device)):
         kernel(grid, block, tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args),
                shared_mem=shared_mem)
+
+
+def _cupy_stream(stream):
+    """CuPy's view of a torch CUDA stream: through the CUDA stream protocol where both sides have it (CuPy 14
+    deprecates ``ExternalStream``; recent torch streams have ``__cuda_stream__``), else by its address (CuPy 13)."""
+    import cupy
+
+    if hasattr(cupy.cuda.Stream, "from_external") and hasattr(stream, "__cuda_stream__"):
+        try:
+            return cupy.cuda.Stream.from_external(stream)
+        except TypeError:  # a protocol version this CuPy does not read
+            pass
+    return cupy.cuda.ExternalStream(stream.cuda_stream)
 
 
 def _sm_count(device: torch.device) -> int:

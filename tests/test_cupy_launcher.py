@@ -242,3 +242,35 @@ def test_launch_passes_tensors_as_device_addresses(monkeypatch):
     assert args[:2] == (bf16.data_ptr(), table.data_ptr()) and all(type(a) is int for a in args[:2])
     assert table.data_ptr() == table.untyped_storage().data_ptr() + 2 * 4  # a view's address includes its offset
     assert args[2:] == (np.float32(0.5), np.int32(7)) and type(args[3]) is np.int32
+
+
+def test_launch_stream_uses_the_cuda_stream_protocol_without_deprecation():
+    """A torch stream with ``__cuda_stream__`` reaches CuPy through ``Stream.from_external`` (CuPy 14 deprecates
+    ``ExternalStream``) on the same address, as a stream CuPy does not own; one without the protocol, or with a protocol
+    version this CuPy does not read, still goes by its address."""
+    import types
+    import warnings
+
+    import cupy
+
+    class ProtocolStream:
+        cuda_stream = 1234
+
+        def __cuda_stream__(self):
+            return 0, 1234
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        stream = cupy_backend._cupy_stream(ProtocolStream())
+    assert stream.ptr == 1234 and not isinstance(stream, cupy.cuda.ExternalStream)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert cupy_backend._cupy_stream(types.SimpleNamespace(cuda_stream=1234)).ptr == 1234
+
+    class FutureProtocolStream(ProtocolStream):
+        def __cuda_stream__(self):
+            return 1, 1234
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert cupy_backend._cupy_stream(FutureProtocolStream()).ptr == 1234

@@ -39,12 +39,15 @@ def engine_and_simulator_logs(prompts, outputs, n=1, shared_prefix=0, block_size
 
 
 def assert_same_plan(real, simulated):
-    assert len(real) == len(simulated.steps), (len(real), len(simulated.steps))
-    mismatch = (real[PLAN_COLUMNS].to_numpy() != simulated.steps[PLAN_COLUMNS].to_numpy()).any(axis=1)
+    """The engine's step log ``real`` and the simulator's (``simulated``: a ``SimResult`` or a step log) agree in
+    every column but ``duration_s``."""
+    simulated = getattr(simulated, "steps", simulated)
+    assert len(real) == len(simulated), (len(real), len(simulated))
+    mismatch = (real[PLAN_COLUMNS].to_numpy() != simulated[PLAN_COLUMNS].to_numpy()).any(axis=1)
     if mismatch.any():
         first = int(np.argmax(mismatch))
         raise AssertionError(f"step {first + 1} differs:\nengine    {real[PLAN_COLUMNS].iloc[first].to_dict()}\n"
-                             f"simulator {simulated.steps[PLAN_COLUMNS].iloc[first].to_dict()}")
+                             f"simulator {simulated[PLAN_COLUMNS].iloc[first].to_dict()}")
 
 
 MODES = [dict(scheduling=s, preemption_mode=p) for s, p in itertools.product(["prefill-first", "chunked"],
@@ -91,6 +94,54 @@ def test_fuzzed_workloads_plan_identically(lengths, data, block_size, n, caching
     assert_same_plan(real, simulated)
     assert [len(o) for r in results for o in r.outputs] == [o for o in outputs for _ in range(n)]
 
+
+
+def run_with_staggered_arrivals(engine, prompts, params, arrival_steps):
+    """Queue request i once the engine has run ``arrival_steps[i]`` steps (or, when it has nothing left to run,
+    at once, as an idle engine takes the next arrival), as ``simulator.twin.run_real`` records its arrivals; returns
+    the step count at which each request was queued."""
+    admitted_after, request = [], 0
+    while request < len(prompts) or engine.has_unfinished():
+        while request < len(prompts) and (arrival_steps[request] <= engine.num_steps or not engine.has_unfinished()):
+            engine.add_request(prompts[request], params[request])
+            admitted_after.append(engine.num_steps)
+            request += 1
+        engine.step()
+    return admitted_after
+
+
+@settings(max_examples=int(__import__("os").environ.get("FUZZ_EXAMPLES", 25)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6), data=st.data(),
+       block_size=st.sampled_from([1, 3, 4, 16]), n=st.integers(1, 3), caching=st.booleans(),
+       scheduling=st.sampled_from(["prefill-first", "chunked"]), swap=st.booleans(), slack=st.integers(0, 20),
+       budget=st.integers(4, 64), seed=st.integers(0, 10_000), extra_seqs=st.integers(0, 6),
+       num_cpu_blocks=st.integers(0, 12))
+def test_fuzzed_staggered_arrivals_replay_identically(lengths, data, block_size, n, caching, scheduling, swap,
+                                                      slack, budget, seed, extra_seqs, num_cpu_blocks):
+    """Requests that arrive while others run, are preempted or are swapped out: the twin's replay (each request
+    queued into the simulator after as many steps as the engine had run when it queued it) plans the engine's steps
+    exactly."""
+    from simulator.twin import replay, sim_config
+    from tests.test_profile_twin import fixed_profile
+
+    outputs = data.draw(st.lists(st.integers(1, 12), min_size=len(lengths), max_size=len(lengths)))
+    gaps = data.draw(st.lists(st.integers(0, 5), min_size=len(lengths), max_size=len(lengths)))
+    shared = data.draw(st.integers(0, min(lengths)))
+    longest = max(p + o for p, o in zip(lengths, outputs))
+    engine = LLMEngine("tiny", block_size=block_size, num_blocks=-(-longest // block_size) + n + slack,
+                       num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=caching, scheduling=scheduling,
+                       preemption_mode="swap" if swap else "recompute", max_num_batched_tokens=budget,
+                       max_num_seqs=n + extra_seqs)
+    params = [SamplingParams(max_tokens=o, n=n, ignore_eos=True) for o in outputs]
+    admitted_after = run_with_staggered_arrivals(engine, make_prompts(lengths, shared, seed), params,
+                                                 list(itertools.accumulate(gaps)))
+    workload = Workload("twin", np.zeros(len(lengths)), np.array(lengths), np.array(outputs), n=n,
+                        shared_prefix_tokens=shared)
+    replayed = replay(workload, sim_config(engine, fixed_profile(block_size)), admitted_after)
+    assert_same_plan(engine.step_log(), replayed)
+    assert [len(o) for r in sorted(engine.finished, key=lambda r: r.request_id) for o in r.outputs] == \
+        [o for o in outputs for _ in range(n)]
 
 def test_samples_count_against_max_num_seqs():
     """Three requests of n=4 under max_num_seqs=8: at most 8 sequences ever run (the old engine ran 12)."""

@@ -1,5 +1,7 @@
 """One scheduler, two executors: the engine (Qwen3) and the simulator (a clock) must plan identical steps."""
 import itertools
+import os
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -74,26 +76,53 @@ def test_engine_and_simulator_plan_identical_steps(modes, caching, n):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_physical_blocks
 
 
-@settings(max_examples=int(__import__("os").environ.get("FUZZ_EXAMPLES", 25)), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6), data=st.data(),
-       block_size=st.sampled_from([1, 3, 4, 16]), n=st.integers(1, 3), caching=st.booleans(),
-       scheduling=st.sampled_from(["prefill-first", "chunked"]), swap=st.booleans(), slack=st.integers(0, 20),
-       budget=st.integers(4, 64), seed=st.integers(0, 10_000), extra_seqs=st.integers(0, 6),
-       num_cpu_blocks=st.integers(0, 12))
-def test_fuzzed_workloads_plan_identically(lengths, data, block_size, n, caching, scheduling, swap, slack, budget,
-                                           seed, extra_seqs, num_cpu_blocks):
-    outputs = data.draw(st.lists(st.integers(1, 12), min_size=len(lengths), max_size=len(lengths)))
-    shared = data.draw(st.integers(0, min(lengths)))
-    longest = max(p + o for p, o in zip(lengths, outputs))
-    num_blocks = -(-longest // block_size) + n + slack
-    _, results, real, simulated = engine_and_simulator_logs(
-        make_prompts(lengths, shared, seed), outputs, n=n, shared_prefix=shared, block_size=block_size,
-        num_blocks=num_blocks, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=caching, scheduling=scheduling,
-        preemption_mode="swap" if swap else "recompute", max_num_batched_tokens=budget, max_num_seqs=n + extra_seqs)
-    assert_same_plan(real, simulated)
-    assert [len(o) for r in results for o in r.outputs] == [o for o in outputs for _ in range(n)]
+@dataclass
+class FuzzCase:
+    """A drawn workload (prompt and output lengths, a shared prefix, each request's arrival as a step count) and the
+    engine settings both executors get."""
 
+    lengths: list[int]
+    outputs: list[int]
+    n: int
+    shared_prefix: int
+    seed: int
+    arrival_steps: list[int]
+    engine: dict
+
+    @property
+    def prompts(self):
+        return make_prompts(self.lengths, self.shared_prefix, self.seed)
+
+
+@st.composite
+def fuzz_cases(draw):
+    """Up to six requests and an engine whose pool holds the longest one and up to 20 blocks more (often few enough
+    to preempt), in every mode."""
+    lengths = draw(st.lists(st.integers(1, 40), min_size=1, max_size=6))
+    outputs = draw(st.lists(st.integers(1, 12), min_size=len(lengths), max_size=len(lengths)))
+    gaps = draw(st.lists(st.integers(0, 5), min_size=len(lengths), max_size=len(lengths)))
+    n, block_size = draw(st.integers(1, 3)), draw(st.sampled_from([1, 3, 4, 16]))
+    longest = max(p + o for p, o in zip(lengths, outputs))
+    engine = dict(block_size=block_size, num_blocks=-(-longest // block_size) + n + draw(st.integers(0, 20)),
+                  num_cpu_blocks=draw(st.integers(0, 12)), enable_prefix_caching=draw(st.booleans()),
+                  scheduling=draw(st.sampled_from(["prefill-first", "chunked"])),
+                  preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
+                  max_num_batched_tokens=draw(st.integers(4, 64)), max_num_seqs=n + draw(st.integers(0, 6)))
+    return FuzzCase(lengths, outputs, n, draw(st.integers(0, min(lengths))), draw(st.integers(0, 10_000)),
+                    list(itertools.accumulate(gaps)), engine)
+
+
+FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 25)), deadline=None,
+                suppress_health_check=[HealthCheck.too_slow])
+
+
+@FUZZ
+@given(case=fuzz_cases())
+def test_fuzzed_workloads_plan_identically(case):
+    _, results, real, simulated = engine_and_simulator_logs(case.prompts, case.outputs, n=case.n,
+                                                            shared_prefix=case.shared_prefix, **case.engine)
+    assert_same_plan(real, simulated)
+    assert [len(o) for r in results for o in r.outputs] == [o for o in case.outputs for _ in range(case.n)]
 
 
 def run_with_staggered_arrivals(engine, prompts, params, arrival_steps):
@@ -110,38 +139,24 @@ def run_with_staggered_arrivals(engine, prompts, params, arrival_steps):
     return admitted_after
 
 
-@settings(max_examples=int(__import__("os").environ.get("FUZZ_EXAMPLES", 25)), deadline=None,
-          suppress_health_check=[HealthCheck.too_slow])
-@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6), data=st.data(),
-       block_size=st.sampled_from([1, 3, 4, 16]), n=st.integers(1, 3), caching=st.booleans(),
-       scheduling=st.sampled_from(["prefill-first", "chunked"]), swap=st.booleans(), slack=st.integers(0, 20),
-       budget=st.integers(4, 64), seed=st.integers(0, 10_000), extra_seqs=st.integers(0, 6),
-       num_cpu_blocks=st.integers(0, 12))
-def test_fuzzed_staggered_arrivals_replay_identically(lengths, data, block_size, n, caching, scheduling, swap,
-                                                      slack, budget, seed, extra_seqs, num_cpu_blocks):
+@FUZZ
+@given(case=fuzz_cases())
+def test_fuzzed_staggered_arrivals_replay_identically(case):
     """Requests that arrive while others run, are preempted or are swapped out: the twin's replay (each request
     queued into the simulator after as many steps as the engine had run when it queued it) plans the engine's steps
     exactly."""
     from simulator.twin import replay, sim_config
     from tests.test_profile_twin import fixed_profile
 
-    outputs = data.draw(st.lists(st.integers(1, 12), min_size=len(lengths), max_size=len(lengths)))
-    gaps = data.draw(st.lists(st.integers(0, 5), min_size=len(lengths), max_size=len(lengths)))
-    shared = data.draw(st.integers(0, min(lengths)))
-    longest = max(p + o for p, o in zip(lengths, outputs))
-    engine = LLMEngine("tiny", block_size=block_size, num_blocks=-(-longest // block_size) + n + slack,
-                       num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=caching, scheduling=scheduling,
-                       preemption_mode="swap" if swap else "recompute", max_num_batched_tokens=budget,
-                       max_num_seqs=n + extra_seqs)
-    params = [SamplingParams(max_tokens=o, n=n, ignore_eos=True) for o in outputs]
-    admitted_after = run_with_staggered_arrivals(engine, make_prompts(lengths, shared, seed), params,
-                                                 list(itertools.accumulate(gaps)))
-    workload = Workload("twin", np.zeros(len(lengths)), np.array(lengths), np.array(outputs), n=n,
-                        shared_prefix_tokens=shared)
-    replayed = replay(workload, sim_config(engine, fixed_profile(block_size)), admitted_after)
+    engine = LLMEngine("tiny", **case.engine)
+    params = [SamplingParams(max_tokens=o, n=case.n, ignore_eos=True) for o in case.outputs]
+    admitted_after = run_with_staggered_arrivals(engine, case.prompts, params, case.arrival_steps)
+    workload = Workload("twin", np.zeros(len(case.lengths)), np.array(case.lengths), np.array(case.outputs),
+                        n=case.n, shared_prefix_tokens=case.shared_prefix)
+    replayed = replay(workload, sim_config(engine, fixed_profile(case.engine["block_size"])), admitted_after)
     assert_same_plan(engine.step_log(), replayed)
-    assert [len(o) for r in sorted(engine.finished, key=lambda r: r.request_id) for o in r.outputs] == \
-        [o for o in outputs for _ in range(n)]
+    finished = sorted(engine.finished, key=lambda r: r.request_id)
+    assert [len(o) for r in finished for o in r.outputs] == [o for o in case.outputs for _ in range(case.n)]
 
 def test_samples_count_against_max_num_seqs():
     """Three requests of n=4 under max_num_seqs=8: at most 8 sequences ever run (the old engine ran 12)."""

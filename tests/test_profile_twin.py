@@ -432,6 +432,49 @@ def test_timed_arrivals_replay_the_real_schedule_step_for_step():
     assert table.loc["replay_step_time_median", "rel_error"] >= 0
 
 
+
+@pytest.mark.parametrize("modes", [dict(num_blocks=60), dict(num_blocks=16, num_cpu_blocks=8, scheduling="chunked",
+                                                             preemption_mode="swap", max_num_batched_tokens=24)],
+                         ids=["plain", "chunked-swap"])
+def test_the_simulator_s_clock_queues_arrivals_as_the_engine_and_the_replay_do(monkeypatch, modes):
+    """On its clock the simulator queues a request before the first step that starts at or after its arrival (a
+    request arriving during a step joins at the next one, as in ``run_real``), and a step after an idle gap of
+    ``IDLE_GAP_S`` or more is priced as such; the replay, given the steps at which the clock queued each request and
+    the idle steps, reproduces that run step for step, durations included."""
+    workload = synthetic_workload(SyntheticSpec(preset="random", num_requests=40, input_len=24, output_len=10,
+                                                range_ratio=0.5, rate=20.0, burstiness=0.3, seed=4))
+    engine = {"scheduling": "prefill-first", "preemption_mode": "recompute", "num_cpu_blocks": 0,
+              "max_num_batched_tokens": 4096, **modes}
+    config = SimConfig(allocator="paged", block_size=4, capacity_tokens=engine["num_blocks"] * 4, max_model_len=4096,
+                       scheduling=engine["scheduling"], preemption_mode=engine["preemption_mode"],
+                       num_cpu_blocks=engine["num_cpu_blocks"], max_num_batched_tokens=engine["max_num_batched_tokens"],
+                       profile=fixed_profile(), record_steps=True)
+    queued_after, step_starts, idle_steps = [], {}, []
+    arrive, iterate = Simulator._arrive, Simulator._iterate
+
+    def recording_arrive(sim, request):
+        queued_after.append(sim.scheduler.num_steps)
+        arrive(sim, request)
+
+    def recording_iterate(sim):
+        step_starts.setdefault(sim.scheduler.num_steps, sim.time)
+        if sim.after_idle:
+            idle_steps.append(sim.scheduler.num_steps)
+        iterate(sim)
+
+    monkeypatch.setattr(Simulator, "_arrive", recording_arrive)
+    monkeypatch.setattr(Simulator, "_iterate", recording_iterate)
+    clocked = Simulator(workload, config).run().steps
+    monkeypatch.undo()
+    starts = [step_starts[step] for step in range(len(clocked))] + [math.inf]
+    for arrival, steps_before in zip(workload.arrival_s, queued_after):
+        assert (steps_before == 0 or starts[steps_before - 1] < arrival) and arrival <= starts[steps_before]
+    assert idle_steps and 0 < sum(a > 0 for a in queued_after) < len(workload)
+    assert any(arrival < starts[steps_before] for arrival, steps_before in zip(workload.arrival_s, queued_after))
+    if engine["preemption_mode"] == "swap":
+        assert clocked["num_swapped_out"].sum() > 0
+    pd.testing.assert_frame_equal(replay(workload, config, queued_after, idle_steps), clocked)
+
 def test_the_fidelity_benchmark_reports_every_metric_for_every_load(monkeypatch):
     from simulator import twin
 

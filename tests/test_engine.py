@@ -71,6 +71,26 @@ def test_prefix_caching_saves_blocks_and_keeps_outputs():
     assert results[True][1] == results[False][1] - 4
 
 
+
+@pytest.mark.parametrize("block_size", [1, 3, 7, 16])
+@pytest.mark.parametrize("shared_len,tail_len", [(16, 40), (64, 3)], ids=["short-prefix", "long-prefix"])
+def test_prefills_after_a_prefix_cache_hit_match_hf_forward(block_size, shared_len, tail_len):
+    """A prompt whose prefix is cached attends to it from the paged cache: with a prefix shorter than the new tokens
+    the prefix's rows are padded with zero queries and run causally, with a longer one under an explicit mask; both
+    give HF's logits."""
+    generator = torch.Generator().manual_seed(block_size * 100 + shared_len)
+    shared = torch.randint(0, 1024, (shared_len,), generator=generator).tolist()
+    engine = LLMEngine("tiny", block_size=block_size, num_blocks=512, record_logits=True)
+    engine.generate([shared + [5]], SamplingParams(max_tokens=1))
+    prompt = shared + torch.randint(0, 1024, (tail_len,), generator=generator).tolist()
+    engine.generate([prompt], SamplingParams(max_tokens=4))
+    cached = engine.block_manager.prefix_cache_stats.hit_blocks * block_size
+    assert cached == shared_len // block_size * block_size and (cached < len(prompt) - cached) == (shared_len == 16)
+    seq = engine.finished[-1]
+    with torch.no_grad():
+        reference = engine.hf_model(torch.tensor([prompt + seq.token_ids[:-1]])).logits[0, len(prompt) - 1:].float()
+    assert torch.allclose(engine.recorded_logits[seq.request_id][0], reference, atol=1e-4, rtol=1e-4)
+
 def test_parallel_sampling_shares_prompt_blocks_and_copies_on_write():
     engine = LLMEngine("tiny", block_size=8, num_blocks=64)
     prompt = list(range(20))  # 2 full blocks + a partial block of 4

@@ -345,6 +345,22 @@ def test_the_twin_plans_the_engine_s_schedule(case):
         assert table.loc["preemptions", "real"] > 0
 
 
+
+@pytest.mark.parametrize("sharing", ["system prompt", "mooncake hash_ids"])
+def test_the_twin_plans_the_engine_s_prefix_cache_hits(sharing):
+    """Where the workload shares prefixes, the real run's prompts share them too (its own ids hashed into the
+    vocabulary), so the engine's prefix cache hits where the simulator's does and the schedules stay identical.
+    With random prompts the engine prefilled the shared tokens again: the schedules parted at the second step."""
+    if sharing == "system prompt":
+        workload = synthetic_workload(SyntheticSpec(preset="random", num_requests=12, input_len=40, output_len=8,
+                                                    range_ratio=0.5, shared_prefix_tokens=24, seed=2))
+    else:  # a Mooncake trace's 512-token blocks: two conversations share their first block, one shares nothing
+        workload = Workload("mooncake", np.zeros(3), np.array([600, 700, 300]), np.array([4, 6, 5]),
+                            prompt_block_ids=[[0, 1], [0, 2], [3]])
+    result = run_twin(workload, TwinConfig(engine=EngineConfig(block_size=4, num_blocks=1024)), fixed_profile())
+    assert result.first_difference == "", result.first_difference
+    assert result.real_steps["num_prefill_tokens"].sum() < workload.prompt_tokens.sum()  # the cache hit
+
 def test_the_real_run_is_warmed_up_on_its_own_workload_s_first_steps(monkeypatch):
     """Before the clock starts, throw-away engines run the workload's first steps (its largest prefill), so the
     timed run's first step does not fault in memory a long-running engine would have mapped; the timed engine's

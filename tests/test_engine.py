@@ -91,6 +91,52 @@ def test_prefills_after_a_prefix_cache_hit_match_hf_forward(block_size, shared_l
         reference = engine.hf_model(torch.tensor([prompt + seq.token_ids[:-1]])).logits[0, len(prompt) - 1:].float()
     assert torch.allclose(engine.recorded_logits[seq.request_id][0], reference, atol=1e-4, rtol=1e-4)
 
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (16, 8, 128), (8, 8, 64)])
+@pytest.mark.parametrize("cached,new", [(300, 256), (1000, 257), (513, 300)])
+def test_split_prefill_attention_matches_a_float64_reference(dtype, tolerance, heads, kv_heads, head_dim, cached,
+                                                             new):
+    """A long chunk after a longer cached prefix, on a CPU: two flash passes merged by their log-sum-exps give the
+    masked causal attention, by relative error against float64."""
+    import types
+
+    from lab.model import _FLASH_ATTENTION_CPU, PagedQwen3
+
+    if _FLASH_ATTENTION_CPU is None:
+        pytest.skip("this torch has no CPU flash attention with a log-sum-exp; the engine uses the mask")
+    q = torch.randn(new, heads, head_dim).to(dtype)
+    k, v = (torch.randn(cached + new, kv_heads, head_dim).to(dtype) for _ in range(2))
+    scale = head_dim ** -0.5
+    out = PagedQwen3._split_prefill_attention(types.SimpleNamespace(scale=scale), q, k, v, cached)
+    mask = torch.arange(cached + new)[None, :] <= torch.arange(new)[:, None] + cached
+    reference = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(0, 1)[None], k.double().transpose(0, 1)[None], v.double().transpose(0, 1)[None],
+        attn_mask=mask, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert ((out.double() - reference).norm() / reference.norm()).item() < tolerance
+
+
+def test_chunked_prefill_in_split_attention_matches_hf(monkeypatch, prompts, hf_reference):
+    """With every cached chunk sent through the two flash passes, chunked prefill still gives HF's greedy tokens
+    and per-step logits."""
+    import lab.model
+
+    monkeypatch.setattr(lab.model, "SPLIT_ATTENTION_MIN_TOKENS", 1)
+    calls = []
+    split = lab.model.PagedQwen3._split_prefill_attention
+    monkeypatch.setattr(lab.model.PagedQwen3, "_split_prefill_attention",
+                        lambda self, *args: calls.append(1) or split(self, *args))
+    engine = LLMEngine("tiny", block_size=3, num_blocks=2048, scheduling="chunked", max_num_batched_tokens=13,
+                       record_logits=True)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outputs] == hf_reference and calls
+    seq = next(s for s in engine.finished if len(s.prompt_token_ids) == 71)
+    with torch.no_grad():
+        full = torch.tensor([seq.prompt_token_ids + seq.token_ids[:-1]])
+        reference = engine.hf_model(full).logits[0, len(seq.prompt_token_ids) - 1:].float()
+    assert torch.allclose(engine.recorded_logits[seq.request_id][0], reference, atol=1e-4, rtol=1e-4)
+
 def test_parallel_sampling_shares_prompt_blocks_and_copies_on_write():
     engine = LLMEngine("tiny", block_size=8, num_blocks=64)
     prompt = list(range(20))  # 2 full blocks + a partial block of 4

@@ -162,28 +162,18 @@ def run_real(workload: Workload, config: TwinConfig, hf_model=None) -> RealRun:
 
 def real_prompt_ids(workload: Workload, vocab_size: int, seed: int = 0) -> list[list[int]]:
     """The real run's prompts: random token ids, except where the workload shares prefixes (a shared system prompt,
-    a Mooncake trace's ``hash_ids``): there its own ids (``Workload.prompt_token_ids``, as the simulator's prefix
-    cache sees them) hashed into the vocabulary, so that equal blocks stay equal and the engine's prefix cache hits
-    where the simulator's does. (Random prompts there left the engine prefilling the 512 shared tokens of each
-    Mooncake conversation the simulator found cached: the schedules parted at the second step.)"""
+    a Mooncake trace's ``hash_ids``): there one random token per distinct id of the workload's own
+    (``Workload.prompt_token_ids``, as the simulator's prefix cache sees them), so that equal blocks stay equal and
+    the engine's prefix cache hits where the simulator's does. (Random prompts there left the engine prefilling the
+    512 shared tokens of each Mooncake conversation the simulator found cached: the schedules parted at the second
+    step.)"""
+    generator = np.random.default_rng(seed)
     if not workload.has_shared_prefixes:
-        generator = np.random.default_rng(seed)
         return [generator.integers(0, vocab_size, int(length)).tolist() for length in workload.prompt_tokens]
-    return [_into_vocabulary(workload.prompt_token_ids(index), vocab_size, seed) for index in range(len(workload))]
-
-
-def _into_vocabulary(token_ids: list[int], vocab_size: int, seed: int) -> list[int]:
-    """A fixed pseudo-random map of int64 ids onto ``[0, vocab_size)`` (splitmix64's finaliser): equal ids map
-    alike; two different 16-token blocks collide with probability ``vocab_size ** -16``."""
-    with np.errstate(over="ignore"):
-        mixed = np.asarray(token_ids, dtype=np.int64).view(np.uint64) + np.uint64(seed)
-        mixed *= np.uint64(0x9E3779B97F4A7C15)
-        mixed ^= mixed >> np.uint64(30)
-        mixed *= np.uint64(0xBF58476D1CE4E5B9)
-        mixed ^= mixed >> np.uint64(27)
-        mixed *= np.uint64(0x94D049BB133111EB)
-        mixed ^= mixed >> np.uint64(31)
-    return (mixed % np.uint64(vocab_size)).astype(np.int64).tolist()
+    ids = [workload.prompt_token_ids(index) for index in range(len(workload))]
+    distinct, inverse = np.unique(np.concatenate(ids), return_inverse=True)
+    tokens = generator.integers(0, vocab_size, len(distinct))[inverse]
+    return [prompt.tolist() for prompt in np.split(tokens, np.cumsum([len(prompt) for prompt in ids])[:-1])]
 
 
 def warm_up(hf_model, engine: EngineConfig, prompts: list[list[int]], params: list[SamplingParams]) -> None:

@@ -71,7 +71,6 @@ def test_prefix_caching_saves_blocks_and_keeps_outputs():
     assert results[True][1] == results[False][1] - 4
 
 
-
 @pytest.mark.parametrize("block_size", [1, 3, 7, 16])
 @pytest.mark.parametrize("shared_len,tail_len", [(16, 40), (64, 3)], ids=["short-prefix", "long-prefix"])
 def test_prefills_after_a_prefix_cache_hit_match_hf_forward(block_size, shared_len, tail_len):
@@ -136,6 +135,7 @@ def test_chunked_prefill_in_split_attention_matches_hf(monkeypatch, prompts, hf_
         full = torch.tensor([seq.prompt_token_ids + seq.token_ids[:-1]])
         reference = engine.hf_model(full).logits[0, len(seq.prompt_token_ids) - 1:].float()
     assert torch.allclose(engine.recorded_logits[seq.request_id][0], reference, atol=1e-4, rtol=1e-4)
+
 
 def test_parallel_sampling_shares_prompt_blocks_and_copies_on_write():
     engine = LLMEngine("tiny", block_size=8, num_blocks=64)

@@ -345,11 +345,10 @@ def test_the_twin_plans_the_engine_s_schedule(case):
         assert table.loc["preemptions", "real"] > 0
 
 
-
 @pytest.mark.parametrize("sharing", ["system prompt", "mooncake hash_ids"])
 def test_the_twin_plans_the_engine_s_prefix_cache_hits(sharing):
-    """Where the workload shares prefixes, the real run's prompts share them too (its own ids hashed into the
-    vocabulary), so the engine's prefix cache hits where the simulator's does and the schedules stay identical.
+    """Where the workload shares prefixes, the real run's prompts share them too (one random token per
+    distinct id of the workload's own), so the engine's prefix cache hits where the simulator's does and the schedules stay identical.
     With random prompts the engine prefilled the shared tokens again: the schedules parted at the second step."""
     if sharing == "system prompt":
         workload = synthetic_workload(SyntheticSpec(preset="random", num_requests=12, input_len=40, output_len=8,
@@ -360,6 +359,7 @@ def test_the_twin_plans_the_engine_s_prefix_cache_hits(sharing):
     result = run_twin(workload, TwinConfig(engine=EngineConfig(block_size=4, num_blocks=1024)), fixed_profile())
     assert result.first_difference == "", result.first_difference
     assert result.real_steps["num_prefill_tokens"].sum() < workload.prompt_tokens.sum()  # the cache hit
+
 
 def test_the_real_run_is_warmed_up_on_its_own_workload_s_first_steps(monkeypatch):
     """Before the clock starts, throw-away engines run the workload's first steps (its largest prefill), so the
@@ -448,7 +448,6 @@ def test_timed_arrivals_replay_the_real_schedule_step_for_step():
     assert table.loc["replay_step_time_median", "rel_error"] >= 0
 
 
-
 @pytest.mark.parametrize("modes", [dict(num_blocks=60), dict(num_blocks=16, num_cpu_blocks=8, scheduling="chunked",
                                                              preemption_mode="swap", max_num_batched_tokens=24)],
                          ids=["plain", "chunked-swap"])
@@ -490,6 +489,7 @@ def test_the_simulator_s_clock_queues_arrivals_as_the_engine_and_the_replay_do(m
     if engine["preemption_mode"] == "swap":
         assert clocked["num_swapped_out"].sum() > 0
     pd.testing.assert_frame_equal(replay(workload, config, queued_after, idle_steps), clocked)
+
 
 def test_the_fidelity_benchmark_reports_every_metric_for_every_load(monkeypatch):
     from simulator import twin

@@ -158,6 +158,7 @@ def test_fuzzed_staggered_arrivals_replay_identically(case):
     finished = sorted(engine.finished, key=lambda r: r.request_id)
     assert [len(o) for r in finished for o in r.outputs] == [o for o in case.outputs for _ in range(case.n)]
 
+
 def test_samples_count_against_max_num_seqs():
     """Three requests of n=4 under max_num_seqs=8: at most 8 sequences ever run (the old engine ran 12)."""
     engine = LLMEngine("tiny", num_blocks=512, max_num_seqs=8)

@@ -57,14 +57,31 @@ def output_csv(text: str) -> str:
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file path")
-    folder = path.parent
+    _check_creatable(path.parent, text)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not writable")
+    return text
+
+
+def output_folder(text: str) -> str:
+    """A folder that exists and is writable, or can be created (checked before any run)."""
+    from pathlib import Path
+
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; give a folder")
+    _check_creatable(path, text)
+    return text
+
+
+def _check_creatable(folder, text: str) -> None:
+    """``folder`` exists and is writable, or its nearest existing ancestor is a writable folder."""
+    import os
+
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text!r}: cannot write into {str(folder)!r}")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{text!r} exists and is not writable")
-    return text
 
 
 def _int_at_least(text: str, low: int) -> int:

@@ -178,7 +178,10 @@ class Profile:
             raise ProfileError(f"the profile was measured with block_size {self.block_size}, not {block_size}")
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=1))
+        """Write the profile as JSON to ``path``, creating its folders (``--out`` checked that they can be)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":

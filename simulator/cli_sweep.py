@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from lab.cli_args import positive_float, positive_int
+from lab.cli_args import output_csv, output_folder, positive_float, positive_int
 from lab.results import print_and_save
 
 from .sweep import GridError, failed_runs, load_grid, run_sweep, save_table
@@ -14,8 +14,6 @@ from .sweep import GridError, failed_runs, load_grid, run_sweep, save_table
 
 def output_table(text: str) -> str:
     """A ``.parquet`` or ``.csv`` path that can be written (checked before any run)."""
-    from lab.cli_args import output_csv
-
     if Path(text).suffix not in (".parquet", ".csv"):
         raise argparse.ArgumentTypeError(f"{text!r}: expected a .parquet or .csv file")
     return output_csv(text)
@@ -168,7 +166,7 @@ def paper_main(argv: list[str]) -> int:
                                             "one CSV per figure and summary.csv (figure, quantity, paper, lab, "
                                             "verdict).")
     p.add_argument("--figure", default="all", choices=[*FIGURES, "all"])
-    p.add_argument("--out", default="benchmarks/results/paper", help="folder for the CSVs")
+    p.add_argument("--out", type=output_folder, default="benchmarks/results/paper", help="folder for the CSVs")
     p.add_argument("--no-tiny", action="store_true",
                    help="skip the real tiny-engine runs beside Figures 18 and 19 (they take minutes on a CPU)")
     p.add_argument("--num-requests", type=positive_int, default=2000)

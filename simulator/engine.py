@@ -392,14 +392,15 @@ class Simulator:
             self.admission_s = 0.0
         end = self.time + duration
         self.generated_tokens += out.num_decode_seqs + len(out.prefill_done)
+        # sampled before any sequence finishes: a one-token request holds its prompt during the step that prefills it
+        values = self.policy.memory_sample(scheduler.held_tokens())
+        self.metrics.accumulate(values, len(scheduler.running), duration)
         if out.prefill_done:
             for seq in out.prefill_done:
                 self._start_decoding(seq, end)
         if out.swapped_in:
             for seq in out.swapped_in:
                 self._schedule_done(seq)
-        values = self.policy.memory_sample(scheduler.held_tokens())
-        self.metrics.accumulate(values, len(scheduler.running), duration)
         self.time = end
         if scheduler.step != step_before:
             running = scheduler.running

@@ -96,6 +96,8 @@ BAD_INVOCATIONS = [
     ("simulator", ["--timeseries", "/proc/version/ts.csv"], "cannot write"),
     ("lab", ["generate", "--out", "/proc/version/m.csv"], "cannot write"),
     ("lab", ["bench", "block-manager", "--out", "tests"], "is a folder"),
+    ("simulator", ["paper", "--out", "README.md"], "is a file"),
+    ("simulator", ["paper", "--out", "/proc/version/paper"], "cannot write"),
 ]
 
 

@@ -162,8 +162,9 @@ def test_a_quick_profile_of_the_tiny_engine_fits_and_round_trips(tmp_path):
     assert any(s["quantities"][PREVIOUS_PREFILL_TOKENS] == 128 and s["quantities"][PREFILL_TOKENS] == 0
                for s in profile.samples)
     assert 0 < profile.add_request_s < 0.01  # measured: tens of microseconds a request
-    profile.save(tmp_path / "p.json")
-    assert Profile.load(tmp_path / "p.json") == profile
+    path = tmp_path / "new" / "folder" / "p.json"  # as `--out` allows: folders created, not a lost profile
+    profile.save(path)
+    assert Profile.load(path) == profile
 
 
 def test_profiling_keeps_freed_memory_for_reuse():

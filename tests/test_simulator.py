@@ -77,6 +77,19 @@ def test_unconstrained_memory_closed_forms():
     assert pow2["internal_frag_frac"] > 0 and oracle_summary["internal_frag_frac"] == 0
 
 
+def test_a_one_token_request_holds_its_prompt_during_its_prefill():
+    """A request that wants one token finishes in the step that prefills it, and its prompt's KV is held during that
+    step: one step, every slot the prompts fill, for every allocator (oracle and paged B=1 waste none)."""
+    workload = synthetic_workload(SyntheticSpec(preset="fixed", num_requests=6, input_len=30, output_len=1,
+                                                max_model_len=64))
+    for allocator, extra in (("contiguous-oracle", {}), ("paged", dict(block_size=1))):
+        result = run(workload, allocator=allocator, capacity_tokens=1000, max_model_len=64, **extra)
+        assert result.summary["iterations"] == 1 and result.summary["num_requests_completed"] == 6
+        assert result.summary["token_states_frac"] == pytest.approx(6 * 30 / result.summary["capacity_tokens"])
+        assert result.summary["peak_allocated_frac"] == pytest.approx(6 * 30 / result.summary["capacity_tokens"])
+        assert result.summary["peak_batch_size"] == 6
+
+
 class RecordingManager(KVBlockManager):
     """A block manager that logs the policy's calls into it (not the calls it makes into itself)."""
 

@@ -5,6 +5,7 @@ import streamlit as st
 
 import simulator
 from simulator import charts
+from simulator.metrics import rejection_warning
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
 
 cached_workload = st.cache_data(simulator.make_workload, show_spinner=False)
@@ -112,8 +113,7 @@ series: dict = st.session_state["sim_series"]
 st.caption("Workload: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                     for k, v in st.session_state["sim_workload"].items()))
 for row in summary[summary["num_requests_rejected"] > 0].itertuples():
-    st.warning(f"{row.allocator} (B={row.block_size}): {row.num_requests_rejected} of {row.num_requests} requests "
-               f"were rejected ({row.rejection_reasons}): they can never run in this configuration.")
+    st.warning(rejection_warning(row._replace(allocator=f"{row.allocator} (B={row.block_size})")) + ".")
 chart(charts.waste_bars(summary), "waste_bars")
 tabs = st.tabs(list(series))
 for tab, (label, frame) in zip(tabs, series.items()):

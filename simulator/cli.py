@@ -14,6 +14,7 @@ from lab.results import print_and_save, save_csv
 
 from .allocators import ALLOCATORS
 from .engine import SimConfig, Simulator
+from .metrics import rejection_warning
 from .models import GPUS, MODELS
 from .presets import PAPER_FIGURE2_TOKEN_STATES, figure2_experiment, make_configs
 from .workloads import SYNTHETIC_PRESETS, SyntheticSpec, load_trace, synthetic_workload
@@ -158,8 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     save_csv(timeseries, args.timeseries)
     for row in summary.itertuples():
         if row.num_requests_rejected:
-            print(f"warning: {row.allocator}: {row.num_requests_rejected} of {row.num_requests} requests were "
-                  f"rejected ({row.rejection_reasons}): they can never run in this configuration", file=sys.stderr)
+            print(f"warning: {rejection_warning(row)}", file=sys.stderr)
     if (summary["num_requests_completed"] == 0).all():
         print("error: no request completed in any configuration (see the rejections above)", file=sys.stderr)
         return 1

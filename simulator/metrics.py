@@ -100,6 +100,19 @@ def row(stats: StepStats, values: tuple, preemptions: int, prefix_cache_hits: in
     return (*_step_fields(stats), *values, preemptions, prefix_cache_hits)
 
 
+REJECTION_REASONS = {"max_model_len": "longer than max_model_len (prompt + output)",
+                     "capacity": "larger than the whole KV pool", "n": "more samples than max_num_seqs"}
+
+
+def rejection_warning(row) -> str:
+    """The sentence a CLI or page shows for a summary row (``allocator``, ``num_requests``, ``num_requests_rejected``,
+    ``rejection_reasons`` as ``reason=count;...``) with rejected requests."""
+    counts = (part.split("=") for part in filter(None, row.rejection_reasons.split(";")))
+    why = ", ".join(f"{count} {REJECTION_REASONS.get(reason, reason)}" for reason, count in counts)
+    return (f"{row.allocator}: {row.num_requests_rejected} of {row.num_requests} requests were rejected ({why}): they "
+            f"can never run in this configuration")
+
+
 def latency_summary(requests: pd.DataFrame, n: int = 1) -> dict:
     """TTFT, TPOT and end-to-end latency p50/p90/p99 (seconds) over completed requests, and the normalized
     latency (mean seconds per output token)."""

@@ -11,6 +11,7 @@ from hypothesis import example, given
 from lab.block_manager import KVBlockManager
 from simulator import (ALLOCATORS, CATEGORIES, SimConfig, Simulator, SyntheticSpec, simulate, synthetic_workload)
 from simulator.cli import SUMMARY_COLUMNS, main
+from simulator.metrics import rejection_warning
 from simulator.presets import figure2_experiment
 
 
@@ -224,11 +225,19 @@ def test_cli_writes_summary_and_timeseries(tmp_path, capsys):
     assert main(["--allocators", "bogus", "--no-progress"]) == 2
     assert main(["--workload", "nope.csv", "--no-progress"]) == 2
     capsys.readouterr()
-    # every request longer than max_model_len: rejected, counted, and the run fails loudly
+    # every request larger than the KV pool: rejected, counted, and the run fails loudly
     assert main(["--workload", "fixed", "--num-requests", "5", "--capacity-tokens", "100", "--allocators", "paged",
                  "--no-progress"]) == 1
     printed = capsys.readouterr()
-    assert "5 of 5 requests were rejected (capacity=5)" in printed.err and "no request completed" in printed.err
+    assert "5 of 5 requests were rejected (5 larger than the whole KV pool)" in printed.err and "no request completed" in printed.err
+
+
+def test_rejection_warnings_say_why_in_words():
+    row = pd.Series(dict(allocator="paged", num_requests=300, num_requests_rejected=170,
+                         rejection_reasons="capacity=3;max_model_len=167"))
+    assert rejection_warning(row) == ("paged: 170 of 300 requests were rejected (3 larger than the whole KV pool, 167 "
+                                      "longer than max_model_len (prompt + output)): they can never run in this "
+                                      "configuration")
 
 
 @settings(max_examples=30, deadline=None)

@@ -188,7 +188,8 @@ def _spec_dict(spec: SyntheticSpec) -> dict:
 # ---- traces ---------------------------------------------------------------------------------------------------------
 def load_trace(path: str | Path, time_scale: float = 1.0, max_rows: int | None = None, fmt: str | None = None) -> Workload:
     """Load a trace file: Azure LLM CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``), Mooncake JSONL
-    (``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``) or generic CSV
+    (``timestamp`` ms, ``input_length``, ``output_length``, and ``hash_ids`` in every row or none: without them no
+    prompt shares a prefix) or generic CSV
     (``arrival_time_s,prompt_tokens,output_tokens``). Arrival offsets are multiplied by ``time_scale``."""
     path = Path(path)
     if not path.is_file():
@@ -286,7 +287,10 @@ def _check_sorted(path: Path, times: np.ndarray, column: str, first_row: int = 2
 
 def _load_azure(path: Path, max_rows: int | None) -> Workload:
     frame = _read_csv(path, ["TIMESTAMP", "ContextTokens", "GeneratedTokens"], max_rows)
-    stamps = pd.to_datetime(frame["TIMESTAMP"].str.strip(), errors="coerce", format="ISO8601")
+    try:
+        stamps = pd.to_datetime(frame["TIMESTAMP"].str.strip(), errors="coerce", format="ISO8601")
+    except ValueError as exc:  # e.g. time zones given in some rows only
+        raise TraceFormatError(f"{path}: column TIMESTAMP: {exc}") from None
     if stamps.isna().any():
         row = int(np.argmax(stamps.isna().to_numpy()))
         raise TraceFormatError(f"{path}: row {row + 2}, column TIMESTAMP: {frame['TIMESTAMP'].iloc[row]!r} is not "
@@ -308,7 +312,7 @@ def _load_generic(path: Path, max_rows: int | None) -> Workload:
 
 
 def _load_mooncake(path: Path, max_rows: int | None) -> Workload:
-    times, prompts, outputs, block_ids = [], [], [], []
+    times, prompts, outputs, block_ids, first_line = [], [], [], [], 0
     with open(path, encoding="utf-8") as handle:
         for line_no, line in enumerate(handle, 1):
             if max_rows is not None and len(times) >= max_rows:
@@ -316,6 +320,11 @@ def _load_mooncake(path: Path, max_rows: int | None) -> Workload:
             if not line.strip():
                 continue
             record = _mooncake_record(path, line_no, line)
+            if block_ids and (block_ids[0] is None) != (record[3] is None):
+                raise TraceFormatError(f"{path}: row {line_no}, column hash_ids: "
+                                       f"{'missing' if record[3] is None else 'given'} here but not in row "
+                                       f"{first_line} (give every row its hash_ids, or none)")
+            first_line = first_line or line_no
             times.append(record[0])
             prompts.append(record[1])
             outputs.append(record[2])
@@ -325,7 +334,7 @@ def _load_mooncake(path: Path, max_rows: int | None) -> Workload:
     arrival = np.asarray(times, dtype=np.float64) / 1000.0
     _check_sorted(path, arrival, "timestamp", first_row=1)
     return Workload(path.stem, arrival, np.asarray(prompts, np.int64), np.asarray(outputs, np.int64),
-                    prompt_block_ids=block_ids, source=str(path))
+                    prompt_block_ids=None if block_ids[0] is None else block_ids, source=str(path))
 
 
 def _mooncake_record(path: Path, line_no: int, line: str):
@@ -347,7 +356,9 @@ def _mooncake_record(path: Path, line_no: int, line: str):
             raise TraceFormatError(f"{path}: row {line_no}, column {column}: {value!r} tokens is more than "
                                    f"{MAX_TRACE_TOKENS} (int32)")
         values.append(value)
-    hash_ids = record.get("hash_ids")
+    if "hash_ids" not in record:  # no prefix information: nothing shared
+        return values[0], int(values[1]), int(values[2]), None
+    hash_ids = record["hash_ids"]
     expected = math.ceil(values[1] / MOONCAKE_BLOCK_TOKENS)
     if not isinstance(hash_ids, list) or len(hash_ids) != expected or \
             not all(type(h) is int and -2**63 <= h < 2**63 for h in hash_ids):

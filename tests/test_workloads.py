@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from simulator import SimConfig, Simulator, TraceFormatError, load_trace
+from simulator import SimConfig, Simulator, TraceFormatError, load_trace, simulate
 
 
 def test_azure_trace_loads_and_replays(traces_dir):
@@ -97,6 +97,18 @@ def test_azure_errors(tmp_path):
         load_trace(write(tmp_path, "c.csv", header + "2023-11-16 18:15:46.6805900,374,x\n"))
     workload = load_trace(write(tmp_path, "d.csv", header + good + "2023-11-16 18:15:47.1805900,3,4\n"))
     assert workload.arrival_s[1] == pytest.approx(0.5)
+    with pytest.raises(TraceFormatError, match=r"e.csv: column TIMESTAMP: .*timezone"):  # not pandas' bare error
+        load_trace(write(tmp_path, "e.csv", header + good + "2023-11-16 18:15:47+02:00,3,4\n"))
+
+
+def test_mooncake_lines_without_hash_ids_share_nothing(tmp_path):
+    rows = [{"timestamp": 0, "input_length": 600, "output_length": 5}, {"timestamp": 40, "input_length": 600,
+                                                                        "output_length": 3}]
+    workload = load_trace(write(tmp_path, "plain.jsonl", "\n".join(map(json.dumps, rows)) + "\n"))
+    assert workload.prompt_block_ids is None and not workload.has_shared_prefixes
+    assert list(workload.prompt_tokens) == [600, 600] and workload.arrival_s[1] == pytest.approx(0.04)
+    result = simulate(workload, SimConfig(allocator="paged", capacity_tokens=4096))
+    assert result.summary["num_requests_completed"] == 2 and result.summary["prefix_cache_hit_blocks"] == 0
 
 
 def test_mooncake_errors(tmp_path):
@@ -107,11 +119,16 @@ def test_mooncake_errors(tmp_path):
         (json.dumps({"timestamp": 5, "input_length": 10, "output_length": 5, "hash_ids": [1, 2]}), "row 2, column hash_ids"),
         (json.dumps({"timestamp": 5, "output_length": 5, "hash_ids": [1]}), "row 2, column input_length"),
         (json.dumps({"timestamp": float("nan"), "input_length": 1, "output_length": 5, "hash_ids": [1]}), "column timestamp"),
+        (json.dumps({"timestamp": 5, "input_length": 10, "output_length": 5}),
+         "row 2, column hash_ids: missing here but not in row 1"),
     ]
     for index, (line, words) in enumerate(cases):
         path = write(tmp_path, f"m{index}.jsonl", ok + "\n" + line + "\n")
         with pytest.raises(TraceFormatError, match=words.replace("(", r"\(")):
             load_trace(path)
+    given = json.dumps({"timestamp": 0, "input_length": 10, "output_length": 5})
+    with pytest.raises(TraceFormatError, match="row 3, column hash_ids: given here but not in row 1"):
+        load_trace(write(tmp_path, "g.jsonl", given + "\n\n" + ok.replace("0", "9", 1) + "\n"))
     unsorted = json.dumps({"timestamp": -5 + 0, "input_length": 1, "output_length": 5, "hash_ids": [1]})
     with pytest.raises(TraceFormatError, match="not sorted"):
         load_trace(write(tmp_path, "u.jsonl", json.dumps({"timestamp": 10, "input_length": 1, "output_length": 1,

@@ -123,8 +123,7 @@ def twin_steps(real: pd.DataFrame, simulated: pd.DataFrame, column: str, title: 
             frame = pd.DataFrame({"elapsed_s": ends, "value": steps[column]})
         frames.append(frame.assign(run=label))
     figure = px.line(pd.concat(frames, ignore_index=True), x="elapsed_s", y="value", color="run", title=title,
-                     line_shape="hv", labels={"elapsed_s": "elapsed s (each run's own clock)",
-                                              "value": f"{column} per s" if per_second else column})
+                     line_shape="hv", labels={"elapsed_s": "elapsed s (each run's own clock)", "value": title})
     return figure.update_layout(height=320)
 
 

@@ -74,6 +74,7 @@ def test_the_twin_s_tokens_per_second_are_counted_in_time_windows():
     simulated = real.assign(duration_s=0.01)  # twice as fast
     figure = twin_steps(real, simulated, "num_decode_seqs", "Decode tokens/s", per_second=True, windows=20)
     by_run = {trace.name: trace for trace in figure.data}
+    assert figure.layout.yaxis.title.text == "Decode tokens/s"  # what is plotted, not the step-log column's name
     assert len(by_run["real"].x) == 20 and len(by_run["simulated"].x) == 10  # windows of 0.1 s over 2 s and 1 s
     assert by_run["real"].y[5] == pytest.approx(400.0) and by_run["simulated"].y[5] == pytest.approx(800.0)
     # the total over the windows is every token, once

@@ -44,8 +44,9 @@ class GridError(ValueError):
 
 @dataclass(slots=True)
 class SweepResult:
-    """``table``: one row per run of the grid (config columns, then summary columns, then ``error``); ``ran``: how
-    many runs this invocation computed (the others came from the store); ``ray_init_s``: Ray's start-up time."""
+    """``table``: one row per point of the grid (config columns, then summary columns, then ``error``; points that
+    share a run, see ``spec_key``, share its ``run_key``); ``ran``: how many runs this invocation computed (the others
+    came from the store or are shared); ``ray_init_s``: Ray's start-up time."""
 
     table: pd.DataFrame
     ran: int
@@ -109,8 +110,13 @@ def check_spec(spec: dict) -> None:
 
 
 def spec_key(spec: dict) -> str:
-    """The run's identity: a hash of its full spec."""
-    text = json.dumps({"version": SPEC_VERSION, **spec}, sort_keys=True, default=str)
+    """The run's identity: a hash of its full spec, less a contiguous allocator's ``block_size`` (it places whole
+    regions and ignores it; with a profile the block size is checked, so it stays): grid points that differ only
+    there share one run."""
+    fields = dict(spec)
+    if fields.get("allocator", SIM_DEFAULTS["allocator"]) != "paged" and fields.get("profile") is None:
+        fields.pop("block_size", None)
+    text = json.dumps({"version": SPEC_VERSION, **fields}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -182,10 +188,11 @@ class ResultStore:
         text = json.dumps({k: _plain(v) for k, v in row.items()})
         self.db.execute("INSERT OR REPLACE INTO runs VALUES (?, ?)", (row["run_key"], text))
 
-    def get(self, keys: list[str]) -> pd.DataFrame:
-        """The stored rows of ``keys``, in that order (keys not stored are left out)."""
+    def table(self, keys: list[str], specs: list[dict]) -> pd.DataFrame:
+        """One row per (``keys[i]``, ``specs[i]``) whose run is stored, in that order: the stored row with the spec's
+        own values (runs shared by several grid points appear once per point)."""
         rows = dict(self.db.execute("SELECT run_key, row FROM runs"))
-        return pd.DataFrame([json.loads(rows[key]) for key in keys if key in rows])
+        return pd.DataFrame([{**json.loads(rows[key]), **spec} for key, spec in zip(keys, specs) if key in rows])
 
 
 def _plain(value):
@@ -246,7 +253,7 @@ def run_sweep(grid: dict[str, list], store: str | Path, parallel: bool = True, a
             if should_stop is not None and should_stop(done, len(todo)):
                 break
     bar.close()
-    return SweepResult(tidy(results.get(list(dict.fromkeys(keys))), list(grid)), len(todo), ray_init_s)
+    return SweepResult(tidy(results.table(keys, specs), list(grid)), len(todo), ray_init_s)
 
 
 def _run_on_ray(todo: list[tuple[str, dict]], results: ResultStore, bar, should_stop) -> None:

@@ -28,12 +28,25 @@ def local_ray():
 def test_a_sweep_equals_the_same_runs_done_serially(tmp_path, local_ray):
     parallel = run_sweep(GRID, tmp_path / "ray.sqlite", progress=False)
     serial = run_sweep(GRID, tmp_path / "serial.sqlite", parallel=False, progress=False)
-    assert parallel.ran == serial.ran == len(expand(GRID)) == 8
+    # 8 grid points, 6 runs: contiguous-oracle ignores the block size, so its two block sizes share one run per rate
+    assert parallel.ran == serial.ran == 6 and len(parallel.table) == len(expand(GRID)) == 8
     pd.testing.assert_frame_equal(parallel.table, serial.table, check_exact=True)  # bit-equal summaries
+    oracle = parallel.table[parallel.table["allocator"] == "contiguous-oracle"]
+    assert sorted(oracle["block_size"]) == [8, 8, 16, 16] and oracle["run_key"].nunique() == 2
+    by_rate = oracle.drop(columns="block_size").groupby("rate")
+    assert (by_rate.nunique(dropna=False) == 1).all().all()  # the shared run's row, once per grid point
     assert (parallel.table["error"] == "").all() and list(parallel.table.columns[1:6]) == list(GRID)
     again = run_sweep(GRID, tmp_path / "ray.sqlite", progress=False)
     assert again.ran == 0 and again.ray_init_s == 0.0
     pd.testing.assert_frame_equal(again.table, parallel.table, check_exact=True)
+
+
+def test_only_the_fields_a_run_reads_make_its_key():
+    spec = expand(check_grid({"allocator": ["contiguous-max"], "block_size": [8]}))[0]
+    assert spec_key(spec) == spec_key({**spec, "block_size": 32})  # a contiguous region has no blocks
+    assert spec_key({**spec, "allocator": "paged"}) != spec_key({**spec, "allocator": "paged", "block_size": 32})
+    profiled = {**spec, "profile": "p.json"}  # a profile is checked against the block size: it stays in the key
+    assert spec_key(profiled) != spec_key({**profiled, "block_size": 32})
 
 
 def _ray_worker_running(task: str) -> int | None:
@@ -62,9 +75,9 @@ def test_killing_a_worker_mid_sweep_still_gives_every_row_once(tmp_path, local_r
     os.kill(killed, signal.SIGKILL)
     thread.join(timeout=300)
     table = outcome["result"].table
-    assert len(table) == len(expand(grid)) == table["run_key"].nunique() == 16
+    assert len(table) == len(expand(grid)) == 16 and table["run_key"].nunique() == 12  # 4 shared oracle runs
     assert (table["error"] == "").all()
-    assert len(ResultStore(store).keys()) == 16
+    assert len(ResultStore(store).keys()) == 12
 
 
 def test_a_trace_grid_scales_its_arrivals_to_each_rate(tmp_path, traces_dir):

@@ -36,3 +36,10 @@ def test_median_seconds_warms_up_then_takes_the_median():
     calls = []
     seconds = median_seconds(lambda: calls.append(1), repeats=5, warmup=2)
     assert len(calls) == 7 and 0 <= seconds < 0.1
+
+
+def test_the_sweep_bench_grid_is_200_distinct_runs():
+    from simulator.bench import SWEEP_GRID
+    from simulator.sweep import expand, spec_key
+
+    assert len({spec_key(spec) for spec in expand(SWEEP_GRID)}) == len(expand(SWEEP_GRID)) == 200

@@ -3,6 +3,8 @@ one ``error:`` line naming the flag) before any work starts."""
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 
 def positive_int(text: str) -> int:
@@ -49,9 +51,6 @@ def device(text: str) -> str:
 def output_csv(text: str) -> str:
     """A CSV path that can be written: not a folder, its folder creatable and writable (checked before any run, so
     no result is lost at the end). An empty string means: write nothing."""
-    import os
-    from pathlib import Path
-
     if not text:
         return text
     path = Path(text)
@@ -65,8 +64,6 @@ def output_csv(text: str) -> str:
 
 def output_folder(text: str) -> str:
     """A folder that exists and is writable, or can be created (checked before any run)."""
-    from pathlib import Path
-
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file; give a folder")
@@ -74,10 +71,8 @@ def output_folder(text: str) -> str:
     return text
 
 
-def _check_creatable(folder, text: str) -> None:
+def _check_creatable(folder: Path, text: str) -> None:
     """``folder`` exists and is writable, or its nearest existing ancestor is a writable folder."""
-    import os
-
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     if not folder.is_dir() or not os.access(folder, os.W_OK):

@@ -262,6 +262,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling or self.swapped)
 
+    @property
+    def num_running_seqs(self) -> int:
+        """Sequences in the batch: decoding, and (chunked) admitted with their prompt partly computed."""
+        return len(self.running) + len(self.prefilling)
+
     def held_tokens(self) -> int:
         """KV tokens of running and prefilling sequences on the GPU (a shared block counted once per holder)."""
         tokens = self.len_offset + len(self.running) * self.step
@@ -314,7 +319,7 @@ class Scheduler:
         if not want_stats and self.step_log is None:
             return None
         stats = StepStats(out.step, out.num_prefill_tokens, out.num_decode_seqs,
-                          len(self.running) + len(self.prefilling), self.num_waiting_seqs, self.num_swapped_seqs,
+                          self.num_running_seqs, self.num_waiting_seqs, self.num_swapped_seqs,
                           self.policy.blocks_in_use(), self.policy.cpu_blocks_in_use(), len(out.preempted),
                           len(out.swapped_out), len(out.swapped_in), len(out.finished), duration_s, elapsed_s,
                           generated_tokens, self.policy.num_free_blocks(), peak_memory_bytes)

@@ -394,7 +394,7 @@ class Simulator:
         self.generated_tokens += out.num_decode_seqs + len(out.prefill_done)
         # sampled before any sequence finishes: a one-token request holds its prompt during the step that prefills it
         values = self.policy.memory_sample(scheduler.held_tokens())
-        self.metrics.accumulate(values, len(scheduler.running), duration)
+        self.metrics.accumulate(values, scheduler.num_running_seqs, duration)
         if out.prefill_done:
             for seq in out.prefill_done:
                 self._start_decoding(seq, end)

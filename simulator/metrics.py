@@ -46,7 +46,8 @@ class MetricsRecorder:
 
     def accumulate(self, values: tuple, batch: int, duration: float) -> None:
         """Weight ``values`` (a policy's ``memory_sample``: the categories, then the slots the sequences would hold
-        without sharing) and the decode batch size held during an iteration by its duration."""
+        without sharing) and the batch size (the running sequences, partly prefilled ones included) held during an
+        iteration by its duration."""
         weighted = self.weighted
         weighted[0] += values[0] * duration
         weighted[1] += values[1] * duration

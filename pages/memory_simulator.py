@@ -101,7 +101,7 @@ if st.session_state.get("sim_key") != key:
         if figure2:
             summary["paper_token_states_frac"] = summary["allocator"].map(simulator.PAPER_FIGURE2_TOKEN_STATES)
         st.session_state.update(sim_key=key, sim_summary=summary, sim_series={k: r.timeseries for k, r in runs.items()},
-                                sim_workload=workload.summary())
+                                sim_workload=workload.summary(), sim_checks=simulator.closed_form_checks(workload, runs))
         results_store().add("simulation", f"simulation: {workload.name} × {len(configs)} configs", summary)
     except USER_ERRORS as exc:
         st.session_state.pop("sim_key", None)
@@ -135,3 +135,11 @@ st.dataframe(summary[[c for c in shown if c in summary] + [c for c in ("paper_to
 csv_download(summary, "simulation_summary.csv", "dl_summary", "Download summary CSV")
 timeseries = pd.concat([f.assign(run=label) for label, f in series.items()], ignore_index=True)
 csv_download(timeseries, "simulation_timeseries.csv", "dl_timeseries", "Download timeseries CSV")
+checks: pd.DataFrame = st.session_state["sim_checks"]
+failed = checks[~checks["holds"]]
+with st.expander(f"Checks against closed forms: {len(checks) - len(failed)} of {len(checks)} hold",
+                 expanded=not failed.empty):
+    st.caption("Identities every run satisfies and bounds that follow from how each allocator holds memory "
+               "(`simulator.checks`); a row that does not hold is a simulator bug.")
+    st.dataframe(checks, hide_index=True)
+    csv_download(checks, "simulation_checks.csv", "dl_checks", "Download checks CSV")

@@ -12,6 +12,7 @@ from typing import Callable
 import pandas as pd
 
 from .allocators import ALLOCATORS
+from .checks import closed_form_checks
 from .engine import SimConfig, SimResult, Simulator, Snapshot
 from .metrics import CATEGORIES
 from .presets import PAPER_FIGURE2_TOKEN_STATES, figure2_experiment, make_configs
@@ -19,7 +20,7 @@ from .models import GPUS, MODELS, CostModel, get_gpu, get_model, kv_capacity_tok
 from .workloads import (SYNTHETIC_PRESETS, SyntheticSpec, TraceFormatError, Workload, load_trace,
                         load_trace_bytes, synthetic_workload)
 
-__all__ = ["simulate", "compare", "make_workload", "Simulator", "SimConfig", "SimResult", "Snapshot", "Workload",
+__all__ = ["simulate", "compare", "closed_form_checks", "make_workload", "Simulator", "SimConfig", "SimResult", "Snapshot", "Workload",
            "SyntheticSpec", "TraceFormatError", "ALLOCATORS", "CATEGORIES", "MODELS", "GPUS", "SYNTHETIC_PRESETS",
            "load_trace", "load_trace_bytes", "synthetic_workload", "make_configs", "figure2_experiment", "PAPER_FIGURE2_TOKEN_STATES", "CostModel", "get_model", "get_gpu", "kv_capacity_tokens"]
 
@@ -55,7 +56,7 @@ def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool
     workload = make_workload(workload, **workload_options)
     results = {}
     for index, config in enumerate(configs):
-        label = config.allocator if config.allocator != "paged" else f"paged-B{config.block_size}"
+        label = config.label
 
         def on_snapshot(snapshot, index=index):
             return None if progress is None else progress((index + snapshot.progress) / len(configs))

@@ -13,6 +13,7 @@ from lab.cli_args import non_negative_int, output_csv, positive_float, positive_
 from lab.results import print_and_save, save_csv
 
 from .allocators import ALLOCATORS
+from .checks import closed_form_checks
 from .engine import SimConfig, Simulator
 from .metrics import rejection_warning
 from .models import GPUS, MODELS
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--out", type=output_csv, default=None, help="summary CSV")
     p.add_argument("--timeseries", type=output_csv, default=None, help="timeseries CSV (all runs, tagged)")
+    p.add_argument("--checks", type=output_csv, default=None,
+                   help="CSV of the closed-form checks of every run (simulator.checks); a count is always printed")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -117,11 +120,12 @@ def _configs(args) -> list[SimConfig]:
                         max_points=args.max_points, replicas=args.replicas, router=args.router)
 
 
-def run(args) -> tuple[pd.DataFrame, pd.DataFrame]:
+def run(args) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """The summary (a row per configuration), the tagged timeseries and the closed-form checks of every run."""
     workload = _workload(args)
     configs = _configs(args)
     bar = tqdm(total=len(configs) * 100, desc="simulating", unit="%", file=sys.stderr, disable=args.no_progress)
-    summaries, series = [], []
+    summaries, series, results = [], [], {}
     for config in configs:
         shown = [0]
 
@@ -135,11 +139,12 @@ def run(args) -> tuple[pd.DataFrame, pd.DataFrame]:
         bar.update(100 - shown[0])
         summaries.append(result.summary)
         series.append(result.timeseries.assign(allocator=config.allocator, block_size=config.block_size))
+        results[config.label if config.label not in results else f"{config.label} #{len(results) + 1}"] = result
     bar.close()
     summary = pd.DataFrame(summaries)
     if args.preset == "figure2":
         summary["paper_token_states_frac"] = summary["allocator"].map(PAPER_FIGURE2_TOKEN_STATES)
-    return summary, pd.concat(series, ignore_index=True)
+    return summary, pd.concat(series, ignore_index=True), closed_form_checks(workload, results)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,13 +155,18 @@ def main(argv: list[str] | None = None) -> int:
         return getattr(cli_sweep, f"{argv[0]}_main")(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        summary, timeseries = run(args)
+        summary, timeseries, checks = run(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     columns = SUMMARY_COLUMNS + [c for c in ("paper_token_states_frac",) if c in summary]
     print_and_save(summary, args.out, columns)
     save_csv(timeseries, args.timeseries)
+    save_csv(checks, args.checks)
+    print(f"closed-form checks: {int(checks['holds'].sum())} of {len(checks)} hold", file=sys.stderr)
+    for row in checks[~checks["holds"]].itertuples():
+        print(f"warning: {row.label}: {row.check}: simulated {row.simulated:.6g}, closed form {row.relation} "
+              f"{row.closed_form:.6g}", file=sys.stderr)
     for row in summary.itertuples():
         if row.num_requests_rejected:
             print(f"warning: {rejection_warning(row)}", file=sys.stderr)

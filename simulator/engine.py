@@ -69,6 +69,11 @@ class SimConfig:
     router: str = "round-robin"  # round-robin | least-loaded (fewest outstanding requests) | random
     seed: int = 0  # seeds the beam-survival model (simulator.beams)
 
+    @property
+    def label(self) -> str:
+        """The allocator, with the block size for paged (``paged-B16``): a run's name in tables and tabs."""
+        return self.allocator if self.allocator != "paged" else f"paged-B{self.block_size}"
+
 
 @dataclass(slots=True)
 class SimResult:

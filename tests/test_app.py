@@ -63,6 +63,10 @@ def test_memory_simulator_reacts_and_exports(downloads):
     series = download_table(app, downloads, "dl_timeseries")
     assert {"elapsed_s", "num_running", "blocks_in_use", "token_states", "reserved", "internal_fragmentation",
             "external_fragmentation", "free", "run"} <= set(series.columns)
+    checks = download_table(app, downloads, "dl_checks")  # every run's closed-form checks, shown beside it
+    assert set(checks["label"]) == set(summary["label"]) and checks["holds"].all()
+    assert any(e.label.startswith(f"Checks against closed forms: {len(checks)} of {len(checks)} hold")
+               for e in app.expander)
     app.number_input[0].set_value(300).run()
     clean(app)
     assert download_table(app, downloads, "dl_summary")["num_requests_completed"].iloc[0] == 300

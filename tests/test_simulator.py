@@ -228,12 +228,15 @@ def test_cli_writes_summary_and_timeseries(tmp_path, capsys):
     out, ts = tmp_path / "summary.csv", tmp_path / "ts.csv"
     code = main(["--workload", "alpaca", "--num-requests", "200", "--allocators", "paged,contiguous-max",
                  "--block-size", "8,16", "--capacity-tokens", "20000", "--rate", "50", "--out", str(out),
-                 "--timeseries", str(ts), "--no-progress"])
+                 "--timeseries", str(ts), "--checks", str(tmp_path / "checks.csv"), "--no-progress"])
     assert code == 0
     summary = pd.read_csv(out)
     assert set(SUMMARY_COLUMNS) <= set(summary.columns) and len(summary) == 3
     assert set(pd.read_csv(ts)["allocator"]) == {"paged", "contiguous-max"}
-    assert "token_states_frac" in capsys.readouterr().out
+    checks = pd.read_csv(tmp_path / "checks.csv")
+    assert set(checks["label"]) == {"paged-B8", "paged-B16", "contiguous-max"} and checks["holds"].all()
+    printed = capsys.readouterr()
+    assert "token_states_frac" in printed.out and f"closed-form checks: {len(checks)} of {len(checks)} hold" in printed.err
     assert main(["--allocators", "bogus", "--no-progress"]) == 2
     assert main(["--workload", "nope.csv", "--no-progress"]) == 2
     capsys.readouterr()

@@ -1,0 +1,70 @@
+"""Closed-form checks of a simulation's numbers, shown beside them: identities every run satisfies and bounds that
+follow from how each allocator holds memory. A row that does not hold is a bug in the simulator, not a property of
+the workload.
+
+Each check compares a number the run reports with what a closed form gives from other numbers of the same run (or
+the workload): the five memory categories cover the pool; every arrived request completes or is rejected; the
+tokens generated are the completed requests' output lengths; ``contiguous-max`` holds exactly ``max_model_len``
+slots per batched sequence (time-weighted, so it checks the memory integral against the batch integral);
+``contiguous-oracle`` on first-fit wastes nothing inside a region; paged memory has no external fragmentation and
+at most ``block_size`` slack slots (reserved or never filled) per batched sequence.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .engine import SimResult
+from .workloads import Workload
+
+COLUMNS = ("label", "check", "simulated", "relation", "closed_form", "holds")
+RELATIVE_TOLERANCE = 1e-9  # equalities: float sums over thousands of steps
+
+
+def closed_form_checks(workload: Workload, results: dict[str, SimResult]) -> pd.DataFrame:
+    """One row per (run, check) that applies to it (``COLUMNS``): what the run reports, ``=`` or ``<=``, what the
+    closed form gives, and whether it holds. ``results`` maps a label (e.g. ``simulator.compare``'s) to a run of
+    ``workload``. A run stopped early skips the checks that need it finished."""
+    rows = []
+    for label, result in results.items():
+        rows += [(label, *check, _holds(*check[1:])) for check in _checks(workload, result)]
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _holds(simulated: float, relation: str, closed_form: float) -> bool:
+    if relation == "<=":
+        return simulated <= closed_form * (1 + RELATIVE_TOLERANCE)
+    return abs(simulated - closed_form) <= RELATIVE_TOLERANCE * max(abs(closed_form), 1.0)
+
+
+def _checks(workload: Workload, result: SimResult) -> list[tuple[str, float, str, float]]:
+    summary, config = result.summary, result.config
+    fractions = [summary[name] for name in ("token_states_frac", "reserved_frac", "internal_frag_frac",
+                                            "external_frag_frac", "free_frac")]
+    checks = [("memory categories sum to the pool (fraction)", sum(fractions), "=", 1.0),
+              ("peak KV allocated (fraction of the pool)", summary["peak_allocated_frac"], "<=", 1.0),
+              ("peak batch (sequences)", summary["peak_batch_size"], "<=", config.max_num_seqs)]
+    if not summary["stopped_early"]:
+        checks += [("requests completed + rejected = arrived",
+                    summary["num_requests_completed"] + summary["num_requests_rejected"], "=", summary["num_requests"]),
+                   ("tokens generated = the completed requests' output tokens", summary["generated_tokens"], "=",
+                    completed_output_tokens(workload, result.requests))]
+    # per replica: a cluster's fractions and batch are busy-time-weighted means over identical replicas
+    slots = summary["capacity_tokens"] / config.replicas
+    held = slots * (fractions[0] + fractions[1] + fractions[2])
+    batch = summary["mean_batch_size"]
+    if config.allocator == "contiguous-max":
+        checks.append(("held slots = batch x max_model_len (time-weighted)", held, "=", batch * config.max_model_len))
+    elif config.allocator == "contiguous-oracle" and config.address_space == "first-fit":
+        checks.append(("internal fragmentation (fraction)", fractions[2], "=", 0.0))
+    elif config.allocator == "paged":
+        checks += [("external fragmentation (fraction)", fractions[3], "=", 0.0),
+                   ("reserved + internal slots <= block_size x batch (time-weighted)",
+                    slots * (fractions[1] + fractions[2]), "<=", config.block_size * batch)]
+    return checks
+
+
+def completed_output_tokens(workload: Workload, requests: pd.DataFrame) -> int:
+    """The output tokens of every sample (or beam) of the requests that completed (``finish_s`` set)."""
+    done = requests.index.to_numpy()[~np.isnan(requests["finish_s"].to_numpy(dtype=np.float64))]
+    return int(sum(sum(workload.outputs_of(int(index))) for index in done))

@@ -1,0 +1,68 @@
+"""Closed-form checks: every check holds on runs across allocators, schedulers, sharing and clusters, and a number
+that disagrees with its closed form is flagged."""
+import dataclasses
+import math
+
+import pytest
+
+from simulator import SimConfig, Simulator, SyntheticSpec, compare, synthetic_workload
+from simulator.checks import COLUMNS, closed_form_checks
+
+CONFIGS = [SimConfig(allocator=allocator, capacity_tokens=6000, max_model_len=2048, **extra)
+           for allocator in ("contiguous-max", "contiguous-oracle", "contiguous-pow2", "contiguous-grow")
+           for extra in ({}, {"scheduling": "chunked", "max_num_batched_tokens": 300}, {"address_space": "buddy"})]
+CONFIGS += [SimConfig(allocator="paged", block_size=block_size, capacity_tokens=6000, max_model_len=2048, **extra)
+            for block_size in (1, 7, 16)
+            for extra in ({}, {"scheduling": "chunked", "max_num_batched_tokens": 300},
+                          {"preemption_mode": "swap", "num_cpu_blocks": 40})]
+
+
+@pytest.mark.parametrize("sharing", [{}, {"n": 3}, {"beam_width": 3}, {"shared_prefix_tokens": 64}],
+                         ids=["plain", "n3", "beams", "prefix"])
+def test_every_closed_form_holds_across_allocators_and_schedulers(sharing):
+    workload = synthetic_workload(SyntheticSpec(preset="sharegpt", num_requests=120, rate=40.0, seed=3,
+                                                max_model_len=2048, **sharing))
+    results = {f"{index}": Simulator(workload, config).run() for index, config in enumerate(CONFIGS)}
+    checks = closed_form_checks(workload, results)
+    assert list(checks.columns) == list(COLUMNS)
+    assert checks["holds"].all(), checks[~checks["holds"]].to_string()
+    assert set(checks["label"]) == set(results)
+    assert sum(r.summary["preemptions"] for r in results.values()) > 0  # the small pools did preempt
+    per_run = checks.groupby("label").size()  # five for every run, more for max, oracle (first-fit) and paged
+    assert per_run.min() == 5 and per_run.max() == 7
+
+
+def test_a_cluster_and_a_trace_pass_too(traces_dir):
+    from simulator import load_trace
+
+    workload = load_trace(traces_dir / "azure_llm_2023" / "AzureLLMInferenceTrace_code.csv", max_rows=300)
+    configs = [SimConfig(allocator=a, capacity_tokens=40_000, max_model_len=8192, replicas=3, router="least-loaded")
+               for a in ("paged", "contiguous-max", "contiguous-oracle")]
+    _, results = compare(workload, configs)
+    checks = closed_form_checks(workload, results)
+    assert checks["holds"].all(), checks[~checks["holds"]].to_string()
+
+
+def test_a_number_off_its_closed_form_is_flagged():
+    workload = synthetic_workload(SyntheticSpec(preset="sharegpt", num_requests=60, rate=40.0, seed=1))
+    runs = {"max": Simulator(workload, SimConfig(allocator="contiguous-max", capacity_tokens=20_000)).run(),
+            "paged": Simulator(workload, SimConfig(allocator="paged", capacity_tokens=20_000)).run()}
+    assert closed_form_checks(workload, runs)["holds"].all()
+    tampered = {label: dataclasses.replace(result, summary=dict(result.summary)) for label, result in runs.items()}
+    tampered["max"].summary["mean_batch_size"] *= 1.01  # the batch integral no longer matches the memory one
+    tampered["paged"].summary["generated_tokens"] -= 1  # a token lost
+    tampered["paged"].summary["free_frac"] += 1e-6  # the categories no longer cover the pool
+    failed = closed_form_checks(workload, tampered).query("not holds")
+    assert set(zip(failed["label"], failed["check"])) == {
+        ("max", "held slots = batch x max_model_len (time-weighted)"),
+        ("paged", "tokens generated = the completed requests' output tokens"),
+        ("paged", "memory categories sum to the pool (fraction)")}
+
+
+def test_a_run_stopped_early_skips_what_needs_it_finished():
+    workload = synthetic_workload(SyntheticSpec(preset="sharegpt", num_requests=200, rate=math.inf, seed=2))
+    result = Simulator(workload, SimConfig(allocator="paged", capacity_tokens=20_000),
+                       on_snapshot=lambda snapshot: snapshot.iteration < 30, snapshot_every=10).run()
+    assert result.summary["stopped_early"]
+    checks = closed_form_checks(workload, {"stopped": result})
+    assert checks["holds"].all() and not checks["check"].str.startswith(("requests", "tokens")).any()

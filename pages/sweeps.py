@@ -7,7 +7,7 @@ import streamlit as st
 import simulator
 from simulator import charts
 from simulator.plan import plan_capacity
-from simulator.sweep import SIM_FIELDS, WORKLOAD_FIELDS, failed_runs, read_table, run_sweep
+from simulator.sweep import SIM_FIELDS, WORKLOAD_FIELDS, failed_runs, read_table, run_sweep, runs_failing_checks
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
 
 STORE = Path(tempfile.gettempdir()) / "minipaged_sweeps.sqlite"  # finished runs survive reruns of the page
@@ -85,6 +85,8 @@ if table is None:
     st.stop()
 for row in failed_runs(table).head(3).itertuples():
     st.warning(f"a run failed: {row.error}")
+for row in runs_failing_checks(table).head(3).itertuples():
+    st.error(f"run {row.run_key} broke {row.checks_failed} closed-form check(s): a simulator bug")
 if "max_rate_req_s" in table:  # a capacity plan
     chart(charts.pareto(table), "pareto")
     chosen = table[table["chosen"]]

@@ -9,7 +9,7 @@ from pathlib import Path
 from lab.cli_args import output_csv, output_folder, positive_float, positive_int
 from lab.results import print_and_save
 
-from .sweep import GridError, failed_runs, load_grid, run_sweep, save_table
+from .sweep import GridError, failed_runs, load_grid, run_sweep, runs_failing_checks, save_table
 
 
 def output_table(text: str) -> str:
@@ -51,6 +51,9 @@ def sweep_main(argv: list[str]) -> int:
           f"Ray start-up {result.ray_init_s:.1f} s; wrote {args.out}", file=sys.stderr)
     for row in failed_runs(table).head(5).itertuples():
         print(f"warning: run {row.run_key} failed: {row.error}", file=sys.stderr)
+    for row in runs_failing_checks(table).head(5).itertuples():
+        print(f"warning: run {row.run_key} broke {row.checks_failed} closed-form check(s) (a simulator bug; rerun "
+              f"it with `python -m simulator --checks` to see which)", file=sys.stderr)
     return 1 if failed == len(table) else 0
 
 

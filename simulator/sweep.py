@@ -21,6 +21,7 @@ from typing import Callable
 
 import pandas as pd
 
+from .checks import closed_form_checks
 from .engine import SimConfig, Simulator, check_config
 from .models import get_gpu, get_model
 from .workloads import (SYNTHETIC_PRESETS, SyntheticSpec, Workload, check_synthetic_spec, load_trace,
@@ -34,7 +35,7 @@ SIM_FIELDS = tuple(f.name for f in dataclasses.fields(SimConfig) if f.name not i
 SIM_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SimConfig)}
 WORKLOAD_DEFAULTS = {"workload": "sharegpt", "num_requests": 1000, "rate": math.inf, "burstiness": 1.0, "n": 1,
                      "beam_width": 1, "shared_prefix_tokens": 0, "seed": 0}
-SPEC_VERSION = 2  # part of every run's key: bump when a change makes stored results stale
+SPEC_VERSION = 3  # part of every run's key: bump when a change makes stored results stale (3: checks_failed)
 MAX_RETRIES = 3
 
 
@@ -151,14 +152,18 @@ def build_workload(spec: dict) -> Workload:
 
 # ---- one run ----------------------------------------------------------------------------------------------------
 def run_one(spec: dict) -> dict:
-    """Simulate one spec; the row is the spec, the summary and ``error`` (empty, or what the run raised)."""
+    """Simulate one spec; the row is the spec, the summary, ``checks_failed`` (how many of its closed-form checks do
+    not hold, ``simulator.checks``: 0 unless the simulator has a bug) and ``error`` (empty, or what the run
+    raised)."""
     row = {"run_key": spec_key(spec), **{k: v for k, v in spec.items()}}
     try:
-        summary = Simulator(build_workload(spec), sim_config(spec)).run().summary
+        workload = build_workload(spec)
+        result = Simulator(workload, sim_config(spec)).run()
+        checks = closed_form_checks(workload, {"run": result})
     except Exception as exc:  # noqa: BLE001 - a sweep records a failing run and goes on
         return {**row, "error": f"{type(exc).__name__}: {exc}"}
-    summary = {k: v for k, v in summary.items() if k not in row and k != "wall_time_s"}
-    return {**row, **summary, "error": ""}
+    summary = {k: v for k, v in result.summary.items() if k not in row and k != "wall_time_s"}
+    return {**row, **summary, "checks_failed": int((~checks["holds"]).sum()), "error": ""}
 
 
 # ---- the store --------------------------------------------------------------------------------------------------
@@ -295,6 +300,13 @@ def failed_runs(table: pd.DataFrame) -> pd.DataFrame:
         return table.iloc[:0]
     errors = table["error"]
     return table[errors.notna() & (errors.astype(str) != "")]
+
+
+def runs_failing_checks(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows whose run broke a closed-form check (``checks_failed`` > 0: a simulator bug to report)."""
+    if "checks_failed" not in table:
+        return table.iloc[:0]
+    return table[table["checks_failed"].fillna(0) > 0]
 
 
 def read_table(data: bytes, name: str) -> pd.DataFrame:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from simulator.sweep import GridError, ResultStore, check_grid, expand, run_sweep, spec_key
+from simulator.sweep import GridError, ResultStore, check_grid, expand, run_sweep, runs_failing_checks, spec_key
 
 ray = pytest.importorskip("ray")
 
@@ -36,6 +36,7 @@ def test_a_sweep_equals_the_same_runs_done_serially(tmp_path, local_ray):
     by_rate = oracle.drop(columns="block_size").groupby("rate")
     assert (by_rate.nunique(dropna=False) == 1).all().all()  # the shared run's row, once per grid point
     assert (parallel.table["error"] == "").all() and list(parallel.table.columns[1:6]) == list(GRID)
+    assert (parallel.table["checks_failed"] == 0).all()  # every run's closed-form checks hold
     again = run_sweep(GRID, tmp_path / "ray.sqlite", progress=False)
     assert again.ran == 0 and again.ray_init_s == 0.0
     pd.testing.assert_frame_equal(again.table, parallel.table, check_exact=True)
@@ -47,6 +48,12 @@ def test_only_the_fields_a_run_reads_make_its_key():
     assert spec_key({**spec, "allocator": "paged"}) != spec_key({**spec, "allocator": "paged", "block_size": 32})
     profiled = {**spec, "profile": "p.json"}  # a profile is checked against the block size: it stays in the key
     assert spec_key(profiled) != spec_key({**profiled, "block_size": 32})
+
+
+def test_runs_breaking_a_closed_form_check_are_named():
+    table = pd.DataFrame({"run_key": ["a", "b", "c"], "checks_failed": [0, 2, None], "error": ["", "", "boom"]})
+    assert list(runs_failing_checks(table)["run_key"]) == ["b"]
+    assert runs_failing_checks(table.drop(columns="checks_failed")).empty  # a table saved before the column
 
 
 def _ray_worker_running(task: str) -> int | None:

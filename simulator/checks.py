@@ -4,7 +4,7 @@ the workload.
 
 Each check compares a number the run reports with what a closed form gives from other numbers of the same run (or
 the workload): the five memory categories cover the pool; every arrived request completes or is rejected; the
-tokens generated are the completed requests' output lengths; ``contiguous-max`` holds exactly ``max_model_len``
+tokens generated are the completed requests' output lengths; a workload that shares nothing saves nothing; ``contiguous-max`` holds exactly ``max_model_len``
 slots per batched sequence (time-weighted, so it checks the memory integral against the batch integral);
 ``contiguous-oracle`` on first-fit wastes nothing inside a region; paged memory has no external fragmentation and
 at most ``block_size`` slack slots (reserved or never filled) per batched sequence.
@@ -44,6 +44,8 @@ def _checks(workload: Workload, result: SimResult) -> list[tuple[str, float, str
     checks = [("memory categories sum to the pool (fraction)", sum(fractions), "=", 1.0),
               ("peak KV allocated (fraction of the pool)", summary["peak_allocated_frac"], "<=", 1.0),
               ("peak batch (sequences)", summary["peak_batch_size"], "<=", config.max_num_seqs)]
+    if workload.n == 1 and workload.beam_width == 1 and not workload.has_shared_prefixes:
+        checks.append(("sharing saving with nothing shared (fraction)", summary["sharing_saving_frac"], "=", 0.0))
     if not summary["stopped_early"]:
         checks += [("requests completed + rejected = arrived",
                     summary["num_requests_completed"] + summary["num_requests_rejected"], "=", summary["num_requests"]),

@@ -2,12 +2,13 @@
 follow from how each allocator holds memory. A row that does not hold is a bug in the simulator, not a property of
 the workload.
 
-Each check compares a number the run reports with what a closed form gives from other numbers of the same run (or
-the workload): the five memory categories cover the pool; every arrived request completes or is rejected; the
-tokens generated are the completed requests' output lengths; a workload that shares nothing saves nothing; ``contiguous-max`` holds exactly ``max_model_len``
-slots per batched sequence (time-weighted, so it checks the memory integral against the batch integral);
-``contiguous-oracle`` on first-fit wastes nothing inside a region; paged memory has no external fragmentation and
-at most ``block_size`` slack slots (reserved or never filled) per batched sequence.
+Each check compares a number the run reports with what a closed form gives from other numbers of the same run (or the
+workload): the five memory categories cover the pool; every arrived request completes or is rejected, and a completed
+one got its first token after it arrived and finished after that; the tokens generated are the completed requests'
+output lengths; a workload that shares nothing saves nothing; ``contiguous-max`` holds exactly ``max_model_len`` slots
+per batched sequence (time-weighted, so it checks the memory integral against the batch integral);
+``contiguous-oracle`` on first-fit wastes nothing inside a region; paged memory has no external fragmentation and at
+most ``block_size`` slack slots (reserved or never filled) per batched sequence.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def _checks(workload: Workload, result: SimResult) -> list[tuple[str, float, str
     checks = [("memory categories sum to the pool (fraction)", sum(fractions), "=", 1.0),
               ("peak KV allocated (fraction of the pool)", summary["peak_allocated_frac"], "<=", 1.0),
               ("peak batch (sequences)", summary["peak_batch_size"], "<=", config.max_num_seqs)]
+    checks.append(("completed requests with arrival <= first token <= finish", *_timed_in_order(result.requests)))
     if workload.n == 1 and workload.beam_width == 1 and not workload.has_shared_prefixes:
         checks.append(("sharing saving with nothing shared (fraction)", summary["sharing_saving_frac"], "=", 0.0))
     if not summary["stopped_early"]:
@@ -64,6 +66,12 @@ def _checks(workload: Workload, result: SimResult) -> list[tuple[str, float, str
                    ("reserved + internal slots <= block_size x batch (time-weighted)",
                     slots * (fractions[1] + fractions[2]), "<=", config.block_size * batch)]
     return checks
+
+
+def _timed_in_order(requests: pd.DataFrame) -> tuple[int, str, int]:
+    arrival, first, finish = (requests[c].to_numpy(dtype=np.float64) for c in ("arrival_s", "first_token_s", "finish_s"))
+    done = ~np.isnan(finish)
+    return int(((arrival <= first) & (first <= finish))[done].sum()), "=", int(done.sum())
 
 
 def completed_output_tokens(workload: Workload, requests: pd.DataFrame) -> int:

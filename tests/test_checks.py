@@ -28,9 +28,9 @@ def test_every_closed_form_holds_across_allocators_and_schedulers(sharing):
     assert checks["holds"].all(), checks[~checks["holds"]].to_string()
     assert set(checks["label"]) == set(results)
     assert sum(r.summary["preemptions"] for r in results.values()) > 0  # the small pools did preempt
-    # five for every run; one more with nothing shared; more for max, oracle (first-fit) and paged
+    # six for every run; one more with nothing shared; more for max, oracle (first-fit) and paged
     per_run = checks.groupby("label").size()
-    assert per_run.min() == 5 + (not sharing) and per_run.max() == 7 + (not sharing)
+    assert per_run.min() == 6 + (not sharing) and per_run.max() == 8 + (not sharing)
 
 
 def test_a_cluster_and_a_trace_pass_too(traces_dir):
@@ -54,12 +54,15 @@ def test_a_number_off_its_closed_form_is_flagged():
     tampered["paged"].summary["generated_tokens"] -= 1  # a token lost
     tampered["paged"].summary["free_frac"] += 1e-6  # the categories no longer cover the pool
     tampered["paged"].summary["sharing_saving_frac"] = 0.01  # a saving where nothing is shared
+    requests = tampered["paged"].requests = tampered["paged"].requests.copy()
+    requests.loc[requests.index[0], "first_token_s"] = requests["finish_s"].iloc[0] + 1  # a token after the end
     failed = closed_form_checks(workload, tampered).query("not holds")
     assert set(zip(failed["label"], failed["check"])) == {
         ("max", "held slots = batch x max_model_len (time-weighted)"),
         ("paged", "tokens generated = the completed requests' output tokens"),
         ("paged", "memory categories sum to the pool (fraction)"),
-        ("paged", "sharing saving with nothing shared (fraction)")}
+        ("paged", "sharing saving with nothing shared (fraction)"),
+        ("paged", "completed requests with arrival <= first token <= finish")}
 
 
 def test_a_run_stopped_early_skips_what_needs_it_finished():

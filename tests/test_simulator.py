@@ -11,6 +11,7 @@ from hypothesis import example, given
 from lab.block_manager import KVBlockManager
 from simulator import (ALLOCATORS, CATEGORIES, SimConfig, Simulator, SyntheticSpec, simulate, synthetic_workload)
 from simulator.cli import SUMMARY_COLUMNS, main
+from simulator.checks import closed_form_checks
 from simulator.metrics import rejection_warning
 from simulator.presets import figure2_experiment
 
@@ -258,20 +259,28 @@ def test_rejection_warnings_say_why_in_words():
 @settings(max_examples=30, deadline=None)
 @given(allocator=st.sampled_from(ALLOCATORS), block_size=st.integers(1, 64), capacity=st.integers(300, 6000),
        n=st.integers(1, 3), shared=st.sampled_from([0, 32]), chunked=st.booleans(), buddy=st.booleans(),
-       seed=st.integers(0, 1000))
+       seed=st.integers(0, 1000), beams=st.booleans(), swap=st.booleans(), replicas=st.integers(1, 3),
+       max_num_seqs=st.sampled_from([4, 256]))
 # forks sharing a partly filled last block count its tail as reserved, not once per fork as never filled
-@example(allocator="paged", block_size=57, capacity=300, n=3, shared=32, chunked=False, buddy=False, seed=549)
-def test_fuzzed_runs_keep_the_accounting_identities(allocator, block_size, capacity, n, shared, chunked, buddy, seed):
-    workload = small_workload(num_requests=40, n=n, shared_prefix_tokens=shared, seed=seed, max_model_len=512)
+@example(allocator="paged", block_size=57, capacity=300, n=3, shared=32, chunked=False, buddy=False, seed=549,
+         beams=False, swap=False, replicas=1, max_num_seqs=256)
+def test_fuzzed_runs_keep_the_accounting_identities(allocator, block_size, capacity, n, shared, chunked, buddy, seed,
+                                                    beams, swap, replicas, max_num_seqs):
+    sharing = dict(beam_width=n) if beams and n > 1 else dict(n=n)
+    workload = small_workload(num_requests=40, shared_prefix_tokens=shared, seed=seed, max_model_len=512, **sharing)
     result = run(workload, allocator=allocator, block_size=block_size, capacity_tokens=capacity, max_model_len=512,
                  scheduling="chunked" if chunked else "prefill-first", max_num_batched_tokens=256,
-                 address_space="buddy" if buddy else "first-fit", max_points=100_000)
+                 address_space="buddy" if buddy else "first-fit", max_points=100_000, replicas=replicas,
+                 preemption_mode="swap" if swap and allocator == "paged" else "recompute", max_num_seqs=max_num_seqs)
     ts = result.timeseries
-    assert (ts[list(CATEGORIES)].sum(axis=1) == result.summary["capacity_tokens"]).all()
+    assert (ts[list(CATEGORIES)].sum(axis=1) == result.summary["capacity_tokens"] / replicas).all()
     assert (ts[list(CATEGORIES)] >= 0).all().all()
     completed = result.requests["finish_s"].notna().to_numpy()
     assert completed.sum() + result.requests["rejected"].sum() == len(workload)
-    assert result.summary["generated_tokens"] == expected_tokens(workload, completed)
+    if not beams:
+        assert result.summary["generated_tokens"] == expected_tokens(workload, completed)
+    checks = closed_form_checks(workload, {"run": result})  # and every closed form the app shows beside a run
+    assert checks["holds"].all(), checks[~checks["holds"]].to_string()
 
 
 def test_paper_pow2_rounds_the_output_only_and_buddy_places_it():

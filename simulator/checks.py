@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .engine import SimResult
+from .engine import SimConfig, SimResult
 from .workloads import Workload
 
 COLUMNS = ("label", "check", "simulated", "relation", "closed_form", "holds")
@@ -44,8 +44,8 @@ def _checks(workload: Workload, result: SimResult) -> list[tuple[str, float, str
                                             "external_frag_frac", "free_frac")]
     checks = [("memory categories sum to the pool (fraction)", sum(fractions), "=", 1.0),
               ("peak KV allocated (fraction of the pool)", summary["peak_allocated_frac"], "<=", 1.0),
-              ("peak batch (sequences)", summary["peak_batch_size"], "<=", config.max_num_seqs)]
-    checks.append(("completed requests with arrival <= first token <= finish", *_timed_in_order(result.requests)))
+              ("peak batch (sequences)", summary["peak_batch_size"], "<=", config.max_num_seqs),
+              ("completed requests with arrival <= first token <= finish", *_timed_in_order(result.requests))]
     if workload.n == 1 and workload.beam_width == 1 and not workload.has_shared_prefixes:
         checks.append(("sharing saving with nothing shared (fraction)", summary["sharing_saving_frac"], "=", 0.0))
     if not summary["stopped_early"]:
@@ -53,20 +53,24 @@ def _checks(workload: Workload, result: SimResult) -> list[tuple[str, float, str
                     summary["num_requests_completed"] + summary["num_requests_rejected"], "=", summary["num_requests"]),
                    ("tokens generated = the completed requests' output tokens", summary["generated_tokens"], "=",
                     completed_output_tokens(workload, result.requests))]
+    return checks + _allocator_checks(summary, config, fractions)
+
+
+def _allocator_checks(summary: dict, config: SimConfig, fractions: list[float]) -> list[tuple[str, float, str, float]]:
     # per replica: a cluster's fractions and batch are busy-time-weighted means over identical replicas
-    slots = summary["capacity_tokens"] / config.replicas
-    held = slots * (fractions[0] + fractions[1] + fractions[2])
-    batch = summary["mean_batch_size"]
+    slots, batch = summary["capacity_tokens"] / config.replicas, summary["mean_batch_size"]
     if config.allocator == "contiguous-max":
-        checks.append(("held slots = batch x max_model_len (time-weighted)", held, "=", batch * config.max_model_len))
-    elif config.allocator == "contiguous-oracle" and config.address_space == "first-fit":
-        checks.append(("internal fragmentation (fraction)", fractions[2], "=", 0.0))
-    elif config.allocator == "paged":
-        checks.append(("external fragmentation (fraction)", fractions[3], "=", 0.0))
-        if config.scheduling == "prefill-first":  # chunked: a prompt's blocks are taken at admission (vLLM V0), so
-            # the slots of its chunks still to come are reserved too
-            checks.append(("reserved + internal slots <= block_size x batch (time-weighted)",
-                           slots * (fractions[1] + fractions[2]), "<=", config.block_size * batch))
+        held = slots * (fractions[0] + fractions[1] + fractions[2])
+        return [("held slots = batch x max_model_len (time-weighted)", held, "=", batch * config.max_model_len)]
+    if config.allocator == "contiguous-oracle" and config.address_space == "first-fit":
+        return [("internal fragmentation (fraction)", fractions[2], "=", 0.0)]
+    if config.allocator != "paged":
+        return []
+    checks = [("external fragmentation (fraction)", fractions[3], "=", 0.0)]
+    if config.scheduling == "prefill-first":  # chunked: a prompt's blocks are taken at admission (vLLM V0), so the
+        # slots of its chunks still to come are reserved too
+        checks.append(("reserved + internal slots <= block_size x batch (time-weighted)",
+                       slots * (fractions[1] + fractions[2]), "<=", config.block_size * batch))
     return checks
 
 

@@ -100,9 +100,11 @@ if st.session_state.get("sim_key") != key:
         stop.empty()
         if figure2:
             summary["paper_token_states_frac"] = summary["allocator"].map(simulator.PAPER_FIGURE2_TOKEN_STATES)
+        checks = simulator.closed_form_checks(workload, runs)
         st.session_state.update(sim_key=key, sim_summary=summary, sim_series={k: r.timeseries for k, r in runs.items()},
-                                sim_workload=workload.summary(), sim_checks=simulator.closed_form_checks(workload, runs))
+                                sim_workload=workload.summary(), sim_checks=checks)
         results_store().add("simulation", f"simulation: {workload.name} × {len(configs)} configs", summary)
+        results_store().add("checks", f"checks: {workload.name} × {len(configs)} configs", checks)
     except USER_ERRORS as exc:
         st.session_state.pop("sim_key", None)
         show_error(exc)

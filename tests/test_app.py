@@ -161,7 +161,8 @@ def test_benchmarks_page_lists_results_and_rejects_bad_csv(downloads):
     app.switch_page("pages/benchmarks.py")
     app.run()
     clean(app)
-    assert app.session_state["results"].names()
+    listing = app.session_state["results"].listing()
+    assert {"simulation", "checks"} <= set(listing["kind"])  # the closed-form checks go there too
     app.file_uploader[0].upload("bad.csv", b"\x00\x01\x02", "text/csv")
     app.run()
     assert not app.exception

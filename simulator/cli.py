@@ -38,13 +38,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m simulator", description=__doc__)
     p.add_argument("--workload", default="sharegpt", help=f"preset ({', '.join(SYNTHETIC_PRESETS)}) or trace path")
     p.add_argument("--preset", choices=["figure2"], help="a ready-made experiment (overrides allocators/model/gpu)")
-    p.add_argument("--allocators", type=_csv_list(str), default=list(ALLOCATORS))
+    p.add_argument("--allocators", type=_csv_list(str), default=list(ALLOCATORS),
+                   help=f"comma list of {', '.join(ALLOCATORS)} (default: all)")
     p.add_argument("--block-size", type=positive_ints, default=[16], help="comma list for sweeps (paged)")
-    p.add_argument("--model", default="qwen3-8b", choices=sorted(MODELS))
-    p.add_argument("--gpu", default="a100-80gb", choices=sorted(GPUS))
-    p.add_argument("--max-model-len", type=positive_int, default=2048)
+    p.add_argument("--model", default="qwen3-8b", choices=sorted(MODELS),
+                   help="model preset (KV bytes, FLOPs, weights)")
+    p.add_argument("--gpu", default="a100-80gb", choices=sorted(GPUS), help="GPU preset (memory, FLOP/s, bandwidth)")
+    p.add_argument("--max-model-len", type=positive_int, default=2048,
+                   help="longest prompt + output (contiguous-max reserves this much)")
     p.add_argument("--rate", type=float, default=math.inf, help="requests/s (synthetic); inf = all at t=0")
-    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1 = Poisson)")
     p.add_argument("--num-requests", type=positive_int, default=None, help="synthetic count, or max rows of a trace")
     p.add_argument("--n", type=positive_int, default=1, help="parallel samples per request (synthetic)")
     p.add_argument("--beam-width", type=positive_int, default=1,
@@ -56,25 +59,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=positive_int, default=None,
                    help="the KV pool in blocks (capacity = blocks x the one --block-size), as the engine's")
     p.add_argument("--profile", default=None, help="step times from `python -m lab profile` instead of the roofline")
-    p.add_argument("--scheduling", default="prefill-first", choices=["prefill-first", "chunked"])
+    p.add_argument("--scheduling", default="prefill-first", choices=["prefill-first", "chunked"],
+                   help="chunked: decodes first, then prompt chunks up to the token budget")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, help="token budget per step")
-    p.add_argument("--max-num-seqs", type=positive_int, default=256)
+    p.add_argument("--max-num-seqs", type=positive_int, default=256, help="sequences in a batch at most")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                    help="swap: preempted sequences move to a host pool (paged; contiguous baselines recompute)")
     p.add_argument("--num-cpu-blocks", type=non_negative_int, default=0,
                    help="host pool for swap (0: as large as the GPU pool)")
-    p.add_argument("--address-space", default="first-fit", choices=["first-fit", "buddy"])
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--address-space", default="first-fit", choices=["first-fit", "buddy"],
+                   help="how contiguous regions are placed")
+    p.add_argument("--no-prefix-caching", action="store_true", help="paged: no reuse of cached prompt blocks")
     p.add_argument("--replicas", type=positive_int, default=1, help="copies of each configuration behind a router")
-    p.add_argument("--router", default="round-robin", choices=["round-robin", "least-loaded", "random"])
+    p.add_argument("--router", default="round-robin", choices=["round-robin", "least-loaded", "random"],
+                   help="how --replicas share the requests")
     p.add_argument("--kernel-csv", default=None, help="calibrate attention bandwidth from a kernel bench CSV")
-    p.add_argument("--max-points", type=positive_int, default=2000)
-    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--max-points", type=positive_int, default=2000, help="timeseries rows kept per run (decimated)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seeds the synthetic workload")
     p.add_argument("--out", type=output_csv, default=None, help="summary CSV")
     p.add_argument("--timeseries", type=output_csv, default=None, help="timeseries CSV (all runs, tagged)")
     p.add_argument("--checks", type=output_csv, default=None,
                    help="CSV of the closed-form checks of every run (simulator.checks); a count is always printed")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 

@@ -136,30 +136,28 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="run a benchmark").add_subparsers(dest="bench", required=True)
 
     k = bench.add_parser("kernels", help="paged decode attention vs SDPA on contiguous K/V")
-    k.add_argument("--device", type=device, default="cpu")
-    k.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    k.add_argument("--batch", type=positive_ints, default=(1, 8, 32))
-    k.add_argument("--context", type=positive_ints, default=(512, 1024))
-    k.add_argument("--block-size", type=positive_int, default=16)
+    k.add_argument("--device", type=device, default="cpu", help="cpu or cuda[:N]")
+    k.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="of Q, K and V")
+    k.add_argument("--batch", type=positive_ints, default=(1, 8, 32), help="comma list of batch sizes")
+    k.add_argument("--context", type=positive_ints, default=(512, 1024), help="comma list of context lengths")
+    k.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     k.add_argument("--backends", default="torch", help="comma list of torch,cupy,reference")
-    k.add_argument("--repeats", type=positive_int, default=10)
-    k.add_argument("--out", type=output_csv, default="benchmarks/results/kernels_cpu.csv")
+    k.add_argument("--repeats", type=positive_int, default=10, help="timed calls per case (median)")
+    k.add_argument("--out", type=output_csv, default="benchmarks/results/kernels_cpu.csv", help="results CSV")
     k.set_defaults(run=_bench_kernels)
 
     b = bench.add_parser("block-manager", help="block manager operation rates")
-    b.add_argument("--block-size", type=positive_int, default=16)
-    b.add_argument("--out", type=output_csv, default="benchmarks/results/block_manager.csv")
+    b.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    b.add_argument("--out", type=output_csv, default="benchmarks/results/block_manager.csv", help="results CSV")
     b.set_defaults(run=_bench_block_manager)
 
     e = bench.add_parser("e2e", help="paged engine vs HF generate vs HF continuous batching")
-    e.add_argument("--model", default="tiny", help="preset or local Qwen3 checkpoint directory")
-    e.add_argument("--num-requests", type=positive_int, default=64)
-    e.add_argument("--device", type=device, default="cpu")
-    e.add_argument("--block-size", type=positive_int, default=16)
-    e.add_argument("--backend", default="auto")
-    e.add_argument("--systems", default="paged-engine,paged-engine-chunked,hf-static,hf-continuous")
+    _model_options(e, device_default="cpu")
+    e.add_argument("--num-requests", type=positive_int, default=64, help="requests queued at once per run")
+    e.add_argument("--systems", default="paged-engine,paged-engine-chunked,hf-static,hf-continuous",
+                   help="comma list of the systems to run")
     e.add_argument("--repeats", type=positive_int, default=3, help="runs per system; medians are reported")
-    e.add_argument("--out", type=output_csv, default="benchmarks/results/e2e_cpu.csv")
+    e.add_argument("--out", type=output_csv, default="benchmarks/results/e2e_cpu.csv", help="results CSV")
     e.set_defaults(run=_bench_e2e)
 
     w = bench.add_parser("twin", help="fidelity of the simulator on the engine's profile (saturated, light, chunked)")
@@ -168,39 +166,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="light load = this fraction of the saturated run's request throughput; default: the model's")
     w.add_argument("--repeats", type=positive_int, default=None,
                    help="profile rounds and real runs per load (median; spread = noise floor); default: the model's")
-    w.add_argument("--device", type=device, default=None)
-    w.add_argument("--out", type=output_csv, default="benchmarks/results/twin_cpu.csv")
+    w.add_argument("--device", type=device, default=None, help=DEVICE_HELP)
+    w.add_argument("--out", type=output_csv, default="benchmarks/results/twin_cpu.csv", help="results CSV")
     w.set_defaults(run=_bench_twin)
 
     g = commands.add_parser("generate", help="generate with the paged engine")
-    g.add_argument("--model", default="tiny", help="preset or local Qwen3 checkpoint directory")
+    _model_options(g)
     g.add_argument("--prompt", action="append", help="text (with a tokenizer) or comma-separated token ids")
     g.add_argument("--num-prompts", type=positive_int, default=8, help="random prompts when --prompt is not given")
-    g.add_argument("--prompt-len", type=positive_int, default=64)
-    g.add_argument("--max-tokens", type=positive_int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=non_negative_int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--n", type=positive_int, default=1)
-    g.add_argument("--seed", type=non_negative_int, default=0)
-    g.add_argument("--block-size", type=positive_int, default=16)
-    g.add_argument("--num-blocks", type=positive_int, default=None)
-    g.add_argument("--device", type=device, default=None)
-    g.add_argument("--backend", default="auto")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--scheduling", default="prefill-first", choices=["prefill-first", "chunked"])
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=4096, help="token budget per step")
-    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    g.add_argument("--num-cpu-blocks", type=non_negative_int, default=0,
-                   help="host pool for swap (0: as large as the GPU pool)")
+    g.add_argument("--prompt-len", type=positive_int, default=64, help="tokens of each random prompt")
+    g.add_argument("--max-tokens", type=positive_int, default=32, help="tokens to generate per sample")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=non_negative_int, default=0, help="0: off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1: off")
+    g.add_argument("--n", type=positive_int, default=1, help="parallel samples per prompt (copy-on-write)")
+    g.add_argument("--seed", type=non_negative_int, default=0, help="seeds the random prompts and the sampling")
+    g.add_argument("--num-blocks", type=positive_int, default=None,
+                   help="KV pool in blocks (default: sized from memory)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="no reuse of cached prompt blocks")
+    _serving_options(g)
     g.add_argument("--out", type=output_csv, default=None, help="CSV of the run metrics")
     g.set_defaults(run=_generate)
 
     p = commands.add_parser("profile", help="time real engine steps and fit the simulator's step-time model")
-    p.add_argument("--model", default="tiny", help="preset or local Qwen3 checkpoint directory")
-    p.add_argument("--device", type=device, default=None)
-    p.add_argument("--block-size", type=positive_int, default=16)
-    p.add_argument("--backend", default="auto")
+    _model_options(p)
     p.add_argument("--repeats", type=positive_int, default=3, help="measured rounds per scenario (means)")
     p.add_argument("--grid", choices=GRIDS, default="full",
                    help="scenarios: full; small (models whose prefills take seconds on a CPU); quick")
@@ -208,30 +197,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_profile)
 
     t = commands.add_parser("twin", help="one workload through the engine and the simulator on its profile")
-    t.add_argument("--model", default="tiny")
+    _model_options(t)
     t.add_argument("--profile", required=True, help="from python -m lab profile")
     t.add_argument("--workload", default="random",
                    help="random or fixed (--input-len/--output-len), another preset, or a trace file")
     t.add_argument("--num-requests", type=positive_int, default=32, help="requests drawn, or a trace's first rows")
     t.add_argument("--rate", type=float, default=None, help="req/s for a preset (default inf: all at t=0)")
     t.add_argument("--time-scale", type=positive_float, default=1.0, help="multiply a trace's arrival offsets")
-    t.add_argument("--input-len", type=positive_int, default=96)
-    t.add_argument("--output-len", type=positive_int, default=32)
-    t.add_argument("--block-size", type=positive_int, default=16)
-    t.add_argument("--num-blocks", type=positive_int, default=256)
-    t.add_argument("--num-cpu-blocks", type=non_negative_int, default=0)
-    t.add_argument("--scheduling", default="prefill-first", choices=["prefill-first", "chunked"])
-    t.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    t.add_argument("--max-num-batched-tokens", type=positive_int, default=4096)
-    t.add_argument("--device", type=device, default=None)
-    t.add_argument("--backend", default="auto")
+    t.add_argument("--input-len", type=positive_int, default=96, help="prompt tokens (random: the mean, +-50 %%)")
+    t.add_argument("--output-len", type=positive_int, default=32, help="output tokens (random: the mean, +-50 %%)")
+    t.add_argument("--num-blocks", type=positive_int, default=256, help="KV pool in blocks")
+    _serving_options(t)
     t.add_argument("--repeats", type=positive_int, default=1, help="real runs (2+: the noise floor)")
-    t.add_argument("--seed", type=non_negative_int, default=0)
-    t.add_argument("--out", type=output_csv, default=None)
+    t.add_argument("--seed", type=non_negative_int, default=0, help="seeds the workload, prompts and engine")
+    t.add_argument("--out", type=output_csv, default=None, help="CSV: metric, real, simulated, rel_error")
     t.add_argument("--steps-out", type=output_csv, default=None,
                    help="CSV of the real run's steps with each step's modelled time beside its measured one")
     t.set_defaults(run=_twin)
     return parser
+
+
+DEVICE_HELP = "cpu or cuda[:N] (default: cuda when there is one)"
+
+
+def _model_options(parser: argparse.ArgumentParser, device_default: str | None = None) -> None:
+    """The model and where it runs: --model, --device, --block-size, --backend."""
+    parser.add_argument("--model", default="tiny", help="preset or local Qwen3 checkpoint directory")
+    parser.add_argument("--device", type=device, default=device_default, help=DEVICE_HELP)
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    parser.add_argument("--backend", default="auto", help="attention backend: auto, torch, cupy or reference")
+
+
+def _serving_options(parser: argparse.ArgumentParser) -> None:
+    """The scheduler's modes and caps, and the host pool for swapping."""
+    parser.add_argument("--scheduling", default="prefill-first", choices=["prefill-first", "chunked"],
+                        help="chunked: decodes first, then prompt chunks up to the token budget")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=4096, help="token budget per step")
+    parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                        help="swap: preempted sequences move to a host pool")
+    parser.add_argument("--num-cpu-blocks", type=non_negative_int, default=0,
+                        help="host pool for swap (0: as large as the GPU pool)")
 
 
 def main(argv: list[str] | None = None) -> int:

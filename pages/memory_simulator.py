@@ -115,7 +115,7 @@ series: dict = st.session_state["sim_series"]
 st.caption("Workload: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                     for k, v in st.session_state["sim_workload"].items()))
 for row in summary[summary["num_requests_rejected"] > 0].itertuples():
-    st.warning(rejection_warning(row._replace(allocator=f"{row.allocator} (B={row.block_size})")) + ".")
+    st.warning(rejection_warning(row._replace(allocator=row.label)) + ".")  # paged-B16, not "(B=nan)" for contiguous
 chart(charts.waste_bars(summary), "waste_bars")
 tabs = st.tabs(list(series))
 for tab, (label, frame) in zip(tabs, series.items()):

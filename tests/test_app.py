@@ -92,6 +92,7 @@ def test_memory_simulator_warns_about_rejected_requests():
     app.number_input[1].set_value(64).run()  # 64 token slots: most ShareGPT requests can never fit
     assert not app.exception and not app.error
     assert any("larger than the whole KV pool" in w.value for w in app.warning)
+    assert not any("nan" in w.value for w in app.warning)  # contiguous runs are named without a block size
 
 
 def test_kernel_lab_block_size_changes_results(downloads):

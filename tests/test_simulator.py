@@ -1,5 +1,6 @@
 """The KV memory simulator: accounting identities, conservation, closed forms, the block manager trajectory,
 determinism, real traces and the CLI."""
+import dataclasses
 import math
 
 import numpy as np
@@ -299,3 +300,31 @@ def test_paper_pow2_rounds_the_output_only_and_buddy_places_it():
     oracle = run(small_workload(num_requests=60), allocator="contiguous-oracle", capacity_tokens=10**6).summary
     pow2 = run(small_workload(num_requests=60), allocator="contiguous-pow2", capacity_tokens=10**6).summary
     assert pow2["internal_frag_frac"] > 0 == oracle["internal_frag_frac"]
+
+
+def _same_summary(first: dict, second: dict, ignore=("wall_time_s",)) -> list[str]:
+    return [k for k in first if k not in ignore and not (first[k] == second[k] or (
+        isinstance(first[k], float) and math.isnan(first[k]) and math.isnan(second[k])))]
+
+
+@settings(max_examples=25, deadline=None)
+@given(allocator=st.sampled_from(ALLOCATORS), block_size=st.sampled_from([1, 3, 16]),
+       capacity=st.integers(300, 6000), chunked=st.booleans(), max_num_seqs=st.sampled_from([4, 256]),
+       seed=st.integers(0, 10_000))
+def test_watching_a_run_does_not_change_it(allocator, block_size, capacity, chunked, max_num_seqs, seed):
+    """Metamorphic: the timeseries' size, the step log, snapshots and a router in front of one replica leave every
+    number of the summary as it was; and prefix caching changes nothing when nothing is shared and nothing is
+    preempted (with recompute preemption a re-prefill may hit the blocks it just freed)."""
+    workload = small_workload(num_requests=30, seed=seed, max_model_len=512)
+    config = SimConfig(allocator=allocator, block_size=block_size, capacity_tokens=capacity, max_model_len=512,
+                       scheduling="chunked" if chunked else "prefill-first", max_num_batched_tokens=256,
+                       max_num_seqs=max_num_seqs)
+    base = Simulator(workload, config).run().summary
+    for changed in (dict(max_points=7), dict(record_steps=True), dict(router="least-loaded")):
+        assert not _same_summary(base, Simulator(workload, dataclasses.replace(config, **changed)).run().summary)
+    watched = Simulator(workload, config, on_snapshot=lambda snapshot: None, snapshot_every=3).run().summary
+    assert not _same_summary(base, watched)
+    uncached = Simulator(workload, dataclasses.replace(config, enable_prefix_caching=False)).run().summary
+    if base["preemptions"] == 0 and uncached["preemptions"] == 0:
+        assert not _same_summary(base, uncached, ignore=("wall_time_s", "prefix_cache_hit_rate",
+                                                         "prefix_cache_hit_blocks"))

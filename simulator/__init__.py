@@ -20,9 +20,11 @@ from .models import GPUS, MODELS, CostModel, get_gpu, get_model, kv_capacity_tok
 from .workloads import (SYNTHETIC_PRESETS, SyntheticSpec, TraceFormatError, Workload, load_trace,
                         load_trace_bytes, synthetic_workload)
 
-__all__ = ["simulate", "compare", "closed_form_checks", "make_workload", "Simulator", "SimConfig", "SimResult", "Snapshot", "Workload",
-           "SyntheticSpec", "TraceFormatError", "ALLOCATORS", "CATEGORIES", "MODELS", "GPUS", "SYNTHETIC_PRESETS",
-           "load_trace", "load_trace_bytes", "synthetic_workload", "make_configs", "figure2_experiment", "PAPER_FIGURE2_TOKEN_STATES", "CostModel", "get_model", "get_gpu", "kv_capacity_tokens"]
+__all__ = ["simulate", "compare", "closed_form_checks", "make_workload", "Simulator", "SimConfig", "SimResult",
+           "Snapshot", "Workload", "SyntheticSpec", "TraceFormatError", "ALLOCATORS", "CATEGORIES", "MODELS", "GPUS",
+           "SYNTHETIC_PRESETS", "load_trace", "load_trace_bytes", "synthetic_workload", "make_configs",
+           "figure2_experiment", "PAPER_FIGURE2_TOKEN_STATES", "CostModel", "get_model", "get_gpu",
+           "kv_capacity_tokens"]
 
 
 def make_workload(workload: str | Path | Workload, num_requests: int | None = None, seed: int = 0,

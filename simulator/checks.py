@@ -75,7 +75,8 @@ def _allocator_checks(summary: dict, config: SimConfig, fractions: list[float]) 
 
 
 def _timed_in_order(requests: pd.DataFrame) -> tuple[int, str, int]:
-    arrival, first, finish = (requests[c].to_numpy(dtype=np.float64) for c in ("arrival_s", "first_token_s", "finish_s"))
+    arrival, first, finish = (requests[column].to_numpy(dtype=np.float64)
+                              for column in ("arrival_s", "first_token_s", "finish_s"))
     done = ~np.isnan(finish)
     return int(((arrival <= first) & (first <= finish))[done].sum()), "=", int(done.sum())
 

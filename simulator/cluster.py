@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 
 import numpy as np
 import pandas as pd
 
 from .engine import SimConfig, SimResult, Simulator
-from .metrics import latency_summary
+from .metrics import format_rejections, latency_summary, parse_rejections
 from .workloads import Workload
 
 ROUTER_SEED = 1234  # the random router's stream (a run is deterministic)
@@ -73,12 +74,8 @@ def combine(results: list[SimResult], config: SimConfig, n: int, wall_time_s: fl
     summary.update({key: sum(s.get(key, 0) for s in summaries) for key in SUM_COLUMNS if key in summaries[0]})
     summary.update({key: max(s[key] for s in summaries) for key in MAX_COLUMNS})
     summary.update(latency_summary(requests, n))
-    reasons: dict[str, int] = {}
-    for s in summaries:
-        for part in filter(None, s["rejection_reasons"].split(";")):
-            name, count = part.split("=")
-            reasons[name] = reasons.get(name, 0) + int(count)
-    summary["rejection_reasons"] = ";".join(f"{k}={v}" for k, v in sorted(reasons.items()))
+    summary["rejection_reasons"] = format_rejections(sum((Counter(parse_rejections(s["rejection_reasons"]))
+                                                          for s in summaries), Counter()))
     summary.update(simulated_time_s=makespan, stopped_early=any(s["stopped_early"] for s in summaries),
                    throughput_tok_s=summary["generated_tokens"] / makespan if makespan > 0 else 0.0,
                    throughput_req_s=summary["num_requests_completed"] / makespan if makespan > 0 else 0.0,

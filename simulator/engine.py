@@ -25,7 +25,7 @@ from lab.scheduler import (PREEMPTION_MODES, SCHEDULING_MODES, RequestRejectedEr
 
 from .allocators import ADDRESS_SPACES, ALLOCATORS, ContiguousPolicy
 from .beams import BeamSurvival
-from .metrics import COLUMNS, MetricsRecorder, latency_summary, row
+from .metrics import COLUMNS, MetricsRecorder, format_rejections, latency_summary, row
 from .models import CostModel, GiB, get_gpu, get_model, kv_capacity_tokens, override
 from .workloads import Workload
 
@@ -498,7 +498,7 @@ class Simulator:
                    **self.metrics.summary(), **latency_summary(requests, self.workload.n),
                    "num_requests": len(self.owned), "num_requests_completed": self.num_finished,
                    "num_requests_rejected": self.num_rejected,
-                   "rejection_reasons": ";".join(f"{k}={v}" for k, v in sorted(self.rejection_reasons.items())),
+                   "rejection_reasons": format_rejections(self.rejection_reasons),
                    "preemptions": self.num_preemptions, "swap_outs": self.scheduler.num_swaps_out,
                    "blocks_swapped": self.swapped_blocks,
                    "generated_tokens": self.generated_tokens, "iterations": self.iteration,

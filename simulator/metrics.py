@@ -105,10 +105,20 @@ REJECTION_REASONS = {"max_model_len": "longer than max_model_len (prompt + outpu
                      "capacity": "larger than the whole KV pool", "n": "more samples than max_num_seqs"}
 
 
+def format_rejections(counts: dict[str, int]) -> str:
+    """A summary's ``rejection_reasons``: ``reason=count`` joined by ``;``, reasons sorted (``""``: none)."""
+    return ";".join(f"{reason}={count}" for reason, count in sorted(counts.items()))
+
+
+def parse_rejections(text: str) -> dict[str, int]:
+    """``format_rejections`` read back."""
+    return {reason: int(count) for reason, count in (part.split("=") for part in filter(None, text.split(";")))}
+
+
 def rejection_warning(row) -> str:
     """The sentence a CLI or page shows for a summary row (``allocator``, ``num_requests``, ``num_requests_rejected``,
-    ``rejection_reasons`` as ``reason=count;...``) with rejected requests."""
-    counts = (part.split("=") for part in filter(None, row.rejection_reasons.split(";")))
+    ``rejection_reasons``) with rejected requests."""
+    counts = parse_rejections(row.rejection_reasons).items()
     why = ", ".join(f"{count} {REJECTION_REASONS.get(reason, reason)}" for reason, count in counts)
     return (f"{row.allocator}: {row.num_requests_rejected} of {row.num_requests} requests were rejected ({why}): they "
             f"can never run in this configuration")

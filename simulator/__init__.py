@@ -58,7 +58,7 @@ def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool
     workload = make_workload(workload, **workload_options)
     results = {}
     for index, config in enumerate(configs):
-        label = config.label
+        label = config.label if config.label not in results else f"{config.label} #{index + 1}"
 
         def on_snapshot(snapshot, index=index):
             return None if progress is None else progress((index + snapshot.progress) / len(configs))

@@ -13,8 +13,9 @@ from lab.cli_args import non_negative_int, output_csv, positive_float, positive_
 from lab.results import print_and_save, save_csv
 
 from .allocators import ALLOCATORS
+from . import compare
 from .checks import closed_form_checks
-from .engine import SimConfig, Simulator
+from .engine import SimConfig
 from .metrics import rejection_warning
 from .models import GPUS, MODELS
 from .presets import PAPER_FIGURE2_TOKEN_STATES, figure2_experiment, make_configs
@@ -129,27 +130,14 @@ def _configs(args) -> list[SimConfig]:
 def run(args) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """The summary (a row per configuration), the tagged timeseries and the closed-form checks of every run."""
     workload = _workload(args)
-    configs = _configs(args)
-    bar = tqdm(total=len(configs) * 100, desc="simulating", unit="%", file=sys.stderr, disable=args.no_progress)
-    summaries, series, results = [], [], {}
-    for config in configs:
-        shown = [0]
-
-        def progress(snapshot, shown=shown):
-            step = int(snapshot.progress * 100) - shown[0]
-            if step > 0:
-                bar.update(step)
-                shown[0] += step
-
-        result = Simulator(workload, config, on_snapshot=progress, snapshot_every=200, snapshot_pool=False).run()
-        bar.update(100 - shown[0])
-        summaries.append(result.summary)
-        series.append(result.timeseries.assign(allocator=config.allocator, block_size=config.block_size))
-        results[config.label if config.label not in results else f"{config.label} #{len(results) + 1}"] = result
+    bar = tqdm(total=100, desc="simulating", unit="%", file=sys.stderr, disable=args.no_progress)
+    summary, results = compare(workload, _configs(args), progress=lambda done: bar.update(int(done * 100) - bar.n))
+    bar.update(100 - bar.n)
     bar.close()
-    summary = pd.DataFrame(summaries)
     if args.preset == "figure2":
         summary["paper_token_states_frac"] = summary["allocator"].map(PAPER_FIGURE2_TOKEN_STATES)
+    series = [r.timeseries.assign(allocator=r.config.allocator, block_size=r.config.block_size)
+              for r in results.values()]
     return summary, pd.concat(series, ignore_index=True), closed_form_checks(workload, results)
 
 

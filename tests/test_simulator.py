@@ -10,7 +10,8 @@ from hypothesis import settings, strategies as st
 from hypothesis import example, given
 
 from lab.block_manager import KVBlockManager
-from simulator import (ALLOCATORS, CATEGORIES, SimConfig, Simulator, SyntheticSpec, simulate, synthetic_workload)
+from simulator import (ALLOCATORS, CATEGORIES, SimConfig, Simulator, SyntheticSpec, compare, simulate,
+                       synthetic_workload)
 from simulator.cli import SUMMARY_COLUMNS, main
 from simulator.checks import closed_form_checks
 from simulator.metrics import rejection_warning
@@ -328,3 +329,10 @@ def test_watching_a_run_does_not_change_it(allocator, block_size, capacity, chun
     if base["preemptions"] == 0 and uncached["preemptions"] == 0:
         assert not _same_summary(base, uncached, ignore=("wall_time_s", "prefix_cache_hit_rate",
                                                          "prefix_cache_hit_blocks"))
+
+
+def test_compare_keeps_every_config_when_two_share_a_label():
+    workload = small_workload(num_requests=20)
+    config = SimConfig(allocator="paged", capacity_tokens=20_000)
+    table, results = compare(workload, [config, dataclasses.replace(config, max_num_seqs=2)])
+    assert list(results) == list(table["label"]) == ["paged-B16", "paged-B16 #2"]

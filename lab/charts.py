@@ -71,12 +71,14 @@ def paging_diagram() -> go.Figure:
                                   arrowcolor=colours[seq], text="")
         figure.add_annotation(x=origin[seq] + 1.5, y=4.0, showarrow=False,
                               text=f"sequence {seq}: logical blocks → block table {table}")
-    used = {b for table in tables.values() for b in table}
-    for block in range(8):
-        colour = "#a855f7" if block == 7 else "#94a3b8" if block in used else "#f1f5f9"
+    owners = {block: [seq for seq, table in tables.items() if block in table] for block in range(8)}
+    for block, held_by in owners.items():
+        colour = "#f1f5f9" if not held_by else colours[held_by[0]] if len(held_by) == 1 else "#a855f7"
+        label = f"{block} · ref {len(held_by)}" if len(held_by) > 1 else str(block)
         figure.add_shape(type="rect", x0=block * 1.1, x1=block * 1.1 + 0.9, y0=0.5, y1=1.2, fillcolor=colour,
                          line=dict(color="#475569", width=1))
-        figure.add_annotation(x=block * 1.1 + 0.45, y=0.85, text=str(block), showarrow=False)
+        figure.add_annotation(x=block * 1.1 + 0.45, y=0.85, text=label, showarrow=False,
+                              font=dict(color="white" if held_by else "#334155"))
     figure.add_annotation(x=4.4, y=0.2, showarrow=False,
                           text="physical blocks (block 7 is shared by A and B: ref count 2; white = free)")
     figure.update_layout(height=300, xaxis=dict(visible=False, range=[-0.3, 8.9]),

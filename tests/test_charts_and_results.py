@@ -45,7 +45,13 @@ def test_runtime_and_kernel_figures():
     kernels = pd.DataFrame({"kernel": ["sdpa-contiguous", "torch"], "batch": [1, 1], "context": [64, 64],
                             "median_ms": [1.0, 1.1], "kv_gb_per_s": [5.0, 4.5]})
     assert len(kernel_time_figure(kernels).data) == 2 and len(kernel_bandwidth_figure(kernels).data) == 2
-    assert len(paging_diagram().layout.shapes) == 13
+    diagram = paging_diagram()
+    assert len(diagram.layout.shapes) == 13
+    physical = [shape.fillcolor for shape in diagram.layout.shapes if shape.y0 == 0.5]
+    logical = {shape.fillcolor for shape in diagram.layout.shapes if shape.y0 == 3.0}
+    # a physical block takes its one owner's colour; the shared one (7) and the free ones differ from both
+    assert physical[1] == physical[4] != physical[3] and {physical[1], physical[3]} == logical
+    assert physical[7] not in logical and physical[0] == physical[2] not in logical
 
 
 def test_result_store_round_trip():

@@ -123,9 +123,9 @@ for tab, (label, frame) in zip(tabs, series.items()):
         chart(charts.waste_areas(frame, f"{label}: KV breakdown over time"), f"areas_{label}")
 left, right = st.columns(2)
 with left:
-    chart(charts.over_time(series, "num_running", "Batch size (running sequences)"), "batch_over_time")
+    chart(charts.over_time(series, "num_running", "Batch size", "running sequences"), "batch_over_time")
 with right:
-    chart(charts.over_time(series, "generated_tokens", "Throughput (output tokens/s)", per_second=True),
+    chart(charts.over_time(series, "generated_tokens", "Throughput", "output tokens/s", per_second=True),
           "throughput_over_time")
 chart(charts.latency_percentiles(summary), "latency_percentiles")
 st.subheader("Summary")

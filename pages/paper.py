@@ -15,6 +15,8 @@ with st.sidebar:
                           help="Profiles the tiny Qwen3 on this machine at block sizes 1-64 and runs it beside the "
                                "simulator: a few minutes on a CPU")
 
+LAB_COLUMN = {"lab": st.column_config.NumberColumn(format="%.3g", help="the lab's value (the CSV keeps every digit)")}
+
 if st.button("Run", key="run_paper", type="primary"):
     try:
         with st.spinner("simulating…"):
@@ -35,12 +37,13 @@ if summary is None:
 counts = summary["verdict"].value_counts()
 st.markdown(" · ".join(f"**{counts.get(v, 0)}** {v}" for v in ("reproduced", "partly", "not")))
 chart(charts.paper_vs_lab(summary), "paper_vs_lab")
-st.dataframe(summary, hide_index=True)
+st.dataframe(summary, hide_index=True, column_config=LAB_COLUMN)
 csv_download(summary, "paper_summary.csv", "dl_paper")
 tables = st.session_state["paper_tables"]
 for tab, (figure, table) in zip(st.tabs([f"Figure {figure}" for figure in tables]), tables.items()):
     with tab:
         chart(charts.paper_figure(figure, table), f"paper_figure{figure}")
-        st.dataframe(summary[summary["figure"].astype(str).str.fullmatch(f"{figure}[a-z]?")], hide_index=True)
+        st.dataframe(summary[summary["figure"].astype(str).str.fullmatch(f"{figure}[a-z]?")], hide_index=True,
+                     column_config=LAB_COLUMN)
         st.dataframe(table, hide_index=True)
         csv_download(table, f"figure{figure}.csv", f"dl_figure{figure}")

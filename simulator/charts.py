@@ -42,15 +42,26 @@ def waste_areas(timeseries: pd.DataFrame, title: str) -> go.Figure:
     return figure
 
 
-def over_time(timeseries: dict[str, pd.DataFrame], column: str, title: str, per_second: bool = False) -> go.Figure:
-    """One line per run of ``column`` (or its rate per simulated second) over time."""
+def over_time(timeseries: dict[str, pd.DataFrame], column: str, title: str, y_label: str,
+              per_second: bool = False) -> go.Figure:
+    """One line per run of ``column`` over time; ``y_label`` names the axis. With ``per_second``, ``column`` is a
+    running total (e.g. generated tokens) and the line its rate in ``RATE_WINDOWS`` equal time windows: step by step
+    the rate swings between a prefill step's few tokens and a decode step's whole batch, which hides the trend."""
     frames = []
     for label, frame in timeseries.items():
-        values = frame[column].diff() / frame["elapsed_s"].diff() if per_second else frame[column]
-        frames.append(pd.DataFrame({"elapsed_s": frame["elapsed_s"], "value": values, "run": label}))
+        if per_second:
+            counts = frame[column].diff().fillna(frame[column])  # each kept row's share of the total
+            points = windowed_rate(frame["elapsed_s"], counts, frame["elapsed_s"].max() / RATE_WINDOWS)
+        else:
+            points = pd.DataFrame({"elapsed_s": frame["elapsed_s"], "value": frame[column]})
+        frames.append(points.assign(run=label))
     data = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["elapsed_s", "value", "run"])
-    figure = px.line(data, x="elapsed_s", y="value", color="run", title=title, labels={"elapsed_s": "simulated s"})
+    figure = px.line(data, x="elapsed_s", y="value", color="run", title=title,
+                     labels={"elapsed_s": "simulated s", "value": y_label})
     return figure.update_layout(height=320)
+
+
+RATE_WINDOWS = 100
 
 
 def latency_percentiles(summary: pd.DataFrame, label: str = "label") -> go.Figure:

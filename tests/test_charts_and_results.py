@@ -32,8 +32,22 @@ def test_simulator_figures_have_one_trace_per_category_or_run():
                             num_requests=50, rate=20.0)
     assert len(waste_bars(summary).data) == 5
     assert len(waste_areas(runs["paged-B16"].timeseries, "t").data) == 5
-    assert len(over_time({k: r.timeseries for k, r in runs.items()}, "num_running", "b").data) == 2
+    batch = over_time({k: r.timeseries for k, r in runs.items()}, "num_running", "b", "running sequences")
+    assert len(batch.data) == 2 and batch.layout.yaxis.title.text == "running sequences"
+    rate = over_time({k: r.timeseries for k, r in runs.items()}, "generated_tokens", "t", "tokens/s", per_second=True)
+    assert [len(trace.x) for trace in rate.data] == [100, 100]
     assert len(latency_percentiles(summary).data) == 2 * 3  # two runs x three facets (TTFT, TPOT, e2e)
+
+
+def test_rates_over_time_are_window_means_that_keep_the_total():
+    # 1,000 cycles of a decode row (50 tokens in 0.01 s) and a prefill-like row (no tokens, 0.02 s): row by row the
+    # rate swings between 5,000 and 0 tokens/s; over a window of ten cycles it is 50 / 0.03 = 1,667 tokens/s
+    elapsed = pd.Series([0.03 * (i // 2) + (0.01 if i % 2 == 0 else 0.03) for i in range(2000)])
+    totals = pd.Series([50.0 * (i // 2 + 1) for i in range(2000)])
+    rate = over_time({"run": pd.DataFrame({"elapsed_s": elapsed, "tokens": totals})}, "tokens", "t", "tokens/s",
+                     per_second=True).data[0]
+    assert len(rate.x) == 100 and sum(rate.y) * elapsed.max() / 100 == pytest.approx(totals.iloc[-1])
+    assert all(abs(value - 50 / 0.03) < 0.11 * 50 / 0.03 for value in rate.y)  # a window may cut a cycle
 
 
 def test_runtime_and_kernel_figures():

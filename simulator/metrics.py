@@ -103,6 +103,8 @@ def row(stats: StepStats, values: tuple, preemptions: int, prefix_cache_hits: in
 
 REJECTION_REASONS = {"max_model_len": "longer than max_model_len (prompt + output)",
                      "capacity": "larger than the whole KV pool", "n": "more samples than max_num_seqs"}
+REJECTION_REMEDIES = {"max_model_len": "raise max_model_len", "capacity": "give the KV pool more memory",
+                      "n": "raise max_num_seqs"}
 
 
 def format_rejections(counts: dict[str, int]) -> str:
@@ -120,8 +122,9 @@ def rejection_warning(row) -> str:
     ``rejection_reasons``) with rejected requests."""
     counts = parse_rejections(row.rejection_reasons).items()
     why = ", ".join(f"{count} {REJECTION_REASONS.get(reason, reason)}" for reason, count in counts)
+    remedies = " or ".join(REJECTION_REMEDIES[reason] for reason, _ in counts if reason in REJECTION_REMEDIES)
     return (f"{row.allocator}: {row.num_requests_rejected} of {row.num_requests} requests were rejected ({why}): they "
-            f"can never run in this configuration")
+            f"can never run in this configuration" + (f"; to run them, {remedies}" if remedies else ""))
 
 
 def latency_summary(requests: pd.DataFrame, n: int = 1) -> dict:

@@ -255,7 +255,11 @@ def test_rejection_warnings_say_why_in_words():
                          rejection_reasons="capacity=3;max_model_len=167"))
     assert rejection_warning(row) == ("paged: 170 of 300 requests were rejected (3 larger than the whole KV pool, 167 "
                                       "longer than max_model_len (prompt + output)): they can never run in this "
-                                      "configuration")
+                                      "configuration; to run them, give the KV pool more memory or raise "
+                                      "max_model_len")
+    row["rejection_reasons"] = "n=4"
+    assert rejection_warning(row).endswith("(4 more samples than max_num_seqs): they can never run in this "
+                                           "configuration; to run them, raise max_num_seqs")
 
 
 @settings(max_examples=30, deadline=None)

@@ -307,7 +307,7 @@ class KVBlockManager:
         for block in hits:
             self._take_cached_block(block)
         seq = SequenceBlocks(array(BLOCK_ID, hits), cached, [] if tracked else None,
-                             token_ids[:cached] if tracked else None,
+                             list(token_ids[:cached]) if tracked else None,
                              self._block_content_ids[hits[-1]] if hits else ROOT_CONTENT_ID)
         self._grow(seq, num_tokens - cached, token_ids[cached:] if token_ids is not None else None)
         return seq
@@ -858,8 +858,22 @@ def _count(value, name: str) -> int:
     return int(value)
 
 
-def _token_list(values, name: str) -> list[int]:
-    """A sequence of token ids as a list of plain ints, or ``InvalidTokenError`` naming the argument."""
+class TokenIds(tuple):
+    """Token ids checked once: a tuple of plain ints that the manager's methods take without checking again. A
+    request waiting for memory is offered to ``can_allocate`` every step; its prompt (maybe 100k tokens) is built
+    and checked once. Raises ``InvalidTokenError`` as a list argument would."""
+
+    __slots__ = ()
+
+    def __new__(cls, values=()):
+        return super().__new__(cls, _token_list(values, "token_ids"))
+
+
+def _token_list(values, name: str) -> list[int] | TokenIds:
+    """A sequence of token ids as a list of plain ints (a ``TokenIds`` as it is), or ``InvalidTokenError`` naming
+    the argument."""
+    if type(values) is TokenIds:
+        return values
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise InvalidTokenError(f"{name} must be a sequence of integer token ids, got {values!r}")
     values = list(values)

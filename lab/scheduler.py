@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Protocol
 
+from .block_manager import TokenIds
+
 SCHEDULING_MODES = ("prefill-first", "chunked")
 PREEMPTION_MODES = ("recompute", "swap")
 NO_EVENT = 1 << 62  # a KV length no sequence reaches: "needs no more memory"
@@ -240,6 +242,7 @@ class Scheduler:
         self.beam_groups: dict[SequenceGroup, None] = {}  # beam searches with beams decoding, in admission order
         self.step_log: list[tuple] | None = None
         self._output: SchedulerOutput | None = None
+        self._head_token_ids: tuple = (None, 0, None)  # (group, length, TokenIds) of the last group offered
 
     # ---- requests -----------------------------------------------------------------------------------------------
     def check_request(self, prompt_len: int, max_output_len: int, n: int) -> None:
@@ -530,7 +533,7 @@ class Scheduler:
                 break
             if whole and out.prefill_chunks and prompt > budget:
                 break
-            ids = group.token_ids(seqs[0], prompt) if group.token_ids is not None else None
+            ids = self._prompt_token_ids(group, prompt) if group.token_ids is not None else None
             if not self.policy.admit(seqs, ids):
                 break
             self.waiting.popleft()
@@ -548,6 +551,13 @@ class Scheduler:
             else:
                 parent.status = "prefilling"
                 self.prefilling.append(parent)
+
+    def _prompt_token_ids(self, group: SequenceGroup, prompt: int) -> TokenIds:
+        """The group's prompt ids, built and checked once while it waits at the head of the queue for memory (it is
+        offered every step, and a long prompt costs O(length) to build)."""
+        if self._head_token_ids[0] is not group or self._head_token_ids[1] != prompt:
+            self._head_token_ids = (group, prompt, TokenIds(group.token_ids(group.seqs[0], prompt)))
+        return self._head_token_ids[2]
 
     @staticmethod
     def _add_chunk(out: SchedulerOutput, seq: Sequence, budget: int) -> int:

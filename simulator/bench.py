@@ -2,7 +2,8 @@
 ``--sweep``: a 200-run sweep serially and on a local Ray (``benchmarks/results/sweep.csv``).
 
 Rows: the Azure 2023 conversation trace (19,366 requests) replayed with paged B=16 and, as the in-run baseline,
-contiguous-oracle; a 100k-request synthetic run (peak traced Python memory, timeseries rows kept); loading a
+contiguous-oracle; the Mooncake conversation trace's first 2,000 requests (long prompts that share prefixes) with
+prefix caching on and, as the baseline, off; a 100k-request synthetic run (peak traced Python memory, timeseries rows kept); loading a
 10^6-row generic CSV trace.
 """
 from __future__ import annotations
@@ -23,8 +24,9 @@ from lab.results import print_and_save
 from .engine import SimConfig, Simulator
 from .workloads import SyntheticSpec, load_trace, synthetic_workload
 
-AZURE_CONV = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "azure_llm_2023" / \
-    "AzureLLMInferenceTrace_conv.csv"
+TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+AZURE_CONV = TRACES / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+MOONCAKE_CONV = TRACES / "mooncake_fast25" / "conversation_trace.jsonl"
 
 
 def _replay_time(workload, config: SimConfig) -> tuple[float, dict]:
@@ -60,6 +62,31 @@ def bench_trace(path: Path, repeats: int) -> list[dict]:
              "completed": summaries[name]["num_requests_completed"]} for name in configs]
     rows.append({"case": "paged / contiguous-oracle speed", "value": statistics.median(ratios),
                  "unit": f"ratio (median of {repeats} alternating pairs)"})
+    return rows
+
+
+def bench_prefix_caching(path: Path, num_requests: int, repeats: int) -> list[dict]:
+    """Paged B=16 replay speed with prefix caching (every full prompt block hashed, looked up and registered) and
+    without, on a trace whose prompts share prefixes; alternating pairs as in ``bench_trace``."""
+    workload = load_trace(path, max_rows=num_requests)
+    configs = {caching: SimConfig(allocator="paged", block_size=16, model="qwen3-8b", gpu="h200",
+                                  max_model_len=131072, enable_prefix_caching=caching) for caching in (True, False)}
+    times, summaries = {caching: [] for caching in configs}, {}
+    for repeat in range(repeats):
+        for caching in (True, False) if repeat % 2 == 0 else (False, True):
+            seconds, summaries[caching] = _replay_time(workload, configs[caching])
+            times[caching].append(seconds)
+    rows = [{"case": f"mooncake-conv {num_requests} requests, paged, prefix caching {'on' if caching else 'off'}",
+             "value": num_requests / statistics.median(times[caching]), "unit": "requests/s (median)",
+             "iterations": summaries[caching]["iterations"],
+             "completed": summaries[caching]["num_requests_completed"]} for caching in configs]
+    prompt_tokens = float(workload.prompt_tokens.sum())
+    rows.append({"case": "mooncake-conv prompt tokens replayed (caching on)",
+                 "value": prompt_tokens / statistics.median(times[True]), "unit": "tokens/s"})
+    rows.append({"case": "mooncake-conv prefix-cache hit rate", "value": summaries[True]["prefix_cache_hit_rate"],
+                 "unit": "fraction of looked-up blocks"})
+    rows.append({"case": "prefix caching on / off speed", "value": statistics.median(times[False]) /
+                 statistics.median(times[True]), "unit": f"ratio (median of {repeats} alternating runs each)"})
     return rows
 
 
@@ -136,8 +163,12 @@ def bench_sweep(num_cpus: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m simulator.bench", description=__doc__)
-    parser.add_argument("--trace", default=str(AZURE_CONV))
+    parser.add_argument("--trace", default=str(AZURE_CONV), help="trace of the paged vs contiguous-oracle replay")
     parser.add_argument("--repeats", type=positive_int, default=9, help="alternating paged/oracle pairs (median)")
+    parser.add_argument("--mooncake-trace", default=str(MOONCAKE_CONV),
+                        help="Mooncake JSONL trace of the prefix-caching replay")
+    parser.add_argument("--mooncake-requests", type=positive_int, default=2000,
+                        help="its first rows replayed")
     parser.add_argument("--large", type=positive_int, default=100_000, help="requests of the synthetic run")
     parser.add_argument("--csv-rows", type=positive_int, default=1_000_000, help="rows of the trace-load test")
     parser.add_argument("--out", default="benchmarks/results/simulator.csv")
@@ -153,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_trace(Path(args.trace), args.repeats)
     else:
         print(f"skipping the trace replay: {args.trace} not found")
+    if Path(args.mooncake_trace).is_file():
+        rows += bench_prefix_caching(Path(args.mooncake_trace), args.mooncake_requests, 3)
+    else:
+        print(f"skipping the prefix-caching replay: {args.mooncake_trace} not found")
     rows += bench_large_synthetic(args.large) + bench_trace_loads(args.csv_rows)
     print_and_save(pd.DataFrame(rows), args.out)
     return 0

@@ -378,6 +378,24 @@ def test_bad_token_ids_change_nothing():
     m.check_invariants()
 
 
+def test_checked_token_ids_are_taken_as_lists_are():
+    from lab.block_manager import InvalidTokenError, TokenIds
+
+    with pytest.raises(InvalidTokenError, match="token_ids"):
+        TokenIds([1, True])
+    with pytest.raises(InvalidTokenError, match="token_ids"):
+        TokenIds("12")
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    with_list, with_checked = KVBlockManager(8, 2, True), KVBlockManager(8, 2, True)
+    for m, ids in ((with_list, list), (with_checked, TokenIds)):
+        m.create_sequence("a", ids(prompt))
+        assert m.can_allocate(ids(prompt + [1] * 5)) and not m.can_allocate(ids(prompt + [1] * 9))
+        assert m.create_sequence("b", ids(prompt[:5] + [3, 3])) == 4  # two cached blocks
+        m.append_tokens("b", 3, ids([4, 4, 4]))
+        m.check_invariants()
+    assert snapshot(with_list) == snapshot(with_checked)
+
+
 def test_reserved_blocks_evict_and_hand_out_as_eager_appends_would():
     """Reserving is O(1) (the blocks leave the free queue lazily) but every later view and operation sees the same
     evictions as appending those blocks one by one at once would have caused."""

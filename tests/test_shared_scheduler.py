@@ -168,6 +168,24 @@ def test_samples_count_against_max_num_seqs():
     assert max(seen) == 8
 
 
+def test_a_prompt_waiting_for_memory_is_built_once(monkeypatch):
+    """A request at the head of the queue is offered every step until memory frees; its prompt ids (O(length) to
+    build and check: 100k tokens in a Mooncake trace) were built on every offer, which made a long-context replay
+    with prefix caching 60x slower than one without."""
+    import simulator.engine
+
+    built = []
+    real_ids = simulator.engine.synthetic_token_ids
+    monkeypatch.setattr(simulator.engine, "synthetic_token_ids",
+                        lambda workload, request, length: built.append(request) or real_ids(workload, request, length))
+    # the second prompt waits 20 steps for the first request's blocks
+    workload = Workload("wait", np.zeros(2), np.array([40, 40]), np.array([20, 2]), shared_prefix_tokens=4)
+    config = SimConfig(allocator="paged", block_size=4, capacity_tokens=64, model="qwen3-0.6b", record_steps=True)
+    result = Simulator(workload, config).run()
+    assert (result.steps["num_waiting"] > 0).sum() >= 20 and result.summary["preemptions"] == 0
+    assert built == [0, 1]
+
+
 def test_requests_that_can_never_run_are_rejected_with_the_reason():
     engine = LLMEngine("tiny", num_blocks=512, max_num_seqs=4)
     with pytest.raises(ValueError, match="n=5 samples exceed max_num_seqs=4"):

@@ -715,27 +715,31 @@ class KVBlockManager:
             raise OutOfBlocksError(f"sequence {seq_id!r} needs {needed} blocks, {self.num_free_blocks} free")
 
     def _grow(self, seq: SequenceBlocks, num_tokens: int, token_ids, source=None) -> None:
-        """Append tokens block by block, new blocks from ``source(count)`` (default: the free queue); the caller has
-        checked there are enough."""
-        size, done, source = self.block_size, 0, source or self._allocate_blocks
-        if seq.partial_token_ids is None:  # no tokens to hash: take all new blocks at once
-            new_blocks = -(-(seq.num_tokens + num_tokens) // size) - len(seq.block_table)
-            seq.block_table.extend(self._held_by(seq, source(new_blocks)))
-            seq.num_tokens += num_tokens
-            return
-        while done < num_tokens:
-            if seq.num_tokens % size == 0:
-                seq.block_table.append(self._held_by(seq, source(1))[0])
-            take = min(size - seq.num_tokens % size, num_tokens - done)
-            seq.num_tokens += take
-            if seq.partial_token_ids is not None:
-                if token_ids is None:
-                    seq.partial_token_ids = seq.known_tokens = None
-                else:
-                    seq.partial_token_ids.extend(token_ids[done:done + take])
-                    seq.known_tokens.extend(token_ids[done:done + take])
-                    self._maybe_register_full_block(seq)
+        """Append tokens, the new blocks taken at once from ``source(count)`` (default: the free queue; the caller has
+        checked there are enough), then hash the blocks they complete when the sequence's tokens are tracked."""
+        new_blocks = -(-(seq.num_tokens + num_tokens) // self.block_size) - len(seq.block_table)
+        if new_blocks > 0:
+            seq.block_table.extend(self._held_by(seq, (source or self._allocate_blocks)(new_blocks)))
+        if seq.partial_token_ids is not None and num_tokens:
+            if token_ids is None:
+                seq.partial_token_ids = seq.known_tokens = None  # tokens unknown from here on: never cached
+            else:
+                self._track_tokens(seq, token_ids)
+        seq.num_tokens += num_tokens
+
+    def _track_tokens(self, seq: SequenceBlocks, token_ids) -> None:
+        """Register the full blocks that ``token_ids``, appended after ``seq.num_tokens``, complete. Their blocks
+        were all taken before the first is registered: a block taken later in the same pop would otherwise still
+        hold (and so dedupe, then evict) a key registered here."""
+        size, index, done = self.block_size, seq.num_tokens // self.block_size, 0
+        seq.known_tokens.extend(token_ids)
+        while done < len(token_ids):
+            take = min(size - len(seq.partial_token_ids), len(token_ids) - done)
+            seq.partial_token_ids.extend(token_ids[done:done + take])
             done += take
+            if len(seq.partial_token_ids) == size:
+                self._register_full_block(seq, seq.block_table[index])
+                index += 1
 
     def _track_token(self, seq: SequenceBlocks, token_id) -> None:
         if token_id is None:
@@ -743,18 +747,18 @@ class KVBlockManager:
             return
         seq.partial_token_ids.append(int(token_id))
         seq.known_tokens.append(int(token_id))
-        self._maybe_register_full_block(seq)
+        if len(seq.partial_token_ids) == self.block_size:
+            self._register_full_block(seq, seq.block_table[-1])
 
-    def _maybe_register_full_block(self, seq: SequenceBlocks) -> None:
-        if len(seq.partial_token_ids) < self.block_size:
-            return
+    def _register_full_block(self, seq: SequenceBlocks, block: int) -> None:
+        """Cache ``block``, just filled with ``seq.partial_token_ids``, under its key, unless a block with that key
+        is cached already (then the sequence's later keys chain on that one's content)."""
         key = self._block_key(seq.parent_content_id, seq.partial_token_ids)
         seq.partial_token_ids = []
         if not self.enable_prefix_caching:
             return
         cached = self._cached_blocks.get(key)
         if cached is None:
-            block = seq.block_table[-1]
             cached = block
             self._cached_blocks[key] = block
             self._block_keys[block] = key

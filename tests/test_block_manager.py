@@ -396,6 +396,24 @@ def test_checked_token_ids_are_taken_as_lists_are():
     assert snapshot(with_list) == snapshot(with_checked)
 
 
+def test_a_key_registered_while_growing_survives_the_eviction_of_a_block_taken_with_it():
+    """Appending [1, 2, 7, 7] takes free blocks 1 and then 0; block 0 still holds the key of [1, 2]. Taking them one at
+    a time, the first found that key on block 0 (so did not register its own), then took and evicted block 0: [1, 2]
+    was cached nowhere and a later prompt [1, 2, 7, 7, ...] hit nothing."""
+    m = KVBlockManager(3, 2, enable_prefix_caching=True)
+    m.create_sequence("a", [1, 2, 3])
+    m.create_sequence("x", [8])
+    m.release_sequence("a")
+    assert list(m._free_queue.queued()) == [1, 0]
+    m.create_sequence("c", [])
+    m.append_tokens("c", 4, [1, 2, 7, 7])
+    m.check_invariants()
+    m.release_sequence("c")
+    m.release_sequence("x")
+    assert m.create_sequence("d", [1, 2, 7, 7, 5]) == 4
+    m.check_invariants()
+
+
 def test_reserved_blocks_evict_and_hand_out_as_eager_appends_would():
     """Reserving is O(1) (the blocks leave the free queue lazily) but every later view and operation sees the same
     evictions as appending those blocks one by one at once would have caused."""

@@ -161,7 +161,7 @@ def bench_sweep(num_cpus: int) -> list[dict]:
             {"case": "Ray start-up (local)", "value": ray_init, "unit": "s"}]
 
 
-def main(argv: list[str] | None = None) -> int:
+def bench_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m simulator.bench", description=__doc__)
     parser.add_argument("--trace", default=str(AZURE_CONV), help="trace of the paged vs contiguous-oracle replay")
     parser.add_argument("--repeats", type=positive_int, default=9, help="alternating paged/oracle pairs (median)")
@@ -171,9 +171,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="its first rows replayed")
     parser.add_argument("--large", type=positive_int, default=100_000, help="requests of the synthetic run")
     parser.add_argument("--csv-rows", type=positive_int, default=1_000_000, help="rows of the trace-load test")
-    parser.add_argument("--out", default="benchmarks/results/simulator.csv")
+    parser.add_argument("--out", default="benchmarks/results/simulator.csv", help="results CSV")
     parser.add_argument("--sweep", action="store_true", help="only the sweep benchmark (serial vs Ray)")
     parser.add_argument("--num-cpus", type=positive_int, default=2, help="CPUs of the local Ray (--sweep)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_parser()
     args = parser.parse_args(argv)
     if args.sweep:
         out = args.out if args.out != parser.get_default("out") else "benchmarks/results/sweep.csv"

@@ -30,7 +30,7 @@ def sweep_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS, else local)")
     p.add_argument("--num-cpus", type=positive_int, default=None, help="CPUs of the local Ray (default: all)")
     p.add_argument("--serial", action="store_true", help="run in this process, without Ray")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -102,24 +102,26 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=positive_int, default=1000, help="requests (trace: first rows)")
     p.add_argument("--slo", required=True, help=f"limits in seconds, e.g. ttft_p90=2,tpot_p90=0.2 "
                                                 f"({', '.join(SLO_METRICS)})")
-    p.add_argument("--models", type=name_list, default=["qwen3-8b"])
-    p.add_argument("--gpus", type=name_list, default=["a100-80gb"])
-    p.add_argument("--tp", type=int_list, default=[1])
-    p.add_argument("--replicas", type=int_list, default=[1])
-    p.add_argument("--allocators", type=name_list, default=["paged", "contiguous-oracle"])
-    p.add_argument("--block-size", type=positive_int, default=16)
-    p.add_argument("--router", default="round-robin", choices=["round-robin", "least-loaded", "random"])
-    p.add_argument("--max-model-len", type=positive_int, default=2048)
+    p.add_argument("--models", type=name_list, default=["qwen3-8b"], help="comma list of model presets")
+    p.add_argument("--gpus", type=name_list, default=["a100-80gb"], help="comma list of GPU presets")
+    p.add_argument("--tp", type=int_list, default=[1], help="comma list of tensor-parallel degrees (GPUs per replica)")
+    p.add_argument("--replicas", type=int_list, default=[1], help="comma list of replica counts behind the router")
+    p.add_argument("--allocators", type=name_list, default=["paged", "contiguous-oracle"],
+                   help="comma list of KV allocators")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (paged)")
+    p.add_argument("--router", default="round-robin", choices=["round-robin", "least-loaded", "random"],
+                   help="how requests are spread over replicas")
+    p.add_argument("--max-model-len", type=positive_int, default=2048, help="longest prompt + output")
     p.add_argument("--target-rate", type=positive_float, default=None, help="req/s the chosen configuration must "
                                                                           "sustain")
     p.add_argument("--gpu-price", type=prices, default={}, help="override prices: gpu=USD per GPU-hour,...")
     p.add_argument("--rate-start", type=positive_float, default=1.0, help="first rate tried (req/s)")
     p.add_argument("--tolerance", type=positive_float, default=0.02, help="stop when rates are this close")
-    p.add_argument("--out", type=output_table, default=None)
-    p.add_argument("--address", default=None)
-    p.add_argument("--num-cpus", type=positive_int, default=None)
-    p.add_argument("--serial", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", type=output_table, default=None, help="results table (.parquet or .csv)")
+    p.add_argument("--address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS, else local)")
+    p.add_argument("--num-cpus", type=positive_int, default=None, help="CPUs of the local Ray (default: all)")
+    p.add_argument("--serial", action="store_true", help="run in this process, without Ray")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -161,19 +163,25 @@ def plan_main(argv: list[str]) -> int:
     return 0
 
 
-def paper_main(argv: list[str]) -> int:
-    from .paper import FIGURES, TINY, run_figures
+def paper_parser() -> argparse.ArgumentParser:
+    from .paper import FIGURES
 
     p = argparse.ArgumentParser(prog="python -m simulator paper",
                                 description="The vLLM paper's figures: the simulator's numbers beside the paper's, "
                                             "one CSV per figure and summary.csv (figure, quantity, paper, lab, "
                                             "verdict).")
-    p.add_argument("--figure", default="all", choices=[*FIGURES, "all"])
+    p.add_argument("--figure", default="all", choices=[*FIGURES, "all"], help="one figure, or all of them")
     p.add_argument("--out", type=output_folder, default="benchmarks/results/paper", help="folder for the CSVs")
     p.add_argument("--no-tiny", action="store_true",
                    help="skip the real tiny-engine runs beside Figures 18 and 19 (they take minutes on a CPU)")
-    p.add_argument("--num-requests", type=positive_int, default=2000)
-    args = p.parse_args(argv)
+    p.add_argument("--num-requests", type=positive_int, default=2000, help="requests per simulated workload")
+    return p
+
+
+def paper_main(argv: list[str]) -> int:
+    from .paper import FIGURES, TINY, run_figures
+
+    args = paper_parser().parse_args(argv)
     try:
         summary = run_figures(list(FIGURES) if args.figure == "all" else [args.figure], args.out, args.num_requests,
                               None if args.no_tiny else TINY)

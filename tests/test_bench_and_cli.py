@@ -157,3 +157,27 @@ def test_bad_flags_exit_2_with_one_error_line_and_no_traceback(program, argv, na
     assert code == 2
     assert len([line for line in err.splitlines() if "error:" in line]) == 1 and named in err
     assert "Traceback" not in err
+
+
+def _options_without_help(parser, path=()):
+    """``(command path, option)`` of every option of ``parser`` and its subcommands that has no help text."""
+    import argparse
+
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                missing += _options_without_help(sub, (*path, name))
+        elif action.option_strings and not isinstance(action, argparse._HelpAction) and not action.help:
+            missing.append((" ".join(path), action.option_strings[-1]))
+    return missing
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    from lab.cli import build_parser as lab_parser
+    from simulator.bench import bench_parser
+    from simulator.cli import build_parser as simulator_parser
+    from simulator.cli_sweep import paper_parser, plan_parser, sweep_parser
+
+    for parser in (lab_parser(), simulator_parser(), sweep_parser(), plan_parser(), paper_parser(), bench_parser()):
+        assert _options_without_help(parser) == [], parser.prog

@@ -28,7 +28,7 @@ with st.sidebar:
     output_range = st.slider("Max new tokens", 1, 512, (16, 64))
     shared_prefix = st.slider("Shared prompt prefix (tokens)", 0, 512, 0, step=16)
     block_size = st.select_slider("Block size", [1, 2, 4, 8, 16, 32, 64, 128, 256], 16)
-    num_blocks = st.number_input("KV pool (blocks)", 1, 1_000_000, 256)
+    num_blocks = st.number_input("KV pool (blocks)", 1, 1_000_000, 256, key="runtime_num_blocks")
     prefix_caching = st.toggle("Prefix caching", True)
     n = st.slider("Parallel samples n", 1, 8, 1)
     temperature = st.slider("Temperature", 0.0, 2.0, 0.0)
@@ -36,13 +36,16 @@ with st.sidebar:
     scheduling = st.radio("Scheduling", ["prefill-first", "chunked"], horizontal=True,
                           help="chunked: every step decodes all running sequences, then fills the token budget "
                                "with prompt chunks (vLLM V1 / Sarathi)")
-    budget = st.number_input("Token budget per step (max_num_batched_tokens)", 1, 65_536, 4096)
+    max_num_seqs = st.number_input("Max running sequences (max_num_seqs)", 1, 1024, 32, key="runtime_max_num_seqs",
+                                   help="continuous batching's cap on the sequences a step decodes")
+    budget = st.number_input("Token budget per step (max_num_batched_tokens)", 1, 65_536, 4096,
+                             key="runtime_budget")
     preemption = st.radio("Preemption", ["recompute", "swap"], horizontal=True,
                           help="swap: preempted sequences move to a host KV pool and come back later")
     run = st.button("Run", type="primary", key="run")
 
 engine_config = EngineConfig(block_size=block_size, num_blocks=int(num_blocks), enable_prefix_caching=prefix_caching,
-                             attention_backend=backend, max_num_seqs=32, scheduling=scheduling,
+                             attention_backend=backend, max_num_seqs=int(max_num_seqs), scheduling=scheduling,
                              max_num_batched_tokens=int(budget), preemption_mode=preemption)
 config = RuntimeRunConfig(model=model, num_requests=num_requests, prompt_len_range=prompt_range,
                           max_tokens_range=output_range, shared_prefix_tokens=shared_prefix, n=n,

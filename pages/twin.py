@@ -40,7 +40,10 @@ with st.sidebar:
         output_len = st.number_input("Output tokens (random: mean, ±50 %)", 2, 2048, 32,
                                      disabled=source not in ("random", "fixed"))
     num_blocks = st.number_input("KV pool (blocks)", 4, 1_000_000, 256)
+    max_num_seqs = st.number_input("Max running sequences (max_num_seqs)", 1, 1024, 64, key="twin_max_num_seqs")
     scheduling = st.radio("Scheduling", ["prefill-first", "chunked"], horizontal=True)
+    budget = st.number_input("Token budget per step (max_num_batched_tokens)", 1, 65_536, 4096,
+                             help="chunked: prompts longer than this are spread over several steps")
     preemption = st.radio("Preemption", ["recompute", "swap"], horizontal=True)
     repeats = st.slider("Real runs (2+: noise floor)", 1, 3, 2)
 
@@ -96,6 +99,7 @@ if st.button("Run the twin", key="run_twin", type="primary"):
         st.stop()
     try:
         config = TwinConfig(model, EngineConfig(block_size=block_size, num_blocks=int(num_blocks),
+                                                max_num_seqs=int(max_num_seqs), max_num_batched_tokens=int(budget),
                                                 scheduling=scheduling, preemption_mode=preemption))
         # a static note, not st.spinner: a browser animating a spinner on the same machine slows the steps measured
         note = st.empty()

@@ -120,7 +120,7 @@ def test_runtime_page_runs_and_reports_errors(downloads):
     clean(app)
     comparison = download_table(app, downloads, "dl_compare")
     assert list(comparison["system"]) == ["paged-engine", "hf-static"] and comparison["same_tokens_as_engine"].all()
-    app.number_input[0].set_value(2)  # a KV pool smaller than one request
+    app.number_input(key="runtime_num_blocks").set_value(2)  # a KV pool smaller than one request
     app.button(key="run").click().run()
     assert not app.exception and any("KV pool" in e.value for e in app.error)
     app.text_input[0].set_value("/nonexistent/qwen3")
@@ -177,9 +177,10 @@ def test_benchmarks_page_lists_results_and_rejects_bad_csv(downloads):
 def test_runtime_page_runs_chunked_prefill_with_swap_preemption(downloads):
     app = open_page("runtime")
     app.slider[0].set_value(12)
-    app.number_input[0].set_value(24)  # a small pool: preemption by swapping
+    app.number_input(key="runtime_num_blocks").set_value(24)  # a small pool: preemption by swapping
     app.radio[0].set_value("chunked")
-    app.number_input[1].set_value(32)
+    app.number_input(key="runtime_budget").set_value(32)
+    app.number_input(key="runtime_max_num_seqs").set_value(3)  # the pool alone would let 4 run
     app.radio[1].set_value("swap")
     app.button(key="run").click().run()
     clean(app)
@@ -187,6 +188,7 @@ def test_runtime_page_runs_chunked_prefill_with_swap_preemption(downloads):
     assert run.summary["swap_outs"] > 0 and len(run.requests) == 12
     steps = run.steps
     assert steps["num_prefill_tokens"].max() <= 32 and steps["cpu_blocks_in_use"].max() > 0
+    assert steps["num_running"].max() == 3
 
 
 BAD_UPLOADS = [("empty.csv", b""), ("binary.csv", b"\x00\xff\xfe\x01"), ("huge.csv",
@@ -288,10 +290,12 @@ def test_twin_page_calibrates_runs_and_rejects_bad_profiles(downloads):
     fit = app.dataframe[0].value  # the profile's fit, scenario by scenario
     assert {"scenario", "measured_s", "fitted_s", "rel_error"} <= set(fit.columns) and len(fit) >= 5
     app.sidebar.number_input[0].set_value(12)  # requests
+    app.number_input(key="twin_max_num_seqs").set_value(5)
     app.button(key="run_twin").click().run()
     clean(app)
     table = download_table(app, downloads, "dl_twin").set_index("metric")
     assert table.loc["schedule_identical", "simulated"] == 1.0 and len(app.get("plotly_chart")) == 4
+    assert app.session_state["twin_result"].real_steps["num_running"].max() == 5
     steps = download_table(app, downloads, "dl_twin_steps")
     assert (steps["real_duration_s"] > 0).all() and (steps["simulated_duration_s"] > 0).all()
     app.selectbox(key="twin_workload").set_value("upload a trace").run()

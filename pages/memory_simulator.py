@@ -52,6 +52,11 @@ with st.sidebar:
                                  disabled=figure2)
     address_space = st.radio("Contiguous address space", ["first-fit", "buddy"], horizontal=True, disabled=figure2)
     scheduling = st.radio("Scheduling", ["prefill-first", "chunked"], horizontal=True)
+    max_num_seqs = st.number_input("Max running sequences (max_num_seqs)", 1, 65_536, 256, key="sim_max_num_seqs")
+    budget = st.number_input("Token budget per step (max_num_batched_tokens)", 1, 10**6, 8192, key="sim_budget",
+                             help="chunked: prompts longer than this are spread over several steps")
+    prefix_caching = st.toggle("Prefix caching (paged)", True, key="sim_prefix_caching",
+                               help="cached full prompt blocks are shared instead of recomputed")
     preemption = st.radio("Preemption (paged)", ["recompute", "swap"], horizontal=True,
                           help="swap: preempted sequences move to a host pool over the GPU's host link "
                                "(contiguous baselines always recompute)")
@@ -74,6 +79,8 @@ def build_inputs():
                                      max_model_len=max_model_len, capacity_tokens=capacity or None,
                                      gpu_memory_utilization=utilization, address_space=address_space,
                                      scheduling=scheduling, preemption_mode=preemption,
+                                     max_num_seqs=int(max_num_seqs), max_num_batched_tokens=int(budget),
+                                     enable_prefix_caching=prefix_caching,
                                      model_overrides={"dtype_bytes": dtype_bytes},
                                      gpu_overrides={"memory_bytes": memory_gib * 2**30,
                                                     "bandwidth_bytes_s": bandwidth_tbs * 1e12,
@@ -83,7 +90,8 @@ def build_inputs():
 
 key = repr((figure2, source, upload.file_id if upload else None, locals().get("preset"), num_requests, rate,
             burstiness, n, beam_width, shared_prefix, model, gpu, capacity, utilization, max_model_len, allocators, block_sizes,
-            address_space, scheduling, preemption, memory_gib, bandwidth_tbs, peak_tflops, dtype_bytes))
+            address_space, scheduling, preemption, max_num_seqs, budget, prefix_caching, memory_gib, bandwidth_tbs,
+            peak_tflops, dtype_bytes))
 if st.session_state.get("stop_sim"):  # the Stop button interrupted the last run
     st.session_state["sim_stopped_key"] = key
 if st.session_state.get("sim_stopped_key") == key:

@@ -508,7 +508,8 @@ class Simulator:
         summary["throughput_req_s"] = self.num_finished / self.time if self.time > 0 else 0.0
         if self.policy_is_paged:
             stats = self.policy.manager.prefix_cache_stats
-            summary["prefix_cache_hit_rate"] = stats.hit_rate
-            summary["prefix_cache_hit_blocks"] = stats.hit_blocks
+            caching = self.config.enable_prefix_caching  # off: no rate to report (NaN, as for contiguous runs)
+            summary["prefix_cache_hit_rate"] = stats.hit_rate if caching else math.nan
+            summary["prefix_cache_hit_blocks"] = stats.hit_blocks if caching else math.nan
         steps = self.scheduler.step_log_frame() if self.config.record_steps else None
         return SimResult(summary, self.metrics.timeseries(), requests, self.config, steps)

@@ -70,6 +70,12 @@ def test_memory_simulator_reacts_and_exports(downloads):
     app.number_input[0].set_value(300).run()
     clean(app)
     assert download_table(app, downloads, "dl_summary")["num_requests_completed"].iloc[0] == 300
+    app.number_input(key="sim_max_num_seqs").set_value(8).run()  # every allocator's batch capped at 8
+    clean(app)
+    assert download_table(app, downloads, "dl_summary")["peak_batch_size"].max() == 8
+    app.toggle(key="sim_prefix_caching").set_value(False).run()
+    clean(app)
+    assert download_table(app, downloads, "dl_summary")["prefix_cache_hit_rate"].isna().all()
 
 
 def test_memory_simulator_bad_upload_shows_error():

@@ -5,8 +5,16 @@ from __future__ import annotations
 import io
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pandas as pd
+
+RECORDED_RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+# which command writes each recorded CSV (the first pattern a file's path relative to the folder matches)
+RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cpu.csv": "python -m lab bench e2e",
+               "kernels_cpu.csv": "python -m lab bench kernels", "twin_cpu*.csv": "python -m lab bench twin",
+               "simulator.csv": "python -m simulator.bench", "sweep.csv": "python -m simulator.bench --sweep",
+               "paper/*.csv": "python -m simulator paper", "gpu/*.csv": "scripts/gpu_check.sh (on a GPU)"}
 
 
 @dataclass(slots=True)
@@ -62,12 +70,41 @@ class ResultStore:
         return self.add("uploaded", name, table)
 
 
+def recorded_results(folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
+    """The benchmark CSVs committed under ``folder`` (the README quotes them): ``file`` (relative path), ``rows``,
+    ``command`` (what writes it; empty when unknown). Empty when the folder is missing; ``rows`` is None for a file
+    that is not a readable table."""
+    rows = []
+    for path in sorted(folder.rglob("*.csv")) if folder.is_dir() else []:
+        relative = path.relative_to(folder)
+        command = next((c for pattern, c in RECORDED_BY.items() if relative.match(pattern)), "")
+        rows.append({"file": relative.as_posix(), "rows": _count_rows(path), "command": command})
+    return pd.DataFrame(rows, columns=["file", "rows", "command"])
+
+
+def _count_rows(path: Path) -> int | None:
+    try:
+        return len(pd.read_csv(path))
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError):
+        return None  # listed all the same: read_recorded names the problem
+
+
+def read_recorded(file: str, folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
+    """One recorded CSV by its ``file`` name from ``recorded_results``; ``ValueError`` naming it when it is not one
+    of them or not a readable table."""
+    path = (folder / file).resolve()
+    if path.suffix != ".csv" or folder.resolve() not in path.parents or not path.is_file():
+        raise ValueError(f"{file}: not a recorded result under {folder}")
+    try:
+        return pd.read_csv(path)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{file}: not a readable CSV ({exc})") from None
+
+
 def save_csv(table: pd.DataFrame, path: str | None) -> None:
     """Write ``table`` to ``path`` (folders created) and say so; nothing when ``path`` is empty."""
     if not path:
         return
-    from pathlib import Path
-
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     table.to_csv(path, index=False)
     print(f"wrote {path}")

@@ -245,6 +245,20 @@ def test_kernel_lab_extremes_run_cleanly():
     clean(app)
 
 
+def test_benchmarks_page_shows_recorded_results_and_adds_them_to_the_session(downloads):
+    from lab.results import RECORDED_RESULTS
+
+    app = open_page("benchmarks")
+    clean(app)
+    app.selectbox(key="recorded_file").set_value("simulator.csv").run()
+    clean(app)
+    shown = download_table(app, downloads, "dl_recorded")
+    assert shown.equals(pd.read_csv(RECORDED_RESULTS / "simulator.csv"))
+    app.button(key="add_recorded").click().run()
+    clean(app)
+    assert app.session_state["results"].names() == ["recorded: simulator.csv"]
+
+
 @pytest.mark.parametrize("data", [b"", b"\x00\x01\x02", b"a,b\n1\n2,3,4,5\n"], ids=["empty", "binary", "ragged"])
 def test_benchmarks_page_bad_csv_shows_an_error(data):
     app = open_page("benchmarks")

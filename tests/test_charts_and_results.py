@@ -99,3 +99,26 @@ def test_the_twin_s_tokens_per_second_are_counted_in_time_windows():
     assert by_run["real"].y[5] == pytest.approx(400.0) and by_run["simulated"].y[5] == pytest.approx(800.0)
     # the total over the windows is every token, once
     assert sum(by_run["real"].y) * 0.1 == pytest.approx(8 * 99)
+
+
+def test_recorded_results_are_listed_with_their_command_and_read_safely(tmp_path):
+    from lab.results import RECORDED_RESULTS, read_recorded, recorded_results
+
+    (tmp_path / "paper").mkdir()
+    (tmp_path / "paper" / "figure2.csv").write_text("system,frac\nvLLM,0.96\nOrca,0.2\n")
+    (tmp_path / "mystery.csv").write_text("a\n1\n")
+    (tmp_path / "broken.csv").write_bytes(b"\xff\xfe\x00")
+    (tmp_path / "notes.txt").write_text("not a table")
+    listing = recorded_results(tmp_path).set_index("file")
+    assert list(listing.index) == ["broken.csv", "mystery.csv", "paper/figure2.csv"]
+    assert listing.loc["paper/figure2.csv", "rows"] == 2 and listing.loc["paper/figure2.csv", "command"] == \
+        "python -m simulator paper"
+    assert listing.loc["mystery.csv", "command"] == "" and pd.isna(listing.loc["broken.csv", "rows"])
+    assert read_recorded("paper/figure2.csv", tmp_path)["frac"].tolist() == [0.96, 0.2]
+    for bad, message in (("broken.csv", "not a readable CSV"), ("notes.txt", "not a recorded result"),
+                         ("../outside.csv", "not a recorded result"), ("none.csv", "not a recorded result")):
+        with pytest.raises(ValueError, match=message):
+            read_recorded(bad, tmp_path)
+    assert recorded_results(tmp_path / "missing").empty
+    repo = recorded_results(RECORDED_RESULTS).set_index("file")  # the README's figures, each with its command
+    assert repo.loc["simulator.csv", "command"] == "python -m simulator.bench" and (repo["command"] != "").all()

@@ -34,13 +34,15 @@ def route(num_requests: int, replicas: int, router: str) -> list[list[int]]:
     return [np.flatnonzero(choice == r).tolist() for r in range(replicas)]
 
 
-def run_cluster(workload: Workload, config: SimConfig, on_snapshot=None, snapshot_every: int = 50) -> SimResult:
+def run_cluster(workload: Workload, config: SimConfig, on_snapshot=None, snapshot_every: int = 50,
+                snapshot_pool: bool = True) -> SimResult:
     """Simulate ``config.replicas`` replicas of ``config`` on ``workload``; one cluster summary, per-replica rows
-    (column ``replica``) in the timeseries and the per-request table."""
+    (column ``replica``) in the timeseries and the per-request table. ``on_snapshot``, ``snapshot_every`` and
+    ``snapshot_pool`` apply to each replica (see ``Simulator``)."""
     started = time.perf_counter()
     single = dataclasses.replace(config, replicas=1)
     if config.router == "least-loaded":
-        sims = [Simulator(workload, single, on_snapshot, snapshot_every, requests=[])
+        sims = [Simulator(workload, single, on_snapshot, snapshot_every, snapshot_pool, requests=[])
                 for _ in range(config.replicas)]
         for request, arrival in enumerate(workload.arrival_s):
             for sim in sims:
@@ -49,8 +51,8 @@ def run_cluster(workload: Workload, config: SimConfig, on_snapshot=None, snapsho
         results = [_finish(sim, started) for sim in sims]
     else:
         shares = route(len(workload), config.replicas, config.router)
-        results = [_finish(Simulator(workload, single, on_snapshot, snapshot_every, requests=share), started)
-                   for share in shares]
+        results = [_finish(Simulator(workload, single, on_snapshot, snapshot_every, snapshot_pool, requests=share),
+                           started) for share in shares]
     return combine(results, config, workload.n, time.perf_counter() - started)
 
 

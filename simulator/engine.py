@@ -279,7 +279,7 @@ class Simulator:
         if self.config.replicas > 1:
             from .cluster import run_cluster
 
-            return run_cluster(self.workload, self.config, self.on_snapshot, self.snapshot_every)
+            return run_cluster(self.workload, self.config, self.on_snapshot, self.snapshot_every, self.snapshot_pool)
         started = time.perf_counter()
         self.advance(math.inf)
         return self.finish_run(started)

@@ -64,3 +64,18 @@ def test_more_replicas_serve_faster():
 def test_bad_cluster_settings(settings):
     with pytest.raises(ValueError, match="replicas|router"):
         Simulator(WORKLOAD, dataclasses.replace(CONFIG, **settings))
+
+
+@pytest.mark.parametrize("router", ["least-loaded", "round-robin"])
+def test_progress_only_callers_never_copy_a_replica_s_pool(router, monkeypatch):
+    """``compare`` asks for progress only; each replica copied its whole pool every 100 steps all the same (10,000
+    requests on 8 replicas: 13 s, 12 of them in those copies)."""
+    from lab.block_manager import KVBlockManager
+    from simulator import compare
+
+    copies = []
+    monkeypatch.setattr(KVBlockManager, "snapshot", lambda self: copies.append(self) or pytest.fail("pool copied"))
+    fractions = []
+    summary, _ = compare(synthetic_workload(SyntheticSpec(preset="sharegpt", num_requests=400, rate=50.0)),
+                         [SimConfig(allocator="paged", replicas=3, router=router)], progress=fractions.append)
+    assert summary["num_requests_completed"].iloc[0] == 400 and fractions and not copies

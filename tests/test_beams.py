@@ -27,6 +27,14 @@ def test_survival_counts_are_a_seeded_split_of_the_beams():
     draws = [[survival.parent_counts(4) for _ in range(20)] for survival in (BeamSurvival(0, 7), other_seed,
                                                                               other_request)]
     assert draws[0] != draws[1] and draws[0] != draws[2]
+    # drawn many steps at a time, the stream is the one a draw a step gives
+    rng, weights = np.random.default_rng((0, 7)), 0.5 ** np.arange(4)
+    one_at_a_time = [np.bincount(rng.choice(4, size=4, p=weights / weights.sum()), minlength=4).tolist()
+                     for _ in range(150)]
+    assert draws[0] == one_at_a_time[:20]
+    survival = BeamSurvival(0, 7)
+    assert [survival.parent_counts(4) for _ in range(150)] == one_at_a_time
+    assert sum(survival.parent_counts(3)) == 3  # a beam fewer: fresh draws of three
 
 
 @pytest.mark.parametrize("modes", [dict(), dict(preemption_mode="swap", num_cpu_blocks=400),

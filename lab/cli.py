@@ -55,7 +55,8 @@ def _generate(args) -> None:
     engine = LLMEngine(args.model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device,
                        attention_backend=args.backend, enable_prefix_caching=not args.no_prefix_caching,
                        scheduling=args.scheduling, preemption_mode=args.preemption_mode,
-                       max_num_batched_tokens=args.max_num_batched_tokens, num_cpu_blocks=args.num_cpu_blocks)
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       num_cpu_blocks=args.num_cpu_blocks)
     if args.prompt:
         prompts = [p if engine.tokenizer is not None else _token_ids(p) for p in args.prompt]
     else:
@@ -119,7 +120,8 @@ def _twin(args) -> None:
                              args.time_scale, args.seed)
     engine = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, scheduling=args.scheduling,
                           preemption_mode=args.preemption_mode, num_cpu_blocks=args.num_cpu_blocks,
-                          max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          device=args.device,
                           attention_backend=args.backend, seed=args.seed)
     config = TwinConfig(args.model, engine)
     result = run_twin(workload, config, profile, args.repeats)
@@ -232,6 +234,8 @@ def _serving_options(parser: argparse.ArgumentParser) -> None:
     """The scheduler's modes and caps, and the host pool for swapping."""
     parser.add_argument("--scheduling", default="prefill-first", choices=["prefill-first", "chunked"],
                         help="chunked: decodes first, then prompt chunks up to the token budget")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=64,
+                        help="most sequences running at once (continuous batching's cap)")
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=4096, help="token budget per step")
     parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                         help="swap: preempted sequences move to a host pool")

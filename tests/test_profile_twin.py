@@ -524,11 +524,13 @@ def test_the_cli_profiles_then_runs_the_twin_and_writes_both_step_times(tmp_path
     listed = set(Profile.load(profile).scenario_errors()["scenario"])
     assert listed == {name for name, _, _ in _scenarios(4, "quick")}  # every scenario, shared shapes too
     assert main(["twin", "--profile", str(profile), "--num-requests", "6", "--input-len", "20", "--output-len", "5",
-                 "--block-size", "4", "--num-blocks", "24", "--out", str(table), "--steps-out", str(steps)]) == 0
+                 "--block-size", "4", "--num-blocks", "24", "--max-num-seqs", "3", "--out", str(table),
+                 "--steps-out", str(steps)]) == 0
     rows = pd.read_csv(table).set_index("metric")
     assert rows.loc["schedule_identical", "simulated"] == 1.0
     log = pd.read_csv(steps)
     assert len(log) > 5 and (log["real_duration_s"] > 0).all() and (log["simulated_duration_s"] > 0).all()
+    assert log["num_running"].max() == 3  # both sides capped by --max-num-seqs
     assert main(["twin", "--profile", str(profile), "--block-size", "16", "--num-requests", "2"]) == 2  # mismatch
 
 

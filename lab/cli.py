@@ -121,8 +121,7 @@ def _twin(args) -> None:
     engine = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, scheduling=args.scheduling,
                           preemption_mode=args.preemption_mode, num_cpu_blocks=args.num_cpu_blocks,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          device=args.device,
-                          attention_backend=args.backend, seed=args.seed)
+                          device=args.device, attention_backend=args.backend, seed=args.seed)
     config = TwinConfig(args.model, engine)
     result = run_twin(workload, config, profile, args.repeats)
     print_and_save(result.table, args.out)

@@ -35,15 +35,18 @@ with st.sidebar:
     model = st.selectbox("Model", list(simulator.MODELS), index=list(simulator.MODELS).index("qwen3-8b"),
                          disabled=figure2)
     gpu = st.selectbox("GPU", list(simulator.GPUS), index=list(simulator.GPUS).index("a100-40gb"), disabled=figure2)
-    capacity = st.number_input("KV capacity override (tokens; 0 = from model and GPU)", 0, 10**8, 0, step=1000)
-    utilization = st.slider("GPU memory utilization", 0.3, 1.0, 0.9)
+    capacity = st.number_input("KV capacity override (tokens; 0 = from model and GPU)", 0, 10**8, 0, step=1000,
+                               disabled=figure2)
+    utilization = st.slider("GPU memory utilization", 0.3, 1.0, 0.9, disabled=figure2)
     with st.expander("Override model / GPU figures"):
         gpu_spec, model_spec = simulator.get_gpu(gpu), simulator.get_model(model)
-        memory_gib = st.number_input("GPU memory (GiB)", 1.0, 4096.0, gpu_spec.memory_bytes / 2**30)
-        bandwidth_tbs = st.number_input("HBM bandwidth (TB/s)", 0.05, 50.0, gpu_spec.bandwidth_bytes_s / 1e12)
-        peak_tflops = st.number_input("Peak 16-bit TFLOP/s", 1.0, 10_000.0, gpu_spec.peak_flops / 1e12)
+        memory_gib = st.number_input("GPU memory (GiB)", 1.0, 4096.0, gpu_spec.memory_bytes / 2**30, disabled=figure2)
+        bandwidth_tbs = st.number_input("HBM bandwidth (TB/s)", 0.05, 50.0, gpu_spec.bandwidth_bytes_s / 1e12,
+                                        disabled=figure2)
+        peak_tflops = st.number_input("Peak 16-bit TFLOP/s", 1.0, 10_000.0, gpu_spec.peak_flops / 1e12,
+                                      disabled=figure2)
         dtype_bytes = st.selectbox("KV / weight bytes per element", [1, 2, 4], index=[1, 2, 4].index(
-            model_spec.dtype_bytes))
+            model_spec.dtype_bytes), disabled=figure2)
     max_model_len = st.select_slider("Max model length", [512, 1024, 2048, 4096, 8192, 16384, 32768, 131072], 2048,
                                      disabled=figure2)
     allocators = st.multiselect("Allocators", simulator.ALLOCATORS, default=list(simulator.ALLOCATORS),
@@ -51,13 +54,14 @@ with st.sidebar:
     block_sizes = st.multiselect("Paged block sizes", [1, 2, 4, 8, 16, 32, 64, 128, 256], default=[16],
                                  disabled=figure2)
     address_space = st.radio("Contiguous address space", ["first-fit", "buddy"], horizontal=True, disabled=figure2)
-    scheduling = st.radio("Scheduling", ["prefill-first", "chunked"], horizontal=True)
-    max_num_seqs = st.number_input("Max running sequences (max_num_seqs)", 1, 65_536, 256, key="sim_max_num_seqs")
+    scheduling = st.radio("Scheduling", ["prefill-first", "chunked"], horizontal=True, disabled=figure2)
+    max_num_seqs = st.number_input("Max running sequences (max_num_seqs)", 1, 65_536, 256, key="sim_max_num_seqs",
+                                   disabled=figure2)
     budget = st.number_input("Token budget per step (max_num_batched_tokens)", 1, 10**6, 8192, key="sim_budget",
-                             help="chunked: prompts longer than this are spread over several steps")
-    prefix_caching = st.toggle("Prefix caching (paged)", True, key="sim_prefix_caching",
+                             help="chunked: prompts longer than this are spread over several steps", disabled=figure2)
+    prefix_caching = st.toggle("Prefix caching (paged)", True, key="sim_prefix_caching", disabled=figure2,
                                help="cached full prompt blocks are shared instead of recomputed")
-    preemption = st.radio("Preemption (paged)", ["recompute", "swap"], horizontal=True,
+    preemption = st.radio("Preemption (paged)", ["recompute", "swap"], horizontal=True, disabled=figure2,
                           help="swap: preempted sequences move to a host pool over the GPU's host link "
                                "(contiguous baselines always recompute)")
 

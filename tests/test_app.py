@@ -78,6 +78,16 @@ def test_memory_simulator_reacts_and_exports(downloads):
     assert download_table(app, downloads, "dl_summary")["prefix_cache_hit_rate"].isna().all()
 
 
+def test_memory_simulator_figure2_setup_greys_out_what_it_fixes(downloads):
+    app = open_page("memory_simulator")
+    app.toggle[0].set_value(True).run()  # "vLLM paper Figure 2 setup"
+    clean(app)
+    fixed = [app.number_input(key=k) for k in ("sim_max_num_seqs", "sim_budget")] + [app.toggle(key="sim_prefix_caching")]
+    assert all(widget.disabled for widget in fixed) and app.number_input[1].disabled  # and the capacity override
+    summary = download_table(app, downloads, "dl_summary")
+    assert summary["paper_token_states_frac"].notna().any()
+
+
 def test_memory_simulator_bad_upload_shows_error():
     app = open_page("memory_simulator")
     app.radio[0].set_value("upload a trace").run()

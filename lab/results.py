@@ -64,7 +64,7 @@ class ResultStore:
         try:
             table = pd.read_csv(io.BytesIO(data))
         except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{name}: not a readable CSV ({exc})") from None
+            raise ValueError(f"{name}: not a readable CSV ({str(exc).strip()})") from None
         if table.empty:
             raise ValueError(f"{name}: the CSV has no rows")
         return self.add("uploaded", name, table)
@@ -98,7 +98,7 @@ def read_recorded(file: str, folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
     try:
         return pd.read_csv(path)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{file}: not a readable CSV ({exc})") from None
+        raise ValueError(f"{file}: not a readable CSV ({str(exc).strip()})") from None
 
 
 def save_csv(table: pd.DataFrame, path: str | None) -> None:

@@ -192,6 +192,8 @@ def load_trace(path: str | Path, time_scale: float = 1.0, max_rows: int | None =
     prompt shares a prefix) or generic CSV
     (``arrival_time_s,prompt_tokens,output_tokens``). Arrival offsets are multiplied by ``time_scale``."""
     path = Path(path)
+    if path.is_dir():  # a FileNotFoundError as a missing file is: callers catch one type
+        raise FileNotFoundError(f"{path} is a folder, not a trace file (CSV or JSONL)")
     if not path.is_file():
         raise FileNotFoundError(f"trace file not found: {path}")
     check_real("load_trace", "time_scale", time_scale, 0.0, 1e9, low_open=True)
@@ -238,7 +240,7 @@ def _read_csv(path: Path, columns: list[str], max_rows: int | None) -> pd.DataFr
     except pd.errors.EmptyDataError:
         raise TraceFormatError(f"{path}: the file is empty") from None
     except (pd.errors.ParserError, UnicodeDecodeError) as exc:
-        raise TraceFormatError(f"{path}: not a readable CSV ({exc})") from None
+        raise TraceFormatError(f"{path}: not a readable CSV ({str(exc).strip()})") from None
     frame.columns = [c.strip() for c in frame.columns]
     missing = [c for c in columns if c not in frame.columns]
     if missing:

@@ -242,6 +242,8 @@ def test_cli_writes_summary_and_timeseries(tmp_path, capsys):
     assert "token_states_frac" in printed.out and f"closed-form checks: {len(checks)} of {len(checks)} hold" in printed.err
     assert main(["--allocators", "bogus", "--no-progress"]) == 2
     assert main(["--workload", "nope.csv", "--no-progress"]) == 2
+    assert main(["--workload", str(tmp_path), "--no-progress"]) == 2
+    assert "is a folder, not a trace file" in capsys.readouterr().err
     capsys.readouterr()
     # every request larger than the KV pool: rejected, counted, and the run fails loudly
     assert main(["--workload", "fixed", "--num-requests", "5", "--capacity-tokens", "100", "--allocators", "paged",

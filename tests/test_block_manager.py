@@ -286,6 +286,24 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.tokens[seq].append(token)
 
     @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), min_size=1, max_size=9))
+    def append_many(self, data, tokens):
+        """``append_tokens`` with their ids: its blocks come in one pop, then the full ones are hashed."""
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        length = len(self.tokens[seq])
+        if not self.m.can_append(seq, len(tokens)):
+            before = snapshot(self.m)
+            with pytest.raises(OutOfBlocksError):
+                self.m.append_tokens(seq, len(tokens), tokens)
+            assert snapshot(self.m) == before
+            return
+        self.m.append_tokens(seq, len(tokens), tokens)
+        self._execute_copies()
+        for slot, token in zip(self.m.get_slot_mapping(seq, length, length + len(tokens)), tokens):
+            self.store[slot] = token
+        self.tokens[seq].extend(tokens)
+
+    @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def fork(self, data):
         parent = data.draw(st.sampled_from(sorted(self.tokens)))

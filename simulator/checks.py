@@ -8,14 +8,16 @@ one got its first token after it arrived and finished after that; the tokens gen
 output lengths; a workload that shares nothing saves nothing; ``contiguous-max`` holds exactly ``max_model_len`` slots
 per batched sequence (time-weighted, so it checks the memory integral against the batch integral);
 ``contiguous-oracle`` on first-fit wastes nothing inside a region; paged memory has no external fragmentation and, with
-prefill-first scheduling, at most ``block_size`` slack slots (reserved or never filled) per batched sequence.
+prefill-first scheduling, at most ``block_size`` slack slots (reserved or never filled) per batched sequence; and,
+when nothing was preempted, the prefix cache hits no more blocks than an unbounded cache would give the workload's
+prompts in arrival order (``unbounded_cache_hit_blocks``: the bound a finite pool's evictions fall short of).
 """
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
 
-from .engine import SimConfig, SimResult
+from .engine import SimConfig, SimResult, synthetic_token_ids
 from .workloads import Workload
 
 COLUMNS = ("label", "check", "simulated", "relation", "closed_form", "holds")
@@ -26,10 +28,51 @@ def closed_form_checks(workload: Workload, results: dict[str, SimResult]) -> pd.
     """One row per (run, check) that applies to it (``COLUMNS``): what the run reports, ``=`` or ``<=``, what the
     closed form gives, and whether it holds. ``results`` maps a label (e.g. ``simulator.compare``'s) to a run of
     ``workload``. A run stopped early skips the checks that need it finished."""
-    rows = []
+    rows, bounds = [], {}
     for label, result in results.items():
-        rows += [(label, *check, _holds(*check[1:])) for check in _checks(workload, result)]
+        checks = _checks(workload, result)
+        if _prefix_cache_bounded(result):
+            size = result.config.block_size
+            if size not in bounds:  # one pass over the prompts per block size, shared by the runs
+                bounds[size] = unbounded_cache_hit_blocks(workload, size)
+            checks.append(("prefix-cache hit blocks <= an unbounded cache's (arrival order)",
+                           result.summary["prefix_cache_hit_blocks"], "<=", bounds[size]))
+        rows += [(label, *check, _holds(*check[1:])) for check in checks]
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _prefix_cache_bounded(result: SimResult) -> bool:
+    """A paged run with prefix caching in which no sequence was preempted (a recomputed one looks up its own blocks
+    again; a swapped one returns with its tokens untracked)."""
+    summary, config = result.summary, result.config
+    return (config.allocator == "paged" and config.enable_prefix_caching and summary["preemptions"] == 0
+            and summary["swap_outs"] == 0)
+
+
+def unbounded_cache_hit_blocks(workload: Workload, block_size: int) -> int:
+    """The prefix-cache hits, in blocks, that a cache never evicting anything would give the workload's prompts
+    admitted in arrival order (as FCFS admits them): a lookup walks a prompt's full blocks, leaving its last token,
+    and stops at the first block no earlier prompt held after the same prefix. Samples fork rather than look up, and
+    generated tokens never repeat a prompt's, so without preemption no run of the workload hits more. 0 when no
+    prompt shares anything (each then has content of its own)."""
+    if not workload.has_shared_prefixes:
+        return 0
+    chain: dict[tuple, int] = {}  # (id of the prefix before a block, the block's tokens) -> id of the prefix to it
+    hits, width = 0, 8 * block_size  # a block's tokens as int64 bytes: slicing them is cheaper than tuples
+    for request in range(len(workload)):
+        ids = synthetic_token_ids(workload, request, int(workload.prompt_tokens[request]))
+        tokens = np.asarray(ids, dtype=np.int64).tobytes()
+        lookups, prefix, fresh = (len(ids) - 1) // block_size, -1, False
+        for index in range(len(ids) // block_size):
+            key = (prefix, tokens[index * width:(index + 1) * width])
+            known = None if fresh else chain.get(key)  # after a new prefix every key is new
+            if known is None:
+                known = chain[key] = len(chain)
+                fresh = True
+            elif index < lookups:
+                hits += 1
+            prefix = known
+    return hits
 
 
 def _holds(simulated: float, relation: str, closed_form: float) -> bool:

@@ -72,3 +72,40 @@ def test_a_run_stopped_early_skips_what_needs_it_finished():
     assert result.summary["stopped_early"]
     checks = closed_form_checks(workload, {"stopped": result})
     assert checks["holds"].all() and not checks["check"].str.startswith(("requests", "tokens")).any()
+
+
+def test_the_unbounded_cache_bound_by_hand_and_reached_by_a_pool_that_never_evicts():
+    import numpy as np
+
+    from simulator import Workload
+    from simulator.checks import unbounded_cache_hit_blocks
+
+    # a 64-token system prompt: the second prompt hits its 4 blocks; the third, 40 tokens of it, 2 full blocks
+    shared = Workload("hand", np.zeros(3), np.array([100, 100, 40]), np.array([5, 5, 5]), shared_prefix_tokens=64)
+    assert unbounded_cache_hit_blocks(shared, 16) == 4 + 2
+    assert unbounded_cache_hit_blocks(shared, 64) == 1 + 0  # a lookup leaves the third prompt's last token
+    # Mooncake-style 512-token block ids: prompts 2 and 3 repeat prompt 1's first block, prompt 3 its second too
+    mooncake = Workload("ids", np.arange(3.0), np.array([1000, 700, 1024]), np.array([4, 4, 4]),
+                        prompt_block_ids=[[1, 2], [1, 9], [1, 2]])
+    assert unbounded_cache_hit_blocks(mooncake, 16) == 32 + (1000 // 16)  # prompt 1 holds 62 full blocks
+    assert unbounded_cache_hit_blocks(Workload("none", np.zeros(2), np.array([50, 50]), np.array([3, 3])), 16) == 0
+    for workload in (shared, mooncake, synthetic_workload(SyntheticSpec(preset="sharegpt", num_requests=150,
+                                                                        rate=30.0, shared_prefix_tokens=200))):
+        for block_size in (1, 3, 16):
+            config = SimConfig(allocator="paged", block_size=block_size, capacity_tokens=10**7, max_model_len=4096)
+            result = Simulator(workload, config).run()
+            assert result.summary["preemptions"] == 0
+            assert result.summary["prefix_cache_hit_blocks"] == unbounded_cache_hit_blocks(workload, block_size)
+            checks = closed_form_checks(workload, {"run": result})
+            assert checks["check"].str.startswith("prefix-cache hit blocks").sum() == 1 and checks["holds"].all()
+
+
+def test_the_cache_bound_is_left_out_where_it_does_not_apply():
+    workload = synthetic_workload(SyntheticSpec(preset="sharegpt", num_requests=200, rate=math.inf,
+                                                shared_prefix_tokens=64))
+    runs = {"preempting": Simulator(workload, SimConfig(capacity_tokens=4000)).run(),
+            "no caching": Simulator(workload, SimConfig(enable_prefix_caching=False)).run(),
+            "contiguous": Simulator(workload, SimConfig(allocator="contiguous-oracle")).run()}
+    assert runs["preempting"].summary["preemptions"] > 0
+    checks = closed_form_checks(workload, runs)
+    assert not checks["check"].str.startswith("prefix-cache").any() and checks["holds"].all()

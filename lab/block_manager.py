@@ -731,15 +731,21 @@ class KVBlockManager:
         """Register the full blocks that ``token_ids``, appended after ``seq.num_tokens``, complete. Their blocks
         were all taken before the first is registered: a block taken later in the same pop would otherwise still
         hold (and so dedupe, then evict) a key registered here."""
-        size, index, done = self.block_size, seq.num_tokens // self.block_size, 0
+        size, table, partial = self.block_size, seq.block_table, seq.partial_token_ids
         seq.known_tokens.extend(token_ids)
-        while done < len(token_ids):
-            take = min(size - len(seq.partial_token_ids), len(token_ids) - done)
-            seq.partial_token_ids.extend(token_ids[done:done + take])
-            done += take
-            if len(seq.partial_token_ids) == size:
-                self._register_full_block(seq, seq.block_table[index])
-                index += 1
+        index, done = seq.num_tokens // size, 0
+        if partial:  # first the block in progress
+            done = min(size - len(partial), len(token_ids))
+            partial.extend(token_ids[:done])
+            if len(partial) < size:
+                return
+            self._register_full_block(seq, table[index], partial)
+            index += 1
+        whole = done + (len(token_ids) - done) // size * size
+        for start in range(done, whole, size):  # then whole blocks, straight from the ids
+            self._register_full_block(seq, table[index], token_ids[start:start + size])
+            index += 1
+        seq.partial_token_ids = list(token_ids[whole:])
 
     def _track_token(self, seq: SequenceBlocks, token_id) -> None:
         if token_id is None:
@@ -748,15 +754,15 @@ class KVBlockManager:
         seq.partial_token_ids.append(int(token_id))
         seq.known_tokens.append(int(token_id))
         if len(seq.partial_token_ids) == self.block_size:
-            self._register_full_block(seq, seq.block_table[-1])
+            self._register_full_block(seq, seq.block_table[-1], seq.partial_token_ids)
+            seq.partial_token_ids = []
 
-    def _register_full_block(self, seq: SequenceBlocks, block: int) -> None:
-        """Cache ``block``, just filled with ``seq.partial_token_ids``, under its key, unless a block with that key
-        is cached already (then the sequence's later keys chain on that one's content)."""
-        key = self._block_key(seq.parent_content_id, seq.partial_token_ids)
-        seq.partial_token_ids = []
+    def _register_full_block(self, seq: SequenceBlocks, block: int, tokens) -> None:
+        """Cache ``block``, just filled with ``tokens``, under its key, unless a block with that key is cached
+        already (then the sequence's later keys chain on that one's content)."""
         if not self.enable_prefix_caching:
             return
+        key = self._block_key(seq.parent_content_id, tokens)
         cached = self._cached_blocks.get(key)
         if cached is None:
             cached = block

@@ -129,6 +129,9 @@ def _twin(args) -> None:
         save_csv(result.steps_table(), args.steps_out)
     if result.first_difference:
         print(f"schedules differ at {result.first_difference}")
+    if result.extrapolation:
+        print(f"warning: steps beyond what the profile measured, priced by extrapolation: {result.extrapolation}",
+              file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -56,6 +56,21 @@ PROFILE_VERSION = 8
 # on a CPU it runs slower than the same step back to back (measured on the 0.6B shapes: a prefill +13 %), which is
 # most of a light load's TTFT error if the model ignores it.
 IDLE_GAP_S = 0.05
+# The step quantities a run may take beyond the profile's grid (``Profile.beyond_measured``), and by how much before
+# that is reported: the fit is linear in them, so within the grid it interpolates and beyond it extrapolates.
+# ``decode_context`` is the longest decoding sequence's KV length in blocks' slots (padded tokens / sequences): a
+# batch's total can sit inside the grid while one sequence's context is far longer than any the grid decoded.
+RANGE_QUANTITIES = ("prefill_tokens", "prefill_attention_pairs", "decode_seqs", "decode_kv_tokens", "decode_context",
+                    "copied_blocks", "swapped_blocks")
+EXTRAPOLATION_MARGIN = 0.1
+
+
+def range_quantities(quantities: list[float]) -> list[float]:
+    """A step's ``RANGE_QUANTITIES`` from its ``QUANTITIES``."""
+    named = dict(zip(QUANTITIES, quantities))
+    seqs = named["decode_seqs"]
+    named["decode_context"] = named["decode_padded_kv_tokens"] / seqs if seqs else 0.0
+    return [named[name] for name in RANGE_QUANTITIES]
 # ``fit`` re-solves this many times with each row's relative error taken against its fitted duration
 REWEIGHTINGS, MIN_FITTED_S = 3, 1e-6
 
@@ -138,13 +153,30 @@ class Profile:
         ``plan_quantities``)."""
         return self.predictor()(out, after_idle, previous_prefill_tokens)
 
-    def predictor(self) -> Callable[..., float]:
-        """``step_time`` with the coefficients laid out once (the simulator calls it every step)."""
+    def predictor(self, highest: list[float] | None = None) -> Callable[..., float]:
+        """``step_time`` with the coefficients laid out once (the simulator calls it every step). With ``highest``
+        (``RANGE_QUANTITIES`` order, zeros to start), each priced step raises its entries to the step's: what
+        ``beyond_measured`` compares with the profile's range."""
         time_of, block_size = self.quantities_predictor(), self.block_size
 
         def step_time(out, after_idle: bool = False, previous_prefill_tokens: int = 0) -> float:
-            return time_of(plan_quantities(out, block_size, after_idle, previous_prefill_tokens))
+            quantities = plan_quantities(out, block_size, after_idle, previous_prefill_tokens)
+            if highest is not None:
+                highest[:] = map(max, highest, range_quantities(quantities))
+            return time_of(quantities)
         return step_time
+
+    def beyond_measured(self, highest: list[float]) -> str:
+        """The ``RANGE_QUANTITIES`` (``highest``, as ``predictor`` keeps them) that went more than
+        ``EXTRAPOLATION_MARGIN`` beyond every step the profile measured, e.g. ``decode_context up to 20,480 (measured
+        up to 4,096)``: step prices there are extrapolated from the fit (a long context's attention can cost more per
+        token once it leaves the CPU's caches). "" when every step was inside the measured range."""
+        measured = [max(column, default=0.0) for column in zip(*(range_quantities(sample["quantities"])
+                                                                 for sample in self.samples))] or \
+            [0.0] * len(RANGE_QUANTITIES)
+        return "; ".join(f"{name} up to {top:,.0f} (measured up to {limit:,.0f})"
+                         for name, top, limit in zip(RANGE_QUANTITIES, highest, measured)
+                         if top > limit * (1 + EXTRAPOLATION_MARGIN))
 
     def quantities_predictor(self) -> Callable[[list[float]], float]:
         """The fitted seconds of a step given its quantities (``QUANTITIES`` order, as samples hold them)."""

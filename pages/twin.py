@@ -114,6 +114,9 @@ if st.button("Run the twin", key="run_twin", type="primary"):
 result = st.session_state.get("twin_result")
 if result is None:
     st.stop()
+if result.extrapolation:
+    st.warning(f"Steps beyond what the profile measured, priced by extrapolation: {result.extrapolation}. "
+               f"Calibrate on a grid that reaches them, or read the errors with that in mind.")
 if result.first_difference:
     st.warning(f"The schedules differ (timed arrivals admit requests by real time): {result.first_difference}")
 else:

@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     for row in summary.itertuples():
         if row.num_requests_rejected:
             print(f"warning: {rejection_warning(row)}", file=sys.stderr)
+        if getattr(row, "profile_extrapolation", ""):  # a profile-priced run outside the profile's grid
+            print(f"warning: {row.label}: steps beyond what the profile measured, priced by extrapolation: "
+                  f"{row.profile_extrapolation}", file=sys.stderr)
     if (summary["num_requests_completed"] == 0).all():
         print("error: no request completed in any configuration (see the rejections above)", file=sys.stderr)
         return 1

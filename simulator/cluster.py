@@ -82,6 +82,9 @@ def combine(results: list[SimResult], config: SimConfig, n: int, wall_time_s: fl
                    throughput_tok_s=summary["generated_tokens"] / makespan if makespan > 0 else 0.0,
                    throughput_req_s=summary["num_requests_completed"] / makespan if makespan > 0 else 0.0,
                    wall_time_s=wall_time_s)
+    if "profile_extrapolation" in summaries[0]:
+        summary["profile_extrapolation"] = "; ".join(dict.fromkeys(s["profile_extrapolation"] for s in summaries
+                                                                  if s["profile_extrapolation"]))
     if "prefix_cache_hit_rate" in summaries[0]:
         summary["prefix_cache_hit_rate"] = float(np.mean([s["prefix_cache_hit_rate"] for s in summaries]))
     timeseries = pd.concat([r.timeseries.assign(replica=i) for i, r in enumerate(results)], ignore_index=True)

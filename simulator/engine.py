@@ -19,7 +19,7 @@ import pandas as pd
 
 from lab.checks import check_bool, check_choice, check_int, check_real
 from lab.kv_policy import PagedPolicy
-from lab.profile import IDLE_GAP_S, Profile
+from lab.profile import IDLE_GAP_S, RANGE_QUANTITIES, Profile
 from lab.scheduler import (PREEMPTION_MODES, SCHEDULING_MODES, RequestRejectedError, Scheduler,
                            SchedulerConfig, Sequence, SequenceGroup, StepStats)
 
@@ -217,7 +217,8 @@ class Simulator:
         self.workload, self.config = workload, config
         self.capacity_tokens, self.cost = resolve_capacity(config)
         self.profile = load_profile(config)
-        self.profile_step_time = self.profile.predictor() if self.profile is not None else None
+        self.profile_highest = [0.0] * len(RANGE_QUANTITIES)  # the largest step quantities priced by the profile
+        self.profile_step_time = self.profile.predictor(self.profile_highest) if self.profile is not None else None
         self.policy = build_policy(config, self.capacity_tokens)
         self.policy_is_paged = isinstance(self.policy, PagedPolicy)
         self.scheduler = Scheduler(scheduler_config(config), self.policy)
@@ -506,6 +507,8 @@ class Simulator:
                    * self.cost.model.kv_bytes_per_token, "stopped_early": self.stopped}
         summary["throughput_tok_s"] = self.generated_tokens / self.time if self.time > 0 else 0.0
         summary["throughput_req_s"] = self.num_finished / self.time if self.time > 0 else 0.0
+        if self.profile is not None:  # where the step prices left the profile's measured range ("" if nowhere)
+            summary["profile_extrapolation"] = self.profile.beyond_measured(self.profile_highest)
         if self.policy_is_paged:
             stats = self.policy.manager.prefix_cache_stats
             caching = self.config.enable_prefix_caching  # off: no rate to report (NaN, as for contiguous runs)

@@ -71,6 +71,7 @@ class TwinResult:
     simulated_requests: pd.DataFrame | None = None
     workload: Workload | None = None
     replayed_steps: pd.DataFrame | None = None  # the simulator replaying the real admissions (None: no match)
+    extrapolation: str = ""  # the step quantities beyond the profile's measured range (Profile.beyond_measured)
 
     def steps_table(self) -> pd.DataFrame:
         """The real run's step log, ``duration_s`` renamed ``real_duration_s``, with ``simulated_duration_s``
@@ -220,7 +221,7 @@ def run_simulated(workload: Workload, config: SimConfig, repeats: int = 5) -> tu
     metrics = {name: summary[name] for name in METRICS if name in summary}
     metrics.update(makespan_s=summary["simulated_time_s"], peak_blocks_in_use=int(steps["blocks_in_use"].max()),
                    throughput_tok_s=summary["generated_tokens"] / summary["simulated_time_s"],
-                   requests=request_latencies(result.requests))
+                   requests=request_latencies(result.requests), extrapolation=summary["profile_extrapolation"])
     return metrics, steps, wall
 
 
@@ -296,7 +297,7 @@ def compare(workload: Workload, real_runs: list[RealRun], profile: Profile) -> T
                  "rel_error": math.nan})
     return TwinResult(pd.DataFrame(rows), real_steps, simulated_steps, difference, real_wall, simulated_wall,
                       real["requests"], simulated["requests"], workload,
-                      replayed if replay_difference == "" else None)
+                      replayed if replay_difference == "" else None, simulated["extrapolation"])
 
 
 def _relative(value: float, reference: float) -> float:

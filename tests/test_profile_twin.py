@@ -167,6 +167,40 @@ def test_a_quick_profile_of_the_tiny_engine_fits_and_round_trips(tmp_path):
     assert Profile.load(path) == profile
 
 
+def test_steps_beyond_the_profile_s_grid_are_named_with_both_ranges():
+    """A profile measured decodes of 2 sequences up to 64 tokens and a 128-token prefill; a run that decodes one
+    sequence of 1,000 tokens (a total inside the grid's) is priced by extrapolation, and says so."""
+    from lab.profile import RANGE_QUANTITIES
+
+    profile = fixed_profile()
+    decode = [1, 0, 0, 2, 0, 128, 128, 0, 0, 0, 0, 0]  # 2 sequences of 64 tokens
+    prefill = [1, 1, 128, 0, 8256, 0, 0, 0, 0, 0, 0, 1]
+    profile.samples = [{"quantities": q, "duration_s": 1e-3, "repeats": 1, "holdout": False} for q in (decode, prefill)]
+    highest = [0.0] * len(RANGE_QUANTITIES)
+    step_time = profile.predictor(highest)
+    plan = type("Plan", (), dict(blocks_to_swap_out=[], blocks_to_swap_in=[], num_decode_seqs=1,
+                                 decode_max_kv_len=1000, prefill_chunks=[], num_prefill_tokens=0,
+                                 prefill_attention_pairs=0, decode_kv_tokens=1000, blocks_to_copy=[]))()
+    assert step_time(plan) == profile.quantities_predictor()([1, 0, 0, 1, 0, 1000, 1000, 0, 0, 0, 0, 0])
+    assert profile.beyond_measured(highest) == ("decode_kv_tokens up to 1,000 (measured up to 128); decode_context "
+                                                "up to 1,000 (measured up to 64)")
+    assert profile.beyond_measured(list(map(min, highest, [2, 8256, 2, 128, 64, 0, 0]))) == ""  # within the grid
+
+
+def test_a_profile_priced_simulation_reports_where_it_extrapolated(tmp_path):
+    profile = profile_engine("tiny", block_size=16, repeats=1, grid="quick")
+    config = SimConfig(allocator="paged", block_size=16, capacity_tokens=64_000, max_model_len=4096, profile=profile)
+    short = Simulator(twin_workload("fixed", 4, None, 16, 8), config).run().summary
+    long = Simulator(twin_workload("fixed", 4, None, 3000, 8), config).run().summary
+    assert short["profile_extrapolation"] == ""
+    assert "prefill_tokens up to 6,000" in long["profile_extrapolation"]  # two prompts a step (8,192-token budget)
+    assert "decode_context up to 3,008" in long["profile_extrapolation"]
+    assert "profile_extrapolation" not in Simulator(twin_workload("fixed", 4, None, 16, 8),
+                                                    SimConfig(capacity_tokens=64_000)).run().summary
+    twin = run_twin(twin_workload("fixed", 2, None, 600, 4), TwinConfig("tiny", EngineConfig(block_size=16)), profile)
+    assert "decode_context up to 608" in twin.extrapolation  # the twin says so beside its errors
+
+
 def test_profiling_keeps_freed_memory_for_reuse():
     """A fresh engine per scenario must not pay a page fault per 4 KiB of activations in its timed steps (a long-lived
     engine does not): freed blocks up to 32 MiB stay in the process. By default glibc gives a big step's freed

@@ -370,6 +370,9 @@ def _scenarios(block_size: int, grid: str) -> list[tuple[str, dict, list[tuple[i
     mixed = ((32, 256),) if small else ((32, 384), (128, 512))
     decode += [(f"decode {batch - 1}x{short} + 1x{long}", {}, [(short, 6, 1)] * (batch - 1) + [(long, 6, 1)])
                for batch in ((8, 64) if small else (4, 16, 64)) for short, long in mixed]
+    if not small:  # long contexts: a sequence's attention reads beyond the CPU's caches
+        decode += [(f"decode {batch}x{context}", {}, [(context, 6, 1)] * batch)
+                   for batch, context in ((1, 2048), (4, 2048), (1, 8192))]
     ladder = DECODE_LADDER[grid]
     decode.append((f"decode ladder {ladder}..1", {}, [(32, outputs, 1) for outputs in range(2, ladder + 2)]))
     lengths = (16, 64, 192, 384, 1024) if small else (16, 48, 128, 256, 512, 1024, 2048, 4096)

@@ -114,13 +114,13 @@ if st.button("Run the twin", key="run_twin", type="primary"):
 result = st.session_state.get("twin_result")
 if result is None:
     st.stop()
-if result.extrapolation:
-    st.warning(f"Steps beyond what the profile measured, priced by extrapolation: {result.extrapolation}. "
-               f"Calibrate on a grid that reaches them, or read the errors with that in mind.")
 if result.first_difference:
     st.warning(f"The schedules differ (timed arrivals admit requests by real time): {result.first_difference}")
 else:
     st.success("Identical schedules: every step planned the same in the engine and the simulator.")
+if result.extrapolation:
+    st.warning(f"Steps beyond what the profile measured, priced by extrapolation: {result.extrapolation}. "
+               f"Calibrate on a grid that reaches them, or read the errors with that in mind.")
 st.dataframe(result.table, hide_index=True)
 csv_download(result.table, "twin.csv", "dl_twin")
 csv_download(result.steps_table(), "twin_steps.csv", "dl_twin_steps", "Download the steps (measured and modelled time)")

@@ -3,8 +3,8 @@
 
 Rows: the Azure 2023 conversation trace (19,366 requests) replayed with paged B=16 and, as the in-run baseline,
 contiguous-oracle; the Mooncake conversation trace's first 2,000 requests (long prompts that share prefixes) with
-prefix caching on and, as the baseline, off; a 100k-request synthetic run (peak traced Python memory, timeseries rows kept); loading a
-10^6-row generic CSV trace.
+prefix caching on and, as the baseline, off; a 100k-request synthetic run (peak traced Python memory, timeseries
+rows kept); loading a 10^6-row generic CSV trace and a 10^6-row Mooncake JSONL.
 """
 from __future__ import annotations
 
@@ -43,51 +43,54 @@ def _replay_rate(workload, config: SimConfig, repeats: int) -> tuple[float, dict
     return len(workload) / statistics.median(times), summary
 
 
-def bench_trace(path: Path, repeats: int) -> list[dict]:
-    """Paged B=16 vs contiguous-oracle replay speed. The two alternate (paged first, then oracle first, ...) and the
-    ratio is the median of the pairs' ratios: this machine's speed drifts over seconds, and back-to-back runs of
-    one allocator would land in one spell."""
-    workload = load_trace(path)
-    configs = {allocator: SimConfig(allocator=allocator, block_size=16, model="qwen3-8b", gpu="a100-80gb",
-                                    max_model_len=16384) for allocator in ("paged", "contiguous-oracle")}
-    times, summaries, ratios = {name: [] for name in configs}, {}, []
+def _alternating(workload, subject: SimConfig, baseline: SimConfig, repeats: int) -> tuple[list, list, list, dict]:
+    """Replay ``subject`` and ``baseline`` ``repeats`` times each, in pairs that alternate which goes first: this
+    machine's speed drifts over seconds, and back-to-back runs of one config would land in one spell. Returns both
+    configs' times, each pair's speed ratio (baseline time / subject time; the median is the figure to quote) and
+    the last summary of each (keys ``subject``, ``baseline``)."""
+    times, ratios, summaries = {"subject": [], "baseline": []}, [], {}
+    configs = {"subject": subject, "baseline": baseline}
     for repeat in range(repeats):
-        order = list(configs) if repeat % 2 == 0 else list(configs)[::-1]
-        for name in order:
+        for name in ("subject", "baseline") if repeat % 2 == 0 else ("baseline", "subject"):
             seconds, summaries[name] = _replay_time(workload, configs[name])
             times[name].append(seconds)
-        ratios.append(times["contiguous-oracle"][-1] / times["paged"][-1])
-    rows = [{"case": f"azure-conv replay, {name}", "value": len(workload) / statistics.median(times[name]),
-             "unit": "requests/s (median)", "iterations": summaries[name]["iterations"],
-             "completed": summaries[name]["num_requests_completed"]} for name in configs]
-    rows.append({"case": "paged / contiguous-oracle speed", "value": statistics.median(ratios),
-                 "unit": f"ratio (median of {repeats} alternating pairs)"})
-    return rows
+        ratios.append(times["baseline"][-1] / times["subject"][-1])
+    return times["subject"], times["baseline"], ratios, summaries
+
+
+def _replay_row(case: str, workload, times: list[float], summary: dict) -> dict:
+    return {"case": case, "value": len(workload) / statistics.median(times), "unit": "requests/s (median)",
+            "iterations": summary["iterations"], "completed": summary["num_requests_completed"]}
+
+
+def bench_trace(path: Path, repeats: int) -> list[dict]:
+    """Paged B=16 vs contiguous-oracle replay speed, in alternating pairs (``_alternating``)."""
+    workload = load_trace(path)
+    paged, oracle = (SimConfig(allocator=allocator, block_size=16, model="qwen3-8b", gpu="a100-80gb",
+                               max_model_len=16384) for allocator in ("paged", "contiguous-oracle"))
+    paged_s, oracle_s, ratios, summaries = _alternating(workload, paged, oracle, repeats)
+    return [_replay_row("azure-conv replay, paged", workload, paged_s, summaries["subject"]),
+            _replay_row("azure-conv replay, contiguous-oracle", workload, oracle_s, summaries["baseline"]),
+            {"case": "paged / contiguous-oracle speed", "value": statistics.median(ratios),
+             "unit": f"ratio (median of {repeats} alternating pairs)"}]
 
 
 def bench_prefix_caching(path: Path, num_requests: int, repeats: int) -> list[dict]:
     """Paged B=16 replay speed with prefix caching (every full prompt block hashed, looked up and registered) and
-    without, on a trace whose prompts share prefixes; alternating pairs as in ``bench_trace``."""
+    without, on a trace whose prompts share prefixes, in alternating pairs (``_alternating``)."""
     workload = load_trace(path, max_rows=num_requests)
-    configs = {caching: SimConfig(allocator="paged", block_size=16, model="qwen3-8b", gpu="h200",
-                                  max_model_len=131072, enable_prefix_caching=caching) for caching in (True, False)}
-    times, summaries = {caching: [] for caching in configs}, {}
-    for repeat in range(repeats):
-        for caching in (True, False) if repeat % 2 == 0 else (False, True):
-            seconds, summaries[caching] = _replay_time(workload, configs[caching])
-            times[caching].append(seconds)
-    rows = [{"case": f"mooncake-conv {num_requests} requests, paged, prefix caching {'on' if caching else 'off'}",
-             "value": num_requests / statistics.median(times[caching]), "unit": "requests/s (median)",
-             "iterations": summaries[caching]["iterations"],
-             "completed": summaries[caching]["num_requests_completed"]} for caching in configs]
-    prompt_tokens = float(workload.prompt_tokens.sum())
-    rows.append({"case": "mooncake-conv prompt tokens replayed (caching on)",
-                 "value": prompt_tokens / statistics.median(times[True]), "unit": "tokens/s"})
-    rows.append({"case": "mooncake-conv prefix-cache hit rate", "value": summaries[True]["prefix_cache_hit_rate"],
-                 "unit": "fraction of looked-up blocks"})
-    rows.append({"case": "prefix caching on / off speed", "value": statistics.median(times[False]) /
-                 statistics.median(times[True]), "unit": f"ratio (median of {repeats} alternating runs each)"})
-    return rows
+    cached, uncached = (SimConfig(allocator="paged", block_size=16, model="qwen3-8b", gpu="h200",
+                                  max_model_len=131072, enable_prefix_caching=caching) for caching in (True, False))
+    cached_s, uncached_s, ratios, summaries = _alternating(workload, cached, uncached, repeats)
+    case = f"mooncake-conv {num_requests} requests, paged, prefix caching"
+    return [_replay_row(f"{case} on", workload, cached_s, summaries["subject"]),
+            _replay_row(f"{case} off", workload, uncached_s, summaries["baseline"]),
+            {"case": "mooncake-conv prompt tokens replayed (caching on)",
+             "value": float(workload.prompt_tokens.sum()) / statistics.median(cached_s), "unit": "tokens/s"},
+            {"case": "mooncake-conv prefix-cache hit rate", "value": summaries["subject"]["prefix_cache_hit_rate"],
+             "unit": "fraction of looked-up blocks"},
+            {"case": "prefix caching on / off speed", "value": statistics.median(ratios),
+             "unit": f"ratio (median of {repeats} alternating pairs)"}]
 
 
 def bench_large_synthetic(num_requests: int) -> list[dict]:

@@ -58,19 +58,21 @@ PROFILE_VERSION = 8
 IDLE_GAP_S = 0.05
 # The step quantities a run may take beyond the profile's grid (``Profile.beyond_measured``), and by how much before
 # that is reported: the fit is linear in them, so within the grid it interpolates and beyond it extrapolates.
-# ``decode_context`` is the longest decoding sequence's KV length in blocks' slots (padded tokens / sequences): a
-# batch's total can sit inside the grid while one sequence's context is far longer than any the grid decoded.
-RANGE_QUANTITIES = ("prefill_tokens", "prefill_attention_pairs", "decode_seqs", "decode_kv_tokens", "decode_context",
-                    "copied_blocks", "swapped_blocks")
+# ``decode_context`` (last) is the longest decoding sequence's KV length in blocks' slots (padded tokens / sequences):
+# a batch's total can sit inside the grid while one sequence's context is far longer than any the grid decoded.
+RANGE_QUANTITIES = ("prefill_tokens", "prefill_attention_pairs", "decode_seqs", "decode_kv_tokens", "copied_blocks",
+                    "swapped_blocks", "decode_context")
 EXTRAPOLATION_MARGIN = 0.1
+_RANGE_INDICES = tuple(QUANTITIES.index(name) for name in RANGE_QUANTITIES[:-1])
+_PADDED_KV_TOKENS = QUANTITIES.index("decode_padded_kv_tokens")
 
 
 def range_quantities(quantities: list[float]) -> list[float]:
-    """A step's ``RANGE_QUANTITIES`` from its ``QUANTITIES``."""
-    named = dict(zip(QUANTITIES, quantities))
-    seqs = named["decode_seqs"]
-    named["decode_context"] = named["decode_padded_kv_tokens"] / seqs if seqs else 0.0
-    return [named[name] for name in RANGE_QUANTITIES]
+    """A step's ``RANGE_QUANTITIES`` from its ``QUANTITIES`` (on every profile-priced step: index look-ups only)."""
+    seqs = quantities[DECODE_SEQS]
+    return [*(quantities[i] for i in _RANGE_INDICES), quantities[_PADDED_KV_TOKENS] / seqs if seqs else 0.0]
+
+
 # ``fit`` re-solves this many times with each row's relative error taken against its fitted duration
 REWEIGHTINGS, MIN_FITTED_S = 3, 1e-6
 

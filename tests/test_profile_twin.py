@@ -184,7 +184,7 @@ def test_steps_beyond_the_profile_s_grid_are_named_with_both_ranges():
     assert step_time(plan) == profile.quantities_predictor()([1, 0, 0, 1, 0, 1000, 1000, 0, 0, 0, 0, 0])
     assert profile.beyond_measured(highest) == ("decode_kv_tokens up to 1,000 (measured up to 128); decode_context "
                                                 "up to 1,000 (measured up to 64)")
-    assert profile.beyond_measured(list(map(min, highest, [2, 8256, 2, 128, 64, 0, 0]))) == ""  # within the grid
+    assert profile.beyond_measured(list(map(min, highest, [128, 8256, 2, 128, 0, 0, 64]))) == ""  # within the grid
 
 
 def test_a_profile_priced_simulation_reports_where_it_extrapolated(tmp_path):

@@ -42,6 +42,9 @@ def waste_areas(timeseries: pd.DataFrame, title: str) -> go.Figure:
     return figure
 
 
+RATE_WINDOWS = 100  # over_time's windows for a rate
+
+
 def over_time(timeseries: dict[str, pd.DataFrame], column: str, title: str, y_label: str,
               per_second: bool = False) -> go.Figure:
     """One line per run of ``column`` over time; ``y_label`` names the axis. With ``per_second``, ``column`` is a
@@ -59,9 +62,6 @@ def over_time(timeseries: dict[str, pd.DataFrame], column: str, title: str, y_la
     figure = px.line(data, x="elapsed_s", y="value", color="run", title=title,
                      labels={"elapsed_s": "simulated s", "value": y_label})
     return figure.update_layout(height=320)
-
-
-RATE_WINDOWS = 100
 
 
 def latency_percentiles(summary: pd.DataFrame, label: str = "label") -> go.Figure:

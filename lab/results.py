@@ -61,10 +61,7 @@ class ResultStore:
 
     def load_csv(self, data: bytes, name: str) -> StoredResult:
         """Read an exported CSV back; raises ``ValueError`` naming the file when it is not a readable table."""
-        try:
-            table = pd.read_csv(io.BytesIO(data))
-        except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{name}: not a readable CSV ({str(exc).strip()})") from None
+        table = _read_csv_table(io.BytesIO(data), name)
         if table.empty:
             raise ValueError(f"{name}: the CSV has no rows")
         return self.add("uploaded", name, table)
@@ -82,10 +79,18 @@ def recorded_results(folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["file", "rows", "command"])
 
 
+def _read_csv_table(source, name: str) -> pd.DataFrame:
+    """``pd.read_csv(source)``, or ``ValueError`` naming ``name`` when it is not a readable table."""
+    try:
+        return pd.read_csv(source)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{name}: not a readable CSV ({str(exc).strip()})") from None
+
+
 def _count_rows(path: Path) -> int | None:
     try:
-        return len(pd.read_csv(path))
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError):
+        return len(_read_csv_table(path, path.name))
+    except ValueError:
         return None  # listed all the same: read_recorded names the problem
 
 
@@ -95,10 +100,7 @@ def read_recorded(file: str, folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
     path = (folder / file).resolve()
     if path.suffix != ".csv" or folder.resolve() not in path.parents or not path.is_file():
         raise ValueError(f"{file}: not a recorded result under {folder}")
-    try:
-        return pd.read_csv(path)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{file}: not a readable CSV ({str(exc).strip()})") from None
+    return _read_csv_table(path, file)
 
 
 def save_csv(table: pd.DataFrame, path: str | None) -> None:

@@ -19,6 +19,14 @@ def output_table(text: str) -> str:
     return output_csv(text)
 
 
+def _ray_options(p: argparse.ArgumentParser) -> None:
+    """Where the runs go (a Ray cluster, a local Ray, or this process) and whether a bar shows them."""
+    p.add_argument("--address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS, else local)")
+    p.add_argument("--num-cpus", type=positive_int, default=None, help="CPUs of the local Ray (default: all)")
+    p.add_argument("--serial", action="store_true", help="run in this process, without Ray")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def sweep_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m simulator sweep",
                                 description="Run every combination of a grid of SimConfig fields and workload "
@@ -27,10 +35,7 @@ def sweep_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", required=True, help="YAML: field -> list of values")
     p.add_argument("--out", type=output_table, required=True, help="results table (.parquet or .csv)")
     p.add_argument("--store", default=None, help="SQLite file of finished runs (default: <out>.store.sqlite)")
-    p.add_argument("--address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS, else local)")
-    p.add_argument("--num-cpus", type=positive_int, default=None, help="CPUs of the local Ray (default: all)")
-    p.add_argument("--serial", action="store_true", help="run in this process, without Ray")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _ray_options(p)
     return p
 
 
@@ -118,10 +123,7 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-start", type=positive_float, default=1.0, help="first rate tried (req/s)")
     p.add_argument("--tolerance", type=positive_float, default=0.02, help="stop when rates are this close")
     p.add_argument("--out", type=output_table, default=None, help="results table (.parquet or .csv)")
-    p.add_argument("--address", default=None, help="an existing Ray cluster (default: RAY_ADDRESS, else local)")
-    p.add_argument("--num-cpus", type=positive_int, default=None, help="CPUs of the local Ray (default: all)")
-    p.add_argument("--serial", action="store_true", help="run in this process, without Ray")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _ray_options(p)
     return p
 
 

@@ -112,7 +112,7 @@ def _profile(args) -> None:
 def _twin(args) -> None:
     # The twin joins the engine and the simulator, so this one command imports simulator (the lab library does not).
     from lab.engine import EngineConfig
-    from lab.profile import Profile
+    from lab.profile import Profile, extrapolation_warning
     from simulator.twin import TwinConfig, run_twin, twin_workload
 
     profile = Profile.load(args.profile)
@@ -130,8 +130,7 @@ def _twin(args) -> None:
     if result.first_difference:
         print(f"schedules differ at {result.first_difference}")
     if result.extrapolation:
-        print(f"warning: steps beyond what the profile measured, priced by extrapolation: {result.extrapolation}",
-              file=sys.stderr)
+        print(f"warning: {extrapolation_warning(result.extrapolation)}", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:

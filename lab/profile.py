@@ -67,6 +67,11 @@ _RANGE_INDICES = tuple(QUANTITIES.index(name) for name in RANGE_QUANTITIES[:-1])
 _PADDED_KV_TOKENS = QUANTITIES.index("decode_padded_kv_tokens")
 
 
+def extrapolation_warning(beyond: str) -> str:
+    """The sentence a CLI or page shows for ``Profile.beyond_measured``'s (non-empty) answer."""
+    return f"steps beyond what the profile measured, priced by extrapolation: {beyond}"
+
+
 def range_quantities(quantities: list[float]) -> list[float]:
     """A step's ``RANGE_QUANTITIES`` from its ``QUANTITIES`` (on every profile-priced step: index look-ups only)."""
     seqs = quantities[DECODE_SEQS]

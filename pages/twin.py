@@ -5,7 +5,7 @@ import streamlit as st
 import simulator
 from lab.engine import EngineConfig
 from lab.live import throttled
-from lab.profile import GRIDS, Profile, profile_engine
+from lab.profile import GRIDS, Profile, extrapolation_warning, profile_engine
 from simulator import charts
 from simulator.twin import TwinConfig, run_twin, twin_workload
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
@@ -119,8 +119,9 @@ if result.first_difference:
 else:
     st.success("Identical schedules: every step planned the same in the engine and the simulator.")
 if result.extrapolation:
-    st.warning(f"Steps beyond what the profile measured, priced by extrapolation: {result.extrapolation}. "
-               f"Calibrate on a grid that reaches them, or read the errors with that in mind.")
+    warning = extrapolation_warning(result.extrapolation)
+    st.warning(f"{warning[0].upper()}{warning[1:]}. Calibrate on a grid that reaches them, or read the errors with "
+               f"that in mind.")
 st.dataframe(result.table, hide_index=True)
 csv_download(result.table, "twin.csv", "dl_twin")
 csv_download(result.steps_table(), "twin_steps.csv", "dl_twin_steps", "Download the steps (measured and modelled time)")

@@ -10,6 +10,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from lab.cli_args import non_negative_int, output_csv, positive_float, positive_int, positive_ints
+from lab.profile import extrapolation_warning
 from lab.results import print_and_save, save_csv
 
 from .allocators import ALLOCATORS
@@ -165,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         if row.num_requests_rejected:
             print(f"warning: {rejection_warning(row)}", file=sys.stderr)
         if getattr(row, "profile_extrapolation", ""):  # a profile-priced run outside the profile's grid
-            print(f"warning: {row.label}: steps beyond what the profile measured, priced by extrapolation: "
-                  f"{row.profile_extrapolation}", file=sys.stderr)
+            print(f"warning: {row.label}: {extrapolation_warning(row.profile_extrapolation)}", file=sys.stderr)
     if (summary["num_requests_completed"] == 0).all():
         print("error: no request completed in any configuration (see the rejections above)", file=sys.stderr)
         return 1

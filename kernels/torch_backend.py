@@ -30,15 +30,30 @@ def copy_blocks(key_cache, value_cache, block_mapping) -> None:
 
 
 def swap_blocks(src_key_cache, src_value_cache, dst_key_cache, dst_value_cache, block_mapping) -> None:
-    """``dst[d] = src[s]`` for each ``(s, d)`` pair, across devices (device <-> host); asynchronous from pinned host
-    memory on CUDA."""
+    """``dst[d] = src[s]`` for each ``(s, d)`` pair, across devices (device <-> host). Host -> device is asynchronous
+    (stream-ordered); device -> host waits once for the stream, because the host pool is then written by the CPU."""
     if len(block_mapping) == 0:
         return
     src_index = block_mapping[:, 0].to(src_key_cache.device)
     dst_index = block_mapping[:, 1].to(dst_key_cache.device)
-    for src, dst in ((src_key_cache, dst_key_cache), (src_value_cache, dst_value_cache)):
-        blocks = src.index_select(0, src_index).to(dst.device, non_blocking=True)
+    pairs = ((src_key_cache, dst_key_cache), (src_value_cache, dst_value_cache))
+    moved = [src.index_select(0, src_index).to(dst.device, non_blocking=True) for src, dst in pairs]
+    if is_cuda(src_key_cache) and not is_cuda(dst_key_cache):
+        # a non-blocking device -> host copy lands in pinned memory whenever the stream gets to it; reading it on the
+        # CPU before then (the index_copy_ below) would store whatever that memory held
+        synchronize(src_key_cache.device)
+    for (_, dst), blocks in zip(pairs, moved):
         dst.index_copy_(0, dst_index, blocks)
+
+
+def is_cuda(tensor) -> bool:
+    """Whether ``tensor`` lives on a GPU (one place, so tests can stand in for one)."""
+    return bool(tensor.is_cuda)
+
+
+def synchronize(device) -> None:
+    """Wait until torch's current stream on ``device`` has run everything queued on it."""
+    torch.cuda.current_stream(device).synchronize()
 
 
 def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float,

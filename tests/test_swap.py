@@ -65,3 +65,40 @@ def test_swap_between_cuda_and_pinned_host(backend):
     kernels.swap_blocks(cpu_k, cpu_v, gpu_k, gpu_v, [(0, 10), (31, 11)], backend=backend)
     torch.cuda.synchronize()
     assert torch.equal(gpu_k[[10, 11]], original[0]) and torch.equal(gpu_v[[10, 11]], original[1])
+
+
+def test_a_device_to_host_swap_waits_for_the_stream_before_the_cpu_writes(monkeypatch):
+    """A non-blocking device -> host copy lands whenever the stream reaches it, so the torch backend must wait for
+    the stream before the CPU writes the host pool (the PyTorch guide: ``cuda_tensor.to("cpu", non_blocking=True)``
+    read at once gives wrong values). CPU tensors stand in for the device pool here; the ``gpu`` test below delays a
+    real stream."""
+    from kernels import torch_backend
+
+    gpu_k, gpu_v = caches(6)
+    cpu_k, cpu_v = torch.zeros(4, 2, 3, 8), torch.zeros(4, 2, 3, 8)
+    host_when_waited = []
+    monkeypatch.setattr(torch_backend, "is_cuda", lambda tensor: tensor is gpu_k or tensor is gpu_v)
+    monkeypatch.setattr(torch_backend, "synchronize", lambda device: host_when_waited.append(cpu_k.clone()))
+    kernels.swap_blocks(gpu_k, gpu_v, cpu_k, cpu_v, [(5, 1), (2, 3)], backend="torch")
+    assert len(host_when_waited) == 1 and not host_when_waited[0].any(), "waited once, before writing the host pool"
+    assert torch.equal(cpu_k[[1, 3]], gpu_k[[5, 2]]) and torch.equal(cpu_v[[1, 3]], gpu_v[[5, 2]])
+    kernels.swap_blocks(cpu_k, cpu_v, gpu_k, gpu_v, [(1, 0)], backend="torch")  # host -> device: no wait
+    assert len(host_when_waited) == 1 and torch.equal(gpu_k[0], gpu_k[5])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "cupy"])
+def test_swap_out_behind_queued_gpu_work_stores_the_right_blocks(backend):
+    """The stream is busy (a spin queued first) when the blocks are swapped out: the host pool must still get their
+    values. The torch backend writes the host pool on the CPU, so it must wait for the stream first; the cupy backend
+    copies straight into the pinned pool on the stream, so the caller's synchronize is what makes it readable."""
+    if backend not in kernels.available_backends():
+        pytest.skip(f"{backend} cannot run here")
+    gpu_k, gpu_v = caches(64, torch.float16, "cuda")
+    cpu_k = torch.full((16, 2, 3, 8), 7.0, dtype=torch.float16).pin_memory()
+    cpu_v = torch.full_like(cpu_k, 7.0).pin_memory()
+    original = gpu_k[[5, 60]].cpu(), gpu_v[[5, 60]].cpu()
+    torch.cuda._sleep(100_000_000)  # keeps the stream busy for tens of milliseconds
+    kernels.swap_blocks(gpu_k, gpu_v, cpu_k, cpu_v, [(5, 2), (60, 9)], backend=backend)
+    torch.cuda.synchronize()
+    assert torch.equal(cpu_k[[2, 9]], original[0]) and torch.equal(cpu_v[[2, 9]], original[1])

@@ -396,6 +396,8 @@ class LLMEngine:
         # row's sequences belong to one request, so its first one says whether the row samples greedily
         any_greedy = any(seqs[0].data.request.params.temperature == 0 for seqs in sampled)
         greedy = logits.argmax(dim=-1).tolist() if any_greedy else None
+        if greedy is None:  # nothing read back (a prompt chunk that samples nothing, sampled rows only, swaps only):
+            self.runner.synchronize()  # wait for the device, or the step's times would end before its work does
         now = time.perf_counter()
         for row, seqs in enumerate(sampled):
             for seq in seqs:

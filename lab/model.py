@@ -187,6 +187,11 @@ class PagedQwen3:
         self.swap(swap_in, to_host=False)
         self.copy_blocks(copies)
 
+    def synchronize(self) -> None:
+        """Wait until the device has run the work queued so far (nothing to wait for on a CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def prepare(self, out, block_manager, kv_len) -> tuple[ForwardBatch | None, torch.Tensor, list[list]]:
         """Tensors for a scheduler step: prompt chunks first, then one token per decode sequence. Returns the batch
         (None when there is nothing to run), the rows whose logits are sampled, and for each such row the sequences

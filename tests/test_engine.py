@@ -1,5 +1,6 @@
 """The Qwen3 paged runtime against HF transformers (CPU, fp32), plus prefix caching, forks, preemption, errors."""
 import json
+import time
 
 import pytest
 import torch
@@ -376,3 +377,21 @@ def test_bad_sampling_params_change_nothing_and_the_engine_still_works(params, m
     with pytest.raises(ValueError, match="2 prompts but 1 SamplingParams"):
         engine.generate([[1, 2, 3], [4, 5]], [SamplingParams()])
     assert len(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0].token_ids) == 3
+
+
+def test_a_step_that_reads_nothing_back_waits_for_the_device(monkeypatch):
+    """On a GPU a step's work is queued, and it is done when something is read back: the greedy tokens. A step that
+    reads nothing back (a prompt chunk that samples nothing, a step of sampled rows only) must wait for the device
+    before it takes its times, or its duration and a first token's time would end before its work did."""
+    waits = []
+    engine = LLMEngine("tiny", num_blocks=64, scheduling="chunked", max_num_batched_tokens=8)
+    monkeypatch.setattr(engine.runner, "synchronize", lambda: waits.append(time.perf_counter()))
+    engine.add_request(list(range(1, 21)), SamplingParams(max_tokens=2, ignore_eos=True))  # chunks of 8, 8 and 4
+    engine.step(), engine.step()
+    assert len(waits) == 2, "the middle chunks sample nothing"
+    engine.step()
+    assert len(waits) == 2, "the last chunk reads its greedy token back"
+    sampled = LLMEngine("tiny", num_blocks=64)
+    monkeypatch.setattr(sampled.runner, "synchronize", lambda: waits.append(time.perf_counter()))
+    output = sampled.generate([[1, 2, 3]], SamplingParams(max_tokens=1, temperature=0.8, seed=0))[0]
+    assert len(waits) == 3 and output.first_token_s >= waits[-1]

@@ -24,7 +24,7 @@ import kernels
 
 from .checks import check_bool, check_choice, check_int, check_real
 from .hardware import check_device
-from .kv_policy import PagedPolicy
+from .kv_policy import PagedPolicy, default_num_cpu_blocks
 from .model import PagedQwen3, load_hf_model
 from .scheduler import (Scheduler, SchedulerConfig, Sequence as SchedSequence, SequenceGroup,
                         StepStats)
@@ -101,7 +101,7 @@ class EngineConfig:
 
     ``num_blocks`` None sizes the KV pool from ``kv_memory_bytes`` (CPU) or ``gpu_memory_utilization`` (GPU).
     ``preemption_mode="swap"`` moves preempted sequences to a host pool of ``num_cpu_blocks`` blocks (0: as many as
-    the GPU pool, or ``swap_space_bytes`` when given). ``max_model_len`` None takes the model's
+    the GPU pool, at most vLLM's default swap space of 4 GiB, or ``swap_space_bytes`` when given). ``max_model_len`` None takes the model's
     ``max_position_embeddings``.
     """
 
@@ -261,7 +261,7 @@ class LLMEngine:
         if config.swap_space_bytes:
             return max(1, config.swap_space_bytes // PagedQwen3.kv_bytes_per_block(hf_config, config.block_size,
                                                                                     dtype))
-        return num_blocks
+        return default_num_cpu_blocks(num_blocks, PagedQwen3.kv_bytes_per_block(hf_config, config.block_size, dtype))
 
     # ---- compatibility views -----------------------------------------------------------------------------------
     @property

@@ -11,6 +11,15 @@ from __future__ import annotations
 from .block_manager import KVBlockManager
 from .scheduler import NO_EVENT, Sequence
 
+DEFAULT_SWAP_SPACE_BYTES = 4 << 30  # vLLM's --swap-space default: 4 GiB of host memory per GPU
+
+
+def default_num_cpu_blocks(num_blocks: int, block_bytes: int) -> int:
+    """The host pool for swap preemption when no size is given: as many blocks as the device pool, but at most
+    vLLM's default swap space (``DEFAULT_SWAP_SPACE_BYTES``) of ``block_bytes`` blocks. A device pool sized from a
+    GPU's free memory would otherwise ask for as much pinned host memory (on an H200, more than its host has)."""
+    return max(1, min(num_blocks, DEFAULT_SWAP_SPACE_BYTES // block_bytes))
+
 
 class PagedPolicy:
     """Fixed-size blocks from a ``KVBlockManager`` of ``num_blocks``; with ``num_cpu_blocks > 0`` a host pool (a

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from lab.checks import check_bool, check_choice, check_int, check_real
-from lab.kv_policy import PagedPolicy
+from lab.kv_policy import PagedPolicy, default_num_cpu_blocks
 from lab.profile import IDLE_GAP_S, RANGE_QUANTITIES, Profile
 from lab.scheduler import (PREEMPTION_MODES, SCHEDULING_MODES, RequestRejectedError, Scheduler,
                            SchedulerConfig, Sequence, SequenceGroup, StepStats)
@@ -52,7 +52,7 @@ class SimConfig:
     max_num_batched_tokens: int = 8192
     scheduling: str = "prefill-first"
     preemption_mode: str = "recompute"
-    num_cpu_blocks: int = 0  # host KV pool for swap preemption (paged); 0 with swap: as many blocks as the GPU pool
+    num_cpu_blocks: int = 0  # host KV pool for swap preemption (paged); 0 with swap: as the GPU pool, at most 4 GiB
     record_steps: bool = False  # keep the per-step log (SimResult.steps), as LLMEngine.step_log() has
     address_space: str = "first-fit"
     enable_prefix_caching: bool = True
@@ -102,8 +102,9 @@ class Snapshot:
     progress: float = 0.0  # fraction of requests finished or rejected
 
 
-def build_policy(config: SimConfig, capacity_tokens: int):
-    """The allocation policy named by ``config.allocator``."""
+def build_policy(config: SimConfig, capacity_tokens: int, block_bytes: int):
+    """The allocation policy named by ``config.allocator``; ``block_bytes``: one block's KV on one GPU (what sizes
+    the default host pool)."""
     if config.allocator not in ALLOCATORS:
         raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}; got {config.allocator!r}")
     if config.allocator == "paged":
@@ -113,7 +114,8 @@ def build_policy(config: SimConfig, capacity_tokens: int):
         if max(num_blocks, config.num_cpu_blocks) > MAX_BLOCKS:
             raise ValueError(f"a pool of {max(num_blocks, config.num_cpu_blocks)} blocks is more than the simulator "
                              f"tracks ({MAX_BLOCKS}); use a larger block size or a smaller capacity")
-        cpu_blocks = config.num_cpu_blocks or (num_blocks if config.preemption_mode == "swap" else 0)
+        cpu_blocks = config.num_cpu_blocks or (default_num_cpu_blocks(num_blocks, block_bytes)
+                                               if config.preemption_mode == "swap" else 0)
         return PagedPolicy(num_blocks, config.block_size, config.enable_prefix_caching, cpu_blocks)
     if config.preemption_mode == "swap":
         raise ValueError("preemption_mode='swap' needs allocator='paged' (contiguous baselines recompute)")
@@ -219,7 +221,8 @@ class Simulator:
         self.profile = load_profile(config)
         self.profile_highest = [0.0] * len(RANGE_QUANTITIES)  # the largest step quantities priced by the profile
         self.profile_step_time = self.profile.predictor(self.profile_highest) if self.profile is not None else None
-        self.policy = build_policy(config, self.capacity_tokens)
+        self.policy = build_policy(config, self.capacity_tokens,
+                                   self.cost.model.kv_bytes_per_token * config.block_size // self.cost.tp)
         self.policy_is_paged = isinstance(self.policy, PagedPolicy)
         self.scheduler = Scheduler(scheduler_config(config), self.policy)
         if config.record_steps:

@@ -102,3 +102,31 @@ def test_swap_out_behind_queued_gpu_work_stores_the_right_blocks(backend):
     kernels.swap_blocks(gpu_k, gpu_v, cpu_k, cpu_v, [(5, 2), (60, 9)], backend=backend)
     torch.cuda.synchronize()
     assert torch.equal(cpu_k[[2, 9]], original[0]) and torch.equal(cpu_v[[2, 9]], original[1])
+
+
+def test_the_default_host_pool_is_the_device_pool_capped_at_vllm_s_swap_space(monkeypatch):
+    """Swap preemption with no host pool size: as many blocks as the device pool, but at most vLLM's default 4 GiB
+    of swap space per GPU, in the engine and the simulator alike (an H200's pool, sized from its free memory, would
+    otherwise ask for more pinned host memory than the machine has)."""
+    import numpy as np
+
+    import lab.kv_policy as kv_policy
+    from lab.engine import LLMEngine
+    from simulator import SimConfig, Simulator, Workload
+
+    assert kv_policy.default_num_cpu_blocks(100, 1 << 20) == 100
+    assert kv_policy.default_num_cpu_blocks(10_000, 1 << 20) == 4096  # 4 GiB of 1 MiB blocks
+    workload = Workload("one", np.zeros(1), np.array([8]), np.array([4]))
+    config = SimConfig(model="qwen3-8b", gpu="h200", block_size=16, preemption_mode="swap")
+    simulator = Simulator(workload, config)
+    block_bytes = simulator.cost.model.kv_bytes_per_token * 16
+    assert simulator.policy.manager.num_physical_blocks > 4 * (1 << 30) // block_bytes
+    assert simulator.policy.cpu_manager.num_physical_blocks == (4 << 30) // block_bytes
+    small = LLMEngine("tiny", num_blocks=40, block_size=4, preemption_mode="swap")
+    assert small.policy.cpu_manager.num_physical_blocks == 40
+    monkeypatch.setattr(kv_policy, "DEFAULT_SWAP_SPACE_BYTES", 10 * small.runner.kv_bytes_per_block(
+        small.hf_model.config, 4, small.runner.dtype))
+    capped = LLMEngine("tiny", num_blocks=40, block_size=4, preemption_mode="swap")
+    assert capped.policy.cpu_manager.num_physical_blocks == 10
+    assert LLMEngine("tiny", num_blocks=40, block_size=4, preemption_mode="swap",
+                     num_cpu_blocks=30).policy.cpu_manager.num_physical_blocks == 30  # a size given is kept

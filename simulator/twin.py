@@ -136,8 +136,10 @@ def run_real(workload: Workload, config: TwinConfig, hf_model=None) -> RealRun:
     for prompt, sampling in zip(prompts, params):  # every request checked before the clock starts
         engine.scheduler.check_request(len(prompt), sampling.max_tokens, sampling.n)
     scatter_free_blocks(engine.block_manager, random.Random(config.engine.seed))  # a serving engine's pool, as profiled
-    # the timed engine's pool, as resolved (a pool sized from free GPU memory would come out smaller the second time)
-    warm_up(model, replace(config.engine, num_blocks=engine.block_manager.num_physical_blocks), prompts, params)
+    # the timed engine's pool as resolved (one sized from free GPU memory would come out smaller the second time), cut
+    # to what the warm-up can use: beside a pool sized from a GPU's free memory, a second as large would not fit
+    warm_blocks = min(engine.block_manager.num_physical_blocks, warm_up_blocks(prompts, params, config.engine))
+    warm_up(model, replace(config.engine, num_blocks=warm_blocks), prompts, params)
     started = time.perf_counter()
     arrivals, next_request, peak_blocks = workload.arrival_s, 0, 0
     admitted_after = []  # per request: how many engine steps had run when it was queued (for the replay)
@@ -175,6 +177,15 @@ def real_prompt_ids(workload: Workload, vocab_size: int, seed: int = 0) -> list[
     distinct, inverse = np.unique(np.concatenate(ids), return_inverse=True)
     tokens = generator.integers(0, vocab_size, len(distinct))[inverse]
     return [prompt.tolist() for prompt in np.split(tokens, np.cumsum([len(prompt) for prompt in ids])[:-1])]
+
+
+def warm_up_blocks(prompts: list[list[int]], params: list[SamplingParams], engine: EngineConfig) -> int:
+    """The blocks ``warm_up``'s engines can use: its requests' prompts and steps, and enough for the largest request
+    to be accepted at all (the engine refuses one that could never fit its pool)."""
+    queued = list(itertools.islice(zip(prompts, params), engine.max_num_seqs))
+    blocks = lambda tokens: -(-tokens // engine.block_size)  # noqa: E731
+    steps = sum(p.n * blocks(len(prompt) + WARM_UP_STEPS + 1) for prompt, p in queued)
+    return max(steps, max(p.n * blocks(len(prompt) + p.max_tokens) for prompt, p in queued))
 
 
 def warm_up(hf_model, engine: EngineConfig, prompts: list[list[int]], params: list[SamplingParams]) -> None:

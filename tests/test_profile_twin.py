@@ -422,6 +422,8 @@ def test_the_real_run_is_warmed_up_on_its_own_workload_s_first_steps(monkeypatch
         assert log.iloc[0]["num_prefill_tokens"] == 250  # five 50-token prompts fill the 256-token budget
         first = ["num_prefill_tokens", "num_running", "blocks_in_use"]  # (it queues at most max_num_seqs requests)
         assert log[first].iloc[0].equals(run.steps[first].iloc[0])
+        # no larger than the warm-up can use: beside a pool sized from a GPU's free memory, a second would not fit
+        assert throwaway.block_manager.num_physical_blocks == 8 * 14 < run.engine.block_manager.num_physical_blocks
     assert run.steps["num_finished"].sum() == 12 and len(run.admitted_after) == 12
 
 

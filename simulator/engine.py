@@ -489,6 +489,11 @@ class Simulator:
             snap.regions = {seq_id: seq.region for seq_id, seq in self.running.items()}
         return snap
 
+    def _host_capacity_tokens(self) -> int:
+        """Slots in the host pool that swap preemption moves sequences to (0 without one)."""
+        host = getattr(self.policy, "cpu_manager", None)
+        return 0 if host is None else host.num_physical_blocks * host.block_size
+
     def _result(self) -> SimResult:
         requests = pd.DataFrame({"arrival_s": self.workload.arrival_s, "prompt_tokens": self.workload.prompt_tokens,
                                  "output_tokens": self.workload.output_tokens,
@@ -499,6 +504,7 @@ class Simulator:
             requests = requests.iloc[self.owned]
         summary = {"allocator": self.config.allocator, "block_size": self.config.block_size
                    if self.config.allocator == "paged" else np.nan, "capacity_tokens": self.policy.capacity,
+                   "host_capacity_tokens": self._host_capacity_tokens(),
                    **self.metrics.summary(), **latency_summary(requests, self.workload.n),
                    "num_requests": len(self.owned), "num_requests_completed": self.num_finished,
                    "num_requests_rejected": self.num_rejected,

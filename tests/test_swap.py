@@ -122,6 +122,12 @@ def test_the_default_host_pool_is_the_device_pool_capped_at_vllm_s_swap_space(mo
     block_bytes = simulator.cost.model.kv_bytes_per_token * 16
     assert simulator.policy.manager.num_physical_blocks > 4 * (1 << 30) // block_bytes
     assert simulator.policy.cpu_manager.num_physical_blocks == (4 << 30) // block_bytes
+    summary = simulator.run().summary  # the host pool is reported, in slots
+    assert summary["host_capacity_tokens"] == (4 << 30) // block_bytes * 16
+    from dataclasses import replace
+    assert Simulator(workload, replace(config, preemption_mode="recompute")).run().summary["host_capacity_tokens"] == 0
+    two = Simulator(workload, replace(config, replicas=2)).run().summary
+    assert two["host_capacity_tokens"] == 2 * summary["host_capacity_tokens"]
     small = LLMEngine("tiny", num_blocks=40, block_size=4, preemption_mode="swap")
     assert small.policy.cpu_manager.num_physical_blocks == 40
     monkeypatch.setattr(kv_policy, "DEFAULT_SWAP_SPACE_BYTES", 10 * small.runner.kv_bytes_per_block(

@@ -142,8 +142,7 @@ class PagedQwen3:
         self.dtype = next(hf_model.parameters()).dtype
         probe = torch.empty(0, device=self.device, dtype=self.dtype)
         # auto may pick cupy for the cache ops but torch for attention (e.g. the tiny preset's head_dim 32).
-        self.attention_backend = kernels.resolve_backend(attention_backend, probe, self.head_dim,
-                                                         self.num_q_heads // self.num_kv_heads)
+        self.attention_backend = self.resolve_attention_backend(hf_model, attention_backend)
         self.cache_backend = "torch" if attention_backend == "reference" else kernels.resolve_backend(
             attention_backend, probe)
         shape = (num_blocks, self.num_kv_heads, block_size, self.head_dim)
@@ -155,6 +154,16 @@ class PagedQwen3:
         self.cpu_key_caches = [torch.zeros(cpu_shape, **host) for _ in range(host_layers)]
         self.cpu_value_caches = [torch.zeros(cpu_shape, **host) for _ in range(host_layers)]
         self.scale = self.head_dim ** -0.5
+
+    @staticmethod
+    def resolve_attention_backend(hf_model, attention_backend: str) -> str:
+        """The backend ``attention_backend`` (``auto`` included) runs this model's decode attention with, on the
+        model's device and dtype."""
+        config, parameter = hf_model.config, next(hf_model.parameters())
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        probe = torch.empty(0, device=parameter.device, dtype=parameter.dtype)
+        return kernels.resolve_backend(attention_backend, probe, head_dim,
+                                       config.num_attention_heads // config.num_key_value_heads)
 
     @staticmethod
     def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:

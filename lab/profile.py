@@ -209,12 +209,19 @@ class Profile:
         table["rel_error"] = table["fitted_s"] / table["measured_s"] - 1
         return table
 
-    def check_matches(self, model: str | None = None, block_size: int | None = None) -> None:
-        """Raise ``ProfileError`` when the profile was measured for another model or block size."""
+    def check_matches(self, model: str | None = None, block_size: int | None = None, device: str | None = None,
+                      dtype: str | None = None, backend: str | None = None) -> None:
+        """Raise ``ProfileError`` when the profile was measured for another model or block size, or (given) on
+        another kind of device (``cpu``, ``cuda``), dtype (``torch.bfloat16``) or attention backend."""
         if model is not None and str(model) != self.model:
             raise ProfileError(f"the profile was measured on model {self.model!r}, not {str(model)!r}")
         if block_size is not None and block_size != self.block_size:
             raise ProfileError(f"the profile was measured with block_size {self.block_size}, not {block_size}")
+        measured = (self.device.split(":")[0], self.dtype, self.backend)
+        for name, here, there in zip(("device", "dtype", "attention backend"), (device, dtype, backend), measured):
+            if here is not None and here != there:
+                raise ProfileError(f"the profile was measured with {name} {there}, but this engine runs {here}: "
+                                   f"its step times do not price this engine (profile it here)")
 
     def save(self, path: str | Path) -> None:
         """Write the profile as JSON to ``path``, creating its folders (``--out`` checked that they can be)."""

@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 
 from lab.engine import EngineConfig, LLMEngine, SamplingParams, load_model
+from lab.model import PagedQwen3
 from lab.profile import IDLE_GAP_S, Profile, scatter_free_blocks, steady_state_allocator
 from lab.scheduler import STEP_LOG_COLUMNS
 
@@ -274,6 +275,9 @@ def run_twin(workload: Workload, config: TwinConfig, profile: Profile, repeats: 
     and the CDFs use the first run."""
     profile.check_matches(model=config.model, block_size=config.engine.block_size)
     hf_model = load_model(config.model, config.engine)[0]
+    parameter = next(hf_model.parameters())
+    profile.check_matches(device=parameter.device.type, dtype=str(parameter.dtype),
+                          backend=PagedQwen3.resolve_attention_backend(hf_model, config.engine.attention_backend))
     return compare(workload, [run_real(workload, config, hf_model) for _ in range(repeats)], profile)
 
 

@@ -476,6 +476,25 @@ def test_mismatched_profiles_are_rejected():
         run_twin(workload, TwinConfig(engine=EngineConfig(block_size=16)), fixed_profile(16, model="qwen3-0.6b"))
 
 
+@pytest.mark.parametrize("field,value,message", [
+    ("device", "cuda:0", "device cuda, but this engine runs cpu"),
+    ("dtype", "torch.bfloat16", "dtype torch.bfloat16, but this engine runs torch.float32"),
+    ("backend", "cupy", "attention backend cupy, but this engine runs torch"),
+])
+def test_a_profile_of_another_device_dtype_or_backend_is_rejected_before_any_run(monkeypatch, field, value, message):
+    """A profile measured on a GPU (bf16, the cupy kernels) does not price a CPU engine: the twin says so before
+    it runs anything."""
+    import dataclasses
+
+    import simulator.twin as twin
+
+    monkeypatch.setattr(twin, "run_real", lambda *args: pytest.fail("ran the engine with a mismatched profile"))
+    profile = dataclasses.replace(fixed_profile(16), **{field: value})
+    with pytest.raises(ProfileError, match=message):
+        run_twin(synthetic_workload(SyntheticSpec(num_requests=2)), TwinConfig(engine=EngineConfig(block_size=16)),
+                 profile)
+
+
 def test_timed_arrivals_replay_the_real_schedule_step_for_step():
     workload = synthetic_workload(SyntheticSpec(preset="random", num_requests=16, input_len=40, output_len=12,
                                                 range_ratio=0.5, rate=200.0, seed=6))

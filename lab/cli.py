@@ -241,7 +241,8 @@ def _serving_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                         help="swap: preempted sequences move to a host pool")
     parser.add_argument("--num-cpu-blocks", type=non_negative_int, default=0,
-                        help="host pool for swap (0: as large as the GPU pool, at most vLLM's default 4 GiB of swap space)")
+                        help="host pool for swap (0: as large as the GPU pool, at most vLLM's default 4 GiB "
+                             "of swap space)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,8 +101,8 @@ class EngineConfig:
 
     ``num_blocks`` None sizes the KV pool from ``kv_memory_bytes`` (CPU) or ``gpu_memory_utilization`` (GPU).
     ``preemption_mode="swap"`` moves preempted sequences to a host pool of ``num_cpu_blocks`` blocks (0: as many as
-    the GPU pool, at most vLLM's default swap space of 4 GiB, or ``swap_space_bytes`` when given). ``max_model_len`` None takes the model's
-    ``max_position_embeddings``.
+    the GPU pool, at most vLLM's default swap space of 4 GiB, or ``swap_space_bytes`` when given). ``max_model_len``
+    None takes the model's ``max_position_embeddings``.
     """
 
     block_size: int = 16

@@ -143,7 +143,8 @@ chart(charts.latency_percentiles(summary), "latency_percentiles")
 st.subheader("Summary")
 shown = ["label", "token_states_frac", "reserved_frac", "internal_frag_frac", "external_frag_frac", "free_frac",
          "sharing_saving_frac", "mean_batch_size", "peak_batch_size", "throughput_tok_s", "ttft_p50_s", "tpot_p50_s", "preemptions",
-         "num_requests_completed", "num_requests_rejected", "capacity_tokens", "host_capacity_tokens"]
+         "num_requests_completed", "num_requests_rejected", "capacity_tokens",
+         "host_capacity_tokens"]
 st.dataframe(summary[[c for c in shown if c in summary] + [c for c in ("paper_token_states_frac",) if c in summary]],
              hide_index=True)
 csv_download(summary, "simulation_summary.csv", "dl_summary", "Download summary CSV")

@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                    help="swap: preempted sequences move to a host pool (paged; contiguous baselines recompute)")
     p.add_argument("--num-cpu-blocks", type=non_negative_int, default=0,
-                   help="host pool for swap (0: as large as the GPU pool, at most vLLM's default 4 GiB of swap space)")
+                   help="host pool for swap (0: as large as the GPU pool, at most vLLM's default 4 GiB of "
+                        "swap space)")
     p.add_argument("--address-space", default="first-fit", choices=["first-fit", "buddy"],
                    help="how contiguous regions are placed")
     p.add_argument("--no-prefix-caching", action="store_true", help="paged: no reuse of cached prompt blocks")

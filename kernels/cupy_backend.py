@@ -97,7 +97,11 @@ def _module(dtype: torch.dtype, head_dim: int, group: int):
                           name_expressions=kernel_names(dtype, head_dim, group))
 
 
+@functools.lru_cache(maxsize=None)
 def _kernel(name: str, dtype: torch.dtype, head_dim: int = 64, group: int = 1):
+    """The kernel ``name`` of its module, kept: CuPy's ``RawModule.get_function`` builds a new kernel object and looks
+    the function up in the driver (``cuModuleGetFunction``) every time it is called, and a decode step launches about
+    three kernels per layer. (The kernel object compiles and caches per device itself.)"""
     return _module(dtype, head_dim, group).get_function(name)
 
 

@@ -274,3 +274,25 @@ def test_launch_stream_uses_the_cuda_stream_protocol_without_deprecation():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         assert cupy_backend._cupy_stream(FutureProtocolStream()).ptr == 1234
+
+
+def test_each_kernel_is_looked_up_once(monkeypatch):
+    """``RawModule.get_function`` builds a kernel object and asks the driver for the function on every call: the
+    launcher keeps what it returns, one per template instance."""
+    lookups = []
+
+    class Module:
+        def get_function(self, name):
+            lookups.append(name)
+            return f"kernel {name}"
+
+    monkeypatch.setattr(cupy_backend, "_module", lambda dtype, head_dim, group: Module())
+    cupy_backend._kernel.cache_clear()
+    try:
+        for _ in range(3):
+            kernel = cupy_backend._kernel("copy_blocks_kernel<float>", torch.float32)
+            assert kernel == "kernel copy_blocks_kernel<float>"
+            cupy_backend._kernel("write_kv_cache_kernel<float>", torch.float32)
+    finally:
+        cupy_backend._kernel.cache_clear()  # no stand-in kernel outlives the test
+    assert lookups == ["copy_blocks_kernel<float>", "write_kv_cache_kernel<float>"]

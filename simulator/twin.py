@@ -186,7 +186,7 @@ def warm_up_blocks(prompts: list[list[int]], params: list[SamplingParams], engin
     queued = list(itertools.islice(zip(prompts, params), engine.max_num_seqs))
     blocks = lambda tokens: -(-tokens // engine.block_size)  # noqa: E731
     steps = sum(p.n * blocks(len(prompt) + WARM_UP_STEPS + 1) for prompt, p in queued)
-    return max(steps, max(p.n * blocks(len(prompt) + p.max_tokens) for prompt, p in queued))
+    return max(1, steps, *(p.n * blocks(len(prompt) + p.max_tokens) for prompt, p in queued))
 
 
 def warm_up(hf_model, engine: EngineConfig, prompts: list[list[int]], params: list[SamplingParams]) -> None:

@@ -125,6 +125,11 @@ class ForwardBatch:
     max_seq_len: int = 0
 
 
+def head_dim_of(config) -> int:
+    """A Qwen3 config's attention head size (``head_dim``, else hidden size / query heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class PagedQwen3:
     """The paged KV cache (one key and one value tensor ``[num_blocks, num_kv_heads, block_size, head_dim]`` per
     layer) and the forward pass over it, using an HF ``Qwen3ForCausalLM``'s modules as weights."""
@@ -137,7 +142,7 @@ class PagedQwen3:
         self.num_layers = config.num_hidden_layers
         self.num_q_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim_of(config)
         self.device = next(hf_model.parameters()).device
         self.dtype = next(hf_model.parameters()).dtype
         probe = torch.empty(0, device=self.device, dtype=self.dtype)
@@ -160,14 +165,14 @@ class PagedQwen3:
         """The backend ``attention_backend`` (``auto`` included) runs this model's decode attention with, on the
         model's device and dtype."""
         config, parameter = hf_model.config, next(hf_model.parameters())
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = head_dim_of(config)
         probe = torch.empty(0, device=parameter.device, dtype=parameter.dtype)
         return kernels.resolve_backend(attention_backend, probe, head_dim,
                                        config.num_attention_heads // config.num_key_value_heads)
 
     @staticmethod
     def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = head_dim_of(config)
         element = torch.empty(0, dtype=dtype).element_size()
         return 2 * config.num_hidden_layers * config.num_key_value_heads * block_size * head_dim * element
 

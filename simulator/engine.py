@@ -221,8 +221,7 @@ class Simulator:
         self.profile = load_profile(config)
         self.profile_highest = [0.0] * len(RANGE_QUANTITIES)  # the largest step quantities priced by the profile
         self.profile_step_time = self.profile.predictor(self.profile_highest) if self.profile is not None else None
-        self.policy = build_policy(config, self.capacity_tokens,
-                                   self.cost.model.kv_bytes_per_token * config.block_size // self.cost.tp)
+        self.policy = build_policy(config, self.capacity_tokens, int(self.cost.block_bytes(config.block_size)))
         self.policy_is_paged = isinstance(self.policy, PagedPolicy)
         self.scheduler = Scheduler(scheduler_config(config), self.policy)
         if config.record_steps:

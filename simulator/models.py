@@ -207,12 +207,16 @@ class CostModel:
         """Seconds to copy ``num_tokens`` tokens of KV within device memory."""
         return 2 * num_tokens * self.model.kv_bytes_per_token / self._bandwidth / self.tp
 
+    def block_bytes(self, block_size: int) -> float:
+        """One KV block's bytes on one GPU (each holds its heads' share under tensor parallelism)."""
+        return block_size * self.model.kv_bytes_per_token / self.tp
+
     def swap_time(self, num_blocks: int, block_size: int) -> float:
         """Seconds to move ``num_blocks`` KV blocks between device and host: bytes over the host link plus one copy
         call per block, layer and K/V (so small blocks swap slowly, as the vLLM paper's section 7 reports)."""
         if num_blocks == 0:
             return 0.0
-        block_bytes = block_size * self.model.kv_bytes_per_token / self.tp  # each GPU moves its heads' share
+        block_bytes = self.block_bytes(block_size)
         calls = 2 * self.model.num_layers * num_blocks
         return num_blocks * block_bytes / self.gpu.host_link_bytes_s + calls * self.gpu.copy_call_overhead_s
 

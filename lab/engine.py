@@ -392,16 +392,13 @@ class LLMEngine:
         self.runner.execute_copies(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         batch, rows, sampled = self.runner.prepare(out, self.block_manager, self.scheduler.kv_len)
         logits = self.runner.forward(batch, rows) if batch is not None else None
-        # every row's greedy token with one op and one read-back (per row, each read would wait for the GPU); a
-        # row's sequences belong to one request, so its first one says whether the row samples greedily
-        any_greedy = any(seqs[0].data.request.params.temperature == 0 for seqs in sampled)
-        greedy = logits.argmax(dim=-1).tolist() if any_greedy else None
-        if greedy is None:  # nothing read back (a prompt chunk that samples nothing, sampled rows only, swaps only):
-            self.runner.synchronize()  # wait for the device, or the step's times would end before its work does
+        tokens = self._next_tokens(logits, sampled)
+        if not tokens:  # nothing read back (a prompt chunk that samples nothing, swaps only): wait for the device,
+            self.runner.synchronize()  # or the step's times would end before its work does
         now = time.perf_counter()
-        for row, seqs in enumerate(sampled):
-            for seq in seqs:
-                self._accept(seq, logits[row], greedy[row] if greedy else None, now)
+        rows_and_seqs = ((row, seq) for row, seqs in enumerate(sampled) for seq in seqs)
+        for (row, seq), token in zip(rows_and_seqs, tokens):
+            self._accept(seq, logits[row], token, now)
         post = time.perf_counter()
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
         memory = peak_memory_bytes(self.device)
@@ -429,13 +426,27 @@ class LLMEngine:
         same columns)."""
         return self.scheduler.step_log_frame()
 
-    def _accept(self, seq: SchedSequence, logits: torch.Tensor, greedy_token: int | None, now: float) -> None:
-        """Sample the next token of ``seq`` from its logits (``greedy_token``: their argmax, given for greedy
-        requests); finish it on EOS, a stop token or max_tokens."""
+    def _next_tokens(self, logits: torch.Tensor | None, sampled: list[list]) -> list[int]:
+        """The next token of every sequence in ``sampled`` (row by row, a row's sequences in order), read back from
+        the device once: per token, each read would wait for the GPU. Greedy rows take one argmax for all rows (a
+        row's sequences belong to one request, so its first one says whether the row samples greedily); each other
+        sequence draws from its row with its own generator, in the order one read per token would draw."""
+        is_greedy = [seqs[0].data.request.params.temperature == 0 for seqs in sampled]
+        draws = [self._sample(logits[row], seq.data)
+                 for row, seqs in enumerate(sampled) if not is_greedy[row] for seq in seqs]
+        if not draws:
+            greedy = logits.argmax(dim=-1).tolist() if sampled else []
+            return [greedy[row] for row, seqs in enumerate(sampled) for _ in seqs]
+        values = torch.cat([logits.argmax(dim=-1), *draws] if any(is_greedy) else draws).tolist()
+        drawn = iter(values[len(sampled) if any(is_greedy) else 0:])
+        return [values[row] if is_greedy[row] else next(drawn) for row, seqs in enumerate(sampled) for _ in seqs]
+
+    def _accept(self, seq: SchedSequence, logits: torch.Tensor, token: int, now: float) -> None:
+        """Append ``token`` (see ``_next_tokens``) to ``seq``; finish it on EOS, a stop token or max_tokens.
+        ``logits``: its row's, kept when ``record_logits`` is on."""
         state = seq.data
         if self.record_logits:
             state.logits = (state.logits or []) + [logits.detach().cpu()]
-        token = greedy_token if state.request.params.temperature == 0 else self._sample(logits, state)
         state.output.append(token)
         self.generated_tokens += 1
         request = state.request
@@ -446,7 +457,9 @@ class LLMEngine:
         if stop or len(state.output) >= params.max_tokens:
             self._finish(seq, now)
 
-    def _sample(self, logits: torch.Tensor, state: _SeqState) -> int:
+    def _sample(self, logits: torch.Tensor, state: _SeqState) -> torch.Tensor:
+        """A token drawn from one row's logits with the request's temperature, top-k and top-p, as a one-element
+        tensor on the logits' device (not read back: see ``_next_tokens``)."""
         params = state.request.params
         logits = logits / float(params.temperature)
         if params.top_k:
@@ -457,7 +470,7 @@ class LLMEngine:
             sorted_probs, order = torch.sort(probs, descending=True)
             outside = torch.cumsum(sorted_probs, 0) - sorted_probs > params.top_p
             probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0.0))
-        return int(torch.multinomial(probs, 1, generator=state.generator))
+        return torch.multinomial(probs, 1, generator=state.generator)
 
     def _finish(self, seq: SchedSequence, now: float) -> None:
         self.scheduler.finish(seq)

@@ -1,11 +1,13 @@
 """The Qwen3 paged runtime against HF transformers (CPU, fp32), plus prefix caching, forks, preemption, errors."""
 import json
+import sys
 import time
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import lab.engine
 from lab.engine import LLMEngine, SamplingParams
 from lab.model import CheckpointError
 
@@ -380,9 +382,9 @@ def test_bad_sampling_params_change_nothing_and_the_engine_still_works(params, m
 
 
 def test_a_step_that_reads_nothing_back_waits_for_the_device(monkeypatch):
-    """On a GPU a step's work is queued, and it is done when something is read back: the greedy tokens. A step that
-    reads nothing back (a prompt chunk that samples nothing, a step of sampled rows only) must wait for the device
-    before it takes its times, or its duration and a first token's time would end before its work did."""
+    """On a GPU a step's work is queued, and it is done when something is read back: the next tokens. A step that
+    reads nothing back (a prompt chunk that samples nothing) must wait for the device before it takes its times, or
+    its duration and a first token's time would end before its work did; a step of sampled rows reads them back."""
     waits = []
     engine = LLMEngine("tiny", num_blocks=64, scheduling="chunked", max_num_batched_tokens=8)
     monkeypatch.setattr(engine.runner, "synchronize", lambda: waits.append(time.perf_counter()))
@@ -393,5 +395,60 @@ def test_a_step_that_reads_nothing_back_waits_for_the_device(monkeypatch):
     assert len(waits) == 2, "the last chunk reads its greedy token back"
     sampled = LLMEngine("tiny", num_blocks=64)
     monkeypatch.setattr(sampled.runner, "synchronize", lambda: waits.append(time.perf_counter()))
-    output = sampled.generate([[1, 2, 3]], SamplingParams(max_tokens=1, temperature=0.8, seed=0))[0]
-    assert len(waits) == 3 and output.first_token_s >= waits[-1]
+    sampled.generate([[1, 2, 3]], SamplingParams(max_tokens=1, temperature=0.8, seed=0))
+    assert len(waits) == 2
+
+
+def test_a_step_reads_its_tokens_back_once(monkeypatch):
+    """Every read of a device tensor waits for the GPU: a step with greedy rows, sampled rows and parallel samples
+    reads all its next tokens with one ``tolist`` and no ``int``/``item`` (counted where the engine reads; the CPU
+    kernels' own reads of host tensors are theirs), and draws the same tokens as reading each one back would (each
+    sample's own seeded generator, in row order)."""
+    engine = LLMEngine("tiny", num_blocks=128)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    params = [SamplingParams(max_tokens=4, temperature=0.0), SamplingParams(max_tokens=4, n=3, temperature=1.0, seed=7),
+              SamplingParams(max_tokens=4, temperature=0.7, top_k=50, top_p=0.9, seed=2)]
+    for prompt, sampling in zip(prompts, params):
+        engine.add_request(prompt, sampling)
+    reads = []
+
+    def counted(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args):
+            if sys._getframe(1).f_code.co_filename == lab.engine.__file__:
+                reads.append(name)
+            return original(self, *args)
+        return read
+    for name in ("tolist", "item", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name))
+    while engine.has_unfinished():
+        reads.clear()
+        engine.step()
+        assert reads == ["tolist"], reads
+    monkeypatch.undo()
+    outputs = sorted(engine.finished, key=lambda output: output.request_id)
+    for output, prompt, sampling in zip(outputs, prompts, params):
+        seeds = range(sampling.n) if sampling.temperature else [None]
+        for sample, tokens in zip(seeds, output.outputs):
+            assert tokens == draw_one_by_one(engine, prompt, sampling, sample)
+
+
+def draw_one_by_one(engine, prompt, params, sample):
+    """The tokens of one sample drawn as before the single read-back: the full forward, then ``int`` of each pick."""
+    generator = torch.Generator().manual_seed(params.seed + sample) if sample is not None else None
+    tokens = []
+    for _ in range(params.max_tokens):
+        logits = engine.hf_model(torch.tensor([prompt + tokens])).logits[0, -1].float()
+        if generator is None:
+            tokens.append(int(logits.argmax()))
+            continue
+        logits = logits / params.temperature
+        if params.top_k:
+            logits = logits.masked_fill(logits < torch.topk(logits, params.top_k).values[-1], float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if params.top_p < 1:
+            ordered, order = torch.sort(probs, descending=True)
+            probs = probs.scatter(0, order, ordered.masked_fill(torch.cumsum(ordered, 0) - ordered > params.top_p, 0))
+        tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
+    return tokens

@@ -12,14 +12,37 @@ GATHER_CHUNK_BYTES = 8 << 20
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     """Scatter K/V rows to their slots; negative slots (padding) are skipped."""
-    num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
+    block_size = key_cache.shape[2]
     slot_mapping = slot_mapping.to(device=key_cache.device, dtype=torch.long)
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    padding = drop_padding if key_cache.is_cpu else redirect_padding
+    slot_mapping, key, value = padding(slot_mapping, key, value, key_cache, value_cache)
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     key_cache[blocks, :, offsets] = key
     value_cache[blocks, :, offsets] = value
+
+
+def drop_padding(slot_mapping, key, value, key_cache=None, value_cache=None):
+    """The rows of a write whose slots are not padding (negative). Reads whether any is padding back: on a GPU, a
+    sync (``redirect_padding`` instead)."""
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        return slot_mapping, key, value
+    return slot_mapping[keep], key[keep], value[keep]
+
+
+def redirect_padding(slot_mapping, key, value, key_cache, value_cache):
+    """A write's rows with each padding row turned into a harmless duplicate, without reading anything back from the
+    device: it writes the first real row's K/V to that row's slot (the same values twice, so either write may land
+    last), or, in a write with no real row, slot 0's own K/V back to slot 0. On CUDA, ``drop_padding`` would wait for
+    the GPU once per layer to learn how many rows stay."""
+    keep = slot_mapping >= 0
+    any_kept, first = keep.any(), keep.to(torch.int8).argmax()  # argmax: the first kept row, 0 when none is
+    target = torch.where(any_kept, slot_mapping[first], 0)
+    block, offset = target // key_cache.shape[2], target % key_cache.shape[2]
+    rows = keep[:, None, None]
+    key = torch.where(rows, key, torch.where(any_kept, key[first], key_cache[block, :, offset]))
+    value = torch.where(rows, value, torch.where(any_kept, value[first], value_cache[block, :, offset]))
+    return torch.where(keep, slot_mapping, target), key, value
 
 
 def copy_blocks(key_cache, value_cache, block_mapping) -> None:

@@ -90,6 +90,29 @@ def test_write_kv_cache_scatters_and_skips_padding(backend, block_size):
     assert torch.isnan(flat_k[untouched]).all() and torch.isnan(flat_v[untouched]).all()
 
 
+@pytest.mark.parametrize("padding", ["some", "none", "all"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_sync_free_padding_writes_what_dropping_it_writes(padding, cache_dtype):
+    """The torch backend's write on a GPU (``redirect_padding``: no read-back, padding rows become duplicate writes
+    of equal values) leaves the caches bit-identical to dropping the padding rows (its CPU path), slot 0 included
+    when every row is padding; on caches of random values, so an overwritten slot shows."""
+    from kernels.torch_backend import drop_padding, redirect_padding
+
+    case = make_write_case(num_tokens=13, block_size=3, num_blocks=9)
+    slots = {"some": case.slot_mapping, "none": torch.randperm(27)[:13], "all": torch.full((13,), -1)}[padding]
+    caches = [torch.randn(9, 2, 3, 8).to(cache_dtype) for _ in range(2)]
+    written = []
+    for padding_rows in (drop_padding, redirect_padding):
+        key_cache, value_cache = (cache.clone() for cache in caches)
+        rows = padding_rows(slots, case.key.to(cache_dtype), case.value.to(cache_dtype), key_cache, value_cache)
+        kernels.torch_backend.write_kv_cache(*rows[1:], key_cache, value_cache, rows[0])
+        written.append((key_cache, value_cache))
+    (dropped_k, dropped_v), (redirected_k, redirected_v) = written
+    assert torch.equal(redirected_k, dropped_k) and torch.equal(redirected_v, dropped_v)
+    if padding == "all":
+        assert torch.equal(redirected_k, caches[0]) and torch.equal(redirected_v, caches[1])
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_copy_blocks(backend):
     kc, vc = torch.randn(6, 2, 3, 4), torch.randn(6, 2, 3, 4)
@@ -308,8 +331,10 @@ def test_cupy_v1_and_v2_long_context(partition_size):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_and_copy_cuda(backend, dtype):
     case = make_write_case(num_tokens=50, block_size=7, num_blocks=30, dtype=dtype, device="cuda")
-    expected_k, expected_v = case.key_cache.clone(), case.value_cache.clone()
-    kernels.write_kv_cache(case.key, case.value, expected_k, expected_v, case.slot_mapping, backend="torch")
+    expected_k, expected_v = case.key_cache.cpu(), case.value_cache.cpu()  # the CPU write drops padding rows
+    kernels.write_kv_cache(case.key.cpu(), case.value.cpu(), expected_k, expected_v, case.slot_mapping.cpu(),
+                           backend="torch")
+    expected_k, expected_v = expected_k.cuda(), expected_v.cuda()
     kernels.write_kv_cache(case.key, case.value, case.key_cache, case.value_cache, case.slot_mapping, backend=backend)
     assert torch.equal(case.key_cache.nan_to_num(7), expected_k.nan_to_num(7))
     assert torch.equal(case.value_cache.nan_to_num(7), expected_v.nan_to_num(7))

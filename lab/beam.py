@@ -144,14 +144,23 @@ def _forward(runner, manager, out, kv_len) -> torch.Tensor:
 
 
 def _rank(beams: list[_Beam], logprobs: torch.Tensor, width: int) -> list[tuple[float, int, int]]:
-    """The best ``2 * width`` (score, beam index, token) over every beam's continuations, HF's order."""
-    scores = logprobs + torch.tensor([b.logprob for b in beams], dtype=logprobs.dtype)[:, None]
+    """The best ``2 * width`` (score, beam index, token) over every beam's continuations, HF's order: ranked on the
+    logits' device and read back once."""
+    values, indices = _top_candidates(beams, logprobs, width)
+    vocab = logprobs.shape[1]
+    return [(value, index // vocab, index % vocab) for value, index in zip(values.tolist(), indices.tolist())]
+
+
+def _top_candidates(beams: list[_Beam], logprobs: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scores and flat indices (beam x vocab + token) of the best ``2 * width`` continuations, as tensors on
+    ``logprobs``' device (a GPU's logits cannot take a CPU tensor's rows)."""
+    device = logprobs.device
+    scores = logprobs + torch.tensor([b.logprob for b in beams], dtype=logprobs.dtype, device=device)[:, None]
     if len(beams) < width:  # HF's first step: beams 1.. are copies of beam 0 at -1e9, never chosen
-        pad = torch.full((width - len(beams), scores.shape[1]), -1e9, dtype=scores.dtype)
+        pad = torch.full((width - len(beams), scores.shape[1]), -1e9, dtype=scores.dtype, device=device)
         scores = torch.cat([scores, pad])
-    vocab = scores.shape[1]
     top = torch.topk(scores.reshape(-1), min(2 * width, scores.numel()))
-    return [(float(value), int(index) // vocab, int(index) % vocab) for value, index in zip(top.values, top.indices)]
+    return top.values, top.indices
 
 
 def _advance(manager, beams, candidates, eos, finished, width, params, ids) -> list[_Beam]:

@@ -27,11 +27,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 "$py" -c "import torch, cupy, transformers; print('torch', torch.__version__, 'cupy', cupy.__version__,
 'transformers', transformers.__version__)" 2>&1 | tee -a "$log"
 # The `gpu` tests live in these files (kernel numerics and contracts vs the float64 reference; HF parity on CUDA,
-# plain, chunked prefill and swap preemption; swap_blocks device <-> pinned host): about 60 s on an H200. Naming
-# the files keeps pytest from collecting the app's tests, whose Streamlit and plotly a GPU image may lack. (The
-# CPU-side launcher and compiled-code checks are CI's.)
+# plain, chunked prefill and swap preemption; seeded sampling and beam search on CUDA; swap_blocks device <->
+# pinned host): about 60 s on an H200. Naming the files keeps pytest from collecting the app's tests, whose
+# Streamlit and plotly a GPU image may lack. (The CPU-side launcher and compiled-code checks are CI's.)
 step tests 150 "$py" -m pytest -m gpu -q -rfE --tb=short --durations=8 -p no:cacheprovider \
-  tests/test_kernels.py tests/test_swap.py tests/test_engine.py
+  tests/test_kernels.py tests/test_swap.py tests/test_engine.py tests/test_beam.py
 # The digital twin on CUDA: profile Qwen3-0.6B shapes (random weights, bf16, CuPy kernels; 156 scenario runs,
 # about 2 minutes on an H200 when they were 147, before the long-context decodes to 8,192 tokens), then the twin.
 step profile 170 "$py" -m lab profile --model qwen3-0.6b-random --device cuda --backend cupy --repeats 2 \

@@ -1,4 +1,5 @@
-"""Beam search on the paged engine: HF parity (fp32, block sizes 1, 3, 16), shared blocks freed at the end."""
+"""Beam search on the paged engine: HF parity (fp32, block sizes 1, 3, 16; on CUDA too), shared blocks freed at the
+end."""
 import pytest
 import torch
 
@@ -28,6 +29,28 @@ def test_beams_match_hf_without_eos(block_size, width):
     assert manager.num_free_blocks == manager.num_physical_blocks and not manager.sequences
     assert manager.num_cow_copies > 0 or block_size == 1  # forked beams copied their shared partial block
     manager.check_invariants()
+
+
+def test_candidates_are_ranked_on_the_logits_device():
+    """The ranking builds its tensors where the logits live: a CPU tensor of beam scores added to a GPU's logits
+    raises. The meta device stands in for a GPU here (the same device check, no data)."""
+    from lab.beam import _Beam, _Data, _top_candidates
+
+    beams = [_Beam(f"beam-{i}", _Data([1, 2])) for i in range(2)]
+    for count in (1, 2):  # one beam: HF's first step pads the rest at -1e9
+        values, indices = _top_candidates(beams[:count], torch.empty(count, 50, device="meta"), width=2)
+        assert values.device.type == indices.device.type == "meta" and values.shape == (4,)
+
+
+@pytest.mark.gpu
+def test_gpu_beams_match_hf():
+    engine = LLMEngine("tiny", device="cuda", dtype=torch.float32, num_blocks=256, block_size=3)
+    results = engine.beam_search(PROMPTS, BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
+    for prompt, result in zip(PROMPTS, results):
+        out = engine.hf_model.generate(torch.tensor([prompt], device="cuda"), num_beams=3, num_return_sequences=3,
+                                       do_sample=False, max_new_tokens=6, min_new_tokens=6)
+        assert [s.token_ids for s in result.sequences] == [row[len(prompt):].tolist() for row in out]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_physical_blocks
 
 
 def test_best_beam_matches_hf_with_eos_and_early_stopping():

@@ -241,6 +241,24 @@ def test_gpu_greedy_parity_fp32(prompts, backend, modes):
 
 
 @pytest.mark.gpu
+def test_gpu_seeded_sampling(prompts):
+    """On CUDA, requests with temperature, top-k, top-p and parallel samples (copy-on-write forks) draw from each
+    sample's own CUDA generator: the same seeds give the same tokens on a second engine, every token in the vocab."""
+    params = [SamplingParams(max_tokens=6, n=3, temperature=1.0, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.7, top_k=20, top_p=0.9, seed=1, ignore_eos=True)]
+    runs = []
+    for _ in range(2):
+        engine = LLMEngine("tiny", device="cuda", dtype=torch.float32, num_blocks=256, block_size=4)
+        outputs = engine.generate(prompts[:2], params)
+        runs.append([o.outputs for o in outputs])
+        assert engine.block_manager.num_free_blocks == 256 and engine.block_manager.num_cow_copies > 0
+    assert runs[0] == runs[1]
+    vocab = engine.hf_model.config.vocab_size
+    assert all(0 <= token < vocab for samples in runs[0] for tokens in samples for token in tokens)
+    assert len(runs[0][0]) == 3 and all(len(tokens) == 6 for tokens in runs[0][0])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["torch", "cupy"])
 def test_gpu_bf16_logits_close(prompts, backend):
     import kernels

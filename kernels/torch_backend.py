@@ -36,7 +36,8 @@ def redirect_padding(slot_mapping, key, value, key_cache, value_cache):
     last), or, in a write with no real row, slot 0's own K/V back to slot 0. On CUDA, ``drop_padding`` would wait for
     the GPU once per layer to learn how many rows stay."""
     keep = slot_mapping >= 0
-    any_kept, first = keep.any(), keep.to(torch.int8).argmax()  # argmax: the first kept row, 0 when none is
+    # the first kept row (0 when none is) as a one-element index: a 0-d tensor index is read back like an int
+    any_kept, first = keep.any(), keep.to(torch.int8).argmax(dim=0, keepdim=True)
     target = torch.where(any_kept, slot_mapping[first], 0)
     block, offset = target // key_cache.shape[2], target % key_cache.shape[2]
     rows = keep[:, None, None]

@@ -45,8 +45,11 @@ def test_the_forward_keeps_to_its_device_and_reads_nothing_back(settings):
     meta_model = copy.deepcopy(engine.hf_model).to("meta")
     engine.runner = MetaMirror(engine.runner, PagedQwen3(meta_model, 128, 4, "torch"))
     prefix = list(range(1, 30))
-    engine.generate([prefix + [40, 41], prefix + [50], [7, 8, 9]],
-                    [SamplingParams(max_tokens=5, ignore_eos=True),
-                     SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=1, ignore_eos=True),
+    engine.generate([prefix + [40, 41], [7, 8, 9]], SamplingParams(max_tokens=5, ignore_eos=True))
+    # with caching, a prefix cached past the new tokens (an attention mask) and one shorter than them (zero queries)
+    engine.generate([prefix + [50], prefix[:8] + list(range(200, 230))],
+                    [SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=1, ignore_eos=True),
                      SamplingParams(max_tokens=3, ignore_eos=True)])
-    assert engine.runner.steps == engine.num_steps >= 5
+    assert engine.runner.steps == engine.num_steps >= 8
+    if settings.get("enable_prefix_caching"):
+        assert engine.block_manager.prefix_cache_stats.hit_tokens >= 28 + 8

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 
+from lab.beam import BeamSearchParams
 from lab.engine import LLMEngine, SamplingParams
 from lab.model import PagedQwen3
 
@@ -39,8 +40,8 @@ class MetaMirror:
 @pytest.mark.parametrize("settings", [{}, {"scheduling": "chunked", "max_num_batched_tokens": 13},
                                       {"enable_prefix_caching": True}], ids=["prefill-first", "chunked", "caching"])
 def test_the_forward_keeps_to_its_device_and_reads_nothing_back(settings):
-    """Prompt chunks after cached context, decode batches, copy-on-write forks and padding-free cache writes, with
-    the torch backend (the cupy one needs a GPU): the same steps as the CPU run, on the meta device."""
+    """Prompt chunks after cached context, decode batches, copy-on-write forks and beam search, with the torch
+    backend (the cupy one needs a GPU): the same steps as the CPU run, on the meta device."""
     engine = LLMEngine("tiny", num_blocks=128, block_size=4, attention_backend="torch", **settings)
     meta_model = copy.deepcopy(engine.hf_model).to("meta")
     engine.runner = MetaMirror(engine.runner, PagedQwen3(meta_model, 128, 4, "torch"))
@@ -51,5 +52,7 @@ def test_the_forward_keeps_to_its_device_and_reads_nothing_back(settings):
                     [SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=1, ignore_eos=True),
                      SamplingParams(max_tokens=3, ignore_eos=True)])
     assert engine.runner.steps == engine.num_steps >= 8
+    engine.beam_search([[5, 6, 7, 8, 9]], BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True))
+    assert engine.runner.steps > engine.num_steps  # beam search ran its forwards through the same runner
     if settings.get("enable_prefix_caching"):
         assert engine.block_manager.prefix_cache_stats.hit_tokens >= 28 + 8

@@ -431,14 +431,13 @@ class LLMEngine:
         the device once: per token, each read would wait for the GPU. Greedy rows take one argmax for all rows (a
         row's sequences belong to one request, so its first one says whether the row samples greedily); each other
         sequence draws from its row with its own generator, in the order one read per token would draw."""
+        if not sampled:
+            return []
         is_greedy = [seqs[0].data.request.params.temperature == 0 for seqs in sampled]
         draws = [self._sample(logits[row], seq.data)
                  for row, seqs in enumerate(sampled) if not is_greedy[row] for seq in seqs]
-        if not draws:
-            greedy = logits.argmax(dim=-1).tolist() if sampled else []
-            return [greedy[row] for row, seqs in enumerate(sampled) for _ in seqs]
-        values = torch.cat([logits.argmax(dim=-1), *draws] if any(is_greedy) else draws).tolist()
-        drawn = iter(values[len(sampled) if any(is_greedy) else 0:])
+        values = torch.cat([logits.argmax(dim=-1), *draws]).tolist()  # every row's argmax, then the draws
+        drawn = iter(values[len(sampled):])
         return [values[row] if is_greedy[row] else next(drawn) for row, seqs in enumerate(sampled) for _ in seqs]
 
     def _accept(self, seq: SchedSequence, logits: torch.Tensor, token: int, now: float) -> None:

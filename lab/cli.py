@@ -127,6 +127,10 @@ def _twin(args) -> None:
     print_and_save(result.table, args.out)
     if args.steps_out:
         save_csv(result.steps_table(), args.steps_out)
+    through_run = result.pricing_through_run()
+    if not through_run.empty:
+        print("measured / modelled step time through the run (a climb: steps slow under sustained load):")
+        print(through_run.to_string(index=False, float_format=lambda value: f"{value:.4g}"))
     if result.first_difference:
         print(f"schedules differ at {result.first_difference}")
     if result.extrapolation:

@@ -125,6 +125,11 @@ if result.extrapolation:
 st.dataframe(result.table, hide_index=True)
 csv_download(result.table, "twin.csv", "dl_twin")
 csv_download(result.steps_table(), "twin_steps.csv", "dl_twin_steps", "Download the steps (measured and modelled time)")
+through_run = result.pricing_through_run()
+if not through_run.empty:
+    st.caption("Measured / modelled step time through the run, in fifths: a ratio that climbs shows the steps slowing "
+               "under sustained load, which the profile's short scenarios do not see.")
+    st.dataframe(through_run, hide_index=True)
 left, right = st.columns(2)
 with left:
     chart(charts.twin_steps(result.real_steps, result.simulated_steps, "blocks_in_use", "KV blocks in use"),

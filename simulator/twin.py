@@ -82,6 +82,23 @@ class TwinResult:
         table["simulated_duration_s"] = self.replayed_steps["duration_s"].to_numpy() if matched else math.nan
         return table
 
+    def pricing_through_run(self, parts: int = 5) -> pd.DataFrame:
+        """The real run's steps cut into ``parts`` consecutive stretches, each with its measured and modelled
+        seconds (the replay's prices) and ``measured_over_modelled``. A ratio that climbs through the run shows
+        steps slowing under sustained load (a GPU or CPU clocking down), which a profile of short scenarios does not
+        see (on the first H200 run, decode steps rose from 52 to 72 ms after a second of stepping). Empty when the
+        replay's schedule differed, so no step has a price."""
+        table = self.steps_table()
+        columns = ["part", "first_step", "last_step", "steps", "measured_s", "modelled_s", "measured_over_modelled"]
+        if self.replayed_steps is None or table.empty:
+            return pd.DataFrame(columns=columns)
+        grouped = table.groupby(np.arange(len(table)) * min(parts, len(table)) // len(table))
+        out = pd.DataFrame({"first_step": grouped["step"].min(), "last_step": grouped["step"].max(),
+                            "steps": grouped.size(), "measured_s": grouped["real_duration_s"].sum(),
+                            "modelled_s": grouped["simulated_duration_s"].sum()})
+        out["measured_over_modelled"] = out["measured_s"] / out["modelled_s"]
+        return out.rename_axis("part").reset_index()[columns]
+
 
 def twin_workload(source: str, num_requests: int, rate: float | None = None, input_len: int = 96,
                   output_len: int = 32, time_scale: float = 1.0, seed: int = 0) -> Workload:

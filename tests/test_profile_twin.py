@@ -586,7 +586,25 @@ def test_the_cli_profiles_then_runs_the_twin_and_writes_both_step_times(tmp_path
     log = pd.read_csv(steps)
     assert len(log) > 5 and (log["real_duration_s"] > 0).all() and (log["simulated_duration_s"] > 0).all()
     assert log["num_running"].max() == 3  # both sides capped by --max-num-seqs
+    printed = capsys.readouterr().out
+    assert "measured / modelled step time through the run" in printed and "measured_over_modelled" in printed
     assert main(["twin", "--profile", str(profile), "--block-size", "16", "--num-requests", "2"]) == 2  # mismatch
+
+
+def test_step_pricing_through_the_run_shows_a_slowdown_under_sustained_load():
+    """Measured and modelled step seconds summed over consecutive stretches of the run: a run whose real steps slow
+    down halfway while the model prices them alike shows the climb; no stretches where the replay did not match."""
+    from simulator.twin import TwinResult
+
+    real = pd.DataFrame({"step": range(10), "duration_s": [0.05] * 5 + [0.07] * 5})
+    replayed = pd.DataFrame({"step": range(10), "duration_s": [0.05] * 10})
+    result = TwinResult(pd.DataFrame(), real, replayed, "", 0.6, 0.01, replayed_steps=replayed)
+    parts = result.pricing_through_run(parts=2)
+    assert parts["steps"].tolist() == [5, 5] and parts["first_step"].tolist() == [0, 5]
+    assert parts["measured_over_modelled"].tolist() == pytest.approx([1.0, 1.4])
+    assert parts["measured_s"].sum() == pytest.approx(0.6)
+    assert len(result.pricing_through_run(parts=50)) == 10  # never more stretches than steps
+    assert TwinResult(pd.DataFrame(), real, replayed, "step 3", 0.6, 0.01).pricing_through_run().empty
 
 
 def test_scenario_errors_compare_each_scenario_s_median_with_the_fit():

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from . import validate
+from .validate import is_cuda
 
 SOURCE_PATH = Path(__file__).parent / "csrc" / "paged_attention.cu"
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -59,11 +60,6 @@ def unsupported_reason(tensor, head_dim: int | None = None, group: int = 1, cach
     if misaligned:
         return f"the cupy attention kernel needs {VECTOR_BYTES}-byte aligned caches (a view at an offset is not)"
     return None
-
-
-def is_cuda(tensor) -> bool:
-    """Whether ``tensor`` lives on a GPU (one place, so launcher tests can stand in for a GPU)."""
-    return bool(getattr(tensor, "is_cuda", False))
 
 
 def attention_kernel_name(dtype: torch.dtype, head_dim: int, group: int) -> str:

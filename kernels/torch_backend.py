@@ -5,6 +5,8 @@ import threading
 
 import torch
 
+from .validate import is_cuda
+
 # Sequences are processed in chunks whose gathered K/V stay about this size, so the gather copy is still in cache
 # when attention reads it (on CPU the gather otherwise costs two extra trips to memory).
 GATHER_CHUNK_BYTES = 8 << 20
@@ -70,14 +72,11 @@ def swap_blocks(src_key_cache, src_value_cache, dst_key_cache, dst_value_cache, 
         dst.index_copy_(0, dst_index, blocks)
 
 
-def is_cuda(tensor) -> bool:
-    """Whether ``tensor`` lives on a GPU (one place, so tests can stand in for one)."""
-    return bool(tensor.is_cuda)
-
-
 def synchronize(device) -> None:
-    """Wait until torch's current stream on ``device`` has run everything queued on it."""
-    torch.cuda.current_stream(device).synchronize()
+    """Wait until torch's current stream on ``device`` has run everything queued on it (nothing to wait for on a
+    CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float,

@@ -199,6 +199,12 @@ def check_swap_args(src_key_cache, src_value_cache, dst_key_cache, dst_value_cac
     return mapping
 
 
+def is_cuda(tensor) -> bool:
+    """Whether ``tensor`` (a torch tensor or a NumPy array) lives on a GPU. The backends import it by name, so a
+    test can stand in for a GPU by patching a backend's ``is_cuda``."""
+    return bool(getattr(tensor, "is_cuda", False))
+
+
 def check_same_device(name: str, x, ref) -> None:
     """Index tensors may live on the CPU for a CUDA cache (they are moved), but not on another GPU."""
     if _is_numpy(ref) or _is_numpy(x) or not x.is_cuda:

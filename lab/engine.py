@@ -398,7 +398,7 @@ class LLMEngine:
         now = time.perf_counter()
         rows_and_seqs = ((row, seq) for row, seqs in enumerate(sampled) for seq in seqs)
         for (row, seq), token in zip(rows_and_seqs, tokens):
-            self._accept(seq, logits[row], token, now)
+            self._accept(seq, logits[row] if self.record_logits else None, token, now)
         post = time.perf_counter()
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
         memory = peak_memory_bytes(self.device)
@@ -440,9 +440,9 @@ class LLMEngine:
         drawn = iter(values[len(sampled):])
         return [values[row] if is_greedy[row] else next(drawn) for row, seqs in enumerate(sampled) for _ in seqs]
 
-    def _accept(self, seq: SchedSequence, logits: torch.Tensor, token: int, now: float) -> None:
+    def _accept(self, seq: SchedSequence, logits: torch.Tensor | None, token: int, now: float) -> None:
         """Append ``token`` (see ``_next_tokens``) to ``seq``; finish it on EOS, a stop token or max_tokens.
-        ``logits``: its row's, kept when ``record_logits`` is on."""
+        ``logits``: its row's, given (and kept) when ``record_logits`` is on."""
         state = seq.data
         if self.record_logits:
             state.logits = (state.logits or []) + [logits.detach().cpu()]

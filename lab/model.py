@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 import kernels
-from kernels.torch_backend import gather_kv
+from kernels.torch_backend import gather_kv, synchronize
 
 # A chunk of at least this many new tokens after a longer cached prefix (chunked prefill) attends on a CPU in two
 # flash passes, one over the prefix and one causal over itself, merged by their log-sum-exps, instead of under one
@@ -203,8 +203,7 @@ class PagedQwen3:
 
     def synchronize(self) -> None:
         """Wait until the device has run the work queued so far (nothing to wait for on a CPU)."""
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        synchronize(self.device)
 
     def prepare(self, out, block_manager, kv_len) -> tuple[ForwardBatch | None, torch.Tensor, list[list]]:
         """Tensors for a scheduler step: prompt chunks first, then one token per decode sequence. Returns the batch

@@ -131,9 +131,9 @@ def _configs(args) -> list[SimConfig]:
 
 def run(args) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """The summary (a row per configuration), the tagged timeseries and the closed-form checks of every run."""
-    workload = _workload(args)
+    workload, configs = _workload(args), _configs(args)  # bad input fails before the progress bar starts
     bar = tqdm(total=100, desc="simulating", unit="%", file=sys.stderr, disable=args.no_progress)
-    summary, results = compare(workload, _configs(args), progress=lambda done: bar.update(int(done * 100) - bar.n))
+    summary, results = compare(workload, configs, progress=lambda done: bar.update(int(done * 100) - bar.n))
     bar.update(100 - bar.n)
     bar.close()
     if args.preset == "figure2":

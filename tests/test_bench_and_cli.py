@@ -107,6 +107,7 @@ BAD_FILES = {  # {name} in an argv below is replaced by the path of a file with 
     "binary_trace": b"\x00\xff\xfe junk \x01",
     "bad_jsonl": b'{"timestamp": 0, "input_length": 10}\n',
     "bad_kernel_csv": b"kernel,backend\nx,torch\n",
+    "bad_profile": b'{"model": "tiny"}',
     "bad_config/config.json": b"[1, 2, 3]",
     "bad_weights/config.json": b"{}",
     "bad_weights/model.safetensors": b"not a safetensors file",
@@ -117,6 +118,8 @@ BAD_FILE_INVOCATIONS = [
     ("simulator", ["--workload", "{binary_trace}.csv"], "binary_trace"),
     ("simulator", ["--workload", "{bad_jsonl}.jsonl"], "row 1"),
     ("simulator", ["--kernel-csv", "{bad_kernel_csv}", "--num-requests", "3"], "bad_kernel_csv"),
+    ("simulator", ["--profile", "{bad_profile}", "--num-blocks", "64"], "bad_profile"),
+    ("lab", ["twin", "--model", "tiny", "--profile", "{bad_profile}", "--num-requests", "2"], "bad_profile"),
     ("lab", ["generate", "--model", "{bad_config}", "--num-prompts", "1"], "config.json"),
     ("lab", ["generate", "--model", "{bad_weights}", "--num-prompts", "1"], "bad_weights"),
     ("lab", ["bench", "e2e", "--model", "{bad_config}", "--num-requests", "1"], "config.json"),
@@ -142,6 +145,14 @@ def bad_files(tmp_path):
 def test_bad_files_exit_2_with_one_error_line_and_no_traceback(program, argv, named, bad_files, capsys):
     argv = [arg.format(**bad_files) for arg in argv]
     test_bad_flags_exit_2_with_one_error_line_and_no_traceback(program, argv, named, capsys)
+
+
+def test_a_bad_simulator_configuration_fails_before_the_progress_bar_starts(bad_files, capsys):
+    from simulator.cli import main as simulator_main
+
+    assert simulator_main(["--profile", bad_files["bad_profile"], "--num-blocks", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "simulating" not in err
 
 
 @pytest.mark.parametrize("program,argv,named", BAD_INVOCATIONS, ids=lambda v: " ".join(v) if isinstance(v, list) else v)

@@ -282,10 +282,10 @@ class PagedQwen3:
             out[start:end] = self._prefill_attention(layer, q[start:end], k[start:end], v[start:end], cached, table)
             start = end
         if batch.block_tables is not None:
-            out[start:] = kernels.paged_attention_decode(q[start:], self.key_caches[layer], self.value_caches[layer],
-                                                         batch.block_tables, batch.seq_lens, self.scale,
-                                                         backend=self.attention_backend, check=False,
-                                                         max_seq_len=batch.max_seq_len)
+            kernels.paged_attention_decode(q[start:], self.key_caches[layer], self.value_caches[layer],
+                                           batch.block_tables, batch.seq_lens, self.scale,
+                                           backend=self.attention_backend, check=False, out=out[start:],
+                                           max_seq_len=batch.max_seq_len)  # written in place: no copy per layer
         return out
 
     def _prefill_attention(self, layer: int, q, k, v, cached: int, block_table) -> torch.Tensor:

@@ -1,17 +1,22 @@
 """Argument checks shared by every backend: each error names the offending argument."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 
 def shape_of(x) -> tuple[int, ...]:
-    return tuple(int(s) for s in x.shape)
+    return tuple(x.shape)  # a torch.Size or a NumPy shape: ints either way
 
 
-def check_rank(name: str, x, rank: int) -> None:
+def check_rank(name: str, x, rank: int) -> tuple[int, ...]:
+    """``x``'s shape, after checking it is an array of that rank."""
     check_array(name, x)
-    if len(x.shape) != rank:
-        raise ValueError(f"{name} must have rank {rank}, got shape {shape_of(x)}")
+    shape = shape_of(x)
+    if len(shape) != rank:
+        raise ValueError(f"{name} must have rank {rank}, got shape {shape}")
+    return shape
 
 
 def check_array(name: str, x) -> None:
@@ -33,12 +38,11 @@ def check_scale(scale) -> float:
 
 def check_cache_pair(key_cache, value_cache) -> tuple[int, int, int, int]:
     """Return ``(num_blocks, num_kv_heads, block_size, head_dim)`` after checking both caches agree."""
-    check_rank("key_cache", key_cache, 4)
-    check_rank("value_cache", value_cache, 4)
-    if shape_of(key_cache) != shape_of(value_cache):
-        raise ValueError(f"value_cache shape {shape_of(value_cache)} differs from key_cache {shape_of(key_cache)}")
+    shape, value_shape = check_rank("key_cache", key_cache, 4), check_rank("value_cache", value_cache, 4)
+    if shape != value_shape:
+        raise ValueError(f"value_cache shape {value_shape} differs from key_cache {shape}")
     check_same_kind("value_cache", value_cache, "key_cache", key_cache)
-    return shape_of(key_cache)
+    return shape
 
 
 def check_same_kind(name: str, x, ref_name: str, ref) -> None:
@@ -52,9 +56,17 @@ def check_same_kind(name: str, x, ref_name: str, ref) -> None:
 
 
 def check_integer(name: str, x) -> None:
-    kind = np.dtype(str(x.dtype).replace("torch.", "")).kind if not _is_numpy(x) else x.dtype.kind
-    if kind not in "iu":
+    if _dtype_kind(x.dtype) not in "iu":
         raise ValueError(f"{name} must hold integers, got dtype {x.dtype}")
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_kind(dtype) -> str:
+    """NumPy's kind letter of a NumPy or torch dtype (``?`` for a torch dtype NumPy lacks: bfloat16, float8)."""
+    try:
+        return np.dtype(str(dtype).replace("torch.", "")).kind
+    except TypeError:
+        return "?"
 
 
 def check_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -75,19 +87,17 @@ def check_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:
 def check_write_shapes(key, value, key_cache, value_cache, slot_mapping) -> tuple[int, int, int, int]:
     """Everything about a cache write that needs no look at the data (no device sync); returns the cache shape."""
     num_blocks, num_kv_heads, block_size, head_dim = check_cache_pair(key_cache, value_cache)
-    check_rank("key", key, 3)
-    check_rank("value", value, 3)
-    if shape_of(key) != shape_of(value):
-        raise ValueError(f"value shape {shape_of(value)} differs from key shape {shape_of(key)}")
-    if shape_of(key)[1:] != (num_kv_heads, head_dim):
-        raise ValueError(f"key must be [num_tokens, {num_kv_heads}, {head_dim}] to match key_cache, "
-                         f"got {shape_of(key)}")
+    key_shape, value_shape = check_rank("key", key, 3), check_rank("value", value, 3)
+    if key_shape != value_shape:
+        raise ValueError(f"value shape {value_shape} differs from key shape {key_shape}")
+    if key_shape[1:] != (num_kv_heads, head_dim):
+        raise ValueError(f"key must be [num_tokens, {num_kv_heads}, {head_dim}] to match key_cache, got {key_shape}")
     check_same_kind("key", key, "key_cache", key_cache)
     check_same_kind("value", value, "key_cache", key_cache)
-    check_rank("slot_mapping", slot_mapping, 1)
+    num_slots = check_rank("slot_mapping", slot_mapping, 1)[0]
     check_integer("slot_mapping", slot_mapping)
-    if shape_of(slot_mapping)[0] != shape_of(key)[0]:
-        raise ValueError(f"slot_mapping has {shape_of(slot_mapping)[0]} entries for {shape_of(key)[0]} tokens")
+    if num_slots != key_shape[0]:
+        raise ValueError(f"slot_mapping has {num_slots} entries for {key_shape[0]} tokens")
     check_same_device("slot_mapping", slot_mapping, key_cache)
     return num_blocks, num_kv_heads, block_size, head_dim
 
@@ -101,20 +111,19 @@ def check_attention_args(query, key_cache, value_cache, block_tables, seq_lens) 
 def check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens) -> tuple[int, int, int, int]:
     """Everything about a decode call that needs no look at the data (no device sync); returns the cache shape."""
     num_blocks, num_kv_heads, block_size, head_dim = check_cache_pair(key_cache, value_cache)
-    check_rank("query", query, 3)
-    num_seqs, num_q_heads, q_head_dim = shape_of(query)
+    num_seqs, num_q_heads, q_head_dim = check_rank("query", query, 3)
     if q_head_dim != head_dim:
         raise ValueError(f"query head_dim {q_head_dim} differs from key_cache head_dim {head_dim}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"query's {num_q_heads} heads are not divisible by key_cache's {num_kv_heads} kv heads")
     check_same_kind("query", query, "key_cache", key_cache)
-    check_rank("block_tables", block_tables, 2)
+    table_rows = check_rank("block_tables", block_tables, 2)[0]
     check_integer("block_tables", block_tables)
-    check_rank("seq_lens", seq_lens, 1)
+    num_lens = check_rank("seq_lens", seq_lens, 1)[0]
     check_integer("seq_lens", seq_lens)
-    if shape_of(block_tables)[0] != num_seqs or shape_of(seq_lens)[0] != num_seqs:
-        raise ValueError(f"block_tables rows ({shape_of(block_tables)[0]}) and seq_lens entries "
-                         f"({shape_of(seq_lens)[0]}) must equal query's {num_seqs} sequences")
+    if table_rows != num_seqs or num_lens != num_seqs:
+        raise ValueError(f"block_tables rows ({table_rows}) and seq_lens entries ({num_lens}) must equal query's "
+                         f"{num_seqs} sequences")
     check_same_device("block_tables", block_tables, key_cache)
     check_same_device("seq_lens", seq_lens, key_cache)
     return num_blocks, num_kv_heads, block_size, head_dim

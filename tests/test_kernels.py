@@ -207,8 +207,12 @@ def test_bad_input_names_the_argument():
         call(value_cache=case.value_cache.double())
     with pytest.raises(ValueError, match="out has shape"):
         call(out=torch.empty(1, 4, 8))
-    with pytest.raises(ValueError, match="block_tables must hold integers"):
-        call(block_tables=case.block_tables.float())
+    for dtype in (torch.float32, torch.bfloat16, torch.bool):  # bfloat16 has no NumPy twin to ask for its kind
+        with pytest.raises(ValueError, match="block_tables must hold integers"):
+            call(block_tables=case.block_tables.to(dtype))
+        with pytest.raises(ValueError, match="slot_mapping must hold integers"):
+            kernels.write_kv_cache(torch.randn(2, 2, 8), torch.randn(2, 2, 8), case.key_cache, case.value_cache,
+                                   torch.tensor([0, 1]).to(dtype), check=False)
     with pytest.raises(ValueError, match="backend must be one of"):
         kernels.paged_attention_decode(*args, backend="triton")
     if "cupy" not in kernels.available_backends():

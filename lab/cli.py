@@ -115,8 +115,12 @@ def _twin(args) -> None:
     from lab.profile import Profile, extrapolation_warning
     from simulator.twin import TwinConfig, run_twin, twin_workload
 
+    given = [f"--{name}-len" for name in ("input", "output") if getattr(args, f"{name}_len") is not None]
+    if given and args.workload not in ("random", "fixed"):
+        raise ValueError(f"{', '.join(given)} would be ignored: only the random and fixed presets take lengths "
+                         f"({args.workload} brings its own)")
     profile = Profile.load(args.profile)
-    workload = twin_workload(args.workload, args.num_requests, args.rate, args.input_len, args.output_len,
+    workload = twin_workload(args.workload, args.num_requests, args.rate, args.input_len or 96, args.output_len or 32,
                              args.time_scale, args.seed)
     engine = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, scheduling=args.scheduling,
                           preemption_mode=args.preemption_mode, num_cpu_blocks=args.num_cpu_blocks,
@@ -211,8 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-requests", type=positive_int, default=32, help="requests drawn, or a trace's first rows")
     t.add_argument("--rate", type=float, default=None, help="req/s for a preset (default inf: all at t=0)")
     t.add_argument("--time-scale", type=positive_float, default=1.0, help="multiply a trace's arrival offsets")
-    t.add_argument("--input-len", type=positive_int, default=96, help="prompt tokens (random: the mean, +-50 %%)")
-    t.add_argument("--output-len", type=positive_int, default=32, help="output tokens (random: the mean, +-50 %%)")
+    t.add_argument("--input-len", type=positive_int, default=None,
+                   help="prompt tokens of random (the mean, +-50 %%) or fixed (default 96)")
+    t.add_argument("--output-len", type=positive_int, default=None,
+                   help="output tokens of random (the mean, +-50 %%) or fixed (default 32)")
     t.add_argument("--num-blocks", type=positive_int, default=256, help="KV pool in blocks")
     _serving_options(t)
     t.add_argument("--repeats", type=positive_int, default=1, help="real runs (2+: the noise floor)")

@@ -25,13 +25,14 @@ with st.sidebar:
                                   type=["csv", "jsonl", "json"])
         time_scale = st.number_input("Time scale (multiplies arrival offsets)", 0.001, 1000.0, 1.0)
     num_requests = st.number_input("Requests (trace: max rows)", 1, 200_000, 1000, step=100)
-    rate = st.slider("Arrival rate (req/s; 0 = all at t=0)", 0.0, 200.0, 20.0, disabled=figure2)
-    burstiness = st.slider("Burstiness (gamma shape; 1 = Poisson)", 0.1, 4.0, 1.0, disabled=figure2)
-    n = st.slider("Parallel samples n", 1, 8, 1, disabled=figure2)
-    beam_width = st.slider("Beam width (beam search; 1 = off)", 1, 8, 1, disabled=figure2,
+    not_synthetic = figure2 or source != "synthetic"  # a trace keeps its own arrivals and lengths
+    rate = st.slider("Arrival rate (req/s; 0 = all at t=0)", 0.0, 200.0, 20.0, disabled=not_synthetic)
+    burstiness = st.slider("Burstiness (gamma shape; 1 = Poisson)", 0.1, 4.0, 1.0, disabled=not_synthetic)
+    n = st.slider("Parallel samples n", 1, 8, 1, disabled=not_synthetic)
+    beam_width = st.slider("Beam width (beam search; 1 = off)", 1, 8, 1, disabled=not_synthetic,
                            help="Beams share blocks and fork or die each step (a seeded survival model); "
                                 "not together with n > 1")
-    shared_prefix = st.slider("Shared system-prompt tokens", 0, 1024, 0, step=16, disabled=figure2)
+    shared_prefix = st.slider("Shared system-prompt tokens", 0, 1024, 0, step=16, disabled=not_synthetic)
     model = st.selectbox("Model", list(simulator.MODELS), index=list(simulator.MODELS).index("qwen3-8b"),
                          disabled=figure2)
     gpu = st.selectbox("GPU", list(simulator.GPUS), index=list(simulator.GPUS).index("a100-40gb"), disabled=figure2)

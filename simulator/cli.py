@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 
 import pandas as pd
 from tqdm import tqdm
@@ -14,13 +15,13 @@ from lab.profile import extrapolation_warning
 from lab.results import print_and_save, save_csv
 
 from .allocators import ALLOCATORS
-from . import compare
+from . import compare, make_workload
 from .checks import closed_form_checks
 from .engine import SimConfig
 from .metrics import rejection_warning
 from .models import GPUS, MODELS
 from .presets import PAPER_FIGURE2_TOKEN_STATES, figure2_experiment, make_configs
-from .workloads import SYNTHETIC_PRESETS, SyntheticSpec, load_trace, synthetic_workload
+from .workloads import SYNTHETIC_PRESETS, SyntheticSpec, synthetic_workload
 
 SUMMARY_COLUMNS = ["allocator", "block_size", "token_states_frac", "reserved_frac", "internal_frag_frac",
                    "external_frag_frac", "free_frac", "mean_batch_size", "throughput_tok_s", "preemptions",
@@ -87,7 +88,47 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+SYNTHETIC_OPTIONS = ("rate", "burstiness", "n", "beam_width", "shared_prefix")
+ROOFLINE_OPTIONS = ("model", "gpu", "kernel_csv", "address_space")
+# what --preset figure2 leaves to the command line; it fixes every other option (``presets.figure2_experiment``)
+FIGURE2_OPTIONS = ("preset", "num_requests", "seed", "out", "timeseries", "checks", "no_progress")
+
+
+def _changed(args, names) -> list[str]:
+    """The options among ``names`` (argparse dests) that this invocation set to other than their defaults."""
+    defaults = vars(build_parser().parse_args([]))
+    return [name for name in names if getattr(args, name) != defaults[name]]
+
+
+def check_options(args) -> None:
+    """Raise ``ValueError`` naming any option the chosen workload or clock would ignore: synthetic-preset options
+    with a trace file, ``--time-scale`` with a preset, roofline options with ``--profile``, ``--router`` without
+    replicas, anything but the count and seed with ``--preset figure2``."""
+    ignored, reason = [], ""
+    if args.preset == "figure2":
+        ignored = _changed(args, [name for name in vars(args) if name not in FIGURE2_OPTIONS])
+        reason = ("--preset figure2 fixes its workload and configurations (OPT-13B on an A100-40GB, ShareGPT "
+                  "lengths at t = 0, buddy-allocated baselines, paged B=16); only --num-requests and --seed change it")
+    elif args.workload in SYNTHETIC_PRESETS:
+        ignored = _changed(args, ["time_scale"])
+        reason = f"--time-scale scales a trace's arrivals; the {args.workload} preset's come from --rate"
+    elif Path(args.workload).exists():  # else make_workload says it is neither a preset nor a file
+        ignored = _changed(args, SYNTHETIC_OPTIONS)
+        reason = (f"{args.workload} is a trace: it keeps its own arrivals and lengths, one sample per request "
+                  f"(scale its arrivals with --time-scale)")
+    if not ignored and args.profile is not None:
+        ignored = _changed(args, ROOFLINE_OPTIONS) + (["allocators"] if args.allocators not in (
+            build_parser().get_default("allocators"), ["paged"]) else [])
+        reason = "--profile prices the paged engine it measured, in place of the model and GPU roofline"
+    if not ignored and args.replicas == 1:
+        ignored, reason = _changed(args, ["router"]), "--router shares requests among --replicas (more than 1)"
+    if ignored:
+        names = ", ".join("--" + name.replace("_", "-") for name in ignored)
+        raise ValueError(f"{names} would be ignored: {reason}")
+
+
 def _workload(args):
+    check_options(args)
     if args.preset == "figure2":
         spec, _ = figure2_experiment(args.num_requests or 1000, args.seed)
         return synthetic_workload(spec)
@@ -97,7 +138,7 @@ def _workload(args):
                                                 beam_width=args.beam_width,
                                                 shared_prefix_tokens=args.shared_prefix,
                                                 max_model_len=args.max_model_len, seed=args.seed))
-    return load_trace(args.workload, time_scale=args.time_scale, max_rows=args.num_requests)
+    return make_workload(args.workload, num_requests=args.num_requests, time_scale=args.time_scale)
 
 
 def _configs(args) -> list[SimConfig]:

@@ -104,8 +104,11 @@ def twin_workload(source: str, num_requests: int, rate: float | None = None, inp
                   output_len: int = 32, time_scale: float = 1.0, seed: int = 0) -> Workload:
     """A preset drawn at ``rate`` requests/s (None: all at t = 0; ``random`` and ``fixed`` take ``input_len`` and
     ``output_len``, ``random`` ±50 %), or a trace file's first ``num_requests`` rows at their own arrival times
-    multiplied by ``time_scale`` (a ``rate`` with a trace is an error)."""
+    multiplied by ``time_scale`` (a ``rate`` with a trace, or a ``time_scale`` other than 1 with a preset, is an
+    error)."""
     if source in SYNTHETIC_PRESETS:
+        if time_scale != 1.0:
+            raise ValueError(f"a time scale applies to a trace's arrivals; the {source} preset's come from the rate")
         lengths = dict(input_len=input_len, output_len=output_len, range_ratio=0.5) \
             if source in ("random", "fixed") else {}
         return make_workload(source, num_requests=num_requests, seed=seed, rate=math.inf if rate is None else rate,

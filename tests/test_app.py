@@ -88,6 +88,18 @@ def test_memory_simulator_figure2_setup_greys_out_what_it_fixes(downloads):
     assert summary["paper_token_states_frac"].notna().any()
 
 
+def test_memory_simulator_greys_out_what_a_trace_brings_itself():
+    synthetic_only = ("Arrival rate", "Burstiness", "Parallel samples", "Beam width", "Shared system-prompt")
+
+    def sliders(app):
+        return [s for s in app.slider if s.label.startswith(synthetic_only)]
+
+    app = open_page("memory_simulator")
+    assert len(sliders(app)) == len(synthetic_only) and not any(s.disabled for s in sliders(app))
+    app.radio[0].set_value("upload a trace").run()  # its arrivals and lengths come from the file
+    assert not app.exception and all(s.disabled for s in sliders(app))
+
+
 def test_memory_simulator_bad_upload_shows_error():
     app = open_page("memory_simulator")
     app.radio[0].set_value("upload a trace").run()

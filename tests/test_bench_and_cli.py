@@ -8,6 +8,7 @@ from lab.bench.block_manager import run_block_manager_bench
 from lab.bench.kernels import KernelBenchConfig, run_kernel_bench
 from lab.cli import main
 from lab.hardware import describe_hardware
+from lab.profile import Profile, feature_names
 
 
 def test_kernel_bench_rows_and_accuracy():
@@ -60,6 +61,12 @@ def test_cli_generate_prints_tokens_and_metrics(tmp_path, capsys):
 
 
 BAD_INVOCATIONS = [
+    # options the chosen workload or clock would ignore are refused, each named
+    ("simulator", ["--workload", "sharegpt", "--time-scale", "2"], "--time-scale would be ignored"),
+    ("simulator", ["--preset", "figure2", "--block-size", "32", "--rate", "4"], "--block-size, --rate would be"),
+    ("simulator", ["--router", "least-loaded"], "--router would be ignored"),
+    ("simulator", ["--workload", "sharegtp", "--rate", "3"], "neither a preset"),  # a typo is not called a trace
+    ("lab", ["twin", "--profile", "p.json", "--workload", "sharegpt", "--input-len", "50"], "--input-len would be"),
     ("lab", ["bench", "kernels", "--block-size", "0"], "--block-size"),
     ("lab", ["bench", "kernels", "--batch", "1,x"], "--batch"),
     ("lab", ["bench", "kernels", "--repeats", "0"], "--repeats"),
@@ -108,6 +115,7 @@ BAD_FILES = {  # {name} in an argv below is replaced by the path of a file with 
     "bad_jsonl": b'{"timestamp": 0, "input_length": 10}\n',
     "bad_kernel_csv": b"kernel,backend\nx,torch\n",
     "bad_profile": b'{"model": "tiny"}',
+    "trace": b"arrival_time_s,prompt_tokens,output_tokens\n0,12,5\n",  # well formed (for options it ignores)
     "bad_config/config.json": b"[1, 2, 3]",
     "bad_weights/config.json": b"{}",
     "bad_weights/model.safetensors": b"not a safetensors file",
@@ -119,6 +127,11 @@ BAD_FILE_INVOCATIONS = [
     ("simulator", ["--workload", "{bad_jsonl}.jsonl"], "row 1"),
     ("simulator", ["--kernel-csv", "{bad_kernel_csv}", "--num-requests", "3"], "bad_kernel_csv"),
     ("simulator", ["--profile", "{bad_profile}", "--num-blocks", "64"], "bad_profile"),
+    ("simulator", ["--workload", "{trace}.csv", "--rate", "3", "--n", "2"], "--rate, --n would be ignored"),
+    ("simulator", ["--profile", "{profile}", "--num-blocks", "64", "--gpu", "h100-80gb"], "--gpu would be ignored"),
+    ("simulator", ["--profile", "{profile}", "--num-blocks", "64", "--allocators", "paged,contiguous-oracle"],
+     "--allocators would be ignored"),
+    ("lab", ["twin", "--profile", "{profile}", "--workload", "sharegpt", "--time-scale", "2"], "a time scale"),
     ("lab", ["twin", "--model", "tiny", "--profile", "{bad_profile}", "--num-requests", "2"], "bad_profile"),
     ("lab", ["generate", "--model", "{bad_config}", "--num-prompts", "1"], "config.json"),
     ("lab", ["generate", "--model", "{bad_weights}", "--num-prompts", "1"], "bad_weights"),
@@ -134,9 +147,12 @@ def bad_files(tmp_path):
         path.parent.mkdir(exist_ok=True)
         path.write_bytes(content)
         paths[name.split("/")[0]] = str(path.parent if "/" in name else path)
-    for name in ("bad_trace", "huge_trace", "binary_trace", "bad_jsonl"):
+    for name in ("bad_trace", "huge_trace", "binary_trace", "bad_jsonl", "trace"):
         suffix = ".jsonl" if name == "bad_jsonl" else ".csv"
         Path(paths[name]).rename(paths[name] + suffix)
+    paths["profile"] = str(tmp_path / "profile.json")  # a valid one (for options it makes moot)
+    Profile("tiny", "cpu", "torch.float32", 16, "torch", dict.fromkeys(feature_names([1]), 1e-4), [1]).save(
+        paths["profile"])
     return paths
 
 

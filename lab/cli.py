@@ -52,6 +52,9 @@ def _generate(args) -> None:
 
     from lab.engine import LLMEngine, SamplingParams
 
+    given = [f"--{name}" for name in ("num-prompts", "prompt-len") if getattr(args, name.replace("-", "_"))]
+    if args.prompt and given:
+        raise ValueError(f"{', '.join(given)} would be ignored: they shape random prompts, and --prompt gives them")
     engine = LLMEngine(args.model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device,
                        attention_backend=args.backend, enable_prefix_caching=not args.no_prefix_caching,
                        scheduling=args.scheduling, preemption_mode=args.preemption_mode,
@@ -62,8 +65,8 @@ def _generate(args) -> None:
     else:
         generator = torch.Generator().manual_seed(args.seed)
         vocab = engine.hf_model.config.vocab_size
-        prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=generator).tolist()
-                   for _ in range(args.num_prompts)]
+        prompts = [torch.randint(0, vocab, (args.prompt_len or 64,), generator=generator).tolist()
+                   for _ in range(args.num_prompts or 8)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, n=args.n)
     for output in engine.generate(prompts, params, progress=True):
@@ -184,8 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = commands.add_parser("generate", help="generate with the paged engine")
     _model_options(g)
     g.add_argument("--prompt", action="append", help="text (with a tokenizer) or comma-separated token ids")
-    g.add_argument("--num-prompts", type=positive_int, default=8, help="random prompts when --prompt is not given")
-    g.add_argument("--prompt-len", type=positive_int, default=64, help="tokens of each random prompt")
+    g.add_argument("--num-prompts", type=positive_int, default=None,
+                   help="random prompts when --prompt is not given (default 8)")
+    g.add_argument("--prompt-len", type=positive_int, default=None, help="tokens of each random prompt (default 64)")
     g.add_argument("--max-tokens", type=positive_int, default=32, help="tokens to generate per sample")
     g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     g.add_argument("--top-k", type=non_negative_int, default=0, help="0: off")

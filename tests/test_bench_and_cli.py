@@ -67,6 +67,7 @@ BAD_INVOCATIONS = [
     ("simulator", ["--router", "least-loaded"], "--router would be ignored"),
     ("simulator", ["--workload", "sharegtp", "--rate", "3"], "neither a preset"),  # a typo is not called a trace
     ("lab", ["twin", "--profile", "p.json", "--workload", "sharegpt", "--input-len", "50"], "--input-len would be"),
+    ("lab", ["generate", "--prompt", "1,2,3", "--prompt-len", "8"], "--prompt-len would be ignored"),
     ("lab", ["bench", "kernels", "--block-size", "0"], "--block-size"),
     ("lab", ["bench", "kernels", "--batch", "1,x"], "--batch"),
     ("lab", ["bench", "kernels", "--repeats", "0"], "--repeats"),

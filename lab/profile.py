@@ -74,8 +74,12 @@ def extrapolation_warning(beyond: str) -> str:
 
 def range_quantities(quantities: list[float]) -> list[float]:
     """A step's ``RANGE_QUANTITIES`` from its ``QUANTITIES`` (on every profile-priced step: index look-ups only)."""
+    return [*(quantities[i] for i in _RANGE_INDICES), _decode_context(quantities)]
+
+
+def _decode_context(quantities: list[float]) -> float:
     seqs = quantities[DECODE_SEQS]
-    return [*(quantities[i] for i in _RANGE_INDICES), quantities[_PADDED_KV_TOKENS] / seqs if seqs else 0.0]
+    return quantities[_PADDED_KV_TOKENS] / seqs if seqs else 0.0
 
 
 # ``fit`` re-solves this many times with each row's relative error taken against its fitted duration
@@ -178,12 +182,18 @@ class Profile:
         ``EXTRAPOLATION_MARGIN`` beyond every step the profile measured, e.g. ``decode_context up to 20,480 (measured
         up to 4,096)``: step prices there are extrapolated from the fit (a long context's attention can cost more per
         token once it leaves the CPU's caches). "" when every step was inside the measured range."""
-        measured = [max(column, default=0.0) for column in zip(*(range_quantities(sample["quantities"])
-                                                                 for sample in self.samples))] or \
-            [0.0] * len(RANGE_QUANTITIES)
+        measured = self.measured_range()
         return "; ".join(f"{name} up to {top:,.0f} (measured up to {limit:,.0f})"
                          for name, top, limit in zip(RANGE_QUANTITIES, highest, measured)
                          if top > limit * (1 + EXTRAPOLATION_MARGIN))
+
+    def measured_range(self) -> list[float]:
+        """The largest of each ``RANGE_QUANTITIES`` over the profile's samples (zeros without samples)."""
+        rows = [sample["quantities"] for sample in self.samples]
+        if not rows:
+            return [0.0] * len(RANGE_QUANTITIES)
+        top = list(map(max, *rows)) if len(rows) > 1 else list(rows[0])  # column maxima, in C (once a simulation)
+        return [top[index] for index in _RANGE_INDICES] + [max(map(_decode_context, rows))]
 
     def quantities_predictor(self) -> Callable[[list[float]], float]:
         """The fitted seconds of a step given its quantities (``QUANTITIES`` order, as samples hold them)."""

@@ -187,6 +187,19 @@ def test_steps_beyond_the_profile_s_grid_are_named_with_both_ranges():
     assert profile.beyond_measured(list(map(min, highest, [128, 8256, 2, 128, 0, 0, 64]))) == ""  # within the grid
 
 
+def test_the_measured_range_is_each_range_quantity_s_largest_sample():
+    from lab.profile import RANGE_QUANTITIES, range_quantities
+
+    rng, profile = np.random.default_rng(), fixed_profile()
+    assert profile.measured_range() == [0.0] * len(RANGE_QUANTITIES)  # no samples
+    for size in (1, 2, 37):
+        rows = rng.integers(0, 5000, (size, 12)).astype(float)
+        rows[rng.random(size) < 0.3, 3] = 0  # some steps decode nothing: no context
+        profile.samples = [{"quantities": row.tolist(), "duration_s": 1e-3} for row in rows]
+        expected = [max(column) for column in zip(*(range_quantities(row.tolist()) for row in rows))]
+        assert profile.measured_range() == expected
+
+
 def test_a_profile_priced_simulation_reports_where_it_extrapolated(tmp_path):
     profile = profile_engine("tiny", block_size=16, repeats=1, grid="quick")
     config = SimConfig(allocator="paged", block_size=16, capacity_tokens=64_000, max_model_len=4096, profile=profile)

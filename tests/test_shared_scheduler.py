@@ -129,6 +129,22 @@ FUZZ = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 25)), deadline=
                 suppress_health_check=[HealthCheck.too_slow])
 
 
+def test_the_fuzzed_prompts_leave_nothing_for_generated_tokens_to_hit():
+    """The case a longer fuzz found (seed 41 of a 13-token prefix, block size 2, chunked, recompute): one prompt is
+    the prefix alone; no other prompt's tail starts with what the model generates after it, so the engine and the
+    simulator plan alike."""
+    lengths = [31, 32, 61, 172, 57, 33, 13, 143, 65, 25, 192, 20, 62, 150, 124, 98, 88, 63]
+    outputs = [24, 23, 34, 40, 13, 27, 30, 5, 9, 6, 8, 33, 26, 20, 7, 44, 20, 57]
+    prompts = make_prompts(lengths, shared_prefix=13, seed=41)
+    generated = greedy_next_token(tuple(prompts[6]))
+    assert prompts[6] == prompts[0][:13] and generated not in [prompt[13] for prompt in prompts if len(prompt) > 13]
+    _, _, real, simulated = engine_and_simulator_logs(
+        prompts, outputs, shared_prefix=13, block_size=2, num_blocks=141, enable_prefix_caching=True,
+        scheduling="chunked", max_num_batched_tokens=64, max_num_seqs=20)
+    assert_same_plan(real, simulated)
+    assert real["num_preempted"].sum() > 0  # the prefix-alone prompt among them: what cached its generated block
+
+
 @FUZZ
 @given(case=fuzz_cases())
 def test_fuzzed_workloads_plan_identically(case):

@@ -6,7 +6,8 @@ import sys
 
 import pandas as pd
 
-from lab.cli_args import device, non_negative_int, output_csv, positive_float, positive_int, positive_ints
+from lab.cli_args import (device, non_negative_int, output_csv, positive_float, positive_int, positive_ints,
+                          refuse_ignored)
 from lab.profile import GRIDS
 from lab.results import print_and_save, save_csv
 
@@ -52,9 +53,9 @@ def _generate(args) -> None:
 
     from lab.engine import LLMEngine, SamplingParams
 
-    given = [f"--{name}" for name in ("num-prompts", "prompt-len") if getattr(args, name.replace("-", "_"))]
-    if args.prompt and given:
-        raise ValueError(f"{', '.join(given)} would be ignored: they shape random prompts, and --prompt gives them")
+    if args.prompt:
+        refuse_ignored([name for name in ("num_prompts", "prompt_len") if getattr(args, name) is not None],
+                       "they shape random prompts, and --prompt gives them")
     engine = LLMEngine(args.model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device,
                        attention_backend=args.backend, enable_prefix_caching=not args.no_prefix_caching,
                        scheduling=args.scheduling, preemption_mode=args.preemption_mode,
@@ -118,10 +119,9 @@ def _twin(args) -> None:
     from lab.profile import Profile, extrapolation_warning
     from simulator.twin import TwinConfig, run_twin, twin_workload
 
-    given = [f"--{name}-len" for name in ("input", "output") if getattr(args, f"{name}_len") is not None]
-    if given and args.workload not in ("random", "fixed"):
-        raise ValueError(f"{', '.join(given)} would be ignored: only the random and fixed presets take lengths "
-                         f"({args.workload} brings its own)")
+    if args.workload not in ("random", "fixed"):
+        refuse_ignored([name for name in ("input_len", "output_len") if getattr(args, name) is not None],
+                       f"only the random and fixed presets take lengths ({args.workload} brings its own)")
     profile = Profile.load(args.profile)
     workload = twin_workload(args.workload, args.num_requests, args.rate, args.input_len or 96, args.output_len or 32,
                              args.time_scale, args.seed)

@@ -87,3 +87,11 @@ def _int_at_least(text: str, low: int) -> int:
     if value < low:
         raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
     return value
+
+
+def refuse_ignored(names, reason: str) -> None:
+    """Raise ``ValueError`` naming the options among ``names`` (argparse dests this invocation set) that the rest of
+    the command would ignore; ``reason`` says why. Nothing when ``names`` is empty."""
+    if names:
+        options = ", ".join("--" + name.replace("_", "-") for name in names)
+        raise ValueError(f"{options} would be ignored: {reason}")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
-from lab.cli_args import non_negative_int, output_csv, positive_float, positive_int, positive_ints
+from lab.cli_args import non_negative_int, output_csv, positive_float, positive_int, positive_ints, refuse_ignored
 from lab.profile import extrapolation_warning
 from lab.results import print_and_save, save_csv
 
@@ -96,35 +96,31 @@ FIGURE2_OPTIONS = ("preset", "num_requests", "seed", "out", "timeseries", "check
 
 def _changed(args, names) -> list[str]:
     """The options among ``names`` (argparse dests) that this invocation set to other than their defaults."""
-    defaults = vars(build_parser().parse_args([]))
-    return [name for name in names if getattr(args, name) != defaults[name]]
+    parser = build_parser()
+    return [name for name in names if getattr(args, name) != parser.get_default(name)]
 
 
 def check_options(args) -> None:
     """Raise ``ValueError`` naming any option the chosen workload or clock would ignore: synthetic-preset options
-    with a trace file, ``--time-scale`` with a preset, roofline options with ``--profile``, ``--router`` without
-    replicas, anything but the count and seed with ``--preset figure2``."""
-    ignored, reason = [], ""
+    with a trace file, ``--time-scale`` with a preset, roofline options or a contiguous allocator with ``--profile``,
+    ``--router`` without replicas, anything but the count and seed with ``--preset figure2``."""
     if args.preset == "figure2":
-        ignored = _changed(args, [name for name in vars(args) if name not in FIGURE2_OPTIONS])
-        reason = ("--preset figure2 fixes its workload and configurations (OPT-13B on an A100-40GB, ShareGPT "
-                  "lengths at t = 0, buddy-allocated baselines, paged B=16); only --num-requests and --seed change it")
+        refuse_ignored(_changed(args, [name for name in vars(args) if name not in FIGURE2_OPTIONS]),
+                       "--preset figure2 fixes its workload and configurations (OPT-13B on an A100-40GB, ShareGPT "
+                       "lengths at t = 0, buddy-allocated baselines, paged B=16); only --num-requests and --seed "
+                       "change it")
     elif args.workload in SYNTHETIC_PRESETS:
-        ignored = _changed(args, ["time_scale"])
-        reason = f"--time-scale scales a trace's arrivals; the {args.workload} preset's come from --rate"
+        refuse_ignored(_changed(args, ["time_scale"]),
+                       f"--time-scale scales a trace's arrivals; the {args.workload} preset's come from --rate")
     elif Path(args.workload).exists():  # else make_workload says it is neither a preset nor a file
-        ignored = _changed(args, SYNTHETIC_OPTIONS)
-        reason = (f"{args.workload} is a trace: it keeps its own arrivals and lengths, one sample per request "
-                  f"(scale its arrivals with --time-scale)")
-    if not ignored and args.profile is not None:
-        ignored = _changed(args, ROOFLINE_OPTIONS) + (["allocators"] if args.allocators not in (
-            build_parser().get_default("allocators"), ["paged"]) else [])
-        reason = "--profile prices the paged engine it measured, in place of the model and GPU roofline"
-    if not ignored and args.replicas == 1:
-        ignored, reason = _changed(args, ["router"]), "--router shares requests among --replicas (more than 1)"
-    if ignored:
-        names = ", ".join("--" + name.replace("_", "-") for name in ignored)
-        raise ValueError(f"{names} would be ignored: {reason}")
+        refuse_ignored(_changed(args, SYNTHETIC_OPTIONS), f"{args.workload} is a trace: it keeps its own arrivals "
+                       f"and lengths, one sample per request (scale its arrivals with --time-scale)")
+    if args.profile is not None:
+        allocators = ["allocators"] if _changed(args, ["allocators"]) and args.allocators != ["paged"] else []
+        refuse_ignored(_changed(args, ROOFLINE_OPTIONS) + allocators,
+                       "--profile prices the paged engine it measured, in place of the model and GPU roofline")
+    if args.replicas == 1:
+        refuse_ignored(_changed(args, ["router"]), "--router shares requests among --replicas (more than 1)")
 
 
 def _workload(args):

@@ -217,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--workload", default="random",
                    help="random or fixed (--input-len/--output-len), another preset, or a trace file")
     t.add_argument("--num-requests", type=positive_int, default=32, help="requests drawn, or a trace's first rows")
-    t.add_argument("--rate", type=float, default=None, help="req/s for a preset (default inf: all at t=0)")
+    t.add_argument("--rate", type=float, default=None,
+                   help="req/s: a preset's arrival rate (default inf: all at t=0), or a trace's rescaled to it")
     t.add_argument("--time-scale", type=positive_float, default=1.0, help="multiply a trace's arrival offsets")
     t.add_argument("--input-len", type=positive_int, default=None,
                    help="prompt tokens of random (the mean, +-50 %%) or fixed (default 96)")

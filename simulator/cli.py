@@ -21,7 +21,7 @@ from .engine import SimConfig
 from .metrics import rejection_warning
 from .models import GPUS, MODELS
 from .presets import PAPER_FIGURE2_TOKEN_STATES, figure2_experiment, make_configs
-from .workloads import SYNTHETIC_PRESETS, SyntheticSpec, synthetic_workload
+from .workloads import SYNTHETIC_PRESETS, SyntheticSpec, at_mean_rate, synthetic_workload
 
 SUMMARY_COLUMNS = ["allocator", "block_size", "token_states_frac", "reserved_frac", "internal_frag_frac",
                    "external_frag_frac", "free_frac", "mean_batch_size", "throughput_tok_s", "preemptions",
@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default="a100-80gb", choices=sorted(GPUS), help="GPU preset (memory, FLOP/s, bandwidth)")
     p.add_argument("--max-model-len", type=positive_int, default=2048,
                    help="longest prompt + output (contiguous-max reserves this much)")
-    p.add_argument("--rate", type=float, default=math.inf, help="requests/s (synthetic); inf = all at t=0")
+    p.add_argument("--rate", type=float, default=math.inf,
+                   help="requests/s: a preset's arrival rate (inf = all at t=0), or a trace's arrivals rescaled to it")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1 = Poisson)")
     p.add_argument("--num-requests", type=positive_int, default=None, help="synthetic count, or max rows of a trace")
     p.add_argument("--n", type=positive_int, default=1, help="parallel samples per request (synthetic)")
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-SYNTHETIC_OPTIONS = ("rate", "burstiness", "n", "beam_width", "shared_prefix")
+SYNTHETIC_OPTIONS = ("burstiness", "n", "beam_width", "shared_prefix")  # --rate rescales a trace's arrivals
 ROOFLINE_OPTIONS = ("model", "gpu", "kernel_csv", "address_space")
 # what --preset figure2 leaves to the command line; it fixes every other option (``presets.figure2_experiment``)
 FIGURE2_OPTIONS = ("preset", "num_requests", "seed", "out", "timeseries", "checks", "no_progress")
@@ -114,7 +115,9 @@ def check_options(args) -> None:
                        f"--time-scale scales a trace's arrivals; the {args.workload} preset's come from --rate")
     elif Path(args.workload).exists():  # else make_workload says it is neither a preset nor a file
         refuse_ignored(_changed(args, SYNTHETIC_OPTIONS), f"{args.workload} is a trace: it keeps its own arrivals "
-                       f"and lengths, one sample per request (scale its arrivals with --time-scale)")
+                       f"and lengths, one sample per request (scale its arrivals with --rate or --time-scale)")
+        if _changed(args, ["rate"]):
+            refuse_ignored(_changed(args, ["time_scale"]), "--rate sets the trace's mean arrival rate")
     if args.profile is not None:
         allocators = ["allocators"] if _changed(args, ["allocators"]) and args.allocators != ["paged"] else []
         refuse_ignored(_changed(args, ROOFLINE_OPTIONS) + allocators,
@@ -134,7 +137,8 @@ def _workload(args):
                                                 beam_width=args.beam_width,
                                                 shared_prefix_tokens=args.shared_prefix,
                                                 max_model_len=args.max_model_len, seed=args.seed))
-    return make_workload(args.workload, num_requests=args.num_requests, time_scale=args.time_scale)
+    trace = make_workload(args.workload, num_requests=args.num_requests, time_scale=args.time_scale)
+    return at_mean_rate(trace, args.rate)
 
 
 def _configs(args) -> list[SimConfig]:

@@ -24,7 +24,7 @@ import pandas as pd
 from .checks import closed_form_checks
 from .engine import SimConfig, Simulator, check_config
 from .models import get_gpu, get_model
-from .workloads import (SYNTHETIC_PRESETS, SyntheticSpec, Workload, check_synthetic_spec, load_trace,
+from .workloads import (SYNTHETIC_PRESETS, at_mean_rate, SyntheticSpec, Workload, check_synthetic_spec, load_trace,
                         synthetic_workload)
 
 WORKLOAD_FIELDS = ("workload", "num_requests", "rate", "burstiness", "n", "beam_width", "shared_prefix_tokens",
@@ -142,12 +142,7 @@ def build_workload(spec: dict) -> Workload:
     arrivals scaled to that mean rate)."""
     if spec["workload"] in SYNTHETIC_PRESETS:
         return synthetic_workload(_synthetic_spec(spec))
-    trace = _trace(spec["workload"], spec["num_requests"])
-    rate = spec["rate"]
-    if math.isinf(rate) or len(trace) < 2 or trace.arrival_s[-1] <= 0:
-        return trace
-    natural = (len(trace) - 1) / float(trace.arrival_s[-1])
-    return dataclasses.replace(trace, arrival_s=trace.arrival_s * (natural / rate))
+    return at_mean_rate(_trace(spec["workload"], spec["num_requests"]), spec["rate"])
 
 
 # ---- one run ----------------------------------------------------------------------------------------------------

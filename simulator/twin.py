@@ -29,7 +29,7 @@ from lab.scheduler import STEP_LOG_COLUMNS
 from . import make_workload
 from .engine import SimConfig, Simulator
 from .metrics import latency_summary
-from .workloads import SYNTHETIC_PRESETS, SyntheticSpec, Workload, synthetic_workload
+from .workloads import SYNTHETIC_PRESETS, SyntheticSpec, Workload, at_mean_rate, synthetic_workload
 
 PLAN_COLUMNS = [c for c in STEP_LOG_COLUMNS if c != "duration_s"]
 WARM_UP_RUNS, WARM_UP_STEPS = 2, 2  # see ``warm_up``
@@ -104,8 +104,8 @@ def twin_workload(source: str, num_requests: int, rate: float | None = None, inp
                   output_len: int = 32, time_scale: float = 1.0, seed: int = 0) -> Workload:
     """A preset drawn at ``rate`` requests/s (None: all at t = 0; ``random`` and ``fixed`` take ``input_len`` and
     ``output_len``, ``random`` ±50 %), or a trace file's first ``num_requests`` rows at their own arrival times
-    multiplied by ``time_scale`` (a ``rate`` with a trace, or a ``time_scale`` other than 1 with a preset, is an
-    error)."""
+    multiplied by ``time_scale``, or rescaled to a mean of ``rate`` requests/s (``simulator.workloads.at_mean_rate``;
+    a time scale beside a rate, or other than 1 with a preset, is an error)."""
     if source in SYNTHETIC_PRESETS:
         if time_scale != 1.0:
             raise ValueError(f"a time scale applies to a trace's arrivals; the {source} preset's come from the rate")
@@ -113,10 +113,11 @@ def twin_workload(source: str, num_requests: int, rate: float | None = None, inp
             if source in ("random", "fixed") else {}
         return make_workload(source, num_requests=num_requests, seed=seed, rate=math.inf if rate is None else rate,
                              **lengths)
-    if rate is not None:
-        raise ValueError(f"a rate applies to a synthetic preset ({', '.join(SYNTHETIC_PRESETS)}); the trace {source} "
-                         f"keeps its own arrival times (scale them with the time scale)")
-    return make_workload(source, num_requests=num_requests, time_scale=time_scale)
+    if rate is not None and time_scale != 1.0:
+        raise ValueError(f"give the trace {source} a rate or a time scale, not both: the rate sets its mean arrival "
+                         f"rate whatever the scale")
+    trace = make_workload(source, num_requests=num_requests, time_scale=time_scale)
+    return trace if rate is None else at_mean_rate(trace, rate)
 
 
 def sim_config(engine: LLMEngine, profile: Profile) -> SimConfig:

@@ -4,6 +4,7 @@ A ``Workload`` is columnar (NumPy arrays, one entry per request) so that a milli
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -205,6 +206,17 @@ def load_trace(path: str | Path, time_scale: float = 1.0, max_rows: int | None =
     workload = loaders[fmt](path, max_rows)
     workload.arrival_s = (workload.arrival_s - workload.arrival_s[0]) * time_scale
     return workload
+
+
+def at_mean_rate(workload: Workload, rate: float) -> Workload:
+    """``workload`` with its arrival offsets scaled so that requests arrive ``rate`` per second on average (a trace
+    replayed at another load, its burstiness kept); ``inf``, or no two distinct arrival times, leaves it as it is."""
+    check_real("at_mean_rate", "rate", rate, 0.0, low_open=True, allow_inf=True)
+    if math.isinf(rate) or len(workload) < 2 or workload.arrival_s[-1] <= workload.arrival_s[0]:
+        return workload
+    natural = (len(workload) - 1) / float(workload.arrival_s[-1] - workload.arrival_s[0])
+    offsets = workload.arrival_s - workload.arrival_s[0]
+    return dataclasses.replace(workload, arrival_s=workload.arrival_s[0] + offsets * (natural / rate))
 
 
 def load_trace_bytes(data: bytes, name: str, time_scale: float = 1.0, max_rows: int | None = None) -> Workload:

@@ -646,8 +646,10 @@ def test_the_twin_workload_honours_rate_lengths_and_trace_times(tmp_path, capsys
     trace = tmp_path / "t.csv"
     trace.write_text("arrival_time_s,prompt_tokens,output_tokens\n0,10,5\n2,12,6\n4,14,7\n")
     assert list(twin_workload(str(trace), 2, time_scale=0.5).arrival_s) == [0.0, 1.0]
-    with pytest.raises(ValueError, match="keeps its own arrival times"):
-        twin_workload(str(trace), 2, rate=3.0)
+    assert list(twin_workload(str(trace), 3, rate=2.0).arrival_s) == [0.0, 0.5, 1.0]  # rescaled: 2 per second
+    with pytest.raises(ValueError, match="a rate or a time scale, not both"):
+        twin_workload(str(trace), 2, rate=3.0, time_scale=0.5)
     fixed_profile().save(tmp_path / "p.json")  # the CLI passes its arguments through and reports the error
-    assert main(["twin", "--profile", str(tmp_path / "p.json"), "--workload", str(trace), "--rate", "3"]) == 2
-    assert "keeps its own arrival times" in capsys.readouterr().err
+    assert main(["twin", "--profile", str(tmp_path / "p.json"), "--workload", str(trace), "--rate", "3",
+                 "--time-scale", "2"]) == 2
+    assert "not both" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """Trace loaders: the real traces in ../shared/traces, and every malformed-input case."""
 import json
+import math
 
 import numpy as np
 import pytest
@@ -133,3 +134,27 @@ def test_mooncake_errors(tmp_path):
     with pytest.raises(TraceFormatError, match="not sorted"):
         load_trace(write(tmp_path, "u.jsonl", json.dumps({"timestamp": 10, "input_length": 1, "output_length": 1,
                                                             "hash_ids": [3]}) + "\n" + unsorted.replace("-5", "4")))
+
+
+def test_a_trace_replayed_at_another_mean_rate_keeps_its_shape(tmp_path):
+    from simulator.cli import _workload, build_parser
+    from simulator.workloads import at_mean_rate
+
+    rng = np.random.default_rng()
+    arrivals = np.sort(rng.uniform(0, 100, 50))
+    path = tmp_path / "t.csv"
+    path.write_text("arrival_time_s,prompt_tokens,output_tokens\n" +
+                    "".join(f"{t},{rng.integers(1, 500)},{rng.integers(1, 200)}\n" for t in arrivals))
+    trace = load_trace(path)
+    rate = float(rng.uniform(0.5, 50))
+    scaled = at_mean_rate(trace, rate)
+    assert (len(scaled) - 1) / scaled.arrival_s[-1] == pytest.approx(rate)  # requests per second, on average
+    gaps, scaled_gaps = np.diff(trace.arrival_s), np.diff(scaled.arrival_s)
+    np.testing.assert_allclose(scaled_gaps / scaled_gaps.sum(), gaps / gaps.sum())  # bursts where they were
+    assert (scaled.prompt_tokens == trace.prompt_tokens).all() and (trace.arrival_s == load_trace(path).arrival_s).all()
+    assert at_mean_rate(trace, math.inf) is trace
+    assert at_mean_rate(trace.subset([3]), 2.0).arrival_s[0] == trace.arrival_s[3]  # one arrival: nothing to scale
+    with pytest.raises(ValueError, match="rate"):
+        at_mean_rate(trace, 0.0)
+    cli = _workload(build_parser().parse_args(["--workload", str(path), "--rate", str(rate)]))
+    np.testing.assert_allclose(cli.arrival_s, scaled.arrival_s)  # python -m simulator --rate with a trace

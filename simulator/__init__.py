@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Callable
 
@@ -17,7 +18,7 @@ from .engine import SimConfig, SimResult, Simulator, Snapshot
 from .metrics import CATEGORIES
 from .presets import PAPER_FIGURE2_TOKEN_STATES, figure2_experiment, make_configs
 from .models import GPUS, MODELS, CostModel, get_gpu, get_model, kv_capacity_tokens
-from .workloads import (SYNTHETIC_PRESETS, SyntheticSpec, TraceFormatError, Workload, load_trace,
+from .workloads import (SYNTHETIC_PRESETS, SyntheticSpec, TraceFormatError, Workload, at_mean_rate, load_trace,
                         load_trace_bytes, synthetic_workload)
 
 __all__ = ["simulate", "compare", "closed_form_checks", "make_workload", "Simulator", "SimConfig", "SimResult",
@@ -29,10 +30,14 @@ __all__ = ["simulate", "compare", "closed_form_checks", "make_workload", "Simula
 
 def make_workload(workload: str | Path | Workload, num_requests: int | None = None, seed: int = 0,
                   time_scale: float = 1.0, **synthetic) -> Workload:
-    """A ``Workload`` from a preset name (with ``SyntheticSpec`` fields as keywords), a trace path, or itself."""
+    """A ``Workload`` from a preset name (with ``SyntheticSpec`` fields as keywords), a trace path (its first
+    ``num_requests`` rows, arrival offsets multiplied by ``time_scale`` or, given a finite ``rate``, rescaled to that
+    mean rate: ``at_mean_rate``), or itself. A keyword the source would ignore is a ``ValueError``."""
     if isinstance(workload, Workload):
         return workload
     if str(workload) in SYNTHETIC_PRESETS:
+        if time_scale != 1.0:
+            raise ValueError(f"a time scale applies to a trace's arrivals; the {workload} preset's come from its rate")
         spec = SyntheticSpec(preset=str(workload), seed=seed, **synthetic)
         if num_requests is not None:
             spec.num_requests = num_requests
@@ -40,7 +45,14 @@ def make_workload(workload: str | Path | Workload, num_requests: int | None = No
     if not Path(workload).exists():
         raise ValueError(f"workload {str(workload)!r} is neither a preset ({', '.join(SYNTHETIC_PRESETS)}) nor an "
                          f"existing trace file")
-    return load_trace(workload, time_scale=time_scale, max_rows=num_requests)
+    rate = synthetic.pop("rate", math.inf)
+    if synthetic:
+        raise ValueError(f"{', '.join(sorted(synthetic))}: for a synthetic preset; the trace {workload} brings its own "
+                         f"lengths and one sample per request")
+    if rate != math.inf and time_scale != 1.0:
+        raise ValueError(f"give the trace {workload} a rate or a time scale, not both: the rate sets its mean arrival "
+                         f"rate whatever the scale")
+    return at_mean_rate(load_trace(workload, time_scale=time_scale, max_rows=num_requests), rate)
 
 
 def simulate(workload, config: SimConfig | None = None, on_snapshot: Callable[[Snapshot], bool | None] | None = None,

@@ -21,7 +21,7 @@ from .engine import SimConfig
 from .metrics import rejection_warning
 from .models import GPUS, MODELS
 from .presets import PAPER_FIGURE2_TOKEN_STATES, figure2_experiment, make_configs
-from .workloads import SYNTHETIC_PRESETS, SyntheticSpec, at_mean_rate, synthetic_workload
+from .workloads import SYNTHETIC_PRESETS, SyntheticSpec, synthetic_workload
 
 SUMMARY_COLUMNS = ["allocator", "block_size", "token_states_frac", "reserved_frac", "internal_frag_frac",
                    "external_frag_frac", "free_frac", "mean_batch_size", "throughput_tok_s", "preemptions",
@@ -95,35 +95,35 @@ ROOFLINE_OPTIONS = ("model", "gpu", "kernel_csv", "address_space")
 FIGURE2_OPTIONS = ("preset", "num_requests", "seed", "out", "timeseries", "checks", "no_progress")
 
 
-def _changed(args, names) -> list[str]:
-    """The options among ``names`` (argparse dests) that this invocation set to other than their defaults."""
-    parser = build_parser()
-    return [name for name in names if getattr(args, name) != parser.get_default(name)]
-
-
 def check_options(args) -> None:
     """Raise ``ValueError`` naming any option the chosen workload or clock would ignore: synthetic-preset options
     with a trace file, ``--time-scale`` with a preset, roofline options or a contiguous allocator with ``--profile``,
     ``--router`` without replicas, anything but the count and seed with ``--preset figure2``."""
+    parser = build_parser()
+    changed = [name for name, value in vars(args).items() if value != parser.get_default(name)]
+
+    def given(names) -> list[str]:
+        return [name for name in changed if name in names]
+
     if args.preset == "figure2":
-        refuse_ignored(_changed(args, [name for name in vars(args) if name not in FIGURE2_OPTIONS]),
+        refuse_ignored([name for name in changed if name not in FIGURE2_OPTIONS],
                        "--preset figure2 fixes its workload and configurations (OPT-13B on an A100-40GB, ShareGPT "
                        "lengths at t = 0, buddy-allocated baselines, paged B=16); only --num-requests and --seed "
                        "change it")
     elif args.workload in SYNTHETIC_PRESETS:
-        refuse_ignored(_changed(args, ["time_scale"]),
+        refuse_ignored(given(["time_scale"]),
                        f"--time-scale scales a trace's arrivals; the {args.workload} preset's come from --rate")
     elif Path(args.workload).exists():  # else make_workload says it is neither a preset nor a file
-        refuse_ignored(_changed(args, SYNTHETIC_OPTIONS), f"{args.workload} is a trace: it keeps its own arrivals "
-                       f"and lengths, one sample per request (scale its arrivals with --rate or --time-scale)")
-        if _changed(args, ["rate"]):
-            refuse_ignored(_changed(args, ["time_scale"]), "--rate sets the trace's mean arrival rate")
+        refuse_ignored(given(SYNTHETIC_OPTIONS), f"{args.workload} is a trace: it keeps its own arrivals and lengths, "
+                       f"one sample per request (scale its arrivals with --rate or --time-scale)")
+        if given(["rate"]):
+            refuse_ignored(given(["time_scale"]), "--rate sets the trace's mean arrival rate")
     if args.profile is not None:
-        allocators = ["allocators"] if _changed(args, ["allocators"]) and args.allocators != ["paged"] else []
-        refuse_ignored(_changed(args, ROOFLINE_OPTIONS) + allocators,
+        allocators = ["allocators"] if given(["allocators"]) and args.allocators != ["paged"] else []
+        refuse_ignored(given(ROOFLINE_OPTIONS) + allocators,
                        "--profile prices the paged engine it measured, in place of the model and GPU roofline")
     if args.replicas == 1:
-        refuse_ignored(_changed(args, ["router"]), "--router shares requests among --replicas (more than 1)")
+        refuse_ignored(given(["router"]), "--router shares requests among --replicas (more than 1)")
 
 
 def _workload(args):
@@ -137,8 +137,7 @@ def _workload(args):
                                                 beam_width=args.beam_width,
                                                 shared_prefix_tokens=args.shared_prefix,
                                                 max_model_len=args.max_model_len, seed=args.seed))
-    trace = make_workload(args.workload, num_requests=args.num_requests, time_scale=args.time_scale)
-    return at_mean_rate(trace, args.rate)
+    return make_workload(args.workload, num_requests=args.num_requests, time_scale=args.time_scale, rate=args.rate)
 
 
 def _configs(args) -> list[SimConfig]:

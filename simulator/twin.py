@@ -29,7 +29,7 @@ from lab.scheduler import STEP_LOG_COLUMNS
 from . import make_workload
 from .engine import SimConfig, Simulator
 from .metrics import latency_summary
-from .workloads import SYNTHETIC_PRESETS, SyntheticSpec, Workload, at_mean_rate, synthetic_workload
+from .workloads import SyntheticSpec, Workload, synthetic_workload
 
 PLAN_COLUMNS = [c for c in STEP_LOG_COLUMNS if c != "duration_s"]
 WARM_UP_RUNS, WARM_UP_STEPS = 2, 2  # see ``warm_up``
@@ -106,18 +106,10 @@ def twin_workload(source: str, num_requests: int, rate: float | None = None, inp
     ``output_len``, ``random`` ±50 %), or a trace file's first ``num_requests`` rows at their own arrival times
     multiplied by ``time_scale``, or rescaled to a mean of ``rate`` requests/s (``simulator.workloads.at_mean_rate``;
     a time scale beside a rate, or other than 1 with a preset, is an error)."""
-    if source in SYNTHETIC_PRESETS:
-        if time_scale != 1.0:
-            raise ValueError(f"a time scale applies to a trace's arrivals; the {source} preset's come from the rate")
-        lengths = dict(input_len=input_len, output_len=output_len, range_ratio=0.5) \
-            if source in ("random", "fixed") else {}
-        return make_workload(source, num_requests=num_requests, seed=seed, rate=math.inf if rate is None else rate,
-                             **lengths)
-    if rate is not None and time_scale != 1.0:
-        raise ValueError(f"give the trace {source} a rate or a time scale, not both: the rate sets its mean arrival "
-                         f"rate whatever the scale")
-    trace = make_workload(source, num_requests=num_requests, time_scale=time_scale)
-    return trace if rate is None else at_mean_rate(trace, rate)
+    lengths = dict(input_len=input_len, output_len=output_len, range_ratio=0.5) if source in ("random", "fixed") \
+        else {}
+    return make_workload(source, num_requests=num_requests, seed=seed, time_scale=time_scale,
+                         rate=math.inf if rate is None else rate, **lengths)
 
 
 def sim_config(engine: LLMEngine, profile: Profile) -> SimConfig:

@@ -158,3 +158,17 @@ def test_a_trace_replayed_at_another_mean_rate_keeps_its_shape(tmp_path):
         at_mean_rate(trace, 0.0)
     cli = _workload(build_parser().parse_args(["--workload", str(path), "--rate", str(rate)]))
     np.testing.assert_allclose(cli.arrival_s, scaled.arrival_s)  # python -m simulator --rate with a trace
+
+
+def test_make_workload_refuses_what_its_source_would_ignore(tmp_path):
+    from simulator import make_workload
+
+    path = tmp_path / "t.csv"
+    path.write_text("arrival_time_s,prompt_tokens,output_tokens\n0,10,5\n2,12,6\n4,14,7\n")
+    assert list(make_workload(str(path), rate=2.0).arrival_s) == [0.0, 0.5, 1.0]  # a trace at a mean of 2 per s
+    with pytest.raises(ValueError, match="n, shared_prefix_tokens: for a synthetic preset"):
+        make_workload(str(path), n=2, shared_prefix_tokens=16)
+    with pytest.raises(ValueError, match="a rate or a time scale, not both"):
+        make_workload(str(path), rate=2.0, time_scale=3.0)
+    with pytest.raises(ValueError, match="a time scale applies to a trace"):
+        make_workload("sharegpt", num_requests=5, time_scale=3.0)

@@ -119,12 +119,13 @@ def _twin(args) -> None:
     from lab.profile import Profile, extrapolation_warning
     from simulator.twin import TwinConfig, run_twin, twin_workload
 
+    lengths = {name: getattr(args, name) for name in ("input_len", "output_len") if getattr(args, name) is not None}
     if args.workload not in ("random", "fixed"):
-        refuse_ignored([name for name in ("input_len", "output_len") if getattr(args, name) is not None],
-                       f"only the random and fixed presets take lengths ({args.workload} brings its own)")
+        refuse_ignored(list(lengths), f"only the random and fixed presets take lengths ({args.workload} brings its "
+                                      f"own)")
     profile = Profile.load(args.profile)
-    workload = twin_workload(args.workload, args.num_requests, args.rate, args.input_len or 96, args.output_len or 32,
-                             args.time_scale, args.seed)
+    workload = twin_workload(args.workload, args.num_requests, args.rate, time_scale=args.time_scale, seed=args.seed,
+                             **lengths)  # twin_workload's defaults for the lengths not given
     engine = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, scheduling=args.scheduling,
                           preemption_mode=args.preemption_mode, num_cpu_blocks=args.num_cpu_blocks,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -255,8 +255,10 @@ class PagedPolicy:
     def _count_final_block(self, seq: Sequence, blocks: int) -> None:
         """Count the slots past ``seq``'s final length in its last block as never filled, once it holds ``blocks``
         that reach it and has the last to itself (while forks share a partly filled last block, its tail counts as
-        reserved)."""
-        if not seq.final_block_counted and seq.shared_block < 0 and blocks * self.block_size >= seq.final_len:
+        reserved). ``seq.shared_block`` is cleared only when ``seq`` next syncs: a sibling that copied on write,
+        finished or left the pool in between has left the block to ``seq`` alone already."""
+        alone = seq.shared_block < 0 or not self.manager.is_shared(seq.shared_block)
+        if not seq.final_block_counted and alone and blocks * self.block_size >= seq.final_len:
             seq.final_block_slack = blocks * self.block_size - seq.final_len
             self.never_filled += seq.final_block_slack
             seq.final_block_counted = True

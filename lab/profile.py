@@ -27,14 +27,15 @@ import numpy as np
 import pandas as pd
 
 QUANTITIES = ("constant", "prefill_seqs", "prefill_tokens", "decode_seqs", "prefill_attention_pairs",
-              "decode_kv_tokens", "decode_padded_kv_tokens", "copied_blocks", "swapped_blocks", "after_idle",
+              "decode_kv_tokens", "decode_padded_kv_tokens", "copied_blocks", "swapped_blocks", "idle_s",
               "previous_prefill_tokens", "prefill_logit_rows")
 # The decode batch and the prompt chunks that sample (``prefill_logit_rows``) enter only through the piecewise-linear
-# term of the step's logit rows (``design_row``): they are the rows of one LM-head GEMM.
-LINEAR = tuple(name for name in QUANTITIES if name not in ("decode_seqs", "prefill_logit_rows"))
+# term of the step's logit rows (``design_row``): they are the rows of one LM-head GEMM; ``idle_s`` only through the
+# piecewise-linear idle term.
+LINEAR = tuple(name for name in QUANTITIES if name not in ("decode_seqs", "prefill_logit_rows", "idle_s"))
 PREFILL_TOKENS, DECODE_SEQS = QUANTITIES.index("prefill_tokens"), QUANTITIES.index("decode_seqs")
 PREVIOUS_PREFILL_TOKENS = QUANTITIES.index("previous_prefill_tokens")
-PREFILL_LOGIT_ROWS = QUANTITIES.index("prefill_logit_rows")
+PREFILL_LOGIT_ROWS, IDLE_S = QUANTITIES.index("prefill_logit_rows"), QUANTITIES.index("idle_s")
 LINEAR_INDICES = tuple(QUANTITIES.index(name) for name in LINEAR)
 # 1 for a step that prefills anything: the prefill path's own fixed cost a step, beyond the decode path's (on the tiny
 # model 0.77 ms of a 3 ms prefill step). Without it the one constant averaged the two paths and priced every
@@ -51,11 +52,16 @@ LINEAR_INDICES = tuple(QUANTITIES.index(name) for name in LINEAR)
 # longer hold now that it prices prefill-only steps too. On the CPU profiles measured so far it fits to 0; it is there
 # for backends whose decode path has one (a GPU's paged-attention launches).
 STEP_FEATURES = ("prefill_step", "decode_step", "after_prefill_step")
-PROFILE_VERSION = 8
-# A step that starts after the engine sat idle this long (nothing to run, waiting for an arrival) is ``after_idle``:
-# on a CPU it runs slower than the same step back to back (measured on the 0.6B shapes: a prefill +13 %), which is
-# most of a light load's TTFT error if the model ignores it.
-IDLE_GAP_S = 0.05
+PROFILE_VERSION = 9
+# A step that starts after the engine sat idle (nothing to run, waiting for an arrival) runs slower than the same step
+# back to back, by more the longer the pause, up to a plateau: on this lab's CPU (tiny model, a decode step of 1.5 ms,
+# interleaved pauses) +0.2 ms after 1 ms idle, +0.6 after 2, +0.9-1.2 after 5, +1.7-2.1 after 10 and +2.0-2.2 ms
+# from 20 ms to 100 ms. The step's idle time (``idle_s``) enters piecewise-linearly, a hat on each of these pauses,
+# which the grid measures (linear through 0 below the first, flat beyond the last). Profile version 8 priced only
+# pauses of 50 ms or more, at the plateau, and nothing below: a light load's prefills after 5-50 ms pauses ran up to
+# 1.6 x their price.
+IDLE_KNOTS_S = (0.002, 0.01, 0.25)
+IDLE_FEATURES = tuple(f"after_idle@{knot * 1e3:g}ms" for knot in IDLE_KNOTS_S)
 # The step quantities a run may take beyond the profile's grid (``Profile.beyond_measured``), and by how much before
 # that is reported: the fit is linear in them, so within the grid it interpolates and beyond it extrapolates.
 # ``decode_context`` (last) is the longest decoding sequence's KV length in blocks' slots (padded tokens / sequences):
@@ -90,11 +96,11 @@ class ProfileError(ValueError):
     """A profile file is malformed, or does not match the model or block size it is used with."""
 
 
-def plan_quantities(out, block_size: int, after_idle: bool = False, previous_prefill_tokens: int = 0) -> list[float]:
+def plan_quantities(out, block_size: int, idle_s: float = 0.0, previous_prefill_tokens: int = 0) -> list[float]:
     """What the step-time model reads from one step's plan (``lab.scheduler.SchedulerOutput``), in ``QUANTITIES``
     order. ``decode_padded_kv_tokens`` is the decode batch padded to its longest sequence's blocks: what a backend
     that gathers a rectangular batch (the torch one) reads, while ``decode_kv_tokens`` is what a per-sequence kernel
-    reads. ``after_idle``: the executor sat idle for at least ``IDLE_GAP_S`` before this step;
+    reads. ``idle_s``: the seconds the executor sat idle (had nothing to run) before this step, 0 back to back;
     ``previous_prefill_tokens``: the tokens the step before this one prefilled; ``prefill_logit_rows``: the prompt
     chunks that complete their prompt, whose last position goes through the LM head (a group's forks share one)."""
     swapped = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
@@ -102,14 +108,31 @@ def plan_quantities(out, block_size: int, after_idle: bool = False, previous_pre
     chunks = out.prefill_chunks
     return [1.0, float(len(chunks)), float(out.num_prefill_tokens), float(out.num_decode_seqs),
             float(out.prefill_attention_pairs), float(out.decode_kv_tokens), float(padded),
-            float(len(out.blocks_to_copy)), float(swapped), float(after_idle), float(previous_prefill_tokens),
+            float(len(out.blocks_to_copy)), float(swapped), float(idle_s), float(previous_prefill_tokens),
             float(sum(1 for chunk in chunks if chunk.samples) if chunks else 0)]
 
 
 def feature_names(knots: list[int]) -> tuple[str, ...]:
-    """The model's features: the linear quantities, ``STEP_FEATURES``, then one ``logit_rows@k`` per knot of the
-    logit-rows term."""
-    return LINEAR + STEP_FEATURES + tuple(f"logit_rows@{k}" for k in knots)
+    """The model's features: the linear quantities, ``STEP_FEATURES``, one ``after_idle@<ms>`` per pause of
+    ``IDLE_KNOTS_S``, then one ``logit_rows@k`` per knot of the logit-rows term."""
+    return LINEAR + STEP_FEATURES + IDLE_FEATURES + tuple(f"logit_rows@{k}" for k in knots)
+
+
+def hat_weights(value: float, knots, flat_beyond: bool = False) -> list[float]:
+    """``value`` spread over hat functions on ``knots`` (increasing, > 0): linear through the origin below the first
+    knot, shared by the two knots around it between them, and beyond the last knot linear through the origin on it
+    (or 1 on it, ``flat_beyond``). All zeros for a value <= 0."""
+    weights = [0.0] * len(knots)
+    if value <= 0:
+        return weights
+    if value <= knots[0] or value >= knots[-1]:
+        end = 0 if value <= knots[0] else -1
+        weights[end] = 1.0 if end == -1 and flat_beyond else value / knots[end]
+        return weights
+    upper = bisect.bisect_right(knots, value)
+    low, high = knots[upper - 1], knots[upper]
+    weights[upper - 1], weights[upper] = (high - value) / (high - low), (value - low) / (high - low)
+    return weights
 
 
 def design_row(quantities: list[float], knots: list[int]) -> list[float]:
@@ -120,21 +143,14 @@ def design_row(quantities: list[float], knots: list[int]) -> list[float]:
     counts. A prompt's last row goes through the same LM-head GEMM as a decode row: on the 0.6B shapes (MKL, AMD
     EPYC) two prompts of 32 tokens took 134 ms to prefill and one of 64 took 100 (the LM head's 1 -> 2 rows), while
     a model with a linear per-prompt cost and the decode batch alone in the hats missed mixed chunked steps by up to
-    +32 % and -18 % (7 decodes + 1 completing prompt is 8 rows, cheaper than 7 on that BLAS)."""
+    +32 % and -18 % (7 decodes + 1 completing prompt is 8 rows, cheaper than 7 on that BLAS). The idle time before
+    the step enters the same way, on ``IDLE_KNOTS_S``, flat beyond the last."""
     linear = [quantities[index] for index in LINEAR_INDICES]
     linear += [1.0 if quantities[PREFILL_TOKENS] > 0 else 0.0,  # STEP_FEATURES
                1.0 if quantities[DECODE_SEQS] > 0 else 0.0,
                1.0 if quantities[PREVIOUS_PREFILL_TOKENS] > 0 else 0.0]
-    batch, hats = quantities[DECODE_SEQS] + quantities[PREFILL_LOGIT_ROWS], [0.0] * len(knots)
-    if batch > 0:
-        if batch <= knots[0] or batch >= knots[-1]:
-            end = 0 if batch <= knots[0] else -1
-            hats[end] = batch / knots[end]
-        else:
-            upper = bisect.bisect_right(knots, batch)
-            low, high = knots[upper - 1], knots[upper]
-            hats[upper - 1], hats[upper] = (high - batch) / (high - low), (batch - low) / (high - low)
-    return linear + hats
+    idle = hat_weights(quantities[IDLE_S], IDLE_KNOTS_S, flat_beyond=True)
+    return linear + idle + hat_weights(quantities[DECODE_SEQS] + quantities[PREFILL_LOGIT_ROWS], knots)
 
 
 @dataclass(slots=True)
@@ -159,10 +175,10 @@ class Profile:
     # 1.2 % of a light load's TTFT). 0 in profiles written before it was measured.
     add_request_s: float = 0.0
 
-    def step_time(self, out, after_idle: bool = False, previous_prefill_tokens: int = 0) -> float:
-        """Predicted seconds of the step planned in ``out`` (``after_idle``, ``previous_prefill_tokens``: see
+    def step_time(self, out, idle_s: float = 0.0, previous_prefill_tokens: int = 0) -> float:
+        """Predicted seconds of the step planned in ``out`` (``idle_s``, ``previous_prefill_tokens``: see
         ``plan_quantities``)."""
-        return self.predictor()(out, after_idle, previous_prefill_tokens)
+        return self.predictor()(out, idle_s, previous_prefill_tokens)
 
     def predictor(self, highest: list[float] | None = None) -> Callable[..., float]:
         """``step_time`` with the coefficients laid out once (the simulator calls it every step). With ``highest``
@@ -170,8 +186,8 @@ class Profile:
         ``beyond_measured`` compares with the profile's range."""
         time_of, block_size = self.quantities_predictor(), self.block_size
 
-        def step_time(out, after_idle: bool = False, previous_prefill_tokens: int = 0) -> float:
-            quantities = plan_quantities(out, block_size, after_idle, previous_prefill_tokens)
+        def step_time(out, idle_s: float = 0.0, previous_prefill_tokens: int = 0) -> float:
+            quantities = plan_quantities(out, block_size, idle_s, previous_prefill_tokens)
             if highest is not None:
                 highest[:] = map(max, highest, range_quantities(quantities))
             return time_of(quantities)
@@ -355,7 +371,6 @@ def steady_state_allocator() -> bool:
 
 
 GRIDS = ("full", "small", "quick")
-IDLE_SCENARIO_S = 0.25
 # The decode batch sizes each grid measures on their own: the knots of the piecewise-linear logit-rows term. (Other
 # row counts occur too, in prefills and chunked steps, but mixed with other work they would pin a knot badly.)
 # ``small`` has every knot ``full`` has. Without 2 and 4 (a light load decodes 1-2 sequences per step) the fit let the
@@ -411,9 +426,9 @@ def _scenarios(block_size: int, grid: str) -> list[tuple[str, dict, list[tuple[i
     # half the pool the requests need: sequences are swapped out to the host pool and back in as others finish
     swaps = [(f"swap preemption, {count} x 64 + 48", {"preemption_mode": "swap", "pool_fraction": 0.5},
               [(64, 48, 1)] * count) for count in (4, 16)]
-    # a prompt arriving at an idle engine (the light-load case): its prefill after a pause of idle_s
-    idle = [(f"prefill {length} after {IDLE_SCENARIO_S} s idle", {"idle_s": IDLE_SCENARIO_S}, [(length, 1, 1)])
-            for length in (64, 192)]
+    # a prompt arriving at an idle engine (the light-load case): its prefill after each pause of the idle term
+    idle = [(f"prefill {length} after {pause * 1e3:g} ms idle", {"idle_s": pause}, [(length, 1, 1)])
+            for pause in IDLE_KNOTS_S for length in (64, 192)]
     return decode + prefill + cached + chunked + forks + swaps + idle
 
 
@@ -563,12 +578,12 @@ def _run_scenario(hf_model, base, settings: dict, requests, generator,
     if idle_s:
         time.sleep(idle_s)
     while engine.has_unfinished():
-        after_idle = idle_s >= IDLE_GAP_S and engine.num_steps == 0
+        idle = idle_s if engine.num_steps == 0 else 0.0
         previous = engine.last_plan.num_prefill_tokens if engine.last_plan is not None else 0
         started = time.perf_counter()
         engine.step()
         # the whole call, its closing bookkeeping too: a serving loop's clock advances by that
         duration_s = time.perf_counter() - started
         if record is not None:
-            record(tuple(plan_quantities(engine.last_plan, block_size, after_idle, previous)), duration_s)
+            record(tuple(plan_quantities(engine.last_plan, block_size, idle, previous)), duration_s)
     return engine

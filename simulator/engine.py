@@ -19,7 +19,7 @@ import pandas as pd
 
 from lab.checks import check_bool, check_choice, check_int, check_real
 from lab.kv_policy import PagedPolicy, default_num_cpu_blocks
-from lab.profile import IDLE_GAP_S, RANGE_QUANTITIES, Profile
+from lab.profile import RANGE_QUANTITIES, Profile
 from lab.scheduler import (PREEMPTION_MODES, SCHEDULING_MODES, RequestRejectedError, Scheduler,
                            SchedulerConfig, Sequence, SequenceGroup, StepStats)
 
@@ -230,7 +230,7 @@ class Simulator:
         self.on_snapshot, self.snapshot_every = on_snapshot, max(1, snapshot_every)
         self.snapshot_pool = snapshot_pool  # copying the pool is O(blocks): progress-only callers skip it
         self.time = 0.0
-        self.after_idle = False  # the next step starts after the engine sat idle for IDLE_GAP_S or more
+        self.idle_s = 0.0  # how long the engine sat idle (nothing to run) before the next step
         self.previous_prefill_tokens = 0  # the last step's (a profile's step time depends on it)
         # a profile's per-request add_request time, and what arrivals since the last step owe: the engine admits
         # them between steps, which delays the next one
@@ -300,7 +300,7 @@ class Simulator:
                 arrival = self.next_arrival_s
                 if arrival >= until:  # inf when every owned request has arrived
                     return
-                self.after_idle = self.after_idle or arrival - self.time >= IDLE_GAP_S
+                self.idle_s += arrival - self.time
                 self.time = arrival
                 continue
             if self.time >= until:
@@ -325,10 +325,10 @@ class Simulator:
         self.next_arrival += 1
         self._update_next_arrival()
 
-    def iterate(self, after_idle: bool = False) -> None:
+    def iterate(self, idle_s: float = 0.0) -> None:
         """Run one iteration now (a replay's driver; ``run``/``advance`` run iterations by the clock);
-        ``after_idle``: the engine being replayed sat idle before this step (see ``lab.profile.IDLE_GAP_S``)."""
-        self.after_idle = after_idle
+        ``idle_s``: how long the engine being replayed sat idle before this step (see ``lab.profile.IDLE_KNOTS_S``)."""
+        self.idle_s = idle_s
         self._iterate()
 
     def outstanding(self) -> int:
@@ -383,7 +383,7 @@ class Simulator:
             return
         self.iteration += 1
         if self.profile is not None:  # measured on the engine: copies and swaps are among its features
-            duration = self.profile_step_time(out, self.after_idle, self.previous_prefill_tokens)
+            duration = self.profile_step_time(out, self.idle_s, self.previous_prefill_tokens)
             self.previous_prefill_tokens = out.num_prefill_tokens
             self.swapped_blocks += len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
         else:
@@ -394,7 +394,7 @@ class Simulator:
                 duration += self._pending_copy_time()
             if out.blocks_to_swap_out or out.blocks_to_swap_in:
                 duration += self._swap_time(out)
-        self.after_idle = False
+        self.idle_s = 0.0
         if self.admission_s:
             self.time += self.admission_s
             self.admission_s = 0.0

@@ -23,7 +23,7 @@ import pandas as pd
 
 from lab.engine import EngineConfig, LLMEngine, SamplingParams, load_model
 from lab.model import PagedQwen3
-from lab.profile import IDLE_GAP_S, Profile, scatter_free_blocks, steady_state_allocator
+from lab.profile import Profile, scatter_free_blocks, steady_state_allocator
 from lab.scheduler import STEP_LOG_COLUMNS
 
 from . import make_workload
@@ -49,15 +49,15 @@ class TwinConfig:
 @dataclass(slots=True)
 class RealRun:
     """The engine's side of a twin run: its metrics, step log, wall time, the step count at which each request was
-    queued, the engine (what the simulator is configured from), and the steps (counted from 0) that started after
-    the engine sat idle for ``IDLE_GAP_S`` or more."""
+    queued, the engine (what the simulator is configured from), and ``{step (counted from 0): seconds}`` for the steps
+    that started after the engine sat idle (had nothing to run, waiting for an arrival)."""
 
     metrics: dict
     steps: pd.DataFrame
     wall_s: float
     admitted_after: list[int]
     engine: LLMEngine
-    idle_steps: list[int] = field(default_factory=list)
+    idle_steps: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -157,7 +157,7 @@ def run_real(workload: Workload, config: TwinConfig, hf_model=None) -> RealRun:
     started = time.perf_counter()
     arrivals, next_request, peak_blocks = workload.arrival_s, 0, 0
     admitted_after = []  # per request: how many engine steps had run when it was queued (for the replay)
-    idle_steps, last_step_end = [], started
+    idle_steps, last_step_end, was_idle = {}, started, False
     while next_request < len(prompts) or engine.has_unfinished():
         now = time.perf_counter() - started
         while next_request < len(prompts) and arrivals[next_request] <= now:
@@ -165,12 +165,13 @@ def run_real(workload: Workload, config: TwinConfig, hf_model=None) -> RealRun:
             admitted_after.append(engine.num_steps)
             next_request += 1
         if engine.has_unfinished():
-            if time.perf_counter() - last_step_end >= IDLE_GAP_S:
-                idle_steps.append(engine.num_steps)
+            if was_idle:
+                idle_steps[engine.num_steps] = time.perf_counter() - last_step_end
             engine.step()
-            last_step_end = time.perf_counter()
+            last_step_end, was_idle = time.perf_counter(), False
             peak_blocks = max(peak_blocks, engine.block_manager.num_used_blocks)
         else:
+            was_idle = True
             time.sleep(max(0.0, arrivals[next_request] - now))
     wall = time.perf_counter() - started
     return RealRun(_real_metrics(engine, started, peak_blocks), engine.step_log(), wall, admitted_after, engine,
@@ -250,19 +251,21 @@ def run_simulated(workload: Workload, config: SimConfig, repeats: int = 5) -> tu
     return metrics, steps, wall
 
 
-def replay(workload: Workload, config: SimConfig, admitted_after: list[int], idle_steps=()) -> pd.DataFrame:
+def replay(workload: Workload, config: SimConfig, admitted_after: list[int],
+           idle_steps: dict[int, float] | None = None) -> pd.DataFrame:
     """The simulator driven step by step with each request queued after as many steps as the real run had taken
-    when it queued it (and the steps that the real engine began after idling priced as such): the same schedule as
+    when it queued it (and the steps that the real engine began after idling, ``{step: seconds idle}``, priced as
+    such): the same schedule as
     the real run whatever the arrival times, so each step's modelled duration can be compared with the measured one.
     Returns the simulated step log."""
     sim = Simulator(workload, config, requests=[])
-    scheduler, request, idle = sim.scheduler, 0, set(idle_steps)
+    scheduler, request, idle = sim.scheduler, 0, idle_steps or {}
     while request < len(workload) or scheduler.has_unfinished():
         while request < len(workload) and admitted_after[request] <= scheduler.num_steps:
             sim.queue_now(request)
             request += 1
         if scheduler.has_unfinished():
-            sim.iterate(scheduler.num_steps in idle)
+            sim.iterate(idle.get(scheduler.num_steps, 0.0))
     return sim.scheduler.step_log_frame()
 
 

@@ -8,10 +8,11 @@ import pandas as pd
 import pytest
 
 from lab.engine import EngineConfig
-from lab.profile import (DECODE_SEQS, LINEAR, PREFILL_LOGIT_ROWS, PREFILL_TOKENS, PREVIOUS_PREFILL_TOKENS,
-                         PROFILE_VERSION, STEP_FEATURES, Profile, ProfileError, Profiler, _run_scenario, _scenarios,
+from lab.profile import (DECODE_SEQS, IDLE_FEATURES, IDLE_KNOTS_S, LINEAR, PREFILL_LOGIT_ROWS, PREFILL_TOKENS,
+                         PREVIOUS_PREFILL_TOKENS, PROFILE_VERSION, STEP_FEATURES, Profile, ProfileError, Profiler, _run_scenario, _scenarios,
                          decode_knots, design_row, feature_names, fit, plan_quantities, profile_engine,
                          scatter_free_blocks)
+from lab.profile import IDLE_S as QUANTITY_IDLE_S
 from simulator import SimConfig, Simulator
 from simulator.twin import TwinCase, TwinConfig, calibrated_twins, replay, run_twin, twin_workload
 from simulator.workloads import SyntheticSpec, Workload, synthetic_workload
@@ -19,9 +20,9 @@ from simulator.workloads import SyntheticSpec, Workload, synthetic_workload
 KNOTS = [1, 4, 8, 32]
 FIXED = {"constant": 2e-3, "prefill_seqs": 1e-4, "prefill_tokens": 2e-5, "prefill_attention_pairs": 1e-8,
          "decode_kv_tokens": 1e-7, "decode_padded_kv_tokens": 2e-7, "copied_blocks": 5e-5, "swapped_blocks": 8e-5,
-         "after_idle": 3e-3, "previous_prefill_tokens": 1e-7, "prefill_step": 8e-4, "decode_step": 6e-4,
-         "after_prefill_step": 2e-4, "logit_rows@1": 3e-4, "logit_rows@4": 1.2e-3, "logit_rows@8": 4e-3,
-         "logit_rows@32": 5e-3}
+         "previous_prefill_tokens": 1e-7, "prefill_step": 8e-4, "decode_step": 6e-4, "after_prefill_step": 2e-4,
+         "after_idle@2ms": 1e-3, "after_idle@10ms": 2.5e-3, "after_idle@250ms": 3e-3, "logit_rows@1": 3e-4,
+         "logit_rows@4": 1.2e-3, "logit_rows@8": 4e-3, "logit_rows@32": 5e-3}
 
 
 def fixed_profile(block_size=4, model="tiny"):
@@ -35,9 +36,10 @@ def step_quantities(prefill_tokens=0, decode_seqs=0, previous_prefill_tokens=0, 
 
 
 def test_the_logit_rows_enter_piecewise_linearly():
-    hats = len(LINEAR) + len(STEP_FEATURES)
-    assert design_row(step_quantities(40, 6), KNOTS)[len(LINEAR):hats] == [1.0, 1.0, 0.0]  # prefills and decodes
-    assert design_row(step_quantities(0, 6, 300), KNOTS)[len(LINEAR):hats] == [0.0, 1.0, 1.0]  # a step after one
+    steps = len(LINEAR) + len(STEP_FEATURES)
+    hats = steps + len(IDLE_FEATURES)
+    assert design_row(step_quantities(40, 6), KNOTS)[len(LINEAR):steps] == [1.0, 1.0, 0.0]  # prefills and decodes
+    assert design_row(step_quantities(0, 6, 300), KNOTS)[len(LINEAR):steps] == [0.0, 1.0, 1.0]  # a step after one
     assert design_row(step_quantities(0, 6), KNOTS)[hats:] == [0, 0.5, 0.5, 0]
     assert design_row(step_quantities(0, 64), KNOTS)[hats:] == [0, 0, 0, 2]
     assert design_row(step_quantities(), KNOTS)[hats:] == [0, 0, 0, 0]
@@ -49,6 +51,27 @@ def test_the_logit_rows_enter_piecewise_linearly():
     partial = step_quantities(90, 7)
     partial[-1] = 0
     assert design_row(partial, KNOTS)[hats:] == design_row(step_quantities(0, 7), KNOTS)[hats:]
+
+
+def test_the_idle_time_before_a_step_enters_piecewise_linearly_and_levels_off():
+    """A step after the engine sat idle runs slower the longer the pause, up to a plateau (on this lab's CPU +0.6 ms
+    after 2 ms, +2 ms from about 10-20 ms on): hats on the measured pauses, linear through 0 below the first, flat
+    beyond the last; 0 back to back."""
+    first = len(LINEAR) + len(STEP_FEATURES)
+
+    def idle_weights(idle_s):
+        quantities = step_quantities(64)
+        quantities[QUANTITY_IDLE_S] = idle_s
+        return design_row(quantities, KNOTS)[first:first + len(IDLE_FEATURES)]
+    assert IDLE_KNOTS_S == (0.002, 0.01, 0.25) and IDLE_FEATURES[0] == "after_idle@2ms"
+    assert idle_weights(0.0) == [0, 0, 0]
+    assert idle_weights(0.001) == pytest.approx([0.5, 0, 0])
+    assert idle_weights(0.006) == pytest.approx([0.5, 0.5, 0])
+    assert idle_weights(0.25) == pytest.approx([0, 0, 1]) and idle_weights(30.0) == pytest.approx([0, 0, 1])
+    # every grid but the quick one measures a prefill after each pause, so each hat has its samples
+    for grid in ("full", "small"):
+        pauses = {settings.get("idle_s") for _, settings, _ in _scenarios(16, grid)} - {None}
+        assert pauses == set(IDLE_KNOTS_S), grid
 
 
 def test_plan_quantities_count_the_prompt_chunks_that_sample():
@@ -72,13 +95,14 @@ def test_the_fit_recovers_known_coefficients():
         quantities = [1.0, float(rng.integers(1, 30)) * prefills, float(rng.integers(1, 600)) * prefills,
                       float(rng.choice(KNOTS + [0, 16])),
                       float(rng.integers(0, 10**5)), kv_tokens, kv_tokens + float(rng.integers(0, 10**4)),
-                      float(rng.integers(0, 4)), float(rng.integers(0, 40)), float(rng.integers(0, 2)),
+                      float(rng.integers(0, 4)), float(rng.integers(0, 40)),
+                      float(rng.choice([0, 0, *IDLE_KNOTS_S, 0.006, 1.0])),
                       float(rng.integers(0, 2000)) * (rng.random() < 0.5), float(rng.integers(0, 4)) * prefills]
         true = sum(FIXED[name] * value for name, value in zip(feature_names(KNOTS), design_row(quantities, KNOTS)))
         samples.append({"quantities": quantities, "duration_s": true * rng.normal(1.0, 0.005)})
     coefficients, median_error, _ = fit(samples, KNOTS)
     assert median_error < 0.01
-    for name in ("constant", "prefill_tokens", "after_idle", "prefill_step", "logit_rows@8", "logit_rows@32"):
+    for name in ("constant", "prefill_tokens", *IDLE_FEATURES, "prefill_step", "logit_rows@8", "logit_rows@32"):
         assert coefficients[name] == pytest.approx(FIXED[name], rel=0.1)
     # the two after-prefill terms are small beside the noise and trade off; their sum at a typical size is pinned
     def after_1000(c):
@@ -274,22 +298,28 @@ def test_admitting_requests_delays_the_next_step_by_the_profile_s_add_request_ti
     assert (runs["charged"].steps["duration_s"].to_numpy() == runs["free"].steps["duration_s"].to_numpy()).all()
 
 
-def test_a_step_after_the_engine_idled_is_priced_as_such():
-    """Requests at 0, 0.01 s and 5 s: only the third finds the engine idle for IDLE_GAP_S or more, so only its
-    prefill pays the profile's after_idle term (here 3 ms), in a clocked run and in a replay told so."""
-    workload = Workload("gaps", np.array([0.0, 0.01, 5.0]), np.array([20, 20, 20]), np.array([4, 4, 4]))
+def test_a_step_after_the_engine_idled_is_priced_by_how_long_it_idled():
+    """Requests at 0, 0.01, 0.05 and 5 s: the second arrives while the first runs (no idle time), the third after
+    the engine sat idle some 20 ms (priced between the 10 and 250 ms pauses), the fourth after ~5 s (flat beyond
+    250 ms: 3 ms here); in a clocked run and in a replay told so."""
+    workload = Workload("gaps", np.array([0.0, 0.01, 0.05, 5.0]), np.array([20, 20, 20, 20]), np.array([4, 4, 4, 4]))
     priced, free = fixed_profile(), fixed_profile()
-    free.coefficients["after_idle"] = 0.0
+    free.coefficients.update(dict.fromkeys(IDLE_FEATURES, 0.0))
     config = dict(capacity_tokens=4096, block_size=4, record_steps=True)
-    ttft = {}
+    ttft, requests = {}, {}
     for name, profile in (("priced", priced), ("free", free)):
-        requests = Simulator(workload, SimConfig(profile=profile, **config)).run().requests
-        ttft[name] = (requests["first_token_s"] - requests["arrival_s"]).to_numpy()
+        requests[name] = Simulator(workload, SimConfig(profile=profile, **config)).run().requests
+        ttft[name] = (requests[name]["first_token_s"] - requests[name]["arrival_s"]).to_numpy()
+    idle_s = 0.05 - requests["free"]["finish_s"].iloc[1]  # the third request's wait on an empty engine
+    assert 0.01 < idle_s < 0.25 and requests["free"]["finish_s"].iloc[0] > 0.01
+    expected = ((0.25 - idle_s) * 2.5e-3 + (idle_s - 0.01) * 3e-3) / 0.24
     assert ttft["priced"][:2] == pytest.approx(ttft["free"][:2], abs=1e-12)
-    assert ttft["priced"][2] - ttft["free"][2] == pytest.approx(3e-3)
-    steps = {idle: replay(workload, SimConfig(profile=priced, **config), [0, 0, 3], idle)["duration_s"].to_numpy()
-             for idle in ((), (3,))}
-    assert steps[(3,)][3] - steps[()][3] == pytest.approx(3e-3) and (steps[(3,)][:3] == steps[()][:3]).all()
+    assert ttft["priced"][2] - ttft["free"][2] == pytest.approx(expected)
+    assert ttft["priced"][3] - ttft["free"][3] == pytest.approx(3e-3)
+    back_to_back, idled = (replay(workload, SimConfig(profile=priced, **config), [0, 0, 4, 8], idle)["duration_s"]
+                           .to_numpy() for idle in ({}, {8: 0.006}))
+    assert idled[8] - back_to_back[8] == pytest.approx((1e-3 + 2.5e-3) / 2)  # halfway between the 2 and 10 ms pauses
+    assert (np.delete(idled, 8) == np.delete(back_to_back, 8)).all()
 
 
 def test_the_step_after_a_prefill_pays_for_it():
@@ -522,8 +552,7 @@ def test_timed_arrivals_replay_the_real_schedule_step_for_step():
                          ids=["plain", "chunked-swap"])
 def test_the_simulator_s_clock_queues_arrivals_as_the_engine_and_the_replay_do(monkeypatch, modes):
     """On its clock the simulator queues a request before the first step that starts at or after its arrival (a
-    request arriving during a step joins at the next one, as in ``run_real``), and a step after an idle gap of
-    ``IDLE_GAP_S`` or more is priced as such; the replay, given the steps at which the clock queued each request and
+    request arriving during a step joins at the next one, as in ``run_real``), and a step after idle time is priced by its length; the replay, given the steps at which the clock queued each request and
     the idle steps, reproduces that run step for step, durations included."""
     workload = synthetic_workload(SyntheticSpec(preset="random", num_requests=40, input_len=24, output_len=10,
                                                 range_ratio=0.5, rate=20.0, burstiness=0.3, seed=4))
@@ -533,7 +562,7 @@ def test_the_simulator_s_clock_queues_arrivals_as_the_engine_and_the_replay_do(m
                        scheduling=engine["scheduling"], preemption_mode=engine["preemption_mode"],
                        num_cpu_blocks=engine["num_cpu_blocks"], max_num_batched_tokens=engine["max_num_batched_tokens"],
                        profile=fixed_profile(), record_steps=True)
-    queued_after, step_starts, idle_steps = [], {}, []
+    queued_after, step_starts, idle_steps = [], {}, {}
     arrive, iterate = Simulator._arrive, Simulator._iterate
 
     def recording_arrive(sim, request):
@@ -542,8 +571,8 @@ def test_the_simulator_s_clock_queues_arrivals_as_the_engine_and_the_replay_do(m
 
     def recording_iterate(sim):
         step_starts.setdefault(sim.scheduler.num_steps, sim.time)
-        if sim.after_idle:
-            idle_steps.append(sim.scheduler.num_steps)
+        if sim.idle_s:
+            idle_steps[sim.scheduler.num_steps] = sim.idle_s
         iterate(sim)
 
     monkeypatch.setattr(Simulator, "_arrive", recording_arrive)

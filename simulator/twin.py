@@ -255,9 +255,8 @@ def replay(workload: Workload, config: SimConfig, admitted_after: list[int],
            idle_steps: dict[int, float] | None = None) -> pd.DataFrame:
     """The simulator driven step by step with each request queued after as many steps as the real run had taken
     when it queued it (and the steps that the real engine began after idling, ``{step: seconds idle}``, priced as
-    such): the same schedule as
-    the real run whatever the arrival times, so each step's modelled duration can be compared with the measured one.
-    Returns the simulated step log."""
+    such): the same schedule as the real run whatever the arrival times, so each step's modelled duration can be
+    compared with the measured one. Returns the simulated step log."""
     sim = Simulator(workload, config, requests=[])
     scheduler, request, idle = sim.scheduler, 0, idle_steps or {}
     while request < len(workload) or scheduler.has_unfinished():

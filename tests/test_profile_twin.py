@@ -8,11 +8,10 @@ import pandas as pd
 import pytest
 
 from lab.engine import EngineConfig
-from lab.profile import (DECODE_SEQS, IDLE_FEATURES, IDLE_KNOTS_S, LINEAR, PREFILL_LOGIT_ROWS, PREFILL_TOKENS,
-                         PREVIOUS_PREFILL_TOKENS, PROFILE_VERSION, STEP_FEATURES, Profile, ProfileError, Profiler, _run_scenario, _scenarios,
-                         decode_knots, design_row, feature_names, fit, plan_quantities, profile_engine,
-                         scatter_free_blocks)
-from lab.profile import IDLE_S as QUANTITY_IDLE_S
+from lab.profile import (DECODE_SEQS, IDLE_FEATURES, IDLE_KNOTS_S, IDLE_S, LINEAR, PREFILL_LOGIT_ROWS,
+                         PREFILL_TOKENS, PREVIOUS_PREFILL_TOKENS, PROFILE_VERSION, STEP_FEATURES, Profile,
+                         ProfileError, Profiler, _run_scenario, _scenarios, decode_knots, design_row, feature_names,
+                         fit, plan_quantities, profile_engine, scatter_free_blocks)
 from simulator import SimConfig, Simulator
 from simulator.twin import TwinCase, TwinConfig, calibrated_twins, replay, run_twin, twin_workload
 from simulator.workloads import SyntheticSpec, Workload, synthetic_workload
@@ -61,7 +60,7 @@ def test_the_idle_time_before_a_step_enters_piecewise_linearly_and_levels_off():
 
     def idle_weights(idle_s):
         quantities = step_quantities(64)
-        quantities[QUANTITY_IDLE_S] = idle_s
+        quantities[IDLE_S] = idle_s
         return design_row(quantities, KNOTS)[first:first + len(IDLE_FEATURES)]
     assert IDLE_KNOTS_S == (0.002, 0.01, 0.25) and IDLE_FEATURES[0] == "after_idle@2ms"
     assert idle_weights(0.0) == [0, 0, 0]

@@ -12,6 +12,7 @@ when ``k`` hypotheses are finished or ``max_tokens`` tokens are generated.
 from __future__ import annotations
 
 import itertools
+from collections import abc
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +81,8 @@ def beam_search(engine, prompts, params: BeamSearchParams) -> list[BeamSearchOut
     params.check()
     if engine.has_unfinished():
         raise BeamSearchError("beam search needs an idle engine (finish or drain the queued requests first)")
+    if isinstance(prompts, (str, bytes, dict, set)) or not isinstance(prompts, abc.Sequence):
+        raise BeamSearchError(f"prompts must be a list of prompts, got {prompts!r:.80}")
     encoded = [engine._encode(prompt) for prompt in prompts]
     for prompt in encoded:
         total = len(prompt) + params.max_tokens

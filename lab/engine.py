@@ -32,6 +32,9 @@ from .scheduler import (Scheduler, SchedulerConfig, Sequence as SchedSequence, S
 
 MAX_BLOCKS = 1 << 24  # a KV pool larger than this is a typo, not a GPU
 MAX_TEMPERATURE = 1e4  # past this every token is equally likely to within float precision
+# Below this a softmax over logits / temperature puts all mass on the argmax to within float precision, and the
+# division itself overflows (1e-40 is 0 in bf16): such rows sample greedily.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(slots=True)
@@ -46,6 +49,11 @@ class SamplingParams:
     n: int = 1
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        """Whether rows of this request take the argmax (temperature 0, or too small to sample safely)."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     def check(self) -> None:
         """Raise ``SamplingParamsError`` (a ``ValueError``) naming the first field of a wrong type or out of range."""
@@ -172,7 +180,7 @@ class _SeqState:
         self.request, self.sample, self.output = request, sample, []
         seed = request.params.seed
         self.generator = None
-        if seed is not None and request.params.temperature > 0:
+        if seed is not None and not request.params.greedy:
             self.generator = torch.Generator(device=device).manual_seed((seed + sample) % (1 << 63))
         self.logits: list[torch.Tensor] | None = None
 
@@ -242,6 +250,7 @@ class LLMEngine:
         self.generated_tokens = self.peak_used_blocks = 0
         self.scheduler_s = 0.0  # time spent in the scheduler (benchmarks report its share)
         self._last_stats: StepStats | None = None
+        self._drawn_generators: list = []
         self.started_s = time.perf_counter()
 
     def _default_num_blocks(self, hf_config, config: EngineConfig, dtype) -> int:
@@ -360,13 +369,18 @@ class LLMEngine:
             from tqdm import tqdm
             bar = tqdm(total=len(ids), desc="generate")
         done: dict[int, RequestOutput] = {}
-        while self.has_unfinished():
-            for output in self.step():
-                done[output.request_id] = output
-                if bar:
-                    bar.update(1)
-        if bar:
-            bar.close()
+        try:
+            while self.has_unfinished():
+                for output in self.step():
+                    done[output.request_id] = output
+                    if bar:
+                        bar.update(1)
+        except BaseException:
+            self._recover(abort=set(ids) - set(done))  # the caller sees the error; its requests leave no trace
+            raise
+        finally:
+            if bar:
+                bar.close()
         return [done[i] for i in ids]
 
     def beam_search(self, prompts, params):
@@ -375,11 +389,26 @@ class LLMEngine:
         idle."""
         from .beam import beam_search
 
-        return beam_search(self, prompts, params)
+        try:
+            return beam_search(self, prompts, params)
+        except BaseException:
+            self._recover()  # a failure part-way leaves beams allocated; the engine was idle, so nothing else is lost
+            raise
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, sample; returns the requests that finished in this step."""
+        """Schedule, run the model, sample; returns the requests that finished in this step. A step that raises
+        (an error in the model or the sampler, an interrupt, out of memory) leaves the engine as if every unfinished
+        request had been preempted by recompute just before it (see ``_recover``), then re-raises: the next step
+        continues each request from the tokens it had accepted, with the tokens an undisturbed run would give."""
+        self._drawn_generators = []
+        try:
+            return self._step()
+        except BaseException:
+            self._recover(generators=self._drawn_generators)
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         finished_before = len(self.finished)
         out = self.last_plan = self.scheduler.schedule()
@@ -410,6 +439,54 @@ class LLMEngine:
             self.on_step(self._last_stats)
         return self.finished[finished_before:]
 
+    def _recover(self, generators: list = (), abort: set = frozenset()) -> None:
+        """Bring the engine back to a consistent state after a failure part-way through a step (or a beam search).
+        The plan may have been half applied (blocks allocated, prefix-cache entries registered for KV never written,
+        copies done), so nothing of it is trusted: the block pool and the scheduler start afresh, and every
+        unfinished request except those in ``abort`` is queued again, first come first served, each sample with the
+        tokens it has accepted (a recompute preemption: its next prefill recomputes that KV). Seeded samplers get
+        back the state they had before the step. Requests in ``abort`` are dropped."""
+        for generator, state in generators:
+            generator.set_state(state)
+        old = self.scheduler
+        cpu = self.policy.cpu_manager
+        self.policy = PagedPolicy(self.block_manager.num_physical_blocks, self.block_size,
+                                  self.config.enable_prefix_caching, cpu.num_physical_blocks if cpu else 0)
+        self.block_manager = self.policy.manager
+        self.scheduler = Scheduler(old.config, self.policy)
+        self.scheduler.step_log, self.scheduler.num_steps = old.step_log, old.num_steps
+        self.scheduler.num_swaps_out = old.num_swaps_out
+        self.scheduler.num_preemptions = old.num_preemptions + len(old.running) + len(old.swapped)
+        for request_id in abort:
+            self.requests.pop(request_id, None)
+        for request in sorted(self.requests.values(), key=lambda r: r.request_id):
+            if request.samples_left:
+                self._requeue(request)
+        self.last_plan = None
+
+    def _requeue(self, request: _Request) -> None:
+        """Queue ``request``'s unfinished samples again: those with no token yet as one group (they share the
+        prompt's prefill), each other one alone with its prompt and accepted tokens as the prompt."""
+        final_len = len(request.prompt) + request.params.max_tokens - 1
+        fresh, started = [], []
+        for index, seq in enumerate(request.samples):
+            if seq.status == "finished":
+                continue
+            state = seq.data
+            group = SequenceGroup(request.request_id, [], self._token_ids, request)
+            new = SchedSequence(seq.seq_id, group, seq.sample, len(state.token_ids), final_len, state)
+            request.samples[index] = new
+            (started if state.output else fresh).append(new)
+        if fresh:
+            group = fresh[0].group
+            for seq in fresh:
+                seq.group = group
+            group.seqs.extend(fresh)
+            self.scheduler.add(group)
+        for seq in started:
+            seq.group.seqs.append(seq)
+            self.scheduler.add(seq.group)
+
     last_plan = None  # the latest step's SchedulerOutput (what lab.profile reads the step's features from)
 
     def last_step_stats(self) -> StepStats | None:
@@ -433,7 +510,10 @@ class LLMEngine:
         sequence draws from its row with its own generator, in the order one read per token would draw."""
         if not sampled:
             return []
-        is_greedy = [seqs[0].data.request.params.temperature == 0 for seqs in sampled]
+        is_greedy = [seqs[0].data.request.params.greedy for seqs in sampled]
+        self._drawn_generators = [(seq.data.generator, seq.data.generator.get_state()) for row, seqs in
+                                  enumerate(sampled) if not is_greedy[row] for seq in seqs
+                                  if seq.data.generator is not None]  # a failed step gives their draws back
         draws = [self._sample(logits[row], seq.data)
                  for row, seqs in enumerate(sampled) if not is_greedy[row] for seq in seqs]
         values = torch.cat([logits.argmax(dim=-1), *draws]).tolist()  # every row's argmax, then the draws
@@ -460,7 +540,7 @@ class LLMEngine:
         """A token drawn from one row's logits with the request's temperature, top-k and top-p, as a one-element
         tensor on the logits' device (not read back: see ``_next_tokens``)."""
         params = state.request.params
-        logits = logits / float(params.temperature)
+        logits = (logits - logits.max()) / float(params.temperature)  # <= 0: no overflow to inf, so no NaN
         if params.top_k:
             kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import LabError
 from .checks import check_bool, check_int, check_real
 from .scheduler import PrefillChunk, SchedulerOutput
 
 
-class BeamSearchError(ValueError):
+class BeamSearchError(LabError):
     """A ``BeamSearchParams`` field has a wrong type or value, or a prompt cannot be searched; nothing ran."""
 
 

@@ -29,12 +29,14 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from .errors import LabError
+
 ROOT_CONTENT_ID = -1
 BLOCK_ID = "i"  # block tables, the free queue and reservations are C int arrays: no per-id object traffic
 _STREAM = object()  # marks a block key made from a stream key instead of token ids
 
 
-class BlockManagerError(Exception):
+class BlockManagerError(LabError):
     """Base class of the block manager's errors."""
 
 

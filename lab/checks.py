@@ -6,9 +6,11 @@ from __future__ import annotations
 import math
 import numbers
 
+from .errors import InputError
+
 
 def check_int(owner: str, name: str, value, low: int, high: int | None = None, optional: bool = False,
-              error: type[ValueError] = ValueError) -> None:
+              error: type[ValueError] = InputError) -> None:
     """An integer (not a bool) in ``[low, high]``; None too when ``optional``."""
     if value is None and optional:
         return
@@ -19,7 +21,7 @@ def check_int(owner: str, name: str, value, low: int, high: int | None = None, o
 
 
 def check_real(owner: str, name: str, value, low: float, high: float = math.inf, low_open: bool = False,
-               allow_inf: bool = False, error: type[ValueError] = ValueError) -> None:
+               allow_inf: bool = False, error: type[ValueError] = InputError) -> None:
     """A real number (not a bool, not NaN; finite unless ``allow_inf``) in ``[low, high]`` (``(low, high]`` when
     ``low_open``)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or \
@@ -28,12 +30,12 @@ def check_real(owner: str, name: str, value, low: float, high: float = math.inf,
         raise error(f"{owner}.{name}={value!r}: expected a{'' if allow_inf else ' finite'} number in {interval}")
 
 
-def check_choice(owner: str, name: str, value, choices, error: type[ValueError] = ValueError) -> None:
+def check_choice(owner: str, name: str, value, choices, error: type[ValueError] = InputError) -> None:
     """One of ``choices`` (compared only when ``value`` is a string)."""
     if not isinstance(value, str) or value not in choices:
         raise error(f"{owner}.{name}={value!r}: expected one of {', '.join(map(str, choices))}")
 
 
-def check_bool(owner: str, name: str, value, error: type[ValueError] = ValueError) -> None:
+def check_bool(owner: str, name: str, value, error: type[ValueError] = InputError) -> None:
     if not isinstance(value, bool):
         raise error(f"{owner}.{name}={value!r}: expected True or False")

@@ -22,6 +22,7 @@ import torch
 
 import kernels
 
+from .errors import LabError
 from .checks import check_bool, check_choice, check_int, check_real
 from .hardware import check_device
 from .kv_policy import PagedPolicy, default_num_cpu_blocks
@@ -71,11 +72,11 @@ class SamplingParams:
         check_bool(owner, "ignore_eos", self.ignore_eos, error=error)
 
 
-class SamplingParamsError(ValueError):
+class SamplingParamsError(LabError):
     """A ``SamplingParams`` field has a wrong type or value; nothing was queued."""
 
 
-class PromptError(ValueError):
+class PromptError(LabError):
     """A prompt is not a non-empty string or sequence of token ids in the vocabulary; nothing was queued."""
 
 
@@ -155,7 +156,7 @@ class EngineConfig:
         SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling, self.preemption_mode).check()
 
 
-class EngineConfigError(ValueError):
+class EngineConfigError(LabError):
     """An ``EngineConfig`` field has a wrong type or value."""
 
 

@@ -14,6 +14,8 @@ import torch
 import kernels
 from kernels.torch_backend import gather_kv, synchronize
 
+from .errors import LabError
+
 # A chunk of at least this many new tokens after a longer cached prefix (chunked prefill) attends on a CPU in two
 # flash passes, one over the prefix and one causal over itself, merged by their log-sum-exps, instead of under one
 # explicit mask (which makes SDPA compute and mask every pair): tiny model's shapes, 4,000 cached + 1,024 new tokens
@@ -34,7 +36,7 @@ PRESETS = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(LabError):
     """A local checkpoint is missing, incomplete or not a Qwen3 model."""
 
 

@@ -26,6 +26,8 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
+from .errors import LabError
+
 QUANTITIES = ("constant", "prefill_seqs", "prefill_tokens", "decode_seqs", "prefill_attention_pairs",
               "decode_kv_tokens", "decode_padded_kv_tokens", "copied_blocks", "swapped_blocks", "idle_s",
               "previous_prefill_tokens", "prefill_logit_rows")
@@ -92,7 +94,10 @@ def _decode_context(quantities: list[float]) -> float:
 REWEIGHTINGS, MIN_FITTED_S = 3, 1e-6
 
 
-class ProfileError(ValueError):
+MAX_COEFFICIENT = 1e3  # seconds per unit of a step feature: more is a corrupt file, and would overflow the clock
+
+
+class ProfileError(LabError):
     """A profile file is malformed, or does not match the model or block size it is used with."""
 
 
@@ -280,8 +285,10 @@ class Profile:
         if not knots or not all(type(k) is int and k >= 1 for k in knots) or knots != sorted(set(knots)):
             raise ProfileError(f"{name}: decode_knots must be increasing integers >= 1, got {knots!r:.60}")
         coefficients, names = data["coefficients"], feature_names(knots)
-        if set(coefficients) != set(names) or not all(_is_number(v) and v >= 0 for v in coefficients.values()):
-            raise ProfileError(f"{name}: coefficients must be finite numbers >= 0 for exactly {', '.join(names)}")
+        if set(coefficients) != set(names) or not all(_is_number(v) and 0 <= v <= MAX_COEFFICIENT
+                                                      for v in coefficients.values()):
+            raise ProfileError(f"{name}: coefficients must be numbers in [0, {MAX_COEFFICIENT:g}] (seconds per unit) "
+                               f"for exactly {', '.join(names)}")
         if data["block_size"] < 1:
             raise ProfileError(f"{name}: block_size must be >= 1")
         if not _is_number(data.get("add_request_s", 0.0)) or data.get("add_request_s", 0.0) < 0:

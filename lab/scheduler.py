@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Protocol
 
+from .errors import LabError
 from .block_manager import TokenIds
 
 SCHEDULING_MODES = ("prefill-first", "chunked")
@@ -36,7 +37,7 @@ STEP_LOG_COLUMNS = ("step", "num_prefill_tokens", "num_decode_seqs", "num_runnin
                     "num_finished", "duration_s")
 
 
-class SchedulerError(ValueError):
+class SchedulerError(LabError):
     """A scheduler argument or request is invalid."""
 
 

@@ -1,16 +1,14 @@
-import tempfile
-from pathlib import Path
-
 import pandas as pd
 import streamlit as st
 
 import simulator
 from simulator import charts
 from simulator.plan import plan_capacity
-from simulator.sweep import SIM_FIELDS, WORKLOAD_FIELDS, failed_runs, read_table, run_sweep, runs_failing_checks
+from simulator.sweep import (SIM_FIELDS, WORKLOAD_FIELDS, default_store_path, failed_runs, read_table, run_sweep,
+                             runs_failing_checks)
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
 
-STORE = Path(tempfile.gettempdir()) / "minipaged_sweeps.sqlite"  # finished runs survive reruns of the page
+STORE = default_store_path()  # the user's own: finished runs survive reruns of the page
 
 st.title("Sweeps & capacity planning")
 st.caption("Many simulations at once as Ray tasks (a local Ray here; `python -m simulator sweep --address` for a "

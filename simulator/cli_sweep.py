@@ -35,6 +35,8 @@ def sweep_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", required=True, help="YAML: field -> list of values")
     p.add_argument("--out", type=output_table, required=True, help="results table (.parquet or .csv)")
     p.add_argument("--store", default=None, help="SQLite file of finished runs (default: <out>.store.sqlite)")
+    p.add_argument("--no-retry-failed", action="store_true",
+                   help="keep the stored result of a run that failed instead of running it again")
     _ray_options(p)
     return p
 
@@ -45,12 +47,15 @@ def sweep_main(argv: list[str]) -> int:
     try:
         grid = load_grid(args.grid)
         result = run_sweep(grid, store, parallel=not args.serial, address=args.address, num_cpus=args.num_cpus,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, retry_failed=not args.no_retry_failed)
     except (GridError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     table = result.table
     save_table(table, args.out)
+    if result.store_error:
+        print(f"warning: the store failed ({result.store_error}); {args.out} holds this invocation's runs",
+              file=sys.stderr)
     failed = len(failed_runs(table))
     print(f"{len(table)} runs ({result.ran} run now, {len(table) - result.ran} from {store}); {failed} failed; "
           f"Ray start-up {result.ray_init_s:.1f} s; wrote {args.out}", file=sys.stderr)
@@ -62,14 +67,21 @@ def sweep_main(argv: list[str]) -> int:
     return 1 if failed == len(table) else 0
 
 
+MAX_LIST = 4096  # values in one list option: a sweep grid multiplies them
+
+
 def int_list(text: str) -> list[int]:
-    """``1,2,4`` or a range ``1..16`` of integers >= 1."""
+    """``1,2,4`` or a range ``1..16`` of integers >= 1 (at most ``MAX_LIST`` of them)."""
     try:
         if ".." in text:
             low, high = (int(part) for part in text.split(".."))
+            if high - low + 1 > MAX_LIST:  # checked before the range is built
+                raise argparse.ArgumentTypeError(f"{text!r} has {high - low + 1} values; at most {MAX_LIST}")
             values = list(range(low, high + 1))
         else:
             values = [int(part) for part in text.split(",") if part.strip()]
+            if len(values) > MAX_LIST:
+                raise argparse.ArgumentTypeError(f"{len(values)} values; at most {MAX_LIST}")
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers like 1,2,4 or a range 1..16, got {text!r}") from None
     if not values or min(values) < 1:

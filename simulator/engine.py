@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from lab.checks import check_bool, check_choice, check_int, check_real
+from lab.errors import LabError
 from lab.kv_policy import PagedPolicy, default_num_cpu_blocks
 from lab.profile import RANGE_QUANTITIES, Profile
 from lab.scheduler import (PREEMPTION_MODES, SCHEDULING_MODES, RequestRejectedError, Scheduler,
@@ -27,12 +28,19 @@ from .allocators import ADDRESS_SPACES, ALLOCATORS, ContiguousPolicy
 from .beams import BeamSurvival
 from .metrics import COLUMNS, MetricsRecorder, format_rejections, latency_summary, row
 from .models import CostModel, GiB, get_gpu, get_model, kv_capacity_tokens, override
-from .workloads import Workload
+from .workloads import Workload, WorkloadError
 
 
 ROUTERS = ("round-robin", "least-loaded", "random")
 MAX_BLOCKS = 1 << 24  # blocks a paged pool may have (each is tracked: ~16.7 M, ~1 GB of Python lists)
 MAX_CAPACITY_TOKENS = 1 << 40
+
+
+MAX_STEP_S = 1e6  # one step longer than 11 days is a broken cost model or profile, not a GPU
+
+
+class SimulationError(LabError):
+    """A run cannot go on truthfully (a step priced at a non-finite or absurd duration)."""
 
 
 @dataclass(slots=True)
@@ -210,9 +218,9 @@ class Simulator:
         """``requests``: the indices of the workload's requests this simulator serves, in arrival order (default:
         all; a cluster's router hands each replica its own, up front or with ``assign``)."""
         check_config(config)
-        if len(workload) == 0:
-            raise ValueError("the workload has no requests")
-        check_int("Workload", "beam_width", workload.beam_width, 1, 256)
+        if not isinstance(workload, Workload):
+            raise WorkloadError(f"expected a simulator.Workload, got {type(workload).__name__}")
+        workload.check()
         if workload.beam_width > 1 and (workload.n > 1 or workload.sample_output_tokens is not None):
             raise ValueError(f"Workload: beam_width={workload.beam_width} with n={workload.n} samples: a request "
                              f"samples or beam-searches, not both")
@@ -394,6 +402,10 @@ class Simulator:
                 duration += self._pending_copy_time()
             if out.blocks_to_swap_out or out.blocks_to_swap_in:
                 duration += self._swap_time(out)
+        if not 0.0 <= duration <= MAX_STEP_S:  # NaN fails too: a clock that never advances would loop forever
+            raise SimulationError(f"step {self.iteration} was priced at {duration!r} s by the "
+                                  f"{'profile' if self.profile is not None else 'cost model'}; a step takes a finite "
+                                  f"time in [0, {MAX_STEP_S:g}] s (check the profile, kernel CSV or model/GPU figures)")
         self.idle_s = 0.0
         if self.admission_s:
             self.time += self.admission_s

@@ -223,15 +223,25 @@ class CostModel:
     def calibrate_from_kernel_csv(self, path: str | Path) -> float:
         """Set the attention bandwidth from a ``python -m lab bench kernels`` CSV: the median achieved KV GB/s of
         the paged kernels at the CSV's largest shape. Returns the bandwidth in bytes/s."""
+        import numpy as np
         import pandas as pd
 
-        table = pd.read_csv(path)
+        try:
+            table = pd.read_csv(path)
+        except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: not a readable kernel benchmark CSV ({str(exc).strip()[:200]})") from None
         needed = {"kernel", "batch", "context", "kv_gb_per_s"}
         if not needed <= set(table.columns):
             raise ValueError(f"{path}: not a kernel benchmark CSV (needs columns {', '.join(sorted(needed))})")
         paged = table[table["kernel"] != "sdpa-contiguous"]
         if paged.empty:
             raise ValueError(f"{path}: no paged-kernel rows")
+        rates = pd.to_numeric(paged["kv_gb_per_s"], errors="coerce")
+        bad = ~(np.isfinite(rates) & (rates > 0) & (rates < 1e6))
+        if bad.any():
+            row = int(np.argmax(bad.to_numpy()))
+            raise ValueError(f"{path}: row {paged.index[row] + 2}, column kv_gb_per_s: {paged['kv_gb_per_s'].iloc[row]!r}"
+                             f" is not a bandwidth in (0, 1e6) GB/s")
         size = paged["batch"] * paged["context"]
         self.attention_bandwidth_bytes_s = float(paged[size == size.max()]["kv_gb_per_s"].median() * 1e9)
         self._terms = ()

@@ -10,13 +10,19 @@ from typing import Callable
 
 import pandas as pd
 
+from lab.checks import check_int, check_real
+from lab.errors import LabError
 from .models import get_gpu
 from .sweep import WORKLOAD_DEFAULTS, check_spec, progress_bar, run_one, start_ray
 
 SLO_METRICS = tuple(f"{kind}_p{q}" for kind in ("ttft", "tpot", "e2e") for q in (50, 90, 99))
 
 
-class PlanError(ValueError):
+MIN_TOLERANCE = 1e-6  # relative; the bisection's end (float precision is 2e-16)
+MAX_BISECTIONS = 64
+
+
+class PlanError(LabError):
     """A plan's SLOs, lists or search settings are malformed."""
 
 
@@ -28,6 +34,12 @@ class RateSearch:
     start: float = 1.0
     tolerance: float = 0.02
     max_steps: int = 24  # doublings or halvings before giving up (a rate 2^24 away from the start)
+
+    def check(self) -> None:
+        """Raise ``PlanError`` naming a field out of range (a tolerance below float precision never ends)."""
+        check_real("RateSearch", "start", self.start, 1e-6, 1e9, error=PlanError)
+        check_real("RateSearch", "tolerance", self.tolerance, MIN_TOLERANCE, 10.0, error=PlanError)
+        check_int("RateSearch", "max_steps", self.max_steps, 0, 60, error=PlanError)
 
 
 @dataclass(slots=True)
@@ -87,7 +99,10 @@ def search_max_rate(spec: dict, slos: dict[str, float], search: RateSearch) -> d
                 break
             rate /= 2
     if low is not None and high is not None:
-        while high / low > 1 + search.tolerance:
+        # each halving of log(high / low) is one run: at most log2(log(2^max_steps) / log(1 + tolerance)) of them
+        for _ in range(MAX_BISECTIONS):
+            if high / low <= 1 + search.tolerance:
+                break
             middle = math.sqrt(low * high)
             low, high = (middle, high) if passes(middle) else (low, middle)
     best = runs[low] if low is not None else runs[min(runs)]
@@ -119,6 +134,7 @@ def run_plan(specs: list[dict], slos: dict[str, float], search: RateSearch | Non
     """Search every configuration's highest SLO-meeting rate (Ray tasks, or serially), price it and mark the
     cheapest configuration that sustains ``target_rate`` (``chosen``). ``on_progress(done, total)`` after each."""
     search = search or RateSearch()
+    search.check()
     prices = {**{str(s["gpu"]): get_gpu(s["gpu"]).price_per_hour for s in specs}, **(prices or {})}
     bar = progress_bar(len(specs), progress)
     ray_init_s = 0.0

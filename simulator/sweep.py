@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import os
+import sqlite3
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -21,6 +22,7 @@ from typing import Callable
 
 import pandas as pd
 
+from lab.errors import LabError
 from .checks import closed_form_checks
 from .engine import SimConfig, Simulator, check_config
 from .models import get_gpu, get_model
@@ -39,7 +41,11 @@ SPEC_VERSION = 3  # part of every run's key: bump when a change makes stored res
 MAX_RETRIES = 3
 
 
-class GridError(ValueError):
+class StoreError(LabError):
+    """A sweep store file is not a readable results store."""
+
+
+class GridError(LabError):
     """A sweep grid names an unknown field, an empty or non-list value, or a value of the wrong type."""
 
 
@@ -52,6 +58,7 @@ class SweepResult:
     table: pd.DataFrame
     ran: int
     ray_init_s: float = 0.0
+    store_error: str = ""  # the store failed part-way: the table holds this invocation's runs from memory
 
 
 # ---- the grid ---------------------------------------------------------------------------------------------------
@@ -117,8 +124,33 @@ def spec_key(spec: dict) -> str:
     fields = dict(spec)
     if fields.get("allocator", SIM_DEFAULTS["allocator"]) != "paged" and fields.get("profile") is None:
         fields.pop("block_size", None)
+    for name in ("workload", "profile", "kernel_csv"):  # a file's content, not its path: a rewritten file reruns
+        value = fields.get(name)
+        if isinstance(value, (str, Path)) and str(value) not in SYNTHETIC_PRESETS and Path(value).is_file():
+            fields[f"{name}_sha256"] = file_digest(Path(value))
     text = json.dumps({"version": SPEC_VERSION, **fields}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file's bytes (cached while its size and modification time stay the same)."""
+    stat = path.stat()
+    return _digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=64)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def default_store_path() -> Path:
+    """The user's own sweep store: ``$XDG_CACHE_HOME/minipaged/sweeps.sqlite`` (``~/.cache`` by default)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "minipaged" / "sweeps.sqlite"
 
 
 def sim_config(spec: dict) -> SimConfig:
@@ -133,7 +165,8 @@ def _synthetic_spec(spec: dict) -> SyntheticSpec:
 
 
 @lru_cache(maxsize=8)
-def _trace(path: str, max_rows: int) -> Workload:
+def _trace(path: str, max_rows: int, digest: str) -> Workload:
+    """``digest`` (the file's) keys the cache on the content: a rewritten file is read again."""
     return load_trace(path, max_rows=max_rows)
 
 
@@ -142,7 +175,8 @@ def build_workload(spec: dict) -> Workload:
     arrivals scaled to that mean rate)."""
     if spec["workload"] in SYNTHETIC_PRESETS:
         return synthetic_workload(_synthetic_spec(spec))
-    return at_mean_rate(_trace(spec["workload"], spec["num_requests"]), spec["rate"])
+    path = spec["workload"]
+    return at_mean_rate(_trace(path, spec["num_requests"], file_digest(Path(path))), spec["rate"])
 
 
 # ---- one run ----------------------------------------------------------------------------------------------------
@@ -167,22 +201,34 @@ class ResultStore:
     so a run is either stored whole or not at all."""
 
     def __init__(self, path: str | Path):
-        import sqlite3
-
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self.db = sqlite3.connect(self.path, isolation_level=None)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("CREATE TABLE IF NOT EXISTS runs (run_key TEXT PRIMARY KEY, row TEXT NOT NULL)")
-        except sqlite3.DatabaseError as exc:
-            raise OSError(f"{self.path}: not a results store ({exc})") from None
+            # the whole file, before any work: a store damaged inside would fail only after the runs
+            problems = [text for (text,) in self.db.execute("PRAGMA quick_check")]
+            if problems != ["ok"]:
+                raise sqlite3.DatabaseError("; ".join(problems[:3]))
+            for key, text in self.db.execute("SELECT run_key, row FROM runs"):
+                json.loads(text)
+        except (sqlite3.DatabaseError, ValueError) as exc:
+            raise StoreError(f"{self.path}: not a readable results store ({exc}); delete it or choose another "
+                             f"--store") from None
+
+    def close(self) -> None:
+        """Write the log back into the file and close it."""
+        self.db.close()
 
     def has(self, key: str) -> bool:
         return self.db.execute("SELECT 1 FROM runs WHERE run_key = ?", (key,)).fetchone() is not None
 
-    def keys(self) -> set[str]:
-        return {key for (key,) in self.db.execute("SELECT run_key FROM runs")}
+    def keys(self, failed: bool = True) -> set[str]:
+        """Stored run keys; without the runs that failed when ``failed`` is False."""
+        if failed:
+            return {key for (key,) in self.db.execute("SELECT run_key FROM runs")}
+        return {key for key, text in self.db.execute("SELECT run_key, row FROM runs") if not json.loads(text)["error"]}
 
     def put(self, row: dict) -> None:
         text = json.dumps({k: _plain(v) for k, v in row.items()})
@@ -231,46 +277,68 @@ def _warm_up() -> int:
 
 def run_sweep(grid: dict[str, list], store: str | Path, parallel: bool = True, address: str | None = None,
               num_cpus: int | None = None, progress: bool = True,
-              should_stop: Callable[[int, int], bool] | None = None) -> SweepResult:
-    """Run every combination of ``grid`` not already in ``store``; returns the whole grid's table. ``should_stop``
-    (called with done, total after each run) ends the sweep early when it returns True (pending tasks are
-    cancelled; what finished is stored)."""
+              should_stop: Callable[[int, int], bool] | None = None, retry_failed: bool = True) -> SweepResult:
+    """Run every combination of ``grid`` not already in ``store`` (a run that failed is tried again unless
+    ``retry_failed`` is False); returns the whole grid's table. ``should_stop`` (called with done, total after each
+    run) ends the sweep early when it returns True (pending tasks are cancelled; what finished is stored). The store
+    is checked before any run; should it fail later, the runs of this invocation are still returned (from memory)
+    and ``store_error`` says what happened."""
     grid = check_grid(grid)
     specs = expand(grid)
     results = ResultStore(store)
     keys = [spec_key(spec) for spec in specs]
-    stored = results.keys()
+    stored = results.keys(failed=not retry_failed)
     todo = [(key, spec) for key, spec in dict(zip(keys, specs)).items() if key not in stored]
     bar = progress_bar(len(todo), progress)
+    fresh: dict[str, dict] = {}
+    store_error = []
+
+    def keep(key: str, row: dict) -> None:
+        """Each run is stored as it finishes (a sweep stopped part-way keeps them) and kept in memory."""
+        fresh[key] = row
+        if not store_error:
+            try:
+                results.put(row)
+            except sqlite3.Error as exc:
+                store_error.append(f"{results.path}: {exc}")
+
     ray_init_s = 0.0
     if parallel and todo:
         ray_init_s = start_ray(address, num_cpus)
-        _run_on_ray(todo, results, bar, should_stop)
+        _run_on_ray(todo, keep, bar, should_stop)
     else:
-        for done, (_, spec) in enumerate(todo, 1):
-            results.put(run_one(spec))
+        for done, (key, spec) in enumerate(todo, 1):
+            keep(key, run_one(spec))
             bar.update(1)
             if should_stop is not None and should_stop(done, len(todo)):
                 break
     bar.close()
-    return SweepResult(tidy(results.table(keys, specs), list(grid)), len(todo), ray_init_s)
+    if not store_error:
+        try:
+            table = results.table(keys, specs)
+            results.close()
+        except sqlite3.Error as exc:
+            store_error.append(f"{results.path}: {exc}")
+    if store_error:
+        table = pd.DataFrame([{**fresh[key], **spec} for key, spec in zip(keys, specs) if key in fresh])
+    return SweepResult(tidy(table, list(grid)), len(todo), ray_init_s, "".join(store_error))
 
 
-def _run_on_ray(todo: list[tuple[str, dict]], results: ResultStore, bar, should_stop) -> None:
+def _run_on_ray(todo: list[tuple[str, dict]], keep: Callable[[str, dict], None], bar, should_stop) -> None:
     import ray
 
     remote = ray.remote(max_retries=MAX_RETRIES)(run_one)
-    pending = {remote.remote(spec): spec for _, spec in todo}
+    pending = {remote.remote(spec): (key, spec) for key, spec in todo}
     done = 0
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.2)  # whatever finished
         for ref in ready:
-            spec = pending.pop(ref)
+            key, spec = pending.pop(ref)
             try:
                 row = ray.get(ref)
             except ray.exceptions.RayError as exc:  # the worker died more than MAX_RETRIES times
-                row = {"run_key": spec_key(spec), **spec, "error": f"{type(exc).__name__}: {exc}"}
-            results.put(row)
+                row = {"run_key": key, **spec, "error": f"{type(exc).__name__}: {exc}"}
+            keep(key, row)
             done += 1
             bar.update(1)
         if should_stop is not None and should_stop(done, done + len(pending)):

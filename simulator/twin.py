@@ -31,6 +31,8 @@ from .engine import SimConfig, Simulator
 from .metrics import latency_summary
 from .workloads import SyntheticSpec, Workload, synthetic_workload
 
+MAX_REPLAY_S = 3600.0  # the real engine replays arrivals in real time: longer is a typo in the rate
+
 PLAN_COLUMNS = [c for c in STEP_LOG_COLUMNS if c != "duration_s"]
 WARM_UP_RUNS, WARM_UP_STEPS = 2, 2  # see ``warm_up``
 METRICS = ("throughput_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s", "e2e_p50_s", "makespan_s",
@@ -142,6 +144,9 @@ def run_real(workload: Workload, config: TwinConfig, hf_model=None) -> RealRun:
     pool hands out consecutive blocks, and the tiny model's light run decoded 2 % faster on one than the profile's
     scattered pools had, its TPOT simulated +5.5 against +3.3 % scattered, four runs each, alternating).
     ``hf_model``: the already loaded model (else ``config.model`` is loaded)."""
+    if workload.arrival_s[-1] > MAX_REPLAY_S:
+        raise ValueError(f"the workload's last request arrives at {workload.arrival_s[-1]:.4g} s; a real-time replay "
+                         f"is limited to {MAX_REPLAY_S:g} s (raise the rate or shorten the trace)")
     steady_state_allocator()  # as the profile measured it
     model = load_model(config.model, config.engine)[0] if hf_model is None else hf_model
     prompts = real_prompt_ids(workload, model.config.vocab_size, config.engine.seed)

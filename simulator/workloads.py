@@ -14,13 +14,20 @@ import numpy as np
 import pandas as pd
 
 from lab.checks import check_choice, check_int, check_real
+from lab.errors import LabError
 
 MOONCAKE_BLOCK_TOKENS = 512
 MAX_TRACE_TOKENS = 2**31 - 1  # a length in a trace must fit int32
 SYNTHETIC_PRESETS = ("sharegpt", "alpaca", "random", "fixed")
+MIN_RATE = 1e-6  # requests/s: one request in 11.6 days; below it arrival times leave float range
+MIN_BURSTINESS = 1e-3  # gamma shape; below it the gaps underflow to 0 and overflow to inf
 
 
-class TraceFormatError(ValueError):
+class WorkloadError(LabError):
+    """A workload's requests are inconsistent or out of range (see ``Workload.check``)."""
+
+
+class TraceFormatError(WorkloadError):
     """A trace file is malformed; the message names the file, the row and the column."""
 
 
@@ -45,6 +52,48 @@ class Workload:
 
     def __len__(self) -> int:
         return len(self.prompt_tokens)
+
+    def check(self) -> "Workload":
+        """Raise ``WorkloadError`` naming the first inconsistency (a workload built in code reaches the simulator
+        only through this): equal lengths, finite non-negative sorted arrivals, whole positive lengths; returns
+        itself."""
+        owner, count = f"Workload {self.name!r}", len(self.prompt_tokens)
+        check_int(owner, "n", self.n, 1, 1024, error=WorkloadError)
+        check_int(owner, "beam_width", self.beam_width, 1, 256, error=WorkloadError)
+        check_int(owner, "shared_prefix_tokens", self.shared_prefix_tokens, 0, MAX_TRACE_TOKENS, error=WorkloadError)
+        columns = {"arrival_s": self.arrival_s, "prompt_tokens": self.prompt_tokens,
+                   "output_tokens": self.output_tokens}
+        for name, values in columns.items():
+            if not isinstance(values, np.ndarray) or values.ndim != 1 or values.dtype.kind not in "iuf":
+                raise WorkloadError(f"{owner}: {name} must be a 1-D numeric NumPy array")
+            if len(values) != count:
+                raise WorkloadError(f"{owner}: {name} has {len(values)} entries, prompt_tokens {count}")
+        if count == 0:
+            raise WorkloadError(f"{owner}: no requests")
+        arrivals = self.arrival_s
+        bad = ~np.isfinite(arrivals) | (arrivals < 0)
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise WorkloadError(f"{owner}: arrival_s[{row}]={arrivals[row]!r} is not a finite time >= 0 (a rate or "
+                                f"time scale too small or too large overflows)")
+        if count > 1 and (np.diff(arrivals) < 0).any():
+            row = int(np.argmax(np.diff(arrivals) < 0)) + 1
+            raise WorkloadError(f"{owner}: arrival_s[{row}] is earlier than arrival_s[{row - 1}] (not sorted)")
+        for name in ("prompt_tokens", "output_tokens"):
+            values = columns[name]
+            bad = ~np.isfinite(values) | (values < 1) | (values > MAX_TRACE_TOKENS) | (values != np.floor(values))
+            if bad.any():
+                row = int(np.argmax(bad))
+                raise WorkloadError(f"{owner}: {name}[{row}]={values[row]!r} is not a whole number of tokens in "
+                                    f"[1, {MAX_TRACE_TOKENS}]")
+        if self.prompt_block_ids is not None and len(self.prompt_block_ids) != count:
+            raise WorkloadError(f"{owner}: prompt_block_ids has {len(self.prompt_block_ids)} entries, not {count}")
+        samples = self.sample_output_tokens
+        if samples is not None:
+            if not isinstance(samples, np.ndarray) or samples.shape != (count, self.n) or (samples < 1).any():
+                raise WorkloadError(f"{owner}: sample_output_tokens must be a [{count}, {self.n}] array of lengths "
+                                    f">= 1")
+        return self
 
     @property
     def has_shared_prefixes(self) -> bool:
@@ -133,7 +182,7 @@ def synthetic_workload(spec: SyntheticSpec) -> Workload:
         samples = np.concatenate([outputs[:, None], _resample_outputs(rng, spec, outputs, prompts)], axis=1)
     return Workload(spec.preset, arrival_times(rng, count, spec.rate, spec.burstiness), prompts.astype(np.int64),
                     outputs.astype(np.int64), n=spec.n, shared_prefix_tokens=spec.shared_prefix_tokens,
-                    sample_output_tokens=samples, meta={"spec": spec}, beam_width=spec.beam_width)
+                    sample_output_tokens=samples, meta={"spec": spec}, beam_width=spec.beam_width).check()
 
 
 def arrival_times(rng: np.random.Generator, count: int, rate: float, burstiness: float = 1.0) -> np.ndarray:
@@ -153,8 +202,8 @@ def check_synthetic_spec(spec: SyntheticSpec) -> None:
                             ("input_len", 1, big), ("output_len", 1, big), ("seed", 0, 2**63 - 1)):
         check_int(owner, name, getattr(spec, name), low, high)
     check_int(owner, "max_model_len", spec.max_model_len, 2, 2**31, optional=True)
-    check_real(owner, "rate", spec.rate, 0.0, low_open=True, allow_inf=True)
-    check_real(owner, "burstiness", spec.burstiness, 0.0, 1e6, low_open=True)
+    check_real(owner, "rate", spec.rate, MIN_RATE, allow_inf=True, error=WorkloadError)
+    check_real(owner, "burstiness", spec.burstiness, MIN_BURSTINESS, 1e6, error=WorkloadError)
     check_real(owner, "range_ratio", spec.range_ratio, 0.0, 0.999)
     if spec.n > 1 and spec.beam_width > 1:
         raise ValueError(f"SyntheticSpec: n={spec.n} and beam_width={spec.beam_width}: a request samples or beam-"
@@ -204,19 +253,20 @@ def load_trace(path: str | Path, time_scale: float = 1.0, max_rows: int | None =
     if fmt not in loaders:
         raise ValueError(f"trace format must be one of {', '.join(loaders)}; got {fmt!r}")
     workload = loaders[fmt](path, max_rows)
-    workload.arrival_s = (workload.arrival_s - workload.arrival_s[0]) * time_scale
-    return workload
+    with np.errstate(over="ignore"):  # an overflow to inf is named by check()
+        workload.arrival_s = (workload.arrival_s - workload.arrival_s[0]) * time_scale
+    return workload.check()
 
 
 def at_mean_rate(workload: Workload, rate: float) -> Workload:
     """``workload`` with its arrival offsets scaled so that requests arrive ``rate`` per second on average (a trace
     replayed at another load, its burstiness kept); ``inf``, or no two distinct arrival times, leaves it as it is."""
-    check_real("at_mean_rate", "rate", rate, 0.0, low_open=True, allow_inf=True)
+    check_real("at_mean_rate", "rate", rate, MIN_RATE, allow_inf=True, error=WorkloadError)
     if math.isinf(rate) or len(workload) < 2 or workload.arrival_s[-1] <= workload.arrival_s[0]:
         return workload
     natural = (len(workload) - 1) / float(workload.arrival_s[-1] - workload.arrival_s[0])
     offsets = workload.arrival_s - workload.arrival_s[0]
-    return dataclasses.replace(workload, arrival_s=workload.arrival_s[0] + offsets * (natural / rate))
+    return dataclasses.replace(workload, arrival_s=workload.arrival_s[0] + offsets * (natural / rate)).check()
 
 
 def load_trace_bytes(data: bytes, name: str, time_scale: float = 1.0, max_rows: int | None = None) -> Workload:
@@ -238,28 +288,80 @@ def load_trace_bytes(data: bytes, name: str, time_scale: float = 1.0, max_rows: 
 def detect_format(path: Path) -> str:
     """``mooncake`` for JSON lines, else ``azure`` or ``generic`` by the CSV header."""
     with open(path, "rb") as handle:
-        head = handle.readline().decode("utf-8", "replace").strip()
+        head = handle.readline(4096)
+    _check_start(path, head)
+    if head.lstrip().startswith(b"{"):
+        return "mooncake"
+    return "azure" if b"ContextTokens" in head else "generic"
+
+
+def _check_start(path: Path, head: bytes) -> None:
+    """Name what is wrong with a trace's first line instead of misreading it."""
     if not head:
         raise TraceFormatError(f"{path}: the file is empty")
-    if head.startswith("{"):
-        return "mooncake"
-    return "azure" if "ContextTokens" in head else "generic"
+    if head.startswith(b"\xef\xbb\xbf"):
+        raise TraceFormatError(f"{path}: the file starts with a UTF-8 byte-order mark (BOM); save it as UTF-8 "
+                               f"without one")
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise TraceFormatError(f"{path}: the file is UTF-16; save it as UTF-8")
+    if not head.strip():
+        raise TraceFormatError(f"{path}: line 1 is blank; the header (CSV) or the first record (JSONL) must be on "
+                               f"line 1")
+
+
+def _shown(value, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error message never echoes a huge field."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"… ({len(text)} characters)"
+
+
+def _read_text(path: Path) -> str:
+    data = path.read_bytes()
+    _check_start(path, data[:4096].split(b"\n", 1)[0] if data else b"")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise TraceFormatError(f"{path}: line {line}: byte {data[exc.start]:#04x} at offset {exc.start} is not "
+                               f"valid UTF-8") from None
 
 
 def _read_csv(path: Path, columns: list[str], max_rows: int | None) -> pd.DataFrame:
+    """The CSV's rows as strings, read strictly: a header of distinct names (spaces around them ignored) holding
+    ``columns``, and every row with exactly as many fields as the header (no row shifted into another column)."""
+    import csv
+    import io
+
+    reader = csv.reader(io.StringIO(_read_text(path), newline=""), strict=True)
     try:
-        frame = pd.read_csv(path, nrows=max_rows, dtype=str, keep_default_na=False)
-    except pd.errors.EmptyDataError:
-        raise TraceFormatError(f"{path}: the file is empty") from None
-    except (pd.errors.ParserError, UnicodeDecodeError) as exc:
-        raise TraceFormatError(f"{path}: not a readable CSV ({str(exc).strip()})") from None
-    frame.columns = [c.strip() for c in frame.columns]
-    missing = [c for c in columns if c not in frame.columns]
-    if missing:
-        raise TraceFormatError(f"{path}: missing column(s) {', '.join(missing)}; found {', '.join(frame.columns)}")
-    if frame.empty:
+        header = [name.strip() for name in next(reader)]
+        duplicates = sorted({name for name in header if header.count(name) > 1})
+        if duplicates:
+            raise TraceFormatError(f"{path}: the header names column(s) {', '.join(map(_shown, duplicates))} more "
+                                   f"than once")
+        missing = [c for c in columns if c not in header]
+        if missing:
+            raise TraceFormatError(f"{path}: missing column(s) {', '.join(missing)}; found "
+                                   f"{_shown(', '.join(header), 200)}")
+        rows, blank_at = [], 0
+        for row in reader:
+            if max_rows is not None and len(rows) >= max_rows:
+                break
+            if not row:
+                blank_at = blank_at or reader.line_num
+                continue
+            if blank_at:
+                raise TraceFormatError(f"{path}: line {blank_at} is blank (only the end of the file may be)")
+            if len(row) != len(header):
+                raise TraceFormatError(f"{path}: line {reader.line_num} has {len(row)} fields but the header has "
+                                       f"{len(header)}")
+            rows.append(row)
+    except csv.Error as exc:
+        raise TraceFormatError(f"{path}: line {reader.line_num}: not a readable CSV ({exc})") from None
+    if not rows:
         raise TraceFormatError(f"{path}: the file has a header but no rows")
-    return frame
+    frame = pd.DataFrame(rows, columns=header)
+    return frame[columns]
 
 
 def _numeric_column(path: Path, frame: pd.DataFrame, column: str, positive: bool, first_row: int = 2) -> np.ndarray:
@@ -269,7 +371,7 @@ def _numeric_column(path: Path, frame: pd.DataFrame, column: str, positive: bool
     if bad.any():
         row = int(np.argmax(bad))
         raise TraceFormatError(f"{path}: row {row + first_row}, column {column}: "
-                               f"{frame[column].iloc[row]!r} is not a finite number")
+                               f"{_shown(frame[column].iloc[row])} is not a finite number")
     bad = values <= 0 if positive else values < 0
     if bad.any():
         row = int(np.argmax(bad))
@@ -299,16 +401,25 @@ def _check_sorted(path: Path, times: np.ndarray, column: str, first_row: int = 2
                                f"(earlier than the row before)")
 
 
+# The Azure LLM inference traces' TIMESTAMP: a date and a time of day, e.g. 2023-11-16 18:15:46.6805900.
+AZURE_TIMESTAMP = r"\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(\.\d{1,9})?(Z|[+-]\d{2}:?\d{2})?"
+
+
 def _load_azure(path: Path, max_rows: int | None) -> Workload:
     frame = _read_csv(path, ["TIMESTAMP", "ContextTokens", "GeneratedTokens"], max_rows)
+    malformed = ~frame["TIMESTAMP"].str.strip().str.fullmatch(AZURE_TIMESTAMP)
+    if malformed.any():
+        row = int(np.argmax(malformed.to_numpy()))
+        raise TraceFormatError(f"{path}: row {row + 2}, column TIMESTAMP: {_shown(frame['TIMESTAMP'].iloc[row])} is "
+                               f"not a date and time like 2023-11-16 18:15:46.6805900")
     try:
         stamps = pd.to_datetime(frame["TIMESTAMP"].str.strip(), errors="coerce", format="ISO8601")
     except ValueError as exc:  # e.g. time zones given in some rows only
         raise TraceFormatError(f"{path}: column TIMESTAMP: {exc}") from None
     if stamps.isna().any():
         row = int(np.argmax(stamps.isna().to_numpy()))
-        raise TraceFormatError(f"{path}: row {row + 2}, column TIMESTAMP: {frame['TIMESTAMP'].iloc[row]!r} is not "
-                               f"a timestamp")
+        raise TraceFormatError(f"{path}: row {row + 2}, column TIMESTAMP: {_shown(frame['TIMESTAMP'].iloc[row])} "
+                               f"is not a valid date and time")
     times = (stamps - stamps.iloc[0]).dt.total_seconds().to_numpy()
     _check_sorted(path, times, "TIMESTAMP")
     prompts = _integer_lengths(path, _numeric_column(path, frame, "ContextTokens", True), "ContextTokens")
@@ -327,22 +438,21 @@ def _load_generic(path: Path, max_rows: int | None) -> Workload:
 
 def _load_mooncake(path: Path, max_rows: int | None) -> Workload:
     times, prompts, outputs, block_ids, first_line = [], [], [], [], 0
-    with open(path, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, 1):
-            if max_rows is not None and len(times) >= max_rows:
-                break
-            if not line.strip():
-                continue
-            record = _mooncake_record(path, line_no, line)
-            if block_ids and (block_ids[0] is None) != (record[3] is None):
-                raise TraceFormatError(f"{path}: row {line_no}, column hash_ids: "
-                                       f"{'missing' if record[3] is None else 'given'} here but not in row "
-                                       f"{first_line} (give every row its hash_ids, or none)")
-            first_line = first_line or line_no
-            times.append(record[0])
-            prompts.append(record[1])
-            outputs.append(record[2])
-            block_ids.append(record[3])
+    for line_no, line in enumerate(_read_text(path).splitlines(), 1):
+        if max_rows is not None and len(times) >= max_rows:
+            break
+        if not line.strip():
+            continue
+        record = _mooncake_record(path, line_no, line)
+        if block_ids and (block_ids[0] is None) != (record[3] is None):
+            raise TraceFormatError(f"{path}: row {line_no}, column hash_ids: "
+                                   f"{'missing' if record[3] is None else 'given'} here but not in row "
+                                   f"{first_line} (give every row its hash_ids, or none)")
+        first_line = first_line or line_no
+        times.append(record[0])
+        prompts.append(record[1])
+        outputs.append(record[2])
+        block_ids.append(record[3])
     if not times:
         raise TraceFormatError(f"{path}: the file is empty")
     arrival = np.asarray(times, dtype=np.float64) / 1000.0
@@ -351,20 +461,34 @@ def _load_mooncake(path: Path, max_rows: int | None) -> Workload:
                     prompt_block_ids=None if block_ids[0] is None else block_ids, source=str(path))
 
 
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:
+    keys = [key for key, _ in pairs]
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:
+        raise _DuplicateKeyError(", ".join(map(_shown, repeated)))
+    return dict(pairs)
+
+
 def _mooncake_record(path: Path, line_no: int, line: str):
     try:
-        record = json.loads(line)
+        record = json.loads(line, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise TraceFormatError(f"{path}: row {line_no}: not valid JSON ({exc.msg})") from None
+    except _DuplicateKeyError as exc:
+        raise TraceFormatError(f"{path}: row {line_no}: key(s) {exc} given more than once") from None
     if not isinstance(record, dict):
         raise TraceFormatError(f"{path}: row {line_no}: expected a JSON object")
     values = []
     for column, positive in (("timestamp", False), ("input_length", True), ("output_length", True)):
         value = record.get(column)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise TraceFormatError(f"{path}: row {line_no}, column {column}: {value!r} is not a finite number")
+            raise TraceFormatError(f"{path}: row {line_no}, column {column}: {_shown(value)} is not a finite number")
         if value < 0 or (positive and value == 0) or (column != "timestamp" and value != int(value)):
-            raise TraceFormatError(f"{path}: row {line_no}, column {column}: {value!r} must be a "
+            raise TraceFormatError(f"{path}: row {line_no}, column {column}: {_shown(value)} must be a "
                                    f"{'positive whole number' if positive else 'number >= 0'}")
         if column != "timestamp" and value > MAX_TRACE_TOKENS:
             raise TraceFormatError(f"{path}: row {line_no}, column {column}: {value!r} tokens is more than "

@@ -1,0 +1,239 @@
+"""Strict parsing and finite numbers: a trace is read as written or refused with the line named, a non-finite or
+out-of-range number never drives the clock, every search loop ends, and a sweep store keys runs by content."""
+import argparse
+import dataclasses
+import json
+import math
+import sqlite3
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import simulator
+from lab.errors import LabError
+from simulator.cli_sweep import int_list
+from simulator.engine import SimConfig, SimulationError, Simulator
+from simulator.plan import PlanError, RateSearch, run_plan
+from simulator.sweep import StoreError, run_sweep
+from simulator.workloads import TraceFormatError, Workload, WorkloadError, load_trace
+
+GENERIC_HEADER = "arrival_time_s,prompt_tokens,output_tokens"
+NON_FINITE = [math.nan, math.inf, -math.inf, 1e-320, 1e308, -1.0]
+
+
+# ---- traces -----------------------------------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 4096), st.integers(1, 4096)), min_size=1,
+                     max_size=12),
+       bad_row=st.integers(0, 11), extra=st.sampled_from([-2, -1, 1, 2]), data=st.data())
+def test_a_row_with_a_field_too_many_or_too_few_is_refused_with_its_line(tmp_path_factory, rows, bad_row, extra,
+                                                                          data):
+    rows = sorted(rows)
+    bad_row %= len(rows)
+    lines = [GENERIC_HEADER]
+    for index, row in enumerate(rows):
+        fields = [str(v) for v in row]
+        if index == bad_row:
+            fields = fields + ["7"] * extra if extra > 0 else fields[:extra]
+        lines.append(",".join(fields))
+    path = tmp_path_factory.mktemp("t") / "trace.csv"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TraceFormatError, match=f"line {bad_row + 2} has"):
+        load_trace(path)
+
+
+def test_a_well_formed_generic_trace_reads_column_by_column(tmp_path):
+    path = tmp_path / "ok.csv"
+    path.write_text(f" arrival_time_s , prompt_tokens,output_tokens\n0,10,3\n0.5,20,4\n\n")
+    workload = load_trace(path)
+    assert workload.prompt_tokens.tolist() == [10, 20] and workload.output_tokens.tolist() == [3, 4]
+    assert workload.arrival_s.tolist() == [0.0, 0.5]
+
+
+@pytest.mark.parametrize("stamp", ["1000", "9999", "2023", "1700000000", "16/11/2023 18:15", "2023-11-16",
+                                   "18:15:46", "2023-11-16 18:15:46.6805900 extra"])
+def test_azure_timestamps_must_be_dates_and_times(tmp_path, stamp):
+    path = tmp_path / "azure.csv"
+    path.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n{stamp},10,5\n")
+    with pytest.raises(TraceFormatError, match="row 2, column TIMESTAMP"):
+        load_trace(path)
+
+
+def test_azure_timestamps_in_the_trace_s_format_read(tmp_path):
+    path = tmp_path / "azure.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,10,5\n"
+                    "2023-11-16 18:15:48.1805900,12,6\n")
+    assert load_trace(path).arrival_s.tolist() == pytest.approx([0.0, 1.5])
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\xef\xbb\xbfarrival_time_s,prompt_tokens,output_tokens\n0,1,1\n", "byte-order mark"),
+    (b"\narrival_time_s,prompt_tokens,output_tokens\n0,1,1\n", "line 1 is blank"),
+    (b"\xff\xfea\x00r\x00", "UTF-16"),
+    (b"arrival_time_s,prompt_tokens,output_tokens\n0,1,1\n1,\xff\xfe,1\n", "line 3: byte 0xff"),
+    (b"arrival_time_s,prompt_tokens, prompt_tokens ,output_tokens\n0,1,1,1\n", "more than once"),
+    (b"arrival_time_s,prompt_tokens,output_tokens\n0,1,1\n\n1,2,2\n", "line 3 is blank"),
+    (b"arrival_time_s,prompt_tokens,output_tokens\n", "no rows"),
+    (b"", "empty"),
+    (b'{"timestamp": 0, "input_length": 5, "output_length": 2, "input_length": 6}\n', "more than once"),
+    (b'\xef\xbb\xbf{"timestamp": 0, "input_length": 5, "output_length": 2}\n', "byte-order mark"),
+    (b'{"timestamp": 0, "input_length": 5, "output_length": 2}\n{"timestamp": 1, "input_length": \xc3\x28}\n',
+     "line 2: byte 0xc3"),
+])
+def test_encodings_and_headers_are_named_for_what_they_are(tmp_path, content, message):
+    path = tmp_path / ("trace.jsonl" if b"{" in content else "trace.csv")
+    path.write_bytes(content)
+    with pytest.raises(TraceFormatError, match=message):
+        load_trace(path)
+
+
+@pytest.mark.parametrize("suffix", ["csv", "jsonl"])
+def test_an_error_never_echoes_a_huge_field(tmp_path, suffix):
+    huge = "9" * 5_000_000 + "x"
+    path = tmp_path / f"trace.{suffix}"
+    if suffix == "csv":
+        path.write_text(f"{GENERIC_HEADER}\n0,{huge},1\n")
+    else:
+        path.write_text(json.dumps({"timestamp": 0, "input_length": huge, "output_length": 1}) + "\n")
+    with pytest.raises(TraceFormatError) as caught:
+        load_trace(path)
+    assert len(str(caught.value)) < 400
+
+
+# ---- numbers ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field", ["rate", "burstiness", "range_ratio"])
+@pytest.mark.parametrize("value", NON_FINITE + [0.0, 1e-310])
+def test_synthetic_spec_numbers_are_finite_and_in_range(field, value):
+    spec = simulator.SyntheticSpec(preset="random", num_requests=50, **{field: value})
+    valid = {"rate": (math.inf, 1e308), "range_ratio": (0.0, 1e-310, 1e-320)}  # inf: all at t = 0
+    if value in valid.get(field, ()):
+        assert np.isfinite(simulator.synthetic_workload(spec).arrival_s).all()
+        return
+    with pytest.raises(LabError):
+        simulator.synthetic_workload(spec)
+
+
+REAL_SIM_FIELDS = [f.name for f in dataclasses.fields(SimConfig) if f.type in ("float", "float | None")]
+
+
+@pytest.mark.parametrize("field", REAL_SIM_FIELDS)
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, -1.0])
+def test_non_finite_sim_config_numbers_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        Simulator(simulator.make_workload("fixed", num_requests=3), SimConfig(**{field: value}))
+
+
+@pytest.mark.parametrize("column, value", [("arrival_s", math.nan), ("arrival_s", math.inf), ("arrival_s", -1.0),
+                                           ("prompt_tokens", 0), ("output_tokens", -3), ("prompt_tokens", 2.5),
+                                           ("output_tokens", math.nan)])
+def test_a_workload_built_in_code_is_checked(column, value):
+    columns = {"arrival_s": np.array([0.0, 1.0, 2.0]), "prompt_tokens": np.array([5.0, 6.0, 7.0]),
+               "output_tokens": np.array([2.0, 3.0, 4.0])}
+    columns[column][1] = value
+    with pytest.raises(WorkloadError, match=column):
+        simulator.simulate(Workload("code", **columns))
+
+
+@pytest.mark.parametrize("broken", [
+    dict(arrival_s=np.array([0.0, 2.0, 1.0])),  # unsorted
+    dict(prompt_tokens=np.array([5, 6])),  # lengths differ
+    dict(arrival_s=np.array([[0.0, 1.0, 2.0]])),  # not 1-D
+])
+def test_inconsistent_workloads_are_refused(broken):
+    columns = dict(arrival_s=np.array([0.0, 1.0, 2.0]), prompt_tokens=np.array([5, 6, 7]),
+                   output_tokens=np.array([2, 3, 4]))
+    with pytest.raises(WorkloadError):
+        simulator.simulate(Workload("code", **{**columns, **broken}))
+
+
+def test_a_step_priced_out_of_range_stops_the_run_with_an_error():
+    config = SimConfig(gpu_overrides={"bandwidth_bytes_s": 1e-20, "peak_flops": 1e-20})
+    with pytest.raises(SimulationError, match="priced at"):
+        simulator.simulate("fixed", config, num_requests=3)
+
+
+@pytest.mark.parametrize("bandwidth", ["-5", "nan", "inf", "0", "abc"])
+def test_a_kernel_csv_with_a_bad_bandwidth_is_refused(tmp_path, bandwidth):
+    path = tmp_path / "kernels.csv"
+    path.write_text(f"kernel,batch,context,kv_gb_per_s\npaged-v1,8,1024,{bandwidth}\n")
+    with pytest.raises(ValueError, match="kv_gb_per_s"):
+        simulator.simulate("fixed", SimConfig(kernel_csv=str(path)), num_requests=3)
+
+
+@pytest.mark.parametrize("time_scale", [1e9])
+def test_a_trace_whose_scaled_arrivals_overflow_is_refused(tmp_path, time_scale):
+    path = tmp_path / "far.csv"
+    path.write_text(f"{GENERIC_HEADER}\n0,1,1\n1e300,1,1\n")
+    with pytest.raises(WorkloadError, match="finite"):
+        load_trace(path, time_scale=time_scale)
+
+
+# ---- loops ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("search", [RateSearch(tolerance=1e-20), RateSearch(tolerance=math.nan),
+                                    RateSearch(start=0.0), RateSearch(max_steps=10**9)])
+def test_a_rate_search_that_could_not_end_is_refused(search):
+    with pytest.raises(PlanError):
+        run_plan([{"workload": "fixed", "num_requests": 5}], {"ttft_p90_s": 1.0}, search, parallel=False,
+                 progress=False)
+
+
+@pytest.mark.parametrize("text", ["1..1000000000", "1..5000", ",".join(["1"] * 5000)])
+def test_huge_lists_are_refused_before_they_are_built(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="at most"):
+        int_list(text)
+
+
+# ---- the sweep store --------------------------------------------------------------------------------------------
+def _trace(path, output):
+    path.write_text(f"{GENERIC_HEADER}\n0,10,{output}\n0.1,10,{output}\n")
+
+
+def test_rewriting_a_trace_reruns_its_sweep(tmp_path):
+    trace = tmp_path / "trace.csv"
+    _trace(trace, 10)
+    grid = {"workload": [str(trace)], "num_requests": [2]}
+    first = run_sweep(grid, tmp_path / "store.sqlite", parallel=False, progress=False)
+    _trace(trace, 300)
+    second = run_sweep(grid, tmp_path / "store.sqlite", parallel=False, progress=False)
+    assert first.ran == second.ran == 1
+    assert first.table["generated_tokens"].iloc[0] == 20 and second.table["generated_tokens"].iloc[0] == 600
+    assert first.table["run_key"].iloc[0] != second.table["run_key"].iloc[0]
+
+
+def test_failed_runs_are_retried_unless_asked_not_to(tmp_path):
+    grid = {"workload": ["fixed"], "num_requests": [3], "model": ["qwen3-32b"], "gpu": ["l4"]}  # does not fit
+    store = tmp_path / "store.sqlite"
+    first = run_sweep(grid, store, parallel=False, progress=False)
+    assert first.table["error"].iloc[0]
+    assert run_sweep(grid, store, parallel=False, progress=False).ran == 1
+    assert run_sweep(grid, store, parallel=False, progress=False, retry_failed=False).ran == 0
+
+
+def test_a_store_corrupt_inside_is_refused_before_any_run(tmp_path, monkeypatch):
+    store = tmp_path / "store.sqlite"
+    grid = {"workload": ["fixed"], "num_requests": [3], "rate": [1.0, 2.0, 4.0, 8.0]}
+    run_sweep(grid, store, parallel=False, progress=False)
+    data = bytearray(store.read_bytes())
+    assert len(data) > 4096 * 2
+    data[4096 * 2:4096 * 2 + 64] = b"\x5a" * 64  # a page of the table, past the file header
+    store.write_bytes(bytes(data))
+    ran = []
+    monkeypatch.setattr("simulator.sweep.run_one", lambda spec: ran.append(spec))
+    with pytest.raises(StoreError, match="not a readable results store"):
+        run_sweep({**grid, "rate": [16.0]}, store, parallel=False, progress=False)
+    assert not ran
+
+
+def test_a_store_failing_mid_sweep_loses_no_computed_run(tmp_path, monkeypatch):
+    from simulator import sweep
+
+    def broken_put(self, row):
+        raise sqlite3.DatabaseError("database disk image is malformed")
+
+    monkeypatch.setattr(sweep.ResultStore, "put", broken_put)
+    result = run_sweep({"workload": ["fixed"], "num_requests": [3], "rate": [1.0, 2.0]}, tmp_path / "s.sqlite",
+                       parallel=False, progress=False)
+    assert len(result.table) == 2 and "malformed" in result.store_error
+    assert (result.table["error"] == "").all()

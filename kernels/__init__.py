@@ -70,6 +70,7 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend: st
     else:
         validate.check_write_shapes(key, value, key_cache, value_cache, slot_mapping)
     name = resolve_backend(backend, key_cache)
+    slot_mapping = validate.index_like(slot_mapping, key_cache)
     _backend_module(name).write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
@@ -134,6 +135,7 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
                                                   validate.to_numpy(block_tables), validate.to_numpy(seq_lens), scale)
         result = result if isinstance(query, np.ndarray) else _like(result, query)
     else:
+        block_tables, seq_lens = validate.index_like(block_tables, key_cache), validate.index_like(seq_lens, key_cache)
         result = _backend_module(name).paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens,
                                                               scale, out=out, max_seq_len=max_seq_len)
     if out is not None and result is not out:

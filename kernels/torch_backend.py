@@ -93,8 +93,10 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
     num_blocks_used = min(-(-int(max_seq_len) // key_cache.shape[2]), block_tables.shape[1])
     if num_blocks_used == 0:  # every sequence is empty
         return out.zero_()
-    # Entries past a sequence's blocks are padding (-1 by convention): read block 0 there, masked out below.
-    block_tables = block_tables[:, :num_blocks_used].to(device=key_cache.device, dtype=torch.long).clamp_min(0)
+    # Entries past a sequence's blocks are padding and may hold any value (-1 by convention): clamped into the pool
+    # so the gather never reads outside it, and masked out below.
+    block_tables = block_tables[:, :num_blocks_used].to(device=key_cache.device, dtype=torch.long).clamp(
+        0, key_cache.shape[0] - 1)
     step = _chunk_size(query, key_cache, num_blocks_used)
     buffers = _gather_buffers(key_cache, step * num_blocks_used)
     for start in range(0, query.shape[0], step):
@@ -108,7 +110,7 @@ def gather_kv(cache, block_tables, num_blocks_used: int):
     """Contiguous ``[num_seqs, num_kv_heads, num_blocks_used * block_size, head_dim]`` copy of a sequence's K or V."""
     num_seqs = block_tables.shape[0]
     _, num_kv_heads, block_size, head_dim = cache.shape
-    rows = cache.index_select(0, block_tables[:, :num_blocks_used].reshape(-1).long().clamp_min(0))
+    rows = cache.index_select(0, block_tables[:, :num_blocks_used].reshape(-1).long().clamp(0, cache.shape[0] - 1))
     rows = rows.view(num_seqs, num_blocks_used, num_kv_heads, block_size, head_dim)
     return rows.transpose(1, 2).reshape(num_seqs, num_kv_heads, num_blocks_used * block_size, head_dim)
 

@@ -41,6 +41,8 @@ def check_cache_pair(key_cache, value_cache) -> tuple[int, int, int, int]:
     shape, value_shape = check_rank("key_cache", key_cache, 4), check_rank("value_cache", value_cache, 4)
     if shape != value_shape:
         raise ValueError(f"value_cache shape {value_shape} differs from key_cache {shape}")
+    if min(shape) < 1:
+        raise ValueError(f"key_cache shape {shape}: num_blocks, num_kv_heads, block_size and head_dim must all be >= 1")
     check_same_kind("value_cache", value_cache, "key_cache", key_cache)
     return shape
 
@@ -220,6 +222,18 @@ def check_same_device(name: str, x, ref) -> None:
         return
     if x.device != ref.device:
         raise ValueError(f"{name} is on {x.device} but key_cache is on {ref.device}")
+
+
+def index_like(x, cache):
+    """An index array (slot mapping, block tables, lengths) of the cache's kind: a NumPy one becomes a CPU tensor
+    for a torch cache (the backend moves it), a tensor becomes NumPy for a NumPy cache."""
+    if _is_numpy(x) and not _is_numpy(cache):
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(x))
+    if not _is_numpy(x) and _is_numpy(cache):
+        return to_numpy(x)
+    return x
 
 
 def to_numpy(x, name: str = "argument") -> np.ndarray:

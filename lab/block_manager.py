@@ -29,9 +29,11 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .errors import LabError
+from .checks import check_bool, check_int
+from .errors import InputError, LabError
 
 ROOT_CONTENT_ID = -1
+MAX_POOL_BLOCKS = 2**31 - 1  # block ids are C ints
 BLOCK_ID = "i"  # block tables, the free queue and reservations are C int arrays: no per-id object traffic
 _STREAM = object()  # marks a block key made from a stream key instead of token ids
 
@@ -54,6 +56,15 @@ class InvalidSequenceIdError(BlockManagerError, ValueError):
 
 class InvalidTokenError(BlockManagerError, ValueError):
     """A token id or count is not an integer; the manager is left unchanged."""
+
+
+class BlockManagerConfigError(BlockManagerError):
+    """A ``KVBlockManager`` argument has a wrong type or is out of range (no coercion: ``10.7`` blocks or ``"no"``
+    for a flag is a mistake to name, not to round or read as true)."""
+
+
+class PoolMismatchError(BlockManagerError):
+    """Sequences cannot move between pools of different block sizes (their block tables would mean other tokens)."""
 
 
 class DuplicateSequenceError(BlockManagerError, ValueError):
@@ -188,13 +199,13 @@ class KVBlockManager:
     """
 
     def __init__(self, num_physical_blocks: int, block_size: int, enable_prefix_caching: bool = False):
-        if int(num_physical_blocks) < 1:
-            raise ValueError(f"num_physical_blocks must be >= 1, got {num_physical_blocks}")
-        if int(block_size) < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        check_int("KVBlockManager", "num_physical_blocks", num_physical_blocks, 1, MAX_POOL_BLOCKS,
+                  error=BlockManagerConfigError)
+        check_int("KVBlockManager", "block_size", block_size, 1, 1 << 20, error=BlockManagerConfigError)
+        check_bool("KVBlockManager", "enable_prefix_caching", enable_prefix_caching, error=BlockManagerConfigError)
         self.num_physical_blocks = int(num_physical_blocks)
         self.block_size = int(block_size)
-        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * self.num_physical_blocks  # stored counts (see the module docstring)
         self._cached_blocks: dict[tuple, int] = {}  # (parent_content_id, token_ids) -> block id
         self._block_keys: list[tuple | None] = [None] * self.num_physical_blocks
@@ -478,6 +489,9 @@ class KVBlockManager:
         they share stay shared there. Returns the ``(block here, block there)`` copies the caches must run. The
         moved sequences' tokens are no longer tracked for prefix caching. Raises ``OutOfBlocksError`` or a
         sequence-id error with both managers unchanged."""
+        if not isinstance(target, KVBlockManager) or target.block_size != self.block_size:
+            raise PoolMismatchError(f"cannot move sequences from a pool of block size {self.block_size} into "
+                                    f"{getattr(target, 'block_size', target)!r:.40}")
         seq_ids = list(seq_ids)
         tables = [self._seq(s).block_table for s in seq_ids]
         if len(set(seq_ids)) != len(seq_ids):
@@ -520,7 +534,7 @@ class KVBlockManager:
         seq = self._seq(seq_id)
         start, end = _count(start, "start"), _count(end, "end")
         if not start <= end <= seq.num_tokens:
-            raise ValueError(f"positions [{start}, {end}) outside sequence {seq_id!r} of {seq.num_tokens} tokens")
+            raise InputError(f"positions [{start}, {end}) outside sequence {seq_id!r} of {seq.num_tokens} tokens")
         size, table = self.block_size, seq.block_table
         return [table[pos // size] * size + pos % size for pos in range(start, end)]
 

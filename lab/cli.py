@@ -6,6 +6,7 @@ import sys
 
 import pandas as pd
 
+from .errors import InputError
 from lab.cli_args import (device, non_negative_int, output_csv, positive_float, positive_int, positive_ints,
                           refuse_ignored)
 from lab.profile import GRIDS
@@ -276,4 +277,4 @@ def _token_ids(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",")]
     except ValueError:
-        raise ValueError(f"--prompt {text!r}: this model has no tokenizer; give comma-separated token ids") from None
+        raise InputError(f"--prompt {text!r}: this model has no tokenizer; give comma-separated token ids") from None

@@ -6,6 +6,8 @@ import argparse
 import os
 from pathlib import Path
 
+from .errors import InputError
+
 
 def positive_int(text: str) -> int:
     """An integer >= 1."""
@@ -94,4 +96,4 @@ def refuse_ignored(names, reason: str) -> None:
     the command would ignore; ``reason`` says why. Nothing when ``names`` is empty."""
     if names:
         options = ", ".join("--" + name.replace("_", "-") for name in names)
-        raise ValueError(f"{options} would be ignored: {reason}")
+        raise InputError(f"{options} would be ignored: {reason}")

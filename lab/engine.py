@@ -22,7 +22,7 @@ import torch
 
 import kernels
 
-from .errors import LabError
+from .errors import InputError, LabError
 from .checks import check_bool, check_choice, check_int, check_real
 from .hardware import check_device
 from .kv_policy import PagedPolicy, default_num_cpu_blocks
@@ -228,7 +228,7 @@ class LLMEngine:
         if num_blocks is None:
             num_blocks = self._default_num_blocks(hf_config, config, dtype)
         if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+            raise InputError(f"num_blocks must be >= 1, got {num_blocks}")
         num_cpu_blocks = self._num_cpu_blocks(hf_config, config, dtype, num_blocks)
         self.runner = PagedQwen3(self.hf_model, num_blocks, config.block_size, config.attention_backend,
                                  num_cpu_blocks)
@@ -360,7 +360,7 @@ class LLMEngine:
             raise SamplingParamsError(f"params must be a SamplingParams, a list of them or None, got {params!r:.80}")
         many = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(many) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(many)} SamplingParams")
+            raise InputError(f"got {len(prompts)} prompts but {len(many)} SamplingParams")
         requests = [self._make_request(p, sp) for p, sp in zip(prompts, many)]
         for request in requests:
             self._queue(request)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from .errors import InputError
+
 
 def check_device(name) -> str:
     """``name`` if it is ``cpu`` or ``cuda[:N]`` for a GPU this machine has, else ``ValueError`` saying why."""
@@ -15,15 +17,15 @@ def check_device(name) -> str:
     if name == "cpu":
         return name
     if not isinstance(name, str) or name.split(":")[0] != "cuda":
-        raise ValueError(f"expected cpu or cuda[:N], got {name!r}")
+        raise InputError(f"expected cpu or cuda[:N], got {name!r}")
     if not torch.cuda.is_available():
-        raise ValueError(f"{name!r}: this machine has no CUDA device (torch sees none)")
+        raise InputError(f"{name!r}: this machine has no CUDA device (torch sees none)")
     try:
         index = torch.device(name).index
     except RuntimeError as exc:
-        raise ValueError(f"{name!r}: {exc}") from None
+        raise InputError(f"{name!r}: {exc}") from None
     if index is not None and index >= torch.cuda.device_count():
-        raise ValueError(f"{name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        raise InputError(f"{name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return name
 
 

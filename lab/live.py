@@ -10,6 +10,7 @@ from typing import Callable
 import pandas as pd
 import torch
 
+from .errors import InputError
 from .block_manager import PoolSnapshot
 from .engine import EngineConfig, LLMEngine, SamplingParams, StepStats
 
@@ -67,7 +68,7 @@ def random_requests(num_requests: int, prompt_range: tuple[int, int], output_ran
     """Seeded prompts (a shared prefix, then random tokens of a uniform length) and per-request output lengths."""
     for name, (low, high) in (("prompt", prompt_range), ("output", output_range)):
         if not 1 <= low <= high:
-            raise ValueError(f"{name} length range must satisfy 1 <= low <= high; got {(low, high)}")
+            raise InputError(f"{name} length range must satisfy 1 <= low <= high; got {(low, high)}")
     generator = torch.Generator().manual_seed(seed)
     prefix = torch.randint(0, vocab_size, (shared_prefix_tokens,), generator=generator).tolist()
     lengths = torch.randint(prompt_range[0], prompt_range[1] + 1, (num_requests,), generator=generator)

@@ -14,7 +14,7 @@ import torch
 import kernels
 from kernels.torch_backend import gather_kv, synchronize
 
-from .errors import LabError
+from .errors import InputError, LabError
 
 # A chunk of at least this many new tokens after a longer cached prefix (chunked prefill) attends on a CPU in two
 # flash passes, one over the prefix and one causal over itself, merged by their log-sum-exps, instead of under one
@@ -45,7 +45,7 @@ def preset_config(name: str):
     from transformers import Qwen3Config
 
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)} (or a local directory)")
+        raise InputError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)} (or a local directory)")
     layers, hidden, heads, kv_heads, head_dim, inter, vocab, tied = PRESETS[name]
     return Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,

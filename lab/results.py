@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from .errors import InputError
+
 RECORDED_RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 # which command writes each recorded CSV (the first pattern a file's path relative to the folder matches)
 RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cpu.csv": "python -m lab bench e2e",
@@ -54,7 +56,7 @@ class ResultStore:
         """The chosen tables stacked, tagged by a ``result`` column (columns missing in one table are empty)."""
         missing = [n for n in names if n not in self.results]
         if missing:
-            raise ValueError(f"no stored result named {', '.join(missing)}")
+            raise InputError(f"no stored result named {', '.join(missing)}")
         frames = [self.results[n].table.assign(result=n) for n in names]
         table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
         return table[["result", *[c for c in table.columns if c != "result"]]] if frames else table
@@ -63,7 +65,7 @@ class ResultStore:
         """Read an exported CSV back; raises ``ValueError`` naming the file when it is not a readable table."""
         table = _read_csv_table(io.BytesIO(data), name)
         if table.empty:
-            raise ValueError(f"{name}: the CSV has no rows")
+            raise InputError(f"{name}: the CSV has no rows")
         return self.add("uploaded", name, table)
 
 
@@ -84,7 +86,7 @@ def _read_csv_table(source, name: str) -> pd.DataFrame:
     try:
         return pd.read_csv(source)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{name}: not a readable CSV ({str(exc).strip()})") from None
+        raise InputError(f"{name}: not a readable CSV ({str(exc).strip()})") from None
 
 
 def _count_rows(path: Path) -> int | None:
@@ -99,7 +101,7 @@ def read_recorded(file: str, folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
     of them or not a readable table."""
     path = (folder / file).resolve()
     if path.suffix != ".csv" or folder.resolve() not in path.parents or not path.is_file():
-        raise ValueError(f"{file}: not a recorded result under {folder}")
+        raise InputError(f"{file}: not a recorded result under {folder}")
     return _read_csv_table(path, file)
 
 

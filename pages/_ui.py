@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import streamlit as st
 
+from lab.errors import LabError
 from lab.results import ResultStore, to_csv_bytes
 
-USER_ERRORS = (ValueError, RuntimeError, OSError, KeyError)
+# What a page shows as a message: the lab's typed errors (bad settings, files, requests), the kernels' argument
+# errors (``kernels`` depends on nothing of ours, so they are ValueErrors) and files that cannot be read. Anything
+# else is a bug and reaches Streamlit's handler.
+USER_ERRORS = (LabError, ValueError, OSError)
 
 
 def _enter_through_app() -> None:
@@ -38,7 +42,9 @@ def csv_download(table, file_name: str, key: str, label: str = "Download CSV") -
 
 
 def show_error(exc: Exception) -> None:
-    st.error(f"{type(exc).__name__}: {exc}")
+    """The error's message, and for the lab's own errors what to do about it."""
+    hint = "" if not isinstance(exc, LabError) else "  \nChange the setting or file it names and the page runs again."
+    st.error(f"{exc}{hint}", icon=":material/error:")
 
 
 def chart(figure, key: str) -> None:

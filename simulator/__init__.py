@@ -12,6 +12,7 @@ from typing import Callable
 
 import pandas as pd
 
+from lab.errors import InputError
 from .allocators import ALLOCATORS
 from .checks import closed_form_checks
 from .engine import SimConfig, SimResult, Simulator, Snapshot
@@ -37,20 +38,20 @@ def make_workload(workload: str | Path | Workload, num_requests: int | None = No
         return workload
     if str(workload) in SYNTHETIC_PRESETS:
         if time_scale != 1.0:
-            raise ValueError(f"a time scale applies to a trace's arrivals; the {workload} preset's come from its rate")
+            raise InputError(f"a time scale applies to a trace's arrivals; the {workload} preset's come from its rate")
         spec = SyntheticSpec(preset=str(workload), seed=seed, **synthetic)
         if num_requests is not None:
             spec.num_requests = num_requests
         return synthetic_workload(spec)
     if not Path(workload).exists():
-        raise ValueError(f"workload {str(workload)!r} is neither a preset ({', '.join(SYNTHETIC_PRESETS)}) nor an "
+        raise InputError(f"workload {str(workload)!r} is neither a preset ({', '.join(SYNTHETIC_PRESETS)}) nor an "
                          f"existing trace file")
     rate = synthetic.pop("rate", math.inf)
     if synthetic:
-        raise ValueError(f"{', '.join(sorted(synthetic))}: for a synthetic preset; the trace {workload} brings its own "
+        raise InputError(f"{', '.join(sorted(synthetic))}: for a synthetic preset; the trace {workload} brings its own "
                          f"lengths and one sample per request")
     if rate != math.inf and time_scale != 1.0:
-        raise ValueError(f"give the trace {workload} a rate or a time scale, not both: the rate sets its mean arrival "
+        raise InputError(f"give the trace {workload} a rate or a time scale, not both: the rate sets its mean arrival "
                          f"rate whatever the scale")
     return at_mean_rate(load_trace(workload, time_scale=time_scale, max_rows=num_requests), rate)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from lab.errors import InputError
 from lab.kv_policy import PagedPolicy  # noqa: F401  (re-exported: the simulator's policies in one place)
 from lab.scheduler import NO_EVENT
 
@@ -143,7 +144,7 @@ def make_space(kind: str, capacity: int):
         return FirstFitSpace(capacity)
     if kind == "buddy":
         return BuddySpace(capacity)
-    raise ValueError(f"address_space must be 'first-fit' or 'buddy'; got {kind!r}")
+    raise InputError(f"address_space must be 'first-fit' or 'buddy'; got {kind!r}")
 
 
 # ---- policies --------------------------------------------------------------------------------------------------------
@@ -169,7 +170,7 @@ class ContiguousPolicy:
     def __init__(self, kind: str, capacity_tokens: int, max_model_len: int, address_space: str = "first-fit",
                  grow_initial_extra: int = 16):
         if kind not in CONTIGUOUS_KINDS:
-            raise ValueError(f"unknown contiguous allocator {kind!r}")
+            raise InputError(f"unknown contiguous allocator {kind!r}")
         self.kind, self.max_model_len, self.grow_initial_extra = kind, max_model_len, grow_initial_extra
         self.space = make_space(address_space, capacity_tokens)
         self.capacity = capacity_tokens

@@ -8,6 +8,7 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
+from lab.errors import InputError
 from .metrics import CATEGORIES
 
 COLOURS = {"token_states": "#16a34a", "reserved": "#facc15", "internal_fragmentation": "#f97316",
@@ -235,4 +236,4 @@ def paper_figure(figure: str, table: pd.DataFrame) -> go.Figure:
             chart.update_layout(yaxis2=dict(overlaying="y", side="right", title="swap / recompute (tiny)"),
                                 legend=dict(x=1.1))
         return chart
-    raise ValueError(f"no chart for figure {figure!r}")
+    raise InputError(f"no chart for figure {figure!r}")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
+from lab.errors import InputError
 from lab.cli_args import non_negative_int, output_csv, positive_float, positive_int, positive_ints, refuse_ignored
 from lab.profile import extrapolation_warning
 from lab.results import print_and_save, save_csv
@@ -146,14 +147,14 @@ def _configs(args) -> list[SimConfig]:
     capacity = args.capacity_tokens
     if args.num_blocks is not None:
         if len(args.block_size) != 1 or capacity is not None:
-            raise ValueError("--num-blocks needs exactly one --block-size and no --capacity-tokens")
+            raise InputError("--num-blocks needs exactly one --block-size and no --capacity-tokens")
         capacity = args.num_blocks * args.block_size[0]
     if args.profile is not None:
         from lab.profile import Profile
 
         profile = Profile.load(args.profile)
         if capacity is None:
-            raise ValueError("--profile needs the engine's pool: --num-blocks (or --capacity-tokens)")
+            raise InputError("--profile needs the engine's pool: --num-blocks (or --capacity-tokens)")
         return make_configs(["paged"], args.block_size, profile=profile, capacity_tokens=capacity,
                             max_model_len=args.max_model_len, scheduling=args.scheduling,
                             preemption_mode=args.preemption_mode, num_cpu_blocks=args.num_cpu_blocks,

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from lab.checks import check_bool, check_choice, check_int, check_real
-from lab.errors import LabError
+from lab.errors import InputError, LabError
 from lab.kv_policy import PagedPolicy, default_num_cpu_blocks
 from lab.profile import RANGE_QUANTITIES, Profile
 from lab.scheduler import (PREEMPTION_MODES, SCHEDULING_MODES, RequestRejectedError, Scheduler,
@@ -114,19 +114,19 @@ def build_policy(config: SimConfig, capacity_tokens: int, block_bytes: int):
     """The allocation policy named by ``config.allocator``; ``block_bytes``: one block's KV on one GPU (what sizes
     the default host pool)."""
     if config.allocator not in ALLOCATORS:
-        raise ValueError(f"allocator must be one of {', '.join(ALLOCATORS)}; got {config.allocator!r}")
+        raise InputError(f"allocator must be one of {', '.join(ALLOCATORS)}; got {config.allocator!r}")
     if config.allocator == "paged":
         num_blocks = capacity_tokens // config.block_size
         if num_blocks < 1:
-            raise ValueError(f"capacity of {capacity_tokens} tokens holds no block of {config.block_size}")
+            raise InputError(f"capacity of {capacity_tokens} tokens holds no block of {config.block_size}")
         if max(num_blocks, config.num_cpu_blocks) > MAX_BLOCKS:
-            raise ValueError(f"a pool of {max(num_blocks, config.num_cpu_blocks)} blocks is more than the simulator "
+            raise InputError(f"a pool of {max(num_blocks, config.num_cpu_blocks)} blocks is more than the simulator "
                              f"tracks ({MAX_BLOCKS}); use a larger block size or a smaller capacity")
         cpu_blocks = config.num_cpu_blocks or (default_num_cpu_blocks(num_blocks, block_bytes)
                                                if config.preemption_mode == "swap" else 0)
         return PagedPolicy(num_blocks, config.block_size, config.enable_prefix_caching, cpu_blocks)
     if config.preemption_mode == "swap":
-        raise ValueError("preemption_mode='swap' needs allocator='paged' (contiguous baselines recompute)")
+        raise InputError("preemption_mode='swap' needs allocator='paged' (contiguous baselines recompute)")
     return ContiguousPolicy(config.allocator, capacity_tokens, config.max_model_len, config.address_space,
                             config.grow_initial_extra)
 
@@ -141,7 +141,7 @@ def resolve_capacity(config: SimConfig) -> tuple[int, CostModel]:
         cost.calibrate_from_kernel_csv(config.kernel_csv)
     if config.capacity_tokens is not None:
         if config.capacity_tokens < 1:
-            raise ValueError(f"capacity_tokens must be >= 1, got {config.capacity_tokens}")
+            raise InputError(f"capacity_tokens must be >= 1, got {config.capacity_tokens}")
         return int(config.capacity_tokens), cost
     return kv_capacity_tokens(model, gpu, config.gpu_memory_utilization, config.activation_reserve_bytes,
                               config.tp), cost
@@ -179,12 +179,12 @@ def check_config(config: SimConfig) -> None:
     check_real(owner, "activation_reserve_bytes", config.activation_reserve_bytes, 0.0, 1e18)
     check_real(owner, "step_overhead_s", config.step_overhead_s, 0.0, 1e6)
     if config.profile is not None and not isinstance(config.profile, (str, Path, Profile)):
-        raise ValueError(f"SimConfig.profile={config.profile!r}: expected None, a profile path or a lab.profile.Profile")
+        raise InputError(f"SimConfig.profile={config.profile!r}: expected None, a profile path or a lab.profile.Profile")
     if config.profile is not None and config.capacity_tokens is None:
-        raise ValueError("SimConfig.profile needs capacity_tokens: the engine's pool (num_blocks x block_size)")
+        raise InputError("SimConfig.profile needs capacity_tokens: the engine's pool (num_blocks x block_size)")
     for name in ("model_overrides", "gpu_overrides"):
         if not isinstance(getattr(config, name), dict):
-            raise ValueError(f"SimConfig.{name}={getattr(config, name)!r}: expected a dict of spec fields")
+            raise InputError(f"SimConfig.{name}={getattr(config, name)!r}: expected a dict of spec fields")
 
 
 def scheduler_config(config: SimConfig) -> SchedulerConfig:
@@ -222,7 +222,7 @@ class Simulator:
             raise WorkloadError(f"expected a simulator.Workload, got {type(workload).__name__}")
         workload.check()
         if workload.beam_width > 1 and (workload.n > 1 or workload.sample_output_tokens is not None):
-            raise ValueError(f"Workload: beam_width={workload.beam_width} with n={workload.n} samples: a request "
+            raise InputError(f"Workload: beam_width={workload.beam_width} with n={workload.n} samples: a request "
                              f"samples or beam-searches, not both")
         self.workload, self.config = workload, config
         self.capacity_tokens, self.cost = resolve_capacity(config)

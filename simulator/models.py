@@ -7,6 +7,8 @@ import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
+from lab.errors import InputError
+
 GiB = 1 << 30
 
 
@@ -106,11 +108,11 @@ def _preset(name_or_spec, kind: type, presets: dict, noun: str):
     if isinstance(name_or_spec, kind):
         return name_or_spec
     if not isinstance(name_or_spec, str):
-        raise ValueError(f"{noun} must be a preset name or a {kind.__name__}; got {name_or_spec!r}; "
+        raise InputError(f"{noun} must be a preset name or a {kind.__name__}; got {name_or_spec!r}; "
                          f"presets: {', '.join(presets)}")
     key = name_or_spec.lower()
     if key not in presets:
-        raise ValueError(f"unknown {noun} {name_or_spec!r}; presets: {', '.join(presets)}")
+        raise InputError(f"unknown {noun} {name_or_spec!r}; presets: {', '.join(presets)}")
     return presets[key]
 
 
@@ -121,7 +123,7 @@ def override(spec, **changes):
     kinds = {f.name: {"int": int, "float": float, "str": str, "bool": bool}[str(f.type)] for f in dataclasses.fields(spec)}
     unknown = set(changes) - set(kinds)
     if unknown:
-        raise ValueError(f"unknown {type(spec).__name__} field(s): {', '.join(sorted(map(str, unknown)))}")
+        raise InputError(f"unknown {type(spec).__name__} field(s): {', '.join(sorted(map(str, unknown)))}")
     for name, value in changes.items():
         _check_field(type(spec).__name__, name, kinds[name], value)
     return dataclasses.replace(spec, **changes)
@@ -130,17 +132,17 @@ def override(spec, **changes):
 def _check_field(owner: str, name: str, kind: type, value) -> None:
     if kind is str:
         if not isinstance(value, str) or not value:
-            raise ValueError(f"{owner}.{name}={value!r}: expected a non-empty string")
+            raise InputError(f"{owner}.{name}={value!r}: expected a non-empty string")
         return
     if kind is bool:
         if not isinstance(value, bool):
-            raise ValueError(f"{owner}.{name}={value!r}: expected True or False")
+            raise InputError(f"{owner}.{name}={value!r}: expected True or False")
         return
     number = numbers.Integral if kind is int else numbers.Real
     if isinstance(value, bool) or not isinstance(value, number) or not math.isfinite(value) or value <= 0 \
             or value > 1e30:
         allowed = "an integer" if kind is int else "a number"
-        raise ValueError(f"{owner}.{name}={value!r}: expected {allowed} > 0")
+        raise InputError(f"{owner}.{name}={value!r}: expected {allowed} > 0")
 
 
 def kv_capacity_tokens(model: ModelSpec, gpu: GPUSpec, gpu_memory_utilization: float = 0.9,
@@ -148,10 +150,10 @@ def kv_capacity_tokens(model: ModelSpec, gpu: GPUSpec, gpu_memory_utilization: f
     """Tokens of KV that fit: per GPU, memory x utilization - its share of the weights - activation reserve, over
     its share of a token's KV (tensor parallelism over ``tp`` GPUs splits weights and KV heads)."""
     if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        raise InputError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     free = gpu.memory_bytes * gpu_memory_utilization - model.weight_bytes / tp - activation_reserve_bytes
     if free * tp < model.kv_bytes_per_token:
-        raise ValueError(f"{model.name} ({model.weight_bytes / GiB:.1f} GiB of weights) leaves no KV memory on "
+        raise InputError(f"{model.name} ({model.weight_bytes / GiB:.1f} GiB of weights) leaves no KV memory on "
                          f"{tp} x {gpu.name} at utilization {gpu_memory_utilization}")
     return int(free * tp // model.kv_bytes_per_token)
 
@@ -229,18 +231,18 @@ class CostModel:
         try:
             table = pd.read_csv(path)
         except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{path}: not a readable kernel benchmark CSV ({str(exc).strip()[:200]})") from None
+            raise InputError(f"{path}: not a readable kernel benchmark CSV ({str(exc).strip()[:200]})") from None
         needed = {"kernel", "batch", "context", "kv_gb_per_s"}
         if not needed <= set(table.columns):
-            raise ValueError(f"{path}: not a kernel benchmark CSV (needs columns {', '.join(sorted(needed))})")
+            raise InputError(f"{path}: not a kernel benchmark CSV (needs columns {', '.join(sorted(needed))})")
         paged = table[table["kernel"] != "sdpa-contiguous"]
         if paged.empty:
-            raise ValueError(f"{path}: no paged-kernel rows")
+            raise InputError(f"{path}: no paged-kernel rows")
         rates = pd.to_numeric(paged["kv_gb_per_s"], errors="coerce")
         bad = ~(np.isfinite(rates) & (rates > 0) & (rates < 1e6))
         if bad.any():
             row = int(np.argmax(bad.to_numpy()))
-            raise ValueError(f"{path}: row {paged.index[row] + 2}, column kv_gb_per_s: {paged['kv_gb_per_s'].iloc[row]!r}"
+            raise InputError(f"{path}: row {paged.index[row] + 2}, column kv_gb_per_s: {paged['kv_gb_per_s'].iloc[row]!r}"
                              f" is not a bandwidth in (0, 1e6) GB/s")
         size = paged["batch"] * paged["context"]
         self.attention_bandwidth_bytes_s = float(paged[size == size.max()]["kv_gb_per_s"].median() * 1e9)

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from lab.errors import InputError
 from .engine import Simulator
 from .plan import RateSearch, search_max_rate
 from .presets import PAPER_FIGURE2_TOKEN_STATES, PAPER_MEMORY, PAPER_SETUPS, figure2_experiment, paper_config
@@ -400,7 +401,7 @@ def compute_figures(figures: list[str], num_requests: int = 1000,
     (minutes on a CPU)."""
     unknown = [f for f in figures if f not in FIGURES]
     if unknown:
-        raise ValueError(f"figure(s) {', '.join(unknown)} not available; choose from {', '.join(FIGURES)} or all")
+        raise InputError(f"figure(s) {', '.join(unknown)} not available; choose from {', '.join(FIGURES)} or all")
     functions = {"2": figure2, "12": figure12, "13": figure13, "15": figure15, "16": figure16, "18": figure18,
                  "19": figure19}
     summary, tables = [], {}

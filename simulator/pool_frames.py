@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from lab.errors import InputError
 from lab.block_manager import PoolSnapshot
 from lab.engine import EngineConfig
 from lab.live import RuntimeRunConfig, run_runtime
@@ -35,7 +36,7 @@ def record_pool_frames(config: PoolRunConfig, on_frame: Callable[[Frame], None] 
     """Run ``config`` and return a frame every ``frame_every`` steps, handing each to ``on_frame`` as it comes.
     Raises ``ValueError`` for an unknown source or a run too short to record one frame."""
     if config.source not in SOURCES:
-        raise ValueError(f"PoolRunConfig.source={config.source!r}: expected one of {', '.join(SOURCES)}")
+        raise InputError(f"PoolRunConfig.source={config.source!r}: expected one of {', '.join(SOURCES)}")
     frames: list[Frame] = []
 
     def keep(frame: Frame) -> None:
@@ -45,7 +46,7 @@ def record_pool_frames(config: PoolRunConfig, on_frame: Callable[[Frame], None] 
 
     (_simulate if config.source == "simulator" else _serve)(config, keep)
     if not frames:
-        raise ValueError("the run ended before the first frame; record frames more often")
+        raise InputError("the run ended before the first frame; record frames more often")
     return frames
 
 

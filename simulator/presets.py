@@ -1,6 +1,7 @@
 """Ready-made experiments."""
 from __future__ import annotations
 
+from lab.errors import InputError
 from .engine import SimConfig
 from .workloads import SyntheticSpec
 
@@ -22,7 +23,7 @@ PAPER_MEMORY = dict(gpu_memory_utilization=0.9, activation_reserve_bytes=0.1e9, 
 def paper_config(setup: str, **fields) -> SimConfig:
     """A ``SimConfig`` on one of the paper's Table 1 setups (``PAPER_SETUPS``)."""
     if setup not in PAPER_SETUPS:
-        raise ValueError(f"paper setup must be one of {', '.join(PAPER_SETUPS)}; got {setup!r}")
+        raise InputError(f"paper setup must be one of {', '.join(PAPER_SETUPS)}; got {setup!r}")
     return SimConfig(**{**PAPER_SETUPS[setup], **PAPER_MEMORY, **fields})
 
 
@@ -45,11 +46,11 @@ def make_configs(allocators: list[str], block_sizes: list[int], preemption_mode:
 
     unknown = [a for a in allocators if a not in ALLOCATORS]
     if unknown:
-        raise ValueError(f"unknown allocator(s) {', '.join(unknown)}; choose from {', '.join(ALLOCATORS)}")
+        raise InputError(f"unknown allocator(s) {', '.join(unknown)}; choose from {', '.join(ALLOCATORS)}")
     if not allocators:
-        raise ValueError("choose at least one allocator")
+        raise InputError("choose at least one allocator")
     if not block_sizes or min(block_sizes) < 1:
-        raise ValueError(f"block sizes must be >= 1, got {block_sizes}")
+        raise InputError(f"block sizes must be >= 1, got {block_sizes}")
     configs = []
     for allocator in allocators:
         sizes = block_sizes if allocator == "paged" else [block_sizes[0]]

@@ -22,7 +22,7 @@ from typing import Callable
 
 import pandas as pd
 
-from lab.errors import LabError
+from lab.errors import InputError, LabError
 from .checks import closed_form_checks
 from .engine import SimConfig, Simulator, check_config
 from .models import get_gpu, get_model
@@ -110,11 +110,11 @@ def check_spec(spec: dict) -> None:
     get_model(config.model), get_gpu(config.gpu)  # names known (whether the model fits is the run's business)
     workload = spec["workload"]
     if not isinstance(workload, str):
-        raise ValueError(f"workload={workload!r}: expected a preset ({', '.join(SYNTHETIC_PRESETS)}) or a trace path")
+        raise InputError(f"workload={workload!r}: expected a preset ({', '.join(SYNTHETIC_PRESETS)}) or a trace path")
     if workload in SYNTHETIC_PRESETS:
         check_synthetic_spec(_synthetic_spec(spec))
     elif not Path(workload).is_file():
-        raise ValueError(f"workload {workload!r} is neither a preset ({', '.join(SYNTHETIC_PRESETS)}) nor a file")
+        raise InputError(f"workload {workload!r} is neither a preset ({', '.join(SYNTHETIC_PRESETS)}) nor a file")
 
 
 def spec_key(spec: dict) -> str:
@@ -379,10 +379,10 @@ def read_table(data: bytes, name: str) -> pd.DataFrame:
     try:
         table = pd.read_parquet(io.BytesIO(data)) if name.endswith(".parquet") else pd.read_csv(io.BytesIO(data))
     except Exception as exc:  # noqa: BLE001 - pandas and pyarrow raise many types for a bad file
-        raise ValueError(f"{name}: not a readable {'Parquet' if name.endswith('.parquet') else 'CSV'} table "
+        raise InputError(f"{name}: not a readable {'Parquet' if name.endswith('.parquet') else 'CSV'} table "
                          f"({type(exc).__name__}: {exc})") from None
     if "max_rate_req_s" not in table and "run_key" not in table:
-        raise ValueError(f"{name}: neither a sweep table (run_key column) nor a plan (max_rate_req_s column)")
+        raise InputError(f"{name}: neither a sweep table (run_key column) nor a plan (max_rate_req_s column)")
     return table
 
 

@@ -21,6 +21,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
+from lab.errors import InputError
 from lab.engine import EngineConfig, LLMEngine, SamplingParams, load_model
 from lab.model import PagedQwen3
 from lab.profile import Profile, scatter_free_blocks, steady_state_allocator
@@ -145,7 +146,7 @@ def run_real(workload: Workload, config: TwinConfig, hf_model=None) -> RealRun:
     scattered pools had, its TPOT simulated +5.5 against +3.3 % scattered, four runs each, alternating).
     ``hf_model``: the already loaded model (else ``config.model`` is loaded)."""
     if workload.arrival_s[-1] > MAX_REPLAY_S:
-        raise ValueError(f"the workload's last request arrives at {workload.arrival_s[-1]:.4g} s; a real-time replay "
+        raise InputError(f"the workload's last request arrives at {workload.arrival_s[-1]:.4g} s; a real-time replay "
                          f"is limited to {MAX_REPLAY_S:g} s (raise the rate or shorten the trace)")
     steady_state_allocator()  # as the profile measured it
     model = load_model(config.model, config.engine)[0] if hf_model is None else hf_model
@@ -389,7 +390,7 @@ def calibrated_twins(model: str, cases: dict[str, TwinCase], grid: str = "full",
 
     engines = [case.engine for case in cases.values()]
     if len({(engine.block_size, engine.device) for engine in engines}) != 1:
-        raise ValueError("calibrated_twins: every case needs the same block_size and device (one profile)")
+        raise InputError("calibrated_twins: every case needs the same block_size and device (one profile)")
     say = progress or (lambda message: None)
     say(f"{model}: warming up the profiler ({grid} grid)")
     profiler = Profiler(model, engines[0].device, engines[0].block_size, grid=grid)
@@ -418,7 +419,7 @@ def bench_twin(models=("tiny", "qwen3-0.6b-random-4l"), repeats: int | None = No
     the error, the real run-to-run noise floor, and how much faster than real time the simulator ran."""
     unknown = [m for m in models if m not in BENCH_MODELS]
     if unknown:
-        raise ValueError(f"no benchmark settings for {', '.join(unknown)}; known: {', '.join(BENCH_MODELS)}")
+        raise InputError(f"no benchmark settings for {', '.join(unknown)}; known: {', '.join(BENCH_MODELS)}")
     rows = []
     for model in models:
         setup = BENCH_MODELS[model]

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from lab.checks import check_choice, check_int, check_real
-from lab.errors import LabError
+from lab.errors import InputError, LabError
 
 MOONCAKE_BLOCK_TOKENS = 512
 MAX_TRACE_TOKENS = 2**31 - 1  # a length in a trace must fit int32
@@ -206,10 +206,10 @@ def check_synthetic_spec(spec: SyntheticSpec) -> None:
     check_real(owner, "burstiness", spec.burstiness, MIN_BURSTINESS, 1e6, error=WorkloadError)
     check_real(owner, "range_ratio", spec.range_ratio, 0.0, 0.999)
     if spec.n > 1 and spec.beam_width > 1:
-        raise ValueError(f"SyntheticSpec: n={spec.n} and beam_width={spec.beam_width}: a request samples or beam-"
+        raise InputError(f"SyntheticSpec: n={spec.n} and beam_width={spec.beam_width}: a request samples or beam-"
                          f"searches, not both")
     if spec.max_model_len is not None and spec.max_model_len <= spec.shared_prefix_tokens + 1:
-        raise ValueError(f"max_model_len={spec.max_model_len} leaves no room after the shared prefix")
+        raise InputError(f"max_model_len={spec.max_model_len} leaves no room after the shared prefix")
 
 
 def _lognormal(rng, mean: float, sigma: float, count: int, low: int, high: int) -> np.ndarray:
@@ -251,7 +251,7 @@ def load_trace(path: str | Path, time_scale: float = 1.0, max_rows: int | None =
     fmt = fmt or detect_format(path)
     loaders = {"azure": _load_azure, "mooncake": _load_mooncake, "generic": _load_generic}
     if fmt not in loaders:
-        raise ValueError(f"trace format must be one of {', '.join(loaders)}; got {fmt!r}")
+        raise InputError(f"trace format must be one of {', '.join(loaders)}; got {fmt!r}")
     workload = loaders[fmt](path, max_rows)
     with np.errstate(over="ignore"):  # an overflow to inf is named by check()
         workload.arrival_s = (workload.arrival_s - workload.arrival_s[0]) * time_scale

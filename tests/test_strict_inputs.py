@@ -7,7 +7,6 @@ import math
 import sqlite3
 
 import numpy as np
-import pandas as pd
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -46,7 +45,7 @@ def test_a_row_with_a_field_too_many_or_too_few_is_refused_with_its_line(tmp_pat
 
 def test_a_well_formed_generic_trace_reads_column_by_column(tmp_path):
     path = tmp_path / "ok.csv"
-    path.write_text(f" arrival_time_s , prompt_tokens,output_tokens\n0,10,3\n0.5,20,4\n\n")
+    path.write_text(" arrival_time_s , prompt_tokens,output_tokens\n0,10,3\n0.5,20,4\n\n")
     workload = load_trace(path)
     assert workload.prompt_tokens.tolist() == [10, 20] and workload.output_tokens.tolist() == [3, 4]
     assert workload.arrival_s.tolist() == [0.0, 0.5]
@@ -237,3 +236,82 @@ def test_a_store_failing_mid_sweep_loses_no_computed_run(tmp_path, monkeypatch):
                        parallel=False, progress=False)
     assert len(result.table) == 2 and "malformed" in result.store_error
     assert (result.table["error"] == "").all()
+
+
+# ---- object boundaries ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args", [(10.7, 4), ("12", 4), (True, 4), (10, 4, "no"), (10, 4, 1), (10, 0), (0, 4),
+                                  (10, 2.0), (None, 4)])
+def test_block_manager_arguments_are_not_coerced(args):
+    from lab.block_manager import BlockManagerConfigError, KVBlockManager
+
+    with pytest.raises(BlockManagerConfigError):
+        KVBlockManager(*args)
+
+
+def test_sequences_do_not_move_between_pools_of_other_block_sizes():
+    from lab.block_manager import KVBlockManager, PoolMismatchError
+
+    source, target = KVBlockManager(8, 4), KVBlockManager(8, 8)
+    source.create_sequence("s", [1, 2, 3, 4, 5])
+    with pytest.raises(PoolMismatchError):
+        source.move_sequences(["s"], target)
+    assert source.get_block_table("s") and not target.sequences
+    source.check_invariants()
+    target.check_invariants()
+
+
+def _backends():
+    import torch
+
+    return ["reference", "torch", pytest.param("cupy", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU; none is visible on this machine")])]
+
+
+@pytest.mark.parametrize("backend", _backends())
+@settings(max_examples=25, deadline=None)
+@given(block_size=st.sampled_from([1, 3, 7, 16]), lens=st.lists(st.integers(0, 40), min_size=1, max_size=5),
+       padding=st.integers(-2**31, 2**31 - 1), numpy_index=st.booleans(), seed=st.integers(0, 2**16))
+def test_every_backend_honours_the_padding_row_of_the_contract(backend, block_size, lens, padding, numpy_index, seed):
+    """Entries past a sequence's blocks may hold any value: the result is that of the float64 reference."""
+    import torch
+
+    import kernels
+
+    device = "cuda" if backend == "cupy" else "cpu"
+    generator = torch.Generator().manual_seed(seed)
+    num_kv_heads, group, head_dim = 2, 2, 8
+    width = max(1, -(-max(lens) // block_size)) + 2
+    num_blocks = width * len(lens)
+    key_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=generator)
+    value_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=generator)
+    query = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=generator)
+    tables = np.full((len(lens), width), padding, dtype=np.int64)
+    for row, length in enumerate(lens):
+        used = -(-length // block_size)
+        tables[row, :used] = np.arange(row * width, row * width + used)
+    seq_lens = np.asarray(lens, dtype=np.int64)
+    expected = kernels.paged_attention_decode(query.double().numpy(), key_cache.double().numpy(),
+                                              value_cache.double().numpy(), tables, seq_lens, backend="reference")
+    index = (tables, seq_lens) if numpy_index else (torch.from_numpy(tables), torch.from_numpy(seq_lens))
+    out = torch.full_like(query, float("nan")).to(device)  # poisoned
+    kernels.paged_attention_decode(query.to(device), key_cache.to(device), value_cache.to(device), *index,
+                                   backend=backend, out=out)
+    error = np.abs(out.double().cpu().numpy() - expected).max() / max(np.abs(expected).max(), 1e-12)
+    assert error < 1e-5
+
+
+@pytest.mark.parametrize("shape", [(4, 0, 3, 8), (4, 2, 0, 8), (4, 2, 3, 0), (0, 2, 3, 8)])
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_a_cache_with_a_zero_dimension_is_named(shape, backend):
+    import torch
+
+    import kernels
+
+    cache = torch.zeros(shape)
+    query = torch.zeros(1, 2, shape[3])
+    with pytest.raises(ValueError, match="must all be >= 1"):
+        kernels.paged_attention_decode(query, cache, cache.clone(), torch.zeros(1, 1, dtype=torch.int32),
+                                       torch.ones(1, dtype=torch.int32), backend=backend)
+    with pytest.raises(ValueError, match="must all be >= 1"):
+        kernels.write_kv_cache(torch.zeros(1, shape[1], shape[3]), torch.zeros(1, shape[1], shape[3]), cache,
+                               cache.clone(), torch.zeros(1, dtype=torch.int64), backend=backend)

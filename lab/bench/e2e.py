@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from ..errors import InputError
 from lab.engine import EngineConfig, LLMEngine, SamplingParams
 from lab.live import random_requests
 
@@ -159,7 +160,7 @@ def run_e2e_bench(config: E2EConfig, progress=None) -> pd.DataFrame:
     """Rows per system; ``same_tokens_as_engine`` checks greedy agreement with the paged engine."""
     unknown = [name for name in config.systems if name not in SYSTEMS]
     if unknown or not config.systems:
-        raise ValueError(f"systems must be a non-empty subset of {', '.join(SYSTEMS)}; "
+        raise InputError(f"systems must be a non-empty subset of {', '.join(SYSTEMS)}; "
                          f"got {', '.join(config.systems) or 'none'}")
     device = torch.device(config.device)
     engine = LLMEngine(config.model, EngineConfig(block_size=config.block_size, device=config.device,

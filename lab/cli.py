@@ -19,14 +19,19 @@ def _bench_kernels(args) -> None:
 
     from lab.bench.kernels import KernelBenchConfig, run_kernel_bench
 
+    import pandas as pd
+
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    config = KernelBenchConfig(device=args.device, dtype=dtypes[args.dtype], batch_sizes=args.batch,
-                               context_lens=args.context, block_size=args.block_size,
-                               backends=tuple(args.backends.split(",")), repeats=args.repeats)
-    bar = tqdm(total=len(args.batch) * len(args.context), desc="kernel bench", file=sys.stderr)
-    table = run_kernel_bench(config, progress=lambda done, total: bar.update(1))
+    bar = tqdm(total=len(args.block_size) * len(args.batch) * len(args.context), desc="kernel bench",
+               file=sys.stderr)
+    tables = []
+    for block_size in args.block_size:  # several: the simulator reads the slowdown per block size from the CSV
+        config = KernelBenchConfig(device=args.device, dtype=dtypes[args.dtype], batch_sizes=args.batch,
+                                   context_lens=args.context, block_size=block_size,
+                                   backends=tuple(args.backends.split(",")), repeats=args.repeats)
+        tables.append(run_kernel_bench(config, progress=lambda done, total: bar.update(1)))
     bar.close()
-    print_and_save(table, args.out)
+    print_and_save(pd.concat(tables, ignore_index=True), args.out)
 
 
 def _bench_block_manager(args) -> None:
@@ -156,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="of Q, K and V")
     k.add_argument("--batch", type=positive_ints, default=(1, 8, 32), help="comma list of batch sizes")
     k.add_argument("--context", type=positive_ints, default=(512, 1024), help="comma list of context lengths")
-    k.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    k.add_argument("--block-size", type=positive_ints, default=(16,),
+                   help="comma list of tokens per KV block (several give the simulator its block-size curve)")
     k.add_argument("--backends", default="torch", help="comma list of torch,cupy,reference")
     k.add_argument("--repeats", type=positive_int, default=10, help="timed calls per case (median)")
     k.add_argument("--out", type=output_csv, default="benchmarks/results/kernels_cpu.csv", help="results CSV")

@@ -264,12 +264,19 @@ class Profile:
     def load(cls, path: str | Path) -> "Profile":
         """Read and check a profile file; ``ProfileError`` names what is wrong."""
         try:
-            data = json.loads(Path(path).read_text())
+            data = Path(path).read_bytes()
         except OSError as exc:
             raise ProfileError(f"cannot read profile {path}: {exc.strerror}") from None
+        return cls.from_bytes(data, str(path))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, name: str) -> "Profile":
+        """A profile from a file's bytes (an upload); ``ProfileError`` names ``name`` and what is wrong."""
+        try:
+            parsed = json.loads(data.decode("utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ProfileError(f"{path}: not a JSON profile ({exc})") from None
-        return cls.from_dict(data, str(path))
+            raise ProfileError(f"{name}: not a JSON profile ({exc})") from None
+        return cls.from_dict(parsed, name)
 
     @classmethod
     def from_dict(cls, data, name: str = "profile") -> "Profile":

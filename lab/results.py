@@ -11,7 +11,20 @@ import pandas as pd
 
 from .errors import InputError
 
-RECORDED_RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RECORDED_RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _version() -> str:
+    import tomllib
+
+    try:
+        return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "unknown"
+
+
+LAB_VERSION = _version()
 # which command writes each recorded CSV (the first pattern a file's path relative to the folder matches)
 RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cpu.csv": "python -m lab bench e2e",
                "kernels_cpu.csv": "python -m lab bench kernels", "twin_cpu*.csv": "python -m lab bench twin",

@@ -142,7 +142,7 @@ with right:
           "throughput_over_time")
 chart(charts.latency_percentiles(summary), "latency_percentiles")
 st.subheader("Summary")
-shown = ["label", "token_states_frac", "reserved_frac", "internal_frag_frac", "external_frag_frac", "free_frac",
+shown = ["label", "token_states_frac", "reserved_frac", "internal_fragmentation_frac", "external_fragmentation_frac", "free_frac",
          "sharing_saving_frac", "mean_batch_size", "peak_batch_size", "throughput_tok_s", "ttft_p50_s", "tpot_p50_s", "preemptions",
          "num_requests_completed", "num_requests_rejected", "capacity_tokens",
          "host_capacity_tokens"]

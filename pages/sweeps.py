@@ -98,7 +98,7 @@ else:
     varied = [c for c in table.columns[1:] if c not in ("error",) and table[c].nunique() > 1
               and c in WORKLOAD_FIELDS + SIM_FIELDS]
     metrics = [c for c in ("throughput_tok_s", "token_states_frac", "ttft_p90_s", "tpot_p90_s", "preemptions",
-                           "internal_frag_frac") if c in table]
+                           "internal_fragmentation_frac") if c in table]
     if len(varied) >= 1 and metrics:
         value = st.selectbox("Value", metrics)
         left, right = st.columns(2)

@@ -1,4 +1,3 @@
-import json
 
 import streamlit as st
 
@@ -49,8 +48,8 @@ with st.sidebar:
 
 if upload is not None:
     try:
-        st.session_state["twin_profile"] = Profile.from_dict(json.loads(upload.getvalue()), upload.name)
-    except USER_ERRORS as exc:  # json's and the profile's errors are ValueErrors
+        st.session_state["twin_profile"] = Profile.from_bytes(upload.getvalue(), upload.name)
+    except USER_ERRORS as exc:
         show_error(exc)
         st.stop()
 if st.button("Calibrate on this machine", key="calibrate"):

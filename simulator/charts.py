@@ -9,25 +9,22 @@ import plotly.express as px
 import plotly.graph_objects as go
 
 from lab.errors import InputError
-from .metrics import CATEGORIES
+from .metrics import CATEGORIES, CATEGORY_LABELS, SUMMARY_FRACTIONS as FRACTION_COLUMNS
 
 COLOURS = {"token_states": "#16a34a", "reserved": "#facc15", "internal_fragmentation": "#f97316",
            "external_fragmentation": "#dc2626", "free": "#cbd5e1"}
-FRACTION_COLUMNS = {"token_states": "token_states_frac", "reserved": "reserved_frac",
-                    "internal_fragmentation": "internal_frag_frac", "external_fragmentation": "external_frag_frac",
-                    "free": "free_frac"}
 
 
 def waste_bars(summary: pd.DataFrame, label: str = "label") -> go.Figure:
     """Stacked bars of the time-weighted KV breakdown per configuration (like the vLLM paper's Figure 2)."""
     figure = go.Figure()
     for name in CATEGORIES:
-        figure.add_bar(x=summary[label], y=summary[FRACTION_COLUMNS[name]] * 100, name=name,
+        figure.add_bar(x=summary[label], y=summary[FRACTION_COLUMNS[name]] * 100, name=CATEGORY_LABELS[name],
                        marker_color=COLOURS[name], hovertemplate="%{y:.1f}%")
     if "paper_token_states_frac" in summary:
         figure.add_scatter(x=summary[label], y=summary["paper_token_states_frac"] * 100, mode="markers",
-                           name="paper: token states", marker=dict(symbol="diamond", size=12, color="black"))
-    figure.update_layout(barmode="stack", title="KV memory breakdown (time-weighted mean)", yaxis_title="% of KV",
+                           name="paper: holding tokens", marker=dict(symbol="diamond", size=12, color="black"))
+    figure.update_layout(barmode="stack", title="Where the KV memory goes (time-weighted mean)", yaxis_title="% of KV",
                          height=400)
     return figure
 
@@ -36,9 +33,10 @@ def waste_areas(timeseries: pd.DataFrame, title: str) -> go.Figure:
     """Stacked areas of the breakdown over time for one run."""
     figure = go.Figure()
     for name in CATEGORIES:
-        figure.add_scatter(x=timeseries["elapsed_s"], y=timeseries[f"{name}_frac"] * 100, name=name, mode="lines",
+        figure.add_scatter(x=timeseries["elapsed_s"], y=timeseries[f"{name}_frac"] * 100, name=CATEGORY_LABELS[name],
+                           mode="lines",
                            stackgroup="kv", line=dict(width=0.5, color=COLOURS[name]))
-    figure.update_layout(title=title, xaxis_title="simulated s", yaxis_title="% of KV", height=340,
+    figure.update_layout(title=title, xaxis_title="simulated time (s)", yaxis_title="% of KV", height=340,
                          yaxis_range=[0, 100])
     return figure
 
@@ -61,8 +59,31 @@ def over_time(timeseries: dict[str, pd.DataFrame], column: str, title: str, y_la
         frames.append(points.assign(run=label))
     data = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["elapsed_s", "value", "run"])
     figure = px.line(data, x="elapsed_s", y="value", color="run", title=title,
-                     labels={"elapsed_s": "simulated s", "value": y_label})
+                     labels={"elapsed_s": "simulated time (s)", "value": y_label, "run": "allocator"})
     return figure.update_layout(height=320)
+
+
+def block_size_lines(table: pd.DataFrame) -> go.Figure:
+    """``block_size_sweep``'s table: internal fragmentation, throughput and mean running sequences against the
+    block size (log scale), one line per workload."""
+    from plotly.subplots import make_subplots
+
+    panels = (("internal_fragmentation_pct", "Internal fragmentation (% of KV)"),
+              ("throughput_tok_s", "Throughput (output tokens/s)"), ("mean_batch_size", "Mean running sequences"))
+    figure = make_subplots(rows=1, cols=3, subplot_titles=[title for _, title in panels])
+    colours = px.colors.qualitative.Plotly
+    for index, (workload, rows) in enumerate(table.groupby("workload", sort=False)):
+        for col, (column, title) in enumerate(panels, 1):
+            figure.add_scatter(x=rows["block_size"], y=rows[column], mode="lines+markers", name=str(workload),
+                               legendgroup=str(workload), showlegend=col == 1,
+                               line=dict(color=colours[index % len(colours)]),
+                               hovertemplate=f"block size %{{x}}<br>{title}: %{{y:.3g}}<extra>{workload}</extra>")
+    figure.update_xaxes(type="log", title_text="block size (tokens)", tickvals=sorted(table["block_size"].unique()))
+    return figure.update_layout(height=360, title="What the block size trades: fragmentation against kernel speed",
+                                legend_title_text="workload")
+
+
+LATENCY_LABELS = {"ttft": "Time to first token", "tpot": "Time per output token", "e2e": "End to end"}
 
 
 def latency_percentiles(summary: pd.DataFrame, label: str = "label") -> go.Figure:
@@ -71,10 +92,11 @@ def latency_percentiles(summary: pd.DataFrame, label: str = "label") -> go.Figur
     for _, run in summary.iterrows():
         for metric in ("ttft", "tpot", "e2e"):
             for q in (50, 90, 99):
-                rows.append({"run": run[label], "metric": metric, "percentile": f"p{q}",
+                rows.append({"run": run[label], "metric": LATENCY_LABELS[metric], "percentile": f"p{q}",
                              "seconds": run[f"{metric}_p{q}_s"]})
     figure = px.bar(pd.DataFrame(rows), x="percentile", y="seconds", color="run", barmode="group",
-                    facet_col="metric", title="Latency percentiles", log_y=True)
+                    facet_col="metric", title="Latency percentiles", log_y=True, labels={"run": "allocator"})
+    figure.for_each_annotation(lambda a: a.update(text=a.text.split("=", 1)[-1]))  # "TTFT", not "metric=TTFT"
     figure.update_yaxes(matches=None)
     return figure.update_layout(height=340)
 

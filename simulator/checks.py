@@ -83,8 +83,8 @@ def _holds(simulated: float, relation: str, closed_form: float) -> bool:
 
 def _checks(workload: Workload, result: SimResult) -> list[tuple[str, float, str, float]]:
     summary, config = result.summary, result.config
-    fractions = [summary[name] for name in ("token_states_frac", "reserved_frac", "internal_frag_frac",
-                                            "external_frag_frac", "free_frac")]
+    fractions = [summary[name] for name in ("token_states_frac", "reserved_frac", "internal_fragmentation_frac",
+                                            "external_fragmentation_frac", "free_frac")]
     checks = [("memory categories sum to the pool (fraction)", sum(fractions), "=", 1.0),
               ("peak KV allocated (fraction of the pool)", summary["peak_allocated_frac"], "<=", 1.0),
               ("peak batch (sequences)", summary["peak_batch_size"], "<=", config.max_num_seqs),

@@ -24,8 +24,8 @@ from .models import GPUS, MODELS
 from .presets import PAPER_FIGURE2_TOKEN_STATES, figure2_experiment, make_configs
 from .workloads import SYNTHETIC_PRESETS, SyntheticSpec, synthetic_workload
 
-SUMMARY_COLUMNS = ["allocator", "block_size", "token_states_frac", "reserved_frac", "internal_frag_frac",
-                   "external_frag_frac", "free_frac", "mean_batch_size", "throughput_tok_s", "preemptions",
+SUMMARY_COLUMNS = ["allocator", "block_size", "token_states_frac", "reserved_frac", "internal_fragmentation_frac",
+                   "external_fragmentation_frac", "free_frac", "mean_batch_size", "throughput_tok_s", "preemptions",
                    "num_requests_completed", "num_requests_rejected", "wall_time_s"]
 
 

@@ -136,7 +136,7 @@ def resolve_capacity(config: SimConfig) -> tuple[int, CostModel]:
     model = override(get_model(config.model), **config.model_overrides)
     gpu = override(get_gpu(config.gpu), **config.gpu_overrides)
     cost = CostModel(model, gpu, config.flops_efficiency, config.bandwidth_efficiency, config.step_overhead_s,
-                     tp=config.tp)
+                     tp=config.tp, block_size=config.block_size if config.allocator == "paged" else None)
     if config.kernel_csv:
         cost.calibrate_from_kernel_csv(config.kernel_csv)
     if config.capacity_tokens is not None:
@@ -397,7 +397,7 @@ class Simulator:
         else:
             duration = self.cost.iteration_time(out.num_prefill_tokens + out.num_decode_seqs,
                                                 out.prefill_attention_pairs + out.decode_kv_tokens,
-                                                out.cached_tokens_read + out.decode_kv_tokens)
+                                                out.cached_tokens_read + out.decode_kv_tokens, out.num_decode_seqs)
             if self.policy.copied_tokens != self.copied_tokens:
                 duration += self._pending_copy_time()
             if out.blocks_to_swap_out or out.blocks_to_swap_in:
@@ -524,7 +524,8 @@ class Simulator:
                    "blocks_swapped": self.swapped_blocks,
                    "generated_tokens": self.generated_tokens, "iterations": self.iteration,
                    "simulated_time_s": self.time, "bytes_copied": self.copied_tokens
-                   * self.cost.model.kv_bytes_per_token, "stopped_early": self.stopped}
+                   * self.cost.model.kv_bytes_per_token, "stopped_early": self.stopped,
+                   "kv_capacity_gib": self.policy.capacity * self.cost.model.kv_bytes_per_token / GiB}
         summary["throughput_tok_s"] = self.generated_tokens / self.time if self.time > 0 else 0.0
         summary["throughput_req_s"] = self.num_finished / self.time if self.time > 0 else 0.0
         if self.profile is not None:  # where the step prices left the profile's measured range ("" if nowhere)

@@ -22,9 +22,10 @@ CATEGORIES = ("token_states", "reserved", "internal_fragmentation", "external_fr
 STEP_FIELDS = tuple(f.name for f in fields(StepStats))
 COLUMNS = (*STEP_FIELDS, *CATEGORIES, "preemptions", "prefix_cache_hits")
 _step_fields = attrgetter(*STEP_FIELDS)
-SUMMARY_FRACTIONS = {"token_states": "token_states_frac", "reserved": "reserved_frac",
-                     "internal_fragmentation": "internal_frag_frac", "external_fragmentation": "external_frag_frac",
-                     "free": "free_frac"}
+SUMMARY_FRACTIONS = {name: f"{name}_frac" for name in CATEGORIES}  # the summary's time-weighted mean of each
+CATEGORY_LABELS = {"token_states": "Holding tokens", "reserved": "Reserved (filled later)",
+                   "internal_fragmentation": "Internal fragmentation", "external_fragmentation": "External fragmentation",
+                   "free": "Free"}
 
 
 class MetricsRecorder:

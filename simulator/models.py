@@ -158,12 +158,33 @@ def kv_capacity_tokens(model: ModelSpec, gpu: GPUSpec, gpu_memory_utilization: f
     return int(free * tp // model.kv_bytes_per_token)
 
 
+# The paged kernel's slowdown against reading the same KV contiguously, by block size: each block costs a
+# block-table lookup and a separate, shorter load, worth about DEFAULT_BLOCK_OVERHEAD_TOKENS tokens of bandwidth
+# (factor 1 + 2 / B: 3x at B = 1, 1.25x at B = 8, 1.06x at B = 32), the shape of the vLLM paper's Fig. 18a where
+# blocks below 16 slow the kernel down. A kernel CSV with several block sizes replaces it with the measured curve.
+DEFAULT_BLOCK_OVERHEAD_TOKENS = 2.0
+
+
+def block_slowdown_curve(table) -> dict[int, float]:
+    """Measured slowdown per block size from a kernel benchmark table with several block sizes: the best achieved
+    KV bandwidth over each block size's (median over the paged kernels' rows at the table's largest shape)."""
+    paged = table[table["kernel"] != "sdpa-contiguous"]
+    size = paged["batch"] * paged["context"]
+    largest = paged[size == size.max()]
+    bandwidth = largest.groupby("block_size")["kv_gb_per_s"].median()
+    return {int(b): float(bandwidth.max() / value) for b, value in bandwidth.items()}
+
+
 @dataclass(slots=True)
 class CostModel:
     """Roofline time of one iteration: max(FLOPs / achievable FLOP/s, weight bytes / achievable bandwidth + KV bytes /
     attention bandwidth) + a fixed per-step overhead. Copies (grow-by-copy) cost read + write over bandwidth. With
     tensor parallelism over ``tp`` GPUs each GPU does 1/tp of the work and every layer adds two ring all-reduces of
-    the batch's hidden states over NVLink (2 (tp - 1) / tp of the bytes, plus a fixed latency each)."""
+    the batch's hidden states over NVLink (2 (tp - 1) / tp of the bytes, plus a fixed latency each).
+
+    ``block_size`` (paged runs; None for contiguous KV) makes attention depend on it twice: every sequence reads its
+    last, partly filled block whole (on average (B - 1) / 2 slots more), and the KV bandwidth drops by the kernel's
+    slowdown at that block size (``block_slowdown``: the measured curve of a kernel CSV, else 1 + 2 / B)."""
 
     model: ModelSpec
     gpu: GPUSpec
@@ -172,7 +193,25 @@ class CostModel:
     step_overhead_s: float = 1e-3
     attention_bandwidth_bytes_s: float | None = None  # None: bandwidth x efficiency; a kernel CSV can calibrate it
     tp: int = 1
+    block_size: int | None = None  # paged KV blocks of this many tokens; None: contiguous KV
+    block_slowdowns: dict | None = None  # measured {block size: slowdown}; None: the default curve
     _terms: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
+
+    @property
+    def block_slowdown(self) -> float:
+        """How much slower the attention kernel reads KV at ``block_size`` than contiguously (1.0 for None)."""
+        if self.block_size is None:
+            return 1.0
+        if not self.block_slowdowns:
+            return 1.0 + DEFAULT_BLOCK_OVERHEAD_TOKENS / self.block_size
+        sizes = sorted(self.block_slowdowns)
+        if self.block_size <= sizes[0] or self.block_size >= sizes[-1]:
+            return self.block_slowdowns[sizes[0] if self.block_size <= sizes[0] else sizes[-1]]
+        # log-linear between the measured sizes around it
+        upper = next(s for s in sizes if s >= self.block_size)
+        lower = sizes[sizes.index(upper) - 1]
+        weight = (math.log(self.block_size) - math.log(lower)) / (math.log(upper) - math.log(lower))
+        return self.block_slowdowns[lower] * (1 - weight) + self.block_slowdowns[upper] * weight
 
     @property
     def _bandwidth(self) -> float:
@@ -182,16 +221,18 @@ class CostModel:
     def _attention_bandwidth(self) -> float:
         return self.attention_bandwidth_bytes_s or self._bandwidth
 
-    def iteration_time(self, num_tokens: int, attention_pairs: float, kv_tokens_read: float) -> float:
+    def iteration_time(self, num_tokens: int, attention_pairs: float, kv_tokens_read: float,
+                       num_decode_seqs: int = 0) -> float:
         """Seconds for an iteration over ``num_tokens`` tokens whose attention covers ``attention_pairs``
-        (query, key) pairs and reads ``kv_tokens_read`` cached tokens of KV."""
+        (query, key) pairs and reads ``kv_tokens_read`` cached tokens of KV, ``num_decode_seqs`` of them decoding
+        (each reads its last block whole when KV is paged)."""
         if num_tokens == 0:
             return 0.0
         if not self._terms:
             self._terms = self._precompute()
-        token_s, pair_s, weights_s, kv_token_s, reduce_s, reduce_token_s = self._terms
+        token_s, pair_s, weights_s, kv_token_s, reduce_s, reduce_token_s, partial_tokens = self._terms
         compute_s = token_s * num_tokens + pair_s * attention_pairs
-        memory_s = weights_s + kv_token_s * (kv_tokens_read + num_tokens)
+        memory_s = weights_s + kv_token_s * (kv_tokens_read + num_tokens + partial_tokens * num_decode_seqs)
         return (compute_s if compute_s > memory_s else memory_s) + self.step_overhead_s + \
             (reduce_s + reduce_token_s * num_tokens if self.tp > 1 else 0.0)
 
@@ -202,8 +243,10 @@ class CostModel:
         reduces = 2 * m.num_layers
         ring = 2 * (tp - 1) / tp * m.hidden_size * m.dtype_bytes / self.gpu.nvlink_bytes_s
         return (2 * m.matmul_params / peak / tp, 4 * m.num_layers * m.num_q_heads * m.head_dim / peak / tp,
-                m.weight_bytes / self._bandwidth / tp, m.kv_bytes_per_token / self._attention_bandwidth / tp,
-                reduces * self.gpu.collective_latency_s, reduces * ring)
+                m.weight_bytes / self._bandwidth / tp,
+                m.kv_bytes_per_token * self.block_slowdown / self._attention_bandwidth / tp,
+                reduces * self.gpu.collective_latency_s, reduces * ring,
+                0.0 if self.block_size is None else (self.block_size - 1) / 2)
 
     def copy_time(self, num_tokens: int) -> float:
         """Seconds to copy ``num_tokens`` tokens of KV within device memory."""
@@ -224,7 +267,8 @@ class CostModel:
 
     def calibrate_from_kernel_csv(self, path: str | Path) -> float:
         """Set the attention bandwidth from a ``python -m lab bench kernels`` CSV: the median achieved KV GB/s of
-        the paged kernels at the CSV's largest shape. Returns the bandwidth in bytes/s."""
+        the paged kernels at the CSV's largest shape; a CSV of several block sizes also gives the measured slowdown
+        per block size (``block_slowdown_curve``). Returns the bandwidth in bytes/s."""
         import numpy as np
         import pandas as pd
 
@@ -244,7 +288,13 @@ class CostModel:
             row = int(np.argmax(bad.to_numpy()))
             raise InputError(f"{path}: row {paged.index[row] + 2}, column kv_gb_per_s: {paged['kv_gb_per_s'].iloc[row]!r}"
                              f" is not a bandwidth in (0, 1e6) GB/s")
+        if "block_size" in paged and paged["block_size"].nunique() > 1:
+            self.block_slowdowns = block_slowdown_curve(paged)
         size = paged["batch"] * paged["context"]
-        self.attention_bandwidth_bytes_s = float(paged[size == size.max()]["kv_gb_per_s"].median() * 1e9)
+        largest = paged[size == size.max()]
+        if self.block_slowdowns:  # the bandwidth of the best block size; the curve prices the others
+            best = min(self.block_slowdowns, key=self.block_slowdowns.get)
+            largest = largest[largest["block_size"] == best]
+        self.attention_bandwidth_bytes_s = float(largest["kv_gb_per_s"].median() * 1e9)
         self._terms = ()
         return self.attention_bandwidth_bytes_s

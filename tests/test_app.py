@@ -57,7 +57,7 @@ def test_memory_simulator_reacts_and_exports(downloads):
     app = open_page("memory_simulator")
     clean(app)
     summary = download_table(app, downloads, "dl_summary")
-    assert {"label", "allocator", "token_states_frac", "reserved_frac", "internal_frag_frac", "external_frag_frac",
+    assert {"label", "allocator", "token_states_frac", "reserved_frac", "internal_fragmentation_frac", "external_fragmentation_frac",
             "free_frac", "mean_batch_size", "throughput_tok_s"} <= set(summary.columns)
     assert summary["num_requests_completed"].iloc[0] == 1000
     series = download_table(app, downloads, "dl_timeseries")
@@ -242,7 +242,7 @@ def test_runtime_page_bad_checkpoint_shows_an_error(tmp_path, files):
     app = open_page("runtime")
     app.text_input[0].set_value(str(tmp_path))
     app.button(key="run").click().run()
-    assert not app.exception and any("CheckpointError" in e.value for e in app.error), [e.value for e in app.error]
+    assert not app.exception and any(str(tmp_path) in e.value for e in app.error), [e.value for e in app.error]
 
 
 @pytest.mark.parametrize("source", ["simulator (paged)", "runtime engine"])

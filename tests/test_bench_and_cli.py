@@ -210,3 +210,41 @@ def test_every_option_of_every_command_says_what_it_does():
 
     for parser in (lab_parser(), simulator_parser(), sweep_parser(), plan_parser(), paper_parser(), bench_parser()):
         assert _options_without_help(parser) == [], parser.prog
+
+
+def test_the_kernel_bench_warms_every_call_up_before_timing_it(monkeypatch):
+    """The first timed shape used to pay for the process's first SDPA calls (5-8 ms against 0.05 ms alone)."""
+    from lab.bench import kernels as bench
+
+    calls, first_timed = [], {}
+    real_sdpa = bench.sdpa_decode
+
+    def counting_sdpa(*args):
+        calls.append(1)
+        return real_sdpa(*args)
+
+    real_median = bench.median_seconds
+
+    def spying_median(fn, repeats=10, warmup=2, cuda=False):
+        first_timed.setdefault("sdpa_calls_before", len(calls))
+        return real_median(fn, repeats, warmup, cuda)
+
+    monkeypatch.setattr(bench, "sdpa_decode", counting_sdpa)
+    monkeypatch.setattr(bench, "median_seconds", spying_median)
+    config = KernelBenchConfig(batch_sizes=(1,), context_lens=(32, 64), num_q_heads=4, num_kv_heads=2, head_dim=16,
+                               repeats=2)
+    bench.run_kernel_bench(config)
+    assert first_timed["sdpa_calls_before"] == 0  # the warm-up's own medians come first...
+    assert len(calls) > 2 * 2 * 3  # ...and call SDPA beyond the timed shapes' repeats and warm-up calls
+
+
+def test_a_baseline_that_gets_faster_with_context_is_refused(monkeypatch):
+    from lab.bench import kernels as bench
+
+    times = iter([8e-3, 5e-5] + [1e-4] * 100)  # the unwarmed first shape, as the page measured it
+    monkeypatch.setattr(bench, "warm_up", lambda config: None)
+    monkeypatch.setattr(bench, "median_seconds", lambda fn, repeats=10, warmup=2, cuda=False: (fn(), next(times))[1])
+    config = KernelBenchConfig(batch_sizes=(1,), context_lens=(256, 512), num_q_heads=4, num_kv_heads=2, head_dim=16,
+                               backends=(), repeats=1)
+    with pytest.raises(bench.KernelBenchError, match="context 256"):
+        bench.run_kernel_bench(config)

@@ -109,7 +109,7 @@ def test_junk_sim_config_gives_a_typed_error_or_a_complete_run(field, value):
     if ok:
         done = result.summary["num_requests_completed"] + result.summary["num_requests_rejected"]
         assert done == 4 and math.isclose(sum(result.summary[k] for k in (
-            "token_states_frac", "reserved_frac", "internal_frag_frac", "external_frag_frac", "free_frac")), 1.0)
+            "token_states_frac", "reserved_frac", "internal_fragmentation_frac", "external_fragmentation_frac", "free_frac")), 1.0)
 
 
 @SETTINGS

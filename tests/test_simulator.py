@@ -49,8 +49,8 @@ def test_categories_sum_to_capacity_and_requests_are_conserved(config, sharing):
     assert ts["step"].diff().dropna().eq(1).mean() > 0.99  # (practically) every iteration is a sample
     assert (ts[list(CATEGORIES)].sum(axis=1) == result.summary["capacity_tokens"]).all()
     assert (ts[list(CATEGORIES)] >= 0).all().all()
-    fractions = [result.summary[k] for k in ("token_states_frac", "reserved_frac", "internal_frag_frac",
-                                             "external_frag_frac", "free_frac")]
+    fractions = [result.summary[k] for k in ("token_states_frac", "reserved_frac", "internal_fragmentation_frac",
+                                             "external_fragmentation_frac", "free_frac")]
     assert math.isclose(sum(fractions), 1.0, rel_tol=1e-9)
     completed = result.requests["finish_s"].notna().to_numpy()
     assert completed.sum() + result.requests["rejected"].sum() == len(workload)
@@ -78,7 +78,7 @@ def test_unconstrained_memory_closed_forms():
         assert paged.summary["preemptions"] == 0
     pow2 = run(workload, allocator="contiguous-pow2", **big).summary
     oracle_summary = run(workload, allocator="contiguous-oracle", **big).summary
-    assert pow2["internal_frag_frac"] > 0 and oracle_summary["internal_frag_frac"] == 0
+    assert pow2["internal_fragmentation_frac"] > 0 and oracle_summary["internal_fragmentation_frac"] == 0
 
 
 @pytest.mark.parametrize("scheduling", ["prefill-first", "chunked"])
@@ -89,7 +89,7 @@ def test_contiguous_max_holds_max_model_len_per_batched_sequence_on_time_average
     workload = small_workload(num_requests=150, shared_prefix_tokens=64)
     summary = run(workload, allocator="contiguous-max", capacity_tokens=60_000, max_model_len=2048,
                   scheduling=scheduling, max_num_batched_tokens=300).summary
-    held = summary["token_states_frac"] + summary["reserved_frac"] + summary["internal_frag_frac"]
+    held = summary["token_states_frac"] + summary["reserved_frac"] + summary["internal_fragmentation_frac"]
     assert held * summary["capacity_tokens"] == pytest.approx(summary["mean_batch_size"] * 2048, rel=1e-12)
 
 
@@ -306,7 +306,7 @@ def test_paper_pow2_rounds_the_output_only_and_buddy_places_it():
     assert buddy.space.rounded(buddy.initial_size(100, final_len)) == 256
     oracle = run(small_workload(num_requests=60), allocator="contiguous-oracle", capacity_tokens=10**6).summary
     pow2 = run(small_workload(num_requests=60), allocator="contiguous-pow2", capacity_tokens=10**6).summary
-    assert pow2["internal_frag_frac"] > 0 == oracle["internal_frag_frac"]
+    assert pow2["internal_fragmentation_frac"] > 0 == oracle["internal_fragmentation_frac"]
 
 
 def _same_summary(first: dict, second: dict, ignore=("wall_time_s",)) -> list[str]:

@@ -6,6 +6,8 @@ device-to-device copy bandwidth (goal: >= 85 % of it at batch 64 x 4096).
 """
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
 import pandas as pd
@@ -13,6 +15,7 @@ import torch
 
 import kernels
 from lab.bench.timing import median_seconds
+from lab.errors import LabError
 
 
 @dataclass(slots=True)
@@ -106,15 +109,61 @@ def _row(kernel, batch, context, seconds, sdpa_seconds, kv_bytes, error) -> dict
             "vs_sdpa": seconds / sdpa_seconds, "kv_gb_per_s": kv_bytes / seconds / 1e9, "max_rel_err": error}
 
 
+class KernelBenchError(LabError):
+    """A kernel sweep's baseline is not trustworthy (see ``check_baseline``)."""
+
+
+WARM_UP_S = 0.5  # per call kind, at most: the first calls of a process pay for thread pools, lazy init, page faults
+
+
+def warm_up(config: KernelBenchConfig, max_seconds: float = WARM_UP_S) -> None:
+    """Run SDPA and every backend on the sweep's first shape until their times settle (two medians of 5 calls
+    within 10 % of each other) or ``max_seconds`` pass, so the first timed shape is not the one paying for them."""
+    batch, context = config.batch_sizes[0], config.context_lens[0]
+    query, key_cache, value_cache, block_tables, seq_lens, (keys, values) = make_paged_inputs(batch, context, config)
+    calls = [lambda: sdpa_decode(query, keys, values)]
+    for backend in config.backends:
+        calls += [call for _, call in _variants(backend, query, key_cache, value_cache, block_tables, seq_lens)]
+    cuda = config.device != "cpu"
+    for call in calls:
+        started, previous = time.perf_counter(), math.inf
+        while time.perf_counter() - started < max_seconds:
+            current = median_seconds(call, repeats=5, warmup=1, cuda=cuda)
+            if abs(current - previous) <= 0.1 * previous:
+                break
+            previous = current
+
+
+MONOTONE_SLACK = 0.7  # a longer context's baseline may read this fraction of a shorter one's before it is refused
+
+
+def check_baseline(table: pd.DataFrame) -> None:
+    """Raise ``KernelBenchError`` when the SDPA baseline gets faster as the context grows at a batch size (by more
+    than noise, ``MONOTONE_SLACK``): more KV to read cannot take less time, so such a run mismeasured (a missing
+    warm-up made exactly this: 5-8 ms at the first shape against 0.05 ms alone)."""
+    sdpa = table[table["kernel"] == "sdpa-contiguous"].sort_values(["batch", "context"])
+    for batch, rows in sdpa.groupby("batch"):
+        times, contexts = rows["median_ms"].to_numpy(), rows["context"].to_numpy()
+        for i in range(1, len(times)):
+            if times[i] < MONOTONE_SLACK * times[:i].max():
+                j = int(times[:i].argmax())
+                raise KernelBenchError(f"the SDPA baseline at batch {batch} took {times[j]:.3g} ms at context "
+                                       f"{contexts[j]} but {times[i]:.3g} ms at context {contexts[i]}: a noisy or "
+                                       f"unwarmed run; run it again on a quieter machine")
+
+
 def run_kernel_bench(config: KernelBenchConfig, progress=None) -> pd.DataFrame:
-    """Run the sweep; ``progress(done, total)`` is called after each shape."""
+    """Warm up, run the sweep and check its baseline (``check_baseline``); ``progress(done, total)`` is called
+    after each shape."""
     shapes = [(b, c) for b in config.batch_sizes for c in config.context_lens]
+    warm_up(config)
     rows = []
     for done, (batch, context) in enumerate(shapes, 1):
         rows += bench_one(batch, context, config)
         if progress:
             progress(done, len(shapes))
     table = pd.DataFrame(rows)
+    check_baseline(table)
     table["device"], table["dtype"] = config.device, str(config.dtype).replace("torch.", "")
     table["block_size"] = config.block_size
     if config.device != "cpu":

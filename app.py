@@ -1,7 +1,11 @@
 """MiniPaged Lab — `streamlit run app.py`."""
+from pathlib import Path
+
 import streamlit as st
 
-st.set_page_config(page_title="MiniPaged Lab", page_icon=":material/grid_view:", layout="wide")
+# A local file: a Material icon as the page icon made the browser fetch it from a font server
+st.set_page_config(page_title="MiniPaged Lab", page_icon=str(Path(__file__).parent / "static" / "favicon.png"),
+                   layout="wide")
 
 PAGES = [
     st.Page("pages/overview.py", title="Overview", icon=":material/home:", default=True),

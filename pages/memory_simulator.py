@@ -4,14 +4,41 @@ import pandas as pd
 import streamlit as st
 
 import simulator
-from simulator import charts
+from simulator import charts, report
 from simulator.metrics import rejection_warning
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
 
 cached_workload = st.cache_data(simulator.make_workload, show_spinner=False)
+BLOCK_SWEEP_REQUESTS = 300
+HEADLINE_CARDS = (("Allocated KV holding tokens (%)", "Allocated KV holding tokens", " %"),
+                  ("Throughput (output tokens/s)", "Throughput", " tok/s"),
+                  ("Mean running sequences", "Mean running sequences", ""),
+                  ("Waste (GiB, mean)", "KV wasted", " GiB"))
+HEADLINE_FORMAT = {"Allocated KV holding tokens (%)": st.column_config.NumberColumn(format="%.1f %%"),
+                   "Waste (% of allocated KV)": st.column_config.NumberColumn(format="%.1f %%"),
+                   "Waste (GiB, mean)": st.column_config.NumberColumn(format="%.2f GiB"),
+                   "Mean running sequences": st.column_config.NumberColumn(format="%.1f"),
+                   "Throughput (output tokens/s)": st.column_config.NumberColumn(format="%.0f")}
+
+
+def block_size_sweep(workload, configs):
+    """The block-size sweep under the page's settings: this workload and the other synthetic preset."""
+    base = next((c for c in configs if c.allocator == "paged"), configs[0])
+    workloads = {workload.name: workload.subset(range(min(len(workload), BLOCK_SWEEP_REQUESTS)))}
+    other = "alpaca" if workload.name != "alpaca" else "sharegpt"
+    spec = workload.meta.get("spec")
+    workloads[other] = cached_workload(other, num_requests=BLOCK_SWEEP_REQUESTS, rate=getattr(spec, "rate", math.inf),
+                                       max_model_len=base.max_model_len)
+    try:
+        return simulator.block_size_sweep(workloads, base)
+    except USER_ERRORS as exc:  # the comparison above stands on its own
+        st.warning(f"The block-size sweep could not run: {exc}")
+        return None
 
 st.title("Memory simulator")
-st.caption("Replay a workload against contiguous allocators and the paged block manager; see where KV memory goes.")
+st.caption("What does paging the KV cache buy? The same requests are served with each allocator on the same GPU; the "
+           "table below says how much of the memory each one hands out really holds tokens, and what that buys in "
+           "batch size and throughput. Change any setting in the sidebar and it runs again.")
 
 with st.sidebar:
     figure2 = st.toggle("vLLM paper Figure 2 setup", help="OPT-13B on A100-40GB, ShareGPT lengths, 2048 max length, "
@@ -26,18 +53,22 @@ with st.sidebar:
         time_scale = st.number_input("Time scale (multiplies arrival offsets)", 0.001, 1000.0, 1.0)
     num_requests = st.number_input("Requests (trace: max rows)", 1, 200_000, 1000, step=100)
     not_synthetic = figure2 or source != "synthetic"  # a trace keeps its own arrivals and lengths
-    rate = st.slider("Arrival rate (req/s; 0 = all at t=0)", 0.0, 200.0, 20.0, disabled=not_synthetic)
+    rate = st.slider("Arrival rate (requests/s; 0 = all at once)", 0.0, 200.0, 5.0, disabled=not_synthetic,
+                     help="Mean rate of a Poisson (or gamma) arrival process; at 5 requests/s ShareGPT-like requests "
+                          "fill OPT-13B's KV pool on an A100-40GB, so the allocators differ")
     burstiness = st.slider("Burstiness (gamma shape; 1 = Poisson)", 0.1, 4.0, 1.0, disabled=not_synthetic)
     n = st.slider("Parallel samples n", 1, 8, 1, disabled=not_synthetic)
     beam_width = st.slider("Beam width (beam search; 1 = off)", 1, 8, 1, disabled=not_synthetic,
                            help="Beams share blocks and fork or die each step (a seeded survival model); "
                                 "not together with n > 1")
     shared_prefix = st.slider("Shared system-prompt tokens", 0, 1024, 0, step=16, disabled=not_synthetic)
-    model = st.selectbox("Model", list(simulator.MODELS), index=list(simulator.MODELS).index("qwen3-8b"),
-                         disabled=figure2)
+    model = st.selectbox("Model", list(simulator.MODELS), index=list(simulator.MODELS).index("opt-13b"),
+                         disabled=figure2, help="OPT-13B on one A100-40GB is the vLLM paper's setup: 26 GB of weights "
+                                                "leave about 12,000 tokens of KV, so memory binds")
     gpu = st.selectbox("GPU", list(simulator.GPUS), index=list(simulator.GPUS).index("a100-40gb"), disabled=figure2)
     capacity = st.number_input("KV capacity override (tokens; 0 = from model and GPU)", 0, 10**8, 0, step=1000,
-                               disabled=figure2)
+                               disabled=figure2, help="0: GPU memory × utilization − weights − 1 GiB of activations, "
+                                                      "divided by the KV bytes of one token")
     utilization = st.slider("GPU memory utilization", 0.3, 1.0, 0.9, disabled=figure2)
     with st.expander("Override model / GPU figures"):
         gpu_spec, model_spec = simulator.get_gpu(gpu), simulator.get_model(model)
@@ -52,8 +83,9 @@ with st.sidebar:
                                      disabled=figure2)
     allocators = st.multiselect("Allocators", simulator.ALLOCATORS, default=list(simulator.ALLOCATORS),
                                 disabled=figure2)
-    block_sizes = st.multiselect("Paged block sizes", [1, 2, 4, 8, 16, 32, 64, 128, 256], default=[16],
-                                 disabled=figure2)
+    block_sizes = st.multiselect("Paged block sizes (tokens per block)", list(simulator.BLOCK_SIZES), default=[16],
+                                 disabled=figure2, help="Small blocks waste less of their last block but slow the "
+                                                        "attention kernel; the sweep chart below shows the trade")
     address_space = st.radio("Contiguous address space", ["first-fit", "buddy"], horizontal=True, disabled=figure2)
     scheduling = st.radio("Scheduling", ["prefill-first", "chunked"], horizontal=True, disabled=figure2)
     max_num_seqs = st.number_input("Max running sequences (max_num_seqs)", 1, 65_536, 256, key="sim_max_num_seqs",
@@ -114,8 +146,10 @@ if st.session_state.get("sim_key") != key:
         if figure2:
             summary["paper_token_states_frac"] = summary["allocator"].map(simulator.PAPER_FIGURE2_TOKEN_STATES)
         checks = simulator.closed_form_checks(workload, runs)
+        sweep = block_size_sweep(workload, configs) if not figure2 else None
         st.session_state.update(sim_key=key, sim_summary=summary, sim_series={k: r.timeseries for k, r in runs.items()},
-                                sim_workload=workload.summary(), sim_checks=checks)
+                                sim_workload=workload.summary(), sim_checks=checks, sim_block_sweep=sweep,
+                                sim_settings=report.run_settings(workload, configs[0]))
         results_store().add("simulation", f"simulation: {workload.name} × {len(configs)} configs", summary)
         results_store().add("checks", f"checks: {workload.name} × {len(configs)} configs", checks)
     except USER_ERRORS as exc:
@@ -125,11 +159,41 @@ if st.session_state.get("sim_key") != key:
 
 summary: pd.DataFrame = st.session_state["sim_summary"]
 series: dict = st.session_state["sim_series"]
+settings: dict = st.session_state["sim_settings"]
 st.caption("Workload: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                     for k, v in st.session_state["sim_workload"].items()))
 for row in summary[summary["num_requests_rejected"] > 0].itertuples():
     st.warning(rejection_warning(row._replace(allocator=row.label)) + ".")  # paged-B16, not "(B=nan)" for contiguous
+
+st.subheader("What paging buys here")
+versus = report.paged_vs_best_contiguous(summary)
+if not versus.empty:
+    cards = st.columns(len(HEADLINE_CARDS))
+    for card, (figure, label, unit) in zip(cards, HEADLINE_CARDS):
+        row = versus[versus["Figure"] == figure].iloc[0]
+        ratio = row["Paged / contiguous"]
+        comparison = f"{ratio:.2f}× the best contiguous" if ratio >= 1 or not ratio else \
+            f"{1 / ratio:.1f}× less than contiguous"
+        card.metric(label, f"{row['Paged']:,.1f}{unit}", comparison, delta_color="off", delta_arrow="off",
+                    border=True, help=f"{row['Paged run']}: {row['Paged']:,.2f}; the best contiguous allocator, "
+                                      f"{row['Contiguous run']}: {row['Best contiguous']:,.2f}")
+st.dataframe(report.headline(summary), hide_index=True, column_config=HEADLINE_FORMAT)
+if not versus.empty:
+    with st.expander("Paged against the best contiguous allocator, figure by figure"):
+        st.dataframe(versus, hide_index=True, column_config={
+            "Paged": st.column_config.NumberColumn(format="%.2f"),
+            "Best contiguous": st.column_config.NumberColumn(format="%.2f"),
+            "Paged / contiguous": st.column_config.NumberColumn(format="%.2f×")})
+with st.expander("Glossary: what these words and numbers mean"):
+    st.markdown("\n".join(f"- **{term}**: {text}" for term, text in report.GLOSSARY.items()))
+
 chart(charts.waste_bars(summary), "waste_bars")
+sweep = st.session_state.get("sim_block_sweep")
+if sweep is not None:
+    chart(charts.block_size_lines(sweep), "block_size_sweep")
+    st.caption("The paged allocator at every block size on this workload and the other synthetic preset (first "
+               f"{BLOCK_SWEEP_REQUESTS} requests each, the sidebar's model, GPU and scheduler). Throughput falls at "
+               "small blocks (the kernel's per-block cost) and at large ones (fewer sequences fit).")
 tabs = st.tabs(list(series))
 for tab, (label, frame) in zip(tabs, series.items()):
     with tab:
@@ -142,15 +206,18 @@ with right:
           "throughput_over_time")
 chart(charts.latency_percentiles(summary), "latency_percentiles")
 st.subheader("Summary")
-shown = ["label", "token_states_frac", "reserved_frac", "internal_fragmentation_frac", "external_fragmentation_frac", "free_frac",
-         "sharing_saving_frac", "mean_batch_size", "peak_batch_size", "throughput_tok_s", "ttft_p50_s", "tpot_p50_s", "preemptions",
-         "num_requests_completed", "num_requests_rejected", "capacity_tokens",
-         "host_capacity_tokens"]
-st.dataframe(summary[[c for c in shown if c in summary] + [c for c in ("paper_token_states_frac",) if c in summary]],
-             hide_index=True)
-csv_download(summary, "simulation_summary.csv", "dl_summary", "Download summary CSV")
+shown = ["label", "token_states_frac", "reserved_frac", "internal_fragmentation_frac", "external_fragmentation_frac",
+         "free_frac", "sharing_saving_frac", "mean_batch_size", "peak_batch_size", "throughput_tok_s", "ttft_p50_s",
+         "tpot_p50_s", "preemptions", "num_requests_completed", "num_requests_rejected", "capacity_tokens",
+         "host_capacity_tokens", "paper_token_states_frac"]
+st.dataframe(report.readable(summary, shown), hide_index=True,
+             column_config={label: st.column_config.NumberColumn(format="%.1f %%")
+                            for label in map(report.LABELS.get, report.PERCENT_COLUMNS)})
+csv_download(report.with_settings(summary, settings), report.export_name("summary", settings), "dl_summary",
+             "Download summary CSV (with its settings)")
 timeseries = pd.concat([f.assign(run=label) for label, f in series.items()], ignore_index=True)
-csv_download(timeseries, "simulation_timeseries.csv", "dl_timeseries", "Download timeseries CSV")
+csv_download(report.with_settings(timeseries, settings), report.export_name("timeseries", settings),
+             "dl_timeseries", "Download timeseries CSV (with its settings)")
 checks: pd.DataFrame = st.session_state["sim_checks"]
 failed = checks[~checks["holds"]]
 with st.expander(f"Checks against closed forms: {len(checks) - len(failed)} of {len(checks)} hold",
@@ -158,4 +225,5 @@ with st.expander(f"Checks against closed forms: {len(checks) - len(failed)} of {
     st.caption("Identities every run satisfies and bounds that follow from how each allocator holds memory "
                "(`simulator.checks`); a row that does not hold is a simulator bug.")
     st.dataframe(checks, hide_index=True)
-    csv_download(checks, "simulation_checks.csv", "dl_checks", "Download checks CSV")
+    csv_download(report.with_settings(checks, settings), report.export_name("checks", settings), "dl_checks",
+                 "Download checks CSV")

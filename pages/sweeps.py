@@ -3,6 +3,7 @@ import streamlit as st
 
 import simulator
 from simulator import charts
+from simulator.isolated import run_isolated
 from simulator.plan import plan_capacity
 from simulator.sweep import (SIM_FIELDS, WORKLOAD_FIELDS, default_store_path, failed_runs, read_table, run_sweep,
                              runs_failing_checks)
@@ -65,10 +66,17 @@ else:
             if mode == "sweep":
                 grid = {**{k: [v] for k, v in workload.items()}, "allocator": allocators, "block_size": block_sizes,
                         "rate": rates, "replicas": replicas, "model": [model], "gpu": [gpu]}
-                table = run_sweep(grid, STORE, parallel=on_ray, progress=False, should_stop=show).table
+                job, kwargs = "sweep", dict(grid=grid, store=STORE)
             else:
-                table = plan_capacity(workload, slos, models, gpus, tps, replicas, allocators, target or None,
-                                      parallel=on_ray, progress=False, on_progress=show).table
+                job, kwargs = "plan", dict(workload=workload, slos=slos, models=models, gpus=gpus, tps=tps,
+                                           replicas=replicas, allocators=allocators, target_rate=target or None)
+            if on_ray:  # Ray lives in a child process: a driver in the server's thread took the server down
+                result = run_isolated(job, {**kwargs, "parallel": True}, show)
+            elif job == "sweep":
+                result = run_sweep(**kwargs, parallel=False, progress=False, should_stop=show)
+            else:
+                result = plan_capacity(**kwargs, parallel=False, progress=False, on_progress=show)
+            table = result.table
             st.session_state.update(sweep_key=key, sweep_table=table)
             results_store().add(mode, f"{mode}: {len(table)} rows", table)
         except USER_ERRORS as exc:

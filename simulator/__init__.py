@@ -94,6 +94,8 @@ def block_size_sweep(workloads: dict[str, Workload], config: SimConfig,
     throughput and mean running sequences, one row per (workload, block size). Small blocks waste less of their
     last block but slow the attention kernel (``CostModel.block_slowdown``); large ones the reverse."""
     rows = []
+    if config.capacity_tokens is not None:  # a pool must hold at least one block
+        block_sizes = tuple(b for b in block_sizes if b <= config.capacity_tokens)
     for name, workload in workloads.items():
         for block_size in block_sizes:
             run = dataclasses.replace(config, allocator="paged", block_size=block_size, record_steps=False)

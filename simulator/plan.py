@@ -130,9 +130,10 @@ def plan_specs(workload: dict, models: list, gpus: list, tps: list[int], replica
 def run_plan(specs: list[dict], slos: dict[str, float], search: RateSearch | None = None,
              target_rate: float | None = None, prices: dict[str, float] | None = None, parallel: bool = True,
              address: str | None = None, num_cpus: int | None = None, progress: bool = True,
-             on_progress: Callable[[int, int], None] | None = None) -> PlanResult:
+             on_progress: Callable[[int, int], bool | None] | None = None) -> PlanResult:
     """Search every configuration's highest SLO-meeting rate (Ray tasks, or serially), price it and mark the
-    cheapest configuration that sustains ``target_rate`` (``chosen``). ``on_progress(done, total)`` after each."""
+    cheapest configuration that sustains ``target_rate`` (``chosen``). ``on_progress(done, total)`` after each;
+    when it returns True the plan stops there (pending tasks are cancelled) with the configurations searched."""
     search = search or RateSearch()
     search.check()
     prices = {**{str(s["gpu"]): get_gpu(s["gpu"]).price_per_hour for s in specs}, **(prices or {})}
@@ -145,22 +146,26 @@ def run_plan(specs: list[dict], slos: dict[str, float], search: RateSearch | Non
         remote = ray.remote(max_retries=3)(search_max_rate)
         refs = [remote.remote(spec, slos, search) for spec in specs]
         rows = []
-        for ref in refs:
+        for index, ref in enumerate(refs):
             rows.append(ray.get(ref))
-            _advance(bar, on_progress, len(rows), len(specs))
+            if _advance(bar, on_progress, len(rows), len(specs)):
+                for pending in refs[index + 1:]:
+                    ray.cancel(pending, force=True)
+                break
     else:
         rows = []
         for spec in specs:
             rows.append(search_max_rate(spec, slos, search))
-            _advance(bar, on_progress, len(rows), len(specs))
+            if _advance(bar, on_progress, len(rows), len(specs)):
+                break
     bar.close()
     return PlanResult(price_table(rows, slos, prices, target_rate), ray_init_s, prices)
 
 
-def _advance(bar, on_progress, done: int, total: int) -> None:
+def _advance(bar, on_progress, done: int, total: int) -> bool:
+    """Count one configuration; True when ``on_progress`` asks to stop."""
     bar.update(1)
-    if on_progress is not None:
-        on_progress(done, total)
+    return on_progress is not None and bool(on_progress(done, total))
 
 
 def price_table(rows: list[dict], slos: dict[str, float], prices: dict[str, float],

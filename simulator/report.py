@@ -72,8 +72,9 @@ def paged_vs_best_contiguous(summary: pd.DataFrame) -> pd.DataFrame:
     table = headline(summary)
     paged = table[summary["allocator"] == "paged"]
     contiguous = table[summary["allocator"] != "paged"]
+    columns = ["Figure", "Paged", "Paged run", "Best contiguous", "Contiguous run", "Paged / contiguous"]
     if paged.empty or contiguous.empty:
-        return pd.DataFrame(columns=["Figure", "Paged", "Best contiguous", "Paged / contiguous"])
+        return pd.DataFrame(columns=columns)
     rows = []
     for figure in table.columns[1:]:
         lower_is_better = figure.startswith("Waste")
@@ -81,10 +82,9 @@ def paged_vs_best_contiguous(summary: pd.DataFrame) -> pd.DataFrame:
             (lambda frame: frame.loc[frame[figure].idxmax()])
         best_paged, best_contiguous = pick(paged), pick(contiguous)
         ratio = best_paged[figure] / best_contiguous[figure] if best_contiguous[figure] else math.inf
-        rows.append({"Figure": figure, "Paged": f"{best_paged[figure]:,.1f} ({best_paged['Allocator']})",
-                     "Best contiguous": f"{best_contiguous[figure]:,.1f} ({best_contiguous['Allocator']})",
-                     "Paged / contiguous": ratio})
-    return pd.DataFrame(rows)
+        rows.append(dict(zip(columns, (figure, best_paged[figure], best_paged["Allocator"], best_contiguous[figure],
+                                       best_contiguous["Allocator"], ratio))))
+    return pd.DataFrame(rows, columns=columns)
 
 
 def readable(summary: pd.DataFrame, columns: list[str]) -> pd.DataFrame:

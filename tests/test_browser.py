@@ -29,6 +29,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+SERVER_PIDS: dict[str, int] = {}  # url -> the server's process id
+
+
 @contextlib.contextmanager
 def streamlit_server():
     """``streamlit run app.py`` on a free loopback port; yields its URL once it answers."""
@@ -49,6 +52,7 @@ def streamlit_server():
                 if time.time() > deadline or process.poll() is not None:
                     raise RuntimeError("streamlit did not start") from None
                 time.sleep(0.5)
+        SERVER_PIDS[url] = process.pid
         yield url
     finally:
         process.terminate()
@@ -101,6 +105,23 @@ def settle(page, charts: bool) -> None:
 def no_exception(page) -> None:
     assert page.locator('[data-testid="stException"]').count() == 0, page.locator(
         '[data-testid="stException"]').first.inner_text()
+
+
+SWEEP = {}  # when the sweep of test_a_sweep_from_the_page_finishes (the server must outlive it by 90 s)
+
+
+def test_a_sweep_from_the_page_runs(server, browser):
+    """The Sweeps page's default sweep on a local Ray. The check that the server is still up 90 s later is the last
+    test of this module, so the wait overlaps the other tests."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(f"{server}/sweeps", timeout=60_000)
+    settle(page, False)
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.wait_for_selector(".js-plotly-plot .main-svg", timeout=300_000)
+    settle(page, True)
+    no_exception(page)
+    SWEEP["finished_s"] = time.monotonic()
+    page.close()
 
 
 @pytest.mark.parametrize("path", list(PAGES))
@@ -164,3 +185,96 @@ def test_a_deep_link_on_a_fresh_server_goes_through_the_app_s_navigation(browser
         assert "Digital twin" in navigation and "Memory simulator" in navigation  # app.py's titles, not file names
         assert "ui" not in navigation.split()
         page.close()
+
+
+def download(page, name: str) -> Path:
+    """Click the download button whose label starts with ``name``; the downloaded file's path."""
+    with page.expect_download(timeout=60_000) as info:
+        page.get_by_role("button", name=name).first.click()
+    return Path(info.value.path()), info.value.suggested_filename
+
+
+def test_the_default_answer_and_a_self_describing_export(server, browser):
+    """At the defaults paging answers the question: paged's share of its allocated KV holding tokens is >= 90 %
+    and above every contiguous allocator's; the downloaded summary says what produced it and is named by it."""
+    import pandas as pd
+
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(f"{server}/memory_simulator", timeout=60_000)
+    settle(page, True)
+    no_exception(page)
+    assert "What paging buys here" in page.locator("h3").all_inner_texts()
+    path, name = download(page, "Download summary CSV")
+    summary = pd.read_csv(path)
+    share = summary["token_states_frac"] / (1 - summary["free_frac"])
+    paged = share[summary["allocator"] == "paged"].max()
+    assert paged >= 0.9 and (share[summary["allocator"] != "paged"] < paged).all()
+    assert {"workload", "num_requests", "arrival_rate_req_s", "model", "gpu", "max_model_len", "max_num_seqs",
+            "scheduling", "seed", "lab_version"} <= set(summary.columns)
+    assert summary["model"].iloc[0] in name and summary["gpu"].iloc[0] in name and name.startswith("summary_")
+    page.close()
+
+
+def test_a_block_size_change_moves_throughput_and_fragmentation(server, browser):
+    import pandas as pd
+
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(f"{server}/memory_simulator", timeout=60_000)
+    settle(page, True)
+    sizes = page.locator('[data-testid="stSidebar"] [data-testid="stMultiSelect"]').filter(has_text="block sizes")
+    sizes.scroll_into_view_if_needed()
+    sizes.locator("input").click()
+    page.keyboard.type("128")
+    page.get_by_role("option", name="128", exact=True).click()
+    page.keyboard.press("Escape")
+    page.wait_for_timeout(1000)
+    settle(page, True)
+    no_exception(page)
+    summary = pd.read_csv(download(page, "Download summary CSV")[0]).set_index("label")
+    small, large = summary.loc["paged-B16"], summary.loc["paged-B128"]
+    assert large["internal_fragmentation_frac"] > small["internal_fragmentation_frac"]
+    assert large["throughput_tok_s"] != small["throughput_tok_s"]
+    assert page.locator(".js-plotly-plot").filter(has_text="block size").count() >= 1  # the sweep chart
+    page.close()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its threads (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_idle_block_pool_page_does_not_burn_a_core(server, browser):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(f"{server}/block_pool", timeout=60_000)
+    settle(page, True)
+    pid = SERVER_PIDS[server]
+    before, started = _cpu_seconds(pid), time.monotonic()
+    page.wait_for_timeout(8_000)
+    busy = (_cpu_seconds(pid) - before) / (time.monotonic() - started)
+    assert busy < 0.1, f"the server used {busy:.0%} of a core while the page sat idle"
+    page.close()
+
+
+def test_no_request_leaves_the_machine(server, browser):
+    """A walk through every page asks nothing of any host but the server (no font or icon server)."""
+    from urllib.parse import urlparse
+
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    requested = []
+    page.on("request", lambda request: requested.append(request.url))
+    for path in PAGES:
+        page.goto(f"{server}/{path}", timeout=60_000)
+        settle(page, path in CHART_PAGES)
+    outside = sorted({url for url in requested if urlparse(url).scheme in ("http", "https", "ws", "wss")
+                      and urlparse(url).hostname != "127.0.0.1"})
+    assert len(requested) > 50 and not outside, outside
+    page.close()
+
+
+def test_the_server_outlives_the_sweep_by_90_seconds(server):
+    """A Ray driver in the server's script thread once took the server down about 60 s after a sweep."""
+    assert "finished_s" in SWEEP, "the sweep test did not finish"
+    time.sleep(max(0.0, SWEEP["finished_s"] + 90 - time.monotonic()))
+    with urllib.request.urlopen(f"{server}/_stcore/health", timeout=10) as response:
+        assert response.status == 200

@@ -104,16 +104,31 @@ def kernel_bandwidth_figure(table: pd.DataFrame) -> go.Figure:
 
 
 def engine_live_figure(steps: pd.DataFrame) -> go.Figure:
-    """Running / waiting / swapped sequences and KV blocks in use (device and host) per step."""
-    figure = go.Figure()
-    series = (("num_running", "running"), ("num_waiting", "waiting"), ("num_swapped", "swapped"),
-              ("blocks_in_use", "KV blocks"), ("cpu_blocks_in_use", "host KV blocks"))
-    for column, name in series:
-        if column in steps and (column not in ("num_swapped", "cpu_blocks_in_use") or steps[column].any()):
-            figure.add_scatter(x=steps["elapsed_s"], y=steps[column], name=name, mode="lines")
-    figure.update_layout(title="Engine state over time", xaxis_title="s", height=320,
-                         margin=dict(l=10, r=10, t=40, b=10))
+    """Sequences (running / waiting / swapped) above, KV blocks in use (device and host) below: two counts of
+    different things, each on its own axis, over the run's time."""
+    from plotly.subplots import make_subplots
+
+    figure = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08)
+    panels = ((1, (("num_running", "running"), ("num_waiting", "waiting"), ("num_swapped", "swapped out"))),
+              (2, (("blocks_in_use", "KV blocks on the device"), ("cpu_blocks_in_use", "KV blocks on the host"))))
+    for row, series in panels:
+        for column, name in series:
+            if column in steps and (column not in ("num_swapped", "cpu_blocks_in_use") or steps[column].any()):
+                figure.add_scatter(x=steps["elapsed_s"], y=steps[column], name=name, mode="lines", row=row, col=1)
+    figure.update_yaxes(title_text="sequences", rangemode="tozero", row=1, col=1)
+    figure.update_yaxes(title_text="KV blocks", rangemode="tozero", row=2, col=1)
+    figure.update_xaxes(title_text="time since the run started (s)", row=2, col=1)
+    figure.update_layout(title="Engine state over time", height=420, margin=dict(l=10, r=10, t=40, b=10))
     return figure
+
+
+def format_bytes(num_bytes: float) -> str:
+    """``920 MiB``, ``1.9 GiB``: short enough for a metric tile."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            value = num_bytes / scale
+            return f"{value:.1f} {unit}" if value < 10 else f"{value:,.0f} {unit}"
+    return f"{num_bytes:.0f} B"
 
 
 def latency_histograms(requests: pd.DataFrame) -> go.Figure:
@@ -126,8 +141,37 @@ def latency_histograms(requests: pd.DataFrame) -> go.Figure:
     return figure.update_layout(height=320, showlegend=False)
 
 
+def static_batching_note(table: pd.DataFrame) -> str:
+    """Why HF static batching beat the paged engine, when it did (empty otherwise)."""
+    rate = dict(zip(table["system"], table["output_tok_s"]))
+    if "hf-static" not in rate or "paged-engine" not in rate or rate["hf-static"] <= rate["paged-engine"]:
+        return ""
+    return (f"HF static batching served {rate['hf-static']:,.0f} output tokens/s against the paged engine's "
+            f"{rate['paged-engine']:,.0f}. On a small load that fits one batch this is expected: a static batch runs "
+            "one padded forward per step with no scheduling, while this engine is Python that builds block tables "
+            "and slot mappings every step. Paging pays off when requests of mixed lengths arrive and finish at "
+            "different times: a static batch then waits for its longest member and cannot admit new requests, "
+            "which is the README's 64-request benchmark.")
+
+
 def system_comparison_figure(table: pd.DataFrame) -> go.Figure:
     """Output tokens/s per serving system."""
     figure = px.bar(table, x="system", y="output_tok_s", color="system", title="Output tokens/s",
                     labels={"output_tok_s": "tokens/s"})
     return figure.update_layout(height=320, showlegend=False)
+
+
+def headline_figure(table: pd.DataFrame) -> go.Figure:
+    """Each headline figure as a multiple of its goal (inverted where lower is better), so the line at 1 is the
+    goal for all of them: green bars meet it, red ones do not."""
+    data = table.dropna(subset=["latest_over_goal"])
+    colours = ["#16a34a" if met else "#dc2626" for met in data["met"]]
+    text = [f"{value:,.4g} {unit} (goal {goal})" for value, unit, goal in
+            zip(data["latest"], data["unit"], data["goal"])]
+    figure = go.Figure(go.Bar(x=data["latest_over_goal"], y=data["benchmark"], orientation="h", marker_color=colours,
+                              text=text, textposition="auto", hovertemplate="%{y}<br>%{text}<extra></extra>"))
+    figure.add_vline(x=1.0, line_dash="dash", line_color="black", annotation_text="goal")
+    figure.update_layout(title="Latest figure against its goal (≥ 1 meets it)", height=120 + 40 * len(data),
+                         xaxis_title="latest / goal (goal / latest where lower is better)",
+                         yaxis=dict(autorange="reversed"), margin=dict(l=10, r=10, t=40, b=10))
+    return figure

@@ -138,3 +138,80 @@ def print_and_save(table: pd.DataFrame, out: str | None, columns: list[str] | No
 def to_csv_bytes(table: pd.DataFrame) -> bytes:
     """CSV bytes for a download button."""
     return table.to_csv(index=False).encode()
+
+
+# ---- headline figures ------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Headline:
+    """One headline figure: how to read its latest value from a recorded CSV and the goal it is held to."""
+
+    name: str
+    file: str  # under benchmarks/results/
+    read: object  # table -> float
+    unit: str
+    goal: float | None  # None: no goal, a figure to watch
+    higher_is_better: bool = True
+
+    def met(self, value: float) -> bool | None:
+        if self.goal is None or value != value:
+            return None
+        return value >= self.goal if self.higher_is_better else value <= self.goal
+
+
+def _row_value(column: str, **where):
+    def read(table: pd.DataFrame) -> float:
+        rows = table
+        for key, value in where.items():
+            rows = rows[rows[key] == value]
+        return float(rows[column].iloc[0]) if len(rows) else float("nan")
+    return read
+
+
+def _twin_within(table: pd.DataFrame) -> float:
+    p50 = table[table["metric"].isin(["throughput_tok_s", "ttft_p50_s", "tpot_p50_s"])
+                & ~table["load"].isin(["profile"])]
+    return float((p50["rel_error"].abs() <= 0.10).mean() * 100) if len(p50) else float("nan")
+
+
+HEADLINES = [
+    Headline("Paged engine vs HF continuous batching, output tokens/s (CPU, tiny Qwen3, 64 requests)", "e2e_cpu.csv",
+             _row_value("speedup_vs_hf_continuous", system="paged-engine"), "×", 2.0),
+    Headline("Scheduler's share of the engine's step time (CPU)", "e2e_cpu.csv",
+             lambda t: 100 * _row_value("scheduler_share", system="paged-engine")(t), "%", 5.0, False),
+    Headline("Paged decode kernel time vs SDPA, batch 32 × 1,024 tokens (CPU, torch backend)", "kernels_cpu.csv",
+             _row_value("vs_sdpa", kernel="torch", batch=32, context=1024), "×", 1.2, False),
+    Headline("Simulator speed, paged vs contiguous-oracle, Azure conversation trace", "simulator.csv",
+             _row_value("value", case="paged / contiguous-oracle speed"), "×", 0.8),
+    Headline("Simulator speed, Azure conversation trace (19,366 requests)", "simulator.csv",
+             _row_value("value", case="azure-conv replay, paged"), "requests/s", 20_000),
+    Headline("Sweep of 200 simulations: local Ray on 2 CPUs vs serial", "sweep.csv",
+             _row_value("value", case="Ray / serial sweep speed"), "×", 1.5),
+    Headline("Digital twin: p50s simulated within 10 % of the real engine (CPU)", "twin_cpu.csv", _twin_within, "%",
+             100.0),
+    Headline("vLLM paper Fig. 2: paged KV holding tokens (paper: 96.3 %)", "paper/figure2.csv",
+             lambda t: 100 * _row_value("token_states_frac", allocator="paged")(t), "% of KV", 90.0),
+    Headline("Paged engine vs HF continuous batching on an H200 (Qwen3-0.6B shapes)", "gpu/e2e_gpu.csv",
+             _row_value("speedup_vs_hf_continuous", system="paged-engine"), "×", 5.0),
+]
+
+
+def headline_results(folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
+    """The latest value of every headline figure from the recorded CSVs, beside its goal: ``benchmark``,
+    ``latest``, ``unit``, ``goal`` (text), ``met`` (True, False, or None when there is no goal or no value),
+    ``latest_over_goal`` (the figure as a multiple of its goal, inverted where lower is better: >= 1 means met),
+    ``file`` and the ``command`` that reruns it."""
+    rows = []
+    for headline in HEADLINES:
+        path = folder / headline.file
+        try:
+            value = headline.read(_read_csv_table(path, headline.file)) if path.is_file() else float("nan")
+        except (KeyError, IndexError, ValueError):
+            value = float("nan")
+        goal = "" if headline.goal is None else f"{'≥' if headline.higher_is_better else '≤'} {headline.goal:g}"
+        ratio = float("nan") if headline.goal is None or value != value else \
+            (value / headline.goal if headline.higher_is_better else headline.goal / value if value else float("inf"))
+        command = next((c for pattern, c in RECORDED_BY.items() if Path(headline.file).match(pattern)), "")
+        rows.append({"benchmark": headline.name, "latest": value, "unit": headline.unit, "goal": goal,
+                     "met": headline.met(value), "latest_over_goal": ratio, "file": headline.file,
+                     "command": command})
+    return pd.DataFrame(rows)

@@ -1,12 +1,27 @@
 import streamlit as st
 
-from lab.results import read_recorded, recorded_results
-from pages._ui import USER_ERRORS, csv_download, results_store, show_error
+from lab.charts import headline_figure
+from lab.results import headline_results, read_recorded, recorded_results
+from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
 
 st.title("Benchmarks")
-st.caption("Every result produced in this session — simulations, kernel sweeps, runtime runs — side by side, and the "
-           "benchmark results recorded in this repository.")
+st.caption("The lab's headline figures as last recorded in this repository, each against its goal; then every "
+           "result of this session side by side.")
 store = results_store()
+
+
+def headlines():
+    table = headline_results()
+    met = table["met"].dropna()
+    st.subheader(f"Headline figures: {int(met.sum())} of {len(met)} goals met")
+    chart(headline_figure(table), "headlines")
+    st.dataframe(table.drop(columns=["latest_over_goal"]), hide_index=True, column_config={
+        "latest": st.column_config.NumberColumn("latest", format="%.4g"),
+        "met": st.column_config.CheckboxColumn("goal met"),
+        "benchmark": st.column_config.TextColumn("benchmark", width="large")})
+    st.caption("Read from the CSVs in `benchmarks/results/` (each `command` writes its file), so they survive the "
+               "browser session; `benchmarks/results/HISTORY.md` says what moved each figure.")
+    csv_download(table, "headline_figures.csv", "dl_headlines", "Download the headline figures (CSV)")
 
 upload = st.file_uploader("Load a previously exported CSV", type=["csv"])
 if upload is not None and st.session_state.get("loaded_upload") != upload.file_id:
@@ -18,13 +33,17 @@ if upload is not None and st.session_state.get("loaded_upload") != upload.file_i
 
 
 def session_results():
+    st.subheader("This session's results")
     if not store.names():
         st.info("No results yet: run the memory simulator, the kernel lab or the runtime, load a CSV, or add a "
                 "recorded result below.")
         return
     st.dataframe(store.listing(), hide_index=True)
     csv_download(store.listing(), "results_listing.csv", "dl_listing", "Download this list (CSV)")
-    chosen = st.multiselect("Compare", store.names(), default=store.names()[-2:])
+    latest = store.results[store.names()[-1]]
+    same_kind = [name for name, result in store.results.items() if result.kind == latest.kind][-2:]
+    chosen = st.multiselect("Compare", store.names(), default=same_kind,
+                            help="by default the two latest results of the latest result's kind")
     if chosen:
         table = store.side_by_side(chosen)
         st.dataframe(table, hide_index=True)
@@ -56,5 +75,6 @@ def recorded():
         st.rerun()
 
 
+headlines()
 session_results()
 recorded()

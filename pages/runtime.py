@@ -4,7 +4,8 @@ import pandas as pd
 import streamlit as st
 
 from lab.bench.e2e import E2EConfig, run_e2e_bench
-from lab.charts import engine_live_figure, latency_histograms, system_comparison_figure
+from lab.charts import (engine_live_figure, format_bytes, latency_histograms, static_batching_note,
+                        system_comparison_figure)
 from lab.engine import EngineConfig
 from lab.live import RuntimeRunConfig, run_runtime, throttled
 from lab.model import load_hf_model
@@ -33,14 +34,14 @@ with st.sidebar:
     n = st.slider("Parallel samples n", 1, 8, 1)
     temperature = st.slider("Temperature", 0.0, 2.0, 0.0)
     backend = st.selectbox("Attention backend", ["auto", "torch", "reference", "cupy"])
-    scheduling = st.radio("Scheduling", ["prefill-first", "chunked"], horizontal=True,
+    scheduling = st.radio("Scheduling", ["prefill-first", "chunked"], horizontal=True, key="runtime_scheduling",
                           help="chunked: every step decodes all running sequences, then fills the token budget "
                                "with prompt chunks (vLLM V1 / Sarathi)")
     max_num_seqs = st.number_input("Max running sequences (max_num_seqs)", 1, 1024, 32, key="runtime_max_num_seqs",
                                    help="continuous batching's cap on the sequences a step decodes")
     budget = st.number_input("Token budget per step (max_num_batched_tokens)", 1, 65_536, 4096,
                              key="runtime_budget")
-    preemption = st.radio("Preemption", ["recompute", "swap"], horizontal=True,
+    preemption = st.radio("Preemption", ["recompute", "swap"], horizontal=True, key="runtime_preemption",
                           help="swap: preempted sequences move to a host KV pool and come back later")
     run = st.button("Run", type="primary", key="run")
 
@@ -50,21 +51,23 @@ engine_config = EngineConfig(block_size=block_size, num_blocks=int(num_blocks), 
 config = RuntimeRunConfig(model=model, num_requests=num_requests, prompt_len_range=prompt_range,
                           max_tokens_range=output_range, shared_prefix_tokens=shared_prefix, n=n,
                           temperature=temperature, engine=engine_config)
+# One slot for the live view and the finished run: a new run replaces the last one's tiles instead of drawing its
+# own above them.
+slot = st.empty()
 if run or "runtime_run" not in st.session_state:
-    slot = st.empty()
     live = slot.container(border=True)
-    tiles = [col.empty() for col in live.columns(7)]
+    tiles = [col.empty() for row in range(2) for col in live.columns(4)][:7]
     plot = live.empty()
     history = []
 
     def draw(stats):
         elapsed = max(stats.elapsed_s, 1e-9)
-        for tile, (label, value) in zip(tiles, [("tokens/s", f"{stats.generated_tokens / elapsed:,.0f}"),
-                                                ("running", stats.num_running), ("waiting", stats.num_waiting),
-                                                ("KV blocks used", stats.blocks_in_use),
-                                                ("preemptions", sum(s.num_preempted + s.num_swapped_out
-                                                                    for s in history)), ("step", stats.step),
-                                                ("peak memory", f"{stats.peak_memory_bytes / 2**20:,.0f} MiB")]):
+        preempted = sum(s.num_preempted + s.num_swapped_out for s in history)
+        for tile, (label, value) in zip(tiles, [("Output tokens/s", f"{stats.generated_tokens / elapsed:,.0f}"),
+                                                ("Running", stats.num_running), ("Waiting", stats.num_waiting),
+                                                ("KV blocks used", stats.blocks_in_use), ("Preemptions", preempted),
+                                                ("Step", stats.step),
+                                                ("Peak memory", format_bytes(stats.peak_memory_bytes))]):
             tile.metric(label, value)
         plot.plotly_chart(engine_live_figure(pd.DataFrame([dataclasses.asdict(s) for s in history])))
 
@@ -81,19 +84,21 @@ if run or "runtime_run" not in st.session_state:
         results_store().add("runtime", f"runtime: {model}, {num_requests} requests, B={block_size}",
                             pd.DataFrame([result.summary]))
     except USER_ERRORS as exc:
+        slot.empty()
         show_error(exc)
         st.stop()
-    slot.empty()  # the final charts below replace the live view
 
 result = st.session_state["runtime_run"]
 summary = result.summary
-cols = st.columns(5)
-cols[0].metric("output tokens/s", f"{summary['output_tok_s']:,.0f}")
-cols[1].metric("peak KV blocks", f"{summary['peak_kv_blocks']} / {summary['num_kv_blocks']}")
-cols[2].metric("prefix hit rate", f"{summary['prefix_hit_rate']:.0%}")
-cols[3].metric("preemptions", summary["preemptions"])
-cols[4].metric("peak memory", f"{summary['peak_memory_bytes'] / 2**20:,.0f} MiB")
-chart(engine_live_figure(result.steps), "engine_state")
+with slot.container():
+    cols = st.columns(5)
+    cols[0].metric("Output tokens/s", f"{summary['output_tok_s']:,.0f}")
+    cols[1].metric("Peak KV blocks", f"{summary['peak_kv_blocks']} / {summary['num_kv_blocks']}")
+    cols[2].metric("Prefix-cache hit rate", f"{summary['prefix_hit_rate']:.0%}")
+    cols[3].metric("Preemptions", summary["preemptions"])
+    cols[4].metric("Peak memory", format_bytes(summary["peak_memory_bytes"]),
+                   help="the device's peak allocation on a GPU; the process's peak resident memory on the CPU")
+    chart(engine_live_figure(result.steps), "engine_state")
 if len(result.requests):
     chart(latency_histograms(result.requests), "latency_hist")
 st.dataframe(result.requests, hide_index=True)
@@ -101,14 +106,22 @@ csv_download(result.requests, "runtime_requests.csv", "dl_requests", "Download p
 csv_download(pd.DataFrame([summary]), "runtime_summary.csv", "dl_runtime_summary", "Download run summary CSV")
 
 st.subheader("Against HF generation")
-systems = st.multiselect("Systems", ["paged-engine", "paged-engine-chunked", "hf-static", "hf-continuous"],
-                         default=["paged-engine", "hf-static"])
-if st.button("Compare on this request mix", key="compare"):
+st.caption("The README's serving benchmark (`python -m lab bench e2e`): the paged engine against HF transformers "
+           "serving the same requests one by one as they finish (*HF continuous batching*: a new request joins as "
+           "soon as one ends) and in fixed batches (*HF static batching*: a batch starts together and waits for its "
+           "longest member).")
+workload = st.radio("Requests", ["the README's benchmark: 64 requests, prompts 16–512, outputs 16–256",
+                                 "this page's request mix"], key="compare_workload")
+systems = st.multiselect("Systems", list(E2EConfig().systems), default=["paged-engine", "hf-continuous", "hf-static"])
+if st.button("Compare", key="compare"):
+    bench = E2EConfig(model=model, block_size=block_size, attention_backend=backend, systems=tuple(systems),
+                      repeats=1)
+    if workload.startswith("this page"):
+        bench = dataclasses.replace(bench, num_requests=num_requests, prompt_range=prompt_range,
+                                    output_range=output_range)
     try:
         with st.spinner("running the comparison…"):
-            table = run_e2e_bench(E2EConfig(model=model, num_requests=num_requests, prompt_range=prompt_range,
-                                            output_range=output_range, block_size=block_size,
-                                            attention_backend=backend, systems=tuple(systems), repeats=1))
+            table = run_e2e_bench(bench)
         st.session_state["runtime_compare"] = table
         results_store().add("runtime", f"serving comparison: {model}", table)
     except USER_ERRORS as exc:
@@ -116,5 +129,8 @@ if st.button("Compare on this request mix", key="compare"):
 if "runtime_compare" in st.session_state:
     table = st.session_state["runtime_compare"]
     chart(system_comparison_figure(table), "systems")
+    note = static_batching_note(table)
+    if note:
+        st.info(note)
     st.dataframe(table, hide_index=True)
     csv_download(table, "serving_comparison.csv", "dl_compare")

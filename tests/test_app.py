@@ -144,10 +144,12 @@ def test_runtime_page_runs_and_reports_errors(downloads):
     app.button(key="run").click().run()
     clean(app)
     assert len(download_table(app, downloads, "dl_requests")) == 4
+    app.radio(key="compare_workload").set_value("this page's request mix")
     app.button(key="compare").click().run()
     clean(app)
     comparison = download_table(app, downloads, "dl_compare")
-    assert list(comparison["system"]) == ["paged-engine", "hf-static"] and comparison["same_tokens_as_engine"].all()
+    assert list(comparison["system"]) == ["paged-engine", "hf-continuous", "hf-static"]
+    assert comparison["same_tokens_as_engine"].all() and comparison["num_requests"].eq(4).all()
     app.number_input(key="runtime_num_blocks").set_value(2)  # a KV pool smaller than one request
     app.button(key="run").click().run()
     assert not app.exception and any("KV pool" in e.value for e in app.error)
@@ -206,10 +208,10 @@ def test_runtime_page_runs_chunked_prefill_with_swap_preemption(downloads):
     app = open_page("runtime")
     app.slider[0].set_value(12)
     app.number_input(key="runtime_num_blocks").set_value(24)  # a small pool: preemption by swapping
-    app.radio[0].set_value("chunked")
+    app.radio(key="runtime_scheduling").set_value("chunked")
     app.number_input(key="runtime_budget").set_value(32)
     app.number_input(key="runtime_max_num_seqs").set_value(3)  # the pool alone would let 4 run
-    app.radio[1].set_value("swap")
+    app.radio(key="runtime_preemption").set_value("swap")
     app.button(key="run").click().run()
     clean(app)
     run = app.session_state["runtime_run"]
@@ -368,3 +370,22 @@ def test_paper_page_runs_figures_and_exports(downloads):
     summary = download_table(app, downloads, "dl_paper")
     assert list(summary.columns) == ["figure", "quantity", "paper", "lab", "verdict"]
     assert set(summary["figure"].astype(str)) == {"2", "19"} and app.get("plotly_chart")
+
+
+def test_benchmarks_page_opens_on_the_headline_figures_against_their_goals():
+    from lab.results import HEADLINES
+
+    app = open_page("benchmarks")
+    clean(app)
+    assert any(h.value.startswith("Headline figures:") for h in app.subheader)
+    table = app.dataframe[0].value
+    assert len(table) == len(HEADLINES) and table["latest"].notna().all()  # read from benchmarks/results/
+    assert set(table["goal"]) >= {"≥ 2", "≤ 1.2"} and table["command"].str.len().gt(0).all()
+
+
+def test_runtime_page_explains_when_static_batching_wins():
+    from lab.charts import static_batching_note
+
+    table = pd.DataFrame({"system": ["paged-engine", "hf-continuous", "hf-static"], "output_tok_s": [1360, 800, 2294]})
+    assert "small load" in static_batching_note(table)
+    assert static_batching_note(table.assign(output_tok_s=[3000, 800, 2000])) == ""

@@ -34,6 +34,12 @@ def _bench_kernels(args) -> None:
     print_and_save(pd.concat(tables, ignore_index=True), args.out)
 
 
+def _headlines(args) -> None:
+    from lab.results import headline_markdown
+
+    print(headline_markdown())
+
+
 def _bench_block_manager(args) -> None:
     from lab.bench.block_manager import run_block_manager_bench
 
@@ -191,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--device", type=device, default=None, help=DEVICE_HELP)
     w.add_argument("--out", type=output_csv, default="benchmarks/results/twin_cpu.csv", help="results CSV")
     w.set_defaults(run=_bench_twin)
+
+    h = commands.add_parser("headlines", help="the headline figures from benchmarks/results/ against their goals "
+                                              "(the README's table, as Markdown)")
+    h.set_defaults(run=_headlines)
 
     g = commands.add_parser("generate", help="generate with the paged engine")
     _model_options(g)

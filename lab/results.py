@@ -195,6 +195,11 @@ HEADLINES = [
 ]
 
 
+def _figure(value: float) -> str:
+    """3 significant digits, thousands separated: ``4.23``, ``0.921``, ``26,900``."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+
+
 def headline_results(folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
     """The latest value of every headline figure from the recorded CSVs, beside its goal: ``benchmark``,
     ``latest``, ``unit``, ``goal`` (text), ``met`` (True, False, or None when there is no goal or no value),
@@ -207,7 +212,8 @@ def headline_results(folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
             value = headline.read(_read_csv_table(path, headline.file)) if path.is_file() else float("nan")
         except (KeyError, IndexError, ValueError):
             value = float("nan")
-        goal = "" if headline.goal is None else f"{'≥' if headline.higher_is_better else '≤'} {headline.goal:g}"
+        goal = "" if headline.goal is None else \
+            f"{'≥' if headline.higher_is_better else '≤'} {_figure(headline.goal)}"
         ratio = float("nan") if headline.goal is None or value != value else \
             (value / headline.goal if headline.higher_is_better else headline.goal / value if value else float("inf"))
         command = next((c for pattern, c in RECORDED_BY.items() if Path(headline.file).match(pattern)), "")
@@ -215,3 +221,13 @@ def headline_results(folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
                      "met": headline.met(value), "latest_over_goal": ratio, "file": headline.file,
                      "command": command})
     return pd.DataFrame(rows)
+
+
+def headline_markdown(folder: Path = RECORDED_RESULTS) -> str:
+    """``headline_results`` as the README's Markdown table."""
+    lines = ["| figure | latest | goal | command |", "|---|---|---|---|"]
+    for row in headline_results(folder).itertuples():
+        mark = "" if row.met is None else " ✓" if row.met else " ✗"
+        value = "not measured" if row.latest != row.latest else f"**{_figure(row.latest)} {row.unit}**{mark}"
+        lines.append(f"| {row.benchmark} | {value} | {row.goal} {row.unit if row.goal else ''} | `{row.command}` |")
+    return "\n".join(lines)

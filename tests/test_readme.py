@@ -1,0 +1,31 @@
+"""The README fits a page and quotes the recorded figures as they are."""
+import re
+from pathlib import Path
+
+from lab.results import headline_markdown
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def test_the_readme_fits_a_page():
+    lines = README.splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; move detail into docs/"
+    assert not [n for n, line in enumerate(lines, 1) if len(line) > 200]
+
+
+def test_the_readme_s_headline_table_is_the_recorded_one():
+    """`python -m lab headlines` prints the table from benchmarks/results/; rerun it after a benchmark."""
+    assert headline_markdown() in README
+
+
+def test_every_link_into_docs_resolves():
+    for target in re.findall(r"\]\(((?:docs|benchmarks)/[^)#]+)", README):
+        assert (ROOT / target).exists(), target
+
+
+def test_the_two_commands_are_the_ones_ci_runs():
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "pip install -r requirements.txt && python -m pytest" in README
+    assert ci[-1] == "pip install -r requirements.txt && python -m pytest"
+    assert "pip install -r requirements.txt && streamlit run app.py" in README

@@ -122,9 +122,20 @@ def save_csv(table: pd.DataFrame, path: str | None) -> None:
     """Write ``table`` to ``path`` (folders created) and say so; nothing when ``path`` is empty."""
     if not path:
         return
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    table.to_csv(path, index=False)
+    write_atomically(Path(path), lambda temporary: table.to_csv(temporary, index=False))
     print(f"wrote {path}")
+
+
+def write_atomically(path: Path, write) -> None:
+    """``write(temporary_path)``, then rename it to ``path``: a reader (or an interrupted run) never sees a file
+    written half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.partial")
+    try:
+        write(temporary)
+        temporary.replace(path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def print_and_save(table: pd.DataFrame, out: str | None, columns: list[str] | None = None) -> None:

@@ -9,6 +9,7 @@ from simulator.metrics import rejection_warning
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
 
 cached_workload = st.cache_data(simulator.make_workload, show_spinner=False)
+DEFAULTS = simulator.APP_DEFAULTS
 BLOCK_SWEEP_REQUESTS = 300
 HEADLINE_CARDS = (("Allocated KV holding tokens (%)", "Allocated KV holding tokens", " %"),
                   ("Throughput (output tokens/s)", "Throughput", " tok/s"),
@@ -51,9 +52,9 @@ with st.sidebar:
         upload = st.file_uploader("Trace (Azure CSV, Mooncake JSONL or arrival_time_s,prompt_tokens,output_tokens)",
                                   type=["csv", "jsonl", "json"])
         time_scale = st.number_input("Time scale (multiplies arrival offsets)", 0.001, 1000.0, 1.0)
-    num_requests = st.number_input("Requests (trace: max rows)", 1, 200_000, 1000, step=100)
+    num_requests = st.number_input("Requests (trace: max rows)", 1, 200_000, DEFAULTS["num_requests"], step=100)
     not_synthetic = figure2 or source != "synthetic"  # a trace keeps its own arrivals and lengths
-    rate = st.slider("Arrival rate (requests/s; 0 = all at once)", 0.0, 200.0, 5.0, disabled=not_synthetic,
+    rate = st.slider("Arrival rate (requests/s; 0 = all at once)", 0.0, 200.0, DEFAULTS["rate"], disabled=not_synthetic,
                      help="Mean rate of a Poisson (or gamma) arrival process; at 5 requests/s ShareGPT-like requests "
                           "fill OPT-13B's KV pool on an A100-40GB, so the allocators differ")
     burstiness = st.slider("Burstiness (gamma shape; 1 = Poisson)", 0.1, 4.0, 1.0, disabled=not_synthetic)
@@ -62,10 +63,11 @@ with st.sidebar:
                            help="Beams share blocks and fork or die each step (a seeded survival model); "
                                 "not together with n > 1")
     shared_prefix = st.slider("Shared system-prompt tokens", 0, 1024, 0, step=16, disabled=not_synthetic)
-    model = st.selectbox("Model", list(simulator.MODELS), index=list(simulator.MODELS).index("opt-13b"),
+    model = st.selectbox("Model", list(simulator.MODELS), index=list(simulator.MODELS).index(DEFAULTS["model"]),
                          disabled=figure2, help="OPT-13B on one A100-40GB is the vLLM paper's setup: 26 GB of weights "
                                                 "leave about 12,000 tokens of KV, so memory binds")
-    gpu = st.selectbox("GPU", list(simulator.GPUS), index=list(simulator.GPUS).index("a100-40gb"), disabled=figure2)
+    gpu = st.selectbox("GPU", list(simulator.GPUS), index=list(simulator.GPUS).index(DEFAULTS["gpu"]),
+                       disabled=figure2)
     capacity = st.number_input("KV capacity override (tokens; 0 = from model and GPU)", 0, 10**8, 0, step=1000,
                                disabled=figure2, help="0: GPU memory × utilization − weights − 1 GiB of activations, "
                                                       "divided by the KV bytes of one token")
@@ -79,11 +81,13 @@ with st.sidebar:
                                       disabled=figure2)
         dtype_bytes = st.selectbox("KV / weight bytes per element", [1, 2, 4], index=[1, 2, 4].index(
             model_spec.dtype_bytes), disabled=figure2)
-    max_model_len = st.select_slider("Max model length", [512, 1024, 2048, 4096, 8192, 16384, 32768, 131072], 2048,
+    max_model_len = st.select_slider("Max model length", [512, 1024, 2048, 4096, 8192, 16384, 32768, 131072],
+                                     DEFAULTS["max_model_len"],
                                      disabled=figure2)
     allocators = st.multiselect("Allocators", simulator.ALLOCATORS, default=list(simulator.ALLOCATORS),
                                 disabled=figure2)
-    block_sizes = st.multiselect("Paged block sizes (tokens per block)", list(simulator.BLOCK_SIZES), default=[16],
+    block_sizes = st.multiselect("Paged block sizes (tokens per block)", list(simulator.BLOCK_SIZES),
+                                 default=[DEFAULTS["block_size"]],
                                  disabled=figure2, help="Small blocks waste less of their last block but slow the "
                                                         "attention kernel; the sweep chart below shows the trade")
     address_space = st.radio("Contiguous address space", ["first-fit", "buddy"], horizontal=True, disabled=figure2)

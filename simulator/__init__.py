@@ -18,7 +18,7 @@ from .allocators import ALLOCATORS
 from .checks import closed_form_checks
 from .engine import SimConfig, SimResult, Simulator, Snapshot
 from .metrics import CATEGORIES
-from .presets import PAPER_FIGURE2_TOKEN_STATES, figure2_experiment, make_configs
+from .presets import APP_DEFAULTS, PAPER_FIGURE2_TOKEN_STATES, default_comparison, figure2_experiment, make_configs
 from .models import GPUS, MODELS, CostModel, get_gpu, get_model, kv_capacity_tokens
 from .workloads import (SYNTHETIC_PRESETS, SyntheticSpec, TraceFormatError, Workload, at_mean_rate, load_trace,
                         load_trace_bytes, synthetic_workload)
@@ -27,7 +27,7 @@ __all__ = ["simulate", "compare", "closed_form_checks", "make_workload", "Simula
            "Snapshot", "Workload", "SyntheticSpec", "TraceFormatError", "ALLOCATORS", "CATEGORIES", "MODELS", "GPUS",
            "SYNTHETIC_PRESETS", "load_trace", "load_trace_bytes", "synthetic_workload", "make_configs",
            "figure2_experiment", "PAPER_FIGURE2_TOKEN_STATES", "CostModel", "get_model", "get_gpu",
-           "kv_capacity_tokens", "block_size_sweep", "BLOCK_SIZES"]
+           "kv_capacity_tokens", "block_size_sweep", "BLOCK_SIZES", "APP_DEFAULTS", "default_comparison"]
 
 
 def make_workload(workload: str | Path | Workload, num_requests: int | None = None, seed: int = 0,

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from lab.errors import InputError
+from lab.results import write_atomically
 from .engine import Simulator
 from .plan import RateSearch, search_max_rate
 from .presets import PAPER_FIGURE2_TOKEN_STATES, PAPER_MEMORY, PAPER_SETUPS, figure2_experiment, paper_config
@@ -423,8 +424,8 @@ def run_figures(figures: list[str], out_dir: str | Path, num_requests: int = 100
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for figure, table in tables.items():
-        table.to_csv(out / f"figure{figure}.csv", index=False)
-    summary.to_csv(out / "summary.csv", index=False)
+        write_atomically(out / f"figure{figure}.csv", lambda path, table=table: table.to_csv(path, index=False))
+    write_atomically(out / "summary.csv", lambda path: summary.to_csv(path, index=False))
     return summary
 
 

@@ -20,6 +20,24 @@ PAPER_TABLE1_KV_SLOTS = {"opt-13b": 15_700, "opt-66b": 9_700, "opt-175b": 60_100
 PAPER_MEMORY = dict(gpu_memory_utilization=0.9, activation_reserve_bytes=0.1e9, max_model_len=2048)
 
 
+# The Memory simulator page's opening setup: memory binds (OPT-13B's 26 GB of weights leave about 12,000 tokens of
+# KV on an A100-40GB) and requests arrive fast enough to fill the pool, so the allocators differ.
+APP_DEFAULTS = dict(preset="sharegpt", num_requests=1000, rate=5.0, model="opt-13b", gpu="a100-40gb", max_model_len=2048,
+                    block_size=16)
+
+
+def default_comparison(num_requests: int = APP_DEFAULTS["num_requests"]):
+    """The page's opening comparison: every allocator, paged at ``APP_DEFAULTS``' block size, on its workload."""
+    from . import compare, make_workload
+    from .allocators import ALLOCATORS
+
+    d = APP_DEFAULTS
+    workload = make_workload(d["preset"], num_requests=num_requests, rate=d["rate"], max_model_len=d["max_model_len"])
+    configs = make_configs(list(ALLOCATORS), [d["block_size"]], model=d["model"], gpu=d["gpu"],
+                           max_model_len=d["max_model_len"])
+    return compare(workload, configs)
+
+
 def paper_config(setup: str, **fields) -> SimConfig:
     """A ``SimConfig`` on one of the paper's Table 1 setups (``PAPER_SETUPS``)."""
     if setup not in PAPER_SETUPS:

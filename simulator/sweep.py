@@ -23,6 +23,7 @@ from typing import Callable
 import pandas as pd
 
 from lab.errors import InputError, LabError
+from lab.results import write_atomically
 from .checks import closed_form_checks
 from .engine import SimConfig, Simulator, check_config
 from .models import get_gpu, get_model
@@ -389,11 +390,10 @@ def read_table(data: bytes, name: str) -> pd.DataFrame:
 def save_table(table: pd.DataFrame, path: str | Path) -> None:
     """Parquet for ``.parquet``, else CSV."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".parquet":
-        table.to_parquet(path, index=False)
+        write_atomically(path, lambda temporary: table.to_parquet(temporary, index=False))
     else:
-        table.to_csv(path, index=False)
+        write_atomically(path, lambda temporary: table.to_csv(temporary, index=False))
 
 
 def progress_bar(total: int, show: bool):

@@ -29,3 +29,20 @@ def test_the_two_commands_are_the_ones_ci_runs():
     assert "pip install -r requirements.txt && python -m pytest" in README
     assert ci[-1] == "pip install -r requirements.txt && python -m pytest"
     assert "pip install -r requirements.txt && streamlit run app.py" in README
+
+
+def test_the_readme_s_answer_at_the_defaults_is_what_the_simulator_gives():
+    """The figures of 'What paging buys, at the app's defaults', recomputed."""
+    import simulator
+    from simulator import report
+
+    summary, _ = simulator.default_comparison()
+    versus = report.paged_vs_best_contiguous(summary).set_index("Figure")
+    share = versus.loc["Allocated KV holding tokens (%)", "Paged"]
+    contiguous = report.headline(summary)[summary["allocator"] != "paged"]["Allocated KV holding tokens (%)"]
+    assert f"**{share:.1f} %**" in README
+    assert f"against {contiguous.min():.0f}–{contiguous.max():.0f} %" in README
+    assert f"**{versus.loc['Mean running sequences', 'Paged / contiguous']:.2f} ×** more requests" in README
+    assert f"**{versus.loc['Throughput (output tokens/s)', 'Paged / contiguous']:.2f} ×** the best" in README
+    d = simulator.APP_DEFAULTS
+    assert f"{d['num_requests']:,} ShareGPT-like requests at {d['rate']:g} per second" in README

@@ -8,6 +8,13 @@ hardware = st.cache_data(describe_hardware)
 
 st.title("MiniPaged Lab")
 st.markdown(
+    "A language model keeps, for every request it serves, the keys and values of every token seen so far: the **KV "
+    "cache**. Giving each request one contiguous slab of GPU memory wastes most of it; **paging** the cache into "
+    "small fixed blocks, as vLLM does, wastes almost none, so more requests fit at once. This lab shows how much, "
+    "on your workload and your hardware.")
+st.page_link("pages/memory_simulator.py", label="Start here: the Memory simulator answers “what does paging buy?” "
+             "at its defaults", icon=":material/arrow_forward:")
+st.markdown(
     "**Paged KV cache.** A sequence's keys and values live in fixed-size *blocks* of the GPU's KV pool. A per-sequence "
     "*block table* maps its logical blocks to physical ones, so a sequence only holds the blocks it has filled, "
     "blocks need not be contiguous, and sequences can *share* blocks (a common prompt, parallel samples) with "
@@ -15,9 +22,6 @@ st.markdown(
     "**Paged attention.** The decode kernel walks each sequence's block table and reads K/V block by block, with an "
     "online softmax — one thread block per (sequence, KV head) serving every query head of its GQA group.")
 chart(paging_diagram(), "paging_diagram")
-st.subheader("This machine")
-st.dataframe(hardware(), hide_index=True)
-csv_download(hardware(), "hardware.csv", "dl_hardware")
 st.subheader("Pages")
 st.page_link("pages/memory_simulator.py", label="Memory simulator — contiguous vs paged on your traffic", icon=":material/stacked_bar_chart:")
 st.page_link("pages/block_pool.py", label="Block pool — watch paging, sharing and copy-on-write", icon=":material/grid_view:")
@@ -26,4 +30,8 @@ st.page_link("pages/runtime.py", label="Qwen3 runtime — the paged engine live"
 st.page_link("pages/twin.py", label="Digital twin — the engine measured, then predicted by the simulator", icon=":material/compare:")
 st.page_link("pages/paper.py", label="The vLLM paper — its figures beside the simulator's, with verdicts", icon=":material/science:")
 st.page_link("pages/sweeps.py", label="Sweeps & capacity planning — many runs on Ray, cheapest config for an SLO", icon=":material/grid_on:")
-st.page_link("pages/benchmarks.py", label="Benchmarks — every result of this session", icon=":material/table_chart:")
+st.page_link("pages/benchmarks.py", label="Benchmarks — the headline figures against their goals, and every result "
+             "of this session", icon=":material/table_chart:")
+st.subheader("This machine")
+st.dataframe(hardware(), hide_index=True)
+csv_download(hardware(), "hardware.csv", "dl_hardware")

@@ -2,7 +2,7 @@ import pandas as pd
 import streamlit as st
 
 import simulator
-from simulator import charts
+from simulator import charts, report
 from simulator.isolated import run_isolated
 from simulator.plan import plan_capacity
 from simulator.sweep import (SIM_FIELDS, WORKLOAD_FIELDS, default_store_path, failed_runs, read_table, run_sweep,
@@ -108,10 +108,11 @@ else:
     metrics = [c for c in ("throughput_tok_s", "token_states_frac", "ttft_p90_s", "tpot_p90_s", "preemptions",
                            "internal_fragmentation_frac") if c in table]
     if len(varied) >= 1 and metrics:
-        value = st.selectbox("Value", metrics)
+        label = lambda column: report.LABELS.get(column, column.replace("_", " "))  # noqa: E731
+        value = st.selectbox("Value", metrics, format_func=label)
         left, right = st.columns(2)
-        x = left.selectbox("x", varied, index=0)
-        y = right.selectbox("y", varied, index=min(1, len(varied) - 1))
+        x = left.selectbox("x", varied, index=0, format_func=label)
+        y = right.selectbox("y", varied, index=min(1, len(varied) - 1), format_func=label)
         if x != y:
             chart(charts.sweep_heatmap(table, x, y, value), "sweep_heatmap")
         chart(charts.sweep_lines(table, x, value, y if x != y else None), "sweep_lines")

@@ -101,11 +101,23 @@ def latency_percentiles(summary: pd.DataFrame, label: str = "label") -> go.Figur
     return figure.update_layout(height=340)
 
 
+def _label(column: str) -> str:
+    from .report import LABELS
+
+    return LABELS.get(column, column.replace("_", " "))
+
+
+def _in_percent(table: pd.DataFrame, value: str) -> pd.DataFrame:
+    """Fractions shown as percentages, as every other table and chart of the app shows them."""
+    return table.assign(**{value: table[value] * 100}) if value.endswith("_frac") else table
+
+
 def sweep_heatmap(table: pd.DataFrame, x: str, y: str, value: str) -> go.Figure:
     """Median of ``value`` over the runs at each (``x``, ``y``) of a sweep table."""
-    grid = table.pivot_table(index=y, columns=x, values=value, aggfunc="median")
+    grid = _in_percent(table, value).pivot_table(index=y, columns=x, values=value, aggfunc="median")
     figure = px.imshow(grid, text_auto=".3g", aspect="auto", color_continuous_scale="Viridis",
-                       labels=dict(x=x, y=y, color=value), title=f"{value} (median over the other fields)")
+                       labels=dict(x=_label(x), y=_label(y), color=_label(value)),
+                       title=f"{_label(value)}, median over the other fields")
     figure.update_xaxes(type="category")
     figure.update_yaxes(type="category")
     return figure.update_layout(height=380)
@@ -114,10 +126,12 @@ def sweep_heatmap(table: pd.DataFrame, x: str, y: str, value: str) -> go.Figure:
 def sweep_lines(table: pd.DataFrame, x: str, value: str, colour: str | None) -> go.Figure:
     """``value`` against ``x``, one line per ``colour`` (median over the other fields)."""
     keys = [x] + ([colour] if colour else [])
-    data = table.groupby(keys, as_index=False)[value].median().sort_values(keys)
+    data = _in_percent(table, value).groupby(keys, as_index=False)[value].median().sort_values(keys)
     if colour:
         data[colour] = data[colour].astype(str)
-    figure = px.line(data, x=x, y=value, color=colour, markers=True, title=f"{value} vs {x}")
+    labels = {column: _label(column) for column in (x, value, colour) if column}
+    figure = px.line(data, x=x, y=value, color=colour, markers=True, labels=labels,
+                     title=f"{_label(value)} against {_label(x).lower()}")
     return figure.update_layout(height=360)
 
 

@@ -24,6 +24,8 @@ LABELS = {
     "num_requests_completed": "Requests completed", "num_requests_rejected": "Requests rejected",
     "capacity_tokens": "KV capacity (tokens)", "host_capacity_tokens": "Host swap capacity (tokens)",
     "block_size": "Block size (tokens)", "paper_token_states_frac": "Paper: holding tokens (% of KV)",
+    "ttft_p90_s": "TTFT p90 (s)", "tpot_p90_s": "TPOT p90 (s)", "rate": "Arrival rate (requests/s)",
+    "allocator": "Allocator", "replicas": "Replicas", "model": "Model", "gpu": "GPU",
 }
 PERCENT_COLUMNS = tuple(column for column, label in LABELS.items() if "(%" in label)
 

@@ -26,21 +26,40 @@ NON_FINITE = [math.nan, math.inf, -math.inf, 1e-320, 1e308, -1.0]
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 4096), st.integers(1, 4096)), min_size=1,
                      max_size=12),
-       bad_row=st.integers(0, 11), extra=st.sampled_from([-2, -1, 1, 2]), data=st.data())
+       bad_row=st.integers(0, 11), extra=st.sampled_from([-2, -1, 1, 2]), azure=st.booleans())
 def test_a_row_with_a_field_too_many_or_too_few_is_refused_with_its_line(tmp_path_factory, rows, bad_row, extra,
-                                                                          data):
+                                                                          azure):
     rows = sorted(rows)
     bad_row %= len(rows)
-    lines = [GENERIC_HEADER]
+    lines = ["TIMESTAMP,ContextTokens,GeneratedTokens" if azure else GENERIC_HEADER]
     for index, row in enumerate(rows):
         fields = [str(v) for v in row]
+        if azure:
+            fields[0] = f"2023-11-16 18:{row[0] // 600:02d}:{row[0] % 60:02d}.0000000"
         if index == bad_row:
             fields = fields + ["7"] * extra if extra > 0 else fields[:extra]
         lines.append(",".join(fields))
     path = tmp_path_factory.mktemp("t") / "trace.csv"
     path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(TraceFormatError, match=f"line {bad_row + 2} has"):
+    with pytest.raises(TraceFormatError, match=f"line {bad_row + 2} has|not sorted"):
         load_trace(path)
+
+
+@settings(max_examples=40, deadline=None)
+@given(record=st.dictionaries(st.sampled_from(["timestamp", "input_length", "output_length", "hash_ids", "x"]),
+                              st.one_of(st.integers(-5, 10**6), st.floats(allow_nan=True), st.text(max_size=5),
+                                        st.none(), st.lists(st.integers(0, 5), max_size=3)), max_size=5))
+def test_a_mooncake_record_is_read_as_written_or_refused(tmp_path_factory, record):
+    import json
+
+    path = tmp_path_factory.mktemp("m") / "trace.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    try:
+        workload = load_trace(path)
+    except TraceFormatError:
+        return
+    assert workload.prompt_tokens.tolist() == [record["input_length"]]
+    assert workload.output_tokens.tolist() == [record["output_length"]]
 
 
 def test_a_well_formed_generic_trace_reads_column_by_column(tmp_path):

@@ -23,18 +23,15 @@ HEADLINE_FORMAT = {"Allocated KV holding tokens (%)": st.column_config.NumberCol
 
 
 def block_size_sweep(workload, configs):
-    """The block-size sweep under the page's settings: this workload and the other synthetic preset."""
+    """The block-size sweep under the page's settings, or None (with a warning) when it cannot run."""
     base = next((c for c in configs if c.allocator == "paged"), configs[0])
-    workloads = {workload.name: workload.subset(range(min(len(workload), BLOCK_SWEEP_REQUESTS)))}
-    other = "alpaca" if workload.name != "alpaca" else "sharegpt"
-    spec = workload.meta.get("spec")
-    workloads[other] = cached_workload(other, num_requests=BLOCK_SWEEP_REQUESTS, rate=getattr(spec, "rate", math.inf),
-                                       max_model_len=base.max_model_len)
     try:
+        workloads = simulator.block_size_sweep_workloads(workload, base.max_model_len, BLOCK_SWEEP_REQUESTS)
         return simulator.block_size_sweep(workloads, base)
     except USER_ERRORS as exc:  # the comparison above stands on its own
         st.warning(f"The block-size sweep could not run: {exc}")
         return None
+
 
 st.title("Memory simulator")
 st.caption("What does paging the KV cache buy? The same requests are served with each allocator on the same GPU; the "

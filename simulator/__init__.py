@@ -27,7 +27,7 @@ __all__ = ["simulate", "compare", "closed_form_checks", "make_workload", "Simula
            "Snapshot", "Workload", "SyntheticSpec", "TraceFormatError", "ALLOCATORS", "CATEGORIES", "MODELS", "GPUS",
            "SYNTHETIC_PRESETS", "load_trace", "load_trace_bytes", "synthetic_workload", "make_configs",
            "figure2_experiment", "PAPER_FIGURE2_TOKEN_STATES", "CostModel", "get_model", "get_gpu",
-           "kv_capacity_tokens", "block_size_sweep", "BLOCK_SIZES", "APP_DEFAULTS", "default_comparison"]
+           "kv_capacity_tokens", "block_size_sweep", "block_size_sweep_workloads", "BLOCK_SIZES", "APP_DEFAULTS", "default_comparison"]
 
 
 def make_workload(workload: str | Path | Workload, num_requests: int | None = None, seed: int = 0,
@@ -86,6 +86,16 @@ def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool
 
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def block_size_sweep_workloads(workload: Workload, max_model_len: int, num_requests: int = 300) -> dict:
+    """What a block-size sweep beside a comparison runs on: the workload's first ``num_requests`` requests and the
+    other synthetic preset (Alpaca's short requests beside ShareGPT's long ones) at the same arrival rate."""
+    spec = workload.meta.get("spec")
+    other = "alpaca" if workload.name != "alpaca" else "sharegpt"
+    return {workload.name: workload.subset(range(min(len(workload), num_requests))),
+            other: make_workload(other, num_requests=num_requests, rate=getattr(spec, "rate", math.inf),
+                                 max_model_len=max_model_len)}
 
 
 def block_size_sweep(workloads: dict[str, Workload], config: SimConfig,

@@ -80,3 +80,34 @@ def test_paper_setups_hold_the_kv_slots_of_table_1(setup):
 
     capacity, _ = resolve_capacity(paper_config(setup))
     assert capacity == pytest.approx(PAPER_TABLE1_KV_SLOTS[setup], rel=0.10)
+
+
+def test_attention_depends_on_the_block_size_only_for_paged_kv(tmp_path):
+    from simulator.models import CostModel, get_gpu, get_model
+
+    model, gpu = get_model("opt-13b"), get_gpu("a100-40gb")
+    contiguous = CostModel(model, gpu)
+    times = {b: CostModel(model, gpu, block_size=b).iteration_time(64, 64 * 1000, 64 * 1000, 64)
+             for b in (1, 4, 16, 64, 256)}
+    assert contiguous.block_slowdown == 1.0
+    assert times[1] > times[4] > times[16]  # small blocks: the kernel's per-block cost
+    assert times[256] > times[64]  # large blocks: each sequence reads its whole last block
+    assert CostModel(model, gpu, block_size=1).block_slowdown == pytest.approx(3.0)
+    assert contiguous.iteration_time(64, 64 * 1000, 64 * 1000, 64) < times[16]
+
+
+def test_a_kernel_csv_of_several_block_sizes_gives_the_measured_curve(tmp_path):
+    from simulator.models import CostModel, get_gpu, get_model
+
+    rows = ["kernel,batch,context,kv_gb_per_s,block_size"]
+    for block_size, bandwidth in ((1, 10.0), (4, 20.0), (16, 40.0), (64, 40.0)):
+        rows += [f"sdpa-contiguous,32,1024,50.0,{block_size}", f"torch,32,1024,{bandwidth},{block_size}",
+                 f"torch,1,512,1.0,{block_size}"]
+    path = tmp_path / "kernels.csv"
+    path.write_text("\n".join(rows) + "\n")
+    cost = CostModel(get_model("opt-13b"), get_gpu("a100-40gb"), block_size=2)
+    assert cost.calibrate_from_kernel_csv(path) == pytest.approx(40e9)  # the best block size's bandwidth
+    assert cost.block_slowdowns == {1: 4.0, 4: 2.0, 16: 1.0, 64: 1.0}
+    assert cost.block_slowdown == pytest.approx(3.0)  # halfway between 1 and 4 on a log scale
+    cost.block_size = 256
+    assert cost.block_slowdown == 1.0

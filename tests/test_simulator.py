@@ -10,6 +10,7 @@ from hypothesis import settings, strategies as st
 from hypothesis import example, given
 
 from lab.block_manager import KVBlockManager
+import simulator
 from simulator import (ALLOCATORS, CATEGORIES, SimConfig, Simulator, SyntheticSpec, compare, simulate,
                        synthetic_workload)
 from simulator.cli import SUMMARY_COLUMNS, main
@@ -346,3 +347,15 @@ def test_compare_keeps_every_config_when_two_share_a_label():
     config = SimConfig(allocator="paged", capacity_tokens=20_000)
     table, results = compare(workload, [config, dataclasses.replace(config, max_num_seqs=2)])
     assert list(results) == list(table["label"]) == ["paged-B16", "paged-B16 #2"]
+
+
+def test_a_block_size_sweep_trades_fragmentation_for_kernel_speed():
+    workloads = simulator.block_size_sweep_workloads(
+        simulator.make_workload("sharegpt", num_requests=300, rate=5.0, max_model_len=2048), 2048, 300)
+    table = simulator.block_size_sweep(workloads, simulator.SimConfig(model="opt-13b", gpu="a100-40gb"))
+    assert set(table["workload"]) == {"sharegpt", "alpaca"} and len(table) == 2 * len(simulator.BLOCK_SIZES)
+    sharegpt = table[table["workload"] == "sharegpt"].set_index("block_size")
+    assert sharegpt["internal_fragmentation_pct"].is_monotonic_increasing
+    best = sharegpt["throughput_tok_s"].idxmax()
+    assert 8 <= best <= 64 and sharegpt.loc[1, "throughput_tok_s"] < sharegpt.loc[best, "throughput_tok_s"]
+    assert sharegpt.loc[256, "throughput_tok_s"] < sharegpt.loc[best, "throughput_tok_s"]

@@ -161,8 +161,7 @@ if st.session_state.get("sim_key") != key:
 summary: pd.DataFrame = st.session_state["sim_summary"]
 series: dict = st.session_state["sim_series"]
 settings: dict = st.session_state["sim_settings"]
-st.caption("Workload: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                    for k, v in st.session_state["sim_workload"].items()))
+st.caption("Workload: " + report.describe_workload(st.session_state["sim_workload"]))
 for row in summary[summary["num_requests_rejected"] > 0].itertuples():
     st.warning(rejection_warning(row._replace(allocator=row.label)) + ".")  # paged-B16, not "(B=nan)" for contiguous
 

@@ -55,8 +55,11 @@ config = RuntimeRunConfig(model=model, num_requests=num_requests, prompt_len_ran
 # own above them.
 slot = st.empty()
 if run or "runtime_run" not in st.session_state:
+    # Two children, as the finished view below has (tiles, chart): each replaces its counterpart; a third written
+    # during the run would outlive the swap.
     live = slot.container(border=True)
-    tiles = [col.empty() for row in range(2) for col in live.columns(4)][:7]
+    tile_rows = live.container()
+    tiles = [col.empty() for row in range(2) for col in tile_rows.columns(4)][:7]
     plot = live.empty()
     history = []
 

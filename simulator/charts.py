@@ -77,7 +77,8 @@ def block_size_lines(table: pd.DataFrame) -> go.Figure:
             figure.add_scatter(x=rows["block_size"], y=rows[column], mode="lines+markers", name=str(workload),
                                legendgroup=str(workload), showlegend=col == 1,
                                line=dict(color=colours[index % len(colours)]),
-                               hovertemplate=f"block size %{{x}}<br>{title}: %{{y:.3g}}<extra>{workload}</extra>")
+                               hovertemplate=f"block size %{{x}}<br>{title}: %{{y:.3g}}<extra>{workload}</extra>",
+                               row=1, col=col)
     figure.update_xaxes(type="log", title_text="block size (tokens)", tickvals=sorted(table["block_size"].unique()))
     return figure.update_layout(height=360, title="What the block size trades: fragmentation against kernel speed",
                                 legend_title_text="workload")

@@ -98,6 +98,17 @@ def readable(summary: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
     return shown.rename(columns=LABELS)
 
 
+def describe_workload(summary: dict) -> str:
+    """``Workload.summary()`` in a sentence: how many requests, over how long, how long they are."""
+    rate = summary["rate_req_s"]
+    arrivals = "all at once" if rate == math.inf else f"over {summary['duration_s']:,.1f} s ({rate:,.3g} requests/s)"
+    samples = f", {summary['n']} samples each" if summary["n"] > 1 else \
+        f", beam search of width {summary['beam_width']}" if summary["beam_width"] > 1 else ""
+    return (f"{summary['num_requests']:,} requests of the {summary['workload']} workload arriving {arrivals}; "
+            f"prompts of {summary['prompt_mean']:,.0f} and outputs of {summary['output_mean']:,.0f} tokens on "
+            f"average{samples}.")
+
+
 def run_settings(workload: Workload, config: SimConfig) -> dict:
     """What produced a comparison (the fields its runs share; allocator and block size are per-row columns): the
     workload and its parameters, model, GPU, memory, scheduler settings, seeds and the lab's version."""

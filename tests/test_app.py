@@ -389,3 +389,16 @@ def test_runtime_page_explains_when_static_batching_wins():
     table = pd.DataFrame({"system": ["paged-engine", "hf-continuous", "hf-static"], "output_tok_s": [1360, 800, 2294]})
     assert "small load" in static_batching_note(table)
     assert static_batching_note(table.assign(output_tok_s=[3000, 800, 2000])) == ""
+
+
+def test_runtime_page_shows_one_engine_chart_after_a_run():
+    """The live view and the finished run share one slot: no chart or tile of the live view stays behind."""
+    import json
+
+    app = open_page("runtime")
+    clean(app)
+    app.button(key="run").click().run()
+    clean(app)
+    titles = [json.loads(c.proto.spec)["layout"].get("title", {}).get("text") for c in app.get("plotly_chart")]
+    assert titles.count("Engine state over time") == 1
+    assert [m.label for m in app.metric].count("Preemptions") == 1

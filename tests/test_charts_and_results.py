@@ -122,3 +122,16 @@ def test_recorded_results_are_listed_with_their_command_and_read_safely(tmp_path
     assert recorded_results(tmp_path / "missing").empty
     repo = recorded_results(RECORDED_RESULTS).set_index("file")  # the README's figures, each with its command
     assert repo.loc["simulator.csv", "command"] == "python -m simulator.bench" and (repo["command"] != "").all()
+
+
+def test_the_block_size_chart_puts_each_figure_in_its_own_panel():
+    import pandas as pd
+
+    from simulator.charts import block_size_lines
+
+    table = pd.DataFrame({"workload": ["a"] * 3 + ["b"] * 3, "block_size": [1, 16, 256] * 2,
+                          "internal_fragmentation_pct": range(6), "throughput_tok_s": range(10, 16),
+                          "mean_batch_size": range(20, 26)})
+    figure = block_size_lines(table)
+    assert [trace.xaxis for trace in figure.data] == ["x", "x2", "x3"] * 2
+    assert [trace.showlegend for trace in figure.data] == [True, False, False] * 2

@@ -219,6 +219,11 @@ def _lab_and_paper(table: pd.DataFrame, x: str, lab: str, paper: str, facet: str
                   labels={"value": lab})
 
 
+PAPER_LABELS = {"block_size": "block size (tokens)", "normalized_latency_s_per_token":
+                "normalized latency (s per output token)", "preemption_mode": "preemption", "max_rate_req_s":
+                "highest sustainable rate (requests/s)", "system": "system", "prefix_tokens": "shared prefix (tokens)"}
+
+
 def paper_figure(figure: str, table: pd.DataFrame) -> go.Figure:
     """The chart of one vLLM-paper figure from its table (``simulator.paper``): the simulator's values with the
     paper's beside them where the paper gives numbers, and the tiny engine's measured values beside the
@@ -229,7 +234,7 @@ def paper_figure(figure: str, table: pd.DataFrame) -> go.Figure:
                               "Figure 2: share of KV memory holding token states")
     if figure == "12":
         return px.bar(table, x="system", y="max_rate_req_s", color="workload", barmode="group", facet_col="model",
-                      title="Figure 12: highest sustainable request rate (latency knee)")
+                      title="Figure 12: highest sustainable request rate (latency knee)", labels=PAPER_LABELS)
     if figure == "13":
         return _lab_and_paper(table, "system", "mean_batch_size", "paper_mean_batch_size", "workload",
                               "Figure 13: mean batched requests")
@@ -249,11 +254,11 @@ def paper_figure(figure: str, table: pd.DataFrame) -> go.Figure:
                       facet_col="what", title="Figure 15: memory saved by sharing", labels={"value": "saving"})
     if figure == "16":
         return px.bar(table, x="prefix_tokens", y="max_rate_req_s", color="system", barmode="group",
-                      title="Figure 16: sustainable rate with a shared few-shot prefix")
+                      title="Figure 16: sustainable rate with a shared few-shot prefix", labels=PAPER_LABELS)
     if figure == "18":
         paper = table[table["normalized_latency_s_per_token"].notna()]
         chart = px.line(paper, x="block_size", y="normalized_latency_s_per_token", color="workload", markers=True,
-                        log_x=True, title="Figure 18b: normalized latency by block size")
+                        log_x=True, title="Figure 18b: normalized latency by block size", labels=PAPER_LABELS)
         tiny = table[table["real_throughput_tok_s"].notna()] if "real_throughput_tok_s" in table else table.iloc[:0]
         for column, name in (("real_throughput_tok_s", "tiny engine, measured tok/s"),
                              ("simulated_throughput_tok_s", "tiny engine, simulated tok/s")):
@@ -264,7 +269,8 @@ def paper_figure(figure: str, table: pd.DataFrame) -> go.Figure:
     if figure == "19":
         paper = table[table["normalized_latency_s_per_token"].notna()]
         chart = px.line(paper, x="block_size", y="normalized_latency_s_per_token", color="preemption_mode",
-                        markers=True, log_x=True, title="Figure 19: recompute vs swap by block size")
+                        markers=True, log_x=True, title="Figure 19: recompute vs swap by block size",
+                        labels=PAPER_LABELS)
         if "measured_swap_over_recompute" in table:
             tiny = table[table["measured_swap_over_recompute"].notna()].drop_duplicates("block_size")
             for column, name in (("measured_swap_over_recompute", "tiny engine swap/recompute, measured"),

@@ -21,7 +21,7 @@ from .workloads import Workload
 ROUTER_SEED = 1234  # the random router's stream (a run is deterministic)
 SUM_COLUMNS = ("num_requests", "num_requests_completed", "num_requests_rejected", "preemptions", "swap_outs",
                "blocks_swapped", "generated_tokens", "iterations", "bytes_copied", "capacity_tokens",
-               "host_capacity_tokens",
+               "host_capacity_tokens", "kv_capacity_gib",
                "prefix_cache_hit_blocks")
 MAX_COLUMNS = ("peak_batch_size",)
 

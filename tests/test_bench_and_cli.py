@@ -243,8 +243,28 @@ def test_a_baseline_that_gets_faster_with_context_is_refused(monkeypatch):
 
     times = iter([8e-3, 5e-5] + [1e-4] * 100)  # the unwarmed first shape, as the page measured it
     monkeypatch.setattr(bench, "warm_up", lambda config: None)
+    retimed = []
+    monkeypatch.setattr(bench, "retime_baseline", lambda table, config: retimed.append(len(table)))
     monkeypatch.setattr(bench, "median_seconds", lambda fn, repeats=10, warmup=2, cuda=False: (fn(), next(times))[1])
     config = KernelBenchConfig(batch_sizes=(1,), context_lens=(256, 512), num_q_heads=4, num_kv_heads=2, head_dim=16,
                                backends=(), repeats=1)
     with pytest.raises(bench.KernelBenchError, match="context 256"):
         bench.run_kernel_bench(config)
+    assert retimed == [2]  # measured again once before it was refused
+
+
+def test_a_disturbed_baseline_is_measured_again_before_it_is_refused():
+    from lab.bench import kernels as bench
+
+    config = KernelBenchConfig(batch_sizes=(1,), context_lens=(64, 256), num_q_heads=4, num_kv_heads=2, head_dim=16,
+                               repeats=3)
+    table = bench.run_kernel_bench(config)
+    table.loc[table["kernel"] == "sdpa-contiguous", "median_ms"] *= [100.0, 1.0]  # the first shape disturbed
+    with pytest.raises(bench.KernelBenchError):
+        bench.check_baseline(table)
+    bench.retime_baseline(table, config)
+    bench.check_baseline(table)
+    torch_rows = table[table["kernel"] == "torch"]
+    sdpa_rows = table[table["kernel"] == "sdpa-contiguous"]
+    assert torch_rows["vs_sdpa"].to_numpy() == pytest.approx(
+        torch_rows["median_ms"].to_numpy() / sdpa_rows["median_ms"].to_numpy())

@@ -71,7 +71,7 @@ def undisturbed(prompts):
 @pytest.mark.parametrize("scheduling", ["prefill-first", "chunked"])
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 @pytest.mark.parametrize("phase", PHASES)
-@pytest.mark.parametrize("step", [1, 2, 4, 7])
+@pytest.mark.parametrize("step", [1, 4])  # the Hypothesis test below draws the others
 def test_a_failed_step_is_undone_and_the_run_gives_the_same_tokens(prompts, undisturbed, scheduling, preemption,
                                                                    phase, step):
     engine = _engine(scheduling, preemption)
@@ -83,7 +83,7 @@ def test_a_failed_step_is_undone_and_the_run_gives_the_same_tokens(prompts, undi
     manager.check_invariants()
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(step=st.integers(1, 25), phase=st.sampled_from(PHASES), scheduling=st.sampled_from(["prefill-first", "chunked"]),
        preemption=st.sampled_from(["recompute", "swap"]))
 def test_a_fault_anywhere_changes_no_token(prompts, undisturbed, step, phase, scheduling, preemption):

@@ -476,7 +476,11 @@ BAD_PROFILES = [
     (json.dumps({"version": PROFILE_VERSION, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
                  "block_size": 4,
                  "coefficients": {**FIXED, "constant": -1.0}, "decode_knots": KNOTS, "samples": []}).encode(),
-     "finite numbers >= 0"),
+     r"coefficients must be numbers in \[0, 1000\]"),
+    (json.dumps({"version": PROFILE_VERSION, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
+                 "block_size": 4,
+                 "coefficients": {**FIXED, "constant": 1e308}, "decode_knots": KNOTS, "samples": []}).encode(),
+     r"coefficients must be numbers in \[0, 1000\]"),
     (json.dumps({"version": PROFILE_VERSION, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",
                  "block_size": "4", "coefficients": FIXED, "decode_knots": KNOTS, "samples": []}).encode(),
      "block_size"),
@@ -497,7 +501,7 @@ BAD_PROFILES = [
 
 
 @pytest.mark.parametrize("data,message", BAD_PROFILES,
-                         ids=["text", "list", "version", "negative", "type", "knot order", "knots vs coefficients",
+                         ids=["text", "list", "version", "negative", "huge", "type", "knot order", "knots vs coefficients",
                               "short sample", "negative add_request_s"])
 def test_malformed_profiles_are_rejected(tmp_path, data, message):
     (tmp_path / "p.json").write_bytes(data)

@@ -152,6 +152,31 @@ def check_baseline(table: pd.DataFrame) -> None:
                                        f"unwarmed run; run it again on a quieter machine")
 
 
+def retime_baseline(table: pd.DataFrame, config: KernelBenchConfig, rounds: int = 3) -> None:
+    """Time the SDPA rows of ``table`` again in place: ``rounds`` passes over the shapes in turn (so a slow spell
+    touches them all alike), each shape's median over its passes."""
+    cuda = config.device != "cpu"
+    sdpa = table.index[table["kernel"] == "sdpa-contiguous"]
+    calls = {}
+    for index in sdpa:
+        batch, context = int(table.at[index, "batch"]), int(table.at[index, "context"])
+        query, _, _, _, _, (keys, values) = make_paged_inputs(batch, context, config)
+        calls[index] = lambda query=query, keys=keys, values=values: sdpa_decode(query, keys, values)
+    times = {index: [] for index in calls}
+    for _ in range(rounds):
+        for index, call in calls.items():
+            times[index].append(median_seconds(call, config.repeats, cuda=cuda))
+    for index, samples in times.items():
+        seconds = sorted(samples)[len(samples) // 2]
+        kv_bytes = table.at[index, "kv_gb_per_s"] * table.at[index, "median_ms"] * 1e6  # GB/s x ms
+        table.at[index, "median_ms"] = seconds * 1e3
+        table.at[index, "kv_gb_per_s"] = kv_bytes / seconds / 1e9
+    for index in table.index[table["kernel"] != "sdpa-contiguous"]:
+        same = sdpa[(table.loc[sdpa, "batch"] == table.at[index, "batch"])
+                    & (table.loc[sdpa, "context"] == table.at[index, "context"])]
+        table.at[index, "vs_sdpa"] = table.at[index, "median_ms"] / table.loc[same[0], "median_ms"]
+
+
 def run_kernel_bench(config: KernelBenchConfig, progress=None) -> pd.DataFrame:
     """Warm up, run the sweep and check its baseline (``check_baseline``); ``progress(done, total)`` is called
     after each shape."""
@@ -163,7 +188,11 @@ def run_kernel_bench(config: KernelBenchConfig, progress=None) -> pd.DataFrame:
         if progress:
             progress(done, len(shapes))
     table = pd.DataFrame(rows)
-    check_baseline(table)
+    try:
+        check_baseline(table)
+    except KernelBenchError:  # one disturbed timing: measure the baseline again, all shapes, before refusing
+        retime_baseline(table, config)
+        check_baseline(table)
     table["device"], table["dtype"] = config.device, str(config.dtype).replace("torch.", "")
     table["block_size"] = config.block_size
     if config.device != "cpu":

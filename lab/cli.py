@@ -7,10 +7,10 @@ import sys
 import pandas as pd
 
 from .errors import InputError
-from lab.cli_args import (device, non_negative_int, output_csv, positive_float, positive_int, positive_ints,
-                          refuse_ignored)
+from lab.cli_args import (cli_settings, device, non_negative_int, output_csv, positive_float, positive_int,
+                          positive_ints, refuse_ignored)
 from lab.profile import GRIDS
-from lab.results import print_and_save, save_csv
+from lab.results import print_and_save, save_csv, settings_of
 
 
 def _bench_kernels(args) -> None:
@@ -31,7 +31,7 @@ def _bench_kernels(args) -> None:
                                    backends=tuple(args.backends.split(",")), repeats=args.repeats)
         tables.append(run_kernel_bench(config, progress=lambda done, total: bar.update(1)))
     bar.close()
-    print_and_save(pd.concat(tables, ignore_index=True), args.out)
+    print_and_save(pd.concat(tables, ignore_index=True), args.out, settings=cli_settings(args), kind="kernels")
 
 
 def _headlines(args) -> None:
@@ -43,7 +43,8 @@ def _headlines(args) -> None:
 def _bench_block_manager(args) -> None:
     from lab.bench.block_manager import run_block_manager_bench
 
-    print_and_save(run_block_manager_bench(args.block_size), args.out)
+    print_and_save(run_block_manager_bench(args.block_size), args.out, settings=cli_settings(args),
+                   kind="block-manager")
 
 
 def _bench_e2e(args) -> None:
@@ -57,7 +58,7 @@ def _bench_e2e(args) -> None:
     bar = tqdm(total=len(config.systems), desc="e2e bench", file=sys.stderr)
     table = run_e2e_bench(config, progress=lambda done, total: bar.update(1))
     bar.close()
-    print_and_save(table, args.out)
+    print_and_save(table, args.out, settings=settings_of(config), kind="e2e")
 
 
 def _generate(args) -> None:
@@ -85,7 +86,7 @@ def _generate(args) -> None:
     for output in engine.generate(prompts, params, progress=True):
         print(f"[{output.request_id}] {output.text if output.text is not None else output.token_ids}")
     metrics = pd.DataFrame([engine.run_metrics()])
-    print_and_save(metrics, args.out)
+    print_and_save(metrics, args.out, settings=cli_settings(args), kind="generate")
 
 
 def _bench_twin(args) -> None:
@@ -93,7 +94,7 @@ def _bench_twin(args) -> None:
 
     table = bench_twin(args.models.split(","), args.repeats, device=args.device, light_fraction=args.light_fraction,
                        progress=lambda message: print(message, file=sys.stderr))
-    print_and_save(table, args.out)
+    print_and_save(table, args.out, settings=cli_settings(args), kind="twin-bench")
 
 
 def _profile(args) -> None:
@@ -144,9 +145,9 @@ def _twin(args) -> None:
                           device=args.device, attention_backend=args.backend, seed=args.seed)
     config = TwinConfig(args.model, engine)
     result = run_twin(workload, config, profile, args.repeats)
-    print_and_save(result.table, args.out)
-    if args.steps_out:
-        save_csv(result.steps_table(), args.steps_out)
+    settings = settings_of(config, workload.summary(), profile=args.profile, repeats=args.repeats)
+    print_and_save(result.table, args.out, settings=settings, kind="twin")
+    save_csv(result.steps_table(), args.steps_out, settings, "twin-steps")
     through_run = result.pricing_through_run()
     if not through_run.empty:
         print("measured / modelled step time through the run (a climb: steps slow under sustained load):")

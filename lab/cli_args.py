@@ -51,13 +51,15 @@ def device(text: str) -> str:
 
 
 def output_csv(text: str) -> str:
-    """A CSV path that can be written: not a folder, its folder creatable and writable (checked before any run, so
-    no result is lost at the end). An empty string means: write nothing."""
+    """A CSV path that can be written, or a folder (existing, or ending in ``/``) to write one named from the run's
+    settings and the time into; creatable and writable either way (checked before any run, so no result is lost at
+    the end). An empty string means: write nothing."""
     if not text:
         return text
     path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file path")
+    if path.is_dir() or text.endswith(("/", os.sep)):
+        _check_creatable(path, text)
+        return text
     _check_creatable(path.parent, text)
     if path.exists() and not os.access(path, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text!r} exists and is not writable")
@@ -97,3 +99,12 @@ def refuse_ignored(names, reason: str) -> None:
     if names:
         options = ", ".join("--" + name.replace("_", "-") for name in names)
         raise InputError(f"{options} would be ignored: {reason}")
+
+
+def cli_settings(args: argparse.Namespace, *outputs: str) -> dict:
+    """A command's options as the settings of what it writes (``lab.results.settings_of``), leaving out the
+    ``outputs`` options (where results go does not produce them)."""
+    from .results import settings_of
+
+    return settings_of({name: value for name, value in vars(args).items()
+                        if name not in ("out", *outputs) and not callable(value)})

@@ -2,9 +2,13 @@
 and CSV export."""
 from __future__ import annotations
 
+import datetime
+import enum
 import io
+import math
+import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -34,11 +38,13 @@ RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cp
 
 @dataclass(slots=True)
 class StoredResult:
-    """A named table of one kind (``simulation``, ``kernels``, ``runtime``, ``uploaded``)."""
+    """A named table of one kind (``simulation``, ``kernels``, ``runtime``, ``uploaded``) and the settings that
+    produced it (``settings_of``)."""
 
     name: str
     kind: str
     table: pd.DataFrame
+    settings: dict = field(default_factory=dict)
     created_s: float = field(default_factory=time.time)
 
 
@@ -48,12 +54,12 @@ class ResultStore:
     def __init__(self):
         self.results: dict[str, StoredResult] = {}
 
-    def add(self, kind: str, name: str, table: pd.DataFrame) -> StoredResult:
-        """Store a copy of ``table``; a taken name gets a numeric suffix."""
+    def add(self, kind: str, name: str, table: pd.DataFrame, settings: dict | None = None) -> StoredResult:
+        """Store a copy of ``table`` with its ``settings``; a taken name gets a numeric suffix."""
         unique, index = name, 2
         while unique in self.results:
             unique, index = f"{name} ({index})", index + 1
-        result = StoredResult(unique, kind, table.copy())
+        result = StoredResult(unique, kind, table.copy(), dict(settings or {}))
         self.results[unique] = result
         return result
 
@@ -65,12 +71,14 @@ class ResultStore:
         return pd.DataFrame([{"name": r.name, "kind": r.kind, "rows": len(r.table), "columns": len(r.table.columns)}
                              for r in self.results.values()], columns=["name", "kind", "rows", "columns"])
 
-    def side_by_side(self, names: list[str]) -> pd.DataFrame:
-        """The chosen tables stacked, tagged by a ``result`` column (columns missing in one table are empty)."""
+    def side_by_side(self, names: list[str], settings: bool = False) -> pd.DataFrame:
+        """The chosen tables stacked, tagged by a ``result`` column (columns missing in one table are empty); with
+        ``settings``, each table carries its own settings as columns (an export that says what produced each row)."""
         missing = [n for n in names if n not in self.results]
         if missing:
             raise InputError(f"no stored result named {', '.join(missing)}")
-        frames = [self.results[n].table.assign(result=n) for n in names]
+        frames = [(with_settings(self.results[n].table, self.results[n].settings) if settings
+                   else self.results[n].table).assign(result=n) for n in names]
         table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
         return table[["result", *[c for c in table.columns if c != "result"]]] if frames else table
 
@@ -118,12 +126,19 @@ def read_recorded(file: str, folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
     return _read_csv_table(path, file)
 
 
-def save_csv(table: pd.DataFrame, path: str | None) -> None:
-    """Write ``table`` to ``path`` (folders created) and say so; nothing when ``path`` is empty."""
+def save_csv(table: pd.DataFrame, path: str | None, settings: dict | None = None, kind: str = "results") -> None:
+    """Write ``table`` to ``path`` (folders created) and say so; nothing when ``path`` is empty. With ``settings``
+    the file carries them as leading columns, and a folder ``path`` (an existing folder, or one ending in ``/``)
+    gets a file named from them and the time (``export_name``)."""
     if not path:
         return
-    write_atomically(Path(path), lambda temporary: table.to_csv(temporary, index=False))
-    print(f"wrote {path}")
+    target = Path(path)
+    if settings is not None:
+        table = with_settings(table, settings)
+        if target.is_dir() or path.endswith(("/", "\\")):
+            target = target / export_name(kind, settings)
+    write_atomically(target, lambda temporary: table.to_csv(temporary, index=False))
+    print(f"wrote {target}")
 
 
 def write_atomically(path: Path, write) -> None:
@@ -138,12 +153,83 @@ def write_atomically(path: Path, write) -> None:
         temporary.unlink(missing_ok=True)
 
 
-def print_and_save(table: pd.DataFrame, out: str | None, columns: list[str] | None = None) -> None:
-    """Print ``table`` (or its ``columns``) for a terminal, then ``save_csv`` the whole table to ``out``."""
+def print_and_save(table: pd.DataFrame, out: str | None, columns: list[str] | None = None,
+                   settings: dict | None = None, kind: str = "results") -> None:
+    """Print ``table`` (or its ``columns``) for a terminal, then ``save_csv`` the whole table (with its
+    ``settings``) to ``out``."""
     shown = table[columns] if columns else table
     with pd.option_context("display.width", 220, "display.max_columns", 40, "display.float_format", "{:.4g}".format):
         print(shown.to_string(index=False))
-    save_csv(table, out)
+    save_csv(table, out, settings, kind)
+
+
+# ---- settings: what produced a result ---------------------------------------------------------------------------
+def settings_of(*configs, **extra) -> dict:
+    """The settings that produced a result as one flat dict of scalars: each config's fields (a dataclass, or a dict
+    such as ``vars(args)``; nested dataclasses flattened in place, their fields prefixed only where a name is taken),
+    then ``extra``, then the lab's version."""
+    settings: dict = {}
+    for config in configs:
+        _flatten(config, "", settings)
+    _flatten(extra, "", settings)
+    settings["lab_version"] = LAB_VERSION
+    return settings
+
+
+def _flatten(config, prefix: str, settings: dict) -> None:
+    items = [(f.name, getattr(config, f.name)) for f in fields(config)] if is_dataclass(config) else config.items()
+    for name, value in items:
+        key = name if name not in settings else f"{prefix}{name}"
+        if is_dataclass(value):
+            _flatten(value, f"{name}_", settings)
+        elif isinstance(value, dict):
+            settings.update({f"{key}_{k}": _scalar(v) for k, v in value.items()})
+        else:
+            settings[key] = _scalar(value)
+
+
+def _scalar(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return value.name.lower()
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return " ".join(str(_scalar(v)) for v in value)
+    return str(value)
+
+
+def with_settings(table: pd.DataFrame, settings: dict) -> pd.DataFrame:
+    """``table`` with the settings as leading columns (a setting named like one of its columns as
+    ``setting_<name>``), so an exported CSV says what produced it."""
+    extra = {f"setting_{k}" if k in table.columns else k: v for k, v in settings.items()}
+    return pd.concat([pd.DataFrame({k: [v] * len(table) for k, v in extra.items()}, index=table.index), table], axis=1)
+
+
+def split_settings(table: pd.DataFrame, names) -> tuple[pd.DataFrame, dict]:
+    """The reverse of ``with_settings`` for the settings called ``names``: the table without their columns, and
+    their values (from the first row)."""
+    columns = {name: f"setting_{name}" if f"setting_{name}" in table else name for name in names}
+    present = {name: column for name, column in columns.items() if column in table}
+    values = {name: table[column].iloc[0] if len(table) else None for name, column in present.items()}
+    return table.drop(columns=list(present.values())), values
+
+
+def export_name(kind: str, settings: dict, when: datetime.datetime | None = None) -> str:
+    """A file name that tells exports apart: the kind, the settings that name a run (workload, its size and rate,
+    model, GPU or device, block size) where present, and a timestamp, e.g.
+    ``summary_sharegpt_1000req_5rps_opt-13b_a100-40gb_20261202-201500.csv``."""
+    when = when or datetime.datetime.now()
+    parts = [kind]
+    for key, form in _NAME_PARTS:
+        if settings.get(key) is not None:
+            parts.append(form(settings[key]))
+    parts.append(when.strftime("%Y%m%d-%H%M%S"))
+    return "_".join(re.sub(r"[^A-Za-z0-9.+-]+", "-", str(p)).strip("-") for p in parts) + ".csv"
+
+
+_NAME_PARTS = (("workload", str), ("num_requests", "{}req".format),
+               ("arrival_rate_req_s", lambda rate: "allatonce" if rate == math.inf else f"{rate:g}rps"),
+               ("model", str), ("gpu", str), ("device", str), ("block_size", "B{}".format))
 
 
 def to_csv_bytes(table: pd.DataFrame) -> bytes:

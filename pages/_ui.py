@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from lab.errors import LabError
-from lab.results import ResultStore, to_csv_bytes
+from lab.results import ResultStore, export_name, to_csv_bytes, with_settings
 
 # What a page shows as a message: the lab's typed errors (bad settings, files, requests), the kernels' argument
 # errors (``kernels`` depends on nothing of ours, so they are ValueErrors) and files that cannot be read. Anything
@@ -37,8 +37,11 @@ def results_store() -> ResultStore:
     return st.session_state["results"]
 
 
-def csv_download(table, file_name: str, key: str, label: str = "Download CSV") -> None:
-    st.download_button(label, to_csv_bytes(table), file_name=file_name, mime="text/csv", key=key)
+def csv_download(table, kind: str, settings: dict, key: str, label: str = "Download CSV") -> None:
+    """A download of ``table`` that says what produced it: the ``settings`` (``lab.results.settings_of``) as leading
+    columns and in the file name, with a timestamp, so two exports can be told apart."""
+    st.download_button(label, to_csv_bytes(with_settings(table, settings)), file_name=export_name(kind, settings),
+                       mime="text/csv", key=key)
 
 
 def show_error(exc: Exception) -> None:

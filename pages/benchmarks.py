@@ -1,7 +1,7 @@
 import streamlit as st
 
 from lab.charts import headline_figure
-from lab.results import headline_results, read_recorded, recorded_results
+from lab.results import headline_results, read_recorded, recorded_results, settings_of
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
 
 st.title("Benchmarks")
@@ -21,7 +21,7 @@ def headlines():
         "benchmark": st.column_config.TextColumn("benchmark", width="large")})
     st.caption("Read from the CSVs in `benchmarks/results/` (each `command` writes its file), so they survive the "
                "browser session; `benchmarks/results/HISTORY.md` says what moved each figure.")
-    csv_download(table, "headline_figures.csv", "dl_headlines", "Download the headline figures (CSV)")
+    csv_download(table, "headline-figures", settings_of(), "dl_headlines", "Download the headline figures (CSV)")
 
 upload = st.file_uploader("Load a previously exported CSV", type=["csv"])
 if upload is not None and st.session_state.get("loaded_upload") != upload.file_id:
@@ -39,7 +39,7 @@ def session_results():
                 "recorded result below.")
         return
     st.dataframe(store.listing(), hide_index=True)
-    csv_download(store.listing(), "results_listing.csv", "dl_listing", "Download this list (CSV)")
+    csv_download(store.listing(), "results-listing", settings_of(), "dl_listing", "Download this list (CSV)")
     latest = store.results[store.names()[-1]]
     same_kind = [name for name, result in store.results.items() if result.kind == latest.kind][-2:]
     chosen = st.multiselect("Compare", store.names(), default=same_kind,
@@ -47,11 +47,14 @@ def session_results():
     if chosen:
         table = store.side_by_side(chosen)
         st.dataframe(table, hide_index=True)
-        csv_download(table, "comparison.csv", "dl_comparison", "Download the comparison CSV")
+        csv_download(store.side_by_side(chosen, settings=True), "comparison", settings_of(), "dl_comparison",
+                     "Download the comparison CSV (each result with its settings)")
     for index, name in enumerate(store.names()):
         with st.expander(name):
             st.dataframe(store.results[name].table, hide_index=True)
-            csv_download(store.results[name].table, f"result_{index}.csv", f"dl_result_{index}")
+            result = store.results[name]
+            csv_download(result.table, result.kind, settings_of(result.settings, result=name),
+                         f"dl_result_{index}")
 
 
 def recorded():
@@ -69,9 +72,10 @@ def recorded():
         show_error(exc)
         return
     st.dataframe(table, hide_index=True)
-    csv_download(table, file.replace("/", "_"), "dl_recorded")
+    csv_download(table, "recorded-" + file.removesuffix(".csv").replace("/", "-"), settings_of(source=file),
+                 "dl_recorded")
     if st.button("Add to this session's results (to compare)", key="add_recorded"):
-        store.add("recorded", f"recorded: {file}", table)
+        store.add("recorded", f"recorded: {file}", table, settings_of(source=file))
         st.rerun()
 
 

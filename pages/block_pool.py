@@ -2,6 +2,7 @@ import streamlit as st
 
 from lab.charts import block_pool_figure, block_pool_frame, block_table_frame
 from lab.live import throttled
+from lab.results import settings_of
 from simulator.pool_frames import PoolRunConfig, busiest_frame, record_pool_frames
 from pages._ui import USER_ERRORS, chart, csv_download, show_error
 
@@ -35,13 +36,14 @@ if run or "pool_frames" not in st.session_state:
 
     try:
         frames = record_pool_frames(config, throttled(draw_frame, 0.25))  # at most 4 redraws a second
-        st.session_state.update(pool_frames=frames, pool_index=busiest_frame(frames))  # open on the fullest frame
+        st.session_state.update(pool_frames=frames, pool_index=busiest_frame(frames),
+                                pool_settings=settings_of(config))  # open on the fullest frame
     except USER_ERRORS as exc:
         show_error(exc)
         st.stop()
     live.empty()
 
-frames = st.session_state["pool_frames"]
+frames, settings = st.session_state["pool_frames"], st.session_state["pool_settings"]
 # Outside the fragment: toggling Play reruns the page, which redefines the fragment to rerun on a timer only while
 # playing (a timer that always runs kept a core 70 % busy with the page sitting idle).
 playing = st.toggle("Play", key="pool_play", help="Step through the recorded frames, about 2 a second")
@@ -63,9 +65,10 @@ def player():
         seq = st.selectbox("Block table of sequence", sorted(pool.block_tables, key=str))
         table = block_table_frame(pool.block_tables[seq], pool.block_size, pool.seq_lens.get(seq))
         st.dataframe(table, hide_index=True)
-        csv_download(table, f"block_table_{seq}.csv", "dl_block_table", "Download this block table (CSV)")
-    csv_download(block_pool_frame(pool.ref_counts, pool.owners), f"block_pool_{iteration}.csv", "dl_pool",
-                 "Download this frame (CSV)")
+        csv_download(table, f"block-table-{seq}", {**settings, "iteration": iteration}, "dl_block_table",
+                     "Download this block table (CSV)")
+    csv_download(block_pool_frame(pool.ref_counts, pool.owners), "block-pool", {**settings, "iteration": iteration},
+                 "dl_pool", "Download this frame (CSV)")
     if pool.host_pool is not None:
         host = pool.host_pool
         st.caption(f"Host pool (swap space): {len(host.ref_counts) - host.num_free_blocks} of "

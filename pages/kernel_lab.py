@@ -7,6 +7,7 @@ import kernels
 from lab.bench.kernels import KernelBenchConfig, check_against_reference, run_kernel_bench
 from lab.charts import kernel_bandwidth_figure, kernel_time_figure
 from lab.live import throttled
+from lab.results import settings_of
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
 
 cached_check = st.cache_data(check_against_reference, show_spinner="checking against the reference…")
@@ -45,8 +46,10 @@ if run or "kernel_table" not in st.session_state:
         show = throttled(lambda done, total: bar.progress(done / total, "timing kernels…"), 1.0)  # redraws cost time
         table = run_kernel_bench(config, progress=show)
         bar.empty()
-        st.session_state.update(kernel_table=table, kernel_correctness=correctness)
-        results_store().add("kernels", f"kernels: {shape}, {dtype}, B={block_size}", table)
+        st.session_state.update(kernel_table=table, kernel_correctness=correctness,
+                                kernel_settings=settings_of(config, shape=shape))
+        results_store().add("kernels", f"kernels: {shape}, {dtype}, B={block_size}", table,
+                            st.session_state["kernel_settings"])
     except USER_ERRORS as exc:
         show_error(exc)
         st.stop()
@@ -54,7 +57,8 @@ if run or "kernel_table" not in st.session_state:
 table = st.session_state["kernel_table"]
 st.subheader("Correctness against the float64 reference")
 st.dataframe(st.session_state["kernel_correctness"], hide_index=True)
-csv_download(st.session_state["kernel_correctness"], "kernel_correctness.csv", "dl_correctness")
+settings = st.session_state["kernel_settings"]
+csv_download(st.session_state["kernel_correctness"], "kernel-correctness", settings, "dl_correctness")
 left, right = st.columns(2)
 with left:
     chart(kernel_time_figure(table), "kernel_time")
@@ -62,4 +66,4 @@ with right:
     chart(kernel_bandwidth_figure(table), "kernel_bandwidth")
 st.subheader("Timings (paged vs SDPA on contiguous K/V)")
 st.dataframe(table, hide_index=True)
-csv_download(table, "kernels.csv", "dl_kernels")
+csv_download(table, "kernels", settings, "dl_kernels")

@@ -151,8 +151,10 @@ if st.session_state.get("sim_key") != key:
         st.session_state.update(sim_key=key, sim_summary=summary, sim_series={k: r.timeseries for k, r in runs.items()},
                                 sim_workload=workload.summary(), sim_checks=checks, sim_block_sweep=sweep,
                                 sim_settings=report.run_settings(workload, configs[0]))
-        results_store().add("simulation", f"simulation: {workload.name} × {len(configs)} configs", summary)
-        results_store().add("checks", f"checks: {workload.name} × {len(configs)} configs", checks)
+        results_store().add("simulation", f"simulation: {workload.name} × {len(configs)} configs", summary,
+                            st.session_state["sim_settings"])
+        results_store().add("checks", f"checks: {workload.name} × {len(configs)} configs", checks,
+                            st.session_state["sim_settings"])
     except USER_ERRORS as exc:
         st.session_state.pop("sim_key", None)
         show_error(exc)
@@ -213,10 +215,10 @@ shown = ["label", "token_states_frac", "reserved_frac", "internal_fragmentation_
 st.dataframe(report.readable(summary, shown), hide_index=True,
              column_config={label: st.column_config.NumberColumn(format="%.1f %%")
                             for label in map(report.LABELS.get, report.PERCENT_COLUMNS)})
-csv_download(report.with_settings(summary, settings), report.export_name("summary", settings), "dl_summary",
+csv_download(summary, "summary", settings, "dl_summary",
              "Download summary CSV (with its settings)")
 timeseries = pd.concat([f.assign(run=label) for label, f in series.items()], ignore_index=True)
-csv_download(report.with_settings(timeseries, settings), report.export_name("timeseries", settings),
+csv_download(timeseries, "timeseries", settings,
              "dl_timeseries", "Download timeseries CSV (with its settings)")
 checks: pd.DataFrame = st.session_state["sim_checks"]
 failed = checks[~checks["holds"]]
@@ -225,5 +227,5 @@ with st.expander(f"Checks against closed forms: {len(checks) - len(failed)} of {
     st.caption("Identities every run satisfies and bounds that follow from how each allocator holds memory "
                "(`simulator.checks`); a row that does not hold is a simulator bug.")
     st.dataframe(checks, hide_index=True)
-    csv_download(report.with_settings(checks, settings), report.export_name("checks", settings), "dl_checks",
+    csv_download(checks, "checks", settings, "dl_checks",
                  "Download checks CSV")

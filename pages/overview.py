@@ -2,6 +2,7 @@ import streamlit as st
 
 from lab.charts import paging_diagram
 from lab.hardware import describe_hardware
+from lab.results import settings_of
 from pages._ui import chart, csv_download
 
 hardware = st.cache_data(describe_hardware)
@@ -34,4 +35,4 @@ st.page_link("pages/benchmarks.py", label="Benchmarks — the headline figures a
              "of this session", icon=":material/table_chart:")
 st.subheader("This machine")
 st.dataframe(hardware(), hide_index=True)
-csv_download(hardware(), "hardware.csv", "dl_hardware")
+csv_download(hardware(), "hardware", settings_of(), "dl_hardware")

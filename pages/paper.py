@@ -1,7 +1,8 @@
 import streamlit as st
 
+from lab.results import settings_of
 from simulator import charts
-from simulator.paper import FIGURES, SAVED_RUN, TINY, compute_figures, load_figures
+from simulator.paper import FIGURES, SAVED_RUN, TINY, compute_figures, load_figures, run_settings
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
 
 st.title("The vLLM paper, reproduced")
@@ -21,16 +22,20 @@ if st.button("Run", key="run_paper", type="primary"):
     try:
         with st.spinner("simulating…"):
             summary, tables = compute_figures(figures, int(num_requests), TINY if with_tiny else None)
-        st.session_state.update(paper_summary=summary, paper_tables=tables)
-        results_store().add("paper", f"paper figures {','.join(figures)}", summary)
+        st.session_state.update(paper_summary=summary, paper_tables=tables,
+                                paper_settings=run_settings(figures, int(num_requests), TINY if with_tiny else None))
+        results_store().add("paper", f"paper figures {','.join(figures)}", summary, st.session_state["paper_settings"])
     except USER_ERRORS as exc:
         show_error(exc)
         st.stop()
 summary = st.session_state.get("paper_summary")
 if summary is None and (saved := load_figures(SAVED_RUN)) is not None:
-    summary, st.session_state["paper_tables"] = saved
-    st.caption(f"Showing the last full run ({SAVED_RUN.relative_to(SAVED_RUN.parents[2])}, 2,000 requests per "
-               f"workload); press Run to recompute.")
+    summary, st.session_state["paper_tables"], saved_settings = saved
+    source = str(SAVED_RUN.relative_to(SAVED_RUN.parents[2]))
+    st.session_state["paper_settings"] = settings_of(saved_settings, source=source)
+    requests = saved_settings.get("num_requests")
+    st.caption(f"Showing the last full run ({source}" + (f", {requests:,} requests per workload" if requests else "")
+               + "); press Run to recompute.")
 if summary is None:
     st.info("Choose figures and press Run (all seven take a few minutes at 2,000 requests).")
     st.stop()
@@ -38,7 +43,8 @@ counts = summary["verdict"].value_counts()
 st.markdown(" · ".join(f"**{counts.get(v, 0)}** {v}" for v in ("reproduced", "partly", "not")))
 chart(charts.paper_vs_lab(summary), "paper_vs_lab")
 st.dataframe(summary, hide_index=True, column_config=LAB_COLUMN)
-csv_download(summary, "paper_summary.csv", "dl_paper")
+settings = st.session_state["paper_settings"]
+csv_download(summary, "paper-summary", settings, "dl_paper")
 tables = st.session_state["paper_tables"]
 for tab, (figure, table) in zip(st.tabs([f"Figure {figure}" for figure in tables]), tables.items()):
     with tab:
@@ -46,4 +52,4 @@ for tab, (figure, table) in zip(st.tabs([f"Figure {figure}" for figure in tables
         st.dataframe(summary[summary["figure"].astype(str).str.fullmatch(f"{figure}[a-z]?")], hide_index=True,
                      column_config=LAB_COLUMN)
         st.dataframe(table, hide_index=True)
-        csv_download(table, f"figure{figure}.csv", f"dl_figure{figure}")
+        csv_download(table, f"paper-figure{figure}", settings, f"dl_figure{figure}")

@@ -9,6 +9,7 @@ from lab.charts import (engine_live_figure, format_bytes, latency_histograms, st
 from lab.engine import EngineConfig
 from lab.live import RuntimeRunConfig, run_runtime, throttled
 from lab.model import load_hf_model
+from lab.results import settings_of
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
 
 st.title("Qwen3 runtime")
@@ -83,9 +84,9 @@ if run or "runtime_run" not in st.session_state:
     try:
         hf_model, tokenizer = cached_model(model)
         result = run_runtime(config, on_step=on_step, hf_model=hf_model, tokenizer=tokenizer)
-        st.session_state["runtime_run"] = result
+        st.session_state.update(runtime_run=result, runtime_settings=settings_of(config))
         results_store().add("runtime", f"runtime: {model}, {num_requests} requests, B={block_size}",
-                            pd.DataFrame([result.summary]))
+                            pd.DataFrame([result.summary]), st.session_state["runtime_settings"])
     except USER_ERRORS as exc:
         slot.empty()
         show_error(exc)
@@ -105,8 +106,10 @@ with slot.container():
 if len(result.requests):
     chart(latency_histograms(result.requests), "latency_hist")
 st.dataframe(result.requests, hide_index=True)
-csv_download(result.requests, "runtime_requests.csv", "dl_requests", "Download per-request CSV")
-csv_download(pd.DataFrame([summary]), "runtime_summary.csv", "dl_runtime_summary", "Download run summary CSV")
+run_settings = st.session_state["runtime_settings"]
+csv_download(result.requests, "runtime-requests", run_settings, "dl_requests", "Download per-request CSV")
+csv_download(pd.DataFrame([summary]), "runtime-summary", run_settings, "dl_runtime_summary",
+             "Download run summary CSV")
 
 st.subheader("Against HF generation")
 st.caption("The README's serving benchmark (`python -m lab bench e2e`): the paged engine against HF transformers "
@@ -125,8 +128,9 @@ if st.button("Compare", key="compare"):
     try:
         with st.spinner("running the comparison…"):
             table = run_e2e_bench(bench)
-        st.session_state["runtime_compare"] = table
-        results_store().add("runtime", f"serving comparison: {model}", table)
+        st.session_state.update(runtime_compare=table, runtime_compare_settings=settings_of(bench))
+        results_store().add("runtime", f"serving comparison: {model}", table,
+                            st.session_state["runtime_compare_settings"])
     except USER_ERRORS as exc:
         show_error(exc)
 if "runtime_compare" in st.session_state:
@@ -136,4 +140,4 @@ if "runtime_compare" in st.session_state:
     if note:
         st.info(note)
     st.dataframe(table, hide_index=True)
-    csv_download(table, "serving_comparison.csv", "dl_compare")
+    csv_download(table, "serving-comparison", st.session_state["runtime_compare_settings"], "dl_compare")

@@ -2,6 +2,7 @@ import pandas as pd
 import streamlit as st
 
 import simulator
+from lab.results import settings_of
 from simulator import charts, report
 from simulator.isolated import run_isolated
 from simulator.plan import plan_capacity
@@ -45,7 +46,8 @@ if mode == "load a results file":
         st.info("Upload a table written by `python -m simulator sweep` or `plan`, or by this page.")
         st.stop()
     try:
-        st.session_state["sweep_table"] = read_table(upload.getvalue(), upload.name)
+        st.session_state.update(sweep_table=read_table(upload.getvalue(), upload.name),
+                                sweep_settings=settings_of(source_file=upload.name))
     except USER_ERRORS as exc:
         show_error(exc)
         st.stop()
@@ -77,8 +79,10 @@ else:
             else:
                 result = plan_capacity(**kwargs, parallel=False, progress=False, on_progress=show)
             table = result.table
-            st.session_state.update(sweep_key=key, sweep_table=table)
-            results_store().add(mode, f"{mode}: {len(table)} rows", table)
+            settings = settings_of({k: v for k, v in kwargs.items() if k != "store"}, workload=preset,
+                                   num_requests=int(num_requests), on_ray=on_ray)
+            st.session_state.update(sweep_key=key, sweep_table=table, sweep_settings=settings)
+            results_store().add(mode, f"{mode}: {len(table)} rows", table, settings)
         except USER_ERRORS as exc:
             show_error(exc)
             st.stop()
@@ -117,4 +121,4 @@ else:
             chart(charts.sweep_heatmap(table, x, y, value), "sweep_heatmap")
         chart(charts.sweep_lines(table, x, value, y if x != y else None), "sweep_lines")
 st.dataframe(table, hide_index=True)
-csv_download(table, "sweep.csv" if "run_key" in table else "plan.csv", "dl_sweep")
+csv_download(table, "sweep" if "run_key" in table else "plan", st.session_state["sweep_settings"], "dl_sweep")

@@ -4,6 +4,7 @@ import streamlit as st
 import simulator
 from lab.engine import EngineConfig
 from lab.live import throttled
+from lab.results import settings_of
 from lab.profile import GRIDS, Profile, extrapolation_warning, profile_engine
 from simulator import charts
 from simulator.twin import TwinConfig, run_twin, twin_workload
@@ -105,8 +106,11 @@ if st.button("Run the twin", key="run_twin", type="primary"):
         note.info("Running the engine and the simulator…")
         st.session_state["twin_result"] = run_twin(workload, config, profile, repeats)
         note.empty()
+        st.session_state["twin_settings"] = settings_of(
+            config, workload.summary(), repeats=repeats, profile_model=profile.model, profile_device=profile.device,
+            profile_dtype=profile.dtype, profile_backend=profile.backend, profile_block_size=profile.block_size)
         results_store().add("twin", f"twin: {workload.name}, {len(workload)} requests",
-                            st.session_state["twin_result"].table)
+                            st.session_state["twin_result"].table, st.session_state["twin_settings"])
     except USER_ERRORS as exc:
         show_error(exc)
         st.stop()
@@ -122,8 +126,9 @@ if result.extrapolation:
     st.warning(f"{warning[0].upper()}{warning[1:]}. Calibrate on a grid that reaches them, or read the errors with "
                f"that in mind.")
 st.dataframe(result.table, hide_index=True)
-csv_download(result.table, "twin.csv", "dl_twin")
-csv_download(result.steps_table(), "twin_steps.csv", "dl_twin_steps", "Download the steps (measured and modelled time)")
+csv_download(result.table, "twin", st.session_state["twin_settings"], "dl_twin")
+csv_download(result.steps_table(), "twin-steps", st.session_state["twin_settings"], "dl_twin_steps",
+             "Download the steps (measured and modelled time)")
 through_run = result.pricing_through_run()
 if not through_run.empty:
     st.caption("Measured / modelled step time through the run, in fifths: a ratio that climbs shows the steps slowing "

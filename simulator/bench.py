@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from lab.cli_args import positive_int
+from lab.cli_args import cli_settings, positive_int
 from lab.results import print_and_save
 
 from .engine import SimConfig, Simulator
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.sweep:
         out = args.out if args.out != parser.get_default("out") else "benchmarks/results/sweep.csv"
-        print_and_save(pd.DataFrame(bench_sweep(args.num_cpus)), out)
+        print_and_save(pd.DataFrame(bench_sweep(args.num_cpus)), out, settings=cli_settings(args), kind="sweep-bench")
         return 0
     rows = []
     if Path(args.trace).is_file():
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"skipping the prefix-caching replay: {args.mooncake_trace} not found")
     rows += bench_large_synthetic(args.large) + bench_trace_loads(args.csv_rows)
-    print_and_save(pd.DataFrame(rows), args.out)
+    print_and_save(pd.DataFrame(rows), args.out, settings=cli_settings(args), kind="simulator-bench")
     return 0
 
 

@@ -22,6 +22,7 @@ from .engine import SimConfig
 from .metrics import rejection_warning
 from .models import GPUS, MODELS
 from .presets import PAPER_FIGURE2_TOKEN_STATES, figure2_experiment, make_configs
+from .report import run_settings
 from .workloads import SYNTHETIC_PRESETS, SyntheticSpec, synthetic_workload
 
 SUMMARY_COLUMNS = ["allocator", "block_size", "token_states_frac", "reserved_frac", "internal_fragmentation_frac",
@@ -170,8 +171,9 @@ def _configs(args) -> list[SimConfig]:
                         max_points=args.max_points, replicas=args.replicas, router=args.router)
 
 
-def run(args) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """The summary (a row per configuration), the tagged timeseries and the closed-form checks of every run."""
+def run(args) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict]:
+    """The summary (a row per configuration), the tagged timeseries and the closed-form checks of every run, and the
+    settings they share (``report.run_settings``)."""
     workload, configs = _workload(args), _configs(args)  # bad input fails before the progress bar starts
     bar = tqdm(total=100, desc="simulating", unit="%", file=sys.stderr, disable=args.no_progress)
     summary, results = compare(workload, configs, progress=lambda done: bar.update(int(done * 100) - bar.n))
@@ -181,7 +183,8 @@ def run(args) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
         summary["paper_token_states_frac"] = summary["allocator"].map(PAPER_FIGURE2_TOKEN_STATES)
     series = [r.timeseries.assign(allocator=r.config.allocator, block_size=r.config.block_size)
               for r in results.values()]
-    return summary, pd.concat(series, ignore_index=True), closed_form_checks(workload, results)
+    return (summary, pd.concat(series, ignore_index=True), closed_form_checks(workload, results),
+            run_settings(workload, configs[0]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,14 +195,14 @@ def main(argv: list[str] | None = None) -> int:
         return getattr(cli_sweep, f"{argv[0]}_main")(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        summary, timeseries, checks = run(args)
+        summary, timeseries, checks, settings = run(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     columns = SUMMARY_COLUMNS + [c for c in ("paper_token_states_frac",) if c in summary]
-    print_and_save(summary, args.out, columns)
-    save_csv(timeseries, args.timeseries)
-    save_csv(checks, args.checks)
+    print_and_save(summary, args.out, columns, settings, "summary")
+    save_csv(timeseries, args.timeseries, settings, "timeseries")
+    save_csv(checks, args.checks, settings, "checks")
     print(f"closed-form checks: {int(checks['holds'].sum())} of {len(checks)} hold", file=sys.stderr)
     for row in checks[~checks["holds"]].itertuples():
         print(f"warning: {row.label}: {row.check}: simulated {row.simulated:.6g}, closed form {row.relation} "

@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from lab.cli_args import output_csv, output_folder, positive_float, positive_int
-from lab.results import print_and_save
+from lab.cli_args import cli_settings, output_csv, output_folder, positive_float, positive_int
+from lab.results import print_and_save, with_settings
 
 from .sweep import GridError, failed_runs, load_grid, run_sweep, runs_failing_checks, save_table
 
@@ -52,7 +52,7 @@ def sweep_main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     table = result.table
-    save_table(table, args.out)
+    save_table(with_settings(table, cli_settings(args, "store")), args.out)
     if result.store_error:
         print(f"warning: the store failed ({result.store_error}); {args.out} holds this invocation's runs",
               file=sys.stderr)
@@ -157,7 +157,7 @@ def plan_main(argv: list[str]) -> int:
     print_and_save(table, None, [c for c in ("model", "gpu", "tp", "replicas", "allocator", "max_rate_req_s",
                                              "cost_per_hour", "cost_per_million_requests", "chosen", *slos)])
     if args.out:
-        save_table(table, args.out)
+        save_table(with_settings(table, cli_settings(args)), args.out)
     for row in failed_runs(table).head(5).itertuples():
         print(f"warning: {row.model} on {row.tp} x {row.gpu}, {row.allocator}: {row.error}", file=sys.stderr)
     capped = table[table["first_failing_rate_req_s"] == float("inf")]

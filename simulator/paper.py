@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from lab.errors import InputError
-from lab.results import write_atomically
+from lab.results import settings_of, split_settings, with_settings, write_atomically
 from .engine import Simulator
 from .plan import RateSearch, search_max_rate
 from .presets import PAPER_FIGURE2_TOKEN_STATES, PAPER_MEMORY, PAPER_SETUPS, figure2_experiment, paper_config
@@ -416,25 +416,33 @@ def compute_figures(figures: list[str], num_requests: int = 1000,
     return pd.DataFrame(summary, columns=SUMMARY_COLUMNS), tables
 
 
+def run_settings(figures: list[str], num_requests: int, tiny: TinyScale | None) -> dict:
+    """What produced a run of the figures (every CSV of it carries these as leading columns)."""
+    return settings_of(figures=figures, num_requests=num_requests, tiny_engine=tiny is not None)
+
+
 def run_figures(figures: list[str], out_dir: str | Path, num_requests: int = 1000,
                 tiny: TinyScale | None = None) -> pd.DataFrame:
-    """``compute_figures``, then write ``figure<N>.csv`` each and ``summary.csv`` to ``out_dir``; returns the
-    summary."""
+    """``compute_figures``, then write ``figure<N>.csv`` each and ``summary.csv`` to ``out_dir``, each with the
+    run's settings; returns the summary."""
     summary, tables = compute_figures(figures, num_requests, tiny)
+    settings = run_settings(figures, num_requests, tiny)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for figure, table in tables.items():
-        write_atomically(out / f"figure{figure}.csv", lambda path, table=table: table.to_csv(path, index=False))
-    write_atomically(out / "summary.csv", lambda path: summary.to_csv(path, index=False))
+    for name, table in [*((f"figure{figure}", table) for figure, table in tables.items()), ("summary", summary)]:
+        write_atomically(out / f"{name}.csv",
+                         lambda path, table=table: with_settings(table, settings).to_csv(path, index=False))
     return summary
 
 
-def load_figures(folder: str | Path) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]] | None:
-    """A run ``run_figures`` wrote to ``folder``: its summary and tables, or None where the folder holds none."""
+def load_figures(folder: str | Path) -> tuple[pd.DataFrame, dict[str, pd.DataFrame], dict] | None:
+    """A run ``run_figures`` wrote to ``folder``: its summary, tables and settings, or None where the folder holds
+    none."""
     folder = Path(folder)
     if not (folder / "summary.csv").exists():
         return None
-    summary = pd.read_csv(folder / "summary.csv", dtype={"figure": str})
-    tables = {figure: pd.read_csv(folder / f"figure{figure}.csv") for figure in FIGURES
+    names = list(run_settings([], 0, None))
+    summary, settings = split_settings(pd.read_csv(folder / "summary.csv", dtype={"figure": str}), names)
+    tables = {figure: split_settings(pd.read_csv(folder / f"figure{figure}.csv"), names)[0] for figure in FIGURES
               if (folder / f"figure{figure}.csv").exists()}
-    return summary, tables
+    return summary, tables, settings

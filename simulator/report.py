@@ -1,14 +1,12 @@
 """What a person reads first: the headline answer of a comparison, human labels with units, a glossary, and the
-settings every export carries."""
+settings of a comparison."""
 from __future__ import annotations
 
-import datetime
 import math
-import re
 
 import pandas as pd
 
-from lab.results import LAB_VERSION
+from lab.results import settings_of
 
 from .engine import SimConfig
 from .workloads import Workload
@@ -125,23 +123,4 @@ def run_settings(workload: Workload, config: SimConfig) -> dict:
             getattr(value, "name", str(value))
     settings.update({f"model_{k}": v for k, v in config.model_overrides.items()})
     settings.update({f"gpu_{k}": v for k, v in config.gpu_overrides.items()})
-    settings["lab_version"] = LAB_VERSION
-    return settings
-
-
-def with_settings(table: pd.DataFrame, settings: dict) -> pd.DataFrame:
-    """``table`` with the settings as leading columns (those it does not already have), so an exported CSV says
-    what produced it."""
-    extra = {f"setting_{k}" if k in table.columns else k: v for k, v in settings.items()}
-    return pd.concat([pd.DataFrame({k: [v] * len(table) for k, v in extra.items()}, index=table.index), table], axis=1)
-
-
-def export_name(kind: str, settings: dict, when: datetime.datetime | None = None) -> str:
-    """A file name that tells exports apart: the kind, the workload, its size and rate, the model and GPU, and a
-    timestamp, e.g. ``summary_sharegpt_1000req_5rps_opt-13b_a100-40gb_20261202-201500.csv``."""
-    when = when or datetime.datetime.now()
-    rate = settings.get("arrival_rate_req_s")
-    parts = [kind, settings.get("workload"), f"{settings.get('num_requests')}req",
-             "allatonce" if rate is None or rate == math.inf else f"{rate:g}rps", settings.get("model"),
-             settings.get("gpu"), when.strftime("%Y%m%d-%H%M%S")]
-    return "_".join(re.sub(r"[^A-Za-z0-9.+-]+", "-", str(p)).strip("-") for p in parts if p is not None) + ".csv"
+    return settings_of(settings)

@@ -1,6 +1,7 @@
 """Every page of the app under Streamlit's AppTest: defaults run cleanly, widgets change results, downloads are
 readable CSV with the documented columns, bad input shows an error element (never a traceback)."""
 import io
+import re
 from pathlib import Path, PurePosixPath
 
 import pandas as pd
@@ -13,15 +14,22 @@ PAGES = ["overview", "memory_simulator", "block_pool", "kernel_lab", "runtime", 
          "benchmarks"]
 
 
+class Downloads(dict):
+    """Bytes of every file the app hands to a download button by file id; ``names``: their file names."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = {}
+
+
 @pytest.fixture
 def downloads(monkeypatch):
-    """Bytes of every file the app hands to a download button, by file id."""
-    files = {}
+    files = Downloads()
     original = MemoryMediaFileStorage.load_and_get_id
 
     def record(self, path_or_data, mimetype, kind, filename=None):
         file_id = original(self, path_or_data, mimetype, kind, filename)
-        files[file_id] = path_or_data
+        files[file_id], files.names[file_id] = path_or_data, filename
         return file_id
 
     monkeypatch.setattr(MemoryMediaFileStorage, "load_and_get_id", record)
@@ -49,8 +57,14 @@ def download_table(app: AppTest, files: dict, key: str) -> pd.DataFrame:
 
 
 @pytest.mark.parametrize("page", PAGES)
-def test_every_page_runs_with_defaults(page):
-    clean(open_page(page))
+def test_every_page_runs_with_defaults_and_its_exports_say_what_produced_them(page, downloads):
+    app = open_page(page)
+    clean(app)
+    for button in app.download_button:
+        file_id = PurePosixPath(button.proto.url).stem
+        table = pd.read_csv(io.BytesIO(downloads[file_id]))
+        assert "lab_version" in table, (page, button.proto.id)
+        assert re.search(r"_\d{8}-\d{6}\.csv$", downloads.names[file_id]), downloads.names[file_id]  # a timestamp
 
 
 def test_memory_simulator_reacts_and_exports(downloads):
@@ -270,14 +284,15 @@ def test_kernel_lab_extremes_run_cleanly():
 
 
 def test_benchmarks_page_shows_recorded_results_and_adds_them_to_the_session(downloads):
-    from lab.results import RECORDED_RESULTS
+    from lab.results import LAB_VERSION, RECORDED_RESULTS
 
     app = open_page("benchmarks")
     clean(app)
     app.selectbox(key="recorded_file").set_value("simulator.csv").run()
     clean(app)
     shown = download_table(app, downloads, "dl_recorded")
-    assert shown.equals(pd.read_csv(RECORDED_RESULTS / "simulator.csv"))
+    assert shown[["source", "lab_version"]].iloc[0].tolist() == ["simulator.csv", LAB_VERSION]  # where it came from
+    assert shown.drop(columns=["source", "lab_version"]).equals(pd.read_csv(RECORDED_RESULTS / "simulator.csv"))
     app.button(key="add_recorded").click().run()
     clean(app)
     assert app.session_state["results"].names() == ["recorded: simulator.csv"]
@@ -368,7 +383,9 @@ def test_paper_page_runs_figures_and_exports(downloads):
     app.button(key="run_paper").click().run()
     clean(app)
     summary = download_table(app, downloads, "dl_paper")
-    assert list(summary.columns) == ["figure", "quantity", "paper", "lab", "verdict"]
+    assert list(summary.columns) == ["figures", "num_requests", "tiny_engine", "lab_version", "figure", "quantity",
+                                     "paper", "lab", "verdict"]
+    assert summary[["figures", "num_requests"]].iloc[0].tolist() == ["2 19", 100]
     assert set(summary["figure"].astype(str)) == {"2", "19"} and app.get("plotly_chart")
 
 

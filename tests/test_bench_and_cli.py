@@ -28,9 +28,27 @@ def test_cli_writes_csv(tmp_path, capsys):
     out = tmp_path / "k.csv"
     assert main(["bench", "kernels", "--batch", "1", "--context", "20", "--block-size", "7", "--repeats", "1",
                  "--out", str(out)]) == 0
-    assert set(pd.read_csv(out)["kernel"]) == {"sdpa-contiguous", "torch"}
+    written = pd.read_csv(out)
+    assert set(written["kernel"]) == {"sdpa-contiguous", "torch"}
+    # the options that produced it ride along (those named like a column of the table are prefixed)
+    assert written[["setting_batch", "setting_context", "setting_block_size", "repeats"]].iloc[0].tolist() == [1, 20, 7, 1]
+    assert "lab_version" in written and "out" not in written
     assert main(["bench", "kernels", "--backends", "nope", "--batch", "1", "--context", "8", "--out", ""]) == 2
     assert "backend must be one of" in capsys.readouterr().err
+
+
+def test_an_out_folder_gets_a_file_named_from_the_settings(tmp_path):
+    from simulator.cli import main as simulator_main
+
+    folder = tmp_path / "exports"
+    assert simulator_main(["--workload", "sharegpt", "--num-requests", "20", "--rate", "4", "--allocators", "paged",
+                           "--no-progress", "--out", f"{folder}/", "--checks", f"{folder}/"]) == 0
+    summary, checks = (sorted(folder.glob(f"{kind}_*.csv")) for kind in ("summary", "checks"))
+    assert len(summary) == 1 and len(checks) == 1
+    assert summary[0].name.startswith("summary_sharegpt_20req_4rps_qwen3-8b_")
+    table = pd.read_csv(summary[0])
+    assert table[["workload", "num_requests", "arrival_rate_req_s", "max_model_len"]].iloc[0].tolist()[:3] == \
+        ["sharegpt", 20, 4.0] and table["allocator"].tolist() == ["paged"]
 
 
 def test_hardware_table_lists_backends():
@@ -100,10 +118,10 @@ BAD_INVOCATIONS = [
     ("simulator", ["--max-model-len", "99999999999"], "max_model_len"),
     ("simulator", ["--kernel-csv", "/no/such.csv", "--num-requests", "3"], "No such file"),
     ("simulator", ["--preemption-mode", "evict"], "--preemption-mode"),
-    ("simulator", ["--out", "tests"], "is a folder"),
+    ("simulator", ["--out", "README.md/"], "cannot write"),
     ("simulator", ["--timeseries", "/proc/version/ts.csv"], "cannot write"),
     ("lab", ["generate", "--out", "/proc/version/m.csv"], "cannot write"),
-    ("lab", ["bench", "block-manager", "--out", "tests"], "is a folder"),
+    ("lab", ["bench", "block-manager", "--out", "/proc/version/"], "cannot write"),
     ("simulator", ["paper", "--out", "README.md"], "is a file"),
     ("simulator", ["paper", "--out", "/proc/version/paper"], "cannot write"),
 ]

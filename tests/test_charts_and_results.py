@@ -135,3 +135,38 @@ def test_the_block_size_chart_puts_each_figure_in_its_own_panel():
     figure = block_size_lines(table)
     assert [trace.xaxis for trace in figure.data] == ["x", "x2", "x3"] * 2
     assert [trace.showlegend for trace in figure.data] == [True, False, False] * 2
+
+
+def test_settings_flatten_configs_and_name_the_export():
+    import datetime
+
+    from lab.engine import EngineConfig
+    from lab.live import RuntimeRunConfig
+    from lab.results import LAB_VERSION, export_name, settings_of, split_settings, with_settings
+
+    config = RuntimeRunConfig(model="tiny", num_requests=4, prompt_len_range=(8, 32), max_tokens_range=(2, 9),
+                              engine=EngineConfig(block_size=7, seed=3))
+    settings = settings_of(config, {"workload": "random"}, extra=None)
+    # nested dataclass fields in place; a name taken twice (seed) prefixed by its field; tuples as words
+    assert settings["block_size"] == 7 and settings["seed"] == 0 and settings["engine_seed"] == 3
+    assert settings["prompt_len_range"] == "8 32" and settings["lab_version"] == LAB_VERSION
+    assert all(v is None or isinstance(v, (bool, int, float, str)) for v in settings.values())
+    when = datetime.datetime(2026, 12, 2, 20, 15)
+    assert export_name("runtime", settings, when) == "runtime_random_4req_tiny_B7_20261202-201500.csv"
+    assert export_name("x", {"workload": "a/b c", "arrival_rate_req_s": float("inf")}, when) == \
+        "x_a-b-c_allatonce_20261202-201500.csv"
+    table = pd.DataFrame({"block_size": [16, 32], "tokens": [1, 2]})
+    exported = with_settings(table, settings)
+    assert list(exported.columns[:3]) == ["model", "num_requests", "prompt_len_range"]
+    assert exported["setting_block_size"].tolist() == [7, 7] and exported["block_size"].tolist() == [16, 32]
+    back, values = split_settings(exported, list(settings))
+    pd.testing.assert_frame_equal(back, table)
+    assert values["block_size"] == 7 and values["model"] == "tiny"
+
+
+def test_stored_results_keep_their_settings_for_export():
+    store = ResultStore()
+    store.add("simulation", "a", pd.DataFrame({"x": [1]}), {"workload": "sharegpt"})
+    store.add("simulation", "b", pd.DataFrame({"x": [2]}), {"workload": "alpaca"})
+    assert "workload" not in store.side_by_side(["a", "b"])
+    assert store.side_by_side(["a", "b"], settings=True)["workload"].tolist() == ["sharegpt", "alpaca"]

@@ -33,17 +33,20 @@ def test_the_summary_and_csvs_are_written(tmp_path):
     summary = run_figures(["2", "13"], tmp_path, 100)
     assert list(summary.columns) == ["figure", "quantity", "paper", "lab", "verdict"]
     assert (tmp_path / "figure2.csv").exists() and (tmp_path / "figure13.csv").exists()
-    assert pd.read_csv(tmp_path / "summary.csv").shape == summary.shape
+    written = pd.read_csv(tmp_path / "summary.csv")
+    assert list(written.columns) == ["figures", "num_requests", "tiny_engine", "lab_version", *summary.columns]
+    assert written["num_requests"].eq(100).all() and written["figures"].eq("2 13").all()  # says what produced it
     with pytest.raises(ValueError, match="not available"):
         run_figures(["14"], tmp_path)
-    loaded_summary, tables = load_figures(tmp_path)
+    loaded_summary, tables, settings = load_figures(tmp_path)
     pd.testing.assert_frame_equal(loaded_summary, summary.astype({"figure": str}))
+    assert settings["num_requests"] == 100 and not settings["tiny_engine"]
     assert list(tables) == ["2", "13"]  # in the paper's order, not the files' names' order
     assert load_figures(tmp_path / "nothing here") is None
 
 
 def test_the_committed_full_run_loads():
-    summary, tables = load_figures(SAVED_RUN)
+    summary, tables, _ = load_figures(SAVED_RUN)
     assert set(summary["verdict"]) <= {"reproduced", "partly", "not"} and set(tables) == set(FIGURES)
 
 

@@ -19,6 +19,7 @@ import torch
 
 from .errors import LabError
 from .checks import check_bool, check_int, check_real
+from .model_runner import ModelInput
 from .scheduler import PrefillChunk, SchedulerOutput
 
 
@@ -143,8 +144,7 @@ def memory_saving(usage: list[tuple[int, int]]) -> float:
 
 
 def _forward(runner, manager, out, kv_len) -> torch.Tensor:
-    batch, rows, _ = runner.prepare(out, manager, kv_len)
-    return torch.log_softmax(runner.forward(batch, rows).float(), dim=-1)
+    return torch.log_softmax(runner.run(ModelInput.from_plan(out, kv_len), manager), dim=-1)
 
 
 def _rank(beams: list[_Beam], logprobs: torch.Tensor, width: int) -> list[tuple[float, int, int]]:

@@ -7,10 +7,10 @@ import sys
 import pandas as pd
 
 from .errors import InputError
-from lab.cli_args import (cli_settings, device, non_negative_int, output_csv, positive_float, positive_int,
-                          positive_ints, refuse_ignored)
+from lab.cli_args import (cli_settings, device, model_options, non_negative_int, output_csv, positive_int,
+                          positive_ints, refuse_ignored, serving_options)
 from lab.profile import GRIDS
-from lab.results import print_and_save, save_csv, settings_of
+from lab.results import print_and_save, settings_of
 
 
 def _bench_kernels(args) -> None:
@@ -89,14 +89,6 @@ def _generate(args) -> None:
     print_and_save(metrics, args.out, settings=cli_settings(args), kind="generate")
 
 
-def _bench_twin(args) -> None:
-    from simulator.twin import bench_twin  # the twin joins engine and simulator (see _twin)
-
-    table = bench_twin(args.models.split(","), args.repeats, device=args.device, light_fraction=args.light_fraction,
-                       progress=lambda message: print(message, file=sys.stderr))
-    print_and_save(table, args.out, settings=cli_settings(args), kind="twin-bench")
-
-
 def _profile(args) -> None:
     from tqdm import tqdm
 
@@ -126,38 +118,6 @@ def _profile(args) -> None:
     print_and_save(profile.scenario_errors(), None)
 
 
-def _twin(args) -> None:
-    # The twin joins the engine and the simulator, so this one command imports simulator (the lab library does not).
-    from lab.engine import EngineConfig
-    from lab.profile import Profile, extrapolation_warning
-    from simulator.twin import TwinConfig, run_twin, twin_workload
-
-    lengths = {name: getattr(args, name) for name in ("input_len", "output_len") if getattr(args, name) is not None}
-    if args.workload not in ("random", "fixed"):
-        refuse_ignored(list(lengths), f"only the random and fixed presets take lengths ({args.workload} brings its "
-                                      f"own)")
-    profile = Profile.load(args.profile)
-    workload = twin_workload(args.workload, args.num_requests, args.rate, time_scale=args.time_scale, seed=args.seed,
-                             **lengths)  # twin_workload's defaults for the lengths not given
-    engine = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, scheduling=args.scheduling,
-                          preemption_mode=args.preemption_mode, num_cpu_blocks=args.num_cpu_blocks,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          device=args.device, attention_backend=args.backend, seed=args.seed)
-    config = TwinConfig(args.model, engine)
-    result = run_twin(workload, config, profile, args.repeats)
-    settings = settings_of(config, workload.summary(), profile=args.profile, repeats=args.repeats)
-    print_and_save(result.table, args.out, settings=settings, kind="twin")
-    save_csv(result.steps_table(), args.steps_out, settings, "twin-steps")
-    through_run = result.pricing_through_run()
-    if not through_run.empty:
-        print("measured / modelled step time through the run (a climb: steps slow under sustained load):")
-        print(through_run.to_string(index=False, float_format=lambda value: f"{value:.4g}"))
-    if result.first_difference:
-        print(f"schedules differ at {result.first_difference}")
-    if result.extrapolation:
-        print(f"warning: {extrapolation_warning(result.extrapolation)}", file=sys.stderr)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lab", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -181,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(run=_bench_block_manager)
 
     e = bench.add_parser("e2e", help="paged engine vs HF generate vs HF continuous batching")
-    _model_options(e, device_default="cpu")
+    model_options(e, device_default="cpu")
     e.add_argument("--num-requests", type=positive_int, default=64, help="requests queued at once per run")
     e.add_argument("--systems", default="paged-engine,paged-engine-chunked,hf-static,hf-continuous",
                    help="comma list of the systems to run")
@@ -189,22 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", type=output_csv, default="benchmarks/results/e2e_cpu.csv", help="results CSV")
     e.set_defaults(run=_bench_e2e)
 
-    w = bench.add_parser("twin", help="fidelity of the simulator on the engine's profile (saturated, light, chunked)")
-    w.add_argument("--models", default="tiny,qwen3-0.6b-random-4l", help="comma-separated presets (see BENCH_MODELS)")
-    w.add_argument("--light-fraction", type=positive_float, default=None,
-                   help="light load = this fraction of the saturated run's request throughput; default: the model's")
-    w.add_argument("--repeats", type=positive_int, default=None,
-                   help="profile rounds and real runs per load (median; spread = noise floor); default: the model's")
-    w.add_argument("--device", type=device, default=None, help=DEVICE_HELP)
-    w.add_argument("--out", type=output_csv, default="benchmarks/results/twin_cpu.csv", help="results CSV")
-    w.set_defaults(run=_bench_twin)
-
     h = commands.add_parser("headlines", help="the headline figures from benchmarks/results/ against their goals "
                                               "(the README's table, as Markdown)")
     h.set_defaults(run=_headlines)
 
     g = commands.add_parser("generate", help="generate with the paged engine")
-    _model_options(g)
+    model_options(g)
     g.add_argument("--prompt", action="append", help="text (with a tokenizer) or comma-separated token ids")
     g.add_argument("--num-prompts", type=positive_int, default=None,
                    help="random prompts when --prompt is not given (default 8)")
@@ -218,65 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-blocks", type=positive_int, default=None,
                    help="KV pool in blocks (default: sized from memory)")
     g.add_argument("--no-prefix-caching", action="store_true", help="no reuse of cached prompt blocks")
-    _serving_options(g)
+    serving_options(g)
     g.add_argument("--out", type=output_csv, default=None, help="CSV of the run metrics")
     g.set_defaults(run=_generate)
 
     p = commands.add_parser("profile", help="time real engine steps and fit the simulator's step-time model")
-    _model_options(p)
+    model_options(p)
     p.add_argument("--repeats", type=positive_int, default=3, help="measured rounds per scenario (means)")
     p.add_argument("--grid", choices=GRIDS, default="full",
                    help="scenarios: full; small (models whose prefills take seconds on a CPU); quick")
     p.add_argument("--out", type=output_csv, default="profile.json", help="the profile (JSON)")
     p.set_defaults(run=_profile)
 
-    t = commands.add_parser("twin", help="one workload through the engine and the simulator on its profile")
-    _model_options(t)
-    t.add_argument("--profile", required=True, help="from python -m lab profile")
-    t.add_argument("--workload", default="random",
-                   help="random or fixed (--input-len/--output-len), another preset, or a trace file")
-    t.add_argument("--num-requests", type=positive_int, default=32, help="requests drawn, or a trace's first rows")
-    t.add_argument("--rate", type=float, default=None,
-                   help="req/s: a preset's arrival rate (default inf: all at t=0), or a trace's rescaled to it")
-    t.add_argument("--time-scale", type=positive_float, default=1.0, help="multiply a trace's arrival offsets")
-    t.add_argument("--input-len", type=positive_int, default=None,
-                   help="prompt tokens of random (the mean, +-50 %%) or fixed (default 96)")
-    t.add_argument("--output-len", type=positive_int, default=None,
-                   help="output tokens of random (the mean, +-50 %%) or fixed (default 32)")
-    t.add_argument("--num-blocks", type=positive_int, default=256, help="KV pool in blocks")
-    _serving_options(t)
-    t.add_argument("--repeats", type=positive_int, default=1, help="real runs (2+: the noise floor)")
-    t.add_argument("--seed", type=non_negative_int, default=0, help="seeds the workload, prompts and engine")
-    t.add_argument("--out", type=output_csv, default=None, help="CSV: metric, real, simulated, rel_error")
-    t.add_argument("--steps-out", type=output_csv, default=None,
-                   help="CSV of the real run's steps with each step's modelled time beside its measured one")
-    t.set_defaults(run=_twin)
     return parser
-
-
-DEVICE_HELP = "cpu or cuda[:N] (default: cuda when there is one)"
-
-
-def _model_options(parser: argparse.ArgumentParser, device_default: str | None = None) -> None:
-    """The model and where it runs: --model, --device, --block-size, --backend."""
-    parser.add_argument("--model", default="tiny", help="preset or local Qwen3 checkpoint directory")
-    parser.add_argument("--device", type=device, default=device_default, help=DEVICE_HELP)
-    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    parser.add_argument("--backend", default="auto", help="attention backend: auto, torch, cupy or reference")
-
-
-def _serving_options(parser: argparse.ArgumentParser) -> None:
-    """The scheduler's modes and caps, and the host pool for swapping."""
-    parser.add_argument("--scheduling", default="prefill-first", choices=["prefill-first", "chunked"],
-                        help="chunked: decodes first, then prompt chunks up to the token budget")
-    parser.add_argument("--max-num-seqs", type=positive_int, default=64,
-                        help="most sequences running at once (continuous batching's cap)")
-    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=4096, help="token budget per step")
-    parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
-                        help="swap: preempted sequences move to a host pool")
-    parser.add_argument("--num-cpu-blocks", type=non_negative_int, default=0,
-                        help="host pool for swap (0: as large as the GPU pool, at most vLLM's default 4 GiB "
-                             "of swap space)")
 
 
 def main(argv: list[str] | None = None) -> int:

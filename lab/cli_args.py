@@ -108,3 +108,28 @@ def cli_settings(args: argparse.Namespace, *outputs: str) -> dict:
 
     return settings_of({name: value for name, value in vars(args).items()
                         if name not in ("out", *outputs) and not callable(value)})
+
+
+DEVICE_HELP = "cpu or cuda[:N] (default: cuda when there is one)"
+
+
+def model_options(parser: argparse.ArgumentParser, device_default: str | None = None) -> None:
+    """The model and where it runs: --model, --device, --block-size, --backend."""
+    parser.add_argument("--model", default="tiny", help="preset or local Qwen3 checkpoint directory")
+    parser.add_argument("--device", type=device, default=device_default, help=DEVICE_HELP)
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    parser.add_argument("--backend", default="auto", help="attention backend: auto, torch, cupy or reference")
+
+
+def serving_options(parser: argparse.ArgumentParser) -> None:
+    """The scheduler's modes and caps, and the host pool for swapping."""
+    parser.add_argument("--scheduling", default="prefill-first", choices=["prefill-first", "chunked"],
+                        help="chunked: decodes first, then prompt chunks up to the token budget")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=64,
+                        help="most sequences running at once (continuous batching's cap)")
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=4096, help="token budget per step")
+    parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                        help="swap: preempted sequences move to a host pool")
+    parser.add_argument("--num-cpu-blocks", type=non_negative_int, default=0,
+                        help="host pool for swap (0: as large as the GPU pool, at most vLLM's default 4 GiB "
+                             "of swap space)")

@@ -1,9 +1,10 @@
 """LLMEngine: continuous batching of Qwen3 over the paged KV cache.
 
-Each ``step()`` is schedule -> run the model -> post-process. The schedule comes from ``lab.scheduler.Scheduler``
-(the same one the simulator runs with a clock): prefill-first or chunked steps, recompute or swap preemption, all
-calls into the block manager. ``PagedQwen3`` turns the plan into tensors and runs it; the engine samples tokens
-and tells the scheduler which sequences finished.
+Each ``step()`` is schedule -> run the model -> sample -> post-process. The schedule comes from
+``lab.scheduler.Scheduler`` (the same one the simulator runs with a clock): prefill-first or chunked steps,
+recompute or swap preemption, all calls into the block manager. ``lab.model_runner.ModelRunner`` turns the plan into
+tensors and runs the forward; ``lab.sampler.Sampler`` picks the tokens; the engine appends them and tells the
+scheduler which sequences finished.
 """
 from __future__ import annotations
 
@@ -26,54 +27,14 @@ from .errors import InputError, LabError
 from .checks import check_bool, check_choice, check_int, check_real
 from .hardware import check_device
 from .kv_policy import PagedPolicy, default_num_cpu_blocks
-from .model import PagedQwen3, load_hf_model
+from .model import load_hf_model
+from .model_runner import ModelInput, ModelRunner
+from .sampler import Sampler, SamplingParams, SamplingParamsError
 from .scheduler import (Scheduler, SchedulerConfig, Sequence as SchedSequence, SequenceGroup,
                         StepStats)
 
 
 MAX_BLOCKS = 1 << 24  # a KV pool larger than this is a typo, not a GPU
-MAX_TEMPERATURE = 1e4  # past this every token is equally likely to within float precision
-# Below this a softmax over logits / temperature puts all mass on the argmax to within float precision, and the
-# division itself overflows (1e-40 is 0 in bf16): such rows sample greedily.
-GREEDY_BELOW_TEMPERATURE = 1e-5
-
-
-@dataclass(slots=True)
-class SamplingParams:
-    """How to pick tokens: greedy when ``temperature == 0``; else temperature, then top-k / top-p filtering."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    n: int = 1
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        """Whether rows of this request take the argmax (temperature 0, or too small to sample safely)."""
-        return self.temperature < GREEDY_BELOW_TEMPERATURE
-
-    def check(self) -> None:
-        """Raise ``SamplingParamsError`` (a ``ValueError``) naming the first field of a wrong type or out of range."""
-        owner, error = "SamplingParams", SamplingParamsError
-        check_int(owner, "max_tokens", self.max_tokens, 1, error=error)  # the scheduler checks it against the model
-        check_int(owner, "top_k", self.top_k, 0, error=error)
-        check_int(owner, "n", self.n, 1, error=error)
-        check_real(owner, "temperature", self.temperature, 0.0, MAX_TEMPERATURE, error=error)
-        check_real(owner, "top_p", self.top_p, 0.0, 1.0, low_open=True, error=error)
-        check_int(owner, "seed", self.seed, 0, 2**63 - 1, optional=True, error=error)
-        stops = self.stop_token_ids
-        if not isinstance(stops, (tuple, list)) or any(isinstance(t, bool) or not isinstance(t, numbers.Integral)
-                                                       for t in stops):
-            raise error(f"SamplingParams.stop_token_ids={stops!r}: expected a tuple of token ids")
-        check_bool(owner, "ignore_eos", self.ignore_eos, error=error)
-
-
-class SamplingParamsError(LabError):
-    """A ``SamplingParams`` field has a wrong type or value; nothing was queued."""
 
 
 class PromptError(LabError):
@@ -230,7 +191,7 @@ class LLMEngine:
         if num_blocks < 1:
             raise InputError(f"num_blocks must be >= 1, got {num_blocks}")
         num_cpu_blocks = self._num_cpu_blocks(hf_config, config, dtype, num_blocks)
-        self.runner = PagedQwen3(self.hf_model, num_blocks, config.block_size, config.attention_backend,
+        self.runner = ModelRunner(self.hf_model, num_blocks, config.block_size, config.attention_backend,
                                  num_cpu_blocks)
         self.policy = PagedPolicy(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks)
         self.block_manager = self.policy.manager
@@ -251,11 +212,11 @@ class LLMEngine:
         self.generated_tokens = self.peak_used_blocks = 0
         self.scheduler_s = 0.0  # time spent in the scheduler (benchmarks report its share)
         self._last_stats: StepStats | None = None
-        self._drawn_generators: list = []
+        self.sampler = Sampler()
         self.started_s = time.perf_counter()
 
     def _default_num_blocks(self, hf_config, config: EngineConfig, dtype) -> int:
-        per_block = PagedQwen3.kv_bytes_per_block(hf_config, config.block_size, dtype)
+        per_block = ModelRunner.kv_bytes_per_block(hf_config, config.block_size, dtype)
         budget = config.kv_memory_bytes
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -269,9 +230,9 @@ class LLMEngine:
         if config.num_cpu_blocks:
             return config.num_cpu_blocks
         if config.swap_space_bytes:
-            return max(1, config.swap_space_bytes // PagedQwen3.kv_bytes_per_block(hf_config, config.block_size,
+            return max(1, config.swap_space_bytes // ModelRunner.kv_bytes_per_block(hf_config, config.block_size,
                                                                                     dtype))
-        return default_num_cpu_blocks(num_blocks, PagedQwen3.kv_bytes_per_block(hf_config, config.block_size, dtype))
+        return default_num_cpu_blocks(num_blocks, ModelRunner.kv_bytes_per_block(hf_config, config.block_size, dtype))
 
     # ---- compatibility views -----------------------------------------------------------------------------------
     @property
@@ -402,33 +363,50 @@ class LLMEngine:
         (an error in the model or the sampler, an interrupt, out of memory) leaves the engine as if every unfinished
         request had been preempted by recompute just before it (see ``_recover``), then re-raises: the next step
         continues each request from the tokens it had accepted, with the tokens an undisturbed run would give."""
-        self._drawn_generators = []
+        self.sampler.drawn = []
         try:
             return self._step()
         except BaseException:
-            self._recover(generators=self._drawn_generators)
+            self._recover(generators=self.sampler.drawn)
             raise
 
     def _step(self) -> list[RequestOutput]:
-        started = time.perf_counter()
-        finished_before = len(self.finished)
-        out = self.last_plan = self.scheduler.schedule()
-        self.scheduler_s += time.perf_counter() - started
-        if out.is_empty:
-            head = self.scheduler.drop_unschedulable_head()
-            if head is not None:  # check_request makes this unreachable; never spin silently
-                raise RuntimeError(f"request {head.request_id} cannot be scheduled into an idle pool")
+        started, finished_before = time.perf_counter(), len(self.finished)
+        plan = self._schedule()
+        if plan is None:
             return []
-        self.runner.execute_copies(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
-        batch, rows, sampled = self.runner.prepare(out, self.block_manager, self.scheduler.kv_len)
-        logits = self.runner.forward(batch, rows) if batch is not None else None
-        tokens = self._next_tokens(logits, sampled)
+        self.runner.execute_copies(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
+        step = ModelInput.from_plan(plan, self.scheduler.kv_len)
+        logits = self.runner.run(step, self.block_manager)
+        tokens = self.sampler.sample(logits, [[(seq.data.request.params, seq.data.generator) for seq in row]
+                                       for row in step.samplers])
+        self._postprocess(step, logits, tokens)
+        self._end_step(started)
+        return self.finished[finished_before:]
+
+    def _schedule(self):
+        """The step's plan (``SchedulerOutput``), or None when there is nothing to run."""
+        started = time.perf_counter()
+        plan = self.last_plan = self.scheduler.schedule()
+        self.scheduler_s += time.perf_counter() - started
+        if not plan.is_empty:
+            return plan
+        head = self.scheduler.drop_unschedulable_head()
+        if head is not None:  # check_request makes this unreachable; never spin silently
+            raise RuntimeError(f"request {head.request_id} cannot be scheduled into an idle pool")
+        return None
+
+    def _postprocess(self, step: ModelInput, logits: torch.Tensor | None, tokens: list[int]) -> None:
+        """Append each sampled token to its sequence (``_accept``)."""
         if not tokens:  # nothing read back (a prompt chunk that samples nothing, swaps only): wait for the device,
             self.runner.synchronize()  # or the step's times would end before its work does
         now = time.perf_counter()
-        rows_and_seqs = ((row, seq) for row, seqs in enumerate(sampled) for seq in seqs)
+        rows_and_seqs = ((row, seq) for row, seqs in enumerate(step.samplers) for seq in seqs)
         for (row, seq), token in zip(rows_and_seqs, tokens):
             self._accept(seq, logits[row] if self.record_logits else None, token, now)
+
+    def _end_step(self, started: float) -> None:
+        """Close the step's record in the scheduler (its times, tokens, memory) and report it."""
         post = time.perf_counter()
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
         memory = peak_memory_bytes(self.device)
@@ -438,7 +416,6 @@ class LLMEngine:
         self.scheduler_s += time.perf_counter() - post
         if self.on_step:
             self.on_step(self._last_stats)
-        return self.finished[finished_before:]
 
     def _recover(self, generators: list = (), abort: set = frozenset()) -> None:
         """Bring the engine back to a consistent state after a failure part-way through a step (or a beam search).
@@ -504,25 +481,8 @@ class LLMEngine:
         same columns)."""
         return self.scheduler.step_log_frame()
 
-    def _next_tokens(self, logits: torch.Tensor | None, sampled: list[list]) -> list[int]:
-        """The next token of every sequence in ``sampled`` (row by row, a row's sequences in order), read back from
-        the device once: per token, each read would wait for the GPU. Greedy rows take one argmax for all rows (a
-        row's sequences belong to one request, so its first one says whether the row samples greedily); each other
-        sequence draws from its row with its own generator, in the order one read per token would draw."""
-        if not sampled:
-            return []
-        is_greedy = [seqs[0].data.request.params.greedy for seqs in sampled]
-        self._drawn_generators = [(seq.data.generator, seq.data.generator.get_state()) for row, seqs in
-                                  enumerate(sampled) if not is_greedy[row] for seq in seqs
-                                  if seq.data.generator is not None]  # a failed step gives their draws back
-        draws = [self._sample(logits[row], seq.data)
-                 for row, seqs in enumerate(sampled) if not is_greedy[row] for seq in seqs]
-        values = torch.cat([logits.argmax(dim=-1), *draws]).tolist()  # every row's argmax, then the draws
-        drawn = iter(values[len(sampled):])
-        return [values[row] if is_greedy[row] else next(drawn) for row, seqs in enumerate(sampled) for _ in seqs]
-
     def _accept(self, seq: SchedSequence, logits: torch.Tensor | None, token: int, now: float) -> None:
-        """Append ``token`` (see ``_next_tokens``) to ``seq``; finish it on EOS, a stop token or max_tokens.
+        """Append ``token`` (from the sampler) to ``seq``; finish it on EOS, a stop token or max_tokens.
         ``logits``: its row's, given (and kept) when ``record_logits`` is on."""
         state = seq.data
         if self.record_logits:
@@ -536,21 +496,6 @@ class LLMEngine:
         stop = (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids
         if stop or len(state.output) >= params.max_tokens:
             self._finish(seq, now)
-
-    def _sample(self, logits: torch.Tensor, state: _SeqState) -> torch.Tensor:
-        """A token drawn from one row's logits with the request's temperature, top-k and top-p, as a one-element
-        tensor on the logits' device (not read back: see ``_next_tokens``)."""
-        params = state.request.params
-        logits = (logits - logits.max()) / float(params.temperature)  # <= 0: no overflow to inf, so no NaN
-        if params.top_k:
-            kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if params.top_p < 1:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            outside = torch.cumsum(sorted_probs, 0) - sorted_probs > params.top_p
-            probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0.0))
-        return torch.multinomial(probs, 1, generator=state.generator)
 
     def _finish(self, seq: SchedSequence, now: float) -> None:
         self.scheduler.finish(seq)

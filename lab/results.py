@@ -31,7 +31,7 @@ def _version() -> str:
 LAB_VERSION = _version()
 # which command writes each recorded CSV (the first pattern a file's path relative to the folder matches)
 RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cpu.csv": "python -m lab bench e2e",
-               "kernels_cpu.csv": "python -m lab bench kernels", "twin_cpu*.csv": "python -m lab bench twin",
+               "kernels_cpu.csv": "python -m lab bench kernels", "twin_cpu*.csv": "python -m simulator twin-bench",
                "simulator.csv": "python -m simulator.bench", "sweep.csv": "python -m simulator.bench --sweep",
                "paper/*.csv": "python -m simulator paper", "gpu/*.csv": "scripts/gpu_check.sh (on a GPU)"}
 

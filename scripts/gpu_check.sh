@@ -36,7 +36,7 @@ step tests 150 "$py" -m pytest -m gpu -q -rfE --tb=short --durations=8 -p no:cac
 # about 2 minutes on an H200 when they were 147, before the long-context decodes to 8,192 tokens), then the twin.
 step profile 170 "$py" -m lab profile --model qwen3-0.6b-random --device cuda --backend cupy --repeats 2 \
   --out "$out/profile_gpu.json"
-step twin 60 "$py" -m lab twin --model qwen3-0.6b-random --device cuda --backend cupy \
+step twin 60 "$py" -m simulator twin --model qwen3-0.6b-random --device cuda --backend cupy \
   --profile "$out/profile_gpu.json" --num-requests 64 --repeats 2 --out "$out/twin_gpu.csv" \
   --steps-out "$out/twin_steps_gpu.csv"
 step kernels 60 "$py" -m lab bench kernels --device cuda --dtype bfloat16 --backends torch,cupy \

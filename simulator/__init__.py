@@ -16,9 +16,10 @@ import pandas as pd
 from lab.errors import InputError
 from .allocators import ALLOCATORS
 from .checks import closed_form_checks
+from .cluster import run_simulation
 from .engine import SimConfig, SimResult, Simulator, Snapshot
 from .metrics import CATEGORIES
-from .presets import APP_DEFAULTS, PAPER_FIGURE2_TOKEN_STATES, default_comparison, figure2_experiment, make_configs
+from .presets import APP_DEFAULTS, PAPER_FIGURE2_TOKEN_STATES, figure2_experiment, make_configs
 from .models import GPUS, MODELS, CostModel, get_gpu, get_model, kv_capacity_tokens
 from .workloads import (SYNTHETIC_PRESETS, SyntheticSpec, TraceFormatError, Workload, at_mean_rate, load_trace,
                         load_trace_bytes, synthetic_workload)
@@ -61,8 +62,8 @@ def simulate(workload, config: SimConfig | None = None, on_snapshot: Callable[[S
              snapshot_every: int = 50, **workload_options) -> SimResult:
     """Run one allocator over a workload. ``on_snapshot`` receives a ``Snapshot`` every ``snapshot_every``
     iterations (block pool included) and may return False to stop the run early."""
-    return Simulator(make_workload(workload, **workload_options), config or SimConfig(), on_snapshot,
-                     snapshot_every).run()
+    return run_simulation(make_workload(workload, **workload_options), config or SimConfig(), on_snapshot,
+                          snapshot_every)
 
 
 def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool | None] | None = None,
@@ -77,12 +78,21 @@ def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool
         def on_snapshot(snapshot, index=index):
             return None if progress is None else progress((index + snapshot.progress) / len(configs))
 
-        results[label] = Simulator(workload, config, on_snapshot=on_snapshot, snapshot_every=100,
-                                   snapshot_pool=False).run()
+        results[label] = run_simulation(workload, config, on_snapshot=on_snapshot, snapshot_every=100,
+                                        snapshot_pool=False)
         if results[label].summary["stopped_early"]:
             break
     table = pd.DataFrame([{"label": label, **r.summary} for label, r in results.items()])
     return table, results
+
+
+def default_comparison(num_requests: int = APP_DEFAULTS["num_requests"]):
+    """The page's opening comparison: every allocator, paged at ``APP_DEFAULTS``' block size, on its workload."""
+    d = APP_DEFAULTS
+    workload = make_workload(d["preset"], num_requests=num_requests, rate=d["rate"], max_model_len=d["max_model_len"])
+    configs = make_configs(list(ALLOCATORS), [d["block_size"]], model=d["model"], gpu=d["gpu"],
+                           max_model_len=d["max_model_len"])
+    return compare(workload, configs)
 
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -109,7 +119,7 @@ def block_size_sweep(workloads: dict[str, Workload], config: SimConfig,
     for name, workload in workloads.items():
         for block_size in block_sizes:
             run = dataclasses.replace(config, allocator="paged", block_size=block_size, record_steps=False)
-            summary = Simulator(workload, run, snapshot_pool=False).run().summary
+            summary = run_simulation(workload, run, snapshot_pool=False).summary
             rows.append({"workload": name, "block_size": block_size,
                          "internal_fragmentation_pct": 100 * summary["internal_fragmentation_frac"],
                          "throughput_tok_s": summary["throughput_tok_s"],

@@ -1,5 +1,6 @@
 """``python -m simulator``: replay a workload against several KV allocators and block sizes (``sweep`` and
-``plan`` subcommands: many runs on Ray, see ``simulator.cli_sweep``)."""
+``plan`` subcommands: many runs on Ray, see ``simulator.cli_sweep``; ``paper``: the vLLM paper's figures; ``twin`` and
+``twin-bench``: the real engine beside the simulator, ``simulator.cli_twin``)."""
 from __future__ import annotations
 
 import argparse
@@ -193,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import cli_sweep
 
         return getattr(cli_sweep, f"{argv[0]}_main")(argv[1:])
+    if argv and argv[0] in ("twin", "twin-bench"):
+        from .cli_twin import twin_main
+
+        return twin_main(argv)
     args = build_parser().parse_args(argv)
     try:
         summary, timeseries, checks, settings = run(args)

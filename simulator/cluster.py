@@ -35,6 +35,14 @@ def route(num_requests: int, replicas: int, router: str) -> list[list[int]]:
     return [np.flatnonzero(choice == r).tolist() for r in range(replicas)]
 
 
+def run_simulation(workload: Workload, config: SimConfig, on_snapshot=None, snapshot_every: int = 50,
+                   snapshot_pool: bool = True) -> SimResult:
+    """One run of ``config`` on ``workload``: a ``Simulator`` for one replica, ``run_cluster`` for several."""
+    if config.replicas > 1:
+        return run_cluster(workload, config, on_snapshot, snapshot_every, snapshot_pool)
+    return Simulator(workload, config, on_snapshot, snapshot_every, snapshot_pool).run()
+
+
 def run_cluster(workload: Workload, config: SimConfig, on_snapshot=None, snapshot_every: int = 50,
                 snapshot_pool: bool = True) -> SimResult:
     """Simulate ``config.replicas`` replicas of ``config`` on ``workload``; one cluster summary, per-replica rows

@@ -210,7 +210,8 @@ def synthetic_token_ids(workload: Workload, request: int, length: int) -> list[i
 
 
 class Simulator:
-    """One run of one workload against one allocation policy; call ``run()``."""
+    """One replica's run of one workload against one allocation policy; call ``run()``. A cluster of replicas
+    (``config.replicas > 1``) is ``simulator.cluster.run_simulation``'s: it builds one of these per replica."""
 
     def __init__(self, workload: Workload, config: SimConfig,
                  on_snapshot: Callable[[Snapshot], bool | None] | None = None, snapshot_every: int = 50,
@@ -218,6 +219,9 @@ class Simulator:
         """``requests``: the indices of the workload's requests this simulator serves, in arrival order (default:
         all; a cluster's router hands each replica its own, up front or with ``assign``)."""
         check_config(config)
+        if config.replicas != 1:
+            raise InputError(f"Simulator runs one replica (replicas={config.replicas}); "
+                             f"simulator.run_simulation runs a cluster")
         if not isinstance(workload, Workload):
             raise WorkloadError(f"expected a simulator.Workload, got {type(workload).__name__}")
         workload.check()
@@ -285,12 +289,7 @@ class Simulator:
 
     # ---- main loop -------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
-        """Simulate until every request has finished (or was rejected), or ``on_snapshot`` returned False. With
-        ``config.replicas > 1`` a cluster of replicas behind ``config.router`` (``simulator.cluster``)."""
-        if self.config.replicas > 1:
-            from .cluster import run_cluster
-
-            return run_cluster(self.workload, self.config, self.on_snapshot, self.snapshot_every, self.snapshot_pool)
+        """Simulate until every request has finished (or was rejected), or ``on_snapshot`` returned False."""
         started = time.perf_counter()
         self.advance(math.inf)
         return self.finish_run(started)

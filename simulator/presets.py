@@ -26,18 +26,6 @@ APP_DEFAULTS = dict(preset="sharegpt", num_requests=1000, rate=5.0, model="opt-1
                     block_size=16)
 
 
-def default_comparison(num_requests: int = APP_DEFAULTS["num_requests"]):
-    """The page's opening comparison: every allocator, paged at ``APP_DEFAULTS``' block size, on its workload."""
-    from . import compare, make_workload
-    from .allocators import ALLOCATORS
-
-    d = APP_DEFAULTS
-    workload = make_workload(d["preset"], num_requests=num_requests, rate=d["rate"], max_model_len=d["max_model_len"])
-    configs = make_configs(list(ALLOCATORS), [d["block_size"]], model=d["model"], gpu=d["gpu"],
-                           max_model_len=d["max_model_len"])
-    return compare(workload, configs)
-
-
 def paper_config(setup: str, **fields) -> SimConfig:
     """A ``SimConfig`` on one of the paper's Table 1 setups (``PAPER_SETUPS``)."""
     if setup not in PAPER_SETUPS:

@@ -25,7 +25,8 @@ import pandas as pd
 from lab.errors import InputError, LabError
 from lab.results import write_atomically
 from .checks import closed_form_checks
-from .engine import SimConfig, Simulator, check_config
+from .cluster import run_simulation
+from .engine import SimConfig, check_config
 from .models import get_gpu, get_model
 from .workloads import (SYNTHETIC_PRESETS, at_mean_rate, SyntheticSpec, Workload, check_synthetic_spec, load_trace,
                         synthetic_workload)
@@ -188,7 +189,7 @@ def run_one(spec: dict) -> dict:
     row = {"run_key": spec_key(spec), **{k: v for k, v in spec.items()}}
     try:
         workload = build_workload(spec)
-        result = Simulator(workload, sim_config(spec)).run()
+        result = run_simulation(workload, sim_config(spec))
         checks = closed_form_checks(workload, {"run": result})
     except Exception as exc:  # noqa: BLE001 - a sweep records a failing run and goes on
         return {**row, "error": f"{type(exc).__name__}: {exc}"}

@@ -23,7 +23,7 @@ import pandas as pd
 
 from lab.errors import InputError
 from lab.engine import EngineConfig, LLMEngine, SamplingParams, load_model
-from lab.model import PagedQwen3
+from lab.model_runner import ModelRunner
 from lab.profile import Profile, scatter_free_blocks, steady_state_allocator
 from lab.scheduler import STEP_LOG_COLUMNS
 
@@ -298,7 +298,7 @@ def run_twin(workload: Workload, config: TwinConfig, profile: Profile, repeats: 
     hf_model = load_model(config.model, config.engine)[0]
     parameter = next(hf_model.parameters())
     profile.check_matches(device=parameter.device.type, dtype=str(parameter.dtype),
-                          backend=PagedQwen3.resolve_attention_backend(hf_model, config.engine.attention_backend))
+                          backend=ModelRunner.resolve_attention_backend(hf_model, config.engine.attention_backend))
     return compare(workload, [run_real(workload, config, hf_model) for _ in range(repeats)], profile)
 
 

@@ -84,7 +84,7 @@ BAD_INVOCATIONS = [
     ("simulator", ["--preset", "figure2", "--block-size", "32", "--rate", "4"], "--block-size, --rate would be"),
     ("simulator", ["--router", "least-loaded"], "--router would be ignored"),
     ("simulator", ["--workload", "sharegtp", "--rate", "3"], "neither a preset"),  # a typo is not called a trace
-    ("lab", ["twin", "--profile", "p.json", "--workload", "sharegpt", "--input-len", "50"], "--input-len would be"),
+    ("simulator", ["twin", "--profile", "p.json", "--workload", "sharegpt", "--input-len", "50"], "--input-len would be"),
     ("lab", ["generate", "--prompt", "1,2,3", "--prompt-len", "8"], "--prompt-len would be ignored"),
     ("lab", ["bench", "kernels", "--block-size", "0"], "--block-size"),
     ("lab", ["bench", "kernels", "--batch", "1,x"], "--batch"),
@@ -151,8 +151,8 @@ BAD_FILE_INVOCATIONS = [
     ("simulator", ["--profile", "{profile}", "--num-blocks", "64", "--gpu", "h100-80gb"], "--gpu would be ignored"),
     ("simulator", ["--profile", "{profile}", "--num-blocks", "64", "--allocators", "paged,contiguous-oracle"],
      "--allocators would be ignored"),
-    ("lab", ["twin", "--profile", "{profile}", "--workload", "sharegpt", "--time-scale", "2"], "a time scale"),
-    ("lab", ["twin", "--model", "tiny", "--profile", "{bad_profile}", "--num-requests", "2"], "bad_profile"),
+    ("simulator", ["twin", "--profile", "{profile}", "--workload", "sharegpt", "--time-scale", "2"], "a time scale"),
+    ("simulator", ["twin", "--model", "tiny", "--profile", "{bad_profile}", "--num-requests", "2"], "bad_profile"),
     ("lab", ["generate", "--model", "{bad_config}", "--num-prompts", "1"], "config.json"),
     ("lab", ["generate", "--model", "{bad_weights}", "--num-prompts", "1"], "bad_weights"),
     ("lab", ["bench", "e2e", "--model", "{bad_config}", "--num-requests", "1"], "config.json"),
@@ -197,7 +197,8 @@ def test_bad_flags_exit_2_with_one_error_line_and_no_traceback(program, argv, na
 
     entry = main if program == "lab" else simulator_main
     try:
-        code = entry(argv + (["--no-progress"] if program == "simulator" else []))
+        quiet = program == "simulator" and argv[0] not in ("twin", "twin-bench")  # the twin draws no bar
+        code = entry(argv + (["--no-progress"] if quiet else []))
     except SystemExit as exc:  # argparse rejects a flag
         code = exc.code
     err = capsys.readouterr().err

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from simulator import SimConfig, Simulator
-from simulator.cluster import route
+from simulator.cluster import route, run_simulation
 from simulator.workloads import SyntheticSpec, synthetic_workload
 
 WORKLOAD = synthetic_workload(SyntheticSpec(num_requests=240, rate=30.0, seed=3))
@@ -29,7 +29,7 @@ def test_one_replica_is_the_plain_simulator(router):
 
 
 def test_round_robin_replicas_equal_plain_runs_on_their_shares():
-    result = Simulator(WORKLOAD, dataclasses.replace(CONFIG, replicas=3)).run()
+    result = run_simulation(WORKLOAD, dataclasses.replace(CONFIG, replicas=3))
     shares = route(len(WORKLOAD), 3, "round-robin")
     finished = 0
     for replica, share in enumerate(shares):
@@ -46,8 +46,8 @@ def test_round_robin_replicas_equal_plain_runs_on_their_shares():
 def test_least_loaded_balances_and_beats_random_on_tail_latency():
     busy = synthetic_workload(SyntheticSpec(num_requests=400, rate=60.0, seed=5))
     config = dataclasses.replace(CONFIG, replicas=4)
-    least = Simulator(busy, dataclasses.replace(config, router="least-loaded")).run()
-    rand = Simulator(busy, dataclasses.replace(config, router="random")).run()
+    least = run_simulation(busy, dataclasses.replace(config, router="least-loaded"))
+    rand = run_simulation(busy, dataclasses.replace(config, router="random"))
     counts = least.requests["replica"].value_counts()
     assert len(counts) == 4 and counts.max() - counts.min() < 0.2 * counts.mean()
     assert least.summary["num_requests_completed"] == rand.summary["num_requests_completed"] == 400
@@ -56,7 +56,7 @@ def test_least_loaded_balances_and_beats_random_on_tail_latency():
 
 def test_more_replicas_serve_faster():
     one = Simulator(WORKLOAD, CONFIG).run().summary
-    four = Simulator(WORKLOAD, dataclasses.replace(CONFIG, replicas=4)).run().summary
+    four = run_simulation(WORKLOAD, dataclasses.replace(CONFIG, replicas=4)).summary
     assert four["ttft_p90_s"] < one["ttft_p90_s"] and four["capacity_tokens"] == 4 * one["capacity_tokens"]
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from lab.beam import BeamSearchParams
 from lab.engine import LLMEngine, SamplingParams
-from lab.model import PagedQwen3
+from lab.model_runner import ModelRunner
 
 
 class MetaMirror:
@@ -21,12 +21,13 @@ class MetaMirror:
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
-    def prepare(self, out, block_manager, kv_len):
-        self.meta_batch = self.meta_runner.prepare(out, block_manager, kv_len)
-        return self.runner.prepare(out, block_manager, kv_len)
+    def run(self, model_input, kv):
+        batch, rows = self.runner.prepare(model_input, kv)
+        self.meta_batch = self.meta_runner.prepare(model_input, kv)
+        return self.forward(batch, rows) if batch is not None else None
 
     def forward(self, batch, logit_rows):
-        meta_batch, meta_rows, _ = self.meta_batch
+        meta_batch, meta_rows = self.meta_batch
         logits = self.meta_runner.forward(meta_batch, meta_rows)
         assert logits.device.type == "meta" and logits.argmax(dim=-1).device.type == "meta"
         self.steps += 1
@@ -44,7 +45,7 @@ def test_the_forward_keeps_to_its_device_and_reads_nothing_back(settings):
     backend (the cupy one needs a GPU): the same steps as the CPU run, on the meta device."""
     engine = LLMEngine("tiny", num_blocks=128, block_size=4, attention_backend="torch", **settings)
     meta_model = copy.deepcopy(engine.hf_model).to("meta")
-    engine.runner = MetaMirror(engine.runner, PagedQwen3(meta_model, 128, 4, "torch"))
+    engine.runner = MetaMirror(engine.runner, ModelRunner(meta_model, 128, 4, "torch"))
     prefix = list(range(1, 30))
     engine.generate([prefix + [40, 41], [7, 8, 9]], SamplingParams(max_tokens=5, ignore_eos=True))
     # with caching, a prefix cached past the new tokens (an attention mask) and one shorter than them (zero queries)

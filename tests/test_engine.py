@@ -8,6 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import lab.engine
+import lab.model_runner
+import lab.sampler
 from lab.engine import LLMEngine, SamplingParams
 from lab.model import CheckpointError
 
@@ -103,14 +105,14 @@ def test_split_prefill_attention_matches_a_float64_reference(dtype, tolerance, h
     masked causal attention, by relative error against float64."""
     import types
 
-    from lab.model import _FLASH_ATTENTION_CPU, PagedQwen3
+    from lab.model_runner import _FLASH_ATTENTION_CPU, ModelRunner
 
     if _FLASH_ATTENTION_CPU is None:
         pytest.skip("this torch has no CPU flash attention with a log-sum-exp; the engine uses the mask")
     q = torch.randn(new, heads, head_dim).to(dtype)
     k, v = (torch.randn(cached + new, kv_heads, head_dim).to(dtype) for _ in range(2))
     scale = head_dim ** -0.5
-    out = PagedQwen3._split_prefill_attention(types.SimpleNamespace(scale=scale), q, k, v, cached)
+    out = ModelRunner._split_prefill_attention(types.SimpleNamespace(scale=scale), q, k, v, cached)
     mask = torch.arange(cached + new)[None, :] <= torch.arange(new)[:, None] + cached
     reference = torch.nn.functional.scaled_dot_product_attention(
         q.double().transpose(0, 1)[None], k.double().transpose(0, 1)[None], v.double().transpose(0, 1)[None],
@@ -122,12 +124,12 @@ def test_split_prefill_attention_matches_a_float64_reference(dtype, tolerance, h
 def test_chunked_prefill_in_split_attention_matches_hf(monkeypatch, prompts, hf_reference):
     """With every cached chunk sent through the two flash passes, chunked prefill still gives HF's greedy tokens
     and per-step logits."""
-    import lab.model
+    import lab.model_runner
 
-    monkeypatch.setattr(lab.model, "SPLIT_ATTENTION_MIN_TOKENS", 1)
+    monkeypatch.setattr(lab.model_runner, "SPLIT_ATTENTION_MIN_TOKENS", 1)
     calls = []
-    split = lab.model.PagedQwen3._split_prefill_attention
-    monkeypatch.setattr(lab.model.PagedQwen3, "_split_prefill_attention",
+    split = lab.model_runner.ModelRunner._split_prefill_attention
+    monkeypatch.setattr(lab.model_runner.ModelRunner, "_split_prefill_attention",
                         lambda self, *args: calls.append(1) or split(self, *args))
     engine = LLMEngine("tiny", block_size=3, num_blocks=2048, scheduling="chunked", max_num_batched_tokens=13,
                        record_logits=True)
@@ -419,7 +421,7 @@ def test_a_step_that_reads_nothing_back_waits_for_the_device(monkeypatch):
 
 def test_a_step_reads_its_tokens_back_once(monkeypatch):
     """Every read of a device tensor waits for the GPU: a step with greedy rows, sampled rows and parallel samples
-    reads all its next tokens with one ``tolist`` and no ``int``/``item`` (counted where the engine reads; the CPU
+    reads all its next tokens with one ``tolist`` and no ``int``/``item`` (counted where the engine, its sampler and its runner read; the CPU
     kernels' own reads of host tensors are theirs), and draws the same tokens as reading each one back would (each
     sample's own seeded generator, in row order)."""
     engine = LLMEngine("tiny", num_blocks=128)
@@ -429,12 +431,13 @@ def test_a_step_reads_its_tokens_back_once(monkeypatch):
     for prompt, sampling in zip(prompts, params):
         engine.add_request(prompt, sampling)
     reads = []
+    STEP_FILES = {module.__file__ for module in (lab.engine, lab.sampler, lab.model_runner)}
 
     def counted(name):
         original = getattr(torch.Tensor, name)
 
         def read(self, *args):
-            if sys._getframe(1).f_code.co_filename == lab.engine.__file__:
+            if sys._getframe(1).f_code.co_filename in STEP_FILES:
                 reads.append(name)
             return original(self, *args)
         return read

@@ -8,7 +8,7 @@ from lab.beam import BeamSearchParams
 from lab.engine import LLMEngine, SamplingParams
 
 MAX_TOKENS = 8
-PHASES = ["execute_copies", "prepare", "forward", "_next_tokens", "_accept"]
+PHASES = ["execute_copies", "prepare", "forward", "sample", "_accept"]
 
 
 class Injected(Exception):
@@ -40,7 +40,7 @@ def _run(engine, prompts, fail_at=None):
     while engine.has_unfinished():
         step += 1
         if fail_at is not None and fail_at[0] == step:
-            owner = engine if fail_at[1] in ("_next_tokens", "_accept") else engine.runner
+            owner = {"sample": engine.sampler, "_accept": engine}.get(fail_at[1], engine.runner)
             original = getattr(owner, fail_at[1])
 
             def broken(*args, **kwargs):

@@ -1,5 +1,5 @@
 """``scripts/gpu_check.sh`` runs only where a GPU is lent, for minutes at most: its command lines are checked here, on
-CPU, so that a lent GPU is not spent on a renamed flag. Each step's ``python -m lab`` arguments parse with the CLI's
+CPU, so that a lent GPU is not spent on a renamed flag. Each step's ``python -m lab`` (or ``simulator twin``) arguments parse with the CLI's
 own parser (the device check told that CUDA exists), name known models, backends and systems, and the twin reads the
 profile the profile step writes; the pytest step collects ``gpu`` tests; the steps' time limits fit one device call."""
 import re
@@ -13,6 +13,7 @@ import pytest
 from lab.bench.e2e import SYSTEMS
 from lab.cli import build_parser
 from lab.model import PRESETS
+from simulator.cli_twin import twin_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -37,8 +38,9 @@ def steps(tmp_path, monkeypatch):
 
 
 def lab_args(argv: list[str]):
-    assert argv[:3] == ["python", "-m", "lab"], argv
-    return build_parser().parse_args(argv[3:])
+    """``python -m lab ...`` parsed by the lab's parser, ``python -m simulator twin ...`` by the twin's."""
+    assert argv[:2] == ["python", "-m"] and argv[2] in ("lab", "simulator"), argv
+    return (build_parser() if argv[2] == "lab" else twin_parser()).parse_args(argv[3:])
 
 
 def test_every_step_runs_and_they_fit_one_device_call(steps):

@@ -614,6 +614,7 @@ def test_the_fidelity_benchmark_reports_every_metric_for_every_load(monkeypatch)
 
 def test_the_cli_profiles_then_runs_the_twin_and_writes_both_step_times(tmp_path, capsys):
     from lab.cli import main
+    from simulator.cli import main as simulator_main
 
     profile, table, steps = tmp_path / "p.json", tmp_path / "twin.csv", tmp_path / "steps.csv"
     assert main(["profile", "--grid", "quick", "--repeats", "1", "--block-size", "4", "--out", str(profile)]) == 0
@@ -623,7 +624,7 @@ def test_the_cli_profiles_then_runs_the_twin_and_writes_both_step_times(tmp_path
 
     listed = set(Profile.load(profile).scenario_errors()["scenario"])
     assert listed == {name for name, _, _ in _scenarios(4, "quick")}  # every scenario, shared shapes too
-    assert main(["twin", "--profile", str(profile), "--num-requests", "6", "--input-len", "20", "--output-len", "5",
+    assert simulator_main(["twin", "--profile", str(profile), "--num-requests", "6", "--input-len", "20", "--output-len", "5",
                  "--block-size", "4", "--num-blocks", "24", "--max-num-seqs", "3", "--out", str(table),
                  "--steps-out", str(steps)]) == 0
     rows = pd.read_csv(table).set_index("metric")
@@ -633,7 +634,7 @@ def test_the_cli_profiles_then_runs_the_twin_and_writes_both_step_times(tmp_path
     assert log["num_running"].max() == 3  # both sides capped by --max-num-seqs
     printed = capsys.readouterr().out
     assert "measured / modelled step time through the run" in printed and "measured_over_modelled" in printed
-    assert main(["twin", "--profile", str(profile), "--block-size", "16", "--num-requests", "2"]) == 2  # mismatch
+    assert simulator_main(["twin", "--profile", str(profile), "--block-size", "16", "--num-requests", "2"]) == 2  # mismatch
 
 
 def test_step_pricing_through_the_run_shows_a_slowdown_under_sustained_load():
@@ -668,7 +669,7 @@ def test_scenario_errors_compare_each_scenario_s_median_with_the_fit():
 
 
 def test_the_twin_workload_honours_rate_lengths_and_trace_times(tmp_path, capsys):
-    from lab.cli import main
+    from simulator.cli import main
 
     assert (twin_workload("alpaca", 20).arrival_s == 0).all()  # no rate: all at t = 0
     timed = twin_workload("alpaca", 20, rate=5.0)

@@ -1,0 +1,293 @@
+"""The model runner: a Qwen3's weights (HF transformers) run by our own varlen forward over the paged KV cache.
+
+Prefill writes K/V into the cache through ``slot_mapping`` (``kernels.write_kv_cache``); decode tokens attend with
+``kernels.paged_attention_decode``; prefill tokens attend with torch SDPA over their own K/V, plus the cached prefix
+gathered from the paged cache when the prefix cache served part of the prompt. The runner sees a step as a
+``ModelInput`` (host lists built from the scheduler's plan) and the pool through ``KVView``'s four reads: it knows
+nothing of how blocks are managed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+import torch
+
+import kernels
+from kernels.torch_backend import gather_kv, synchronize
+
+from .model import head_dim_of
+
+# A chunk of at least this many new tokens after a longer cached prefix (chunked prefill) attends on a CPU in two
+# flash passes, one over the prefix and one causal over itself, merged by their log-sum-exps, instead of under one
+# explicit mask (which makes SDPA compute and mask every pair): tiny model's shapes, 4,000 cached + 1,024 new tokens
+# took 15.0 ms a layer against 19.4 masked, 6,000 + 1,024 21.4 against 27.2; at 4,000 + 128 the two are even.
+SPLIT_ATTENTION_MIN_TOKENS = 256
+# torch's CPU flash attention with its log-sum-exp (a private op: where a torch lacks it, the mask serves)
+_FLASH_ATTENTION_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+class KVView(Protocol):
+    """What the runner reads of the block pool (``lab.block_manager.KVBlockManager`` is one)."""
+
+    def get_block_table(self, seq_id) -> list[int]: ...
+
+    def get_block_tables_tensor(self, seq_ids: Iterable, device=None) -> torch.Tensor: ...
+
+    def get_seq_lens_tensor(self, seq_ids: Iterable, device=None) -> torch.Tensor: ...
+
+    def get_slot_mapping_tensor(self, spans: Iterable[tuple], device=None) -> torch.Tensor: ...
+
+
+@dataclass(slots=True)
+class ModelInput:
+    """A step's work on the host, in batch order: each prompt chunk's tokens, then one token per decode sequence."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    spans: list[tuple] = field(default_factory=list)  # (seq_id, start, end): the cache slots each run writes
+    prefill_seq_ids: list = field(default_factory=list)
+    prefill_lens: list[int] = field(default_factory=list)  # new tokens of each chunk
+    prefill_cached: list[int] = field(default_factory=list)  # tokens before each chunk, already in the cache
+    decode_seq_ids: list = field(default_factory=list)
+    max_seq_len: int = 0  # the longest decode sequence, its new token included (kernels need not read it back)
+    logit_rows: list[int] = field(default_factory=list)  # the rows whose logits are sampled
+    samplers: list[list] = field(default_factory=list)  # per logit row, the sequences that sample from it
+
+    @classmethod
+    def from_plan(cls, plan, kv_len) -> "ModelInput":
+        """Read a ``SchedulerOutput``: its chunks' tokens (``chunk.seq.data.token_ids``) and each decode sequence's
+        last token (``seq.data.output[-1]``) at ``kv_len(seq) - 1``. A chunk whose ``samples`` is not empty
+        samples from its last row (a group's forks share their prompt's last row)."""
+        step = cls()
+        for chunk in plan.prefill_chunks:
+            seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+            step.input_ids += seq.data.token_ids[start:end]
+            step.positions += range(start, end)
+            step.spans.append((seq.seq_id, start, end))
+            step.prefill_seq_ids.append(seq.seq_id)
+            step.prefill_lens.append(chunk.num_tokens)
+            step.prefill_cached.append(start)
+            if chunk.samples:
+                step.logit_rows.append(len(step.input_ids) - 1)
+                step.samplers.append(chunk.samples)
+        for seq in plan.decode_seqs or ():
+            position = kv_len(seq) - 1
+            step.logit_rows.append(len(step.input_ids))
+            step.samplers.append([seq])
+            step.input_ids.append(seq.data.output[-1])
+            step.positions.append(position)
+            step.spans.append((seq.seq_id, position, position + 1))
+            step.decode_seq_ids.append(seq.seq_id)
+            step.max_seq_len = max(step.max_seq_len, position + 1)
+        return step
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """A flat batch: prefill sequences first (each a run of tokens), then one token per decode sequence.
+
+    ``prefill_lens``/``prefill_cached`` give each prefill sequence's new-token count and how many tokens before them
+    are already in the cache (prefix hits); ``prefill_block_tables`` their block tables. ``block_tables``/``seq_lens``
+    describe the decode sequences (``seq_lens`` includes the token being decoded; ``max_seq_len`` is their longest,
+    known on the host so that the decode kernels need not read it back from the device every layer).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    prefill_lens: list[int]
+    prefill_cached: list[int]
+    prefill_block_tables: list[torch.Tensor]
+    block_tables: torch.Tensor | None
+    seq_lens: torch.Tensor | None
+    max_seq_len: int = 0
+
+
+class ModelRunner:
+    """The paged KV cache (one key and one value tensor ``[num_blocks, num_kv_heads, block_size, head_dim]`` per
+    layer, and the host pool swapped sequences go to) and the forward pass over it, using an HF
+    ``Qwen3ForCausalLM``'s modules as weights. A step: ``execute_copies`` (the plan's swaps and copy-on-write), then
+    ``run`` (``prepare`` the tensors of a ``ModelInput``, ``forward``)."""
+
+    def __init__(self, hf_model, num_blocks: int, block_size: int, attention_backend: str = "auto",
+                 num_cpu_blocks: int = 0):
+        config = hf_model.config
+        self.hf = hf_model
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_q_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.device = next(hf_model.parameters()).device
+        self.dtype = next(hf_model.parameters()).dtype
+        probe = torch.empty(0, device=self.device, dtype=self.dtype)
+        # auto may pick cupy for the cache ops but torch for attention (e.g. the tiny preset's head_dim 32).
+        self.attention_backend = self.resolve_attention_backend(hf_model, attention_backend)
+        self.cache_backend = "torch" if attention_backend == "reference" else kernels.resolve_backend(
+            attention_backend, probe)
+        shape = (num_blocks, self.num_kv_heads, block_size, self.head_dim)
+        self.key_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.value_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        # The host pool for swap preemption (pinned on CUDA, so device<->host copies are asynchronous).
+        host = dict(dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        cpu_shape, host_layers = (num_cpu_blocks, *shape[1:]), self.num_layers if num_cpu_blocks else 0
+        self.cpu_key_caches = [torch.zeros(cpu_shape, **host) for _ in range(host_layers)]
+        self.cpu_value_caches = [torch.zeros(cpu_shape, **host) for _ in range(host_layers)]
+        self.scale = self.head_dim ** -0.5
+
+    @staticmethod
+    def resolve_attention_backend(hf_model, attention_backend: str) -> str:
+        """The backend ``attention_backend`` (``auto`` included) runs this model's decode attention with, on the
+        model's device and dtype."""
+        config, parameter = hf_model.config, next(hf_model.parameters())
+        head_dim = head_dim_of(config)
+        probe = torch.empty(0, device=parameter.device, dtype=parameter.dtype)
+        return kernels.resolve_backend(attention_backend, probe, head_dim,
+                                       config.num_attention_heads // config.num_key_value_heads)
+
+    @staticmethod
+    def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+        head_dim = head_dim_of(config)
+        element = torch.empty(0, dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * block_size * head_dim * element
+
+    def copy_blocks(self, block_mapping: list[tuple[int, int]]) -> None:
+        """Execute copy-on-write copies in every layer."""
+        if not block_mapping:
+            return
+        for key_cache, value_cache in zip(self.key_caches, self.value_caches):
+            kernels.copy_blocks(key_cache, value_cache, block_mapping, backend=self.cache_backend, check=False)
+
+    def swap(self, block_mapping: list[tuple[int, int]], to_host: bool) -> None:
+        """Move blocks between the device and host pools in every layer (``(src, dst)`` pairs)."""
+        if not block_mapping:
+            return
+        backend = "torch" if self.cache_backend == "reference" else self.cache_backend
+        pairs = zip(self.key_caches, self.value_caches, self.cpu_key_caches, self.cpu_value_caches)
+        for key, value, cpu_key, cpu_value in pairs:
+            if to_host:
+                kernels.swap_blocks(key, value, cpu_key, cpu_value, block_mapping, backend=backend)
+            else:
+                kernels.swap_blocks(cpu_key, cpu_value, key, value, block_mapping, backend=backend)
+
+    def execute_copies(self, swap_out, swap_in, copies) -> None:
+        """A step's block movements, in the order the scheduler defines: swap-out, swap-in, copy-on-write."""
+        self.swap(swap_out, to_host=True)
+        self.swap(swap_in, to_host=False)
+        self.copy_blocks(copies)
+
+    def synchronize(self) -> None:
+        """Wait until the device has run the work queued so far (nothing to wait for on a CPU)."""
+        synchronize(self.device)
+
+    def run(self, model_input: ModelInput, kv: KVView) -> torch.Tensor | None:
+        """Float32 logits of the rows that sample (``model_input.logit_rows``), or None when there is nothing to
+        run."""
+        batch, rows = self.prepare(model_input, kv)
+        return self.forward(batch, rows) if batch is not None else None
+
+    def prepare(self, model_input: ModelInput, kv: KVView) -> tuple[ForwardBatch | None, torch.Tensor]:
+        """The device tensors of a step: prompt chunks first, then one token per decode sequence; ``kv`` gives the
+        block tables and slot mappings. Returns the batch (None when there is nothing to run) and the rows whose
+        logits are sampled."""
+        if not model_input.input_ids:
+            return None, torch.empty(0, dtype=torch.long)
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
+        tables = [torch.tensor(kv.get_block_table(seq_id), dtype=torch.long, device=self.device)
+                  for seq_id in model_input.prefill_seq_ids]
+        block_tables = seq_lens = None
+        if model_input.decode_seq_ids:
+            block_tables = kv.get_block_tables_tensor(model_input.decode_seq_ids, self.device)
+            seq_lens = kv.get_seq_lens_tensor(model_input.decode_seq_ids, self.device)
+        batch = ForwardBatch(as_tensor(model_input.input_ids), as_tensor(model_input.positions),
+                             kv.get_slot_mapping_tensor(model_input.spans, self.device), model_input.prefill_lens,
+                             model_input.prefill_cached, tables, block_tables, seq_lens, model_input.max_seq_len)
+        return batch, as_tensor(model_input.logit_rows)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:
+        """Run the model over the flat batch; return float32 logits of the rows ``logit_rows``."""
+        model = self.hf.model
+        hidden = model.embed_tokens(batch.input_ids)
+        cos, sin = model.rotary_emb(hidden, batch.positions[None])
+        for index, layer in enumerate(model.layers):
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+            q, k, v = self._qkv(layer.self_attn, hidden, cos[0], sin[0])
+            kernels.write_kv_cache(k, v, self.key_caches[index], self.value_caches[index], batch.slot_mapping,
+                                   backend=self.cache_backend, check=False)
+            attn = self._attention(index, q, k, v, batch)
+            hidden = residual + layer.self_attn.o_proj(attn.reshape(attn.shape[0], -1))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = model.norm(hidden[logit_rows])
+        return self.hf.lm_head(hidden).float()
+
+    def _qkv(self, attn, hidden, cos, sin):
+        from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+        tokens = hidden.shape[0]
+        q = attn.q_norm(attn.q_proj(hidden).view(tokens, self.num_q_heads, self.head_dim))
+        k = attn.k_norm(attn.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim))
+        v = attn.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        return q, k, v
+
+    def _attention(self, layer: int, q, k, v, batch: ForwardBatch) -> torch.Tensor:
+        out = torch.empty_like(q)
+        start = 0
+        for length, cached, table in zip(batch.prefill_lens, batch.prefill_cached, batch.prefill_block_tables):
+            end = start + length
+            out[start:end] = self._prefill_attention(layer, q[start:end], k[start:end], v[start:end], cached, table)
+            start = end
+        if batch.block_tables is not None:
+            kernels.paged_attention_decode(q[start:], self.key_caches[layer], self.value_caches[layer],
+                                           batch.block_tables, batch.seq_lens, self.scale,
+                                           backend=self.attention_backend, check=False, out=out[start:],
+                                           max_seq_len=batch.max_seq_len)  # written in place: no copy per layer
+        return out
+
+    def _prefill_attention(self, layer: int, q, k, v, cached: int, block_table) -> torch.Tensor:
+        """Causal attention of a prompt's new tokens over its cached prefix (gathered from the paged cache) and
+        themselves. A prefix shorter than the new tokens gets zero queries in its rows and the whole square runs as
+        one causal attention, those rows' outputs dropped: the causal kernels skip the masked half, while an explicit
+        mask makes SDPA compute and mask every pair (on a CPU, tiny model's shapes, 512 cached + 6,800 new tokens:
+        227 ms a layer masked, 85 padded, so a Mooncake prompt's cache hit made its prefill twice as slow). A longer
+        prefix keeps the mask, as padding would cost more than it saves (4,000 + 128: 2.0 ms masked, 29 padded), or on
+        a CPU, for a chunk of ``SPLIT_ATTENTION_MIN_TOKENS`` or more, runs in two flash passes
+        (``_split_prefill_attention``)."""
+        length = q.shape[0]
+        mask = None
+        if cached:
+            num_blocks = -(-(cached + length) // self.key_caches[layer].shape[2])
+            table = block_table[None, :num_blocks]
+            k = gather_kv(self.key_caches[layer], table, num_blocks)[0, :, : cached + length].transpose(0, 1)
+            v = gather_kv(self.value_caches[layer], table, num_blocks)[0, :, : cached + length].transpose(0, 1)
+            if cached < length:
+                q = torch.cat([q.new_zeros(cached, *q.shape[1:]), q])
+            elif length >= SPLIT_ATTENTION_MIN_TOKENS and q.device.type == "cpu" and _FLASH_ATTENTION_CPU is not None:
+                return self._split_prefill_attention(q, k, v, cached)
+            else:
+                rows = torch.arange(length, device=q.device)[:, None] + cached
+                mask = torch.arange(cached + length, device=q.device)[None, :] <= rows
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+            is_causal=mask is None, scale=self.scale, enable_gqa=True)
+        return out[0].transpose(0, 1)[-length:]
+
+    def _split_prefill_attention(self, q, k, v, cached: int) -> torch.Tensor:
+        """``_prefill_attention`` for a long chunk after a longer cached prefix, on a CPU: flash attention over the
+        prefix (every pair visible) and causal flash attention over the chunk itself, merged by their log-sum-exps
+        (see ``SPLIT_ATTENTION_MIN_TOKENS``). ``q``: ``[new, heads, head_dim]``; ``k``, ``v``: ``[cached + new,
+        kv_heads, head_dim]``."""
+        group = q.shape[1] // k.shape[1]
+        query = q.transpose(0, 1)[None]
+        key, value = (x.transpose(0, 1).repeat_interleave(group, dim=0)[None] for x in (k, v))
+        prefix_out, prefix_lse = _FLASH_ATTENTION_CPU(query, key[:, :, :cached], value[:, :, :cached],
+                                                      scale=self.scale)
+        own_out, own_lse = _FLASH_ATTENTION_CPU(query, key[:, :, cached:], value[:, :, cached:], is_causal=True,
+                                                scale=self.scale)
+        lse = torch.logaddexp(prefix_lse, own_lse)
+        out = (prefix_out.float() * (prefix_lse - lse).exp()[..., None]
+               + own_out.float() * (own_lse - lse).exp()[..., None])
+        return out.to(q.dtype)[0].transpose(0, 1)

@@ -209,7 +209,7 @@ class KVBlockManager:
         self._ref_counts = [0] * self.num_physical_blocks  # stored counts (see the module docstring)
         self._cached_blocks: dict[tuple, int] = {}  # (parent_content_id, token_ids) -> block id
         self._block_keys: list[tuple | None] = [None] * self.num_physical_blocks
-        self._free_queue = FreeBlockQueue(self.num_physical_blocks, self._ref_counts, self._block_keys)
+        self.free_block_queue = FreeBlockQueue(self.num_physical_blocks, self._ref_counts, self._block_keys)
         self._block_content_ids: list[int] = [ROOT_CONTENT_ID] * self.num_physical_blocks
         self._next_content_id = 0
         self.sequences: dict[object, SequenceBlocks] = {}
@@ -224,12 +224,12 @@ class KVBlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation may take: every block nobody references (cached ones included)."""
-        return self._free_queue.num_free
+        return self.free_block_queue.num_free
 
     @property
     def num_used_blocks(self) -> int:
         """Blocks referenced by at least one sequence (or reserved)."""
-        return self.num_physical_blocks - self._free_queue.num_free
+        return self.num_physical_blocks - self.free_block_queue.num_free
 
     @property
     def num_cached_blocks(self) -> int:
@@ -289,7 +289,7 @@ class KVBlockManager:
         size = self.block_size
         blocks = -(-num_tokens // size)
         # enough free blocks for the whole prompt suffice (hits only lower the need): skip counting them
-        if blocks > self._free_queue.num_free and self._shortfall(num_tokens, hits) > 0:
+        if blocks > self.free_block_queue.num_free and self._shortfall(num_tokens, hits) > 0:
             raise OutOfBlocksError(f"sequence {seq_id!r} needs {blocks - len(hits)} blocks, "
                                    f"{self.num_free_blocks} free")
         tracked = token_ids is not None and self.enable_prefix_caching  # its tokens are hashed into cache keys
@@ -366,7 +366,7 @@ class KVBlockManager:
         del self.sequences[seq_id]
         table = seq.block_table
         self.num_block_references -= len(table) + num_reserved
-        ref_counts, free = self._ref_counts, self._free_queue
+        ref_counts, free = self._ref_counts, self.free_block_queue
         if num_reserved:  # the newest reserved blocks, freed as if appended (stored count 0 already)
             free.extend_unkeyed(self._take_reserved(num_reserved, newest_first=False))
         if seq.exclusive:  # every block has one holder (stored as 0) and no cache key: free them in bulk
@@ -409,7 +409,7 @@ class KVBlockManager:
     def try_reserve_counted_blocks(self, count: int) -> bool:
         """``try_reserve_blocks`` for a ``count`` the caller guarantees is an int >= 0 (a scheduler's per-step
         call with a count of sequences: the check would cost a tenth of the call)."""
-        free = self._free_queue
+        free = self.free_block_queue
         if count > free.num_free:
             return False
         free.num_free -= count
@@ -461,7 +461,7 @@ class KVBlockManager:
                                        f"{len(self._reserved)} reserved")
             if cow:
                 self._check_free(1, seq_id)
-        elif (cow or new_blocks) and new_blocks + bool(cow) > len(self._free_queue):
+        elif (cow or new_blocks) and new_blocks + bool(cow) > len(self.free_block_queue):
             self._check_free(new_blocks + bool(cow), seq_id)  # raises OutOfBlocksError
         if cow:
             self._copy_on_write(seq)
@@ -606,7 +606,7 @@ class KVBlockManager:
         assert sum(uses) == self.num_block_references, "num_block_references differs from block-table uses"
         counts = self.ref_counts
         assert uses == counts, "a block of an exclusive sequence or a reserved block has another holder"
-        queued = self._free_queue.queued()
+        queued = self.free_block_queue.queued()
         assert len(queued) == len(set(queued)) == self.num_free_blocks, "free queue holds a block twice"
         assert set(queued) == {b for b, count in enumerate(counts) if count == 0}, "free queue vs counts"
         for key, block in self._cached_blocks.items():
@@ -721,7 +721,7 @@ class KVBlockManager:
     def _shortfall(self, num_tokens: int, hits: list[int]) -> int:
         """Blocks missing to allocate a prompt of ``num_tokens`` tokens with these cache hits (<= 0: it fits). A hit
         on a free cached block takes it off the free queue too."""
-        allocatable = self._free_queue.num_free
+        allocatable = self.free_block_queue.num_free
         if hits:
             allocatable -= sum(1 for block in hits if self._ref_counts[block] == 0)
         return -(-num_tokens // self.block_size) - len(hits) - allocatable
@@ -797,7 +797,7 @@ class KVBlockManager:
         backlog = self._reserve_backlog
         if backlog:
             self._reserve_backlog = 0
-            self._free_queue.num_free += backlog
+            self.free_block_queue.num_free += backlog
             self._reserved.extend(self._allocate_blocks(backlog))
 
     def _allocate_blocks(self, count: int) -> array:
@@ -805,7 +805,7 @@ class KVBlockManager:
         hands them to a holder (``_held_by``) or reserves them."""
         if self._reserve_backlog:
             self._flush_reserve()
-        free = self._free_queue
+        free = self.free_block_queue
         taken = free.pop(count)
         if free.num_keyed:
             keys = self._block_keys
@@ -851,7 +851,7 @@ class KVBlockManager:
 
     def _take_cached_block(self, block: int) -> None:
         if self._ref_counts[block] == 0:
-            self._free_queue.take(block)
+            self.free_block_queue.take(block)
         self._ref_counts[block] += 1
 
     def _cow_needed(self, seq: SequenceBlocks) -> int:

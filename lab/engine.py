@@ -30,7 +30,7 @@ from .kv_policy import PagedPolicy, default_num_cpu_blocks
 from .model import load_hf_model
 from .model_runner import ModelInput, ModelRunner
 from .sampler import Sampler, SamplingParams, SamplingParamsError
-from .scheduler import (Scheduler, SchedulerConfig, Sequence as SchedSequence, SequenceGroup,
+from .scheduler import (Scheduler, SchedulerConfig, Sequence as SchedSequence, SequenceGroup, SequenceStatus,
                         StepStats)
 
 
@@ -448,7 +448,7 @@ class LLMEngine:
         final_len = len(request.prompt) + request.params.max_tokens - 1
         fresh, started = [], []
         for index, seq in enumerate(request.samples):
-            if seq.status == "finished":
+            if seq.status is SequenceStatus.FINISHED:
                 continue
             state = seq.data
             group = SequenceGroup(request.request_id, [], self._token_ids, request)

@@ -8,8 +8,8 @@ copy-on-write of a shared partial block, the first token after a swap-in) are ev
 """
 from __future__ import annotations
 
-from .block_manager import KVBlockManager
-from .scheduler import NO_EVENT, Sequence
+from .block_manager import KVBlockManager, PrefixCacheStats
+from .scheduler import NO_EVENT, MemorySample, Sequence
 
 DEFAULT_SWAP_SPACE_BYTES = 4 << 30  # vLLM's --swap-space default: 4 GiB of host memory per GPU
 
@@ -29,13 +29,14 @@ class PagedPolicy:
                  num_cpu_blocks: int = 0):
         self.block_size = self.block_period = block_size
         self.manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.free_queue = self.manager._free_queue  # read on every step: the count of free blocks
+        self.free_queue = self.manager.free_block_queue  # read on every step: the count of free blocks
         self.pending_copies = self.manager.pending_copies  # copy-on-write copies queued (the manager's own list)
         # reserve(count): take blocks for the sequences crossing a block boundary in this step, if that many are
         # free (the scheduler's per-step call with a bucket's size, bound to the manager without a wrapper)
         self.reserve = self.manager.try_reserve_counted_blocks
         self.cpu_manager = KVBlockManager(num_cpu_blocks, block_size) if num_cpu_blocks > 0 else None
         self.supports_swap = self.cpu_manager is not None
+        self.caches_prefixes = enable_prefix_caching
         self.capacity = num_blocks * block_size
         self.never_filled = 0
         self.copied_tokens = 0  # KV tokens moved by growing a region (contiguous policies); paging never copies
@@ -211,17 +212,27 @@ class PagedPolicy:
     def num_free_blocks(self) -> int:
         return self.manager.num_free_blocks
 
-    def memory_sample(self, held_tokens: int) -> tuple[int, int, int, int, int, int]:
-        """(token_states, reserved, internal, external fragmentation = 0, free) in slots, then the token slots of
-        every sequence's block table, a shared block counted once per holder (what the same sequences would hold
-        without sharing). ``held_tokens`` counts every holder's tokens; shared full blocks are stored once, so their
-        extra holders are subtracted."""
+    def host_capacity_tokens(self) -> int:
+        return 0 if self.cpu_manager is None else self.cpu_manager.num_physical_blocks * self.block_size
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.manager.prefix_cache_stats
+
+    def describe_pool(self, snapshot, running: dict) -> None:
+        """The pool's blocks (``pool_snapshot``; the scheduler has synced the sequences)."""
+        snapshot.pool = self.pool_snapshot()
+
+    def memory_sample(self, held_tokens: int) -> MemorySample:
+        """The categories in slots (no external fragmentation: any free block serves) and the token slots of every
+        sequence's block table, a shared block counted once per holder (what the same sequences would hold without
+        sharing). ``held_tokens`` counts every holder's tokens; shared full blocks are stored once, so their extra
+        holders are subtracted."""
         size, capacity, never_filled = self.block_size, self.capacity, self.never_filled
         allocated = capacity - self.free_queue.num_free * size
         table_slots = self.manager.num_block_references * size
         token_states = held_tokens - table_slots + allocated + self.shared_partial_slack
-        return (token_states, allocated - never_filled - token_states, never_filled, 0, capacity - allocated,
-                table_slots)
+        return MemorySample(token_states, allocated - never_filled - token_states, never_filled, 0,
+                            capacity - allocated, table_slots)
 
     # ---- internals ------------------------------------------------------------------------------------------------
     def _track_shared_partial(self, seqs: list[Sequence]) -> None:

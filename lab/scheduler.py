@@ -21,12 +21,13 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from enum import Enum
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Protocol
 
 from .errors import LabError
-from .block_manager import TokenIds
+from .block_manager import PrefixCacheStats, TokenIds
 
 SCHEDULING_MODES = ("prefill-first", "chunked")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -75,6 +76,17 @@ class SchedulerConfig:
                                  f"got {self.preemption_mode!r}")
 
 
+class SequenceStatus(Enum):
+    """Where a sequence is in its life (``Sequence.status``)."""
+
+    WAITING = "waiting"  # queued for its (next) prefill
+    PREFILLING = "prefilling"  # its prompt chunks are being computed; forks wait for the last one
+    PREFILLED = "prefilled"  # a fork whose parent's prompt is computed: it samples from the parent's last row
+    RUNNING = "running"  # decoding
+    SWAPPED = "swapped"  # preempted to the host pool
+    FINISHED = "finished"
+
+
 class Sequence:
     """One sample. ``prompt_len`` is what its (next) prefill covers: the prompt, or after a recompute preemption
     the prompt plus every token sampled so far. ``final_len`` is the most KV tokens it will hold (an upper bound when
@@ -91,7 +103,7 @@ class Sequence:
         self.region, self.synced_len = None, 0
         self.final_block_counted, self.final_block_slack = False, 0
         self.shared_block = -1  # a partly filled block it shares with forks (paged accounting), else -1
-        self.status = "waiting"
+        self.status = SequenceStatus.WAITING
         self.phase = -1  # its phase bucket while it needs periodic blocks, else -1
         self.periodic_first = self.periodic_last = -1  # decode steps of its first and last periodic block
         self.boundary_pending = False  # in the slow path: its block for this step is not reserved yet
@@ -184,12 +196,31 @@ class StepStats:
 _step_log_row = attrgetter(*STEP_LOG_COLUMNS)
 
 
+@dataclass(slots=True)
+class MemorySample:
+    """Where a policy's KV slots are at one moment (the simulator's memory categories, in token slots), and the
+    slots the sequences' tables name (a shared block once per holder: what they would hold without sharing)."""
+
+    token_states: int
+    reserved: int
+    internal_fragmentation: int
+    external_fragmentation: int
+    free: int
+    table_slots: int
+
+    def categories(self) -> tuple[int, int, int, int, int]:
+        """The five categories in ``simulator.metrics.CATEGORIES`` order."""
+        return (self.token_states, self.reserved, self.internal_fragmentation, self.external_fragmentation,
+                self.free)
+
+
 class KVPolicy(Protocol):
     """Where sequences' KV lives: the paged block manager (``lab.kv_policy.PagedPolicy``) or a contiguous allocator
     (the simulator's baselines). One signature per operation; ``kv_len`` is the KV tokens the sequence holds."""
 
     capacity: int  # token slots
-    supports_swap: bool
+    supports_swap: bool  # swap_out / swap_in / can_swap_* / first_decode_blocks work (a host pool is there)
+    caches_prefixes: bool  # admit() looks prompts up in a prefix cache (it wants their token ids)
     copied_tokens: int  # KV tokens copied within the device so far (grow-by-copy)
     block_period: int  # tokens between periodic needs (a block each), 0 for none
     pending_copies: list  # copy-on-write (src, dst) block copies not yet taken (an empty sequence when none)
@@ -211,7 +242,10 @@ class KVPolicy(Protocol):
     def can_swap_in(self, seqs: list[Sequence], extra_blocks: int) -> bool: ...
     def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]: ...
     def take_copies(self) -> list[tuple[int, int]]: ...
-    def memory_sample(self, held_tokens: int) -> tuple[int, int, int, int, int, int]: ...
+    def memory_sample(self, held_tokens: int) -> MemorySample: ...
+    def host_capacity_tokens(self) -> int: ...  # slots of the host pool swapped sequences go to (0: none)
+    def prefix_cache_stats(self) -> "PrefixCacheStats | None": ...  # None: the policy has no prefix cache
+    def describe_pool(self, snapshot, running: dict) -> None: ...  # put the pool's picture on a Snapshot
     def refork(self, parent: Sequence, child: Sequence, kv_len: int) -> None: ...
     def first_decode_blocks(self, seqs: list[Sequence]) -> int: ...
 
@@ -307,7 +341,7 @@ class Scheduler:
         if self.running.get(seq.seq_id) is not seq:
             raise SchedulerError(f"sequence {seq.seq_id!r} is not running")
         self._leave_running(seq, self.kv_len(seq))
-        seq.status = "finished"
+        seq.status = SequenceStatus.FINISHED
         out = self._output
         if out is not None:
             if out.finished is NOTHING:
@@ -466,7 +500,7 @@ class Scheduler:
             if self.policy.can_swap_out(group, kv_lens):
                 for seq, kv_len in zip(group, kv_lens):
                     self._leave_running(seq, kv_len, release=False)
-                    seq.kv_len_base, seq.status = kv_len, "swapped"
+                    seq.kv_len_base, seq.status = kv_len, SequenceStatus.SWAPPED
                 out.blocks_to_swap_out = [*out.blocks_to_swap_out, *self.policy.swap_out(group, kv_lens)]
                 out.swapped_out = [*out.swapped_out, *group]
                 self.swapped.append(group)
@@ -476,7 +510,7 @@ class Scheduler:
         kv_len = self.kv_len(victim) - 1
         self._leave_running(victim, kv_len, release=False)
         self.policy.preempt(victim, kv_len)
-        victim.prompt_len, victim.num_computed, victim.status = kv_len + 1, 0, "waiting"
+        victim.prompt_len, victim.num_computed, victim.status = kv_len + 1, 0, SequenceStatus.WAITING
         out.preempted = [*out.preempted, victim]
         alone = SequenceGroup(victim.group.request_id, [victim], victim.group.token_ids, victim.group.data,
                               victim.group.stream_key)
@@ -500,7 +534,7 @@ class Scheduler:
             self.num_swapped_seqs -= len(group)
             out.blocks_to_swap_in = [*out.blocks_to_swap_in, *self.policy.swap_in(group)]
             for seq in group:
-                seq.status = "running"
+                seq.status = SequenceStatus.RUNNING
                 self._enter_running(seq)
                 kv_len = self.kv_len(seq)
                 if min(self.policy.memory_needs(seq)) <= kv_len:
@@ -546,11 +580,11 @@ class Scheduler:
             if parent.num_computed >= prompt:
                 for seq in seqs:
                     seq.num_computed = prompt
-                    seq.status = "prefilled"
+                    seq.status = SequenceStatus.PREFILLED
                 out.prefill_done.extend(seqs)
                 out.prefill_chunks[-1].samples = list(seqs)
             else:
-                parent.status = "prefilling"
+                parent.status = SequenceStatus.PREFILLING
                 self.prefilling.append(parent)
 
     def _prompt_token_ids(self, group: SequenceGroup, prompt: int) -> TokenIds:
@@ -572,7 +606,7 @@ class Scheduler:
 
     def _start_decoding(self, seq: Sequence) -> None:
         """Prefill done: the first token is sampled in this step; decoding starts at the next decode step."""
-        seq.kv_len_base, seq.step_base, seq.status = seq.prompt_len, self.step, "running"
+        seq.kv_len_base, seq.step_base, seq.status = seq.prompt_len, self.step, SequenceStatus.RUNNING
         self._enter_running(seq)
         self._schedule_memory_event(seq)
 

@@ -11,6 +11,7 @@ import bisect
 from dataclasses import dataclass
 
 from lab.errors import InputError
+from lab.scheduler import MemorySample
 from lab.kv_policy import PagedPolicy  # noqa: F401  (re-exported: the simulator's policies in one place)
 from lab.scheduler import NO_EVENT
 
@@ -164,6 +165,7 @@ class ContiguousPolicy:
     copying into a new region when it overflows."""
 
     supports_swap = False
+    caches_prefixes = False
     block_period = 0  # no periodic needs: a region grows only at its own events
     pending_copies = ()  # nothing is ever copied on write
 
@@ -283,10 +285,21 @@ class ContiguousPolicy:
         self.usage.will_fill += sign * min(size, seq.final_len)
         self.usage.never_filled += sign * max(0, size - seq.final_len)
 
-    def memory_sample(self, held_tokens: int) -> tuple[int, int, int, int, int, int]:
-        """(token_states, reserved, internal, external fragmentation, free) in slots given the tokens held, then the
-        token slots the sequences hold (nothing is shared: the allocated slots)."""
+    def memory_sample(self, held_tokens: int) -> MemorySample:
+        """The categories in slots given the tokens held, and the slots the sequences hold (nothing is shared: the
+        allocated slots)."""
         usage, space = self.usage, self.space
         external = space.num_free - space.largest_free()
-        return (held_tokens, usage.will_fill - held_tokens, usage.never_filled, external,
-                self.capacity - usage.allocated - external, usage.allocated)
+        return MemorySample(held_tokens, usage.will_fill - held_tokens, usage.never_filled, external,
+                            self.capacity - usage.allocated - external, usage.allocated)
+
+    def host_capacity_tokens(self) -> int:
+        return 0  # contiguous allocators recompute: no host pool
+
+    def prefix_cache_stats(self) -> None:
+        return None
+
+    def describe_pool(self, snapshot, running: dict) -> None:
+        """The address space's free regions and each running sequence's region."""
+        snapshot.free_regions = self.space.regions_free()
+        snapshot.regions = {seq_id: seq.region for seq_id, seq in running.items()}

@@ -234,11 +234,10 @@ class Simulator:
         self.profile_highest = [0.0] * len(RANGE_QUANTITIES)  # the largest step quantities priced by the profile
         self.profile_step_time = self.profile.predictor(self.profile_highest) if self.profile is not None else None
         self.policy = build_policy(config, self.capacity_tokens, int(self.cost.block_bytes(config.block_size)))
-        self.policy_is_paged = isinstance(self.policy, PagedPolicy)
         self.scheduler = Scheduler(scheduler_config(config), self.policy)
         if config.record_steps:
             self.scheduler.step_log = []
-        self.track_tokens = self.policy_is_paged and config.enable_prefix_caching
+        self.track_tokens = self.policy.caches_prefixes
         self.on_snapshot, self.snapshot_every = on_snapshot, max(1, snapshot_every)
         self.snapshot_pool = snapshot_pool  # copying the pool is O(blocks): progress-only callers skip it
         self.time = 0.0
@@ -431,7 +430,7 @@ class Simulator:
         stats = scheduler.end_step(duration, self.time, self.generated_tokens, want_stats=row_due or snapshot_due)
         if row_due:
             # finishing freed memory after ``values`` was taken
-            values = self._categories() if stats.num_finished else values[:5]
+            values = self._categories() if stats.num_finished else values.categories()
             self.metrics.record(stats, values, self.num_preemptions, self._prefix_cache_hits())
         if snapshot_due:
             self.stopped = self.on_snapshot(self.snapshot(stats)) is False
@@ -463,10 +462,11 @@ class Simulator:
 
     def _categories(self) -> tuple[int, int, int, int, int]:
         """The memory categories now (``simulator.metrics.CATEGORIES``)."""
-        return self.policy.memory_sample(self.scheduler.held_tokens())[:5]
+        return self.policy.memory_sample(self.scheduler.held_tokens()).categories()
 
     def _prefix_cache_hits(self) -> int:
-        return self.policy.manager.prefix_cache_stats.hit_blocks if self.policy_is_paged else 0
+        stats = self.policy.prefix_cache_stats()
+        return stats.hit_blocks if stats is not None else 0
 
     def _pending_copy_time(self) -> float:
         copied = self.policy.copied_tokens
@@ -491,18 +491,9 @@ class Simulator:
                         stats, progress=done / max(1, len(self.owned)))
         if not self.snapshot_pool:
             return snap
-        if self.policy_is_paged:
-            self.scheduler.sync_all()
-            snap.pool = self.policy.pool_snapshot()
-        else:
-            snap.free_regions = self.policy.space.regions_free()
-            snap.regions = {seq_id: seq.region for seq_id, seq in self.running.items()}
+        self.scheduler.sync_all()
+        self.policy.describe_pool(snap, self.running)
         return snap
-
-    def _host_capacity_tokens(self) -> int:
-        """Slots in the host pool that swap preemption moves sequences to (0 without one)."""
-        host = getattr(self.policy, "cpu_manager", None)
-        return 0 if host is None else host.num_physical_blocks * host.block_size
 
     def _result(self) -> SimResult:
         requests = pd.DataFrame({"arrival_s": self.workload.arrival_s, "prompt_tokens": self.workload.prompt_tokens,
@@ -514,7 +505,7 @@ class Simulator:
             requests = requests.iloc[self.owned]
         summary = {"allocator": self.config.allocator, "block_size": self.config.block_size
                    if self.config.allocator == "paged" else np.nan, "capacity_tokens": self.policy.capacity,
-                   "host_capacity_tokens": self._host_capacity_tokens(),
+                   "host_capacity_tokens": self.policy.host_capacity_tokens(),
                    **self.metrics.summary(), **latency_summary(requests, self.workload.n),
                    "num_requests": len(self.owned), "num_requests_completed": self.num_finished,
                    "num_requests_rejected": self.num_rejected,
@@ -529,8 +520,8 @@ class Simulator:
         summary["throughput_req_s"] = self.num_finished / self.time if self.time > 0 else 0.0
         if self.profile is not None:  # where the step prices left the profile's measured range ("" if nowhere)
             summary["profile_extrapolation"] = self.profile.beyond_measured(self.profile_highest)
-        if self.policy_is_paged:
-            stats = self.policy.manager.prefix_cache_stats
+        stats = self.policy.prefix_cache_stats()
+        if stats is not None:
             caching = self.config.enable_prefix_caching  # off: no rate to report (NaN, as for contiguous runs)
             summary["prefix_cache_hit_rate"] = stats.hit_rate if caching else math.nan
             summary["prefix_cache_hit_blocks"] = stats.hit_blocks if caching else math.nan

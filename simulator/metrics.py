@@ -14,7 +14,7 @@ from operator import attrgetter
 import numpy as np
 import pandas as pd
 
-from lab.scheduler import StepStats
+from lab.scheduler import MemorySample, StepStats
 
 CATEGORIES = ("token_states", "reserved", "internal_fragmentation", "external_fragmentation", "free")
 # A timeseries row is the step's ``StepStats`` (what the engine reports too), then the memory categories and the
@@ -45,23 +45,23 @@ class MetricsRecorder:
         self.peak_allocated = 0
         self.allocated_time = self.unshared_time = 0.0
 
-    def accumulate(self, values: tuple, batch: int, duration: float) -> None:
+    def accumulate(self, values: MemorySample, batch: int, duration: float) -> None:
         """Weight ``values`` (a policy's ``memory_sample``: the categories, then the slots the sequences would hold
         without sharing) and the batch size (the running sequences, partly prefilled ones included) held during an
         iteration by its duration."""
         weighted = self.weighted
-        weighted[0] += values[0] * duration
-        weighted[1] += values[1] * duration
-        weighted[2] += values[2] * duration
-        weighted[3] += values[3] * duration
-        weighted[4] += values[4] * duration
+        weighted[0] += values.token_states * duration
+        weighted[1] += values.reserved * duration
+        weighted[2] += values.internal_fragmentation * duration
+        weighted[3] += values.external_fragmentation * duration
+        weighted[4] += values.free * duration
         self.total_time += duration
         self.batch_time += batch * duration
         if batch > self.peak_batch:
             self.peak_batch = batch
-        allocated = self.capacity - values[3] - values[4]
+        allocated = self.capacity - values.external_fragmentation - values.free
         self.allocated_time += allocated * duration
-        self.unshared_time += values[5] * duration
+        self.unshared_time += values.table_slots * duration
         if allocated > self.peak_allocated:
             self.peak_allocated = allocated
 
@@ -69,9 +69,9 @@ class MetricsRecorder:
         """Whether step ``step`` gets a timeseries row."""
         return step % self.stride == 0
 
-    def record(self, stats: StepStats, values: tuple, preemptions: int, prefix_cache_hits: int) -> None:
-        """Append the row of a step (its ``StepStats`` and the categories after it)."""
-        self.rows.append(row(stats, values, preemptions, prefix_cache_hits))
+    def record(self, stats: StepStats, categories: tuple, preemptions: int, prefix_cache_hits: int) -> None:
+        """Append the row of a step (its ``StepStats`` and the categories after it, ``MemorySample.categories``)."""
+        self.rows.append(row(stats, categories, preemptions, prefix_cache_hits))
         if len(self.rows) >= 2 * self.max_points:
             self.rows = self.rows[::2]
             self.stride *= 2
@@ -97,9 +97,9 @@ class MetricsRecorder:
         return pd.DataFrame(columns)
 
 
-def row(stats: StepStats, values: tuple, preemptions: int, prefix_cache_hits: int) -> tuple:
+def row(stats: StepStats, categories: tuple, preemptions: int, prefix_cache_hits: int) -> tuple:
     """A timeseries row (``COLUMNS``)."""
-    return (*_step_fields(stats), *values, preemptions, prefix_cache_hits)
+    return (*_step_fields(stats), *categories, preemptions, prefix_cache_hits)
 
 
 REJECTION_REASONS = {"max_model_len": "longer than max_model_len (prompt + output)",

@@ -422,7 +422,7 @@ def test_a_key_registered_while_growing_survives_the_eviction_of_a_block_taken_w
     m.create_sequence("a", [1, 2, 3])
     m.create_sequence("x", [8])
     m.release_sequence("a")
-    assert list(m._free_queue.queued()) == [1, 0]
+    assert list(m.free_block_queue.queued()) == [1, 0]
     m.create_sequence("c", [])
     m.append_tokens("c", 4, [1, 2, 7, 7])
     m.check_invariants()

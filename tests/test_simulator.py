@@ -15,12 +15,13 @@ from simulator import (ALLOCATORS, CATEGORIES, SimConfig, Simulator, SyntheticSp
                        synthetic_workload)
 from simulator.cli import SUMMARY_COLUMNS, main
 from simulator.checks import closed_form_checks
+from simulator.cluster import run_simulation
 from simulator.metrics import rejection_warning
 from simulator.presets import figure2_experiment
 
 
 def run(workload, **config):
-    return Simulator(workload, SimConfig(**config)).run()
+    return run_simulation(workload, SimConfig(**config))
 
 
 def small_workload(**spec):

@@ -109,7 +109,7 @@ class FreeBlockQueue:
     middle, so only their entry positions are tracked)."""
 
     def __init__(self, num_blocks: int, ref_counts: list[int], block_keys: list):
-        self.entries = array(BLOCK_ID, np.arange(num_blocks, dtype=np.intc).tobytes())  # 150 x array(range())'s speed
+        self.entries = array(BLOCK_ID, np.arange(num_blocks, dtype=np.intc).tobytes())  # from one buffer, not element by element
         self.head = 0  # entries[head:] are queued
         self.base = 0  # entries dropped by compaction (positions are absolute)
         self.num_free, self.num_stale, self.num_keyed = num_blocks, 0, 0

@@ -15,7 +15,7 @@ import resource
 import time
 from collections import abc
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -30,7 +30,7 @@ from .kv_policy import PagedPolicy, default_num_cpu_blocks
 from .model import load_hf_model
 from .model_runner import ModelInput, ModelRunner
 from .sampler import Sampler, SamplingParams, SamplingParamsError
-from .scheduler import (Scheduler, SchedulerConfig, Sequence as SchedSequence, SequenceGroup, SequenceStatus,
+from .scheduler import (Scheduler, SchedulerConfig, Sequence, SequenceGroup, SequenceStatus,
                         StepStats)
 
 
@@ -199,7 +199,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.scheduling, config.preemption_mode, self.max_model_len,
                                                    sync_every_step=True), self.policy)
-        self.scheduler.step_log = []
+        self.scheduler.step_rows = []
         self.block_size = config.block_size
         eos = getattr(hf_config, "eos_token_id", None)
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
@@ -252,7 +252,7 @@ class LLMEngine:
         return self.scheduler.running
 
     # ---- requests ---------------------------------------------------------------------------------------------
-    def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None,
+    def add_request(self, prompt: abc.Sequence[int] | str, params: SamplingParams | None = None,
                     arrival_s: float | None = None) -> int:
         """Queue a prompt (token ids, or a string when the model has a tokenizer); returns its request id. Raises
         ``ValueError`` (nothing queued) for bad parameters or a request that could never be scheduled.
@@ -281,12 +281,12 @@ class LLMEngine:
         final_len = len(request.prompt) + request.params.max_tokens - 1
         for sample in range(request.params.n):
             state = _SeqState(request, sample, self.device)
-            group.seqs.append(SchedSequence(next(self._seq_ids), group, sample, len(request.prompt), final_len, state))
+            group.seqs.append(Sequence(next(self._seq_ids), group, sample, len(request.prompt), final_len, state))
         request.samples = group.seqs
         self.scheduler.add(group)
 
     @staticmethod
-    def _token_ids(seq: SchedSequence, length: int) -> list[int]:
+    def _token_ids(seq: Sequence, length: int) -> list[int]:
         return seq.data.token_ids[:length]
 
     def _encode(self, prompt) -> list[int]:
@@ -311,8 +311,9 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def generate(self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams] |
-                 None = None, progress: bool = False) -> list[RequestOutput]:
+    def generate(self, prompts: abc.Sequence[abc.Sequence[int] | str],
+                 params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
         """Run prompts to completion; one ``RequestOutput`` per prompt, in order. Every prompt is checked before
         any is queued."""
         if isinstance(prompts, (str, bytes, dict, set)) or not isinstance(prompts, abc.Sequence):
@@ -432,7 +433,7 @@ class LLMEngine:
                                   self.config.enable_prefix_caching, cpu.num_physical_blocks if cpu else 0)
         self.block_manager = self.policy.manager
         self.scheduler = Scheduler(old.config, self.policy)
-        self.scheduler.step_log, self.scheduler.num_steps = old.step_log, old.num_steps
+        self.scheduler.step_rows, self.scheduler.num_steps = old.step_rows, old.num_steps
         self.scheduler.num_swaps_out = old.num_swaps_out
         self.scheduler.num_preemptions = old.num_preemptions + len(old.running) + len(old.swapped)
         for request_id in abort:
@@ -452,7 +453,7 @@ class LLMEngine:
                 continue
             state = seq.data
             group = SequenceGroup(request.request_id, [], self._token_ids, request)
-            new = SchedSequence(seq.seq_id, group, seq.sample, len(state.token_ids), final_len, state)
+            new = Sequence(seq.seq_id, group, seq.sample, len(state.token_ids), final_len, state)
             request.samples[index] = new
             (started if state.output else fresh).append(new)
         if fresh:
@@ -481,7 +482,7 @@ class LLMEngine:
         same columns)."""
         return self.scheduler.step_log_frame()
 
-    def _accept(self, seq: SchedSequence, logits: torch.Tensor | None, token: int, now: float) -> None:
+    def _accept(self, seq: Sequence, logits: torch.Tensor | None, token: int, now: float) -> None:
         """Append ``token`` (from the sampler) to ``seq``; finish it on EOS, a stop token or max_tokens.
         ``logits``: its row's, given (and kept) when ``record_logits`` is on."""
         state = seq.data
@@ -497,7 +498,7 @@ class LLMEngine:
         if stop or len(state.output) >= params.max_tokens:
             self._finish(seq, now)
 
-    def _finish(self, seq: SchedSequence, now: float) -> None:
+    def _finish(self, seq: Sequence, now: float) -> None:
         self.scheduler.finish(seq)
         request = seq.data.request
         request.samples_left -= 1

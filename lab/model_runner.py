@@ -18,10 +18,9 @@ from kernels.torch_backend import gather_kv, synchronize
 
 from .model import head_dim_of
 
-# A chunk of at least this many new tokens after a longer cached prefix (chunked prefill) attends on a CPU in two
-# flash passes, one over the prefix and one causal over itself, merged by their log-sum-exps, instead of under one
-# explicit mask (which makes SDPA compute and mask every pair): tiny model's shapes, 4,000 cached + 1,024 new tokens
-# took 15.0 ms a layer against 19.4 masked, 6,000 + 1,024 21.4 against 27.2; at 4,000 + 128 the two are even.
+# A chunk of at least this many new tokens after a longer cached prefix attends on a CPU in two flash passes
+# (prefix, then causal over itself, merged by log-sum-exp) instead of under an explicit mask, which makes SDPA
+# compute every pair; below it the two cost the same (docs/digital_twin.md).
 SPLIT_ATTENTION_MIN_TOKENS = 256
 # torch's CPU flash attention with its log-sum-exp (a private op: where a torch lacks it, the mask serves)
 _FLASH_ATTENTION_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)

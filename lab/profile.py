@@ -39,29 +39,12 @@ PREFILL_TOKENS, DECODE_SEQS = QUANTITIES.index("prefill_tokens"), QUANTITIES.ind
 PREVIOUS_PREFILL_TOKENS = QUANTITIES.index("previous_prefill_tokens")
 PREFILL_LOGIT_ROWS, IDLE_S = QUANTITIES.index("prefill_logit_rows"), QUANTITIES.index("idle_s")
 LINEAR_INDICES = tuple(QUANTITIES.index(name) for name in LINEAR)
-# 1 for a step that prefills anything: the prefill path's own fixed cost a step, beyond the decode path's (on the tiny
-# model 0.77 ms of a 3 ms prefill step). Without it the one constant averaged the two paths and priced every
-# decode-only step too high: light-load TPOT +2 to +6 % in paired comparisons, held-out error 4.4-6.6 % (3.7-4.6 %
-# with it).
-#
-# ``after_prefill_step`` (1 for a step right after a prefill) and the quantity ``previous_prefill_tokens``: a prefill's
-# activations evict from the CPU's caches what the next step reads. On the tiny model the first decode after a batch
-# prefill ran 10-20 % slower than the ones after it (2.62 vs 2.50 ms after 512 tokens, 4.15 vs 3.55 ms after 2,048),
-# and a decode scenario's steps are a fifth such; in a light load after a 96-token prefill, 2 %. Refitted on the same
-# measurements with and without them, the held-out error was lower in 7 of 7 pairs (e.g. 8.9 -> 7.6 %).
-#
-# ``decode_step`` (1 for a step that decodes): the decode path's own fixed cost, which the logit-rows term can no
-# longer hold now that it prices prefill-only steps too. On the CPU profiles measured so far it fits to 0; it is there
-# for backends whose decode path has one (a GPU's paged-attention launches).
+# Per-step fixed costs of the prefill and decode paths, and of the decode right after a prefill (its activations
+# evicted what the next step reads): docs/digital_twin.md, "Why the profile has these features".
 STEP_FEATURES = ("prefill_step", "decode_step", "after_prefill_step")
 PROFILE_VERSION = 9
-# A step that starts after the engine sat idle (nothing to run, waiting for an arrival) runs slower than the same step
-# back to back, by more the longer the pause, up to a plateau: on this lab's CPU (tiny model, a decode step of 1.5 ms,
-# interleaved pauses) +0.2 ms after 1 ms idle, +0.6 after 2, +0.9-1.2 after 5, +1.7-2.1 after 10 and +2.0-2.2 ms
-# from 20 ms to 100 ms. The step's idle time (``idle_s``) enters piecewise-linearly, a hat on each of these pauses,
-# which the grid measures (linear through 0 below the first, flat beyond the last). Profile version 8 priced only
-# pauses of 50 ms or more, at the plateau, and nothing below: a light load's prefills after 5-50 ms pauses ran up to
-# 1.6 x their price.
+# A step after an idle pause runs slower, more the longer the pause, up to a plateau: the idle time enters
+# piecewise-linearly on these knots (docs/digital_twin.md).
 IDLE_KNOTS_S = (0.002, 0.01, 0.25)
 IDLE_FEATURES = tuple(f"after_idle@{knot * 1e3:g}ms" for knot in IDLE_KNOTS_S)
 # The step quantities a run may take beyond the profile's grid (``Profile.beyond_measured``), and by how much before
@@ -385,19 +368,13 @@ def steady_state_allocator() -> bool:
 
 
 GRIDS = ("full", "small", "quick")
-# The decode batch sizes each grid measures on their own: the knots of the piecewise-linear logit-rows term. (Other
-# row counts occur too, in prefills and chunked steps, but mixed with other work they would pin a knot badly.)
-# ``small`` has every knot ``full`` has. Without 2 and 4 (a light load decodes 1-2 sequences per step) the fit let the
-# batch-1 term go to zero (the 0.6B-shaped LM head costs 38 ms at 1 row, ~120 ms at 8), 20 % low on light TPOT; without
-# 16, a line from 8 to 32 missed that on a CPU those shapes decode 16 sequences faster than 8 (89 vs 106 ms; BLAS
-# changes kernels), the batch sizes of the saturated twin (9-16).
+# The decode batch sizes each grid measures on their own: the knots of the piecewise-linear logit-rows term
+# (``small`` has every knot ``full`` has; why these: docs/digital_twin.md).
 DECODE_KNOTS = (1, 2, 4, 8, 16, 32, 64)
 DECODE_BATCHES = {"full": DECODE_KNOTS, "small": DECODE_KNOTS, "quick": (4,)}
-# A batch's cost is not monotone in its size on a CPU: the BLAS picks its kernel by the row count. MKL on an AMD EPYC
-# ran the 0.6B-shaped LM head in 30 ms at 1 row, 100 at 3, 72 at 4, 101 at 7 and 11, 86 at 16; interpolated between
-# the knots above, batches of 3, 6 and 7 were priced 25-40 % low and the saturated twin's TPOT 9-15 % low. A "ladder"
-# scenario (requests of 2, 3, ..., ``LADDER`` + 1 output tokens) decodes every batch size from ``LADDER`` down to 1, one
-# step each, and each of those sizes is a knot too.
+# A batch's cost is not monotone in its size on a CPU (the BLAS picks its kernel by the row count), so a "ladder"
+# scenario (requests of 2, 3, ..., ``LADDER`` + 1 output tokens) decodes every batch size from ``LADDER`` down to 1,
+# one step each, and each of those sizes is a knot too.
 DECODE_LADDER = {"full": 32, "small": 16, "quick": 0}
 
 

@@ -275,7 +275,7 @@ class Scheduler:
         self.num_waiting_seqs = self.num_swapped_seqs = 0
         self.num_preemptions = self.num_swaps_out = 0
         self.beam_groups: dict[SequenceGroup, None] = {}  # beam searches with beams decoding, in admission order
-        self.step_log: list[tuple] | None = None
+        self.step_rows: list[tuple] | None = None
         self._output: SchedulerOutput | None = None
         self._head_token_ids: tuple = (None, 0, None)  # (group, length, TokenIds) of the last group offered
 
@@ -350,19 +350,19 @@ class Scheduler:
 
     def end_step(self, duration_s: float, elapsed_s: float = 0.0, generated_tokens: int = 0,
                  peak_memory_bytes: int = 0, want_stats: bool = True) -> StepStats | None:
-        """Close the step: count it and return (and log, when ``step_log`` is a list) its ``StepStats``; with
+        """Close the step: count it and return (and log, when ``step_rows`` is a list) its ``StepStats``; with
         ``want_stats=False`` and no log, only count it (the simulator's fast path)."""
         out = self._output
         self.num_steps += 1
-        if not want_stats and self.step_log is None:
+        if not want_stats and self.step_rows is None:
             return None
         stats = StepStats(out.step, out.num_prefill_tokens, out.num_decode_seqs,
                           self.num_running_seqs, self.num_waiting_seqs, self.num_swapped_seqs,
                           self.policy.blocks_in_use(), self.policy.cpu_blocks_in_use(), len(out.preempted),
                           len(out.swapped_out), len(out.swapped_in), len(out.finished), duration_s, elapsed_s,
                           generated_tokens, self.policy.num_free_blocks(), peak_memory_bytes)
-        if self.step_log is not None:
-            self.step_log.append(_step_log_row(stats))
+        if self.step_rows is not None:
+            self.step_rows.append(_step_log_row(stats))
         return stats
 
     def drop_unschedulable_head(self) -> SequenceGroup | None:
@@ -693,7 +693,7 @@ class Scheduler:
         import numpy as np
         import pandas as pd
 
-        if not self.step_log:
+        if not self.step_rows:
             return pd.DataFrame([], columns=list(STEP_LOG_COLUMNS))
         # column arrays, not rows: half the time of pandas' row conversion (the twin's simulator pays it every run)
-        return pd.DataFrame(dict(zip(STEP_LOG_COLUMNS, map(np.array, zip(*self.step_log)))))
+        return pd.DataFrame(dict(zip(STEP_LOG_COLUMNS, map(np.array, zip(*self.step_rows)))))

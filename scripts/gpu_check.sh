@@ -31,7 +31,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 # pinned host): about 60 s on an H200. Naming the files keeps pytest from collecting the app's tests, whose
 # Streamlit and plotly a GPU image may lack. (The CPU-side launcher and compiled-code checks are CI's.)
 step tests 150 "$py" -m pytest -m gpu -q -rfE --tb=short --durations=8 -p no:cacheprovider \
-  tests/test_kernels.py tests/test_swap.py tests/test_engine.py tests/test_beam.py
+  tests/test_kernels.py tests/test_swap.py tests/test_engine.py tests/test_engine_beam_search.py
 # The digital twin on CUDA: profile Qwen3-0.6B shapes (random weights, bf16, CuPy kernels; 156 scenario runs,
 # about 2 minutes on an H200 when they were 147, before the long-context decodes to 8,192 tokens), then the twin.
 step profile 170 "$py" -m lab profile --model qwen3-0.6b-random --device cuda --backend cupy --repeats 2 \

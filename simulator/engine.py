@@ -236,7 +236,7 @@ class Simulator:
         self.policy = build_policy(config, self.capacity_tokens, int(self.cost.block_bytes(config.block_size)))
         self.scheduler = Scheduler(scheduler_config(config), self.policy)
         if config.record_steps:
-            self.scheduler.step_log = []
+            self.scheduler.step_rows = []
         self.track_tokens = self.policy.caches_prefixes
         self.on_snapshot, self.snapshot_every = on_snapshot, max(1, snapshot_every)
         self.snapshot_pool = snapshot_pool  # copying the pool is O(blocks): progress-only callers skip it

@@ -358,16 +358,11 @@ class BenchModel:
     chunked_budget: int = 128  # the chunked load's tokens a step (max_num_batched_tokens), below the longer prompts
 
 
-# The tiny model's steps take 3-10 ms and follow this machine's speed drift, by +-12 % between runs of one workload a
-# few seconds apart: five rounds and runs (a real run takes 1-3 s) make its medians and the profile's means steadier.
+# Repeats and request counts per model: docs/digital_twin.md ("Why the bench's loads").
 BENCH_MODELS = {
     "tiny": BenchModel("full", 128, 96, 32, 256, repeats=5),
     "qwen3-0.6b-random-4l": BenchModel("small", 16, 96, 24, 64, repeats=3, light_requests=32, light_fraction=0.2),
 }
-# The 0.6B shapes' light load keeps about one request in flight, so a request's TTFT is a prefill alone or a prefill
-# after the rest of a 45-130 ms decode step. 16 requests at 0.35 of the saturated throughput arrived at 0.44-0.47/s (a
-# small Poisson sample runs late), and their median sat between the two modes: the simulated one moved 127-152 ms
-# as the rate varied by +-10 %. 32 requests at 0.2 arrive at about that rate, and it moved 141-149 ms.
 
 
 @dataclass(slots=True)

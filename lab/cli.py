@@ -8,7 +8,7 @@ import pandas as pd
 
 from .errors import InputError
 from lab.cli_args import (cli_settings, device, model_options, non_negative_int, output_csv, positive_int,
-                          positive_ints, refuse_ignored, serving_options)
+                          positive_ints, refuse_ignored, scheduler_options)
 from lab.profile import GRIDS
 from lab.results import print_and_save, settings_of
 
@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-blocks", type=positive_int, default=None,
                    help="KV pool in blocks (default: sized from memory)")
     g.add_argument("--no-prefix-caching", action="store_true", help="no reuse of cached prompt blocks")
-    serving_options(g)
+    scheduler_options(g)
     g.add_argument("--out", type=output_csv, default=None, help="CSV of the run metrics")
     g.set_defaults(run=_generate)
 

@@ -121,15 +121,16 @@ def model_options(parser: argparse.ArgumentParser, device_default: str | None = 
     parser.add_argument("--backend", default="auto", help="attention backend: auto, torch, cupy or reference")
 
 
-def serving_options(parser: argparse.ArgumentParser) -> None:
-    """The scheduler's modes and caps, and the host pool for swapping."""
-    parser.add_argument("--scheduling", default="prefill-first", choices=["prefill-first", "chunked"],
-                        help="chunked: decodes first, then prompt chunks up to the token budget")
-    parser.add_argument("--max-num-seqs", type=positive_int, default=64,
-                        help="most sequences running at once (continuous batching's cap)")
-    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=4096, help="token budget per step")
-    parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
-                        help="swap: preempted sequences move to a host pool")
-    parser.add_argument("--num-cpu-blocks", type=non_negative_int, default=0,
-                        help="host pool for swap (0: as large as the GPU pool, at most vLLM's default 4 GiB "
-                             "of swap space)")
+def scheduler_options(parser: argparse.ArgumentParser) -> None:
+    """The scheduler's modes and caps and the host pool for swapping, one flag per ``SchedulingSettings`` field
+    (``--max-num-seqs`` ...), with its default and help: the same in every command."""
+    from dataclasses import MISSING, fields
+
+    from .scheduler import SchedulingSettings
+
+    for f in fields(SchedulingSettings):
+        choices = f.metadata.get("choices")
+        kind = None if choices else non_negative_int if f.default == 0 else positive_int
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, choices=choices,
+                            default=None if f.default is MISSING else f.default,
+                            help=f"{f.metadata['help']} (default: %(default)s)")

@@ -30,7 +30,7 @@ from .kv_policy import PagedPolicy, default_num_cpu_blocks
 from .model import load_hf_model
 from .model_runner import ModelInput, ModelRunner
 from .sampler import Sampler, SamplingParams, SamplingParamsError
-from .scheduler import (Scheduler, SchedulerConfig, Sequence, SequenceGroup, SequenceStatus,
+from .scheduler import (Scheduler, SchedulerConfig, SchedulingSettings, Sequence, SequenceGroup, SequenceStatus,
                         StepStats)
 
 
@@ -66,7 +66,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(slots=True)
-class EngineConfig:
+class EngineConfig(SchedulingSettings):
     """Everything an ``LLMEngine`` is built from (one place for the runtime page, the CLI and the benchmarks).
 
     ``num_blocks`` None sizes the KV pool from ``kv_memory_bytes`` (CPU) or ``gpu_memory_utilization`` (GPU).
@@ -79,11 +79,6 @@ class EngineConfig:
     num_blocks: int | None = None
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
-    scheduling: str = "prefill-first"
-    preemption_mode: str = "recompute"
-    num_cpu_blocks: int = 0
     swap_space_bytes: int = 0
     max_model_len: int | None = None
     dtype: torch.dtype | None = None
@@ -114,7 +109,7 @@ class EngineConfig:
                 check_device(self.device)
             except ValueError as exc:
                 raise EngineConfigError(f"EngineConfig.device: {exc}") from None
-        SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.scheduling, self.preemption_mode).check()
+        SchedulerConfig.of(self).check()
 
 
 class EngineConfigError(LabError):
@@ -196,9 +191,8 @@ class LLMEngine:
         self.policy = PagedPolicy(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks)
         self.block_manager = self.policy.manager
         self.max_model_len = config.max_model_len or getattr(hf_config, "max_position_embeddings", 1 << 30)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.scheduling, config.preemption_mode, self.max_model_len,
-                                                   sync_every_step=True), self.policy)
+        self.scheduler = Scheduler(SchedulerConfig.of(config, max_model_len=self.max_model_len, sync_every_step=True),
+                                   self.policy)
         self.scheduler.step_rows = []
         self.block_size = config.block_size
         eos = getattr(hf_config, "eos_token_id", None)

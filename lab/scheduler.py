@@ -22,7 +22,7 @@ import heapq
 import itertools
 from collections import deque
 from enum import Enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from typing import Protocol
 
@@ -52,16 +52,37 @@ class RequestRejectedError(SchedulerError):
 
 
 @dataclass(slots=True)
-class SchedulerConfig:
-    """Caps and modes; the same names in ``LLMEngine`` and ``SimConfig``."""
+class SchedulingSettings:
+    """The scheduler's caps and modes as a person sets them, declared once: ``EngineConfig`` and ``SimConfig``
+    extend it (the same names and defaults, vLLM's), and ``lab.cli_args.scheduler_options`` makes every command's
+    flags from these fields and their ``help``."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
-    scheduling: str = "prefill-first"
-    preemption_mode: str = "recompute"
+    max_num_seqs: int = field(default=256, metadata={
+        "help": "most sequences running at once (continuous batching's cap)"})
+    max_num_batched_tokens: int = field(default=8192, metadata={
+        "help": "token budget per step (chunked: prompts longer than this are spread over steps)"})
+    scheduling: str = field(default="prefill-first", metadata={
+        "help": "chunked: decodes first, then prompt chunks up to the token budget", "choices": SCHEDULING_MODES})
+    preemption_mode: str = field(default="recompute", metadata={
+        "help": "swap: preempted sequences move to a host pool (paged)", "choices": PREEMPTION_MODES})
+    num_cpu_blocks: int = field(default=0, metadata={
+        "help": "host pool for swap (0: as large as the device pool, at most vLLM's default 4 GiB of swap space)"})
+
+
+@dataclass(slots=True)
+class SchedulerConfig(SchedulingSettings):
+    """``SchedulingSettings`` and what the executor adds: the longest sequence, and how plans are made."""
+
     max_model_len: int = 1 << 30
     sync_every_step: bool = False
     track_longest: bool = True  # plans carry decode_max_kv_len (a step-time profile reads it)
+
+    @classmethod
+    def of(cls, settings: SchedulingSettings, **executor) -> "SchedulerConfig":
+        """The scheduler's config from an ``EngineConfig`` or ``SimConfig`` (its ``SchedulingSettings`` fields) and
+        the ``executor``'s own fields (``max_model_len``, ``sync_every_step``, ``track_longest``)."""
+        shared = {f.name: getattr(settings, f.name) for f in fields(SchedulingSettings)}
+        return cls(**shared, **executor)
 
     def check(self) -> None:
         """Raise ``SchedulerError`` naming the first field out of range."""

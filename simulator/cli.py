@@ -12,7 +12,8 @@ import pandas as pd
 from tqdm import tqdm
 
 from lab.errors import InputError
-from lab.cli_args import non_negative_int, output_csv, positive_float, positive_int, positive_ints, refuse_ignored
+from lab.cli_args import (non_negative_int, output_csv, positive_float, positive_int, positive_ints, refuse_ignored,
+                          scheduler_options)
 from lab.profile import extrapolation_warning
 from lab.results import print_and_save, save_csv
 
@@ -66,15 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=positive_int, default=None,
                    help="the KV pool in blocks (capacity = blocks x the one --block-size), as the engine's")
     p.add_argument("--profile", default=None, help="step times from `python -m lab profile` instead of the roofline")
-    p.add_argument("--scheduling", default="prefill-first", choices=["prefill-first", "chunked"],
-                   help="chunked: decodes first, then prompt chunks up to the token budget")
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, help="token budget per step")
-    p.add_argument("--max-num-seqs", type=positive_int, default=256, help="sequences in a batch at most")
-    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
-                   help="swap: preempted sequences move to a host pool (paged; contiguous baselines recompute)")
-    p.add_argument("--num-cpu-blocks", type=non_negative_int, default=0,
-                   help="host pool for swap (0: as large as the GPU pool, at most vLLM's default 4 GiB of "
-                        "swap space)")
+    scheduler_options(p)
     p.add_argument("--address-space", default="first-fit", choices=["first-fit", "buddy"],
                    help="how contiguous regions are placed")
     p.add_argument("--no-prefix-caching", action="store_true", help="paged: no reuse of cached prompt blocks")

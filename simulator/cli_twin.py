@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from lab.cli_args import (DEVICE_HELP, cli_settings, device, model_options, non_negative_int, output_csv,
-                          positive_float, positive_int, refuse_ignored, serving_options)
+                          positive_float, positive_int, refuse_ignored, scheduler_options)
 from lab.results import print_and_save, save_csv, settings_of
 
 
@@ -67,7 +67,7 @@ def twin_parser() -> argparse.ArgumentParser:
     t.add_argument("--output-len", type=positive_int, default=None,
                    help="output tokens of random (the mean, +-50 %%) or fixed (default 32)")
     t.add_argument("--num-blocks", type=positive_int, default=256, help="KV pool in blocks")
-    serving_options(t)
+    scheduler_options(t)
     t.add_argument("--repeats", type=positive_int, default=1, help="real runs (2+: the noise floor)")
     t.add_argument("--seed", type=non_negative_int, default=0, help="seeds the workload, prompts and engine")
     t.add_argument("--out", type=output_csv, default=None, help="CSV: metric, real, simulated, rel_error")

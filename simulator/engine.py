@@ -22,7 +22,7 @@ from lab.errors import InputError, LabError
 from lab.kv_policy import PagedPolicy, default_num_cpu_blocks
 from lab.profile import RANGE_QUANTITIES, Profile
 from lab.scheduler import (PREEMPTION_MODES, SCHEDULING_MODES, RequestRejectedError, Scheduler,
-                           SchedulerConfig, Sequence, SequenceGroup, StepStats)
+                           SchedulerConfig, SchedulingSettings, Sequence, SequenceGroup, StepStats)
 
 from .allocators import ADDRESS_SPACES, ALLOCATORS, ContiguousPolicy
 from .beams import BeamSurvival
@@ -44,7 +44,7 @@ class SimulationError(LabError):
 
 
 @dataclass(slots=True)
-class SimConfig:
+class SimConfig(SchedulingSettings):
     """Everything one simulation run needs besides the workload."""
 
     allocator: str = "paged"
@@ -56,11 +56,6 @@ class SimConfig:
     capacity_tokens: int | None = None  # overrides the KV capacity derived from model and GPU
     gpu_memory_utilization: float = 0.9
     activation_reserve_bytes: float = 1 * GiB
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    scheduling: str = "prefill-first"
-    preemption_mode: str = "recompute"
-    num_cpu_blocks: int = 0  # host KV pool for swap preemption (paged); 0 with swap: as the GPU pool, at most 4 GiB
     record_steps: bool = False  # keep the per-step log (SimResult.steps), as LLMEngine.step_log() has
     address_space: str = "first-fit"
     enable_prefix_caching: bool = True
@@ -189,9 +184,8 @@ def check_config(config: SimConfig) -> None:
 
 def scheduler_config(config: SimConfig) -> SchedulerConfig:
     """The scheduler settings of a simulation (the engine builds the same from its own config)."""
-    return SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.scheduling,
-                           config.preemption_mode, config.max_model_len, sync_every_step=False,
-                           track_longest=config.profile is not None)
+    return SchedulerConfig.of(config, max_model_len=config.max_model_len, sync_every_step=False,
+                              track_longest=config.profile is not None)
 
 
 def synthetic_token_ids(workload: Workload, request: int, length: int) -> list[int]:

@@ -98,7 +98,7 @@ BAD_INVOCATIONS = [
     ("lab", ["generate", "--num-prompts", "0"], "--num-prompts"),
     ("lab", ["generate", "--prompt", "1,x"], "comma-separated token ids"),
     ("lab", ["generate", "--prompt", ",,,"], "comma-separated token ids"),
-    ("lab", ["generate", "--n", "100", "--num-prompts", "1"], "exceed max_num_seqs"),
+    ("lab", ["generate", "--n", "300", "--num-prompts", "1"], "exceed max_num_seqs"),
     ("lab", ["generate", "--temperature", "nan", "--num-prompts", "1"], "temperature"),
     ("lab", ["generate", "--num-cpu-blocks", "-1"], "--num-cpu-blocks"),
     ("lab", ["generate", "--scheduling", "greedy"], "--scheduling"),

@@ -32,6 +32,7 @@ class E2EConfig:
     attention_backend: str = "auto"
     seed: int = 0
     systems: tuple[str, ...] = ("paged-engine", "paged-engine-chunked", "hf-static", "hf-continuous")
+    prefill_budget: int = 4096  # max_num_batched_tokens of the prefill-first row (the recorded runs' budget)
     chunk_budget: int = 256  # max_num_batched_tokens of the chunked-prefill row
     repeats: int = 3  # each system runs the workload this many times; the table holds medians
 
@@ -165,7 +166,8 @@ def run_e2e_bench(config: E2EConfig, progress=None) -> pd.DataFrame:
     device = torch.device(config.device)
     engine = LLMEngine(config.model, EngineConfig(block_size=config.block_size, device=config.device,
                                                   attention_backend=config.attention_backend,
-                                                  max_num_seqs=config.num_requests))
+                                                  max_num_seqs=config.num_requests,
+                                                  max_num_batched_tokens=config.prefill_budget))
     prompts, outputs = random_requests(config.num_requests, config.prompt_range, config.output_range,
                                        engine.hf_model.config.vocab_size, config.seed)
     warm_prompts, warm_outputs = prompts[:2], [4, 4]

@@ -4,12 +4,10 @@ A fixed pool of physical blocks of ``block_size`` token slots, a block table per
 copy-on-write for forked sequences and (optionally) prefix caching of full blocks. Both the Qwen3 runtime and the
 memory simulator drive this class; every operation on the hot path is O(1) per token and O(1) per block.
 
-Prefix caching identifies a full block by the key ``(parent_content_id, token_ids)``: the content id of the block
-before it (a serial number given to each distinct cached prefix, never reused) and its own tokens. The cache is a
-dict on that key, so the hash chains over the whole prefix while the lookup compares the key itself: a hash
-collision can never hand back a block with other contents. A caller that does not have the tokens but knows that
-a prompt's content is a function of (``stream_key``, position) can pass ``stream_key`` instead: its block ``j`` is
-keyed by (parent content id, stream key, ``j``), O(1) per block (the simulator uses it for unshared prompts).
+Prefix caching (which block holds which content) is ``lab.prefix_cache.PrefixCache``'s; this class asks it before
+allocating a prompt, tells it as blocks fill, and evicts a cached block when the free queue hands it to a new owner.
+A caller that does not have a prompt's tokens but knows its content is a function of (``stream_key``, position)
+can pass ``stream_key`` instead.
 
 Reference counts are stored for blocks that can have several holders. A block held by an *exclusive* sequence
 (never forked, hit or cached) or reserved has exactly one holder, so its stored count stays 0 and its count of 1
@@ -31,11 +29,10 @@ import numpy as np
 
 from .checks import check_bool, check_int
 from .errors import InputError, LabError
+from .prefix_cache import ROOT_CONTENT_ID, PrefixCache, PrefixCacheStats
 
-ROOT_CONTENT_ID = -1
 MAX_POOL_BLOCKS = 2**31 - 1  # block ids are C ints
 BLOCK_ID = "i"  # block tables, the free queue and reservations are C int arrays: no per-id object traffic
-_STREAM = object()  # marks a block key made from a stream key instead of token ids
 
 
 class BlockManagerError(LabError):
@@ -85,20 +82,6 @@ class SequenceBlocks:
     stream_key: object = None  # content known as (stream key, position) for its first stream_blocks full blocks
     stream_blocks: int = 0
     stream_registered: int = 0  # leading blocks already registered in the prefix cache
-
-
-@dataclass(slots=True)
-class PoolSnapshot:
-    """A copy of the pool's state for visualisation."""
-
-    block_size: int
-    ref_counts: list[int]
-    owners: list[list]  # per physical block, the sequences holding it
-    block_tables: dict  # sequence id -> physical block ids
-    seq_lens: dict  # sequence id -> tokens
-    cached: list[bool]  # per physical block, registered in the prefix cache
-    num_free_blocks: int
-    host_pool: "PoolSnapshot | None" = None  # with swap preemption: the host pool at the same moment
 
 
 class FreeBlockQueue:
@@ -176,19 +159,6 @@ class FreeBlockQueue:
                 if refs[block] == 0 and (keys[block] is None or position[block] == index)]
 
 
-@dataclass(slots=True)
-class PrefixCacheStats:
-    """Counters of prefix-cache lookups, in blocks and tokens."""
-
-    queried_blocks: int = 0
-    hit_blocks: int = 0
-    hit_tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_blocks / self.queried_blocks if self.queried_blocks else 0.0
-
-
 class KVBlockManager:
     """Allocates KV-cache blocks to sequences.
 
@@ -207,17 +177,15 @@ class KVBlockManager:
         self.block_size = int(block_size)
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * self.num_physical_blocks  # stored counts (see the module docstring)
-        self._cached_blocks: dict[tuple, int] = {}  # (parent_content_id, token_ids) -> block id
-        self._block_keys: list[tuple | None] = [None] * self.num_physical_blocks
-        self.free_block_queue = FreeBlockQueue(self.num_physical_blocks, self._ref_counts, self._block_keys)
-        self._block_content_ids: list[int] = [ROOT_CONTENT_ID] * self.num_physical_blocks
-        self._next_content_id = 0
+        self.prefix_cache = PrefixCache(self.num_physical_blocks, self.block_size, enable_prefix_caching)
+        self.free_block_queue = FreeBlockQueue(self.num_physical_blocks, self._ref_counts,
+                                               self.prefix_cache.block_keys)
         self.sequences: dict[object, SequenceBlocks] = {}
         self.pending_copies: list[tuple[int, int]] = []
         self._reserved = array(BLOCK_ID)  # taken from the pool for appends announced in bulk (reserve_blocks)
         self._reserve_backlog = 0  # reserved blocks not yet taken off the free queue (see reserve_blocks)
         self.num_block_references = 0  # block-table entries of every sequence plus reserved blocks (sum of counts)
-        self.prefix_cache_stats = PrefixCacheStats()
+        self.prefix_cache_stats: PrefixCacheStats = self.prefix_cache.stats
         self.num_cow_copies = 0
 
     # ---- pool queries -------------------------------------------------------------------------------------
@@ -235,7 +203,7 @@ class KVBlockManager:
     def num_cached_blocks(self) -> int:
         """Full blocks currently registered in the prefix cache (referenced or evictable)."""
         self._flush_reserve()
-        return len(self._cached_blocks)
+        return len(self.prefix_cache)
 
     @property
     def reserved_blocks(self) -> list[int]:
@@ -321,7 +289,7 @@ class KVBlockManager:
             self._take_cached_block(block)
         seq = SequenceBlocks(array(BLOCK_ID, hits), cached, [] if tracked else None,
                              list(token_ids[:cached]) if tracked else None,
-                             self._block_content_ids[hits[-1]] if hits else ROOT_CONTENT_ID)
+                             self.prefix_cache.content_ids[hits[-1]] if hits else ROOT_CONTENT_ID)
         self._grow(seq, num_tokens - cached, token_ids[cached:] if token_ids is not None else None)
         return seq
 
@@ -333,7 +301,9 @@ class KVBlockManager:
         self._flush_reserve()
         if seq.stream_key is not None and seq.stream_registered < seq.stream_blocks:
             self._share(seq)  # its blocks get cache keys
-            self._register_stream_blocks(seq, seq.stream_key, seq.stream_registered, seq.stream_blocks)
+            seq.parent_content_id = self.prefix_cache.register_stream(seq.parent_content_id, seq.stream_key,
+                                                                     seq.block_table, seq.stream_registered,
+                                                                     seq.stream_blocks)
             seq.stream_registered = seq.stream_blocks
 
     def fork_sequence(self, parent_id, child_id) -> None:
@@ -569,26 +539,10 @@ class KVBlockManager:
         out = torch.tensor([self._seq(s).num_tokens for s in seq_ids], dtype=torch.int32)
         return out.to(device) if device is not None else out
 
-    def block_owners(self) -> list[list]:
-        """For each physical block, the ids of the sequences whose tables hold it (for visualisation)."""
-        owners: list[list] = [[] for _ in range(self.num_physical_blocks)]
-        for seq_id, seq in self.sequences.items():
-            for block in seq.block_table:
-                owners[block].append(seq_id)
-        return owners
-
-    def snapshot(self) -> PoolSnapshot:
-        """Copy of ref counts, owners, block tables and lengths (O(pool); for views, not the hot path)."""
-        self._flush_reserve()
-        return PoolSnapshot(self.block_size, self.ref_counts, self.block_owners(),
-                            {s: list(seq.block_table) for s, seq in self.sequences.items()},
-                            {s: seq.num_tokens for s, seq in self.sequences.items()},
-                            [key is not None for key in self._block_keys], self.num_free_blocks)
-
     def is_cached(self, block: int) -> bool:
         """Whether a physical block is registered in the prefix cache."""
         self._flush_reserve()
-        return self._block_keys[block] is not None
+        return self.prefix_cache.is_cached(block)
 
     # ---- invariants ---------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -609,28 +563,11 @@ class KVBlockManager:
         queued = self.free_block_queue.queued()
         assert len(queued) == len(set(queued)) == self.num_free_blocks, "free queue holds a block twice"
         assert set(queued) == {b for b, count in enumerate(counts) if count == 0}, "free queue vs counts"
-        for key, block in self._cached_blocks.items():
-            assert self._block_keys[block] == key, f"cache entry of block {block} disagrees with its key"
+        self.prefix_cache.check()
         for seq_id, seq in self.sequences.items():
-            self._check_cached_tokens(seq_id, seq)
-
-    def _check_cached_tokens(self, seq_id, seq: SequenceBlocks) -> None:
-        """Every cached full block of a sequence whose tokens are known is keyed by exactly those tokens, after the
-        content of the block before it."""
-        if seq.known_tokens is None:
-            return
-        assert len(seq.known_tokens) == seq.num_tokens, f"{seq_id!r}: {len(seq.known_tokens)} known tokens"
-        size, keys, content_ids = self.block_size, self._block_keys, self._block_content_ids
-        for index, block in enumerate(seq.block_table[:seq.num_tokens // size]):
-            key = keys[block]
-            if key is None or key[1] is _STREAM:
-                continue
-            tokens = tuple(seq.known_tokens[index * size:(index + 1) * size])
-            assert key[1] == tokens, f"{seq_id!r}: block {block} is cached under other tokens than it holds"
-            previous = seq.block_table[index - 1] if index else None
-            if previous is None or keys[previous] is not None:
-                parent = ROOT_CONTENT_ID if previous is None else content_ids[previous]
-                assert key[0] == parent, f"{seq_id!r}: block {block} is cached after another prefix"
+            if seq.known_tokens is not None:
+                assert len(seq.known_tokens) == seq.num_tokens, f"{seq_id!r}: {len(seq.known_tokens)} known tokens"
+                self.prefix_cache.check_tokens(seq_id, seq.block_table, seq.known_tokens)
 
     def invariants_ok(self) -> bool:
         """True when every pool invariant holds (see ``check_invariants``)."""
@@ -671,52 +608,12 @@ class KVBlockManager:
     def _lookup(self, token_ids: list[int] | None, num_tokens: int, stream_key) -> list[int]:
         if token_ids is not None:
             self._flush_reserve()  # the reserved blocks leave the queue first: they may evict cached ones
-            return self._lookup_prefix(token_ids)
+            return self.prefix_cache.lookup(token_ids)
         # a stream hits only from its first block on: without that block cached, skip the flush and the lookup
-        if stream_key is not None and (ROOT_CONTENT_ID, _STREAM, stream_key, 0) in self._cached_blocks:
+        if stream_key is not None and self.prefix_cache.has_stream(stream_key):
             self._flush_reserve()
-            return self._lookup_stream(stream_key, num_tokens)
+            return self.prefix_cache.lookup_stream(stream_key, num_tokens)
         return []
-
-    def _lookup_stream(self, stream_key, num_tokens: int) -> list[int]:
-        """Cached blocks of the stream's leading full blocks, leaving at least the last token uncached."""
-        hits, parent, cached = [], ROOT_CONTENT_ID, self._cached_blocks
-        for index in range((num_tokens - 1) // self.block_size):
-            block = cached.get((parent, _STREAM, stream_key, index))
-            if block is None:
-                break
-            hits.append(block)
-            parent = self._block_content_ids[block]
-        return hits
-
-    def _register_stream_blocks(self, seq: SequenceBlocks, stream_key, first: int, end: int) -> None:
-        """Register the sequence's full blocks ``first <= j < end`` under stream keys (as full prompt blocks are)."""
-        cached, keys, content_ids = self._cached_blocks, self._block_keys, self._block_content_ids
-        parent = seq.parent_content_id
-        for index in range(first, end):
-            key = (parent, _STREAM, stream_key, index)
-            block = cached.get(key)
-            if block is None:
-                block = seq.block_table[index]
-                cached[key] = block
-                keys[block] = key
-                content_ids[block] = self._next_content_id
-                self._next_content_id += 1
-            parent = content_ids[block]
-        seq.parent_content_id = parent
-
-    def _lookup_prefix(self, token_ids: list[int]) -> list[int]:
-        """Cached blocks for the longest cached prefix, leaving at least the last prompt token uncached."""
-        if not self.enable_prefix_caching:
-            return []
-        hits, parent, size = [], ROOT_CONTENT_ID, self.block_size
-        for start in range(0, len(token_ids) - 1 - size + 1, size):
-            block = self._cached_blocks.get(self._block_key(parent, token_ids[start:start + size]))
-            if block is None:
-                break
-            hits.append(block)
-            parent = self._block_content_ids[block]
-        return hits
 
     def _shortfall(self, num_tokens: int, hits: list[int]) -> int:
         """Blocks missing to allocate a prompt of ``num_tokens`` tokens with these cache hits (<= 0: it fits). A hit
@@ -755,11 +652,12 @@ class KVBlockManager:
             partial.extend(token_ids[:done])
             if len(partial) < size:
                 return
-            self._register_full_block(seq, table[index], partial)
+            seq.parent_content_id = self.prefix_cache.register(seq.parent_content_id, table[index], partial)
             index += 1
         whole = done + (len(token_ids) - done) // size * size
         for start in range(done, whole, size):  # then whole blocks, straight from the ids
-            self._register_full_block(seq, table[index], token_ids[start:start + size])
+            seq.parent_content_id = self.prefix_cache.register(seq.parent_content_id, table[index],
+                                                               token_ids[start:start + size])
             index += 1
         seq.partial_token_ids = list(token_ids[whole:])
 
@@ -770,27 +668,9 @@ class KVBlockManager:
         seq.partial_token_ids.append(int(token_id))
         seq.known_tokens.append(int(token_id))
         if len(seq.partial_token_ids) == self.block_size:
-            self._register_full_block(seq, seq.block_table[-1], seq.partial_token_ids)
+            seq.parent_content_id = self.prefix_cache.register(seq.parent_content_id, seq.block_table[-1],
+                                                               seq.partial_token_ids)
             seq.partial_token_ids = []
-
-    def _register_full_block(self, seq: SequenceBlocks, block: int, tokens) -> None:
-        """Cache ``block``, just filled with ``tokens``, under its key, unless a block with that key is cached
-        already (then the sequence's later keys chain on that one's content)."""
-        if not self.enable_prefix_caching:
-            return
-        key = self._block_key(seq.parent_content_id, tokens)
-        cached = self._cached_blocks.get(key)
-        if cached is None:
-            cached = block
-            self._cached_blocks[key] = block
-            self._block_keys[block] = key
-            self._block_content_ids[block] = self._next_content_id
-            self._next_content_id += 1
-        seq.parent_content_id = self._block_content_ids[cached]
-
-    @staticmethod
-    def _block_key(parent_content_id: int, token_ids) -> tuple:
-        return parent_content_id, tuple(token_ids)
 
     def _flush_reserve(self) -> None:
         """Take the blocks of ``reserve_blocks`` calls off the free queue (they left its count already)."""
@@ -808,11 +688,12 @@ class KVBlockManager:
         free = self.free_block_queue
         taken = free.pop(count)
         if free.num_keyed:
-            keys = self._block_keys
+            cache = self.prefix_cache
+            keys = cache.block_keys
             for block in taken:
                 if keys[block] is not None:
                     free.num_keyed -= 1
-                    self._uncache(block)
+                    cache.evict(block)
         return taken
 
     def _held_by(self, seq: SequenceBlocks, blocks: array) -> array:
@@ -843,11 +724,6 @@ class KVBlockManager:
         if newest_first:
             taken.reverse()
         return taken
-
-    def _uncache(self, block: int) -> None:
-        del self._cached_blocks[self._block_keys[block]]
-        self._block_keys[block] = None
-        self._block_content_ids[block] = ROOT_CONTENT_ID
 
     def _take_cached_block(self, block: int) -> None:
         if self._ref_counts[block] == 0:

@@ -9,6 +9,7 @@ copy-on-write of a shared partial block, the first token after a swap-in) are ev
 from __future__ import annotations
 
 from .block_manager import KVBlockManager, PrefixCacheStats
+from .pool_view import pool_snapshot
 from .scheduler import NO_EVENT, MemorySample, Sequence
 
 DEFAULT_SWAP_SPACE_BYTES = 4 << 30  # vLLM's --swap-space default: 4 GiB of host memory per GPU
@@ -201,9 +202,9 @@ class PagedPolicy:
     def pool_snapshot(self):
         """The device pool (``PoolSnapshot``), with ``host_pool`` set when there is one; sync the sequences first
         (``Scheduler.sync_all``) so that reserved blocks show in their tables."""
-        pool = self.manager.snapshot()
+        pool = pool_snapshot(self.manager)
         if self.cpu_manager is not None:
-            pool.host_pool = self.cpu_manager.snapshot()
+            pool.host_pool = pool_snapshot(self.cpu_manager)
         return pool
 
     def cpu_blocks_in_use(self) -> int:

@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 
 from .errors import InputError
-from .block_manager import PoolSnapshot
+from .pool_view import PoolSnapshot
 from .engine import EngineConfig, LLMEngine, SamplingParams, StepStats
 
 

@@ -99,7 +99,7 @@ class Snapshot:
     time_s: float
     metrics: dict  # the timeseries row (simulator.metrics.COLUMNS) of this step
     stats: StepStats | None = None  # the step's record, as the engine emits it
-    pool: object = None  # paged: lab.block_manager.PoolSnapshot (owners, ref counts, block tables)
+    pool: object = None  # paged: lab.pool_view.PoolSnapshot (owners, ref counts, block tables)
     free_regions: list[tuple[int, int]] | None = None  # contiguous: (start, size) holes
     regions: dict | None = None  # contiguous: sequence id -> (start, size)
     progress: float = 0.0  # fraction of requests finished or rejected

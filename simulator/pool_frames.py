@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from lab.errors import InputError
-from lab.block_manager import PoolSnapshot
+from lab.pool_view import PoolSnapshot
 from lab.engine import EngineConfig
 from lab.live import RuntimeRunConfig, run_runtime
 

@@ -4,6 +4,7 @@ import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from lab.pool_view import block_owners
 from lab.block_manager import (DuplicateSequenceError, KVBlockManager, OutOfBlocksError, UnknownSequenceError)
 
 
@@ -212,7 +213,7 @@ def test_batch_exports():
     assert tables.dtype == torch.int32 and tables.shape == (2, 3)
     assert tables[0].tolist() == m.get_block_table(0) and tables[1, 0] == m.get_block_table(1)[0]
     assert m.get_seq_lens_tensor([1, 0]).tolist() == [2, 9]
-    owners = m.block_owners()
+    owners = block_owners(m)
     assert sum(len(o) for o in owners) == 4
     slots = m.get_slot_mapping_tensor([(0, 7, 9), (1, 0, 2)])
     assert slots.dtype == torch.int64
@@ -493,10 +494,11 @@ def test_invariants_catch_a_block_cached_under_other_tokens():
     m.append_token("a", 6)
     assert m.invariants_ok()
     first, second = m.get_block_table("a")[:2]
-    key_first, key_second = m._block_keys[first], m._block_keys[second]
+    cache = m.prefix_cache
+    key_first, key_second = cache.block_keys[first], cache.block_keys[second]
     wrong = (key_second[0], (9, 9))  # block 2 claims tokens (9, 9)
-    del m._cached_blocks[key_second]
-    m._cached_blocks[wrong], m._block_keys[second] = second, wrong
+    del cache.blocks[key_second]
+    cache.blocks[wrong], cache.block_keys[second] = second, wrong
     with pytest.raises(AssertionError, match="cached under other tokens"):
         m.check_invariants()
     assert not m.invariants_ok() and key_first is not None

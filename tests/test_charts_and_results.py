@@ -3,6 +3,7 @@ import pandas as pd
 import pytest
 
 from lab.block_manager import KVBlockManager
+from lab.pool_view import pool_snapshot
 from lab.charts import (block_pool_figure, block_pool_frame, block_table_frame, engine_live_figure,
                         kernel_bandwidth_figure, kernel_time_figure, latency_histograms, paging_diagram)
 from lab.results import ResultStore, to_csv_bytes
@@ -14,7 +15,7 @@ def test_block_pool_figure_marks_owners_shared_and_free_blocks():
     manager = KVBlockManager(10, 4)
     manager.create_sequence("a", num_prompt_tokens=6)
     manager.fork_sequence("a", "b")
-    pool = manager.snapshot()
+    pool = pool_snapshot(manager)
     figure = block_pool_figure(pool.ref_counts, pool.owners, columns=5)
     heat = figure.data[0]
     assert heat.z.shape == (2, 5)

@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from lab.engine import EngineConfig
+from lab.pool_view import pool_snapshot
 from lab.profile import (DECODE_SEQS, IDLE_FEATURES, IDLE_KNOTS_S, IDLE_S, LINEAR, PREFILL_LOGIT_ROWS,
                          PREFILL_TOKENS, PREVIOUS_PREFILL_TOKENS, PROFILE_VERSION, STEP_FEATURES, Profile,
                          ProfileError, Profiler, _run_scenario, _scenarios, decode_knots, design_row, feature_names,
@@ -375,7 +376,7 @@ def test_the_timed_engine_starts_with_its_free_blocks_scattered(monkeypatch):
         def step(self):
             outputs = super().step()
             if self.num_steps == 1:
-                tables.extend(self.block_manager.snapshot().block_tables.values())
+                tables.extend(pool_snapshot(self.block_manager).block_tables.values())
             return outputs
 
     monkeypatch.setattr(twin, "LLMEngine", Recorded)

@@ -1,0 +1,131 @@
+"""The prefix cache: full KV blocks found again by their content.
+
+A full block is keyed by ``(parent_content_id, token_ids)``: the content id of the block before it (a serial number
+given to each distinct cached prefix, never reused) and its own tokens. The cache is a dict on that key, so the hash
+chains over the whole prefix while the lookup compares the key itself: a hash collision can never hand back a block
+with other contents. A caller that does not have the tokens but knows that a prompt's content is a function of
+(``stream_key``, position) keys its block ``j`` by (parent content id, stream key, ``j``) instead: O(1) per block
+(the simulator's unshared prompts).
+
+The cache only remembers which block holds which content. Who holds a block, and when a block is reused, is the
+block manager's (``lab.block_manager``): it asks ``lookup`` before allocating, ``register`` as blocks fill, and
+``evict`` when the free queue hands a cached block to a new owner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROOT_CONTENT_ID = -1  # the content id "before" a sequence's first block
+STREAM = object()  # marks a block key made from a stream key instead of token ids
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Counters of prefix-cache lookups, in blocks and tokens."""
+
+    queried_blocks: int = 0
+    hit_blocks: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_blocks / self.queried_blocks if self.queried_blocks else 0.0
+
+
+class PrefixCache:
+    """Full blocks of ``block_size`` tokens of a pool of ``num_blocks``, by content. ``enabled`` False: token
+    lookups find nothing and token registrations keep nothing (stream keys are the caller's to withhold)."""
+
+    __slots__ = ("block_size", "enabled", "blocks", "block_keys", "content_ids", "next_content_id", "stats")
+
+    def __init__(self, num_blocks: int, block_size: int, enabled: bool):
+        self.block_size, self.enabled = block_size, enabled
+        self.blocks: dict[tuple, int] = {}  # key -> block id
+        self.block_keys: list[tuple | None] = [None] * num_blocks  # block id -> its key, None when not cached
+        self.content_ids: list[int] = [ROOT_CONTENT_ID] * num_blocks  # block id -> content id of its prefix
+        self.next_content_id = 0
+        self.stats = PrefixCacheStats()
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def is_cached(self, block: int) -> bool:
+        return self.block_keys[block] is not None
+
+    def lookup(self, token_ids: list[int]) -> list[int]:
+        """Cached blocks of the longest cached prefix of ``token_ids``, leaving at least the last token uncached."""
+        if not self.enabled:
+            return []
+        hits, parent, size, blocks, content_ids = [], ROOT_CONTENT_ID, self.block_size, self.blocks, self.content_ids
+        for start in range(0, len(token_ids) - size, size):
+            block = blocks.get((parent, tuple(token_ids[start:start + size])))
+            if block is None:
+                break
+            hits.append(block)
+            parent = content_ids[block]
+        return hits
+
+    def has_stream(self, stream_key) -> bool:
+        """Whether the stream's first block is cached (without it no block of the stream can hit)."""
+        return (ROOT_CONTENT_ID, STREAM, stream_key, 0) in self.blocks
+
+    def lookup_stream(self, stream_key, num_tokens: int) -> list[int]:
+        """Cached blocks of the stream's leading full blocks, leaving at least the last of ``num_tokens`` uncached."""
+        hits, parent, blocks, content_ids = [], ROOT_CONTENT_ID, self.blocks, self.content_ids
+        for index in range((num_tokens - 1) // self.block_size):
+            block = blocks.get((parent, STREAM, stream_key, index))
+            if block is None:
+                break
+            hits.append(block)
+            parent = content_ids[block]
+        return hits
+
+    def register(self, parent_content_id: int, block: int, tokens) -> int:
+        """Cache ``block``, just filled with ``tokens`` after the prefix ``parent_content_id``, unless a block with
+        that content is cached already; returns the content id the next block of the sequence chains on."""
+        if not self.enabled:
+            return parent_content_id
+        return self._register((parent_content_id, tuple(tokens)), block)
+
+    def register_stream(self, parent_content_id: int, stream_key, table, first: int, end: int) -> int:
+        """Cache the stream's full blocks ``first <= j < end`` (``table[j]``) under stream keys; returns the content
+        id after the last."""
+        parent = parent_content_id
+        for index in range(first, end):
+            parent = self._register((parent, STREAM, stream_key, index), table[index])
+        return parent
+
+    def _register(self, key: tuple, block: int) -> int:
+        cached = self.blocks.get(key)
+        if cached is None:
+            cached = self.blocks[key] = block
+            self.block_keys[block] = key
+            self.content_ids[block] = self.next_content_id
+            self.next_content_id += 1
+        return self.content_ids[cached]
+
+    def evict(self, block: int) -> None:
+        """Forget ``block``'s content (it is being reused)."""
+        del self.blocks[self.block_keys[block]]
+        self.block_keys[block] = None
+        self.content_ids[block] = ROOT_CONTENT_ID
+
+    def check(self) -> None:
+        """Raise ``AssertionError`` when a cache entry and its block's key disagree."""
+        for key, block in self.blocks.items():
+            assert self.block_keys[block] == key, f"cache entry of block {block} disagrees with its key"
+
+    def check_tokens(self, name, table, known_tokens: list[int]) -> None:
+        """Raise ``AssertionError`` unless every cached full block of ``table`` whose tokens are ``known_tokens`` is
+        keyed by exactly those tokens, after the content of the block before it."""
+        size, keys, content_ids = self.block_size, self.block_keys, self.content_ids
+        for index, block in enumerate(table[:len(known_tokens) // size]):
+            key = keys[block]
+            if key is None or key[1] is STREAM:
+                continue
+            tokens = tuple(known_tokens[index * size:(index + 1) * size])
+            assert key[1] == tokens, f"{name!r}: block {block} is cached under other tokens than it holds"
+            previous = table[index - 1] if index else None
+            if previous is None or keys[previous] is not None:
+                parent = ROOT_CONTENT_ID if previous is None else content_ids[previous]
+                assert key[0] == parent, f"{name!r}: block {block} is cached after another prefix"

@@ -1,0 +1,92 @@
+"""The prefix cache on its own: content keys chain over the whole prefix, a lookup never returns a block with other
+contents, the last token is never served, stream keys, eviction, disabled caches, and its checks."""
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from lab.prefix_cache import ROOT_CONTENT_ID, PrefixCache
+
+
+def filled(cache: PrefixCache, tokens: list[int], table: list[int]) -> int:
+    """Register ``tokens``' full blocks into ``table``'s blocks, as a sequence filling them would."""
+    parent, size = ROOT_CONTENT_ID, cache.block_size
+    for index in range(len(tokens) // size):
+        parent = cache.register(parent, table[index], tokens[index * size:(index + 1) * size])
+    return parent
+
+
+def test_a_prompt_finds_its_cached_prefix_and_never_its_last_token():
+    cache = PrefixCache(8, 2, True)
+    filled(cache, [1, 2, 3, 4, 5, 6], [0, 1, 2])
+    assert cache.lookup([1, 2, 3, 4, 9]) == [0, 1]
+    assert cache.lookup([1, 2, 3, 4]) == [0]  # the block holding the last token is computed again
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 7]) == [0, 1, 2] and len(cache) == 3
+
+
+def test_a_block_is_found_only_after_the_same_prefix():
+    cache = PrefixCache(8, 2, True)
+    filled(cache, [1, 2, 3, 4], [0, 1])
+    assert cache.lookup([9, 9, 3, 4, 5]) == []  # the same tokens after another prefix are other content
+    filled(cache, [9, 9, 3, 4], [2, 3])
+    assert cache.lookup([9, 9, 3, 4, 5]) == [2, 3] and cache.lookup([1, 2, 3, 4, 5]) == [0, 1]
+
+
+def test_registering_known_content_chains_on_the_cached_block():
+    cache = PrefixCache(8, 2, True)
+    first = filled(cache, [1, 2, 3, 4], [0, 1])
+    again = filled(cache, [1, 2, 3, 4], [5, 6])  # a second copy of the same content is not cached
+    assert first == again and len(cache) == 2 and not cache.is_cached(5)
+
+
+def test_eviction_forgets_a_block_and_what_chains_on_it_misses():
+    cache = PrefixCache(8, 2, True)
+    filled(cache, [1, 2, 3, 4, 5, 6], [0, 1, 2])
+    cache.evict(1)
+    assert not cache.is_cached(1) and cache.lookup([1, 2, 3, 4, 5, 6, 7]) == [0]
+    cache.check()
+
+
+def test_stream_keys_hit_by_position_without_tokens():
+    cache = PrefixCache(8, 4, True)
+    assert not cache.has_stream("s")
+    cache.register_stream(ROOT_CONTENT_ID, "s", [3, 5, 6], 0, 2)
+    assert cache.has_stream("s") and cache.lookup_stream("s", 9) == [3, 5] and cache.lookup_stream("s", 8) == [3]
+    assert cache.lookup_stream("t", 9) == []
+
+
+def test_a_disabled_cache_keeps_nothing():
+    cache = PrefixCache(4, 2, False)
+    assert filled(cache, [1, 2, 3, 4], [0, 1]) == ROOT_CONTENT_ID and len(cache) == 0
+    assert cache.lookup([1, 2, 3, 4, 5]) == []
+
+
+def test_the_checks_catch_a_key_that_names_other_tokens():
+    cache = PrefixCache(4, 2, True)
+    filled(cache, [1, 2, 3, 4], [0, 1])
+    cache.check_tokens("a", [0, 1], [1, 2, 3, 4])
+    with pytest.raises(AssertionError, match="cached under other tokens"):
+        cache.check_tokens("a", [0, 1], [1, 2, 9, 9])
+    cache.blocks[(ROOT_CONTENT_ID, (7, 7))] = 0
+    with pytest.raises(AssertionError, match="disagrees with its key"):
+        cache.check()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=6),
+       st.integers(1, 4))
+def test_every_hit_holds_exactly_the_prompt_s_tokens(prompts, block_size):
+    """Against a reference that remembers each block's whole prefix: a lookup returns blocks whose full prefix
+    equals the prompt's, block for block."""
+    cache, contents, next_block = PrefixCache(64, block_size, True), {}, 0
+    for prompt in prompts:
+        hits = cache.lookup(prompt)
+        for index, block in enumerate(hits):
+            assert contents[block] == tuple(prompt[:(index + 1) * block_size])
+        assert len(hits) * block_size < len(prompt)
+        table = list(range(next_block, next_block + len(prompt) // block_size))
+        next_block += len(table)
+        parent = ROOT_CONTENT_ID
+        for index, block in enumerate(table):
+            parent = cache.register(parent, block, prompt[index * block_size:(index + 1) * block_size])
+            if cache.is_cached(block):
+                contents[block] = tuple(prompt[:(index + 1) * block_size])
+    cache.check()

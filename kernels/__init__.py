@@ -18,8 +18,8 @@ from .cupy_backend import cupy_status
 
 BACKENDS = ("reference", "torch", "cupy")
 
-__all__ = ["write_kv_cache", "paged_attention_decode", "copy_blocks", "swap_blocks", "available_backends", "BACKENDS",
-           "cupy_status", "resolve_backend"]
+__all__ = ["write_kv_cache", "paged_attention_decode", "copy_blocks", "swap_blocks", "rms_norm", "silu_and_mul",
+           "qk_norm_rope_write", "available_backends", "BACKENDS", "cupy_status", "resolve_backend"]
 
 
 def available_backends() -> list[str]:
@@ -142,6 +142,62 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
         out[...] = result
         return out
     return result
+
+
+# ---- the fused ops of a transformer layer (one launch each on the cupy backend) ------------------------------------
+def rms_norm(x, weight, eps: float = 1e-6, residual=None, backend: str = "auto"):
+    """RMSNorm over the last axis, with the residual add fused in: returns ``(normed, residual_out)`` where
+    ``residual_out = x + residual`` (``x`` when ``residual`` is None) and ``normed = residual_out / sqrt(mean(
+    residual_out ** 2) + eps) * weight``. A layer calls it twice: before attention (``residual`` = the previous
+    layer's) and before the MLP."""
+    validate.check_rms_norm_args(x, weight, residual)
+    eps = validate.check_eps(eps)
+    name = resolve_backend(backend, x)
+    if name == "reference":
+        normed, total = reference.rms_norm(validate.to_numpy_float(x), validate.to_numpy_float(weight), eps,
+                                           None if residual is None else validate.to_numpy_float(residual))
+        return (normed, total) if isinstance(x, np.ndarray) else (_like(normed, x), _like(total, x))
+    return _backend_module(name).rms_norm(x, weight, eps, residual)
+
+
+def silu_and_mul(x, backend: str = "auto"):
+    """The gated MLP's activation: ``silu(x[..., :d]) * x[..., d:]`` for ``x [..., 2 d]`` (the merged gate and up
+    projections' output)."""
+    validate.check_silu_and_mul_args(x)
+    name = resolve_backend(backend, x)
+    if name == "reference":
+        result = reference.silu_and_mul(validate.to_numpy_float(x))
+        return result if isinstance(x, np.ndarray) else _like(result, x)
+    return _backend_module(name).silu_and_mul(x)
+
+
+def qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache, value_cache, slot_mapping,
+                       eps: float = 1e-6, backend: str = "auto", check: bool = True):
+    """Qwen3's per-head q/k RMSNorm, rotary embedding and the paged cache write, in one op: ``q [T, Hq, D]``,
+    ``k``/``v [T, Hk, D]`` (views of the merged qkv projection may be passed), ``cos_sin_cache [max_position, 2 D]``
+    (cos then sin, HF's layout: ``rotate_half`` pairs element ``i`` with ``i + D / 2``), ``positions [T]``. The
+    rotated keys and ``v`` go to the caches at ``slot_mapping`` (negative: padding, skipped); returns the rotated
+    ``(q, k)`` (prefill attends over its own keys too). ``check`` reads the slots and positions (a device sync)."""
+    validate.check_qk_norm_rope_write_args(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache,
+                                           value_cache, slot_mapping)
+    eps = validate.check_eps(eps)
+    if check:
+        validate.check_write_args(k, v, key_cache, value_cache, slot_mapping)
+        validate.check_positions(positions, validate.shape_of(cos_sin_cache)[0])
+    name = resolve_backend(backend, key_cache)
+    slot_mapping = validate.index_like(slot_mapping, key_cache)
+    if name == "reference":
+        if not isinstance(key_cache, np.ndarray):
+            _require_cpu_float(key_cache)
+        caches = (key_cache, value_cache) if isinstance(key_cache, np.ndarray) else \
+            (key_cache.numpy(), value_cache.numpy())
+        q_out, k_out = reference.qk_norm_rope_write(
+            *(validate.to_numpy_float(t) for t in (q, k, v, q_weight, k_weight, cos_sin_cache)),
+            validate.to_numpy(positions), *caches, validate.to_numpy(slot_mapping), eps)
+        return (q_out, k_out) if isinstance(q, np.ndarray) else (_like(q_out, q), _like(k_out, k))
+    positions = validate.index_like(positions, key_cache)
+    return _backend_module(name).qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache,
+                                                    value_cache, slot_mapping, eps)
 
 
 def _like(array: np.ndarray, tensor):

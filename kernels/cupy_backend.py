@@ -16,7 +16,10 @@ import torch
 from . import validate
 from .validate import is_cuda
 
-SOURCE_PATH = Path(__file__).parent / "csrc" / "paged_attention.cu"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE_PATH = CSRC / "paged_attention.cu"
+FUSED_SOURCE_PATH = CSRC / "fused_ops.cu"
+COMMON_PATH = CSRC / "common.cuh"  # prepended to each source: the 16-bit types and conversions
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 8
 NUM_WARPS = 4
@@ -73,11 +76,24 @@ def kernel_names(dtype: torch.dtype, head_dim: int, group: int) -> list[str]:
             attention_kernel_name(dtype, head_dim, group), f"reduce_partitions_kernel<{cuda_type},{head_dim}>"]
 
 
+FUSED_KERNELS = ("rms_norm_kernel", "silu_and_mul_kernel", "qk_norm_rope_write_kernel")
+
+
+def fused_kernel_names(dtype: torch.dtype) -> list[str]:
+    """The fused layer ops' instances for one dtype (``csrc/fused_ops.cu``)."""
+    return [f"{name}<{CUDA_TYPES[dtype]}>" for name in FUSED_KERNELS]
+
+
 def all_kernel_names() -> list[str]:
     """Every template instance the dispatcher can choose (what CI compile-checks)."""
     names = {n for dtype in CUDA_TYPES for d in SUPPORTED_HEAD_DIMS for g in range(1, MAX_GROUP + 1)
              for n in kernel_names(dtype, d, g)}
-    return sorted(names)
+    return sorted(names | {n for dtype in CUDA_TYPES for n in fused_kernel_names(dtype)})
+
+
+def source(path: Path) -> str:
+    """A kernel source as compiled: ``common.cuh``, then the file."""
+    return f"{COMMON_PATH.read_text()}\n{path.read_text()}"
 
 
 def attention_shared_bytes(head_dim: int, group: int) -> int:
@@ -89,8 +105,16 @@ def attention_shared_bytes(head_dim: int, group: int) -> int:
 def _module(dtype: torch.dtype, head_dim: int, group: int):
     import cupy
 
-    return cupy.RawModule(code=SOURCE_PATH.read_text(), options=("--std=c++17",),
+    return cupy.RawModule(code=source(SOURCE_PATH), options=("--std=c++17",),
                           name_expressions=kernel_names(dtype, head_dim, group))
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_module(dtype: torch.dtype):
+    import cupy
+
+    return cupy.RawModule(code=source(FUSED_SOURCE_PATH), options=("--std=c++17",),
+                          name_expressions=fused_kernel_names(dtype))
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,6 +122,8 @@ def _kernel(name: str, dtype: torch.dtype, head_dim: int = 64, group: int = 1):
     """The kernel ``name`` of its module, kept: CuPy's ``RawModule.get_function`` builds a new kernel object and looks
     the function up in the driver (``cuModuleGetFunction``) every time it is called, and a decode step launches about
     three kernels per layer. (The kernel object compiles and caches per device itself.)"""
+    if name.startswith(FUSED_KERNELS):
+        return _fused_module(dtype).get_function(name)
     return _module(dtype, head_dim, group).get_function(name)
 
 
@@ -276,7 +302,68 @@ def _require_contiguous(key_cache, value_cache) -> None:
 
 
 def instantiation_source() -> str:
-    """The CUDA source plus host references to every template instance, so an offline nvcc compile (which has
+    """Every CUDA source plus host references to every template instance, so an offline nvcc compile (which has
     no name expressions) instantiates and checks all of them."""
     refs = ",\n  ".join(f"(const void*)&{name}" for name in all_kernel_names())
-    return f"{SOURCE_PATH.read_text()}\nconst void* minipaged_all_kernels[] = {{\n  {refs}\n}};\n"
+    return (f"{source(SOURCE_PATH)}\n{FUSED_SOURCE_PATH.read_text()}\n"
+            f"const void* minipaged_all_kernels[] = {{\n  {refs}\n}};\n")
+
+
+# ---- fused layer ops ---------------------------------------------------------------------------------------------
+def _row_threads(width: int) -> int:
+    """Threads of a one-block-per-row kernel: whole warps (the block reduction needs them), at most 1024."""
+    return min(1024, max(32, -(-width // 32) * 32))
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    """Launch ``rms_norm_kernel`` (one thread block per row); returns new ``(normed, residual_out)``."""
+    _require(unsupported_reason(x))
+    x = x.contiguous()
+    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden
+    if rows:
+        _launch(_kernel(f"rms_norm_kernel<{CUDA_TYPES[x.dtype]}>", x.dtype), (rows,), (_row_threads(hidden),),
+                (out, residual_out, x, x if residual is None else residual.contiguous(), weight.contiguous(),
+                 np.float32(eps), np.int32(hidden), np.int32(residual is not None)), x.device)
+    return out, residual_out
+
+
+def silu_and_mul(x):
+    """Launch ``silu_and_mul_kernel`` (one thread block per row)."""
+    _require(unsupported_reason(x))
+    x = x.contiguous()
+    d = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    rows = out.numel() // d
+    if rows:
+        _launch(_kernel(f"silu_and_mul_kernel<{CUDA_TYPES[x.dtype]}>", x.dtype), (rows,), (_row_threads(d),),
+                (out, x, np.int32(d)), x.device)
+    return out
+
+
+def _token_rows(t):
+    """``t [tokens, heads, head_dim]`` with dense heads (a view of a merged projection keeps its row stride)."""
+    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()
+
+
+def qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache, value_cache, slot_mapping,
+                       eps: float):
+    """Launch ``qk_norm_rope_write_kernel``: grid (tokens, q heads + kv heads), ``head_dim / 2`` threads."""
+    _require(unsupported_reason(key_cache))
+    _require_contiguous(key_cache, value_cache)
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    q, k, v = _token_rows(q), _token_rows(k), _token_rows(v)
+    q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens:
+        device = key_cache.device
+        index = dict(device=device, dtype=torch.int64)
+        _launch(_kernel(f"qk_norm_rope_write_kernel<{CUDA_TYPES[q.dtype]}>", q.dtype),
+                (num_tokens, num_q_heads + num_kv_heads), (_row_threads(head_dim // 2),),
+                (q_out, k_out, q, k, v, q_weight.contiguous(), k_weight.contiguous(), cos_sin_cache.contiguous(),
+                 positions.to(**index).contiguous(), key_cache, value_cache, slot_mapping.to(**index).contiguous(),
+                 np.float32(eps), np.int32(num_q_heads), np.int32(num_kv_heads), np.int32(head_dim),
+                 np.int32(block_size), np.int64(q.stride(0)), np.int64(k.stride(0)), np.int64(v.stride(0))), device)
+    return q_out, k_out

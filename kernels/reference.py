@@ -55,3 +55,42 @@ def _attend_one(q, keys, values, block_table, seq_len: int, block_size: int) -> 
         m = m_new
     return acc / total if total > 0 else acc
 
+
+
+def rms_norm(x, weight, eps: float, residual=None) -> tuple[np.ndarray, np.ndarray]:
+    """``(normed, residual_out)``: with ``residual``, ``residual_out = x + residual`` and the norm is of that sum
+    (the fused residual add); without, ``residual_out = x``. ``normed = r / sqrt(mean(r ** 2) + eps) * weight``
+    over the last axis."""
+    x = np.asarray(x, dtype=np.float64)
+    total = x if residual is None else x + np.asarray(residual, dtype=np.float64)
+    normed = total / np.sqrt(np.mean(total ** 2, axis=-1, keepdims=True) + eps) * np.asarray(weight, np.float64)
+    return normed, total
+
+
+def silu_and_mul(x) -> np.ndarray:
+    """``silu(x[..., :d]) * x[..., d:]`` for ``x [..., 2d]`` (the gated MLP's activation)."""
+    x = np.asarray(x, dtype=np.float64)
+    gate, up = np.split(x, 2, axis=-1)
+    return gate / (1 + np.exp(-gate)) * up
+
+
+def qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache, value_cache, slot_mapping,
+                       eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per head: RMSNorm over ``head_dim`` (``q_weight`` / ``k_weight``), then rotary at each token's position
+    (``cos_sin_cache [max_position, 2 * head_dim]``: cos, then sin, each over the whole head as HF lays them out;
+    ``rotate_half`` pairs element ``i`` with ``i + head_dim / 2``); the rotated keys and ``v`` are written to the
+    caches at ``slot_mapping`` (negative: padding). Returns the rotated ``(q, k)``."""
+    head_dim = np.asarray(q).shape[-1]
+    table = np.asarray(cos_sin_cache, dtype=np.float64)[np.asarray(positions)]
+    cos, sin = table[:, None, :head_dim], table[:, None, head_dim:]
+
+    def rotate(x, weight):
+        x = rms_norm(x, weight, eps)[0]
+        half = head_dim // 2
+        rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+        return x * cos + rotated * sin
+
+    q_out, k_out = rotate(q, q_weight), rotate(k, k_weight)
+    write_kv_cache(k_out.astype(key_cache.dtype), np.asarray(v, dtype=value_cache.dtype), key_cache, value_cache,
+                   slot_mapping)
+    return q_out, k_out

@@ -165,3 +165,36 @@ def _gather_buffers(key_cache, num_rows: int):
 
 
 _buffers = threading.local()
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    """``(normed, residual_out)`` (see ``kernels.rms_norm``), computed as HF's ``Qwen3RMSNorm`` does: in float32,
+    the result cast back before the weight multiplies it (so the engine's tokens stay HF's)."""
+    total = x if residual is None else x + residual
+    hidden = total.to(torch.float32)
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * hidden.to(total.dtype), total
+
+
+def silu_and_mul(x):
+    """``silu(gate) * up`` of ``x = [gate, up]`` along the last axis."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache, value_cache, slot_mapping,
+                       eps: float):
+    """Per-head RMSNorm, rotary from the table, and the cache write of the rotated keys and ``v`` (see
+    ``kernels.qk_norm_rope_write``); the arithmetic of HF's ``apply_rotary_pos_emb``."""
+    head_dim = q.shape[-1]
+    table = cos_sin_cache[positions.to(device=cos_sin_cache.device, dtype=torch.long)]
+    cos, sin = table[:, None, :head_dim], table[:, None, head_dim:]
+
+    def rotate(x, weight):
+        x = rms_norm(x, weight, eps)[0]
+        half = head_dim // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    q_out, k_out = rotate(q, q_weight), rotate(k, k_weight)
+    write_kv_cache(k_out, v, key_cache, value_cache, slot_mapping)
+    return q_out, k_out

@@ -257,3 +257,69 @@ def to_numpy_float(x) -> np.ndarray:
 
 def _is_numpy(x) -> bool:
     return isinstance(x, np.ndarray)
+
+
+def check_eps(eps) -> float:
+    """A norm's epsilon: a finite number in [0, 1]."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating, np.integer)) or not 0 <= float(eps) <= 1:
+        raise ValueError(f"eps must be a number in [0, 1], got {eps!r:.60}")
+    return float(eps)
+
+
+def check_rms_norm_args(x, weight, residual) -> None:
+    """``x [..., hidden]``, ``weight [hidden]``, ``residual`` like ``x``."""
+    check_array("x", x)
+    shape = shape_of(x)
+    if not shape or shape[-1] < 1:
+        raise ValueError(f"x must have a last axis of at least 1 element, got shape {shape}")
+    if check_rank("weight", weight, 1) != shape[-1:]:
+        raise ValueError(f"weight must be [{shape[-1]}] to match x's last axis, got {shape_of(weight)}")
+    check_same_kind("weight", weight, "x", x)
+    if residual is not None:
+        check_array("residual", residual)
+        if shape_of(residual) != shape:
+            raise ValueError(f"residual shape {shape_of(residual)} differs from x {shape}")
+        check_same_kind("residual", residual, "x", x)
+
+
+def check_silu_and_mul_args(x) -> None:
+    """``x [..., 2 * d]``."""
+    check_array("x", x)
+    shape = shape_of(x)
+    if not shape or shape[-1] % 2 or shape[-1] < 2:
+        raise ValueError(f"x must be [..., 2 * d] (gate, then up), got shape {shape}")
+
+
+def check_qk_norm_rope_write_args(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache, value_cache,
+                                  slot_mapping) -> None:
+    """Shapes, dtypes and devices (no look at the data): ``q [T, Hq, D]``, ``k``/``v [T, Hk, D]`` as the caches,
+    weights ``[D]``, ``cos_sin_cache [P, 2 D]``, ``positions [T]``, ``slot_mapping [T]``; ``D`` even."""
+    num_tokens, num_q_heads, head_dim = check_rank("q", q, 3)
+    check_write_shapes(k, v, key_cache, value_cache, slot_mapping)
+    if shape_of(k)[0] != num_tokens or shape_of(k)[2] != head_dim:
+        raise ValueError(f"k shape {shape_of(k)} does not match q {shape_of(q)} (tokens and head_dim)")
+    if head_dim % 2:
+        raise ValueError(f"rotary needs an even head_dim, got {head_dim}")
+    if num_q_heads % shape_of(k)[1]:
+        raise ValueError(f"q's {num_q_heads} heads are not a multiple of k's {shape_of(k)[1]}")
+    check_same_kind("q", q, "key_cache", key_cache)
+    for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if check_rank(name, weight, 1) != (head_dim,):
+            raise ValueError(f"{name} must be [{head_dim}], got {shape_of(weight)}")
+        check_same_kind(name, weight, "key_cache", key_cache)
+    table = check_rank("cos_sin_cache", cos_sin_cache, 2)
+    if table[1] != 2 * head_dim:
+        raise ValueError(f"cos_sin_cache must be [max_position, {2 * head_dim}] (cos, then sin), got {table}")
+    check_same_kind("cos_sin_cache", cos_sin_cache, "key_cache", key_cache)
+    if check_rank("positions", positions, 1)[0] != num_tokens:
+        raise ValueError(f"positions has {shape_of(positions)[0]} entries for {num_tokens} tokens")
+    check_integer("positions", positions)
+    check_same_device("positions", positions, key_cache)
+
+
+def check_positions(positions, max_position: int) -> None:
+    """Every position has a row in the rotary table (reads the data: ``check=True`` only)."""
+    values = to_numpy(positions)
+    if values.size and (values.min() < 0 or values.max() >= max_position):
+        raise ValueError(f"positions must be in [0, {max_position}) (the rotary table's rows), got "
+                         f"{int(values.min())}..{int(values.max())}")

@@ -2,34 +2,7 @@
 //
 // Layouts: caches [num_blocks, num_kv_heads, block_size, head_dim]; key/value [num_tokens, num_kv_heads, head_dim];
 // query/out [num_seqs, num_q_heads, head_dim]; block_tables int32 [num_seqs, max_blocks_per_seq]; seq_lens int32.
-// Half types are carried as 16-bit structs and converted with PTX, so no CUDA header is needed.
-
-#define NEG_INF __int_as_float(0xff800000)
-
-struct half_t { unsigned short bits; };
-struct bf16_t { unsigned short bits; };
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(half_t x) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
-  return f;
-}
-__device__ __forceinline__ float to_float(bf16_t x) { return __uint_as_float(((unsigned int)x.bits) << 16); }
-
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ half_t from_float<half_t>(float x) {
-  half_t h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
-  return h;
-}
-template <> __device__ __forceinline__ bf16_t from_float<bf16_t>(float x) {
-  unsigned int u = __float_as_uint(x);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_t{(unsigned short)0x7fc0};  // NaN stays NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return bf16_t{(unsigned short)(u >> 16)};
-}
+// The 16-bit types and conversions come from common.cuh (prepended).
 
 // One thread block per token: copy its K/V rows (all kv heads) to the slot; negative slots are padding.
 template <typename T>

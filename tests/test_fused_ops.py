@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import cupy_backend, reference
+from kernels import reference
 from tests.kernel_cases import relative_error
 from tests.test_cupy_launcher import launches  # noqa: F401 - the recorder fixture
 

@@ -49,7 +49,7 @@ def check_cache_pair(key_cache, value_cache) -> tuple[int, int, int, int]:
 
 def check_same_kind(name: str, x, ref_name: str, ref) -> None:
     """Same dtype and same device (torch) or both NumPy."""
-    if type(x) is not type(ref) and not (_is_numpy(x) and _is_numpy(ref)):
+    if _is_numpy(x) != _is_numpy(ref):  # a torch Parameter is a tensor like any other
         raise ValueError(f"{name} is a {type(x).__name__} but {ref_name} is a {type(ref).__name__}")
     if x.dtype != ref.dtype:
         raise ValueError(f"{name} has dtype {x.dtype} but {ref_name} has dtype {ref.dtype}")

@@ -481,7 +481,7 @@ class LLMEngine:
         ``logits``: its row's, given (and kept) when ``record_logits`` is on."""
         state = seq.data
         if self.record_logits:
-            state.logits = (state.logits or []) + [logits.detach().cpu()]
+            state.logits = (state.logits or []) + [logits.detach().float().cpu()]
         state.output.append(token)
         self.generated_tokens += 1
         request = state.request

@@ -134,6 +134,9 @@ class ModelRunner:
         self.cpu_key_caches = [torch.zeros(cpu_shape, **host) for _ in range(host_layers)]
         self.cpu_value_caches = [torch.zeros(cpu_shape, **host) for _ in range(host_layers)]
         self.scale = self.head_dim ** -0.5
+        self.eps = config.rms_norm_eps
+        self.layers = [merged_weights(layer) for layer in hf_model.model.layers]
+        self.cos_sin_cache = rotary_table(hf_model, config.max_position_embeddings)
 
     @staticmethod
     def resolve_attention_backend(hf_model, attention_backend: str) -> str:
@@ -206,31 +209,33 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:
-        """Run the model over the flat batch; return float32 logits of the rows ``logit_rows``."""
+        """Run the model over the flat batch; return the logits (the model's dtype) of the rows ``logit_rows``."""
         model = self.hf.model
-        hidden = model.embed_tokens(batch.input_ids)
-        cos, sin = model.rotary_emb(hidden, batch.positions[None])
-        for index, layer in enumerate(model.layers):
-            residual = hidden
-            hidden = layer.input_layernorm(hidden)
-            q, k, v = self._qkv(layer.self_attn, hidden, cos[0], sin[0])
-            kernels.write_kv_cache(k, v, self.key_caches[index], self.value_caches[index], batch.slot_mapping,
-                                   backend=self.cache_backend, check=False)
-            attn = self._attention(index, q, k, v, batch)
-            hidden = residual + layer.self_attn.o_proj(attn.reshape(attn.shape[0], -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        hidden = model.norm(hidden[logit_rows])
-        return self.hf.lm_head(hidden).float()
+        hidden, residual = model.embed_tokens(batch.input_ids), None
+        for index, layer in enumerate(self.layers):
+            hidden, residual = self._layer(index, layer, hidden, residual, batch)
+        rows = kernels.rms_norm(hidden[logit_rows], model.norm.weight, self.eps, residual[logit_rows],
+                                backend=self.cache_backend)[0]
+        return self.hf.lm_head(rows)
 
-    def _qkv(self, attn, hidden, cos, sin):
-        from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
-
-        tokens = hidden.shape[0]
-        q = attn.q_norm(attn.q_proj(hidden).view(tokens, self.num_q_heads, self.head_dim))
-        k = attn.k_norm(attn.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim))
-        v = attn.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
-        return q, k, v
+    def _layer(self, index: int, layer: "LayerWeights", hidden, residual, batch: ForwardBatch):
+        """One decoder layer: norm (with the residual add), one qkv GEMM, q/k norm + rotary + cache write in one
+        op, attention, o projection, norm, one gate-up GEMM, SiLU-and-multiply, down projection. Returns the MLP's
+        output and the residual stream (the next norm adds them)."""
+        backend, tokens = self.cache_backend, hidden.shape[0]
+        normed, residual = kernels.rms_norm(hidden, layer.input_norm, self.eps, residual, backend=backend)
+        qkv = torch.nn.functional.linear(normed, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split(layer.qkv_sizes, dim=-1)
+        q, k = kernels.qk_norm_rope_write(
+            q.view(tokens, self.num_q_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
+            v.view(tokens, self.num_kv_heads, self.head_dim), layer.q_norm, layer.k_norm, self.cos_sin_cache,
+            batch.positions, self.key_caches[index], self.value_caches[index], batch.slot_mapping, self.eps,
+            backend=backend, check=False)
+        attn = self._attention(index, q, k, v.view(tokens, self.num_kv_heads, self.head_dim), batch)
+        hidden = torch.nn.functional.linear(attn.reshape(tokens, -1), layer.o_proj)
+        normed, residual = kernels.rms_norm(hidden, layer.post_norm, self.eps, residual, backend=backend)
+        gate_up = torch.nn.functional.linear(normed, layer.gate_up)
+        return torch.nn.functional.linear(kernels.silu_and_mul(gate_up, backend=backend), layer.down), residual
 
     def _attention(self, layer: int, q, k, v, batch: ForwardBatch) -> torch.Tensor:
         out = torch.empty_like(q)
@@ -290,3 +295,61 @@ class ModelRunner:
         out = (prefix_out.float() * (prefix_lse - lse).exp()[..., None]
                + own_out.float() * (own_lse - lse).exp()[..., None])
         return out.to(q.dtype)[0].transpose(0, 1)
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer's weights as the runner's forward reads them: q, k and v projections merged into one matrix
+    and gate and up into another (one GEMM each, as nano-vllm and vLLM load them); the HF modules' parameters become
+    views into the merged ones, so the weights are held once and the HF model still runs."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    qkv_sizes: tuple[int, int, int]
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def merged_weights(layer) -> LayerWeights:
+    """``layer``'s ``LayerWeights``, merged once per model: a runner built later on the same model (a profile's
+    engines, a benchmark's) finds the merged matrices its parameters already view."""
+    attn, mlp = layer.self_attn, layer.mlp
+    known = getattr(layer, "_minipaged_weights", None)
+    if known is not None and attn.q_proj.weight.data_ptr() == known.qkv.data_ptr() and \
+            mlp.gate_proj.weight.data_ptr() == known.gate_up.data_ptr():
+        return known
+    projections, gated = (attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)
+    qkv = _merge([p.weight for p in projections])
+    biases = [p.bias for p in projections]
+    qkv_bias = _merge(biases) if all(b is not None for b in biases) else None
+    weights = LayerWeights(layer.input_layernorm.weight, qkv, qkv_bias,
+                           tuple(p.weight.shape[0] for p in projections), attn.q_norm.weight, attn.k_norm.weight,
+                           attn.o_proj.weight, layer.post_attention_layernorm.weight,
+                           _merge([p.weight for p in gated]), mlp.down_proj.weight)
+    layer._minipaged_weights = weights
+    return weights
+
+
+def _merge(parameters) -> torch.Tensor:
+    """The parameters stacked along their first axis; each parameter then views its rows of the result."""
+    merged = torch.cat([p.data for p in parameters])
+    start = 0
+    for p in parameters:
+        p.data = merged[start:start + p.shape[0]]
+        start += p.shape[0]
+    return merged
+
+
+def rotary_table(hf_model, max_position: int) -> torch.Tensor:
+    """``[max_position, 2 * head_dim]``: the model's own rotary cos, then sin, for every position (computed by its
+    rotary module, so a row equals what it returns for that position)."""
+    rotary, parameter = hf_model.model.rotary_emb, next(hf_model.parameters())
+    positions = torch.arange(max_position, device=parameter.device)[None]
+    with torch.inference_mode():
+        cos, sin = rotary(torch.empty(0, device=parameter.device, dtype=parameter.dtype), positions)
+    return torch.cat([cos[0], sin[0]], dim=-1)

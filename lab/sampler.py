@@ -84,6 +84,7 @@ class Sampler:
 def draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """A token drawn from one row's logits with ``params``' temperature, top-k and top-p, as a one-element tensor on
     the logits' device (not read back)."""
+    logits = logits.float()  # the runner hands the model's dtype; drawing wants float32's resolution
     logits = (logits - logits.max()) / float(params.temperature)  # <= 0: no overflow to inf, so no NaN
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]

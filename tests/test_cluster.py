@@ -70,11 +70,11 @@ def test_bad_cluster_settings(settings):
 def test_progress_only_callers_never_copy_a_replica_s_pool(router, monkeypatch):
     """``compare`` asks for progress only; each replica copied its whole pool every 100 steps all the same (10,000
     requests on 8 replicas: 13 s, 12 of them in those copies)."""
-    from lab.block_manager import KVBlockManager
+    import lab.kv_policy
     from simulator import compare
 
     copies = []
-    monkeypatch.setattr(KVBlockManager, "snapshot", lambda self: copies.append(self) or pytest.fail("pool copied"))
+    monkeypatch.setattr(lab.kv_policy, "pool_snapshot", lambda manager: copies.append(manager) or pytest.fail("copied"))
     fractions = []
     summary, _ = compare(synthetic_workload(SyntheticSpec(preset="sharegpt", num_requests=400, rate=50.0)),
                          [SimConfig(allocator="paged", replicas=3, router=router)], progress=fractions.append)

@@ -508,6 +508,13 @@ class KVBlockManager:
         size, table = self.block_size, seq.block_table
         return [table[pos // size] * size + pos % size for pos in range(start, end)]
 
+    def get_decode_slots(self, seq_ids: list, positions: list[int]) -> list[int]:
+        """The slot of position ``positions[i]`` of sequence ``seq_ids[i]``, for each ``i`` (a decode step's one token
+        per sequence; the positions are the runner's own, inside each sequence)."""
+        size, sequences = self.block_size, self.sequences
+        return [sequences[seq_id].block_table[position // size] * size + position % size
+                for seq_id, position in zip(seq_ids, positions)]
+
     def get_slot_mapping_tensor(self, spans: Iterable[tuple], device=None):
         """int64 slot_mapping of a flat batch: the slots of positions ``[start, end)`` for each ``(seq_id, start,
         end)`` span, concatenated in order (what ``kernels.write_kv_cache`` takes)."""

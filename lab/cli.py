@@ -34,6 +34,17 @@ def _bench_kernels(args) -> None:
     print_and_save(pd.concat(tables, ignore_index=True), args.out, settings=cli_settings(args), kind="kernels")
 
 
+def _bench_launches(args) -> None:
+    from lab.bench.launches import LedgerConfig, count_launches, launch_summary
+
+    config = LedgerConfig(model=args.model, batch=args.batch, context=args.context, block_size=args.block_size)
+    ledger = count_launches(config)
+    decode = ledger[(ledger["step"] == "decode") & (ledger["layer"] == 0)]
+    print("decode step, one decoder layer:")
+    print(decode[["kind", "launches"]].to_string(index=False))
+    print_and_save(launch_summary(config, args.host_model), args.out, settings=cli_settings(args), kind="launches")
+
+
 def _headlines(args) -> None:
     from lab.results import headline_markdown
 
@@ -148,6 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--repeats", type=positive_int, default=3, help="runs per system; medians are reported")
     e.add_argument("--out", type=output_csv, default="benchmarks/results/e2e_cpu.csv", help="results CSV")
     e.set_defaults(run=_bench_e2e)
+
+    n = bench.add_parser("launches", help="kernel launches per layer and step of the CUDA path (counted on the "
+                                          "meta device) and the host's time per step outside the forward")
+    n.add_argument("--model", default="qwen3-0.6b-random", help="preset whose shapes are counted")
+    n.add_argument("--batch", type=positive_int, default=64, help="sequences of the decode step")
+    n.add_argument("--context", type=positive_int, default=512, help="tokens each decode sequence attends to")
+    n.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    n.add_argument("--host-model", default="tiny", help="the model a real CPU engine times the host path with")
+    n.add_argument("--out", type=output_csv, default="benchmarks/results/launches.csv", help="results CSV")
+    n.set_defaults(run=_bench_launches)
 
     h = commands.add_parser("headlines", help="the headline figures from benchmarks/results/ against their goals "
                                               "(the README's table, as Markdown)")

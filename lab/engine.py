@@ -131,10 +131,10 @@ class _Request:
 class _SeqState:
     """The engine's side of one sample: what it generated, its sampler, its recorded logits."""
 
-    __slots__ = ("request", "sample", "output", "generator", "logits")
+    __slots__ = ("request", "params", "sample", "output", "generator", "logits")
 
     def __init__(self, request: _Request, sample: int, device):
-        self.request, self.sample, self.output = request, sample, []
+        self.request, self.params, self.sample, self.output = request, request.params, sample, []
         seed = request.params.seed
         self.generator = None
         if seed is not None and not request.params.greedy:
@@ -207,6 +207,7 @@ class LLMEngine:
         self.scheduler_s = 0.0  # time spent in the scheduler (benchmarks report its share)
         self._last_stats: StepStats | None = None
         self.sampler = Sampler()
+        self._accepted: set[int] = set()  # the seeded generators whose draw this step has accepted (ids)
         self.started_s = time.perf_counter()
 
     def _default_num_blocks(self, hf_config, config: EngineConfig, dtype) -> int:
@@ -358,11 +359,12 @@ class LLMEngine:
         (an error in the model or the sampler, an interrupt, out of memory) leaves the engine as if every unfinished
         request had been preempted by recompute just before it (see ``_recover``), then re-raises: the next step
         continues each request from the tokens it had accepted, with the tokens an undisturbed run would give."""
-        self.sampler.drawn = []
+        self.sampler.drawn, self._accepted = [], set()
         try:
             return self._step()
         except BaseException:
-            self._recover(generators=self.sampler.drawn)
+            # a sample whose token was accepted keeps it, so its generator keeps the draw too
+            self._recover(generators=[(g, state) for g, state in self.sampler.drawn if id(g) not in self._accepted])
             raise
 
     def _step(self) -> list[RequestOutput]:
@@ -373,8 +375,7 @@ class LLMEngine:
         self.runner.execute_copies(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
         step = ModelInput.from_plan(plan, self.scheduler.kv_len)
         logits = self.runner.run(step, self.block_manager)
-        tokens = self.sampler.sample(logits, [[(seq.data.request.params, seq.data.generator) for seq in row]
-                                       for row in step.samplers])
+        tokens = self.sampler.sample(logits, step.samplers)
         self._postprocess(step, logits, tokens)
         self._end_step(started)
         return self.finished[finished_before:]
@@ -483,6 +484,8 @@ class LLMEngine:
         if self.record_logits:
             state.logits = (state.logits or []) + [logits.detach().float().cpu()]
         state.output.append(token)
+        if state.generator is not None:
+            self._accepted.add(id(state.generator))
         self.generated_tokens += 1
         request = state.request
         if request.first_token_s != request.first_token_s:  # NaN: first token of the request

@@ -3,7 +3,7 @@
 Prefill writes K/V into the cache through ``slot_mapping`` (``kernels.write_kv_cache``); decode tokens attend with
 ``kernels.paged_attention_decode``; prefill tokens attend with torch SDPA over their own K/V, plus the cached prefix
 gathered from the paged cache when the prefix cache served part of the prompt. The runner sees a step as a
-``ModelInput`` (host lists built from the scheduler's plan) and the pool through ``KVView``'s four reads: it knows
+``ModelInput`` (host lists built from the scheduler's plan) and the pool through ``KVView``'s reads: it knows
 nothing of how blocks are managed.
 """
 from __future__ import annotations
@@ -33,9 +33,9 @@ class KVView(Protocol):
 
     def get_block_tables_tensor(self, seq_ids: Iterable, device=None) -> torch.Tensor: ...
 
-    def get_seq_lens_tensor(self, seq_ids: Iterable, device=None) -> torch.Tensor: ...
+    def get_slot_mapping(self, seq_id, start: int, end: int) -> list[int]: ...
 
-    def get_slot_mapping_tensor(self, spans: Iterable[tuple], device=None) -> torch.Tensor: ...
+    def get_decode_slots(self, seq_ids: list, positions: list[int]) -> list[int]: ...
 
 
 @dataclass(slots=True)
@@ -191,21 +191,37 @@ class ModelRunner:
 
     def prepare(self, model_input: ModelInput, kv: KVView) -> tuple[ForwardBatch | None, torch.Tensor]:
         """The device tensors of a step: prompt chunks first, then one token per decode sequence; ``kv`` gives the
-        block tables and slot mappings. Returns the batch (None when there is nothing to run) and the rows whose
-        logits are sampled."""
-        if not model_input.input_ids:
+        block tables and slots. The step's integers (ids, positions, slots, decode lengths, sampled rows) are built
+        on the host as one tensor and uploaded once (pinned and asynchronous on CUDA). Returns the batch (None when
+        there is nothing to run) and the rows whose logits are sampled."""
+        step = model_input
+        if not step.input_ids:
             return None, torch.empty(0, dtype=torch.long)
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
+        num_tokens, num_decode = len(step.input_ids), len(step.decode_seq_ids)
+        spans = step.spans
+        slots = kv.get_slot_mapping(*spans[0]) if len(step.prefill_seq_ids) == 1 else \
+            [slot for span in spans[:len(step.prefill_seq_ids)] for slot in kv.get_slot_mapping(*span)]
+        if num_decode:
+            slots += kv.get_decode_slots(step.decode_seq_ids, step.positions[num_tokens - num_decode:])
+        seq_lens = [position + 1 for position in step.positions[num_tokens - num_decode:]]
+        ints = self._upload(torch.tensor(step.input_ids + step.positions + slots + seq_lens + step.logit_rows,
+                                         dtype=torch.long))
+        block_tables = self._upload(kv.get_block_tables_tensor(step.decode_seq_ids)) if num_decode else None
         tables = [torch.tensor(kv.get_block_table(seq_id), dtype=torch.long, device=self.device)
-                  for seq_id in model_input.prefill_seq_ids]
-        block_tables = seq_lens = None
-        if model_input.decode_seq_ids:
-            block_tables = kv.get_block_tables_tensor(model_input.decode_seq_ids, self.device)
-            seq_lens = kv.get_seq_lens_tensor(model_input.decode_seq_ids, self.device)
-        batch = ForwardBatch(as_tensor(model_input.input_ids), as_tensor(model_input.positions),
-                             kv.get_slot_mapping_tensor(model_input.spans, self.device), model_input.prefill_lens,
-                             model_input.prefill_cached, tables, block_tables, seq_lens, model_input.max_seq_len)
-        return batch, as_tensor(model_input.logit_rows)
+                  for seq_id in step.prefill_seq_ids]
+        starts = [0, num_tokens, 2 * num_tokens, 3 * num_tokens, 3 * num_tokens + num_decode]
+        batch = ForwardBatch(ints[:starts[1]], ints[starts[1]:starts[2]], ints[starts[2]:starts[3]],
+                             step.prefill_lens, step.prefill_cached, tables, block_tables,
+                             ints[starts[3]:starts[4]] if num_decode else None, step.max_seq_len)
+        return batch, ints[starts[4]:]
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """``host`` on the runner's device: as is on a CPU; on CUDA from pinned memory, without waiting."""
+        if self.device.type == "cpu":
+            return host
+        if self.device.type == "cuda":
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host.to(self.device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:

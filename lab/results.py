@@ -33,7 +33,8 @@ LAB_VERSION = _version()
 RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cpu.csv": "python -m lab bench e2e",
                "kernels_cpu.csv": "python -m lab bench kernels", "twin_cpu*.csv": "python -m simulator twin-bench",
                "simulator.csv": "python -m simulator.bench", "sweep.csv": "python -m simulator.bench --sweep",
-               "paper/*.csv": "python -m simulator paper", "gpu/*.csv": "scripts/gpu_check.sh (on a GPU)"}
+               "paper/*.csv": "python -m simulator paper", "launches.csv": "python -m lab bench launches",
+               "gpu/*.csv": "scripts/gpu_check.sh (on a GPU)"}
 
 
 @dataclass(slots=True)
@@ -287,6 +288,8 @@ HEADLINES = [
              100.0),
     Headline("vLLM paper Fig. 2: paged KV holding tokens (paper: 96.3 %)", "paper/figure2.csv",
              lambda t: 100 * _row_value("token_states_frac", allocator="paged")(t), "% of KV", 90.0),
+    Headline("Kernel launches per decoder layer in a decode step (CUDA path, Qwen3-0.6B shapes)", "launches.csv",
+             _row_value("per_layer", step="decode"), "launches", 12, False),
     Headline("Paged engine vs HF continuous batching on an H200 (Qwen3-0.6B shapes)", "gpu/e2e_gpu.csv",
              _row_value("speedup_vs_hf_continuous", system="paged-engine"), "×", 5.0),
 ]

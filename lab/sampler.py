@@ -62,20 +62,21 @@ class Sampler:
     def __init__(self):
         self.drawn: list[tuple[torch.Generator, torch.Tensor]] = []
 
-    def sample(self, logits: torch.Tensor | None, rows: list[list[tuple[SamplingParams, torch.Generator | None]]]
-                 ) -> list[int]:
-        """``rows[i]``: the ``(params, generator)`` of each sequence sampling from logits row ``i`` (a row's
-        sequences belong to one request, so its first one says whether the row is greedy). Tokens come row by row,
-        a row's sequences in order; greedy rows share one argmax, each other sequence draws with its generator in
-        that order."""
+    def sample(self, logits: torch.Tensor | None, rows: list[list]) -> list[int]:
+        """``rows[i]``: the sequences sampling from logits row ``i``, each with ``.data.params`` (its
+        ``SamplingParams``) and ``.data.generator`` (a seeded one or None); a row's sequences belong to one request,
+        so its first one says whether the row is greedy. Tokens come row by row, a row's sequences in order; greedy
+        rows share one argmax, each other sequence draws with its generator in that order."""
         self.drawn = []
         if not rows:
             return []
-        is_greedy = [row[0][0].greedy for row in rows]
-        self.drawn = [(generator, generator.get_state()) for index, row in enumerate(rows) if not is_greedy[index]
-                      for _, generator in row if generator is not None]
-        draws = [draw(logits[index], params, generator)
-                 for index, row in enumerate(rows) if not is_greedy[index] for params, generator in row]
+        is_greedy = [row[0].data.params.greedy for row in rows]
+        if all(is_greedy) and len(rows) == logits.shape[0] and all(len(row) == 1 for row in rows):
+            return logits.argmax(dim=-1).tolist()  # the common step: one read-back, nothing else
+        self.drawn = [(seq.data.generator, seq.data.generator.get_state()) for index, row in enumerate(rows)
+                      if not is_greedy[index] for seq in row if seq.data.generator is not None]
+        draws = [draw(logits[index], seq.data.params, seq.data.generator)
+                 for index, row in enumerate(rows) if not is_greedy[index] for seq in row]
         values = torch.cat([logits.argmax(dim=-1), *draws]).tolist()  # every row's argmax, then the draws
         drawn = iter(values[len(rows):])
         return [values[index] if is_greedy[index] else next(drawn) for index, row in enumerate(rows) for _ in row]

@@ -144,7 +144,8 @@ def memory_saving(usage: list[tuple[int, int]]) -> float:
 
 
 def _forward(runner, manager, out, kv_len) -> torch.Tensor:
-    return torch.log_softmax(runner.run(ModelInput.from_plan(out, kv_len), manager).float(), dim=-1)
+    return torch.log_softmax(runner.run(ModelInput.from_plan(out, kv_len), manager, eager=True).float(),
+                             dim=-1)
 
 
 def _rank(beams: list[_Beam], logprobs: torch.Tensor, width: int) -> list[tuple[float, int, int]]:

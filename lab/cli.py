@@ -45,6 +45,14 @@ def _bench_launches(args) -> None:
     print_and_save(launch_summary(config, args.host_model), args.out, settings=cli_settings(args), kind="launches")
 
 
+def _bench_decode(args) -> None:
+    from lab.bench.decode import DecodeBenchConfig, run_decode_bench
+
+    config = DecodeBenchConfig(model=args.model, device=args.device, batches=args.batch, contexts=args.context,
+                               block_size=args.block_size, attention_backend=args.backend, steps=args.steps)
+    print_and_save(run_decode_bench(config), args.out, settings=cli_settings(args), kind="decode")
+
+
 def _headlines(args) -> None:
     from lab.results import headline_markdown
 
@@ -169,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--host-model", default="tiny", help="the model a real CPU engine times the host path with")
     n.add_argument("--out", type=output_csv, default="benchmarks/results/launches.csv", help="results CSV")
     n.set_defaults(run=_bench_launches)
+
+    d = bench.add_parser("decode", help="decode step time per batch and context, with and without CUDA graphs")
+    model_options(d, device_default="cpu")
+    d.add_argument("--batch", type=positive_ints, default=(1, 8, 64), help="comma list of decode batch sizes")
+    d.add_argument("--context", type=positive_ints, default=(512, 4096), help="comma list of context lengths")
+    d.add_argument("--steps", type=positive_int, default=20, help="decode steps timed per case (median)")
+    d.add_argument("--out", type=output_csv, default="benchmarks/results/decode_cpu.csv", help="results CSV")
+    d.set_defaults(run=_bench_decode)
 
     h = commands.add_parser("headlines", help="the headline figures from benchmarks/results/ against their goals "
                                               "(the README's table, as Markdown)")

@@ -30,6 +30,7 @@ from .kv_policy import PagedPolicy, default_num_cpu_blocks
 from .model import load_hf_model
 from .model_runner import ModelInput, ModelRunner
 from .sampler import Sampler, SamplingParams, SamplingParamsError
+from .static_decode import MAX_GRAPH_CONTEXT, StaticDecode
 from .scheduler import (Scheduler, SchedulerConfig, SchedulingSettings, Sequence, SequenceGroup, SequenceStatus,
                         StepStats)
 
@@ -87,6 +88,7 @@ class EngineConfig(SchedulingSettings):
     gpu_memory_utilization: float = 0.5
     seed: int = 0
     record_logits: bool = False
+    cuda_graphs: bool = True  # on CUDA with the CuPy attention kernel: decode-only steps replay captured graphs
 
     def check(self) -> None:
         """Raise ``EngineConfigError`` or ``SchedulerError`` (both ``ValueError``) naming the first field of a wrong
@@ -98,7 +100,7 @@ class EngineConfig(SchedulingSettings):
                                           ("seed", 0, 2**63 - 1, False)):
             check_int(owner, name, getattr(self, name), low, high, optional, error)
         check_real(owner, "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True, error=error)
-        for name in ("enable_prefix_caching", "record_logits"):
+        for name in ("enable_prefix_caching", "record_logits", "cuda_graphs"):
             check_bool(owner, name, getattr(self, name), error)
         check_choice(owner, "attention_backend", self.attention_backend, ("auto", *kernels.BACKENDS), error)
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -191,6 +193,9 @@ class LLMEngine:
         self.policy = PagedPolicy(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks)
         self.block_manager = self.policy.manager
         self.max_model_len = config.max_model_len or getattr(hf_config, "max_position_embeddings", 1 << 30)
+        if config.cuda_graphs and self.device.type == "cuda" and self.runner.attention_backend == "cupy":
+            self.runner.static_decode = StaticDecode(self.runner, config.max_num_seqs,
+                                                     min(self.max_model_len, MAX_GRAPH_CONTEXT), graphs=True)
         self.scheduler = Scheduler(SchedulerConfig.of(config, max_model_len=self.max_model_len, sync_every_step=True),
                                    self.policy)
         self.scheduler.step_rows = []
@@ -374,7 +379,7 @@ class LLMEngine:
             return []
         self.runner.execute_copies(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
         step = ModelInput.from_plan(plan, self.scheduler.kv_len)
-        logits = self.runner.run(step, self.block_manager)
+        logits = self.runner.run(step, self.block_manager, eager=self.record_logits)
         tokens = self.sampler.sample(logits, step.samplers)
         self._postprocess(step, logits, tokens)
         self._end_step(started)

@@ -137,6 +137,7 @@ class ModelRunner:
         self.eps = config.rms_norm_eps
         self.layers = [merged_weights(layer) for layer in hf_model.model.layers]
         self.cos_sin_cache = rotary_table(hf_model, config.max_position_embeddings)
+        self.static_decode = None  # a lab.static_decode.StaticDecode: decode steps through fixed buffers
 
     @staticmethod
     def resolve_attention_backend(hf_model, attention_backend: str) -> str:
@@ -183,9 +184,12 @@ class ModelRunner:
         """Wait until the device has run the work queued so far (nothing to wait for on a CPU)."""
         synchronize(self.device)
 
-    def run(self, model_input: ModelInput, kv: KVView) -> torch.Tensor | None:
-        """Float32 logits of the rows that sample (``model_input.logit_rows``), or None when there is nothing to
-        run."""
+    def run(self, model_input: ModelInput, kv: KVView, eager: bool = False) -> torch.Tensor | None:
+        """Logits (the model's dtype) of the rows that sample (``model_input.logit_rows``), or None when there is
+        nothing to run. A decode-only step goes through the static decode buffers (a CUDA graph's replay) when they
+        are on and ``eager`` is False."""
+        if self.static_decode is not None and not eager and self.static_decode.takes(model_input):
+            return self.static_decode.run(model_input, kv)
         batch, rows = self.prepare(model_input, kv)
         return self.forward(batch, rows) if batch is not None else None
 
@@ -226,13 +230,18 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:
         """Run the model over the flat batch; return the logits (the model's dtype) of the rows ``logit_rows``."""
+        return self.hf.lm_head(self.hidden_states(batch, logit_rows))
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:
+        """The decoder's output (after the final norm) at the rows ``logit_rows``: what the LM head reads. A CUDA
+        graph captures this; the LM head runs outside it."""
         model = self.hf.model
         hidden, residual = model.embed_tokens(batch.input_ids), None
         for index, layer in enumerate(self.layers):
             hidden, residual = self._layer(index, layer, hidden, residual, batch)
-        rows = kernels.rms_norm(hidden[logit_rows], model.norm.weight, self.eps, residual[logit_rows],
+        return kernels.rms_norm(hidden[logit_rows], model.norm.weight, self.eps, residual[logit_rows],
                                 backend=self.cache_backend)[0]
-        return self.hf.lm_head(rows)
 
     def _layer(self, index: int, layer: "LayerWeights", hidden, residual, batch: ForwardBatch):
         """One decoder layer: norm (with the residual add), one qkv GEMM, q/k norm + rotary + cache write in one

@@ -105,6 +105,7 @@ def _search(engine, prompt: list[int], params: BeamSearchParams) -> BeamSearchOu
     manager.create_sequence(first.seq_id, prompt)
     out = SchedulerOutput(0)
     out.prefill_chunks = [PrefillChunk(first, 0, len(prompt), [first])]
+    _execute_copies(runner, manager, out)
     logits = _forward(runner, manager, out, lambda beam: len(beam.data.token_ids))
     beams, finished, usage = [first], [], []
     eos = set() if params.ignore_eos else engine.eos_token_ids
@@ -118,8 +119,7 @@ def _search(engine, prompt: list[int], params: BeamSearchParams) -> BeamSearchOu
                 break
             out = SchedulerOutput(0)
             out.decode_seqs = beams
-            out.blocks_to_copy = manager.take_pending_copies()
-            runner.execute_copies((), (), out.blocks_to_copy)
+            _execute_copies(runner, manager, out)
             logits = _forward(runner, manager, out, lambda beam: len(beam.data.token_ids))
         for beam in beams:  # HF's finalize: live beams join the hypotheses
             _add_hypothesis(finished, beam.data.output, beam.logprob, width, params.length_penalty)
@@ -141,6 +141,13 @@ def memory_saving(usage: list[tuple[int, int]]) -> float:
     """1 - (blocks with sharing) / (blocks as separate copies), summed over the steps (the paper's Figure 15)."""
     shared, copies = sum(u[0] for u in usage), sum(u[1] for u in usage)
     return 1 - shared / copies if copies else 0.0
+
+
+def _execute_copies(runner, manager, out: SchedulerOutput) -> None:
+    """The block copies the manager queued for this step (copy-on-write, the offload tier's stores and loads)."""
+    out.blocks_to_copy = manager.take_pending_copies()
+    out.blocks_to_store, out.blocks_to_load = manager.take_offload_copies()
+    runner.execute_copies(out)
 
 
 def _forward(runner, manager, out, kv_len) -> torch.Tensor:

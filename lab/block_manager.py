@@ -29,6 +29,7 @@ import numpy as np
 
 from .checks import check_bool, check_int
 from .errors import InputError, LabError
+from .offload import OffloadTier
 from .prefix_cache import ROOT_CONTENT_ID, PrefixCache, PrefixCacheStats
 
 MAX_POOL_BLOCKS = 2**31 - 1  # block ids are C ints
@@ -166,9 +167,13 @@ class KVBlockManager:
         num_physical_blocks: size of the pool.
         block_size: token slots per block.
         enable_prefix_caching: reuse full blocks whose prefix (all tokens up to and including the block) matches.
+        offload_blocks: host slots of an offload tier below the prefix cache (``lab.offload``; 0: none, None:
+            unbounded): a cached block the pool reuses is stored there, and a prompt that misses on the GPU but hits
+            there gets fresh blocks loaded from it (``take_offload_copies`` hands the copies to the executor).
     """
 
-    def __init__(self, num_physical_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_physical_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 offload_blocks: int | None = 0):
         check_int("KVBlockManager", "num_physical_blocks", num_physical_blocks, 1, MAX_POOL_BLOCKS,
                   error=BlockManagerConfigError)
         check_int("KVBlockManager", "block_size", block_size, 1, 1 << 20, error=BlockManagerConfigError)
@@ -178,6 +183,13 @@ class KVBlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * self.num_physical_blocks  # stored counts (see the module docstring)
         self.prefix_cache = PrefixCache(self.num_physical_blocks, self.block_size, enable_prefix_caching)
+        if offload_blocks is not None:
+            check_int("KVBlockManager", "offload_blocks", offload_blocks, 0, MAX_POOL_BLOCKS,
+                      error=BlockManagerConfigError)
+        self.offload = OffloadTier(offload_blocks) if enable_prefix_caching and offload_blocks != 0 else None
+        self.offload_stores: list[tuple[int, int]] = []  # (device block, host slot) copies queued this step
+        self.offload_loads: list[tuple[int, int]] = []  # (host slot, device block)
+        self._prompt_registration = False
         self.free_block_queue = FreeBlockQueue(self.num_physical_blocks, self._ref_counts,
                                                self.prefix_cache.block_keys)
         self.sequences: dict[object, SequenceBlocks] = {}
@@ -238,7 +250,7 @@ class KVBlockManager:
                      extra_blocks: int = 0, stream_key=None) -> bool:
         """Whether ``create_sequence`` with these arguments would succeed now, leaving ``extra_blocks`` free too."""
         num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
-        hits = self._lookup(token_ids, num_tokens, stream_key)
+        hits, _ = self._lookup(token_ids, num_tokens, stream_key)
         return self._shortfall(num_tokens, hits) + extra_blocks <= 0
 
     def create_sequence(self, seq_id, prompt_token_ids: Sequence[int] | None = None,
@@ -253,7 +265,7 @@ class KVBlockManager:
         """
         self._check_new_id(seq_id)
         num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
-        hits = self._lookup(token_ids, num_tokens, stream_key)
+        hits, tier = self._lookup(token_ids, num_tokens, stream_key)
         size = self.block_size
         blocks = -(-num_tokens // size)
         # enough free blocks for the whole prompt suffice (hits only lower the need): skip counting them
@@ -263,10 +275,11 @@ class KVBlockManager:
         tracked = token_ids is not None and self.enable_prefix_caching  # its tokens are hashed into cache keys
         if token_ids is not None or not self.enable_prefix_caching:
             stream_key = None
-        if hits or tracked:
-            seq = self._create_from_cache(hits, num_tokens, token_ids)
+        if hits or tracked or tier:
+            seq = self._create_from_cache(hits, num_tokens, token_ids, tier)
             if stream_key is not None:
-                seq.stream_key, seq.stream_blocks, seq.stream_registered = stream_key, num_tokens // size, len(hits)
+                seq.stream_key, seq.stream_blocks = stream_key, num_tokens // size
+                seq.stream_registered = len(hits) + len(tier)
         else:  # fresh blocks only, each with one holder (the simulator's hot path)
             seq = SequenceBlocks(self._allocate_blocks(blocks), num_tokens, None, None, ROOT_CONTENT_ID, True,
                                  stream_key, num_tokens // size if stream_key is not None else 0)
@@ -275,23 +288,53 @@ class KVBlockManager:
         if tracked or stream_key is not None:  # the lookup counts in the prefix-cache statistics
             stats = self.prefix_cache_stats
             stats.queried_blocks += (num_tokens - 1) // size if num_tokens else 0
-            if hits:
-                stats.hit_blocks += len(hits)
-                stats.hit_tokens += len(hits) * size
+            if hits or tier:  # GPU and tier hits alike: the prefill skips both
+                stats.hit_blocks += len(hits) + len(tier)
+                stats.hit_tokens += (len(hits) + len(tier)) * size
         if register_stream and stream_key is not None:
             self.register_stream_blocks(seq_id)
-        return len(hits) * size
+        return (len(hits) + len(tier)) * size
 
-    def _create_from_cache(self, hits: list[int], num_tokens: int, token_ids: list[int] | None) -> SequenceBlocks:
-        """A new sequence's blocks: the cache hits, then fresh blocks (hashing its tokens when they are known)."""
-        tracked, cached = token_ids is not None and self.enable_prefix_caching, len(hits) * self.block_size
+    def _create_from_cache(self, hits: list[int], num_tokens: int, token_ids: list[int] | None,
+                           tier: list[tuple] = ()) -> SequenceBlocks:
+        """A new sequence's blocks: the cache hits, the blocks loaded from the offload tier (the keys ``tier``), then
+        fresh blocks (hashing its tokens when they are known)."""
+        tracked = token_ids is not None and self.enable_prefix_caching
+        cached = (len(hits) + len(tier)) * self.block_size
         for block in hits:
             self._take_cached_block(block)
-        seq = SequenceBlocks(array(BLOCK_ID, hits), cached, [] if tracked else None,
-                             list(token_ids[:cached]) if tracked else None,
-                             self.prefix_cache.content_ids[hits[-1]] if hits else ROOT_CONTENT_ID)
-        self._grow(seq, num_tokens - cached, token_ids[cached:] if token_ids is not None else None)
+        table = array(BLOCK_ID, hits)
+        if tier:
+            table.extend(self._load_from_tier(tier))
+        seq = SequenceBlocks(table, cached, [] if tracked else None, list(token_ids[:cached]) if tracked else None,
+                             self.prefix_cache.content_ids[table[-1]] if table else ROOT_CONTENT_ID)
+        self._prompt_registration = True  # the blocks this prompt fills are prompt blocks (PrefixCache.prompt_blocks)
+        try:
+            self._grow(seq, num_tokens - cached, token_ids[cached:] if token_ids is not None else None)
+        finally:
+            self._prompt_registration = False
         return seq
+
+    def _load_from_tier(self, keys: list[tuple]) -> array:
+        """Fresh blocks for the tier's hits, registered in the prefix cache under the same keys and content ids, with
+        a load queued for each (the tier pins their slots until the copies are taken)."""
+        slots = [self.offload.take(key) for key in keys]
+        blocks = self._allocate_blocks(len(keys))
+        for key, slot, block in zip(keys, slots, blocks):
+            self._ref_counts[block] = 1
+            self.prefix_cache.register_known(key, block, self.offload.get(key)[1])
+            self.offload_loads.append((slot, block))
+        return blocks
+
+    def take_offload_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The tier's copies queued since the last call: ``(stores, loads)``, stores ``(device block, host slot)``
+        and loads ``(host slot, device block)``. The executor runs the stores before anything writes the device
+        pool and the loads before the forward reads it."""
+        stores, loads = self.offload_stores, self.offload_loads
+        self.offload_stores, self.offload_loads = [], []
+        if self.offload is not None:
+            self.offload.unpin()
+        return stores, loads
 
     def register_stream_blocks(self, seq_id) -> None:
         """Register a stream sequence's full prompt blocks in the prefix cache (if not done yet). With the free
@@ -385,6 +428,8 @@ class KVBlockManager:
         free.num_free -= count
         self._reserve_backlog += count
         self.num_block_references += count
+        if self.offload is not None:  # the blocks leave the queue now: a cached one is stored in this step
+            self._flush_reserve()
         return True
 
     def append_token(self, seq_id, token_id: int | None = None) -> int:
@@ -612,15 +657,35 @@ class KVBlockManager:
         num_tokens = 0 if num_prompt_tokens is None else _count(num_prompt_tokens, "num_prompt_tokens")
         return num_tokens, None
 
-    def _lookup(self, token_ids: list[int] | None, num_tokens: int, stream_key) -> list[int]:
+    def _lookup(self, token_ids: list[int] | None, num_tokens: int, stream_key) -> tuple[list[int], list[tuple]]:
+        """The prompt's GPU prefix-cache hits, then the keys of the blocks after them that the offload tier holds."""
+        cache, tier = self.prefix_cache, self.offload
         if token_ids is not None:
             self._flush_reserve()  # the reserved blocks leave the queue first: they may evict cached ones
-            return self.prefix_cache.lookup(token_ids)
+            hits = cache.lookup(token_ids)
+            return hits, self._tier_keys(hits, num_tokens, token_ids, None) if tier is not None else []
         # a stream hits only from its first block on: without that block cached, skip the flush and the lookup
-        if stream_key is not None and self.prefix_cache.has_stream(stream_key):
+        if stream_key is not None and (cache.has_stream(stream_key) or tier is not None and
+                                       tier.get(cache.stream_key(ROOT_CONTENT_ID, stream_key, 0)) is not None):
             self._flush_reserve()
-            return self.prefix_cache.lookup_stream(stream_key, num_tokens)
-        return []
+            hits = cache.lookup_stream(stream_key, num_tokens)
+            return hits, self._tier_keys(hits, num_tokens, None, stream_key) if tier is not None else []
+        return [], []
+
+    def _tier_keys(self, hits: list[int], num_tokens: int, token_ids, stream_key) -> list[tuple]:
+        """Keys of the full blocks after ``hits`` that the tier holds, in order, up to the first miss (the last
+        prompt token is never served from a cache)."""
+        cache, size, keys = self.prefix_cache, self.block_size, []
+        parent = cache.content_ids[hits[-1]] if hits else ROOT_CONTENT_ID
+        for index in range(len(hits), (num_tokens - 1) // size):
+            key = cache.token_key(parent, token_ids[index * size:(index + 1) * size]) if token_ids is not None \
+                else cache.stream_key(parent, stream_key, index)
+            entry = self.offload.get(key)
+            if entry is None:
+                break
+            keys.append(key)
+            parent = entry[1]
+        return keys
 
     def _shortfall(self, num_tokens: int, hits: list[int]) -> int:
         """Blocks missing to allocate a prompt of ``num_tokens`` tokens with these cache hits (<= 0: it fits). A hit
@@ -659,12 +724,13 @@ class KVBlockManager:
             partial.extend(token_ids[:done])
             if len(partial) < size:
                 return
-            seq.parent_content_id = self.prefix_cache.register(seq.parent_content_id, table[index], partial)
+            seq.parent_content_id = self.prefix_cache.register(seq.parent_content_id, table[index], partial,
+                                                               self._prompt_registration)
             index += 1
         whole = done + (len(token_ids) - done) // size * size
         for start in range(done, whole, size):  # then whole blocks, straight from the ids
             seq.parent_content_id = self.prefix_cache.register(seq.parent_content_id, table[index],
-                                                               token_ids[start:start + size])
+                                                               token_ids[start:start + size], self._prompt_registration)
             index += 1
         seq.partial_token_ids = list(token_ids[whole:])
 
@@ -700,6 +766,10 @@ class KVBlockManager:
             for block in taken:
                 if keys[block] is not None:
                     free.num_keyed -= 1
+                    if self.offload is not None and cache.prompt_blocks[block]:  # reused: keep it on the host
+                        slot = self.offload.store(keys[block], cache.content_ids[block])
+                        if slot is not None:
+                            self.offload_stores.append((block, slot))
                     cache.evict(block)
         return taken
 

@@ -89,6 +89,7 @@ class EngineConfig(SchedulingSettings):
     seed: int = 0
     record_logits: bool = False
     cuda_graphs: bool = True  # on CUDA with the CuPy attention kernel: decode-only steps replay captured graphs
+    kv_offload_blocks: int = 0  # host slots of the prefix cache's offload tier (lab.offload; 0: none)
 
     def check(self) -> None:
         """Raise ``EngineConfigError`` or ``SchedulerError`` (both ``ValueError``) naming the first field of a wrong
@@ -96,6 +97,7 @@ class EngineConfig(SchedulingSettings):
         owner, error = "EngineConfig", EngineConfigError
         for name, low, high, optional in (("block_size", 1, 1 << 16, False), ("num_blocks", 1, MAX_BLOCKS, True),
                                           ("num_cpu_blocks", 0, MAX_BLOCKS, False), ("swap_space_bytes", 0, 1 << 50, False),
+                                          ("kv_offload_blocks", 0, MAX_BLOCKS, False),
                                           ("max_model_len", 1, 1 << 31, True), ("kv_memory_bytes", 1, 1 << 50, False),
                                           ("seed", 0, 2**63 - 1, False)):
             check_int(owner, name, getattr(self, name), low, high, optional, error)
@@ -189,8 +191,9 @@ class LLMEngine:
             raise InputError(f"num_blocks must be >= 1, got {num_blocks}")
         num_cpu_blocks = self._num_cpu_blocks(hf_config, config, dtype, num_blocks)
         self.runner = ModelRunner(self.hf_model, num_blocks, config.block_size, config.attention_backend,
-                                 num_cpu_blocks)
-        self.policy = PagedPolicy(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks)
+                                 num_cpu_blocks, config.kv_offload_blocks)
+        self.policy = PagedPolicy(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks,
+                                  config.kv_offload_blocks)
         self.block_manager = self.policy.manager
         self.max_model_len = config.max_model_len or getattr(hf_config, "max_position_embeddings", 1 << 30)
         if config.cuda_graphs and self.device.type == "cuda" and self.runner.attention_backend == "cupy":
@@ -377,7 +380,7 @@ class LLMEngine:
         plan = self._schedule()
         if plan is None:
             return []
-        self.runner.execute_copies(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
+        self.runner.execute_copies(plan)
         step = ModelInput.from_plan(plan, self.scheduler.kv_len)
         logits = self.runner.run(step, self.block_manager, eager=self.record_logits)
         tokens = self.sampler.sample(logits, step.samplers)
@@ -430,7 +433,8 @@ class LLMEngine:
         old = self.scheduler
         cpu = self.policy.cpu_manager
         self.policy = PagedPolicy(self.block_manager.num_physical_blocks, self.block_size,
-                                  self.config.enable_prefix_caching, cpu.num_physical_blocks if cpu else 0)
+                                  self.config.enable_prefix_caching, cpu.num_physical_blocks if cpu else 0,
+                                  self.config.kv_offload_blocks)
         self.block_manager = self.policy.manager
         self.scheduler = Scheduler(old.config, self.policy)
         self.scheduler.step_rows, self.scheduler.num_steps = old.step_rows, old.num_steps

@@ -27,9 +27,9 @@ class PagedPolicy:
     second manager with the same invariants) takes swapped-out sequences."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_cpu_blocks: int = 0):
+                 num_cpu_blocks: int = 0, offload_blocks: int | None = 0):
         self.block_size = self.block_period = block_size
-        self.manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching, offload_blocks)
         self.free_queue = self.manager.free_block_queue  # read on every step: the count of free blocks
         self.pending_copies = self.manager.pending_copies  # copy-on-write copies queued (the manager's own list)
         # reserve(count): take blocks for the sequences crossing a block boundary in this step, if that many are
@@ -141,6 +141,20 @@ class PagedPolicy:
 
     def take_copies(self) -> list[tuple[int, int]]:
         return self.manager.take_pending_copies()
+
+    @property
+    def pending_offload(self) -> bool:
+        """Whether the offload tier has copies queued (the scheduler takes them once per step)."""
+        manager = self.manager
+        return bool(manager.offload_stores or manager.offload_loads)
+
+    def take_offload_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        return self.manager.take_offload_copies()
+
+    def offload_stats(self):
+        """The offload tier's ``OffloadStats`` (None without a tier)."""
+        tier = self.manager.offload
+        return tier.stats if tier is not None else None
 
     def refork(self, parent: Sequence, child: Sequence, kv_len: int) -> None:
         """Beam search: ``child`` drops its blocks and becomes a fork of ``parent`` (both hold ``kv_len - 1`` tokens;

@@ -110,7 +110,7 @@ class ModelRunner:
     ``run`` (``prepare`` the tensors of a ``ModelInput``, ``forward``)."""
 
     def __init__(self, hf_model, num_blocks: int, block_size: int, attention_backend: str = "auto",
-                 num_cpu_blocks: int = 0):
+                 num_cpu_blocks: int = 0, num_offload_blocks: int = 0):
         config = hf_model.config
         self.hf = hf_model
         self.config = config
@@ -133,6 +133,10 @@ class ModelRunner:
         cpu_shape, host_layers = (num_cpu_blocks, *shape[1:]), self.num_layers if num_cpu_blocks else 0
         self.cpu_key_caches = [torch.zeros(cpu_shape, **host) for _ in range(host_layers)]
         self.cpu_value_caches = [torch.zeros(cpu_shape, **host) for _ in range(host_layers)]
+        # The offload tier's host slots (lab.offload): cached blocks the pool reused, kept for later prompts.
+        tier_shape, tier_layers = (num_offload_blocks, *shape[1:]), self.num_layers if num_offload_blocks else 0
+        self.offload_key_caches = [torch.zeros(tier_shape, **host) for _ in range(tier_layers)]
+        self.offload_value_caches = [torch.zeros(tier_shape, **host) for _ in range(tier_layers)]
         self.scale = self.head_dim ** -0.5
         self.eps = config.rms_norm_eps
         self.layers = [merged_weights(layer) for layer in hf_model.model.layers]
@@ -162,23 +166,30 @@ class ModelRunner:
         for key_cache, value_cache in zip(self.key_caches, self.value_caches):
             kernels.copy_blocks(key_cache, value_cache, block_mapping, backend=self.cache_backend, check=False)
 
-    def swap(self, block_mapping: list[tuple[int, int]], to_host: bool) -> None:
-        """Move blocks between the device and host pools in every layer (``(src, dst)`` pairs)."""
+    def swap(self, block_mapping: list[tuple[int, int]], to_host: bool, tier: bool = False) -> None:
+        """Move blocks between the device pool and the host swap pool (or, with ``tier``, the offload tier's host
+        slots) in every layer (``(src, dst)`` pairs)."""
         if not block_mapping:
             return
         backend = "torch" if self.cache_backend == "reference" else self.cache_backend
-        pairs = zip(self.key_caches, self.value_caches, self.cpu_key_caches, self.cpu_value_caches)
+        hosts = (self.offload_key_caches, self.offload_value_caches) if tier else \
+            (self.cpu_key_caches, self.cpu_value_caches)
+        pairs = zip(self.key_caches, self.value_caches, *hosts)
         for key, value, cpu_key, cpu_value in pairs:
             if to_host:
                 kernels.swap_blocks(key, value, cpu_key, cpu_value, block_mapping, backend=backend)
             else:
                 kernels.swap_blocks(cpu_key, cpu_value, key, value, block_mapping, backend=backend)
 
-    def execute_copies(self, swap_out, swap_in, copies) -> None:
-        """A step's block movements, in the order the scheduler defines: swap-out, swap-in, copy-on-write."""
-        self.swap(swap_out, to_host=True)
-        self.swap(swap_in, to_host=False)
-        self.copy_blocks(copies)
+    def execute_copies(self, plan) -> None:
+        """A step's block movements (a ``SchedulerOutput``'s), in this order: the offload tier's stores (a reused
+        block's contents leave before anything overwrites it), swap-out, swap-in, copy-on-write, the tier's loads
+        (into fresh blocks, before the forward reads them)."""
+        self.swap(plan.blocks_to_store, to_host=True, tier=True)
+        self.swap(plan.blocks_to_swap_out, to_host=True)
+        self.swap(plan.blocks_to_swap_in, to_host=False)
+        self.copy_blocks(plan.blocks_to_copy)
+        self.swap(plan.blocks_to_load, to_host=False, tier=True)
 
     def synchronize(self) -> None:
         """Wait until the device has run the work queued so far (nothing to wait for on a CPU)."""

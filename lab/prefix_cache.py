@@ -36,7 +36,8 @@ class PrefixCache:
     """Full blocks of ``block_size`` tokens of a pool of ``num_blocks``, by content. ``enabled`` False: token
     lookups find nothing and token registrations keep nothing (stream keys are the caller's to withhold)."""
 
-    __slots__ = ("block_size", "enabled", "blocks", "block_keys", "content_ids", "next_content_id", "stats")
+    __slots__ = ("block_size", "enabled", "blocks", "block_keys", "content_ids", "next_content_id", "stats",
+                 "prompt_blocks")
 
     def __init__(self, num_blocks: int, block_size: int, enabled: bool):
         self.block_size, self.enabled = block_size, enabled
@@ -45,6 +46,9 @@ class PrefixCache:
         self.content_ids: list[int] = [ROOT_CONTENT_ID] * num_blocks  # block id -> content id of its prefix
         self.next_content_id = 0
         self.stats = PrefixCacheStats()
+        # block id -> cached as part of a prompt (not filled by decoding): what the offload tier keeps, so that the
+        # engine (which knows generated tokens) and the simulator (which does not) offload the same blocks
+        self.prompt_blocks: list[bool] = [False] * num_blocks
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -58,7 +62,7 @@ class PrefixCache:
             return []
         hits, parent, size, blocks, content_ids = [], ROOT_CONTENT_ID, self.block_size, self.blocks, self.content_ids
         for start in range(0, len(token_ids) - size, size):
-            block = blocks.get((parent, tuple(token_ids[start:start + size])))
+            block = blocks.get((parent, tuple(token_ids[start:start + size])))  # token_key, inlined
             if block is None:
                 break
             hits.append(block)
@@ -80,27 +84,47 @@ class PrefixCache:
             parent = content_ids[block]
         return hits
 
-    def register(self, parent_content_id: int, block: int, tokens) -> int:
-        """Cache ``block``, just filled with ``tokens`` after the prefix ``parent_content_id``, unless a block with
-        that content is cached already; returns the content id the next block of the sequence chains on."""
+    @staticmethod
+    def token_key(parent_content_id: int, tokens) -> tuple:
+        """The key of a full block of ``tokens`` after the prefix ``parent_content_id``."""
+        return parent_content_id, tuple(tokens)
+
+    @staticmethod
+    def stream_key(parent_content_id: int, stream_key, index: int) -> tuple:
+        """The key of a stream's full block ``index``."""
+        return parent_content_id, STREAM, stream_key, index
+
+    def register_known(self, key: tuple, block: int, content_id: int) -> None:
+        """Cache ``block`` under ``key`` with the content id it had before (a block loaded back from the offload
+        tier: the keys of the blocks after it chain on that id)."""
+        self.blocks[key] = block
+        self.block_keys[block] = key
+        self.content_ids[block] = content_id
+        self.prompt_blocks[block] = True
+
+    def register(self, parent_content_id: int, block: int, tokens, prompt: bool = False) -> int:
+        """Cache ``block``, just filled with ``tokens`` after the prefix ``parent_content_id`` (``prompt``: as part
+        of a prompt), unless a block with that content is cached already; returns the content id the next block of
+        the sequence chains on."""
         if not self.enabled:
             return parent_content_id
-        return self._register((parent_content_id, tuple(tokens)), block)
+        return self._register((parent_content_id, tuple(tokens)), block, prompt)
 
     def register_stream(self, parent_content_id: int, stream_key, table, first: int, end: int) -> int:
         """Cache the stream's full blocks ``first <= j < end`` (``table[j]``) under stream keys; returns the content
         id after the last."""
         parent = parent_content_id
         for index in range(first, end):
-            parent = self._register((parent, STREAM, stream_key, index), table[index])
+            parent = self._register((parent, STREAM, stream_key, index), table[index], True)
         return parent
 
-    def _register(self, key: tuple, block: int) -> int:
+    def _register(self, key: tuple, block: int, prompt: bool) -> int:
         cached = self.blocks.get(key)
         if cached is None:
             cached = self.blocks[key] = block
             self.block_keys[block] = key
             self.content_ids[block] = self.next_content_id
+            self.prompt_blocks[block] = prompt
             self.next_content_id += 1
         return self.content_ids[cached]
 
@@ -109,6 +133,7 @@ class PrefixCache:
         del self.blocks[self.block_keys[block]]
         self.block_keys[block] = None
         self.content_ids[block] = ROOT_CONTENT_ID
+        self.prompt_blocks[block] = False
 
     def check(self) -> None:
         """Raise ``AssertionError`` when a cache entry and its block's key disagree."""

@@ -28,6 +28,7 @@ from typing import Protocol
 
 from .errors import LabError
 from .block_manager import PrefixCacheStats, TokenIds
+from .offload import OffloadStats
 
 SCHEDULING_MODES = ("prefill-first", "chunked")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -35,7 +36,7 @@ NO_EVENT = 1 << 62  # a KV length no sequence reaches: "needs no more memory"
 PERIODIC_END = -1  # a memory-calendar entry's epoch that marks a sequence's last periodic block (epochs are >= 0)
 STEP_LOG_COLUMNS = ("step", "num_prefill_tokens", "num_decode_seqs", "num_running", "num_waiting", "num_swapped",
                     "blocks_in_use", "cpu_blocks_in_use", "num_preempted", "num_swapped_out", "num_swapped_in",
-                    "num_finished", "duration_s")
+                    "num_finished", "num_offload_stored", "num_offload_loaded", "duration_s")
 
 
 class SchedulerError(LabError):
@@ -173,8 +174,8 @@ class SchedulerOutput:
 
     __slots__ = ("step", "num_prefill_tokens", "num_decode_seqs", "decode_seqs", "decode_kv_tokens",
                  "decode_max_kv_len", "prefill_attention_pairs", "cached_tokens_read", "prefill_chunks", "prefill_done",
-                 "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "preempted", "swapped_out",
-                 "swapped_in", "finished")
+                 "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "blocks_to_store", "blocks_to_load",
+                 "preempted", "swapped_out", "swapped_in", "finished")
 
     def __init__(self, step: int):
         self.step = step
@@ -184,6 +185,7 @@ class SchedulerOutput:
         self.decode_seqs: list[Sequence] | None = None
         self.prefill_chunks = self.prefill_done = self.blocks_to_swap_out = self.blocks_to_swap_in = NOTHING
         self.blocks_to_copy = self.preempted = self.swapped_out = self.swapped_in = self.finished = NOTHING
+        self.blocks_to_store = self.blocks_to_load = NOTHING  # the offload tier's (device, host) / (host, device)
 
     @property
     def is_empty(self) -> bool:
@@ -207,6 +209,8 @@ class StepStats:
     num_swapped_out: int
     num_swapped_in: int
     num_finished: int
+    num_offload_stored: int
+    num_offload_loaded: int
     duration_s: float
     elapsed_s: float = 0.0
     generated_tokens: int = 0
@@ -245,6 +249,7 @@ class KVPolicy(Protocol):
     copied_tokens: int  # KV tokens copied within the device so far (grow-by-copy)
     block_period: int  # tokens between periodic needs (a block each), 0 for none
     pending_copies: list  # copy-on-write (src, dst) block copies not yet taken (an empty sequence when none)
+    pending_offload: bool  # the offload tier has copies queued (take_offload_copies)
 
     def can_ever_fit(self, final_len: int) -> bool: ...
     def admit(self, seqs: list[Sequence], token_ids: list[int] | None) -> bool: ...
@@ -266,6 +271,8 @@ class KVPolicy(Protocol):
     def memory_sample(self, held_tokens: int) -> MemorySample: ...
     def host_capacity_tokens(self) -> int: ...  # slots of the host pool swapped sequences go to (0: none)
     def prefix_cache_stats(self) -> "PrefixCacheStats | None": ...  # None: the policy has no prefix cache
+    def take_offload_copies(self) -> tuple[list, list]: ...  # (stores, loads) queued since the last call
+    def offload_stats(self) -> "OffloadStats | None": ...  # None: no offload tier
     def describe_pool(self, snapshot, running: dict) -> None: ...  # put the pool's picture on a Snapshot
     def refork(self, parent: Sequence, child: Sequence, kv_len: int) -> None: ...
     def first_decode_blocks(self, seqs: list[Sequence]) -> int: ...
@@ -352,6 +359,8 @@ class Scheduler:
                 self._schedule_decode(out)
         if self.policy.pending_copies:
             out.blocks_to_copy = self.policy.take_copies()
+        if self.policy.pending_offload:
+            out.blocks_to_store, out.blocks_to_load = self.policy.take_offload_copies()
         if out.prefill_done:
             for seq in out.prefill_done:
                 self._start_decoding(seq)
@@ -380,7 +389,8 @@ class Scheduler:
         stats = StepStats(out.step, out.num_prefill_tokens, out.num_decode_seqs,
                           self.num_running_seqs, self.num_waiting_seqs, self.num_swapped_seqs,
                           self.policy.blocks_in_use(), self.policy.cpu_blocks_in_use(), len(out.preempted),
-                          len(out.swapped_out), len(out.swapped_in), len(out.finished), duration_s, elapsed_s,
+                          len(out.swapped_out), len(out.swapped_in), len(out.finished), len(out.blocks_to_store),
+                          len(out.blocks_to_load), duration_s, elapsed_s,
                           generated_tokens, self.policy.num_free_blocks(), peak_memory_bytes)
         if self.step_rows is not None:
             self.step_rows.append(_step_log_row(stats))

@@ -166,6 +166,7 @@ class ContiguousPolicy:
 
     supports_swap = False
     caches_prefixes = False
+    pending_offload = False  # no prefix cache, so no tier below it
     block_period = 0  # no periodic needs: a region grows only at its own events
     pending_copies = ()  # nothing is ever copied on write
 
@@ -297,6 +298,9 @@ class ContiguousPolicy:
         return 0  # contiguous allocators recompute: no host pool
 
     def prefix_cache_stats(self) -> None:
+        return None
+
+    def offload_stats(self) -> None:
         return None
 
     def describe_pool(self, snapshot, running: dict) -> None:

@@ -9,6 +9,7 @@ rows kept); loading a 10^6-row generic CSV trace and a 10^6-row Mooncake JSONL.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -110,6 +111,32 @@ def bench_large_synthetic(num_requests: int) -> list[dict]:
             {"case": f"{num_requests} requests: timeseries rows", "value": len(result.timeseries), "unit": "rows"}]
 
 
+def bench_offload(path: Path, num_requests: int) -> list[dict]:
+    """The prefix cache's host offload tier on a multi-turn trace: hit rate and TTFT for tiers of 0, 32 and 128 GiB
+    and unbounded (Qwen3-8B on an H200, paged B=16), and the replay speed with the largest bounded tier against
+    none (one run each, in the same invocation)."""
+    from .checks import unbounded_cache_hit_blocks
+    from .cli import offload_blocks
+
+    workload = load_trace(path, max_rows=num_requests)
+    base = SimConfig(allocator="paged", block_size=16, model="qwen3-8b", gpu="h200", max_model_len=131072)
+    rows, seconds = [], {}
+    for gib in (0.0, 32.0, 128.0, float("inf")):
+        config = dataclasses.replace(base, kv_offload_blocks=offload_blocks(base, gib) if gib else 0)
+        seconds[gib], summary = _replay_time(workload, config)
+        case = f"mooncake-conv {num_requests} requests, offload tier {gib:g} GiB"
+        rows += [{"case": f"{case}: prefix-cache hit rate (GPU + tier)", "value": summary["prefix_cache_hit_rate"],
+                  "unit": "fraction of prompt blocks", "hit_blocks": summary["prefix_cache_hit_blocks"],
+                  "preemptions": summary["preemptions"]},
+                 {"case": f"{case}: TTFT p50", "value": summary["ttft_p50_s"], "unit": "s"},
+                 {"case": f"{case}: TTFT p90", "value": summary["ttft_p90_s"], "unit": "s"}]
+    rows.append({"case": f"mooncake-conv {num_requests} requests: never-evict bound on hit blocks",
+                 "value": unbounded_cache_hit_blocks(workload, 16), "unit": "blocks"})
+    rows.append({"case": "offload tier 128 GiB / none simulator speed", "value": seconds[0.0] / seconds[128.0],
+                 "unit": "x"})
+    return rows
+
+
 def bench_trace_loads(num_rows: int) -> list[dict]:
     rng = np.random.default_rng(0)
     frame = pd.DataFrame({"arrival_time_s": np.cumsum(rng.exponential(0.01, num_rows)),
@@ -194,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipping the trace replay: {args.trace} not found")
     if Path(args.mooncake_trace).is_file():
         rows += bench_prefix_caching(Path(args.mooncake_trace), args.mooncake_requests, 3)
+        rows += bench_offload(Path(args.mooncake_trace), args.mooncake_requests)
     else:
         print(f"skipping the prefix-caching replay: {args.mooncake_trace} not found")
     rows += bench_large_synthetic(args.large) + bench_trace_loads(args.csv_rows)

@@ -37,8 +37,27 @@ def closed_form_checks(workload: Workload, results: dict[str, SimResult]) -> pd.
                 bounds[size] = unbounded_cache_hit_blocks(workload, size)
             checks.append(("prefix-cache hit blocks <= an unbounded cache's (arrival order)",
                            result.summary["prefix_cache_hit_blocks"], "<=", bounds[size]))
+            if result.config.kv_offload_blocks is None:  # an unbounded tier keeps everything the GPU evicts
+                checks.append(("prefix-cache hit blocks with an unbounded offload tier = an unbounded cache's",
+                               result.summary["prefix_cache_hit_blocks"], "=", bounds[size]))
+        checks += _offload_checks(workload, result)
         rows += [(label, *check, _holds(*check[1:])) for check in checks]
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _offload_checks(workload: Workload, result: SimResult) -> list[tuple]:
+    """A run with an offload tier: it never holds more blocks than its capacity, and a workload whose prompts
+    share nothing loads nothing back (nothing it stores is ever asked for again, preemption aside)."""
+    summary, capacity = result.summary, result.config.kv_offload_blocks
+    if "offload_loaded_blocks" not in summary:
+        return []
+    checks = []
+    if capacity is not None:
+        checks.append(("offload tier's peak blocks <= its capacity", summary["host_tier_peak_blocks"], "<=",
+                       capacity))
+    if not workload.has_shared_prefixes and summary["preemptions"] == 0:
+        checks.append(("blocks loaded from the tier (nothing shared)", summary["offload_loaded_blocks"], "=", 0))
+    return checks
 
 
 def _prefix_cache_bounded(result: SimResult) -> bool:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the KV pool in blocks (capacity = blocks x the one --block-size), as the engine's")
     p.add_argument("--profile", default=None, help="step times from `python -m lab profile` instead of the roofline")
     scheduler_options(p)
+    p.add_argument("--kv-offload-gib", type=float, default=0.0,
+                   help="host memory (GiB) of the prefix cache's offload tier (paged with prefix caching; inf: "
+                        "unbounded; 0: none), in blocks of the model's KV")
     p.add_argument("--address-space", default="first-fit", choices=["first-fit", "buddy"],
                    help="how contiguous regions are placed")
     p.add_argument("--no-prefix-caching", action="store_true", help="paged: no reuse of cached prompt blocks")
@@ -137,6 +141,27 @@ def _workload(args):
 
 
 def _configs(args) -> list[SimConfig]:
+    configs = _allocator_configs(args)
+    gib = args.kv_offload_gib
+    if not (gib >= 0):  # NaN and negatives
+        raise InputError(f"--kv-offload-gib must be >= 0 (inf: unbounded), got {gib}")
+    if gib:
+        configs = [dataclasses.replace(c, kv_offload_blocks=offload_blocks(c, gib)) if c.allocator == "paged" else c
+                   for c in configs]
+    return configs
+
+
+def offload_blocks(config: SimConfig, gib: float) -> int | None:
+    """The offload tier's blocks in ``gib`` GiB of host memory for ``config``'s model and block size (None:
+    unbounded)."""
+    if gib == math.inf:
+        return None
+    from .engine import resolve_capacity
+
+    return int(gib * 2**30 // resolve_capacity(config)[1].block_bytes(config.block_size))
+
+
+def _allocator_configs(args) -> list[SimConfig]:
     if args.preset == "figure2":
         return figure2_experiment()[1]
     capacity = args.capacity_tokens

@@ -56,6 +56,8 @@ class SimConfig(SchedulingSettings):
     capacity_tokens: int | None = None  # overrides the KV capacity derived from model and GPU
     gpu_memory_utilization: float = 0.9
     activation_reserve_bytes: float = 1 * GiB
+    # host slots of the prefix cache's offload tier (lab.offload; paged with prefix caching; 0: none, None: unbounded)
+    kv_offload_blocks: int | None = 0
     record_steps: bool = False  # keep the per-step log (SimResult.steps), as LLMEngine.step_log() has
     address_space: str = "first-fit"
     enable_prefix_caching: bool = True
@@ -119,7 +121,10 @@ def build_policy(config: SimConfig, capacity_tokens: int, block_bytes: int):
                              f"tracks ({MAX_BLOCKS}); use a larger block size or a smaller capacity")
         cpu_blocks = config.num_cpu_blocks or (default_num_cpu_blocks(num_blocks, block_bytes)
                                                if config.preemption_mode == "swap" else 0)
-        return PagedPolicy(num_blocks, config.block_size, config.enable_prefix_caching, cpu_blocks)
+        return PagedPolicy(num_blocks, config.block_size, config.enable_prefix_caching, cpu_blocks,
+                           config.kv_offload_blocks)
+    if config.kv_offload_blocks != 0:
+        raise InputError("kv_offload_blocks needs allocator='paged' (the tier keeps the prefix cache's blocks)")
     if config.preemption_mode == "swap":
         raise InputError("preemption_mode='swap' needs allocator='paged' (contiguous baselines recompute)")
     return ContiguousPolicy(config.allocator, capacity_tokens, config.max_model_len, config.address_space,
@@ -162,6 +167,7 @@ def check_config(config: SimConfig) -> None:
                  "grow_initial_extra"):
         check_int(owner, name, getattr(config, name), 1, big)
     check_int(owner, "num_cpu_blocks", config.num_cpu_blocks, 0, MAX_BLOCKS)
+    check_int(owner, "kv_offload_blocks", config.kv_offload_blocks, 0, MAX_BLOCKS, optional=True)
     check_int(owner, "replicas", config.replicas, 1, 4096)
     check_int(owner, "tp", config.tp, 1, 64)
     check_int(owner, "seed", config.seed, 0, 2**63 - 1)
@@ -469,10 +475,13 @@ class Simulator:
         return self.cost.copy_time(new) if new else 0.0
 
     def _swap_time(self, out) -> float:
-        blocks = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+        """Host-link time of the step's swaps and offload-tier copies, priced alike (vLLM's connector, like swap,
+        copies before the forward that needs the blocks: not overlapped with compute)."""
+        swapped = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+        blocks = swapped + len(out.blocks_to_store) + len(out.blocks_to_load)
         if not blocks:
             return 0.0
-        self.swapped_blocks += blocks
+        self.swapped_blocks += swapped
         return self.cost.swap_time(blocks, self.config.block_size)
 
     # ---- observation -----------------------------------------------------------------------------------------
@@ -514,6 +523,12 @@ class Simulator:
         summary["throughput_req_s"] = self.num_finished / self.time if self.time > 0 else 0.0
         if self.profile is not None:  # where the step prices left the profile's measured range ("" if nowhere)
             summary["profile_extrapolation"] = self.profile.beyond_measured(self.profile_highest)
+        tier = self.policy.offload_stats()
+        if tier is not None:
+            queried = self.policy.prefix_cache_stats().queried_blocks
+            summary.update(offload_hit_rate=tier.hit_blocks / queried if queried else 0.0,
+                           offload_loaded_blocks=tier.loaded_blocks, offload_stored_blocks=tier.stored_blocks,
+                           host_tier_peak_blocks=tier.peak_blocks)
         stats = self.policy.prefix_cache_stats()
         if stats is not None:
             caching = self.config.enable_prefix_caching  # off: no rate to report (NaN, as for contiguous runs)

@@ -21,7 +21,7 @@ class MetaMirror:
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
-    def run(self, model_input, kv):
+    def run(self, model_input, kv, eager=False):
         batch, rows = self.runner.prepare(model_input, kv)
         self.meta_batch = self.meta_runner.prepare(model_input, kv)
         return self.forward(batch, rows) if batch is not None else None
@@ -33,9 +33,9 @@ class MetaMirror:
         self.steps += 1
         return self.runner.forward(batch, logit_rows)
 
-    def execute_copies(self, swap_out, swap_in, copies):
-        self.meta_runner.copy_blocks(copies)  # (swaps copy to the host, which a meta tensor cannot)
-        self.runner.execute_copies(swap_out, swap_in, copies)
+    def execute_copies(self, plan):
+        self.meta_runner.copy_blocks(plan.blocks_to_copy)  # (swaps copy to the host, which a meta tensor cannot)
+        self.runner.execute_copies(plan)
 
 
 @pytest.mark.parametrize("settings", [{}, {"scheduling": "chunked", "max_num_batched_tokens": 13},

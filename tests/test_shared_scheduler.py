@@ -89,6 +89,23 @@ def test_engine_and_simulator_plan_identical_steps(modes, caching, n):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_physical_blocks
 
 
+@pytest.mark.parametrize("modes", MODES, ids=lambda m: f"{m['scheduling']}-{m['preemption_mode']}")
+@pytest.mark.parametrize("tier", [4, 64])
+def test_the_offload_tier_plans_identically(modes, tier):
+    """A pool small enough to evict cached blocks (stored to the tier) that preempted and later prompts find
+    again (loaded from it): both executors store and load the same blocks in the same steps."""
+    lengths, outputs = [9, 23, 5, 17, 30, 12, 21, 8], [7, 12, 9, 5, 10, 8, 6, 11]
+    prompts = make_prompts(lengths, shared_prefix=8, seed=5)
+    engine, results, real, simulated = engine_and_simulator_logs(
+        prompts, outputs, shared_prefix=8, num_blocks=14, max_num_batched_tokens=24, kv_offload_blocks=tier,
+        max_num_seqs=3, **modes)
+    assert_same_plan(real, simulated)
+    assert real["num_offload_stored"].sum() > 0
+    if modes["preemption_mode"] == "recompute":  # a recomputed prompt finds its own evicted blocks on the host
+        assert real["num_offload_loaded"].sum() > 0
+    assert engine.block_manager.offload.stats.peak_blocks <= tier
+
+
 @dataclass
 class FuzzCase:
     """A drawn workload (prompt and output lengths, a shared prefix, each request's arrival as a step count) and the
@@ -120,7 +137,8 @@ def fuzz_cases(draw):
                   num_cpu_blocks=draw(st.integers(0, 12)), enable_prefix_caching=draw(st.booleans()),
                   scheduling=draw(st.sampled_from(["prefill-first", "chunked"])),
                   preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
-                  max_num_batched_tokens=draw(st.integers(4, 64)), max_num_seqs=n + draw(st.integers(0, 6)))
+                  max_num_batched_tokens=draw(st.integers(4, 64)), max_num_seqs=n + draw(st.integers(0, 6)),
+                  kv_offload_blocks=draw(st.sampled_from([0, 0, 2, 16])))
     return FuzzCase(lengths, outputs, n, draw(st.integers(0, min(lengths))), draw(st.integers(0, 10_000)),
                     list(itertools.accumulate(gaps)), engine)
 

@@ -1,0 +1,89 @@
+"""The prefix cache's host offload tier (``lab.offload``): LRU with pinned slots, the engine's tokens unchanged by
+tier hits and its host round trip bit-identical, and the simulator's checks (an unbounded tier reaches the
+never-evict bound exactly; a workload that shares nothing loads nothing)."""
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from lab.engine import LLMEngine, SamplingParams
+from lab.errors import LabError
+from lab.offload import OffloadTier
+from simulator import SimConfig, closed_form_checks, compare, make_workload
+from tests.test_shared_scheduler import make_prompts
+
+MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_fast25" / "conversation_trace.jsonl"
+
+
+def test_the_tier_evicts_the_least_recently_used_unpinned_slot():
+    tier = OffloadTier(2)
+    a, b = tier.store(("a",), 1), tier.store(("b",), 2)
+    assert {a, b} == {0, 1} and tier.store(("a",), 1) is None  # known contents: no copy
+    tier.unpin()
+    assert tier.take(("a",)) == a  # a load pins its slot and makes it most recently used
+    assert tier.store(("c",), 3) == b and tier.get(("b",)) is None  # b was least recently used
+    assert tier.store(("d",), 4) is None  # a's slot is pinned by this step's load, c's by its store
+    tier.unpin()
+    assert tier.store(("d",), 4) == a and len(tier) == 2
+    assert tier.stats.stored_blocks == 4 and tier.stats.loaded_blocks == 1 and tier.stats.peak_blocks == 2
+    unbounded = OffloadTier(None)
+    assert [unbounded.store((i,), i) for i in range(5)] == list(range(5))
+
+
+def _recompute_engine(**tier):
+    return LLMEngine("tiny", block_size=4, num_blocks=14, max_num_batched_tokens=24, max_num_seqs=3,
+                     preemption_mode="recompute", **tier)
+
+
+def test_tier_hits_give_the_engine_s_tokens_and_the_round_trip_is_exact():
+    lengths, outputs = [9, 23, 5, 17, 30, 12, 21, 8], [7, 12, 9, 5, 10, 8, 6, 11]
+    prompts = make_prompts(lengths, shared_prefix=8, seed=5)
+    params = [SamplingParams(max_tokens=o, ignore_eos=True) for o in outputs]
+    plain = _recompute_engine()
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    engine = _recompute_engine(kv_offload_blocks=8)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == expected
+    stats = engine.block_manager.offload.stats
+    assert stats.loaded_blocks > 0 and stats.stored_blocks > 0
+    runner = engine.runner
+    for cache in runner.key_caches + runner.value_caches:
+        cache[3].normal_()
+    before = [cache[3].clone() for cache in runner.key_caches + runner.value_caches]
+    runner.swap([(3, 5)], to_host=True, tier=True)
+    runner.swap([(5, 9)], to_host=False, tier=True)
+    assert all(torch.equal(cache[9], old) for cache, old in zip(runner.key_caches + runner.value_caches, before))
+
+
+@pytest.mark.skipif(not MOONCAKE.is_file(), reason=f"{MOONCAKE} not found (../shared/traces)")
+def test_an_unbounded_tier_reaches_the_never_evict_bound():
+    workload = make_workload(str(MOONCAKE), num_requests=200)
+    base = SimConfig(allocator="paged", block_size=16, model="qwen3-8b", gpu="h200", max_model_len=131072,
+                     max_num_seqs=4)
+    summary, results = compare(workload, [dataclasses.replace(base, kv_offload_blocks=b) for b in (0, None)])
+    checks = closed_form_checks(workload, results)
+    equal = checks[checks["check"].str.contains("unbounded offload tier")]
+    assert len(equal) == 1 and equal["holds"].all(), checks.to_string()
+    assert summary["prefix_cache_hit_blocks"].iloc[1] > summary["prefix_cache_hit_blocks"].iloc[0]
+    assert summary["offload_hit_rate"].iloc[1] > 0
+
+
+def test_a_workload_that_shares_nothing_loads_nothing():
+    workload = make_workload("sharegpt", num_requests=150, rate=2.0, n=2)  # samples register their prompts
+    config = SimConfig(allocator="paged", capacity_tokens=6_000, max_model_len=2048, kv_offload_blocks=32, max_num_seqs=4)
+    summary, results = compare(workload, [config])
+    assert summary["preemptions"].iloc[0] == 0 and summary["offload_stored_blocks"].iloc[0] > 0
+    checks = closed_form_checks(workload, results)
+    tier = checks[checks["check"].str.contains("tier")]
+    assert len(tier) == 2 and tier["holds"].all(), tier.to_string()
+    assert summary["offload_loaded_blocks"].iloc[0] == 0
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(allocator="contiguous-max", kv_offload_blocks=8), "needs allocator='paged'"),
+    (dict(kv_offload_blocks=-1), "kv_offload_blocks"),
+])
+def test_bad_tier_settings_are_named(settings, message):
+    workload = make_workload("sharegpt", num_requests=5)
+    with pytest.raises(LabError, match=message):
+        compare(workload, [SimConfig(capacity_tokens=4000, max_model_len=2048, **settings)])

@@ -66,7 +66,9 @@ class PagedPolicy:
             return False
         # A request of one sample: only its own later prefill can ask for its stream, so register on preemption
         # (cheaper). With several samples, a sibling's recompute may ask at any time: register now.
-        register = len(first.group.seqs) > 1  # the request's samples (a recompute re-queues one of them alone)
+        # (With an offload tier, always now: the engine caches every prompt's blocks as it admits them, and the tier
+        # stores what either executor evicts from its cache, so both must cache the same blocks.)
+        register = len(first.group.seqs) > 1 or manager.offload is not None
         first.cached_tokens = manager.create_sequence(first.seq_id, ids, count, stream, register)
         first.synced_len = prompt_len
         if len(seqs) > 1:

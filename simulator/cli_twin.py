@@ -34,7 +34,8 @@ def _twin(args) -> None:
     engine = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, scheduling=args.scheduling,
                           preemption_mode=args.preemption_mode, num_cpu_blocks=args.num_cpu_blocks,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                          device=args.device, attention_backend=args.backend, seed=args.seed)
+                          device=args.device, attention_backend=args.backend, seed=args.seed,
+                          kv_offload_blocks=args.kv_offload_blocks)
     config = TwinConfig(args.model, engine)
     result = run_twin(workload, config, profile, args.repeats)
     settings = settings_of(config, workload.summary(), profile=args.profile, repeats=args.repeats)
@@ -68,6 +69,8 @@ def twin_parser() -> argparse.ArgumentParser:
                    help="output tokens of random (the mean, +-50 %%) or fixed (default 32)")
     t.add_argument("--num-blocks", type=positive_int, default=256, help="KV pool in blocks")
     scheduler_options(t)
+    t.add_argument("--kv-offload-blocks", type=non_negative_int, default=0,
+                   help="host slots of the prefix cache's offload tier (0: none)")
     t.add_argument("--repeats", type=positive_int, default=1, help="real runs (2+: the noise floor)")
     t.add_argument("--seed", type=non_negative_int, default=0, help="seeds the workload, prompts and engine")
     t.add_argument("--out", type=output_csv, default=None, help="CSV: metric, real, simulated, rel_error")

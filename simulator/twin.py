@@ -124,7 +124,8 @@ def sim_config(engine: LLMEngine, profile: Profile) -> SimConfig:
                      max_num_batched_tokens=settings.max_num_batched_tokens, scheduling=settings.scheduling,
                      preemption_mode=settings.preemption_mode,
                      num_cpu_blocks=host.num_physical_blocks if host is not None else 0,
-                     enable_prefix_caching=settings.enable_prefix_caching, profile=profile, record_steps=True)
+                     enable_prefix_caching=settings.enable_prefix_caching, profile=profile, record_steps=True,
+                     kv_offload_blocks=settings.kv_offload_blocks)
 
 
 def request_latencies(requests: pd.DataFrame) -> pd.DataFrame:

@@ -87,3 +87,11 @@ def test_bad_tier_settings_are_named(settings, message):
     workload = make_workload("sharegpt", num_requests=5)
     with pytest.raises(LabError, match=message):
         compare(workload, [SimConfig(capacity_tokens=4000, max_model_len=2048, **settings)])
+
+
+def test_the_twin_configures_the_simulator_with_the_engine_s_tier():
+    from simulator.twin import sim_config
+    from tests.test_profile_twin import fixed_profile
+
+    engine = LLMEngine("tiny", block_size=16, num_blocks=64, kv_offload_blocks=12)
+    assert sim_config(engine, fixed_profile()).kv_offload_blocks == 12

@@ -8,7 +8,7 @@ import pandas as pd
 
 from .errors import InputError
 from lab.cli_args import (cli_settings, device, model_options, non_negative_int, output_csv, positive_int,
-                          positive_ints, refuse_ignored, scheduler_options)
+                          positive_ints, refuse_ignored, run_command, scheduler_options)
 from lab.profile import GRIDS
 from lab.results import print_and_save, settings_of
 
@@ -221,13 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        args.run(args)
-    except (ValueError, RuntimeError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(build_parser(), argv)
 
 
 def _token_ids(text: str) -> list[int]:

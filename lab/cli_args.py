@@ -134,3 +134,17 @@ def scheduler_options(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, choices=choices,
                             default=None if f.default is MISSING else f.default,
                             help=f"{f.metadata['help']} (default: %(default)s)")
+
+
+def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    """Parse ``argv`` and run the chosen command (``args.run``): 0, or 2 with one ``error:`` line for the lab's
+    errors, bad values and files (no traceback)."""
+    import sys
+
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from lab.cli_args import (DEVICE_HELP, cli_settings, device, model_options, non_negative_int, output_csv,
-                          positive_float, positive_int, refuse_ignored, scheduler_options)
+                          positive_float, positive_int, refuse_ignored, run_command, scheduler_options)
 from lab.results import print_and_save, save_csv, settings_of
 
 
@@ -91,10 +91,4 @@ def twin_parser() -> argparse.ArgumentParser:
 
 
 def twin_main(argv: list[str]) -> int:
-    args = twin_parser().parse_args(argv)
-    try:
-        args.run(args)
-    except (ValueError, RuntimeError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(twin_parser(), argv)

@@ -56,30 +56,40 @@ class OffloadTier:
     def store(self, key: tuple, content_id: int) -> int | None:
         """Keep the contents of a block the GPU is about to reuse; the slot to copy them to, or None when the tier
         already holds them (or every slot is pinned this step)."""
-        if key in self.entries:
-            self.entries.move_to_end(key)
+        entries = self.entries
+        if key in entries:
+            entries.move_to_end(key)
             return None
-        slot = self._free_slot()
-        if slot is None:
-            return None
-        self.entries[key] = (slot, content_id)
+        if self.capacity is None:
+            slot, self.next_slot = self.next_slot, self.next_slot + 1
+        elif self.free_slots:
+            slot = self.free_slots.pop()
+        else:
+            slot = self._evict()
+            if slot is None:
+                return None
+        entries[key] = (slot, content_id)
         self.pinned.add(slot)
-        self.stats.stored_blocks += 1
-        self.stats.peak_blocks = max(self.stats.peak_blocks, len(self.entries))
+        stats = self.stats
+        stats.stored_blocks += 1
+        if len(entries) > stats.peak_blocks:
+            stats.peak_blocks = len(entries)
         return slot
 
     def unpin(self) -> None:
         """The step's copies are queued in order: slots may be reused from the next step on."""
         self.pinned.clear()
 
-    def _free_slot(self) -> int | None:
-        if self.capacity is None:
-            self.next_slot += 1
-            return self.next_slot - 1
-        if self.free_slots:
-            return self.free_slots.pop()
-        for key, (slot, _) in self.entries.items():  # least recently used first
-            if slot not in self.pinned:
-                del self.entries[key]
+    def _evict(self) -> int | None:
+        """Drop the least recently used entry whose slot is not pinned; its slot (None when all are pinned)."""
+        entries, pinned = self.entries, self.pinned
+        key, (slot, content_id) = entries.popitem(last=False)
+        if slot not in pinned:
+            return slot
+        entries[key] = (slot, content_id)  # pinned (rare: a copy of this step uses it): look further
+        entries.move_to_end(key, last=False)
+        for key, (slot, _) in entries.items():
+            if slot not in pinned:
+                del entries[key]
                 return slot
         return None

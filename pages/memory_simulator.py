@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pandas as pd
@@ -20,6 +21,12 @@ HEADLINE_FORMAT = {"Allocated KV holding tokens (%)": st.column_config.NumberCol
                    "Waste (GiB, mean)": st.column_config.NumberColumn(format="%.2f GiB"),
                    "Mean running sequences": st.column_config.NumberColumn(format="%.1f"),
                    "Throughput (output tokens/s)": st.column_config.NumberColumn(format="%.0f")}
+
+
+OFFLOAD_LABELS = {"tier": "Host tier", "prefix_cache_hit_pct": "Prefix-cache hits (% of prompt blocks)",
+                  "offload_hit_pct": "Served by the tier (% of prompt blocks)", "ttft_p50_s": "TTFT p50 (s)",
+                  "ttft_p90_s": "TTFT p90 (s)", "throughput_tok_s": "Throughput (output tokens/s)",
+                  "preemptions": "Preemptions"}
 
 
 def block_size_sweep(workload, configs):
@@ -98,6 +105,10 @@ with st.sidebar:
     preemption = st.radio("Preemption (paged)", ["recompute", "swap"], horizontal=True, disabled=figure2,
                           help="swap: preempted sequences move to a host pool over the GPU's host link "
                                "(contiguous baselines always recompute)")
+    offload_gib = st.number_input("Host offload tier (GiB; 0 = off)", 0.0, 4096.0, 0.0, step=8.0,
+                                  key="sim_offload_gib", disabled=figure2 or not prefix_caching,
+                                  help="prefix-cache blocks the GPU pool reuses are kept in this much host memory "
+                                       "and loaded back over the host link when a later prompt shares them (paged)")
 
 
 def build_inputs():
@@ -123,13 +134,16 @@ def build_inputs():
                                      gpu_overrides={"memory_bytes": memory_gib * 2**30,
                                                     "bandwidth_bytes_s": bandwidth_tbs * 1e12,
                                                     "peak_flops": peak_tflops * 1e12})
+    if offload_gib and prefix_caching:
+        configs = [dataclasses.replace(c, kv_offload_blocks=simulator.offload_blocks(c, offload_gib))
+                   if c.allocator == "paged" else c for c in configs]
     return workload, configs
 
 
 key = repr((figure2, source, upload.file_id if upload else None, locals().get("preset"), num_requests, rate,
             burstiness, n, beam_width, shared_prefix, model, gpu, capacity, utilization, max_model_len, allocators, block_sizes,
             address_space, scheduling, preemption, max_num_seqs, budget, prefix_caching, memory_gib, bandwidth_tbs,
-            peak_tflops, dtype_bytes))
+            peak_tflops, dtype_bytes, offload_gib))
 if st.session_state.get("stop_sim"):  # the Stop button interrupted the last run
     st.session_state["sim_stopped_key"] = key
 if st.session_state.get("sim_stopped_key") == key:
@@ -150,7 +164,8 @@ if st.session_state.get("sim_key") != key:
         sweep = block_size_sweep(workload, configs) if not figure2 else None
         st.session_state.update(sim_key=key, sim_summary=summary, sim_series={k: r.timeseries for k, r in runs.items()},
                                 sim_workload=workload.summary(), sim_checks=checks, sim_block_sweep=sweep,
-                                sim_settings=report.run_settings(workload, configs[0]))
+                                sim_settings=report.run_settings(workload, configs[0]), sim_configs=configs,
+                                sim_workload_obj=workload, sim_offload=None)
         results_store().add("simulation", f"simulation: {workload.name} × {len(configs)} configs", summary,
                             st.session_state["sim_settings"])
         results_store().add("checks", f"checks: {workload.name} × {len(configs)} configs", checks,
@@ -196,6 +211,28 @@ if sweep is not None:
     st.caption("The paged allocator at every block size on this workload and the other synthetic preset (first "
                f"{BLOCK_SWEEP_REQUESTS} requests each, the sidebar's model, GPU and scheduler). Throughput falls at "
                "small blocks (the kernel's per-block cost) and at large ones (fewer sequences fit).")
+with st.expander("What a CPU tier buys: the prefix cache with a host offload tier of 0 to unbounded GiB"):
+    st.caption("The first paged configuration, prefix caching on, with a host tier of each size: blocks the GPU pool "
+               "reuses are kept in host memory and loaded back when a later prompt shares them. Traffic whose "
+               "prompts share prefixes (multi-turn traces such as Mooncake's, a shared system prompt) gains; "
+               "traffic that shares nothing gains nothing.")
+    if st.button("Run the tier sweep", key="run_offload_sweep"):
+        try:
+            with st.spinner("simulating five tier sizes…"):
+                paged = next((c for c in st.session_state["sim_configs"] if c.allocator == "paged"), None)
+                if paged is None:
+                    raise ValueError("choose the paged allocator to sweep its offload tier")
+                st.session_state["sim_offload"] = simulator.offload_sweep(st.session_state["sim_workload_obj"],
+                                                                          paged)
+        except USER_ERRORS as exc:
+            show_error(exc)
+    offload = st.session_state.get("sim_offload")
+    if offload is not None:
+        chart(charts.offload_lines(offload), "offload_sweep")
+        st.dataframe(offload.drop(columns="tier_gib").rename(columns=OFFLOAD_LABELS), hide_index=True,
+                     column_config={label: st.column_config.NumberColumn(format="%.3g")
+                                    for label in list(OFFLOAD_LABELS.values())[1:]})
+        csv_download(offload, "offload-sweep", settings, "dl_offload", "Download the tier sweep (CSV)")
 tabs = st.tabs(list(series))
 for tab, (label, frame) in zip(tabs, series.items()):
     with tab:

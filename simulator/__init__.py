@@ -125,3 +125,36 @@ def block_size_sweep(workloads: dict[str, Workload], config: SimConfig,
                          "throughput_tok_s": summary["throughput_tok_s"],
                          "mean_batch_size": summary["mean_batch_size"]})
     return pd.DataFrame(rows)
+
+
+OFFLOAD_TIERS_GIB = (0.0, 8.0, 32.0, 128.0, math.inf)
+
+
+def offload_blocks(config: SimConfig, gib: float) -> int | None:
+    """The offload tier's blocks in ``gib`` GiB of host memory for ``config``'s model and block size (None:
+    unbounded)."""
+    if not gib >= 0:
+        raise InputError(f"the offload tier's size must be >= 0 GiB (inf: unbounded), got {gib}")
+    if gib == math.inf:
+        return None
+    from .engine import resolve_capacity
+
+    return int(gib * 2**30 // resolve_capacity(config)[1].block_bytes(config.block_size))
+
+
+def offload_sweep(workload: Workload, config: SimConfig,
+                  tiers_gib: tuple[float, ...] = OFFLOAD_TIERS_GIB) -> pd.DataFrame:
+    """What a CPU tier buys: the paged allocator (``config`` otherwise, prefix caching on) with a host offload tier
+    of each size: prefix-cache hit rate (GPU + tier, %), the share the tier served (%), TTFT p50/p90 and
+    throughput, one row per tier size."""
+    base = dataclasses.replace(config, allocator="paged", enable_prefix_caching=True, record_steps=False)
+    rows = []
+    for gib in tiers_gib:
+        summary = run_simulation(workload, dataclasses.replace(base, kv_offload_blocks=offload_blocks(base, gib)),
+                                 snapshot_pool=False).summary
+        rows.append({"tier_gib": gib, "tier": "unbounded" if gib == math.inf else f"{gib:g} GiB",
+                     "prefix_cache_hit_pct": 100 * summary["prefix_cache_hit_rate"],
+                     "offload_hit_pct": 100 * summary.get("offload_hit_rate", 0.0),
+                     "ttft_p50_s": summary["ttft_p50_s"], "ttft_p90_s": summary["ttft_p90_s"],
+                     "throughput_tok_s": summary["throughput_tok_s"], "preemptions": summary["preemptions"]})
+    return pd.DataFrame(rows)

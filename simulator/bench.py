@@ -116,7 +116,7 @@ def bench_offload(path: Path, num_requests: int) -> list[dict]:
     and unbounded (Qwen3-8B on an H200, paged B=16), and the replay speed with the largest bounded tier against
     none (one run each, in the same invocation)."""
     from .checks import unbounded_cache_hit_blocks
-    from .cli import offload_blocks
+    from . import offload_blocks
 
     workload = load_trace(path, max_rows=num_requests)
     base = SimConfig(allocator="paged", block_size=16, model="qwen3-8b", gpu="h200", max_model_len=131072)

@@ -84,6 +84,23 @@ def block_size_lines(table: pd.DataFrame) -> go.Figure:
                                 legend_title_text="workload")
 
 
+def offload_lines(table: pd.DataFrame) -> go.Figure:
+    """``simulator.offload_sweep``'s table: prefix-cache hit rate, TTFT p50/p90 and throughput against the host
+    tier's size."""
+    from plotly.subplots import make_subplots
+
+    figure = make_subplots(rows=1, cols=3, subplot_titles=["Prefix-cache hit rate (% of prompt blocks)",
+                                                           "Time to first token (s)", "Throughput (output tokens/s)"])
+    for name, column, col in (("hits, GPU + tier", "prefix_cache_hit_pct", 1), ("served by the tier",
+                                                                                "offload_hit_pct", 1),
+                              ("TTFT p50", "ttft_p50_s", 2), ("TTFT p90", "ttft_p90_s", 2),
+                              ("throughput", "throughput_tok_s", 3)):
+        figure.add_scatter(x=table["tier"], y=table[column], mode="lines+markers", name=name, row=1, col=col,
+                           hovertemplate=f"%{{x}}: %{{y:.3g}}<extra>{name}</extra>")
+    figure.update_xaxes(title_text="host tier")
+    return figure.update_layout(height=360, title="What a CPU tier buys: the prefix cache's blocks kept in host memory")
+
+
 LATENCY_LABELS = {"ttft": "Time to first token", "tpot": "Time per output token", "e2e": "End to end"}
 
 

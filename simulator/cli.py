@@ -19,7 +19,7 @@ from lab.profile import extrapolation_warning
 from lab.results import print_and_save, save_csv
 
 from .allocators import ALLOCATORS
-from . import compare, make_workload
+from . import compare, make_workload, offload_blocks
 from .checks import closed_form_checks
 from .engine import SimConfig
 from .metrics import rejection_warning
@@ -143,22 +143,10 @@ def _workload(args):
 def _configs(args) -> list[SimConfig]:
     configs = _allocator_configs(args)
     gib = args.kv_offload_gib
-    if not (gib >= 0):  # NaN and negatives
-        raise InputError(f"--kv-offload-gib must be >= 0 (inf: unbounded), got {gib}")
-    if gib:
+    if gib != 0:
         configs = [dataclasses.replace(c, kv_offload_blocks=offload_blocks(c, gib)) if c.allocator == "paged" else c
                    for c in configs]
     return configs
-
-
-def offload_blocks(config: SimConfig, gib: float) -> int | None:
-    """The offload tier's blocks in ``gib`` GiB of host memory for ``config``'s model and block size (None:
-    unbounded)."""
-    if gib == math.inf:
-        return None
-    from .engine import resolve_capacity
-
-    return int(gib * 2**30 // resolve_capacity(config)[1].block_bytes(config.block_size))
 
 
 def _allocator_configs(args) -> list[SimConfig]:

@@ -117,7 +117,7 @@ def run_settings(workload: Workload, config: SimConfig) -> dict:
                 "shared_prefix_tokens": workload.shared_prefix_tokens, "workload_seed": getattr(spec, "seed", math.nan)}
     for field in ("model", "gpu", "tp", "max_model_len", "capacity_tokens", "gpu_memory_utilization", "max_num_seqs",
                   "max_num_batched_tokens", "scheduling", "preemption_mode", "enable_prefix_caching", "address_space",
-                  "kernel_csv", "seed"):
+                  "kernel_csv", "kv_offload_blocks", "seed"):
         value = getattr(config, field)
         settings[field] = value if isinstance(value, (int, float, str, bool)) or value is None else \
             getattr(value, "name", str(value))

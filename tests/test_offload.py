@@ -95,3 +95,19 @@ def test_the_twin_configures_the_simulator_with_the_engine_s_tier():
 
     engine = LLMEngine("tiny", block_size=16, num_blocks=64, kv_offload_blocks=12)
     assert sim_config(engine, fixed_profile()).kv_offload_blocks == 12
+
+
+def test_the_tier_sweep_shows_what_a_cpu_tier_buys():
+    """Shared system prompts on a pool that evicts: hits rise with the tier and never fall; a chart with three panels."""
+    from simulator import offload_sweep
+    from simulator.charts import offload_lines
+
+    workload = make_workload("sharegpt", num_requests=150, rate=20.0, shared_prefix_tokens=256)
+    config = SimConfig(capacity_tokens=3000, max_model_len=2048, max_num_seqs=8)
+    table = offload_sweep(workload, config, (0.0, 0.01, float("inf")))
+    assert list(table["tier"]) == ["0 GiB", "0.01 GiB", "unbounded"]
+    hits = table["prefix_cache_hit_pct"].tolist()
+    assert hits[0] <= hits[1] <= hits[2] and table["offload_hit_pct"].iloc[0] == 0
+    assert len(offload_lines(table).layout.annotations) == 3
+    with pytest.raises(LabError, match="must be >= 0"):
+        offload_sweep(workload, config, (-1.0,))

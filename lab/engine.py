@@ -23,6 +23,7 @@ import torch
 
 import kernels
 
+from .beam import BeamRanking, BeamSearchError, BeamSearchOutput, BeamSearchParams
 from .errors import InputError, LabError
 from .checks import check_bool, check_choice, check_int, check_real
 from .hardware import check_device
@@ -44,7 +45,8 @@ class PromptError(LabError):
 
 @dataclass(slots=True)
 class RequestOutput:
-    """One prompt's result: one entry per sample in ``outputs`` (``token_ids``/``text`` are sample 0's)."""
+    """One prompt's result: one entry per sample in ``outputs`` (``token_ids``/``text`` are sample 0's); for a beam
+    search, one per beam, best first, with the scores and block sharing in ``beams``."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -53,6 +55,7 @@ class RequestOutput:
     arrival_s: float
     first_token_s: float
     finish_s: float
+    beams: BeamSearchOutput | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -124,12 +127,13 @@ class EngineConfigError(LabError):
 class _Request:
     request_id: int
     prompt: list[int]
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     arrival_s: float
     first_token_s: float = float("nan")
     finish_s: float = float("nan")
     samples: list = field(default_factory=list)
     samples_left: int = 0
+    beam: BeamRanking | None = None
 
 
 class _SeqState:
@@ -139,10 +143,9 @@ class _SeqState:
 
     def __init__(self, request: _Request, sample: int, device):
         self.request, self.params, self.sample, self.output = request, request.params, sample, []
-        seed = request.params.seed
-        self.generator = None
-        if seed is not None and not request.params.greedy:
-            self.generator = torch.Generator(device=device).manual_seed((seed + sample) % (1 << 63))
+        params, self.generator = request.params, None
+        if isinstance(params, SamplingParams) and params.seed is not None and not params.greedy:
+            self.generator = torch.Generator(device=device).manual_seed((params.seed + sample) % (1 << 63))
         self.logits: list[torch.Tensor] | None = None
 
     @property
@@ -270,19 +273,24 @@ class LLMEngine:
 
     def _make_request(self, prompt, params) -> _Request:
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise SamplingParamsError(f"params must be a SamplingParams (or None), got {params!r}")
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise SamplingParamsError(f"params must be a SamplingParams or BeamSearchParams (or None), got "
+                                      f"{params!r}")
         params.check()
         prompt_ids = self._encode(prompt)
+        if isinstance(params, BeamSearchParams):
+            self.scheduler.check_request(len(prompt_ids), params.max_tokens, params.beam_width, beams=True)
+            return _Request(-1, prompt_ids, params, time.perf_counter(), samples_left=1,
+                            beam=BeamRanking(params, self.eos_token_ids))
         self.scheduler.check_request(len(prompt_ids), params.max_tokens, params.n)
         return _Request(-1, prompt_ids, params, time.perf_counter(), samples_left=params.n)
 
     def _queue(self, request: _Request) -> None:
         request.request_id = next(self._ids)
         self.requests[request.request_id] = request
-        group = SequenceGroup(request.request_id, [], self._token_ids, request)
+        group = SequenceGroup(request.request_id, [], self._token_ids, request, beam=request.beam)
         final_len = len(request.prompt) + request.params.max_tokens - 1
-        for sample in range(request.params.n):
+        for sample in range(num_sequences(request.params)):
             state = _SeqState(request, sample, self.device)
             group.seqs.append(Sequence(next(self._seq_ids), group, sample, len(request.prompt), final_len, state))
         request.samples = group.seqs
@@ -321,8 +329,9 @@ class LLMEngine:
         any is queued."""
         if isinstance(prompts, (str, bytes, dict, set)) or not isinstance(prompts, abc.Sequence):
             raise PromptError(f"prompts must be a list of prompts, got {prompts!r:.80}")
-        if not (params is None or isinstance(params, (SamplingParams, list, tuple))):
-            raise SamplingParamsError(f"params must be a SamplingParams, a list of them or None, got {params!r:.80}")
+        if not (params is None or isinstance(params, (SamplingParams, BeamSearchParams, list, tuple))):
+            raise SamplingParamsError(f"params must be a SamplingParams or BeamSearchParams, a list of them or None, "
+                                      f"got {params!r:.80}")
         many = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(many) != len(prompts):
             raise InputError(f"got {len(prompts)} prompts but {len(many)} SamplingParams")
@@ -349,17 +358,13 @@ class LLMEngine:
                 bar.close()
         return [done[i] for i in ids]
 
-    def beam_search(self, prompts, params):
-        """The ``params.beam_width`` best continuations of each prompt (``lab.beam.BeamSearchParams``), best first,
-        as ``lab.beam.BeamSearchOutput``; beams share KV blocks through forks and copy-on-write. The engine must be
-        idle."""
-        from .beam import beam_search
-
-        try:
-            return beam_search(self, prompts, params)
-        except BaseException:
-            self._recover()  # a failure part-way leaves beams allocated; the engine was idle, so nothing else is lost
-            raise
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """The ``params.beam_width`` best continuations of each prompt, best first (``generate`` with
+        ``BeamSearchParams``: the beams are batched with whatever else is queued, and share KV blocks through forks
+        and copy-on-write)."""
+        if not isinstance(params, BeamSearchParams):
+            raise BeamSearchError(f"params must be a BeamSearchParams, got {params!r:.80}")
+        return [output.beams for output in self.generate(prompts, params)]
 
     # ---- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -382,9 +387,9 @@ class LLMEngine:
             return []
         self.runner.execute_copies(plan)
         step = ModelInput.from_plan(plan, self.scheduler.kv_len)
-        logits = self.runner.run(step, self.block_manager, eager=self.record_logits)
-        tokens = self.sampler.sample(logits, step.samplers)
-        self._postprocess(step, logits, tokens)
+        logits = self.runner.run(step, self.block_manager, eager=self.record_logits or bool(self.scheduler.beam_groups))
+        sampled, ranked = self._sample(step, logits)
+        self._postprocess(step, logits, sampled, ranked)
         self._end_step(started)
         return self.finished[finished_before:]
 
@@ -400,14 +405,54 @@ class LLMEngine:
             raise RuntimeError(f"request {head.request_id} cannot be scheduled into an idle pool")
         return None
 
-    def _postprocess(self, step: ModelInput, logits: torch.Tensor | None, tokens: list[int]) -> None:
-        """Append each sampled token to its sequence (``_accept``)."""
-        if not tokens:  # nothing read back (a prompt chunk that samples nothing, swaps only): wait for the device,
-            self.runner.synchronize()  # or the step's times would end before its work does
+    def _sample(self, step: ModelInput, logits: torch.Tensor | None) -> tuple[list, dict]:
+        """The sampled rows' ``(row, sequence, token)`` and the beam searches' rows (ranking -> [(row,
+        sequences)]): beam rows are ranked, not sampled."""
+        rows = step.samplers
+        if not self.scheduler.beam_groups:
+            tokens = self.sampler.sample(logits, rows)
+            return list(zip(((row, seq) for row, seqs in enumerate(rows) for seq in seqs), tokens)), {}
+        ranked: dict[BeamRanking, list] = {}
+        sampled = [row for row, seqs in enumerate(rows) if seqs[0].group.beam is None]
+        for row, seqs in enumerate(rows):
+            if seqs[0].group.beam is not None:
+                ranked.setdefault(seqs[0].group.beam, []).append((row, seqs))
+        tokens = self.sampler.sample(logits[sampled] if sampled else None, [rows[row] for row in sampled])
+        return list(zip(((row, seq) for row in sampled for seq in rows[row]), tokens)), ranked
+
+    def _postprocess(self, step: ModelInput, logits: torch.Tensor | None, sampled: list, ranked: dict) -> None:
+        """Append each sampled token to its sequence (``_accept``); rank each beam search's continuations
+        (``_rank``)."""
+        if not (sampled or ranked):  # nothing read back (a prompt chunk that samples nothing, swaps only): wait for
+            self.runner.synchronize()  # the device, or the step's times would end before its work does
         now = time.perf_counter()
-        rows_and_seqs = ((row, seq) for row, seqs in enumerate(step.samplers) for seq in seqs)
-        for (row, seq), token in zip(rows_and_seqs, tokens):
+        for (row, seq), token in sampled:
             self._accept(seq, logits[row] if self.record_logits else None, token, now)
+        for ranking, rows in ranked.items():
+            self._rank(ranking, logits, rows, now)
+
+    def _rank(self, ranking: BeamRanking, logits: torch.Tensor, rows: list, now: float) -> None:
+        """One ranking of a beam search; when it is done its live beams finish and the request returns."""
+        seqs = [seq for _, row_seqs in rows for seq in row_seqs]
+        ids = [seq.seq_id for seq in seqs]
+        manager = self.block_manager
+        ranking.block_usage.append((manager.num_distinct_blocks(ids),
+                                    sum(len(manager.get_block_table(i)) for i in ids)))
+        request = seqs[0].data.request
+        if request.first_token_s != request.first_token_s:
+            request.first_token_s = now
+        if not ranking.rank(logits, rows):
+            return
+        for seq in request.samples:
+            if seq.status is SequenceStatus.RUNNING:
+                self.scheduler.finish(seq)
+        request.samples_left, request.finish_s = 0, now
+        beams = BeamSearchOutput(request.prompt, ranking.sequences, ranking.block_usage)
+        outputs = [beam.token_ids for beam in beams.sequences]
+        self.generated_tokens += sum(map(len, outputs))
+        texts = [self.tokenizer.decode(o) for o in outputs] if self.tokenizer is not None else None
+        self.finished.append(RequestOutput(request.request_id, request.prompt, outputs, texts, request.arrival_s,
+                                           request.first_token_s, now, beams))
 
     def _end_step(self, started: float) -> None:
         """Close the step's record in the scheduler (its times, tokens, memory) and report it."""
@@ -451,6 +496,14 @@ class LLMEngine:
         """Queue ``request``'s unfinished samples again: those with no token yet as one group (they share the
         prompt's prefill), each other one alone with its prompt and accepted tokens as the prompt."""
         final_len = len(request.prompt) + request.params.max_tokens - 1
+        if request.beam is not None:  # a beam search starts again from its prompt (see lab.beam)
+            group = SequenceGroup(request.request_id, [], self._token_ids, request, beam=request.beam)
+            group.seqs = [Sequence(seq.seq_id, group, seq.sample, len(request.prompt), final_len, seq.data)
+                          for seq in request.samples]
+            request.samples = group.seqs
+            request.beam.restart(group.seqs)
+            self.scheduler.add(group)
+            return
         fresh, started = [], []
         for index, seq in enumerate(request.samples):
             if seq.status is SequenceStatus.FINISHED:
@@ -546,6 +599,11 @@ class LLMEngine:
                 "peak_kv_blocks": self.peak_used_blocks, "num_kv_blocks": self.block_manager.num_physical_blocks,
                 "prefix_hit_rate": stats.hit_rate, "cow_copies": self.block_manager.num_cow_copies,
                 "peak_memory_bytes": peak_memory_bytes(self.device)}
+
+
+def num_sequences(params: SamplingParams | BeamSearchParams) -> int:
+    """The sequences a request runs: its samples, or its beams."""
+    return params.beam_width if isinstance(params, BeamSearchParams) else params.n
 
 
 def peak_memory_bytes(device: torch.device) -> int:

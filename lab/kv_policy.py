@@ -47,8 +47,8 @@ class PagedPolicy:
         self.shared_partial_slack = 0
 
     # ---- admission ----------------------------------------------------------------------------------------------
-    def can_ever_fit(self, final_len: int) -> bool:
-        return -(-final_len // self.block_size) <= self.manager.num_physical_blocks
+    def can_ever_fit(self, final_len: int, count: int = 1) -> bool:
+        return count * -(-final_len // self.block_size) <= self.manager.num_physical_blocks
 
     def admit(self, seqs: list[Sequence], token_ids: list[int] | None) -> bool:
         """Allocate a group's prompt (the first sequence; the others fork it), if the prompt and the group's first

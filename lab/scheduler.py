@@ -142,9 +142,18 @@ class SequenceGroup:
     def __init__(self, request_id, seqs: list[Sequence], token_ids=None, data=None, stream_key=None, beam=None):
         self.request_id, self.seqs, self.token_ids, self.data = request_id, seqs, token_ids, data
         self.stream_key = stream_key
-        # A beam search (the simulator's): ``beam.parent_counts(num_beams)`` says, each decode step, how many of the
-        # next beams continue each live beam (in rank order); the sequences are the beams. None: independent samples.
+        # A beam search (a ``BeamModel``): the sequences are its beams. None: independent samples.
         self.beam = beam
+
+
+class BeamModel(Protocol):
+    """Who chooses a beam search's surviving beams: the engine's ranking (``lab.beam.BeamRanking``) or the
+    simulator's seeded model (``simulator.beams.BeamSurvival``). The scheduler asks it at each decode step of the
+    group, before the step's tokens."""
+
+    def parent_counts(self, live: list[Sequence]) -> list[int]: ...  # next beams continuing each live beam
+    def forked(self, parent: Sequence, children: list[Sequence]) -> None: ...  # parent goes on as itself + children
+    def restart(self, seqs: list[Sequence]) -> None: ...  # recompute preemption: the search starts again
 
 
 @dataclass(slots=True)
@@ -251,7 +260,7 @@ class KVPolicy(Protocol):
     pending_copies: list  # copy-on-write (src, dst) block copies not yet taken (an empty sequence when none)
     pending_offload: bool  # the offload tier has copies queued (take_offload_copies)
 
-    def can_ever_fit(self, final_len: int) -> bool: ...
+    def can_ever_fit(self, final_len: int, count: int = 1) -> bool: ...  # count sequences at once, sharing nothing
     def admit(self, seqs: list[Sequence], token_ids: list[int] | None) -> bool: ...
     def memory_needs(self, seq: Sequence) -> tuple[int, int]: ...
     def reserve(self, count: int) -> bool: ...
@@ -302,14 +311,16 @@ class Scheduler:
         self._heap_ties = itertools.count()
         self.num_waiting_seqs = self.num_swapped_seqs = 0
         self.num_preemptions = self.num_swaps_out = 0
+        self.num_discarded_tokens = 0  # sampled tokens a restarted beam search threw away
         self.beam_groups: dict[SequenceGroup, None] = {}  # beam searches with beams decoding, in admission order
         self.step_rows: list[tuple] | None = None
         self._output: SchedulerOutput | None = None
         self._head_token_ids: tuple = (None, 0, None)  # (group, length, TokenIds) of the last group offered
 
     # ---- requests -----------------------------------------------------------------------------------------------
-    def check_request(self, prompt_len: int, max_output_len: int, n: int) -> None:
-        """Raise ``RequestRejectedError`` when such a request could never be scheduled."""
+    def check_request(self, prompt_len: int, max_output_len: int, n: int, beams: bool = False) -> None:
+        """Raise ``RequestRejectedError`` when such a request (``n`` samples, or ``n`` beams) could never be
+        scheduled."""
         total = prompt_len + max_output_len
         if n > self.config.max_num_seqs:
             raise RequestRejectedError(f"n={n} samples exceed max_num_seqs={self.config.max_num_seqs}", "n")
@@ -319,6 +330,10 @@ class Scheduler:
         if not self.policy.can_ever_fit(total - 1):
             raise RequestRejectedError(f"a sequence of {total - 1} KV tokens does not fit the KV pool of "
                                        f"{self.policy.capacity} token slots", "capacity")
+        if beams and not self.policy.can_ever_fit(total - 1, n):
+            raise RequestRejectedError(f"{n} beams of {total - 1} KV tokens may not fit the KV pool of "
+                                       f"{self.policy.capacity} token slots together (a preempted beam search "
+                                       f"restarts whole, so its beams must fit at once)", "capacity")
 
     def add(self, group: SequenceGroup) -> None:
         """Queue a group (its sequences in ``waiting`` status); call ``check_request`` first."""
@@ -468,23 +483,27 @@ class Scheduler:
 
     def _beam_step(self, group: SequenceGroup) -> None:
         """Before this step's tokens: a beam continued by ``c > 1`` of the next beams is forked ``c - 1`` times into
-        the sequences of beams no candidate continues (``KVPolicy.refork``); the group's beams are re-ranked parents
-        first, each followed by its forks."""
-        running = self.running
+        the sequences of beams no candidate continues (``KVPolicy.refork``), and ``group.beam.forked`` learns which
+        sequence continues which beam; the group's beams are re-ranked parents first, each followed by its forks.
+        A beam left over (fewer next beams than live ones) leaves the batch."""
+        running, beam = self.running, group.beam
         live = [seq for seq in group.seqs if running.get(seq.seq_id) is seq]
         if not live:
             del self.beam_groups[group]
             return
-        counts, kv_len = group.beam.parent_counts(len(live)), self.kv_len(live[0])
+        counts, kv_len = beam.parent_counts(live), self.kv_len(live[0])
         released = [seq for seq, count in zip(live, counts) if count == 0]
         ranked = []
         for seq, count in zip(live, counts):
             if count:
-                ranked.append(seq)
-                for _ in range(count - 1):  # the extra continuations take over released beams' sequences
-                    child = released.pop()
+                children = [released.pop() for _ in range(count - 1)]
+                for child in children:  # the extra continuations take over released beams' sequences
                     self.policy.refork(seq, child, kv_len)
-                    ranked.append(child)
+                beam.forked(seq, children)
+                ranked += [seq, *children]
+        for seq in released:
+            self._leave_running(seq, kv_len - 1)
+            seq.status = SequenceStatus.FINISHED
         group.seqs[:] = ranked + [seq for seq in group.seqs if running.get(seq.seq_id) is not seq]
 
     def _reserve_one_by_one(self, bucket: dict, out: SchedulerOutput) -> None:
@@ -538,18 +557,46 @@ class Scheduler:
                 self.num_swapped_seqs += len(group)
                 self.num_swaps_out += 1
                 return
+        group = victim.group
+        if group.beam is not None and not self._alone(group):
+            self._restart_beam_search(group, out)
+            return
         kv_len = self.kv_len(victim) - 1
         self._leave_running(victim, kv_len, release=False)
         self.policy.preempt(victim, kv_len)
         victim.prompt_len, victim.num_computed, victim.status = kv_len + 1, 0, SequenceStatus.WAITING
         out.preempted = [*out.preempted, victim]
-        alone = SequenceGroup(victim.group.request_id, [victim], victim.group.token_ids, victim.group.data,
-                              victim.group.stream_key)
-        if victim.group.beam is not None:  # a recomputed beam falls behind its beam search: it ends on its own
-            victim.group.seqs.remove(victim)
+        alone = SequenceGroup(group.request_id, [victim], group.token_ids, group.data, group.stream_key)
+        if group.beam is not None:
+            # A search alone in the batch cannot make room by restarting (a contiguous space too fragmented for all
+            # its beams; ``check_request`` keeps a paged pool from ever getting here): its newest beam leaves it and
+            # ends on its own, as a sample.
+            group.seqs.remove(victim)
             victim.group = alone
         self.waiting.appendleft(alone)
         self.num_waiting_seqs += 1
+
+    def _alone(self, group: SequenceGroup) -> bool:
+        """Whether ``group``'s sequences are all the batch holds."""
+        running = self.running
+        return not self.prefilling and len(running) == sum(running.get(s.seq_id) is s for s in group.seqs)
+
+    def _restart_beam_search(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Recompute preemption of a beam search: a beam's continuation depends on its siblings', so one beam
+        cannot be recomputed alone. Every live beam drops its KV and the group waits first to be prefilled again
+        from its prompt; ``group.beam.restart`` starts its ranking afresh."""
+        live = [seq for seq in group.seqs if self.running.get(seq.seq_id) is seq]
+        for seq in live:
+            kv_len = self.kv_len(seq) - 1
+            self.num_discarded_tokens += kv_len + 1 - seq.prompt_len
+            self._leave_running(seq, kv_len, release=False)
+            self.policy.preempt(seq, kv_len)
+        for seq in group.seqs:
+            seq.num_computed, seq.status = 0, SequenceStatus.WAITING
+        group.beam.restart(group.seqs)
+        out.preempted = [*out.preempted, *live]
+        self.waiting.appendleft(group)
+        self.num_waiting_seqs += len(group.seqs)
 
     def _swap_in(self, out: SchedulerOutput) -> None:
         """Bring swapped groups back FCFS while their blocks, their next token and the sequence cap fit."""

@@ -191,9 +191,10 @@ class ContiguousPolicy:
             return final_len
         return min(prompt_len + self.grow_initial_extra, self.max_model_len, self.space.max_region())
 
-    def can_ever_fit(self, final_len: int) -> bool:
-        largest = self.space.max_region()
-        return self.space.rounded(self.initial_size(final_len, final_len)) <= largest and final_len <= largest
+    def can_ever_fit(self, final_len: int, count: int = 1) -> bool:
+        """Whether ``count`` regions that reach ``final_len`` fit the largest free region of an empty space."""
+        size = max(self.space.rounded(self.initial_size(final_len, final_len)), final_len)
+        return count * size <= self.space.max_region()
 
     def admit(self, seqs: list, token_ids=None) -> bool:
         """Reserve a region for every sequence of a group, or none of them (``token_ids`` are not used)."""

@@ -4,8 +4,9 @@ A real beam search keeps the ``k`` best of the live beams' continuations; which 
 the model's probabilities. The simulator has no probabilities, so each step the ``k`` next beams draw their parents
 among the ``k`` live beams with probability proportional to ``BEAM_PARENT_DECAY ** rank`` (the better-ranked beams
 spawn more, as in a real search where a few strong hypotheses dominate). A beam no candidate continues dies and its
-blocks are released; a beam continued several times is forked (``KVPolicy.refork``). The scheduler calls the
-model once per decode step of each beam search; ``simulator.paper`` checks its memory saving against the vLLM
+blocks are released; a beam continued several times is forked (``KVPolicy.refork``). It is the scheduler's
+``BeamModel``, as the engine's ranking (``lab.beam.BeamRanking``) is: the scheduler calls it once per decode step
+of each beam search; ``simulator.paper`` checks its memory saving against the vLLM
 paper's Figure 15 and against the real engine's ``LLMEngine.beam_search`` at tiny scale.
 """
 from __future__ import annotations
@@ -28,10 +29,11 @@ class BeamSurvival:
         self.drawn: list[list[int]] = []  # the next steps' counts, last one first
         self.drawn_beams = 0
 
-    def parent_counts(self, num_beams: int) -> list[int]:
-        """How many of the ``num_beams`` next beams continue each live beam (rank order). Steps are drawn
+    def parent_counts(self, live: list) -> list[int]:
+        """How many of the next beams continue each of the ``live`` beams (rank order). Steps are drawn
         ``DRAWS_AT_ONCE`` at a time (one NumPy call per step cost more than the rest of a beam step); the stream
-        is the same as one draw a step while ``num_beams`` stays the same."""
+        is the same as one draw a step while the number of beams stays the same."""
+        num_beams = len(live)
         if not self.drawn or num_beams != self.drawn_beams:
             weights = self.decay ** np.arange(num_beams)
             parents = self.rng.choice(num_beams, size=(DRAWS_AT_ONCE, num_beams), p=weights / weights.sum())
@@ -40,3 +42,9 @@ class BeamSurvival:
             self.drawn = counts.reshape(DRAWS_AT_ONCE, num_beams)[::-1].tolist()
             self.drawn_beams = num_beams
         return self.drawn.pop()
+
+    def forked(self, parent, children: list) -> None:
+        """Nothing to hand over: the model has no tokens."""
+
+    def restart(self, seqs: list) -> None:
+        """A restarted search keeps drawing from the same stream."""

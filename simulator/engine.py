@@ -250,7 +250,7 @@ class Simulator:
         self.iteration = 0
         self.done_calendar: dict[int, list] = {}  # decode step -> [(seq, epoch)] completing then
         self.next_seq_id = 0
-        self.generated_tokens = self.copied_tokens = self.swapped_blocks = 0
+        self.generated_tokens = self.copied_tokens = self.swapped_blocks = self.discarded_tokens = 0
         self.num_requests = len(workload)
         # per request: arrays of C doubles and lists (a numpy scalar costs ~1 us an access); numpy in the result
         self.first_token_time = array("d", [math.nan]) * self.num_requests
@@ -350,7 +350,7 @@ class Simulator:
         outputs = self.workload.outputs_of(request)
         prompt = int(self.workload.prompt_tokens[request])
         try:
-            self.scheduler.check_request(prompt, max(outputs), len(outputs))
+            self.scheduler.check_request(prompt, max(outputs), len(outputs), self.workload.beam_width > 1)
         except RequestRejectedError as error:
             self._reject(request, error.reason)
             return
@@ -410,6 +410,9 @@ class Simulator:
             self.admission_s = 0.0
         end = self.time + duration
         self.generated_tokens += out.num_decode_seqs + len(out.prefill_done)
+        if scheduler.num_discarded_tokens != self.discarded_tokens:  # a restarted beam search's are not output
+            self.generated_tokens -= scheduler.num_discarded_tokens - self.discarded_tokens
+            self.discarded_tokens = scheduler.num_discarded_tokens
         # sampled before any sequence finishes: a one-token request holds its prompt during the step that prefills it
         values = self.policy.memory_sample(scheduler.held_tokens())
         self.metrics.accumulate(values, scheduler.num_running_seqs, duration)

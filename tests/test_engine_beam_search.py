@@ -3,8 +3,9 @@ end."""
 import pytest
 import torch
 
-from lab.beam import BeamSearchError, BeamSearchParams
+from lab.beam import BeamRanking, BeamSearchError, BeamSearchParams
 from lab.engine import LLMEngine
+from lab.sampler import SamplingParams
 
 PROMPTS = [[5, 17, 300, 2, 9, 41, 8], list(range(100, 119)), [7]]
 
@@ -34,11 +35,10 @@ def test_beams_match_hf_without_eos(block_size, width):
 def test_candidates_are_ranked_on_the_logits_device():
     """The ranking builds its tensors where the logits live: a CPU tensor of beam scores added to a GPU's logits
     raises. The meta device stands in for a GPU here (the same device check, no data)."""
-    from lab.beam import _Beam, _Data, _top_candidates
+    from lab.beam import top_candidates
 
-    beams = [_Beam(f"beam-{i}", _Data([1, 2])) for i in range(2)]
     for count in (1, 2):  # one beam: HF's first step pads the rest at -1e9
-        values, indices = _top_candidates(beams[:count], torch.empty(count, 50, device="meta"), width=2)
+        values, indices = top_candidates([0.0] * count, torch.empty(count, 50, device="meta"), width=2, count=4)
         assert values.device.type == indices.device.type == "meta" and values.shape == (4,)
 
 
@@ -70,10 +70,10 @@ def test_best_beam_matches_hf_with_eos_and_early_stopping():
 @pytest.mark.parametrize("params,message", [(BeamSearchParams(0, 4), "beam_width"),
                                             (BeamSearchParams(2, 0), "max_tokens"),
                                             (BeamSearchParams(2, 4, length_penalty=float("nan")), "length_penalty"),
-                                            (BeamSearchParams(64, 40), "may need")])
+                                            (BeamSearchParams(64, 40), "fit the KV pool .* together")])
 def test_bad_beam_search_requests_run_nothing(params, message):
     engine = LLMEngine("tiny", num_blocks=32, block_size=4)
-    with pytest.raises(BeamSearchError, match=message):
+    with pytest.raises(ValueError, match=message):
         engine.beam_search([[1, 2, 3]], params)
     assert engine.block_manager.num_free_blocks == 32
 
@@ -86,3 +86,55 @@ def test_beams_report_their_block_sharing():
     assert len(result.block_usage) == 12
     assert all(shared <= copies for shared, copies in result.block_usage)
     assert 0.5 < memory_saving(result.block_usage) < 1  # the 40-token prompt's 10 blocks are held once, not 4 times
+
+
+MIXED = [(PROMPTS[0], BeamSearchParams(beam_width=3, max_tokens=7, ignore_eos=True)),
+         (PROMPTS[1], SamplingParams(max_tokens=9, ignore_eos=True)),
+         (PROMPTS[2], BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True)),
+         (list(range(40, 71)), SamplingParams(max_tokens=6, n=2, temperature=0.8, seed=3, ignore_eos=True)),
+         ([9, 8, 7, 6], BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True))]
+
+
+def outputs_of(results):
+    """Each request's tokens, and its beams' scores (batching changes fp32 sums in their last bits)."""
+    return [(o.outputs, [round(b.score, 4) for b in o.beams.sequences] if o.beams else None) for o in results]
+
+
+@pytest.mark.parametrize("modes", [dict(), dict(scheduling="chunked", max_num_batched_tokens=24),
+                                   dict(num_blocks=24), dict(num_blocks=24, preemption_mode="swap"),
+                                   dict(num_blocks=18, scheduling="chunked", max_num_batched_tokens=16)],
+                         ids=["prefill-first", "chunked", "recompute", "swap", "chunked-recompute"])
+def test_beam_and_sampling_requests_share_batches(modes, monkeypatch):
+    """Beam searches are requests of the shared scheduler: batched with sampling requests (one step decodes both),
+    preempted like them (a recomputed search restarts from its prompt, a swapped one resumes), each request's result
+    equal to its solo run, the beams to HF's."""
+    options = dict(block_size=3, num_blocks=256) | modes
+    solo_engine = LLMEngine("tiny", block_size=3, num_blocks=256)
+    solo = [outputs_of(solo_engine.generate([prompt], [params]))[0] for prompt, params in MIXED]
+    engine = LLMEngine("tiny", **options)
+    seen = set()
+
+    def kinds(_stats):
+        plan = engine.last_plan
+        seqs = list(plan.decode_seqs or ()) + [chunk.seq for chunk in plan.prefill_chunks]
+        if len({seq.group.beam is None for seq in seqs}) == 2:
+            seen.add(plan.step)
+
+    engine.on_step = kinds
+    restarts = []
+    original = BeamRanking.restart
+    monkeypatch.setattr(BeamRanking, "restart", lambda self, seqs: (restarts.append(len(seqs)), original(self, seqs)))
+    assert outputs_of(engine.generate([p for p, _ in MIXED], [sp for _, sp in MIXED])) == solo
+    assert len(seen) >= 3  # steps that ran beams and samples together
+    if "num_blocks" in modes:
+        assert engine.num_preemptions > 0
+        swap = modes.get("preemption_mode") == "swap"
+        assert engine.scheduler.num_swaps_out > 0 if swap else restarts  # a recomputed search restarts
+    for (prompt, params), (outputs, scores) in zip(MIXED, solo):
+        if scores is not None:
+            expected, hf_scores = hf_beams(engine, prompt, params.beam_width, params.max_tokens,
+                                           min_new_tokens=params.max_tokens)
+            assert outputs == expected and scores == pytest.approx(hf_scores, abs=1e-3)
+    manager = engine.block_manager
+    assert manager.num_free_blocks == manager.num_physical_blocks
+    manager.check_invariants()

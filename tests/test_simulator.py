@@ -155,7 +155,9 @@ def test_paged_trajectory_equals_driving_the_block_manager_directly(sharing, mon
             assert bulk.get_block_table(seq_id) == per_token.get_block_table(seq_id)
         assert bulk.ref_counts == per_token.ref_counts
     assert bulk.ref_counts == mine.ref_counts and bulk.num_free_blocks == mine.num_physical_blocks
-    assert any(name == "try_reserve_counted_blocks" for name, *_ in mine.ops) and not mine.reserved_blocks
+    # beams grow by events each step (they re-fork), samples by periodic reservations
+    assert any(name == "try_reserve_counted_blocks" for name, *_ in mine.ops) != ("beam_width" in sharing)
+    assert not mine.reserved_blocks
     mine.check_invariants()
 
 

@@ -18,13 +18,16 @@ def beams(width, num_requests=40, rate=50.0, seed=3, **spec):
                                             beam_width=width, **spec))
 
 
+BEAMS = [object()] * 4  # the live beams (the model reads only how many)
+
+
 def test_survival_counts_are_a_seeded_split_of_the_beams():
     first, again = BeamSurvival(0, 7), BeamSurvival(0, 7)
     for _ in range(50):
-        counts = first.parent_counts(4)
-        assert counts == again.parent_counts(4) and sum(counts) == 4 and len(counts) == 4
+        counts = first.parent_counts(BEAMS[:4])
+        assert counts == again.parent_counts(BEAMS[:4]) and sum(counts) == 4 and len(counts) == 4
     other_seed, other_request = BeamSurvival(1, 7), BeamSurvival(0, 8)
-    draws = [[survival.parent_counts(4) for _ in range(20)] for survival in (BeamSurvival(0, 7), other_seed,
+    draws = [[survival.parent_counts(BEAMS[:4]) for _ in range(20)] for survival in (BeamSurvival(0, 7), other_seed,
                                                                               other_request)]
     assert draws[0] != draws[1] and draws[0] != draws[2]
     # drawn many steps at a time, the stream is the one a draw a step gives
@@ -33,8 +36,8 @@ def test_survival_counts_are_a_seeded_split_of_the_beams():
                      for _ in range(150)]
     assert draws[0] == one_at_a_time[:20]
     survival = BeamSurvival(0, 7)
-    assert [survival.parent_counts(4) for _ in range(150)] == one_at_a_time
-    assert sum(survival.parent_counts(3)) == 3  # a beam fewer: fresh draws of three
+    assert [survival.parent_counts(BEAMS[:4]) for _ in range(150)] == one_at_a_time
+    assert sum(survival.parent_counts(BEAMS[:3])) == 3  # a beam fewer: fresh draws of three
 
 
 @pytest.mark.parametrize("modes", [dict(), dict(preemption_mode="swap", num_cpu_blocks=400),
@@ -43,7 +46,7 @@ def test_survival_counts_are_a_seeded_split_of_the_beams():
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 def test_beams_fork_and_die_without_leaking_blocks(modes, block_size):
     workload = beams(4, rate=math.inf, shared_prefix_tokens=8)
-    sim = Simulator(workload, SimConfig(allocator="paged", block_size=block_size, capacity_tokens=800,
+    sim = Simulator(workload, SimConfig(allocator="paged", block_size=block_size, capacity_tokens=960,
                                         max_points=100_000, **modes))
     result = sim.run()
     summary, series = result.summary, result.timeseries

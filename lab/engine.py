@@ -288,13 +288,20 @@ class LLMEngine:
     def _queue(self, request: _Request) -> None:
         request.request_id = next(self._ids)
         self.requests[request.request_id] = request
-        group = SequenceGroup(request.request_id, [], self._token_ids, request, beam=request.beam)
+        group = self._group(request)
         final_len = len(request.prompt) + request.params.max_tokens - 1
         for sample in range(num_sequences(request.params)):
             state = _SeqState(request, sample, self.device)
             group.seqs.append(Sequence(next(self._seq_ids), group, sample, len(request.prompt), final_len, state))
         request.samples = group.seqs
         self.scheduler.add(group)
+
+    def _group(self, request: _Request) -> SequenceGroup:
+        """An empty group for ``request``'s sequences, with its stop tokens (EOS unless ignored, and its own)."""
+        params, stops = request.params, frozenset()
+        if isinstance(params, SamplingParams):
+            stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        return SequenceGroup(request.request_id, [], self._token_ids, request, beam=request.beam, stop_token_ids=stops)
 
     @staticmethod
     def _token_ids(seq: Sequence, length: int) -> list[int]:
@@ -428,6 +435,8 @@ class LLMEngine:
         now = time.perf_counter()
         for (row, seq), token in sampled:
             self._accept(seq, logits[row] if self.record_logits else None, token, now)
+        for seq in self.scheduler.postprocess([(seq, token) for (_, seq), token in sampled]):
+            self._finish(seq, now)
         for ranking, rows in ranked.items():
             self._rank(ranking, logits, rows, now)
 
@@ -497,7 +506,7 @@ class LLMEngine:
         prompt's prefill), each other one alone with its prompt and accepted tokens as the prompt."""
         final_len = len(request.prompt) + request.params.max_tokens - 1
         if request.beam is not None:  # a beam search starts again from its prompt (see lab.beam)
-            group = SequenceGroup(request.request_id, [], self._token_ids, request, beam=request.beam)
+            group = self._group(request)
             group.seqs = [Sequence(seq.seq_id, group, seq.sample, len(request.prompt), final_len, seq.data)
                           for seq in request.samples]
             request.samples = group.seqs
@@ -509,7 +518,7 @@ class LLMEngine:
             if seq.status is SequenceStatus.FINISHED:
                 continue
             state = seq.data
-            group = SequenceGroup(request.request_id, [], self._token_ids, request)
+            group = self._group(request)
             new = Sequence(seq.seq_id, group, seq.sample, len(state.token_ids), final_len, state)
             request.samples[index] = new
             (started if state.output else fresh).append(new)
@@ -540,7 +549,7 @@ class LLMEngine:
         return self.scheduler.step_log_frame()
 
     def _accept(self, seq: Sequence, logits: torch.Tensor | None, token: int, now: float) -> None:
-        """Append ``token`` (from the sampler) to ``seq``; finish it on EOS, a stop token or max_tokens.
+        """Append ``token`` (from the sampler) to ``seq`` (the scheduler's ``postprocess`` then checks stops).
         ``logits``: its row's, given (and kept) when ``record_logits`` is on."""
         state = seq.data
         if self.record_logits:
@@ -552,13 +561,9 @@ class LLMEngine:
         request = state.request
         if request.first_token_s != request.first_token_s:  # NaN: first token of the request
             request.first_token_s = now
-        params = request.params
-        stop = (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids
-        if stop or len(state.output) >= params.max_tokens:
-            self._finish(seq, now)
 
     def _finish(self, seq: Sequence, now: float) -> None:
-        self.scheduler.finish(seq)
+        """``seq`` finished (the scheduler freed it): when it was its request's last, the request's output."""
         request = seq.data.request
         request.samples_left -= 1
         if request.samples_left:

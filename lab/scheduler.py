@@ -137,11 +137,13 @@ class SequenceGroup:
     None when unknown; ``stream_key`` (when the token ids are None) says the stream's content is a function of
     (key, position) alone, which prefix caching can use without the tokens."""
 
-    __slots__ = ("request_id", "seqs", "token_ids", "stream_key", "data", "beam")
+    __slots__ = ("request_id", "seqs", "token_ids", "stream_key", "data", "beam", "stop_token_ids")
 
-    def __init__(self, request_id, seqs: list[Sequence], token_ids=None, data=None, stream_key=None, beam=None):
+    def __init__(self, request_id, seqs: list[Sequence], token_ids=None, data=None, stream_key=None, beam=None,
+                 stop_token_ids: frozenset = frozenset()):
         self.request_id, self.seqs, self.token_ids, self.data = request_id, seqs, token_ids, data
         self.stream_key = stream_key
+        self.stop_token_ids = stop_token_ids  # a sampled one finishes the sequence (``Scheduler.postprocess``)
         # A beam search (a ``BeamModel``): the sequences are its beams. None: independent samples.
         self.beam = beam
 
@@ -392,6 +394,16 @@ class Scheduler:
             if out.finished is NOTHING:
                 out.finished = []
             out.finished.append(seq)
+
+    def postprocess(self, sampled: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """The executor sampled ``(sequence, token)``: finish each sequence whose token is one of its group's stop
+        tokens or that reached its final length (its last output token); returns them."""
+        finished = []
+        for seq, token in sampled:
+            if token in seq.group.stop_token_ids or self.kv_len(seq) >= seq.final_len:
+                self.finish(seq)
+                finished.append(seq)
+        return finished
 
     def end_step(self, duration_s: float, elapsed_s: float = 0.0, generated_tokens: int = 0,
                  peak_memory_bytes: int = 0, want_stats: bool = True) -> StepStats | None:

@@ -3,7 +3,7 @@ end."""
 import pytest
 import torch
 
-from lab.beam import BeamRanking, BeamSearchError, BeamSearchParams
+from lab.beam import BeamRanking, BeamSearchParams
 from lab.engine import LLMEngine
 from lab.sampler import SamplingParams
 

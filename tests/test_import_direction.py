@@ -74,3 +74,14 @@ def test_no_import_cycles():
 @pytest.mark.parametrize("module", ["lab.model_runner"])
 def test_the_model_runner_does_not_know_the_block_manager(module):
     assert "lab.block_manager" not in nx.descendants(import_graph(), module)
+
+
+def test_the_engine_step_reads_like_nano_vllm_s():
+    """schedule -> copies -> runner -> sampler -> postprocess (stop checks in the scheduler's) -> end of step."""
+    import inspect
+
+    from lab.engine import LLMEngine
+
+    body = [line for line in inspect.getsource(LLMEngine._step).splitlines()[1:] if line.strip()]
+    assert len(body) <= 12, body
+    assert "self.scheduler.postprocess(" in inspect.getsource(LLMEngine._postprocess)

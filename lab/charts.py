@@ -45,6 +45,30 @@ def block_pool_figure(ref_counts: list[int], owners: list[list], columns: int | 
     return figure
 
 
+def offload_tier_figure(lru_rank: list[int], title: str = "Host offload tier") -> go.Figure:
+    """Heatmap, one cell per host slot of the offload tier: darker = more recently stored or loaded (the lightest is
+    evicted next); free slots blank."""
+    count = len(lru_rank)
+    columns = max(8, int(np.ceil(np.sqrt(max(count, 1) * 2))))
+    rows = max(1, -(-count // columns))
+    used = max(1, sum(rank >= 0 for rank in lru_rank))
+    recency = np.full(rows * columns, np.nan)
+    hover = np.full(rows * columns, "", dtype=object)
+    for slot, rank in enumerate(lru_rank):
+        if rank >= 0:
+            recency[slot] = (rank + 1) / used
+            hover[slot] = f"slot {slot}<br>holds an evicted prefix block<br>{rank + 1} of {used} in LRU order"
+        else:
+            hover[slot] = f"slot {slot}<br>free"
+    shape = (rows, columns)
+    figure = go.Figure(go.Heatmap(z=recency.reshape(shape), hovertext=hover.reshape(shape), hoverinfo="text",
+                                  colorscale="Blues", showscale=False, xgap=1, ygap=1, zmin=0, zmax=1))
+    figure.update_layout(title=title, height=max(160, 26 * rows + 80), margin=dict(l=10, r=10, t=40, b=10),
+                         yaxis=dict(autorange="reversed", showticklabels=False),
+                         xaxis=dict(showticklabels=False))
+    return figure
+
+
 def block_table_frame(block_table: list[int], block_size: int, seq_len: int | None = None) -> pd.DataFrame:
     """Logical -> physical mapping of one sequence, with the tokens each block holds when the length is known."""
     frame = pd.DataFrame({"logical_block": np.arange(len(block_table)), "physical_block": block_table})

@@ -9,7 +9,7 @@ copy-on-write of a shared partial block, the first token after a swap-in) are ev
 from __future__ import annotations
 
 from .block_manager import KVBlockManager, PrefixCacheStats
-from .pool_view import pool_snapshot
+from .pool_view import pool_snapshot, tier_snapshot
 from .scheduler import NO_EVENT, MemorySample, Sequence
 
 DEFAULT_SWAP_SPACE_BYTES = 4 << 30  # vLLM's --swap-space default: 4 GiB of host memory per GPU
@@ -221,6 +221,8 @@ class PagedPolicy:
         pool = pool_snapshot(self.manager)
         if self.cpu_manager is not None:
             pool.host_pool = pool_snapshot(self.cpu_manager)
+        if self.manager.offload is not None:
+            pool.offload = tier_snapshot(self.manager.offload)
         return pool
 
     def cpu_blocks_in_use(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .block_manager import KVBlockManager
+from .offload import OffloadStats, OffloadTier
 
 
 @dataclass(slots=True)
@@ -19,6 +20,31 @@ class PoolSnapshot:
     cached: list[bool]  # per physical block, registered in the prefix cache
     num_free_blocks: int
     host_pool: "PoolSnapshot | None" = None  # with swap preemption: the host pool at the same moment
+    offload: "TierSnapshot | None" = None  # with an offload tier: its host slots at the same moment
+
+
+@dataclass(slots=True)
+class TierSnapshot:
+    """The offload tier's host slots: per slot, its place in the LRU order (0: the next to be evicted), or -1
+    when free; and the tier's counts so far."""
+
+    lru_rank: list[int]
+    stats: OffloadStats
+
+    @property
+    def num_used_slots(self) -> int:
+        return sum(rank >= 0 for rank in self.lru_rank)
+
+
+def tier_snapshot(tier: OffloadTier) -> TierSnapshot:
+    """A copy of ``tier``'s occupancy (an unbounded tier: the slots used so far)."""
+    size = tier.capacity if tier.capacity is not None else tier.next_slot
+    lru_rank = [-1] * size
+    for rank, (slot, _) in enumerate(tier.entries.values()):
+        lru_rank[slot] = rank
+    stats = tier.stats
+    return TierSnapshot(lru_rank, OffloadStats(stats.hit_blocks, stats.loaded_blocks, stats.stored_blocks,
+                                               stats.peak_blocks))
 
 
 def block_owners(manager: KVBlockManager) -> list[list]:

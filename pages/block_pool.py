@@ -1,6 +1,6 @@
 import streamlit as st
 
-from lab.charts import block_pool_figure, block_pool_frame, block_table_frame
+from lab.charts import block_pool_figure, block_pool_frame, block_table_frame, offload_tier_figure
 from lab.live import throttled
 from lab.results import settings_of
 from simulator.pool_frames import PoolRunConfig, busiest_frame, record_pool_frames
@@ -20,12 +20,15 @@ with st.sidebar:
     every = st.slider("Record a frame every … iterations", 1, 20, 2)
     preemption = st.radio("Preemption", ["recompute", "swap"], horizontal=True,
                           help="swap: preempted sequences move to a host pool, shown below the device pool")
+    offload = st.slider("Host offload tier (blocks)", 0, 512, 0, step=16, key="offload_blocks",
+                        help="prefix blocks the device pool evicts are kept in host memory and loaded back when a "
+                             "later prompt shares them (0: no tier); shown below the device pool")
     run = st.button("Run", type="primary", key="run")
 
 
 config = PoolRunConfig(source="simulator" if source.startswith("simulator") else "engine", num_blocks=num_blocks,
                        block_size=block_size, num_requests=num_requests, n=n, shared_prefix_tokens=shared_prefix,
-                       preemption_mode=preemption, frame_every=every)
+                       preemption_mode=preemption, frame_every=every, kv_offload_blocks=offload)
 
 if run or "pool_frames" not in st.session_state:
     live = st.empty()
@@ -75,6 +78,14 @@ def player():
                    f"{len(host.ref_counts)} blocks hold swapped-out sequences")
         chart(block_pool_figure(host.ref_counts, host.owners, title=f"host pool, iteration {iteration}"),
               "host_pool_heatmap")
+    if pool.offload is not None:
+        tier = pool.offload
+        stats = tier.stats
+        st.caption(f"Host offload tier: {tier.num_used_slots} of {len(tier.lru_rank)} slots hold prefix blocks the "
+                   f"device pool evicted; so far {stats.stored_blocks} stored, {stats.loaded_blocks} loaded back "
+                   f"for prompts that shared them (darker: used more recently; the lightest is evicted next)")
+        chart(offload_tier_figure(tier.lru_rank, title=f"host offload tier, iteration {iteration}"),
+              "offload_tier_heatmap")
 
 
 player()

@@ -30,6 +30,7 @@ class PoolRunConfig:
     shared_prefix_tokens: int = 0
     preemption_mode: str = "recompute"
     frame_every: int = 2
+    kv_offload_blocks: int = 0  # host slots of the prefix cache's offload tier (0: none)
 
 
 def record_pool_frames(config: PoolRunConfig, on_frame: Callable[[Frame], None] | None = None) -> list[Frame]:
@@ -60,14 +61,14 @@ def _simulate(config: PoolRunConfig, keep: Callable[[Frame], None]) -> None:
                                                 shared_prefix_tokens=config.shared_prefix_tokens))
     sim_config = SimConfig(allocator="paged", block_size=config.block_size,
                            capacity_tokens=config.num_blocks * config.block_size, max_model_len=4096,
-                           preemption_mode=config.preemption_mode)
+                           preemption_mode=config.preemption_mode, kv_offload_blocks=config.kv_offload_blocks)
     Simulator(workload, sim_config, lambda snapshot: keep((snapshot.stats.step, snapshot.pool)),
               config.frame_every).run()
 
 
 def _serve(config: PoolRunConfig, keep: Callable[[Frame], None]) -> None:
     engine = EngineConfig(block_size=config.block_size, num_blocks=config.num_blocks, max_num_seqs=64,
-                          preemption_mode=config.preemption_mode)
+                          preemption_mode=config.preemption_mode, kv_offload_blocks=config.kv_offload_blocks)
     run = RuntimeRunConfig(num_requests=config.num_requests, prompt_len_range=(8, 48), max_tokens_range=(8, 48),
                            shared_prefix_tokens=config.shared_prefix_tokens, n=config.n,
                            temperature=1.0 if config.n > 1 else 0.0, engine=engine)

@@ -201,6 +201,22 @@ def test_block_pool_shows_the_host_pool_when_swapping(source):
     assert any("Host pool" in caption.value for caption in app.caption)
 
 
+@pytest.mark.parametrize("source", ["simulator (paged)", "runtime engine"])
+def test_block_pool_draws_the_offload_tier(source):
+    app = open_page("block_pool")
+    app.radio[0].set_value(source)
+    app.slider(key="num_blocks").set_value(32)  # small: cached prefix blocks get evicted to the tier
+    app.slider(key="offload_blocks").set_value(64)
+    app.button(key="run").click().run()
+    clean(app)
+    frames = app.session_state["pool_frames"]
+    assert all(pool.offload is not None and len(pool.offload.lru_rank) == 64 for _, pool in frames)
+    last = frames[-1][1].offload
+    assert last.stats.stored_blocks > 0 and last.num_used_slots == min(64, last.stats.stored_blocks)
+    assert any("Host offload tier" in caption.value for caption in app.caption)
+    assert app.session_state["pool_settings"]["kv_offload_blocks"] == 64
+
+
 def test_benchmarks_page_lists_results_and_rejects_bad_csv(downloads):
     app = open_page("memory_simulator")
     app.switch_page("pages/benchmarks.py")

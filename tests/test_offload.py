@@ -111,3 +111,24 @@ def test_the_tier_sweep_shows_what_a_cpu_tier_buys():
     assert len(offload_lines(table).layout.annotations) == 3
     with pytest.raises(LabError, match="must be >= 0"):
         offload_sweep(workload, config, (-1.0,))
+
+
+def test_a_tier_snapshot_ranks_slots_by_recency():
+    from lab.offload import OffloadTier
+    from lab.pool_view import tier_snapshot
+
+    tier = OffloadTier(4)
+    for key in ("a", "b", "c"):
+        tier.store((key,), 0)
+    tier.unpin()
+    tier.take(("a",))  # "a" becomes the most recently used
+    snapshot = tier_snapshot(tier)
+    slots = {key: slot for key, (slot, _) in tier.entries.items()}
+    assert snapshot.lru_rank[slots[("b",)]] == 0 and snapshot.lru_rank[slots[("a",)]] == 2
+    assert snapshot.lru_rank.count(-1) == 1 and snapshot.num_used_slots == 3
+    assert snapshot.stats.stored_blocks == 3 and snapshot.stats.loaded_blocks == 1
+    tier.store(("d",), 0)  # the snapshot is a copy
+    assert snapshot.num_used_slots == 3 and snapshot.stats.stored_blocks == 3
+    unbounded = OffloadTier(None)
+    unbounded.store(("x",), 0)
+    assert tier_snapshot(unbounded).lru_rank == [0]

@@ -130,14 +130,19 @@ def run_hf_static(model, prompts, outputs, device) -> dict:
 def run_hf_continuous(model, prompts, outputs) -> dict:
     """HF continuous batching (``generate_batch``'s manager), one ``max_new_tokens`` per request."""
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     config = GenerationConfig(max_new_tokens=max(outputs), do_sample=False, eos_token_id=-1, pad_token_id=0)
     hints = WorkloadHints(max_prompt_length=max(len(p) for p in prompts), max_generated_length=max(outputs),
                           num_requests=len(prompts))
+    # A KV cache that holds the whole workload at once: sized from free memory instead, it is mostly never used and
+    # HF fills its static tensors (attention mask included) over all of it at start-up.
+    page = ContinuousBatchingConfig().page_size
+    cache = ContinuousBatchingConfig(num_blocks=sum(-(-(len(p) + n) // page) for p, n in zip(prompts, outputs)))
     results = {}
     with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5,
-                                                   workload_hints=hints) as manager:
+                                                   workload_hints=hints, continuous_batching_config=cache) as manager:
         started = time.perf_counter()
         ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=n, record_timestamps=True)
                for i, (p, n) in enumerate(zip(prompts, outputs))]

@@ -17,7 +17,7 @@ from lab.errors import InputError
 from .allocators import ALLOCATORS
 from .checks import closed_form_checks
 from .cluster import run_simulation
-from .engine import SimConfig, SimResult, Simulator, Snapshot
+from .engine import SimConfig, SimResult, Simulator, Snapshot, offload_blocks
 from .metrics import CATEGORIES
 from .presets import APP_DEFAULTS, PAPER_FIGURE2_TOKEN_STATES, figure2_experiment, make_configs
 from .models import GPUS, MODELS, CostModel, get_gpu, get_model, kv_capacity_tokens
@@ -128,18 +128,6 @@ def block_size_sweep(workloads: dict[str, Workload], config: SimConfig,
 
 
 OFFLOAD_TIERS_GIB = (0.0, 8.0, 32.0, 128.0, math.inf)
-
-
-def offload_blocks(config: SimConfig, gib: float) -> int | None:
-    """The offload tier's blocks in ``gib`` GiB of host memory for ``config``'s model and block size (None:
-    unbounded)."""
-    if not gib >= 0:
-        raise InputError(f"the offload tier's size must be >= 0 GiB (inf: unbounded), got {gib}")
-    if gib == math.inf:
-        return None
-    from .engine import resolve_capacity
-
-    return int(gib * 2**30 // resolve_capacity(config)[1].block_bytes(config.block_size))
 
 
 def offload_sweep(workload: Workload, config: SimConfig,

@@ -89,6 +89,17 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def gib_list(text: str) -> list[float]:
+    """``0,32,128``: sizes in GiB, each finite and >= 0."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of GiB, got {text!r}") from None
+    if not values or any(not 0 <= v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"expected finite sizes >= 0 GiB, got {text!r}")
+    return values
+
+
 def name_list(text: str) -> list[str]:
     values = [part.strip() for part in text.split(",") if part.strip()]
     if not values:
@@ -109,7 +120,7 @@ def prices(text: str) -> dict[str, float]:
 
 
 def plan_parser() -> argparse.ArgumentParser:
-    from .plan import SLO_METRICS
+    from .plan import HOST_PRICE_PER_GIB_HOUR, SLO_METRICS
 
     p = argparse.ArgumentParser(prog="python -m simulator plan",
                                 description="For each configuration, the highest request rate meeting every SLO "
@@ -132,6 +143,10 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-rate", type=positive_float, default=None, help="req/s the chosen configuration must "
                                                                           "sustain")
     p.add_argument("--gpu-price", type=prices, default={}, help="override prices: gpu=USD per GPU-hour,...")
+    p.add_argument("--kv-offload-gib", type=gib_list, default=[0.0],
+                   help="comma list of host offload tier sizes per replica to try, GiB (paged allocators)")
+    p.add_argument("--host-price", type=positive_float, default=HOST_PRICE_PER_GIB_HOUR,
+                   help="USD per GiB-hour of host memory (prices the offload tier)")
     p.add_argument("--rate-start", type=positive_float, default=1.0, help="first rate tried (req/s)")
     p.add_argument("--tolerance", type=positive_float, default=0.02, help="stop when rates are this close")
     p.add_argument("--out", type=output_table, default=None, help="results table (.parquet or .csv)")
@@ -149,12 +164,14 @@ def plan_main(argv: list[str]) -> int:
                                args.models, args.gpus, args.tp, args.replicas, args.allocators, args.target_rate,
                                args.gpu_price, RateSearch(args.rate_start, args.tolerance), parallel=not args.serial,
                                address=args.address, num_cpus=args.num_cpus, progress=not args.no_progress,
+                               offload_gib=args.kv_offload_gib, host_price_per_gib_hour=args.host_price,
                                block_size=args.block_size, router=args.router, max_model_len=args.max_model_len)
     except (PlanError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     table = result.table
-    print_and_save(table, None, [c for c in ("model", "gpu", "tp", "replicas", "allocator", "max_rate_req_s",
+    print_and_save(table, None, [c for c in ("model", "gpu", "tp", "replicas", "allocator", "kv_offload_gib",
+                                             "max_rate_req_s",
                                              "cost_per_hour", "cost_per_million_requests", "chosen", *slos)])
     if args.out:
         save_table(with_settings(table, cli_settings(args)), args.out)

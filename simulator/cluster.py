@@ -22,8 +22,9 @@ ROUTER_SEED = 1234  # the random router's stream (a run is deterministic)
 SUM_COLUMNS = ("num_requests", "num_requests_completed", "num_requests_rejected", "preemptions", "swap_outs",
                "blocks_swapped", "generated_tokens", "iterations", "bytes_copied", "capacity_tokens",
                "host_capacity_tokens", "kv_capacity_gib",
-               "prefix_cache_hit_blocks")
-MAX_COLUMNS = ("peak_batch_size",)
+               "prefix_cache_hit_blocks", "offload_loaded_blocks", "offload_stored_blocks")
+MAX_COLUMNS = ("peak_batch_size", "host_tier_peak_blocks")  # per replica
+MEAN_COLUMNS = ("prefix_cache_hit_rate", "offload_hit_rate")  # rates, one per replica
 
 
 def route(num_requests: int, replicas: int, router: str) -> list[list[int]]:
@@ -83,7 +84,7 @@ def combine(results: list[SimResult], config: SimConfig, n: int, wall_time_s: fl
             summary[key] = float(np.average([s[key] for s in summaries], weights=busy)) if sum(busy) else \
                 summaries[0][key]
     summary.update({key: sum(s.get(key, 0) for s in summaries) for key in SUM_COLUMNS if key in summaries[0]})
-    summary.update({key: max(s[key] for s in summaries) for key in MAX_COLUMNS})
+    summary.update({key: max(s[key] for s in summaries) for key in MAX_COLUMNS if key in summaries[0]})
     summary.update(latency_summary(requests, n))
     summary["rejection_reasons"] = format_rejections(sum((Counter(parse_rejections(s["rejection_reasons"]))
                                                           for s in summaries), Counter()))
@@ -94,8 +95,7 @@ def combine(results: list[SimResult], config: SimConfig, n: int, wall_time_s: fl
     if "profile_extrapolation" in summaries[0]:
         summary["profile_extrapolation"] = "; ".join(dict.fromkeys(s["profile_extrapolation"] for s in summaries
                                                                   if s["profile_extrapolation"]))
-    if "prefix_cache_hit_rate" in summaries[0]:
-        summary["prefix_cache_hit_rate"] = float(np.mean([s["prefix_cache_hit_rate"] for s in summaries]))
+    summary.update({key: float(np.mean([s[key] for s in summaries])) for key in MEAN_COLUMNS if key in summaries[0]})
     timeseries = pd.concat([r.timeseries.assign(replica=i) for i, r in enumerate(results)], ignore_index=True)
     steps = None
     if results[0].steps is not None:

@@ -131,6 +131,16 @@ def build_policy(config: SimConfig, capacity_tokens: int, block_bytes: int):
                             config.grow_initial_extra)
 
 
+def offload_blocks(config: SimConfig, gib: float) -> int | None:
+    """The offload tier's blocks in ``gib`` GiB of host memory for ``config``'s model and block size (None:
+    unbounded)."""
+    if not gib >= 0:
+        raise InputError(f"the offload tier's size must be >= 0 GiB (inf: unbounded), got {gib}")
+    if gib == math.inf:
+        return None
+    return int(gib * 2**30 // resolve_capacity(config)[1].block_bytes(config.block_size))
+
+
 def resolve_capacity(config: SimConfig) -> tuple[int, CostModel]:
     """KV capacity in tokens and the cost model for a config."""
     model = override(get_model(config.model), **config.model_overrides)

@@ -13,7 +13,11 @@ import pandas as pd
 from lab.checks import check_int, check_real
 from lab.errors import LabError
 from .models import get_gpu
-from .sweep import WORKLOAD_DEFAULTS, check_spec, progress_bar, run_one, start_ray
+from .sweep import OFFLOAD_GIB, WORKLOAD_DEFAULTS, check_spec, progress_bar, run_one, start_ray
+
+# What a GiB of host memory costs an hour beside a GPU: about the on-demand price difference between a cloud's
+# memory-optimised and compute-optimised instances of the same CPUs (e.g. AWS r7i vs c7i, 2026: ~$0.0036 per GiB-hour).
+HOST_PRICE_PER_GIB_HOUR = 0.004
 
 SLO_METRICS = tuple(f"{kind}_p{q}" for kind in ("ttft", "tpot", "e2e") for q in (50, 90, 99))
 
@@ -47,6 +51,7 @@ class PlanResult:
     table: pd.DataFrame  # one row per configuration; ``chosen`` marks the cheapest meeting the target rate
     ray_init_s: float = 0.0
     prices: dict = field(default_factory=dict)
+    host_price_per_gib_hour: float = HOST_PRICE_PER_GIB_HOUR
 
 
 def parse_slos(text: str) -> dict[str, float]:
@@ -111,31 +116,43 @@ def search_max_rate(spec: dict, slos: dict[str, float], search: RateSearch) -> d
 
 
 def plan_specs(workload: dict, models: list, gpus: list, tps: list[int], replicas: list[int], allocators: list[str],
-               **common) -> list[dict]:
-    """One spec per configuration (checked before any run)."""
+               offload_gib: list[float] = (0.0,), **common) -> list[dict]:
+    """One spec per configuration (checked before any run). ``offload_gib``: host offload tier sizes per replica
+    (GiB; paged allocators only, a contiguous one has no prefix cache to offload)."""
+    for gib in offload_gib:
+        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 <= gib < math.inf:
+            raise PlanError(f"an offload tier in a plan must be a finite size >= 0 GiB (it has a price), got {gib!r}")
     specs = []
     for model, gpu, tp, count, allocator in itertools.product(models, gpus, tps, replicas, allocators):
-        spec = {**WORKLOAD_DEFAULTS, **workload, "model": model, "gpu": gpu, "tp": tp, "replicas": count, "allocator": allocator,
-                **common}
-        try:
-            check_spec({**spec, "rate": 1.0})
-        except ValueError as exc:
-            raise PlanError(str(exc)) from None
-        specs.append(spec)
+        for gib in (offload_gib if allocator == "paged" else (0.0,)):
+            specs.append(_plan_spec(workload, model, gpu, tp, count, allocator, float(gib), common))
     if not specs:
         raise PlanError("the plan has no configuration (an empty list of models, GPUs, tp, replicas or allocators)")
     return specs
 
 
+def _plan_spec(workload, model, gpu, tp, count, allocator, gib, common) -> dict:
+    spec = {**WORKLOAD_DEFAULTS, **workload, "model": model, "gpu": gpu, "tp": tp, "replicas": count,
+            "allocator": allocator, OFFLOAD_GIB: gib, **common}
+    try:
+        check_spec({**spec, "rate": 1.0})
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    return spec
+
+
 def run_plan(specs: list[dict], slos: dict[str, float], search: RateSearch | None = None,
              target_rate: float | None = None, prices: dict[str, float] | None = None, parallel: bool = True,
              address: str | None = None, num_cpus: int | None = None, progress: bool = True,
-             on_progress: Callable[[int, int], bool | None] | None = None) -> PlanResult:
-    """Search every configuration's highest SLO-meeting rate (Ray tasks, or serially), price it and mark the
-    cheapest configuration that sustains ``target_rate`` (``chosen``). ``on_progress(done, total)`` after each;
-    when it returns True the plan stops there (pending tasks are cancelled) with the configurations searched."""
+             on_progress: Callable[[int, int], bool | None] | None = None,
+             host_price_per_gib_hour: float = HOST_PRICE_PER_GIB_HOUR) -> PlanResult:
+    """Search every configuration's highest SLO-meeting rate (Ray tasks, or serially), price it (its GPUs, and its
+    offload tiers' host memory) and mark the cheapest configuration that sustains ``target_rate`` (``chosen``).
+    ``on_progress(done, total)`` after each; when it returns True the plan stops there (pending tasks are cancelled)
+    with the configurations searched."""
     search = search or RateSearch()
     search.check()
+    check_real("plan", "host_price_per_gib_hour", host_price_per_gib_hour, 0.0, 1e6, error=PlanError)
     prices = {**{str(s["gpu"]): get_gpu(s["gpu"]).price_per_hour for s in specs}, **(prices or {})}
     bar = progress_bar(len(specs), progress)
     ray_init_s = 0.0
@@ -159,7 +176,8 @@ def run_plan(specs: list[dict], slos: dict[str, float], search: RateSearch | Non
             if _advance(bar, on_progress, len(rows), len(specs)):
                 break
     bar.close()
-    return PlanResult(price_table(rows, slos, prices, target_rate), ray_init_s, prices)
+    return PlanResult(price_table(rows, slos, prices, target_rate, host_price_per_gib_hour), ray_init_s, prices,
+                      host_price_per_gib_hour)
 
 
 def _advance(bar, on_progress, done: int, total: int) -> bool:
@@ -168,16 +186,19 @@ def _advance(bar, on_progress, done: int, total: int) -> bool:
     return on_progress is not None and bool(on_progress(done, total))
 
 
-def price_table(rows: list[dict], slos: dict[str, float], prices: dict[str, float],
-                target_rate: float | None) -> pd.DataFrame:
-    """The plan's table: configuration, max rate, cost per hour and per million requests, the SLO metrics at the
-    max rate, and ``chosen``."""
+def price_table(rows: list[dict], slos: dict[str, float], prices: dict[str, float], target_rate: float | None,
+                host_price_per_gib_hour: float = HOST_PRICE_PER_GIB_HOUR) -> pd.DataFrame:
+    """The plan's table: configuration, max rate, cost per hour (GPUs, plus each replica's offload tier of host
+    memory) and per million requests, the SLO metrics at the max rate, and ``chosen``."""
     table = pd.DataFrame(rows)
     for name in slos:  # a configuration whose every run failed has no metrics
         if name not in table:
             table[name] = math.nan
     table["gpus"] = table["tp"] * table["replicas"]
-    table["cost_per_hour"] = table["gpus"] * table["gpu"].astype(str).map(prices)
+    if OFFLOAD_GIB not in table:
+        table[OFFLOAD_GIB] = 0.0
+    table["host_cost_per_hour"] = table["replicas"] * table[OFFLOAD_GIB].fillna(0.0) * host_price_per_gib_hour
+    table["cost_per_hour"] = table["gpus"] * table["gpu"].astype(str).map(prices) + table["host_cost_per_hour"]
     table["cost_per_million_requests"] = table["cost_per_hour"] / (table["max_rate_req_s"] * 3600) * 1e6
     table["meets_target"] = table["max_rate_req_s"] >= (target_rate or 0.0)
     if target_rate is None:
@@ -187,8 +208,8 @@ def price_table(rows: list[dict], slos: dict[str, float], prices: dict[str, floa
     if not feasible.empty:
         table.loc[feasible.sort_values(["cost_per_hour", "max_rate_req_s"], ascending=[True, False]).index[0],
                   "chosen"] = True
-    columns = ["model", "gpu", "tp", "replicas", "allocator", "gpus", "max_rate_req_s", "first_failing_rate_req_s",
-               "cost_per_hour", "cost_per_million_requests", "meets_target", "chosen", *slos, "throughput_tok_s",
+    columns = ["model", "gpu", "tp", "replicas", "allocator", OFFLOAD_GIB, "gpus", "max_rate_req_s",
+               "first_failing_rate_req_s", "cost_per_hour", "host_cost_per_hour", "cost_per_million_requests", "meets_target", "chosen", *slos, "throughput_tok_s",
                "simulations", "error"]
     return table[[c for c in columns if c in table] + [c for c in table if c not in columns]]
 
@@ -197,8 +218,10 @@ def plan_capacity(workload: dict, slos: str, models: list, gpus: list, tps: list
                   allocators: list[str], target_rate: float | None = None, prices: dict[str, float] | None = None,
                   search: RateSearch | None = None, parallel: bool = True, address: str | None = None,
                   num_cpus: int | None = None, progress: bool = True,
-                  on_progress: Callable[[int, int], None] | None = None, **common) -> PlanResult:
-    """Parse the SLOs (``ttft_p90=2,tpot_p90=0.2``), check every configuration, then ``run_plan`` them."""
-    specs = plan_specs(workload, models, gpus, tps, replicas, allocators, **common)
+                  on_progress: Callable[[int, int], None] | None = None, offload_gib: list[float] = (0.0,),
+                  host_price_per_gib_hour: float = HOST_PRICE_PER_GIB_HOUR, **common) -> PlanResult:
+    """Parse the SLOs (``ttft_p90=2,tpot_p90=0.2``), check every configuration (``offload_gib``: host offload
+    tier sizes per replica to try, GiB), then ``run_plan`` them."""
+    specs = plan_specs(workload, models, gpus, tps, replicas, allocators, offload_gib, **common)
     return run_plan(specs, parse_slos(slos), search, target_rate, prices, parallel, address, num_cpus, progress,
-                    on_progress)
+                    on_progress, host_price_per_gib_hour)

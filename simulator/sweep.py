@@ -26,7 +26,7 @@ from lab.errors import InputError, LabError
 from lab.results import write_atomically
 from .checks import closed_form_checks
 from .cluster import run_simulation
-from .engine import SimConfig, check_config
+from .engine import SimConfig, check_config, offload_blocks
 from .models import get_gpu, get_model
 from .workloads import (SYNTHETIC_PRESETS, at_mean_rate, SyntheticSpec, Workload, check_synthetic_spec, load_trace,
                         synthetic_workload)
@@ -39,6 +39,9 @@ SIM_FIELDS = tuple(f.name for f in dataclasses.fields(SimConfig) if f.name not i
 SIM_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SimConfig)}
 WORKLOAD_DEFAULTS = {"workload": "sharegpt", "num_requests": 1000, "rate": math.inf, "burstiness": 1.0, "n": 1,
                      "beam_width": 1, "shared_prefix_tokens": 0, "seed": 0}
+# A spec may size the offload tier in GiB of host memory (what a person buys) instead of kv_offload_blocks: each run
+# converts it with its own model's bytes per block (a paged allocator; a contiguous one has no prefix cache).
+OFFLOAD_GIB = "kv_offload_gib"
 SPEC_VERSION = 3  # part of every run's key: bump when a change makes stored results stale (3: checks_failed)
 MAX_RETRIES = 3
 
@@ -86,9 +89,9 @@ def check_grid(grid, name: str = "grid") -> dict[str, list]:
         raise GridError(f"{name}: give either 'trace' or 'workload', not both")
     grid = {ALIASES.get(field, field): values for field, values in grid.items()}
     for field, values in grid.items():
-        if field not in WORKLOAD_FIELDS and field not in SIM_FIELDS:
+        if field not in WORKLOAD_FIELDS and field not in SIM_FIELDS and field != OFFLOAD_GIB:
             raise GridError(f"{name}: unknown field {field!r}; SimConfig fields: {', '.join(SIM_FIELDS)}; workload "
-                            f"fields: {', '.join(WORKLOAD_FIELDS)}")
+                            f"fields: {', '.join(WORKLOAD_FIELDS)}; {OFFLOAD_GIB} (the offload tier in GiB)")
         if not isinstance(values, list) or not values:
             raise GridError(f"{name}: field {field!r} must be a non-empty list, got {values!r:.80}")
     for spec in expand(grid):
@@ -126,6 +129,8 @@ def spec_key(spec: dict) -> str:
     fields = dict(spec)
     if fields.get("allocator", SIM_DEFAULTS["allocator"]) != "paged" and fields.get("profile") is None:
         fields.pop("block_size", None)
+    if fields.get("allocator", SIM_DEFAULTS["allocator"]) != "paged":
+        fields.pop(OFFLOAD_GIB, None)
     for name in ("workload", "profile", "kernel_csv"):  # a file's content, not its path: a rewritten file reruns
         value = fields.get(name)
         if isinstance(value, (str, Path)) and str(value) not in SYNTHETIC_PRESETS and Path(value).is_file():
@@ -156,7 +161,15 @@ def default_store_path() -> Path:
 
 
 def sim_config(spec: dict) -> SimConfig:
-    return SimConfig(**{k: v for k, v in spec.items() if k in SIM_FIELDS})
+    config = SimConfig(**{k: v for k, v in spec.items() if k in SIM_FIELDS})
+    gib = spec.get(OFFLOAD_GIB)
+    if gib is not None and config.allocator == "paged":
+        if OFFLOAD_GIB in spec and spec.get("kv_offload_blocks"):
+            raise InputError(f"give the offload tier as {OFFLOAD_GIB} or kv_offload_blocks, not both")
+        if isinstance(gib, bool) or not isinstance(gib, (int, float)):
+            raise InputError(f"{OFFLOAD_GIB}={gib!r}: expected a number of GiB (0: no tier, inf: unbounded)")
+        config = dataclasses.replace(config, kv_offload_blocks=offload_blocks(config, float(gib)) if gib else 0)
+    return config
 
 
 def _synthetic_spec(spec: dict) -> SyntheticSpec:

@@ -132,3 +132,15 @@ def test_a_tier_snapshot_ranks_slots_by_recency():
     unbounded = OffloadTier(None)
     unbounded.store(("x",), 0)
     assert tier_snapshot(unbounded).lru_rank == [0]
+
+
+def test_a_cluster_reports_its_replicas_tiers():
+    from simulator import SimConfig, SyntheticSpec, run_simulation, synthetic_workload
+
+    workload = synthetic_workload(SyntheticSpec("sharegpt", num_requests=60, rate=20.0, shared_prefix_tokens=256))
+    config = SimConfig(allocator="paged", capacity_tokens=3000, kv_offload_blocks=64)
+    one = run_simulation(workload, config).summary
+    two = run_simulation(workload, dataclasses.replace(config, replicas=2)).summary
+    for summary in (one, two):
+        assert summary["offload_stored_blocks"] > 0 and 0 < summary["offload_hit_rate"] <= 1
+        assert 0 < summary["host_tier_peak_blocks"] <= 64

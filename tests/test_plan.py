@@ -77,3 +77,21 @@ def test_bad_plan_lists():
     with pytest.raises(PlanError, match="tp"):
         small_specs(tps=[0])
     assert math.isclose(parse_slos("ttft_p90=2,tpot_p90=0.2")["tpot_p90_s"], 0.2)
+
+
+def test_an_offload_tier_is_a_plan_dimension_with_a_host_price():
+    """Tier sizes multiply the paged configurations only, each run converting GiB to its model's blocks; each
+    replica's tier is charged per GiB-hour."""
+    workload = {"workload": "sharegpt", "num_requests": 120, "shared_prefix_tokens": 512}
+    specs = plan_specs(workload, ["qwen3-8b"], ["l4"], [1], [2], ["paged", "contiguous-oracle"], [0.0, 16.0],
+                       block_size=16)
+    assert [(s["allocator"], s["kv_offload_gib"]) for s in specs] == [("paged", 0.0), ("paged", 16.0),
+                                                                       ("contiguous-oracle", 0.0)]
+    table = run_plan(specs, SLOS, RateSearch(start=2.0, tolerance=0.1), parallel=False, progress=False,
+                     host_price_per_gib_hour=0.01).table
+    assert table["host_cost_per_hour"].tolist() == [0.0, 2 * 16 * 0.01, 0.0]  # two replicas, a tier each
+    assert table["cost_per_hour"].tolist() == pytest.approx([1.6, 1.6 + 0.32, 1.6])
+    assert table["offload_hit_rate"].notna().tolist() == [False, True, False]  # the tier ran where it was asked
+    for bad in ([-1.0], [math.inf], ["8"]):
+        with pytest.raises(PlanError, match="offload tier"):
+            plan_specs(workload, ["qwen3-8b"], ["l4"], [1], [1], ["paged"], bad)

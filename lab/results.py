@@ -32,6 +32,7 @@ LAB_VERSION = _version()
 # which command writes each recorded CSV (the first pattern a file's path relative to the folder matches)
 RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cpu.csv": "python -m lab bench e2e",
                "kernels_cpu.csv": "python -m lab bench kernels", "twin_cpu*.csv": "python -m simulator twin-bench",
+               "twin_offload*_cpu.csv": "python -m simulator twin --kv-offload-blocks (docs/offload.md)",
                "simulator.csv": "python -m simulator.bench", "sweep.csv": "python -m simulator.bench --sweep",
                "paper/*.csv": "python -m simulator paper", "launches.csv": "python -m lab bench launches",
                "gpu/*.csv": "scripts/gpu_check.sh (on a GPU)"}

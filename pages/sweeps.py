@@ -5,7 +5,7 @@ import simulator
 from lab.results import settings_of
 from simulator import charts, report
 from simulator.isolated import run_isolated
-from simulator.plan import plan_capacity
+from simulator.plan import HOST_PRICE_PER_GIB_HOUR, plan_capacity
 from simulator.sweep import (SIM_FIELDS, WORKLOAD_FIELDS, default_store_path, failed_runs, read_table, run_sweep,
                              runs_failing_checks)
 from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
@@ -38,6 +38,10 @@ with st.sidebar:
         gpus = st.multiselect("GPUs", list(simulator.GPUS), default=["a100-80gb", "l4"])
         tps = st.multiselect("Tensor parallel", [1, 2, 4, 8], default=[1])
         target = st.number_input("Target rate (req/s; 0 = none)", 0.0, 1e6, 5.0)
+        offload = st.multiselect("Host offload tier per replica (GiB; paged)", [0, 8, 32, 128], default=[0],
+                                 help="prefix blocks the GPU evicts kept in host memory; each size is tried")
+        host_price = st.number_input("Host memory price (USD per GiB-hour)", 0.0, 10.0, HOST_PRICE_PER_GIB_HOUR,
+                                     step=0.001, format="%.4f")
     else:
         upload = st.file_uploader("A sweep or plan table (.parquet or .csv)", type=["parquet", "csv"])
 
@@ -54,7 +58,8 @@ if mode == "load a results file":
 else:
     key = repr((mode, on_ray, preset, num_requests, allocators, replicas, locals().get("block_sizes"),
                 locals().get("rates"), locals().get("model"), locals().get("gpu"), locals().get("slos"),
-                locals().get("models"), locals().get("gpus"), locals().get("tps"), locals().get("target")))
+                locals().get("models"), locals().get("gpus"), locals().get("tps"), locals().get("target"),
+                locals().get("offload"), locals().get("host_price")))
     if st.button("Run", key="run_sweep", type="primary") and st.session_state.get("sweep_key") != key:
         bar, stop = st.progress(0.0, "running…"), st.empty()
         stop.button("Stop", key="stop_sweep", help="Interrupts the runs (finished ones are kept)")
@@ -71,7 +76,9 @@ else:
                 job, kwargs = "sweep", dict(grid=grid, store=STORE)
             else:
                 job, kwargs = "plan", dict(workload=workload, slos=slos, models=models, gpus=gpus, tps=tps,
-                                           replicas=replicas, allocators=allocators, target_rate=target or None)
+                                           replicas=replicas, allocators=allocators, target_rate=target or None,
+                                           offload_gib=[float(g) for g in offload] or [0.0],
+                                           host_price_per_gib_hour=host_price)
             if on_ray:  # Ray lives in a child process: a driver in the server's thread took the server down
                 result = run_isolated(job, {**kwargs, "parallel": True}, show)
             elif job == "sweep":

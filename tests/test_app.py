@@ -339,7 +339,8 @@ def test_sweeps_page_runs_a_sweep_and_a_plan_and_loads_files(downloads):
     app.button(key="run_sweep").click().run()
     clean(app)
     plan = download_table(app, downloads, "dl_sweep")
-    assert {"max_rate_req_s", "cost_per_hour", "chosen"} <= set(plan) and plan["chosen"].sum() <= 1
+    assert {"max_rate_req_s", "cost_per_hour", "chosen", "kv_offload_gib", "host_cost_per_hour"} <= set(plan)
+    assert plan["chosen"].sum() <= 1 and plan["host_price_per_gib_hour"].eq(0.004).all()
     app.sidebar.text_input[0].set_value("ttft_p91=2")
     app.button(key="run_sweep").click().run()
     assert not app.exception and any("ttft_p91" in e.value for e in app.error)

@@ -143,7 +143,7 @@ class _SeqState:
 
     def __init__(self, request: _Request, sample: int, device):
         self.request, self.params, self.sample, self.output = request, request.params, sample, []
-        params, self.generator = request.params, None
+        params, self.generator = self.params, None
         if isinstance(params, SamplingParams) and params.seed is not None and not params.greedy:
             self.generator = torch.Generator(device=device).manual_seed((params.seed + sample) % (1 << 63))
         self.logits: list[torch.Tensor] | None = None
@@ -297,11 +297,15 @@ class LLMEngine:
         self.scheduler.add(group)
 
     def _group(self, request: _Request) -> SequenceGroup:
-        """An empty group for ``request``'s sequences, with its stop tokens (EOS unless ignored, and its own)."""
-        params, stops = request.params, frozenset()
-        if isinstance(params, SamplingParams):
-            stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        return SequenceGroup(request.request_id, [], self._token_ids, request, beam=request.beam, stop_token_ids=stops)
+        """An empty group for ``request``'s sequences, with its stop tokens."""
+        return SequenceGroup(request.request_id, [], self._token_ids, request, beam=request.beam,
+                             stop_token_ids=self._stop_token_ids(request.params))
+
+    def _stop_token_ids(self, params: SamplingParams | BeamSearchParams) -> frozenset:
+        """A sample's stop tokens: EOS unless ignored, and its own (a beam search ranks EOS itself: none)."""
+        if not isinstance(params, SamplingParams):
+            return frozenset()
+        return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids))
 
     @staticmethod
     def _token_ids(seq: Sequence, length: int) -> list[int]:
@@ -419,11 +423,13 @@ class LLMEngine:
         if not self.scheduler.beam_groups:
             tokens = self.sampler.sample(logits, rows)
             return list(zip(((row, seq) for row, seqs in enumerate(rows) for seq in seqs), tokens)), {}
-        ranked: dict[BeamRanking, list] = {}
-        sampled = [row for row, seqs in enumerate(rows) if seqs[0].group.beam is None]
+        sampled, ranked = [], {}
         for row, seqs in enumerate(rows):
-            if seqs[0].group.beam is not None:
-                ranked.setdefault(seqs[0].group.beam, []).append((row, seqs))
+            beam = seqs[0].group.beam
+            if beam is None:
+                sampled.append(row)
+            else:
+                ranked.setdefault(beam, []).append((row, seqs))
         tokens = self.sampler.sample(logits[sampled] if sampled else None, [rows[row] for row in sampled])
         return list(zip(((row, seq) for row in sampled for seq in rows[row]), tokens)), ranked
 
@@ -459,9 +465,7 @@ class LLMEngine:
         beams = BeamSearchOutput(request.prompt, ranking.sequences, ranking.block_usage)
         outputs = [beam.token_ids for beam in beams.sequences]
         self.generated_tokens += sum(map(len, outputs))
-        texts = [self.tokenizer.decode(o) for o in outputs] if self.tokenizer is not None else None
-        self.finished.append(RequestOutput(request.request_id, request.prompt, outputs, texts, request.arrival_s,
-                                           request.first_token_s, now, beams))
+        self._output(request, outputs, beams)
 
     def _end_step(self, started: float) -> None:
         """Close the step's record in the scheduler (its times, tokens, memory) and report it."""
@@ -503,7 +507,9 @@ class LLMEngine:
 
     def _requeue(self, request: _Request) -> None:
         """Queue ``request``'s unfinished samples again: those with no token yet as one group (they share the
-        prompt's prefill), each other one alone with its prompt and accepted tokens as the prompt."""
+        prompt's prefill), each other one alone with its prompt and accepted tokens as the prompt. A sample whose
+        accepted tokens already end it (the fault came between accepting its token and the scheduler's stop check)
+        finishes instead."""
         final_len = len(request.prompt) + request.params.max_tokens - 1
         if request.beam is not None:  # a beam search starts again from its prompt (see lab.beam)
             group = self._group(request)
@@ -513,11 +519,15 @@ class LLMEngine:
             request.beam.restart(group.seqs)
             self.scheduler.add(group)
             return
-        fresh, started = [], []
+        fresh, started, stops = [], [], self._stop_token_ids(request.params)
         for index, seq in enumerate(request.samples):
             if seq.status is SequenceStatus.FINISHED:
                 continue
             state = seq.data
+            if state.output and (len(state.output) >= request.params.max_tokens or state.output[-1] in stops):
+                seq.status = SequenceStatus.FINISHED
+                self._finish(seq, time.perf_counter())
+                continue
             group = self._group(request)
             new = Sequence(seq.seq_id, group, seq.sample, len(state.token_ids), final_len, state)
             request.samples[index] = new
@@ -573,9 +583,13 @@ class LLMEngine:
         outputs = [s.data.output for s in samples]
         if self.record_logits:
             self.recorded_logits[request.request_id] = [torch.stack(s.data.logits) for s in samples]
+        self._output(request, outputs)
+
+    def _output(self, request: _Request, outputs: list[list[int]], beams: BeamSearchOutput | None = None) -> None:
+        """The finished request's ``RequestOutput`` (its texts decoded when there is a tokenizer)."""
         texts = [self.tokenizer.decode(o) for o in outputs] if self.tokenizer is not None else None
         self.finished.append(RequestOutput(request.request_id, request.prompt, outputs, texts, request.arrival_s,
-                                           request.first_token_s, request.finish_s))
+                                           request.first_token_s, request.finish_s, beams))
 
     # ---- metrics ------------------------------------------------------------------------------------------------
     def request_metrics(self) -> pd.DataFrame:

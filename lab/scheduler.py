@@ -499,7 +499,7 @@ class Scheduler:
         sequence continues which beam; the group's beams are re-ranked parents first, each followed by its forks.
         A beam left over (fewer next beams than live ones) leaves the batch."""
         running, beam = self.running, group.beam
-        live = [seq for seq in group.seqs if running.get(seq.seq_id) is seq]
+        live = self._running_of(group)
         if not live:
             del self.beam_groups[group]
             return
@@ -555,7 +555,7 @@ class Scheduler:
         or no host room) drop its KV and queue it first to be prefilled again with everything it has sampled."""
         self.num_preemptions += 1
         if self.config.preemption_mode == "swap":
-            group = [s for s in victim.group.seqs if self.running.get(s.seq_id) is s]
+            group = self._running_of(victim.group)
             kv_lens = [self.kv_len(s) - 1 for s in group]  # this step's token has no slot yet
             for seq in group:
                 self._materialize(seq)
@@ -588,16 +588,20 @@ class Scheduler:
         self.waiting.appendleft(alone)
         self.num_waiting_seqs += 1
 
+    def _running_of(self, group: SequenceGroup) -> list[Sequence]:
+        """``group``'s sequences in the running set, in the group's order."""
+        running = self.running
+        return [seq for seq in group.seqs if running.get(seq.seq_id) is seq]
+
     def _alone(self, group: SequenceGroup) -> bool:
         """Whether ``group``'s sequences are all the batch holds."""
-        running = self.running
-        return not self.prefilling and len(running) == sum(running.get(s.seq_id) is s for s in group.seqs)
+        return not self.prefilling and len(self.running) == len(self._running_of(group))
 
     def _restart_beam_search(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         """Recompute preemption of a beam search: a beam's continuation depends on its siblings', so one beam
         cannot be recomputed alone. Every live beam drops its KV and the group waits first to be prefilled again
         from its prompt; ``group.beam.restart`` starts its ranking afresh."""
-        live = [seq for seq in group.seqs if self.running.get(seq.seq_id) is seq]
+        live = self._running_of(group)
         for seq in live:
             kv_len = self.kv_len(seq) - 1
             self.num_discarded_tokens += kv_len + 1 - seq.prompt_len

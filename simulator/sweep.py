@@ -164,7 +164,7 @@ def sim_config(spec: dict) -> SimConfig:
     config = SimConfig(**{k: v for k, v in spec.items() if k in SIM_FIELDS})
     gib = spec.get(OFFLOAD_GIB)
     if gib is not None and config.allocator == "paged":
-        if OFFLOAD_GIB in spec and spec.get("kv_offload_blocks"):
+        if spec.get("kv_offload_blocks"):
             raise InputError(f"give the offload tier as {OFFLOAD_GIB} or kv_offload_blocks, not both")
         if isinstance(gib, bool) or not isinstance(gib, (int, float)):
             raise InputError(f"{OFFLOAD_GIB}={gib!r}: expected a number of GiB (0: no tier, inf: unbounded)")

@@ -89,6 +89,8 @@ def test_a_failed_step_is_undone_and_the_run_gives_the_same_tokens(prompts, undi
 # a seeded sample whose token was accepted before the fault keeps its generator's draw (it was rewound, then drew
 # the same number again)
 @example(step=3, phase="_accept", scheduling="chunked", preemption="recompute")
+# a sample whose accepted token was its last (max_tokens) when the fault came finishes on recovery, not one later
+@example(step=8, phase="_accept", scheduling="prefill-first", preemption="recompute")
 def test_a_fault_anywhere_changes_no_token(prompts, undisturbed, step, phase, scheduling, preemption):
     outputs, _ = _run(_engine(scheduling, preemption), prompts, (step, phase))
     assert outputs == undisturbed[scheduling, preemption]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numbers
 from array import array
+from itertools import chain
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -170,10 +171,12 @@ class KVBlockManager:
         offload_blocks: host slots of an offload tier below the prefix cache (``lab.offload``; 0: none, None:
             unbounded): a cached block the pool reuses is stored there, and a prompt that misses on the GPU but hits
             there gets fresh blocks loaded from it (``take_offload_copies`` hands the copies to the executor).
+        offload_host: the host pool (another manager) whose blocks the tier borrows as its slots, so that swapped
+            sequences and the tier share one host budget (``offload_blocks`` is then only on/off).
     """
 
     def __init__(self, num_physical_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 offload_blocks: int | None = 0):
+                 offload_blocks: int | None = 0, offload_host: "KVBlockManager | None" = None):
         check_int("KVBlockManager", "num_physical_blocks", num_physical_blocks, 1, MAX_POOL_BLOCKS,
                   error=BlockManagerConfigError)
         check_int("KVBlockManager", "block_size", block_size, 1, 1 << 20, error=BlockManagerConfigError)
@@ -186,7 +189,8 @@ class KVBlockManager:
         if offload_blocks is not None:
             check_int("KVBlockManager", "offload_blocks", offload_blocks, 0, MAX_POOL_BLOCKS,
                       error=BlockManagerConfigError)
-        self.offload = OffloadTier(offload_blocks) if enable_prefix_caching and offload_blocks != 0 else None
+        self.offload = OffloadTier(offload_blocks, offload_host) \
+            if enable_prefix_caching and offload_blocks != 0 else None
         self.offload_stores: list[tuple[int, int]] = []  # (device block, host slot) copies queued this step
         self.offload_loads: list[tuple[int, int]] = []  # (host slot, device block)
         self._prompt_registration = False
@@ -195,6 +199,7 @@ class KVBlockManager:
         self.sequences: dict[object, SequenceBlocks] = {}
         self.pending_copies: list[tuple[int, int]] = []
         self._reserved = array(BLOCK_ID)  # taken from the pool for appends announced in bulk (reserve_blocks)
+        self.lent: set[int] = set()  # blocks lent to another owner (an offload tier's slots: lend_block)
         self._reserve_backlog = 0  # reserved blocks not yet taken off the free queue (see reserve_blocks)
         self.num_block_references = 0  # block-table entries of every sequence plus reserved blocks (sum of counts)
         self.prefix_cache_stats: PrefixCacheStats = self.prefix_cache.stats
@@ -233,7 +238,7 @@ class KVBlockManager:
             if seq.exclusive:
                 for block in seq.block_table:
                     counts[block] += 1
-        for block in self._reserved:
+        for block in chain(self._reserved, self.lent):
             counts[block] += 1
         return counts
 
@@ -529,6 +534,24 @@ class KVBlockManager:
             self.release_sequence(seq_id)
         return list(placed.items())
 
+    def lend_block(self) -> int | None:
+        """A free block for another owner to use as storage (an offload tier's host slot), None when none is free.
+        It counts as used until ``return_block``; cached blocks are not handed out (a lending pool caches nothing)."""
+        if self.enable_prefix_caching:
+            raise BlockManagerError("a pool with prefix caching lends no blocks (their cached contents would go)")
+        if not self.num_free_blocks:
+            return None
+        block = self._allocate_blocks(1)[0]
+        self.lent.add(block)
+        self.num_block_references += 1
+        return block
+
+    def return_block(self, block: int) -> None:
+        """A block ``lend_block`` handed out is free again."""
+        self.lent.remove(block)
+        self.num_block_references -= 1
+        self.free_block_queue.push(block)
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Return and clear the copy-on-write copies ``(src_block, dst_block)`` the cache must execute."""
         copies = self.pending_copies[:]
@@ -606,7 +629,7 @@ class KVBlockManager:
             for block in seq.block_table:
                 uses[block] += 1
                 shared_uses[block] += not seq.exclusive
-        for block in self._reserved:
+        for block in chain(self._reserved, self.lent):
             uses[block] += 1
         assert shared_uses == self._ref_counts, "ref counts differ from block-table uses"
         assert sum(uses) == self.num_block_references, "num_block_references differs from block-table uses"

@@ -45,9 +45,11 @@ def block_pool_figure(ref_counts: list[int], owners: list[list], columns: int | 
     return figure
 
 
-def offload_tier_figure(lru_rank: list[int], title: str = "Host offload tier") -> go.Figure:
+def offload_tier_figure(lru_rank: list[int], title: str = "Host offload tier",
+                        swapped: list[bool] | None = None) -> go.Figure:
     """Heatmap, one cell per host slot of the offload tier: darker = more recently stored or loaded (the lightest is
-    evicted next); free slots blank."""
+    evicted next); with ``swapped`` (the tier shares the host pool with swap preemption) the slots holding swapped-out
+    sequences' blocks in orange; free slots blank."""
     count = len(lru_rank)
     columns = max(8, int(np.ceil(np.sqrt(max(count, 1) * 2))))
     rows = max(1, -(-count // columns))
@@ -58,15 +60,22 @@ def offload_tier_figure(lru_rank: list[int], title: str = "Host offload tier") -
         if rank >= 0:
             recency[slot] = (rank + 1) / used
             hover[slot] = f"slot {slot}<br>holds an evicted prefix block<br>{rank + 1} of {used} in LRU order"
+        elif swapped is not None and swapped[slot]:
+            recency[slot] = SWAPPED_SLOT
+            hover[slot] = f"slot {slot}<br>holds a swapped-out sequence's block"
         else:
             hover[slot] = f"slot {slot}<br>free"
     shape = (rows, columns)
+    colorscale = [[0, "#f4a261"], [0.19, "#f4a261"], [0.2, "#deebf7"], [1, "#08306b"]]
     figure = go.Figure(go.Heatmap(z=recency.reshape(shape), hovertext=hover.reshape(shape), hoverinfo="text",
-                                  colorscale="Blues", showscale=False, xgap=1, ygap=1, zmin=0, zmax=1))
+                                  colorscale=colorscale, showscale=False, xgap=1, ygap=1, zmin=SWAPPED_SLOT, zmax=1))
     figure.update_layout(title=title, height=max(160, 26 * rows + 80), margin=dict(l=10, r=10, t=40, b=10),
                          yaxis=dict(autorange="reversed", showticklabels=False),
                          xaxis=dict(showticklabels=False))
     return figure
+
+
+SWAPPED_SLOT = -0.25  # the heatmap value of a host slot held by a swapped-out sequence (orange)
 
 
 def block_table_frame(block_table: list[int], block_size: int, seq_len: int | None = None) -> pd.DataFrame:
@@ -134,10 +143,11 @@ def engine_live_figure(steps: pd.DataFrame) -> go.Figure:
 
     figure = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08)
     panels = ((1, (("num_running", "running"), ("num_waiting", "waiting"), ("num_swapped", "swapped out"))),
-              (2, (("blocks_in_use", "KV blocks on the device"), ("cpu_blocks_in_use", "KV blocks on the host"))))
+              (2, (("blocks_in_use", "KV blocks on the device"), ("cpu_blocks_in_use", "swapped KV blocks on the host"),
+                   ("tier_blocks_in_use", "offload tier blocks on the host"))))
     for row, series in panels:
         for column, name in series:
-            if column in steps and (column not in ("num_swapped", "cpu_blocks_in_use") or steps[column].any()):
+            if column in steps and (column in ("num_running", "num_waiting", "blocks_in_use") or steps[column].any()):
                 figure.add_scatter(x=steps["elapsed_s"], y=steps[column], name=name, mode="lines", row=row, col=1)
     figure.update_yaxes(title_text="sequences", rangemode="tozero", row=1, col=1)
     figure.update_yaxes(title_text="KV blocks", rangemode="tozero", row=2, col=1)

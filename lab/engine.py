@@ -27,7 +27,7 @@ from .beam import BeamRanking, BeamSearchError, BeamSearchOutput, BeamSearchPara
 from .errors import InputError, LabError
 from .checks import check_bool, check_choice, check_int, check_real
 from .hardware import check_device
-from .kv_policy import PagedPolicy, default_num_cpu_blocks
+from .kv_policy import PagedPolicy, default_num_cpu_blocks, host_pool_blocks
 from .model import load_hf_model
 from .model_runner import ModelInput, ModelRunner
 from .sampler import Sampler, SamplingParams, SamplingParamsError
@@ -194,7 +194,8 @@ class LLMEngine:
             raise InputError(f"num_blocks must be >= 1, got {num_blocks}")
         num_cpu_blocks = self._num_cpu_blocks(hf_config, config, dtype, num_blocks)
         self.runner = ModelRunner(self.hf_model, num_blocks, config.block_size, config.attention_backend,
-                                 num_cpu_blocks, config.kv_offload_blocks)
+                                 host_pool_blocks(num_cpu_blocks, config.kv_offload_blocks,
+                                                  config.enable_prefix_caching))
         self.policy = PagedPolicy(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks,
                                   config.kv_offload_blocks)
         self.block_manager = self.policy.manager
@@ -489,9 +490,8 @@ class LLMEngine:
         for generator, state in generators:
             generator.set_state(state)
         old = self.scheduler
-        cpu = self.policy.cpu_manager
         self.policy = PagedPolicy(self.block_manager.num_physical_blocks, self.block_size,
-                                  self.config.enable_prefix_caching, cpu.num_physical_blocks if cpu else 0,
+                                  self.config.enable_prefix_caching, self.policy.num_swap_blocks,
                                   self.config.kv_offload_blocks)
         self.block_manager = self.policy.manager
         self.scheduler = Scheduler(old.config, self.policy)

@@ -22,21 +22,33 @@ def default_num_cpu_blocks(num_blocks: int, block_bytes: int) -> int:
     return max(1, min(num_blocks, DEFAULT_SWAP_SPACE_BYTES // block_bytes))
 
 
+def host_pool_blocks(num_cpu_blocks: int, offload_blocks: int | None, enable_prefix_caching: bool) -> int:
+    """Blocks of the one host pool: the swap space plus a bounded offload tier's share (``lab.offload``: both draw
+    on the whole pool, swapped sequences first). An unbounded tier (None) is a measuring device kept beside it."""
+    tier = offload_blocks if enable_prefix_caching and offload_blocks else 0
+    return num_cpu_blocks + tier
+
+
 class PagedPolicy:
-    """Fixed-size blocks from a ``KVBlockManager`` of ``num_blocks``; with ``num_cpu_blocks > 0`` a host pool (a
-    second manager with the same invariants) takes swapped-out sequences."""
+    """Fixed-size blocks from a ``KVBlockManager`` of ``num_blocks``; a host pool (a second manager with the same
+    invariants) of ``num_cpu_blocks`` plus the offload tier's ``offload_blocks`` takes swapped-out sequences (with
+    ``num_cpu_blocks > 0``) and lends the tier its slots."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  num_cpu_blocks: int = 0, offload_blocks: int | None = 0):
         self.block_size = self.block_period = block_size
-        self.manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching, offload_blocks)
+        host_blocks = host_pool_blocks(num_cpu_blocks, offload_blocks, enable_prefix_caching)
+        self.cpu_manager = KVBlockManager(host_blocks, block_size) if host_blocks > 0 else None
+        self.manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching, offload_blocks,
+                                      self.cpu_manager if offload_blocks is not None else None)
+        self.tier = self.manager.offload
         self.free_queue = self.manager.free_block_queue  # read on every step: the count of free blocks
         self.pending_copies = self.manager.pending_copies  # copy-on-write copies queued (the manager's own list)
         # reserve(count): take blocks for the sequences crossing a block boundary in this step, if that many are
         # free (the scheduler's per-step call with a bucket's size, bound to the manager without a wrapper)
         self.reserve = self.manager.try_reserve_counted_blocks
-        self.cpu_manager = KVBlockManager(num_cpu_blocks, block_size) if num_cpu_blocks > 0 else None
-        self.supports_swap = self.cpu_manager is not None
+        self.num_swap_blocks = num_cpu_blocks
+        self.supports_swap = num_cpu_blocks > 0
         self.caches_prefixes = enable_prefix_caching
         self.capacity = num_blocks * block_size
         self.never_filled = 0
@@ -175,7 +187,7 @@ class PagedPolicy:
         plus the blocks of their next token must fit an empty device pool (else swapping them out would park them
         forever; the scheduler recomputes instead)."""
         manager, ids = self.manager, [s.seq_id for s in seqs]
-        if self.cpu_manager is None or not manager.can_move_sequences(ids, self.cpu_manager):
+        if not self.supports_swap or not manager.can_move_sequences(ids, self.cpu_manager, -self._tier_evictable()):
             return False
         next_token = sum(manager.num_blocks_to_append(s.seq_id, max(0, k + 1 - s.synced_len))
                          for s, k in zip(seqs, kv_lens))
@@ -189,7 +201,11 @@ class PagedPolicy:
             manager.register_stream_blocks(seq.seq_id)  # the GPU blocks stay cached after the move
             self.sync(seq, kv_len)
             self._forget(seq)
-        mapping = manager.move_sequences([s.seq_id for s in seqs], self.cpu_manager)
+        ids = [s.seq_id for s in seqs]
+        shortfall = manager.num_distinct_blocks(ids) - self.cpu_manager.num_free_blocks
+        if shortfall > 0:  # one host budget: the tier's least recently used entries make room
+            self.tier.make_room(shortfall)
+        mapping = manager.move_sequences(ids, self.cpu_manager)
         pending = {dst: src for src, dst in manager.pending_copies}
         moved = {gpu for gpu, _ in mapping}
         manager.pending_copies[:] = [(src, dst) for src, dst in manager.pending_copies if dst not in moved]
@@ -219,19 +235,26 @@ class PagedPolicy:
         """The device pool (``PoolSnapshot``), with ``host_pool`` set when there is one; sync the sequences first
         (``Scheduler.sync_all``) so that reserved blocks show in their tables."""
         pool = pool_snapshot(self.manager)
-        if self.cpu_manager is not None:
+        if self.supports_swap:
             pool.host_pool = pool_snapshot(self.cpu_manager)
-        if self.manager.offload is not None:
-            pool.offload = tier_snapshot(self.manager.offload)
+        if self.tier is not None:
+            pool.offload = tier_snapshot(self.tier)
+            pool.offload.shares_host_pool = self.supports_swap and self.tier.host is not None
         return pool
 
     def cpu_blocks_in_use(self) -> int:
-        return self.cpu_manager.num_used_blocks if self.cpu_manager is not None else 0
+        """Host blocks of swapped-out sequences (the tier's slots aside)."""
+        cpu = self.cpu_manager
+        return cpu.num_used_blocks - len(cpu.lent) if cpu is not None else 0
+
+    def tier_blocks_in_use(self) -> int:
+        return len(self.tier) if self.tier is not None else 0
 
     def num_free_blocks(self) -> int:
         return self.manager.num_free_blocks
 
     def host_capacity_tokens(self) -> int:
+        """Slots of the host pool (swap space and a bounded tier together)."""
         return 0 if self.cpu_manager is None else self.cpu_manager.num_physical_blocks * self.block_size
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
@@ -254,6 +277,11 @@ class PagedPolicy:
                             capacity - allocated, table_slots)
 
     # ---- internals ------------------------------------------------------------------------------------------------
+    def _tier_evictable(self) -> int:
+        """Host blocks the tier gives up to a swap-out (0 without a tier that borrows from the host pool)."""
+        tier = self.tier
+        return tier.num_evictable if tier is not None and tier.host is not None else 0
+
     def _track_shared_partial(self, seqs: list[Sequence]) -> None:
         """Count the partly filled blocks these (just placed) sequences share."""
         manager, size = self.manager, self.block_size

@@ -110,7 +110,7 @@ class ModelRunner:
     ``run`` (``prepare`` the tensors of a ``ModelInput``, ``forward``)."""
 
     def __init__(self, hf_model, num_blocks: int, block_size: int, attention_backend: str = "auto",
-                 num_cpu_blocks: int = 0, num_offload_blocks: int = 0):
+                 num_host_blocks: int = 0):
         config = hf_model.config
         self.hf = hf_model
         self.config = config
@@ -128,15 +128,12 @@ class ModelRunner:
         shape = (num_blocks, self.num_kv_heads, block_size, self.head_dim)
         self.key_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.value_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        # The host pool for swap preemption (pinned on CUDA, so device<->host copies are asynchronous).
+        # The host pool (pinned on CUDA, so device<->host copies are asynchronous): swapped-out sequences' blocks
+        # and the offload tier's slots (lab.offload), one budget.
         host = dict(dtype=self.dtype, pin_memory=self.device.type == "cuda")
-        cpu_shape, host_layers = (num_cpu_blocks, *shape[1:]), self.num_layers if num_cpu_blocks else 0
-        self.cpu_key_caches = [torch.zeros(cpu_shape, **host) for _ in range(host_layers)]
-        self.cpu_value_caches = [torch.zeros(cpu_shape, **host) for _ in range(host_layers)]
-        # The offload tier's host slots (lab.offload): cached blocks the pool reused, kept for later prompts.
-        tier_shape, tier_layers = (num_offload_blocks, *shape[1:]), self.num_layers if num_offload_blocks else 0
-        self.offload_key_caches = [torch.zeros(tier_shape, **host) for _ in range(tier_layers)]
-        self.offload_value_caches = [torch.zeros(tier_shape, **host) for _ in range(tier_layers)]
+        host_shape, host_layers = (num_host_blocks, *shape[1:]), self.num_layers if num_host_blocks else 0
+        self.cpu_key_caches = [torch.zeros(host_shape, **host) for _ in range(host_layers)]
+        self.cpu_value_caches = [torch.zeros(host_shape, **host) for _ in range(host_layers)]
         self.scale = self.head_dim ** -0.5
         self.eps = config.rms_norm_eps
         self.layers = [merged_weights(layer) for layer in hf_model.model.layers]
@@ -166,16 +163,13 @@ class ModelRunner:
         for key_cache, value_cache in zip(self.key_caches, self.value_caches):
             kernels.copy_blocks(key_cache, value_cache, block_mapping, backend=self.cache_backend, check=False)
 
-    def swap(self, block_mapping: list[tuple[int, int]], to_host: bool, tier: bool = False) -> None:
-        """Move blocks between the device pool and the host swap pool (or, with ``tier``, the offload tier's host
-        slots) in every layer (``(src, dst)`` pairs)."""
+    def swap(self, block_mapping: list[tuple[int, int]], to_host: bool) -> None:
+        """Move blocks between the device pool and the host pool in every layer (``(src, dst)`` pairs)."""
         if not block_mapping:
             return
         backend = "torch" if self.cache_backend == "reference" else self.cache_backend
-        hosts = (self.offload_key_caches, self.offload_value_caches) if tier else \
-            (self.cpu_key_caches, self.cpu_value_caches)
-        pairs = zip(self.key_caches, self.value_caches, *hosts)
-        for key, value, cpu_key, cpu_value in pairs:
+        for key, value, cpu_key, cpu_value in zip(self.key_caches, self.value_caches, self.cpu_key_caches,
+                                                  self.cpu_value_caches):
             if to_host:
                 kernels.swap_blocks(key, value, cpu_key, cpu_value, block_mapping, backend=backend)
             else:
@@ -184,12 +178,32 @@ class ModelRunner:
     def execute_copies(self, plan) -> None:
         """A step's block movements (a ``SchedulerOutput``'s), in this order: the offload tier's stores (a reused
         block's contents leave before anything overwrites it), swap-out, swap-in, copy-on-write, the tier's loads
-        (into fresh blocks, before the forward reads them)."""
-        self.swap(plan.blocks_to_store, to_host=True, tier=True)
+        (into fresh blocks, before the forward reads them). A store into a host block that a swap-in of the same
+        step frees (the tier borrows free host blocks) is staged on the device and lands after the swap-in read it."""
+        reading = {cpu for cpu, _ in plan.blocks_to_swap_in}
+        late = [(gpu, slot) for gpu, slot in plan.blocks_to_store if slot in reading]
+        self.swap([pair for pair in plan.blocks_to_store if pair[1] not in reading], to_host=True)
+        staged = self._stage(late)
         self.swap(plan.blocks_to_swap_out, to_host=True)
         self.swap(plan.blocks_to_swap_in, to_host=False)
         self.copy_blocks(plan.blocks_to_copy)
-        self.swap(plan.blocks_to_load, to_host=False, tier=True)
+        self.swap(plan.blocks_to_load, to_host=False)
+        self._unstage(staged, late)
+
+    def _stage(self, stores: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the stored device blocks, per layer (read now, before the step writes the pool)."""
+        if not stores:
+            return []
+        index = torch.tensor([gpu for gpu, _ in stores], device=self.device)
+        return [(key.index_select(0, index), value.index_select(0, index))
+                for key, value in zip(self.key_caches, self.value_caches)]
+
+    def _unstage(self, staged, stores: list[tuple[int, int]]) -> None:
+        """Write ``_stage``'s copies to their host slots."""
+        mapping = [(row, slot) for row, (_, slot) in enumerate(stores)]
+        backend = "torch" if self.cache_backend == "reference" else self.cache_backend
+        for (key, value), cpu_key, cpu_value in zip(staged, self.cpu_key_caches, self.cpu_value_caches):
+            kernels.swap_blocks(key, value, cpu_key, cpu_value, mapping, backend=backend)
 
     def synchronize(self) -> None:
         """Wait until the device has run the work queued so far (nothing to wait for on a CPU)."""

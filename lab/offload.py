@@ -9,11 +9,16 @@ block that is hit again before it is evicted then costs a copy for nothing, and 
 whether or not anyone asks for them again). Storing on eviction copies only what the GPU is about to lose, once.
 Eviction in the tier: least recently used (stored or loaded). Slots with a copy queued in this step are pinned, so
 a store never overwrites a slot a load of the same step still has to read.
+
+One host budget: with a host pool for swap preemption, the tier's slots are that pool's blocks, borrowed while free
+(``KVBlockManager.lend_block``). Swapped-out sequences come first: a swap-out that needs blocks the tier holds
+evicts the tier's least recently used entries (``make_room``); the tier uses whatever the swapped sequences leave.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(slots=True)
@@ -26,13 +31,24 @@ class OffloadStats:
     peak_blocks: int = 0
 
 
-class OffloadTier:
-    """``capacity`` host slots (None: unbounded), LRU. Entries: content key -> (slot, content id)."""
+class HostPool(Protocol):
+    """What the tier needs of the host pool it shares (``KVBlockManager``)."""
 
-    def __init__(self, capacity: int | None):
-        self.capacity = capacity
+    num_physical_blocks: int
+
+    def lend_block(self) -> int | None: ...
+    def return_block(self, block: int) -> None: ...
+
+
+class OffloadTier:
+    """``capacity`` host slots (None: unbounded), LRU; or, with ``host``, the free blocks of that host pool (its
+    size is then the capacity). Entries: content key -> (slot, content id)."""
+
+    def __init__(self, capacity: int | None, host: HostPool | None = None):
+        self.host = host
+        self.capacity = host.num_physical_blocks if host is not None else capacity
         self.entries: OrderedDict[tuple, tuple[int, int]] = OrderedDict()
-        self.free_slots: list[int] = list(range(capacity - 1, -1, -1)) if capacity is not None else []
+        self.free_slots: list[int] = list(range(capacity - 1, -1, -1)) if capacity and host is None else []
         self.next_slot = 0  # unbounded: slots are numbered as they are first used
         self.pinned: set[int] = set()
         self.stats = OffloadStats()
@@ -65,9 +81,11 @@ class OffloadTier:
         elif self.free_slots:
             slot = self.free_slots.pop()
         else:
-            slot = self._evict()
+            slot = self.host.lend_block() if self.host is not None else None
             if slot is None:
-                return None
+                slot = self._evict()
+                if slot is None:
+                    return None
         entries[key] = (slot, content_id)
         self.pinned.add(slot)
         stats = self.stats
@@ -75,6 +93,17 @@ class OffloadTier:
         if len(entries) > stats.peak_blocks:
             stats.peak_blocks = len(entries)
         return slot
+
+    @property
+    def num_evictable(self) -> int:
+        """Entries a swap-out may take the slots of now (not pinned by this step's copies)."""
+        return len(self.entries) - len(self.pinned)
+
+    def make_room(self, count: int) -> None:
+        """Give ``count`` slots back to the host pool, least recently used first (the caller checked
+        ``num_evictable``): swapped-out sequences need them."""
+        for _ in range(count):
+            self.host.return_block(self._evict())
 
     def unpin(self) -> None:
         """The step's copies are queued in order: slots may be reused from the next step on."""

@@ -30,6 +30,7 @@ class TierSnapshot:
 
     lru_rank: list[int]
     stats: OffloadStats
+    shares_host_pool: bool = False  # its slots are blocks of the host pool that swapped-out sequences use too
 
     @property
     def num_used_slots(self) -> int:

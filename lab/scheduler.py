@@ -35,7 +35,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 NO_EVENT = 1 << 62  # a KV length no sequence reaches: "needs no more memory"
 PERIODIC_END = -1  # a memory-calendar entry's epoch that marks a sequence's last periodic block (epochs are >= 0)
 STEP_LOG_COLUMNS = ("step", "num_prefill_tokens", "num_decode_seqs", "num_running", "num_waiting", "num_swapped",
-                    "blocks_in_use", "cpu_blocks_in_use", "num_preempted", "num_swapped_out", "num_swapped_in",
+                    "blocks_in_use", "cpu_blocks_in_use", "tier_blocks_in_use", "num_preempted", "num_swapped_out", "num_swapped_in",
                     "num_finished", "num_offload_stored", "num_offload_loaded", "duration_s")
 
 
@@ -215,7 +215,8 @@ class StepStats:
     num_waiting: int
     num_swapped: int
     blocks_in_use: int
-    cpu_blocks_in_use: int
+    cpu_blocks_in_use: int  # host blocks of swapped-out sequences
+    tier_blocks_in_use: int  # host slots the offload tier holds (the same host budget)
     num_preempted: int
     num_swapped_out: int
     num_swapped_in: int
@@ -273,6 +274,7 @@ class KVPolicy(Protocol):
     def preempt(self, seq: Sequence, kv_len: int) -> None: ...
     def blocks_in_use(self) -> int: ...
     def cpu_blocks_in_use(self) -> int: ...
+    def tier_blocks_in_use(self) -> int: ...  # host slots the offload tier holds (0: none)
     def num_free_blocks(self) -> int: ...
     def can_swap_out(self, seqs: list[Sequence], kv_lens: list[int]) -> bool: ...
     def swap_out(self, seqs: list[Sequence], kv_lens: list[int]) -> list[tuple[int, int]]: ...
@@ -415,7 +417,8 @@ class Scheduler:
             return None
         stats = StepStats(out.step, out.num_prefill_tokens, out.num_decode_seqs,
                           self.num_running_seqs, self.num_waiting_seqs, self.num_swapped_seqs,
-                          self.policy.blocks_in_use(), self.policy.cpu_blocks_in_use(), len(out.preempted),
+                          self.policy.blocks_in_use(), self.policy.cpu_blocks_in_use(),
+                          self.policy.tier_blocks_in_use(), len(out.preempted),
                           len(out.swapped_out), len(out.swapped_in), len(out.finished), len(out.blocks_to_store),
                           len(out.blocks_to_load), duration_s, elapsed_s,
                           generated_tokens, self.policy.num_free_blocks(), peak_memory_bytes)

@@ -22,7 +22,9 @@ with st.sidebar:
                           help="swap: preempted sequences move to a host pool, shown below the device pool")
     offload = st.slider("Host offload tier (blocks)", 0, 512, 0, step=16, key="offload_blocks",
                         help="prefix blocks the device pool evicts are kept in host memory and loaded back when a "
-                             "later prompt shares them (0: no tier); shown below the device pool")
+                             "later prompt shares them (0: no tier); shown below the device pool. With swap "
+                             "preemption the tier and swapped-out sequences share one host pool (the swap space "
+                             "plus these blocks; swapped sequences first)")
     run = st.button("Run", type="primary", key="run")
 
 
@@ -72,20 +74,22 @@ def player():
                      "Download this block table (CSV)")
     csv_download(block_pool_frame(pool.ref_counts, pool.owners), "block-pool", {**settings, "iteration": iteration},
                  "dl_pool", "Download this frame (CSV)")
-    if pool.host_pool is not None:
-        host = pool.host_pool
+    host, tier = pool.host_pool, pool.offload
+    if host is not None and (tier is None or not tier.shares_host_pool):
         st.caption(f"Host pool (swap space): {len(host.ref_counts) - host.num_free_blocks} of "
                    f"{len(host.ref_counts)} blocks hold swapped-out sequences")
         chart(block_pool_figure(host.ref_counts, host.owners, title=f"host pool, iteration {iteration}"),
               "host_pool_heatmap")
-    if pool.offload is not None:
-        tier = pool.offload
-        stats = tier.stats
-        st.caption(f"Host offload tier: {tier.num_used_slots} of {len(tier.lru_rank)} slots hold prefix blocks the "
-                   f"device pool evicted; so far {stats.stored_blocks} stored, {stats.loaded_blocks} loaded back "
-                   f"for prompts that shared them (darker: used more recently; the lightest is evicted next)")
-        chart(offload_tier_figure(tier.lru_rank, title=f"host offload tier, iteration {iteration}"),
-              "offload_tier_heatmap")
-
+    if tier is not None:
+        stats, shared = tier.stats, tier.shares_host_pool
+        swapped = [bool(owners) for owners in host.owners] if shared else None
+        where = (f"Host pool, one budget of {len(tier.lru_rank)} blocks: {sum(swapped)} hold swapped-out "
+                 f"sequences (orange), {tier.num_used_slots} the offload tier's prefix blocks" if shared else
+                 f"Host offload tier: {tier.num_used_slots} of {len(tier.lru_rank)} slots hold prefix blocks")
+        st.caption(f"{where}, evicted by the device pool; so far {stats.stored_blocks} stored, "
+                   f"{stats.loaded_blocks} loaded back for prompts that shared them (blue, darker: used more "
+                   f"recently; the lightest is evicted next)")
+        chart(offload_tier_figure(tier.lru_rank, f"host {'pool' if shared else 'offload tier'}, iteration "
+                                  f"{iteration}", swapped), "offload_tier_heatmap")
 
 player()

@@ -262,6 +262,8 @@ class ContiguousPolicy:
     def cpu_blocks_in_use(self) -> int:
         return 0
 
+    tier_blocks_in_use = cpu_blocks_in_use
+
     def num_free_blocks(self) -> int:
         return self.space.num_free
 

@@ -46,15 +46,15 @@ def closed_form_checks(workload: Workload, results: dict[str, SimResult]) -> pd.
 
 
 def _offload_checks(workload: Workload, result: SimResult) -> list[tuple]:
-    """A run with an offload tier: it never holds more blocks than its capacity, and a workload whose prompts
+    """A run with an offload tier: it never holds more blocks than the host pool, and a workload whose prompts
     share nothing loads nothing back (nothing it stores is ever asked for again, preemption aside)."""
-    summary, capacity = result.summary, result.config.kv_offload_blocks
+    summary, config = result.summary, result.config
     if "offload_loaded_blocks" not in summary:
         return []
     checks = []
-    if capacity is not None:
-        checks.append(("offload tier's peak blocks <= its capacity", summary["host_tier_peak_blocks"], "<=",
-                       capacity))
+    if config.kv_offload_blocks is not None:  # the tier borrows free blocks of the one host pool
+        checks.append(("offload tier's peak blocks <= the host pool's", summary["host_tier_peak_blocks"], "<=",
+                       summary["host_capacity_tokens"] // config.block_size))
     if not workload.has_shared_prefixes and summary["preemptions"] == 0:
         checks.append(("blocks loaded from the tier (nothing shared)", summary["offload_loaded_blocks"], "=", 0))
     return checks

@@ -19,7 +19,7 @@ import pandas as pd
 
 from lab.checks import check_bool, check_choice, check_int, check_real
 from lab.errors import InputError, LabError
-from lab.kv_policy import PagedPolicy, default_num_cpu_blocks
+from lab.kv_policy import PagedPolicy, default_num_cpu_blocks, host_pool_blocks
 from lab.profile import RANGE_QUANTITIES, Profile
 from lab.scheduler import (PREEMPTION_MODES, SCHEDULING_MODES, RequestRejectedError, Scheduler,
                            SchedulerConfig, SchedulingSettings, Sequence, SequenceGroup, StepStats)
@@ -116,11 +116,12 @@ def build_policy(config: SimConfig, capacity_tokens: int, block_bytes: int):
         num_blocks = capacity_tokens // config.block_size
         if num_blocks < 1:
             raise InputError(f"capacity of {capacity_tokens} tokens holds no block of {config.block_size}")
-        if max(num_blocks, config.num_cpu_blocks) > MAX_BLOCKS:
-            raise InputError(f"a pool of {max(num_blocks, config.num_cpu_blocks)} blocks is more than the simulator "
-                             f"tracks ({MAX_BLOCKS}); use a larger block size or a smaller capacity")
         cpu_blocks = config.num_cpu_blocks or (default_num_cpu_blocks(num_blocks, block_bytes)
                                                if config.preemption_mode == "swap" else 0)
+        largest = max(num_blocks, host_pool_blocks(cpu_blocks, config.kv_offload_blocks, config.enable_prefix_caching))
+        if largest > MAX_BLOCKS:
+            raise InputError(f"a pool of {largest} blocks is more than the simulator tracks ({MAX_BLOCKS}); use a "
+                             f"larger block size, a smaller capacity or a smaller host tier")
         return PagedPolicy(num_blocks, config.block_size, config.enable_prefix_caching, cpu_blocks,
                            config.kv_offload_blocks)
     if config.kv_offload_blocks != 0:

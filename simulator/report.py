@@ -20,7 +20,7 @@ LABELS = {
     "peak_batch_size": "Peak running sequences", "throughput_tok_s": "Throughput (output tokens/s)",
     "ttft_p50_s": "TTFT p50 (s)", "tpot_p50_s": "TPOT p50 (s)", "preemptions": "Preemptions",
     "num_requests_completed": "Requests completed", "num_requests_rejected": "Requests rejected",
-    "capacity_tokens": "KV capacity (tokens)", "host_capacity_tokens": "Host swap capacity (tokens)",
+    "capacity_tokens": "KV capacity (tokens)", "host_capacity_tokens": "Host KV pool (tokens; swap and offload tier)",
     "block_size": "Block size (tokens)", "paper_token_states_frac": "Paper: holding tokens (% of KV)",
     "ttft_p90_s": "TTFT p90 (s)", "tpot_p90_s": "TPOT p90 (s)", "rate": "Arrival rate (requests/s)",
     "allocator": "Allocator", "replicas": "Replicas", "model": "Model", "gpu": "GPU",

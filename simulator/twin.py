@@ -117,13 +117,13 @@ def twin_workload(source: str, num_requests: int, rate: float | None = None, inp
 
 def sim_config(engine: LLMEngine, profile: Profile) -> SimConfig:
     """The simulator configured as ``engine`` is, its clock from ``profile``."""
-    settings, manager, host = engine.config, engine.block_manager, engine.policy.cpu_manager
+    settings, manager = engine.config, engine.block_manager
     return SimConfig(allocator="paged", block_size=manager.block_size,
                      capacity_tokens=manager.num_physical_blocks * manager.block_size,
                      max_model_len=engine.max_model_len, max_num_seqs=settings.max_num_seqs,
                      max_num_batched_tokens=settings.max_num_batched_tokens, scheduling=settings.scheduling,
                      preemption_mode=settings.preemption_mode,
-                     num_cpu_blocks=host.num_physical_blocks if host is not None else 0,
+                     num_cpu_blocks=engine.policy.num_swap_blocks,
                      enable_prefix_caching=settings.enable_prefix_caching, profile=profile, record_steps=True,
                      kv_offload_blocks=settings.kv_offload_blocks)
 

@@ -217,6 +217,20 @@ def test_block_pool_draws_the_offload_tier(source):
     assert app.session_state["pool_settings"]["kv_offload_blocks"] == 64
 
 
+def test_block_pool_draws_one_host_pool_for_swapping_and_the_tier():
+    app = open_page("block_pool")
+    app.slider(key="num_blocks").set_value(32)
+    app.slider(key="offload_blocks").set_value(64)
+    app.radio[1].set_value("swap")
+    app.button(key="run").click().run()
+    clean(app)
+    frames = [pool for _, pool in app.session_state["pool_frames"]]
+    assert all(pool.offload.shares_host_pool and len(pool.offload.lru_rank) == len(pool.host_pool.ref_counts)
+               for pool in frames)
+    assert any(any(pool.host_pool.owners) for pool in frames), "some frame should hold a swapped-out sequence"
+    assert any("one budget" in caption.value for caption in app.caption)
+
+
 def test_benchmarks_page_lists_results_and_rejects_bad_csv(downloads):
     app = open_page("memory_simulator")
     app.switch_page("pages/benchmarks.py")

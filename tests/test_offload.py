@@ -50,9 +50,56 @@ def test_tier_hits_give_the_engine_s_tokens_and_the_round_trip_is_exact():
     for cache in runner.key_caches + runner.value_caches:
         cache[3].normal_()
     before = [cache[3].clone() for cache in runner.key_caches + runner.value_caches]
-    runner.swap([(3, 5)], to_host=True, tier=True)
-    runner.swap([(5, 9)], to_host=False, tier=True)
+    runner.swap([(3, 5)], to_host=True)
+    runner.swap([(5, 9)], to_host=False)
     assert all(torch.equal(cache[9], old) for cache, old in zip(runner.key_caches + runner.value_caches, before))
+
+
+def test_swapped_sequences_and_the_tier_share_one_host_pool():
+    """The tier borrows free host blocks; a swap-out takes them back from its least recently used entries; the host
+    pool's invariants hold and swapped + tier blocks never exceed it."""
+    from lab.kv_policy import PagedPolicy
+    from lab.scheduler import Sequence, SequenceGroup
+
+    policy = PagedPolicy(6, 2, True, num_cpu_blocks=2, offload_blocks=3)
+    host, tier = policy.cpu_manager, policy.tier
+    assert host.num_physical_blocks == 5 and tier.host is host and tier.capacity == 5
+    for index in range(5):
+        assert tier.store((index,), index) == index  # the tier may fill the whole pool while nothing is swapped
+    assert tier.store((5,), 5) is None  # every entry is pinned by this step's stores
+    tier.unpin()
+    assert host.num_free_blocks == 0 and policy.tier_blocks_in_use() == 5 and policy.cpu_blocks_in_use() == 0
+    host.check_invariants()
+    group = SequenceGroup("r", [])
+    seq = Sequence("s", group, 0, prompt_len=5, final_len=8)
+    group.seqs.append(seq)
+    assert policy.admit([seq], [1, 2, 3, 4, 5])
+    kv_len = 5
+    assert policy.can_swap_out([seq], [kv_len])
+    copies = policy.swap_out([seq], [kv_len])
+    assert len(copies) == 3 and policy.cpu_blocks_in_use() == 3 and policy.tier_blocks_in_use() == 2
+    assert [key for key in tier.entries] == [(3,), (4,)]  # the three least recently used left
+    host.check_invariants()
+    assert host.num_used_blocks == 5
+
+
+def test_a_store_into_a_host_block_a_swap_in_frees_in_the_same_step_lands_after_the_read():
+    from lab.scheduler import NOTHING, SchedulerOutput
+
+    engine = LLMEngine("tiny", block_size=4, num_blocks=14, preemption_mode="swap", num_cpu_blocks=4,
+                       kv_offload_blocks=4)
+    runner = engine.runner
+    caches = list(zip(runner.key_caches + runner.value_caches, runner.cpu_key_caches + runner.cpu_value_caches))
+    for device, host in caches:
+        device[3].normal_()
+        host[5].normal_()
+    stored, swapped = [d[3].clone() for d, _ in caches], [h[5].clone() for _, h in caches]
+    plan = SchedulerOutput(1)
+    plan.blocks_to_swap_in, plan.blocks_to_store = [(5, 7)], [(3, 5)]
+    assert plan.blocks_to_load is NOTHING or not plan.blocks_to_load
+    runner.execute_copies(plan)
+    for (device, host), old_device, old_host in zip(caches, stored, swapped):
+        assert torch.equal(device[7], old_host) and torch.equal(host[5], old_device)
 
 
 @pytest.mark.skipif(not MOONCAKE.is_file(), reason=f"{MOONCAKE} not found (../shared/traces)")
@@ -93,8 +140,10 @@ def test_the_twin_configures_the_simulator_with_the_engine_s_tier():
     from simulator.twin import sim_config
     from tests.test_profile_twin import fixed_profile
 
-    engine = LLMEngine("tiny", block_size=16, num_blocks=64, kv_offload_blocks=12)
-    assert sim_config(engine, fixed_profile()).kv_offload_blocks == 12
+    engine = LLMEngine("tiny", block_size=16, num_blocks=64, kv_offload_blocks=12, preemption_mode="swap",
+                       num_cpu_blocks=8)
+    config = sim_config(engine, fixed_profile())
+    assert config.kv_offload_blocks == 12 and config.num_cpu_blocks == 8  # the host pool of 20 is rebuilt alike
 
 
 def test_the_tier_sweep_shows_what_a_cpu_tier_buys():

@@ -93,17 +93,29 @@ def test_engine_and_simulator_plan_identical_steps(modes, caching, n):
 @pytest.mark.parametrize("tier", [4, 64])
 def test_the_offload_tier_plans_identically(modes, tier):
     """A pool small enough to evict cached blocks (stored to the tier) that preempted and later prompts find
-    again (loaded from it): both executors store and load the same blocks in the same steps."""
+    again (loaded from it): both executors store and load the same blocks in the same steps. With swapping, swapped
+    sequences and the tier share one host pool (8 blocks of swap space plus the tier's): both show, never more than
+    the pool together, and the tokens are those of a run without the tier."""
     lengths, outputs = [9, 23, 5, 17, 30, 12, 21, 8], [7, 12, 9, 5, 10, 8, 6, 11]
     prompts = make_prompts(lengths, shared_prefix=8, seed=5)
+    swap = modes["preemption_mode"] == "swap"
     engine, results, real, simulated = engine_and_simulator_logs(
         prompts, outputs, shared_prefix=8, num_blocks=14, max_num_batched_tokens=24, kv_offload_blocks=tier,
-        max_num_seqs=3, **modes)
+        max_num_seqs=3, num_cpu_blocks=8 if swap else 0, **modes)
     assert_same_plan(real, simulated)
     assert real["num_offload_stored"].sum() > 0
-    if modes["preemption_mode"] == "recompute":  # a recomputed prompt finds its own evicted blocks on the host
+    host = engine.policy.cpu_manager.num_physical_blocks
+    assert host == tier + (8 if swap else 0) and engine.block_manager.offload.stats.peak_blocks <= host
+    assert (real["cpu_blocks_in_use"] + real["tier_blocks_in_use"] <= host).all()
+    if swap:
+        both = (real["cpu_blocks_in_use"] > 0) & (real["tier_blocks_in_use"] > 0)
+        assert both.any(), "swapped blocks and tier blocks should share the host pool at some step"
+        plain = LLMEngine("tiny", block_size=4, num_blocks=14, num_cpu_blocks=8, max_num_batched_tokens=24,
+                          max_num_seqs=3, **modes)
+        params = [SamplingParams(max_tokens=o, ignore_eos=True) for o in outputs]
+        assert [o.token_ids for o in results] == [o.token_ids for o in plain.generate(prompts, params)]
+    else:  # a recomputed prompt finds its own evicted blocks on the host
         assert real["num_offload_loaded"].sum() > 0
-    assert engine.block_manager.offload.stats.peak_blocks <= tier
 
 
 @dataclass

@@ -563,6 +563,12 @@ class KVBlockManager:
         """The sequence's physical block ids, logical order."""
         return list(self._seq(seq_id).block_table)
 
+    def block_table_view(self, seq_id) -> array:
+        """The sequence's block table itself, not a copy (read-only for the caller). The pool replaces the object
+        when the sequence is created, forked or moved, and changes it otherwise only by appending blocks or by
+        replacing the last one (copy-on-write): what ``lab.block_tables`` relies on."""
+        return self._seq(seq_id).block_table
+
     def get_sequence_length(self, seq_id) -> int:
         """Tokens the sequence holds."""
         return self._seq(seq_id).num_tokens

@@ -131,6 +131,15 @@ class PagedPolicy:
         if kv_len > seq.synced_len:
             self._append(seq, kv_len, True)
 
+    def sync_slots(self, seq: Sequence, kv_len: int) -> None:
+        """``sync`` when the manager's table lacks the block of ``seq``'s token ``kv_len - 1`` (or a shared partly
+        filled block must be copied first): the engine's per-step call, so that every decode token has its slot.
+        The table then has exactly the blocks of ``kv_len`` tokens while the manager's token count may lag inside the
+        last block (nothing reads it before the next ``sync``)."""
+        size = self.block_size
+        if seq.shared_block >= 0 or -(-kv_len // size) > -(-seq.synced_len // size):
+            self._append(seq, kv_len, True)
+
     def _append(self, seq: Sequence, kv_len: int, from_reserved: bool) -> None:
         if seq.shared_block >= 0:
             self._leave_shared_partial(seq)

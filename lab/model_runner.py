@@ -9,13 +9,14 @@ nothing of how blocks are managed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import torch
 
 import kernels
 from kernels.torch_backend import gather_kv, synchronize
 
+from .block_tables import DeviceBlockTables
 from .model import head_dim_of
 
 # A chunk of at least this many new tokens after a longer cached prefix attends on a CPU in two flash passes
@@ -31,7 +32,7 @@ class KVView(Protocol):
 
     def get_block_table(self, seq_id) -> list[int]: ...
 
-    def get_block_tables_tensor(self, seq_ids: Iterable, device=None) -> torch.Tensor: ...
+    def block_table_view(self, seq_id): ...  # the table itself, not a copy (lab.block_tables)
 
     def get_slot_mapping(self, seq_id, start: int, end: int) -> list[int]: ...
 
@@ -44,7 +45,7 @@ class ModelInput:
 
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    spans: list[tuple] = field(default_factory=list)  # (seq_id, start, end): the cache slots each run writes
+    prefill_spans: list[tuple] = field(default_factory=list)  # (seq_id, start, end): the cache slots each chunk writes
     prefill_seq_ids: list = field(default_factory=list)
     prefill_lens: list[int] = field(default_factory=list)  # new tokens of each chunk
     prefill_cached: list[int] = field(default_factory=list)  # tokens before each chunk, already in the cache
@@ -63,22 +64,23 @@ class ModelInput:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
             step.input_ids += seq.data.token_ids[start:end]
             step.positions += range(start, end)
-            step.spans.append((seq.seq_id, start, end))
+            step.prefill_spans.append((seq.seq_id, start, end))
             step.prefill_seq_ids.append(seq.seq_id)
             step.prefill_lens.append(chunk.num_tokens)
             step.prefill_cached.append(start)
             if chunk.samples:
                 step.logit_rows.append(len(step.input_ids) - 1)
                 step.samplers.append(chunk.samples)
-        for seq in plan.decode_seqs or ():
-            position = kv_len(seq) - 1
-            step.logit_rows.append(len(step.input_ids))
-            step.samplers.append([seq])
-            step.input_ids.append(seq.data.output[-1])
-            step.positions.append(position)
-            step.spans.append((seq.seq_id, position, position + 1))
-            step.decode_seq_ids.append(seq.seq_id)
-            step.max_seq_len = max(step.max_seq_len, position + 1)
+        seqs = plan.decode_seqs
+        if seqs:  # one token each: whole lists at once (64 sequences a step on the hot path)
+            first = len(step.input_ids)
+            positions = [kv_len(seq) - 1 for seq in seqs]
+            step.logit_rows += range(first, first + len(seqs))
+            step.samplers += [[seq] for seq in seqs]
+            step.input_ids += [seq.data.output[-1] for seq in seqs]
+            step.positions += positions
+            step.decode_seq_ids = [seq.seq_id for seq in seqs]
+            step.max_seq_len = max(positions) + 1
         return step
 
 
@@ -139,6 +141,8 @@ class ModelRunner:
         self.layers = [merged_weights(layer) for layer in hf_model.model.layers]
         self.cos_sin_cache = rotary_table(hf_model, config.max_position_embeddings)
         self.static_decode = None  # a lab.static_decode.StaticDecode: decode steps through fixed buffers
+        self.block_size = block_size
+        self.block_tables = DeviceBlockTables(self.device)  # decode block tables, updated incrementally
 
     @staticmethod
     def resolve_attention_backend(hf_model, attention_backend: str) -> str:
@@ -227,22 +231,27 @@ class ModelRunner:
         if not step.input_ids:
             return None, torch.empty(0, dtype=torch.long)
         num_tokens, num_decode = len(step.input_ids), len(step.decode_seq_ids)
-        spans = step.spans
-        slots = kv.get_slot_mapping(*spans[0]) if len(step.prefill_seq_ids) == 1 else \
-            [slot for span in spans[:len(step.prefill_seq_ids)] for slot in kv.get_slot_mapping(*span)]
+        spans = step.prefill_spans
+        slots = kv.get_slot_mapping(*spans[0]) if len(spans) == 1 else \
+            [slot for span in spans for slot in kv.get_slot_mapping(*span)]
+        batch_rows, updates = self.block_tables.plan(step.decode_seq_ids, kv) if num_decode else ([], [])
         if num_decode:
             slots += kv.get_decode_slots(step.decode_seq_ids, step.positions[num_tokens - num_decode:])
         seq_lens = [position + 1 for position in step.positions[num_tokens - num_decode:]]
-        ints = self._upload(torch.tensor(step.input_ids + step.positions + slots + seq_lens + step.logit_rows,
-                                         dtype=torch.long))
-        block_tables = self._upload(kv.get_block_tables_tensor(step.decode_seq_ids)) if num_decode else None
+        ints = self._upload(torch.tensor(step.input_ids + step.positions + slots + seq_lens + batch_rows + updates
+                                         + step.logit_rows, dtype=torch.long))
+        starts = [0, num_tokens, 2 * num_tokens, 3 * num_tokens, 3 * num_tokens + num_decode,
+                  3 * num_tokens + 2 * num_decode, 3 * num_tokens + 2 * num_decode + len(updates)]
+        block_tables = None
+        if num_decode:
+            self.block_tables.apply(ints[starts[5]:starts[6]])
+            block_tables = self.block_tables.gather(ints[starts[4]:starts[5]], -(-step.max_seq_len // self.block_size))
         tables = [torch.tensor(kv.get_block_table(seq_id), dtype=torch.long, device=self.device)
                   for seq_id in step.prefill_seq_ids]
-        starts = [0, num_tokens, 2 * num_tokens, 3 * num_tokens, 3 * num_tokens + num_decode]
         batch = ForwardBatch(ints[:starts[1]], ints[starts[1]:starts[2]], ints[starts[2]:starts[3]],
                              step.prefill_lens, step.prefill_cached, tables, block_tables,
                              ints[starts[3]:starts[4]] if num_decode else None, step.max_seq_len)
-        return batch, ints[starts[4]:]
+        return batch, ints[starts[6]:]
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """``host`` on the runner's device: as is on a CPU; on CUDA from pinned memory, without waiting."""

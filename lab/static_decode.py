@@ -71,13 +71,17 @@ class StaticDecode:
         """The step's inputs into the buffers' first ``bucket`` columns, padding after its sequences: one upload of
         the vectors, one of the block tables."""
         num_seqs, pad = len(step.decode_seq_ids), bucket - len(step.decode_seq_ids)
-        positions = step.positions
+        positions, tables = step.positions, self.runner.block_tables
+        batch_rows, updates = tables.plan(step.decode_seq_ids, kv)
         rows = (step.input_ids, positions, kv.get_decode_slots(step.decode_seq_ids, positions),
                 [position + 1 for position in positions])
-        host = torch.tensor([row + [value] * pad for row, value in zip(rows, PADDING)], dtype=torch.long)
-        self.vectors[:, :bucket].copy_(self.runner._upload(host))
-        tables = kv.get_block_tables_tensor(step.decode_seq_ids)
-        self.block_tables[:num_seqs, :tables.shape[1]].copy_(self.runner._upload(tables))
+        ints = self.runner._upload(torch.tensor([value for row, pad_value in zip(rows, PADDING)
+                                                 for value in row + [pad_value] * pad] + batch_rows + updates,
+                                                dtype=torch.long))
+        self.vectors[:, :bucket].copy_(ints[:len(PADDING) * bucket].view(len(PADDING), bucket))
+        tables.apply(ints[len(PADDING) * bucket + num_seqs:])
+        width = -(-step.max_seq_len // self.runner.block_size)
+        self.block_tables[:num_seqs, :width].copy_(tables.gather(ints[len(PADDING) * bucket:][:num_seqs], width))
 
     def _batch(self, bucket: int, max_seq_len: int) -> ForwardBatch:
         input_ids, positions, slot_mapping, seq_lens = self.vectors[:, :bucket]

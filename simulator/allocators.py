@@ -245,6 +245,8 @@ class ContiguousPolicy:
     def sync(self, seq, kv_len: int) -> None:
         """Nothing to tell: a region holds whatever the sequence writes into it."""
 
+    sync_slots = sync
+
     def release(self, seq, kv_len: int = 0) -> None:
         self._free(seq)
 

@@ -1,5 +1,6 @@
 import dataclasses
 import math
+from collections import OrderedDict
 
 import pandas as pd
 import streamlit as st
@@ -12,6 +13,7 @@ from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_erro
 cached_workload = st.cache_data(simulator.make_workload, show_spinner=False)
 DEFAULTS = simulator.APP_DEFAULTS
 BLOCK_SWEEP_REQUESTS = 300
+FINISHED_RUNS_KEPT = 4
 HEADLINE_CARDS = (("Allocated KV holding tokens (%)", "Allocated KV holding tokens", " %"),
                   ("Throughput (output tokens/s)", "Throughput", " tok/s"),
                   ("Mean running sequences", "Mean running sequences", ""),
@@ -27,6 +29,13 @@ OFFLOAD_LABELS = {"tier": "Host tier", "prefix_cache_hit_pct": "Prefix-cache hit
                   "offload_hit_pct": "Served by the tier (% of prompt blocks)", "ttft_p50_s": "TTFT p50 (s)",
                   "ttft_p90_s": "TTFT p90 (s)", "throughput_tok_s": "Throughput (output tokens/s)",
                   "preemptions": "Preemptions"}
+
+
+@st.cache_resource(show_spinner=False)
+def finished_runs() -> OrderedDict:
+    """The runs this server finished, by their settings: the same settings give the same result, so a return to them
+    (or a second visitor at the defaults) shows it at once. The ``FINISHED_RUNS_KEPT`` most recent."""
+    return OrderedDict()
 
 
 def block_size_sweep(workload, configs):
@@ -140,7 +149,8 @@ def build_inputs():
     return workload, configs
 
 
-key = repr((figure2, source, upload.file_id if upload else None, locals().get("preset"), num_requests, rate,
+key = repr((figure2, source, upload.file_id if upload else None, locals().get("time_scale"), locals().get("preset"),
+            num_requests, rate,
             burstiness, n, beam_width, shared_prefix, model, gpu, capacity, utilization, max_model_len, allocators, block_sizes,
             address_space, scheduling, preemption, max_num_seqs, budget, prefix_caching, memory_gib, bandwidth_tbs,
             peak_tflops, dtype_bytes, offload_gib))
@@ -151,17 +161,25 @@ if st.session_state.get("sim_stopped_key") == key:
     st.stop()
 if st.session_state.get("sim_key") != key:
     try:
-        workload, configs = build_inputs()
-        bar, stop = st.progress(0.0, "simulating…"), st.empty()
-        stop.button("Stop", key="stop_sim", help="Interrupts the run (any widget change does too)")
-        summary, runs = simulator.compare(workload, configs, progress=lambda f: bar.progress(min(f, 1.0),
-                                                                                          "simulating…"))
-        bar.empty()
-        stop.empty()
-        if figure2:
-            summary["paper_token_states_frac"] = summary["allocator"].map(simulator.PAPER_FIGURE2_TOKEN_STATES)
-        checks = simulator.closed_form_checks(workload, runs)
-        sweep = block_size_sweep(workload, configs) if not figure2 else None
+        if key in finished_runs():
+            finished_runs().move_to_end(key)
+            workload, configs, summary, runs, checks, sweep = finished_runs()[key]
+        else:
+            workload, configs = build_inputs()
+            bar, stop = st.progress(0.0, "simulating…"), st.empty()
+            stop.button("Stop", key="stop_sim", help="Interrupts the run (any widget change does too)")
+            summary, runs = simulator.compare(workload, configs, progress=lambda f: bar.progress(min(f, 1.0),
+                                                                                              "simulating…"))
+            bar.empty()
+            stop.empty()
+            if figure2:
+                summary["paper_token_states_frac"] = summary["allocator"].map(simulator.PAPER_FIGURE2_TOKEN_STATES)
+            checks = simulator.closed_form_checks(workload, runs)
+            sweep = block_size_sweep(workload, configs) if not figure2 else None
+            finished_runs()[key] = workload, configs, summary, runs, checks, sweep
+            while len(finished_runs()) > FINISHED_RUNS_KEPT:
+                finished_runs().popitem(last=False)
+        summary = summary.copy()
         st.session_state.update(sim_key=key, sim_summary=summary, sim_series={k: r.timeseries for k, r in runs.items()},
                                 sim_workload=workload.summary(), sim_checks=checks, sim_block_sweep=sweep,
                                 sim_settings=report.run_settings(workload, configs[0]), sim_configs=configs,

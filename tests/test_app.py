@@ -92,6 +92,28 @@ def test_memory_simulator_reacts_and_exports(downloads):
     assert download_table(app, downloads, "dl_summary")["prefix_cache_hit_rate"].isna().all()
 
 
+def test_memory_simulator_shows_settings_it_already_ran_at_once():
+    """Going back to settings the server has run shows that result without running again (the same settings give
+    the same result); other settings run."""
+    from unittest import mock
+
+    import simulator
+
+    app = open_page("memory_simulator")
+    clean(app)
+    first = app.session_state["sim_summary"]
+    with mock.patch.object(simulator, "compare", wraps=simulator.compare) as compare:
+        app.number_input[0].set_value(200).run()
+        clean(app)
+        assert compare.call_count == 1 and app.session_state["sim_summary"]["num_requests"].iloc[0] == 200
+        app.number_input[0].set_value(1000).run()
+        clean(app)
+        assert compare.call_count == 1  # the defaults again: nothing ran
+    again = app.session_state["sim_summary"]
+    pd.testing.assert_frame_equal(again, first)
+    assert again is not first  # a copy: the page may add to it
+
+
 def test_memory_simulator_figure2_setup_greys_out_what_it_fixes(downloads):
     app = open_page("memory_simulator")
     app.toggle[0].set_value(True).run()  # "vLLM paper Figure 2 setup"

@@ -149,12 +149,14 @@ def per_layer(ledger: pd.DataFrame) -> pd.DataFrame:
 
 def host_time_per_step(model: str = "tiny", num_seqs: int = 64, steps: int = 30) -> dict:
     """What the host does in a decode step outside the forward, on this machine's CPU: a real engine decoding
-    ``num_seqs`` sequences; per step, the step's wall time minus its forward's (median over ``steps`` steps)."""
+    ``num_seqs`` sequences; per step, the step's wall time minus its forward's (median over ``steps`` steps). Then
+    the same steps with the forward stubbed (it returns fixed logits): the host's work without a CPU forward
+    evicting its data from the caches in between, as on a GPU, where the forward does not run on the host."""
     from ..engine import LLMEngine, SamplingParams
 
     engine = LLMEngine(model, num_blocks=num_seqs * 8, max_num_seqs=num_seqs)
     for index in range(num_seqs):
-        engine.add_request([1 + index % 500, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=steps + 4,
+        engine.add_request([1 + index % 500, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=2 * steps + 8,
                                                                                   ignore_eos=True))
     forward, spent = engine.runner.forward, []
 
@@ -173,8 +175,16 @@ def host_time_per_step(model: str = "tiny", num_seqs: int = 64, steps: int = 30)
         started = time.perf_counter()
         engine.step()
         outside.append(time.perf_counter() - started - sum(spent))
+    logits = torch.zeros(num_seqs, engine.hf_model.config.vocab_size, dtype=engine.runner.dtype)
+    engine.runner.forward = lambda batch, rows: logits
+    stubbed = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        engine.step()
+        stubbed.append(time.perf_counter() - started)
     return {"model": model, "num_seqs": num_seqs, "host_ms_per_step": 1e3 * statistics.median(outside),
-            "host_ms_min": 1e3 * min(outside), "host_ms_max": 1e3 * max(outside)}
+            "host_ms_min": 1e3 * min(outside), "host_ms_max": 1e3 * max(outside),
+            "host_ms_per_step_stubbed": 1e3 * statistics.median(stubbed)}
 
 
 def launch_summary(config: LedgerConfig | None = None, host_model: str = "tiny") -> pd.DataFrame:
@@ -187,5 +197,6 @@ def launch_summary(config: LedgerConfig | None = None, host_model: str = "tiny")
     summary["context"] = summary["step"].map({"prefill": 0, "decode": config.context})
     host = host_time_per_step(host_model, config.batch)
     summary["host_ms_per_step"] = summary["step"].map({"decode": host["host_ms_per_step"]})
+    summary["host_ms_per_step_stubbed"] = summary["step"].map({"decode": host["host_ms_per_step_stubbed"]})
     summary["host_model"] = host_model
     return summary

@@ -216,12 +216,13 @@ def test_metrics_export(prompts):
 
 
 GPU_MODES = [dict(), dict(scheduling="chunked", max_num_batched_tokens=13),
-             dict(preemption_mode="swap", num_blocks=24, block_size=4)]
+             dict(preemption_mode="swap", num_blocks=24, block_size=4),
+             dict(preemption_mode="swap", num_blocks=24, block_size=4, num_cpu_blocks=16, kv_offload_blocks=8)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["torch", "auto", "cupy"])
-@pytest.mark.parametrize("modes", GPU_MODES, ids=["plain", "chunked", "swap"])
+@pytest.mark.parametrize("modes", GPU_MODES, ids=["plain", "chunked", "swap", "swap-tier"])
 def test_gpu_greedy_parity_fp32(prompts, backend, modes):
     """On CUDA, fp32: greedy tokens equal HF generate, also under chunked prefill and swap preemption (device <->
     pinned host). ``cupy`` needs head_dim 64+, so it runs the tiny-hd64 preset; ``auto`` on the tiny preset uses
@@ -240,6 +241,8 @@ def test_gpu_greedy_parity_fp32(prompts, backend, modes):
     assert [o.token_ids for o in outputs] == expected
     if modes.get("preemption_mode") == "swap":
         assert engine.scheduler.num_swaps_out > 0
+    if modes.get("kv_offload_blocks"):  # one pinned host pool for swapped sequences and the tier's stores
+        assert engine.block_manager.offload.stats.stored_blocks > 0
 
 
 @pytest.mark.gpu

@@ -29,9 +29,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 'transformers', transformers.__version__)" 2>&1 | tee -a "$log"
 # The `gpu` tests live in these files (fused kernels and kernel numerics vs the float64 reference in bf16/fp16/fp32;
 # CUDA graph replays equal to the eager forward and to HF; HF parity on CUDA, plain, chunked prefill and swap
-# preemption, alone and sharing its pinned host pool with the offload tier; seeded sampling and beam search; swap_blocks device <-> pinned host). Naming the files keeps pytest from
-# collecting the app's tests, whose Streamlit and plotly a GPU image may lack. (The CPU-side launcher, ledger and
-# compiled-code checks are CI's.)
+# preemption, alone and sharing its pinned host pool with the offload tier; seeded sampling and beam search;
+# swap_blocks device <-> pinned host). Naming the files keeps pytest from collecting the app's tests, whose
+# Streamlit and plotly a GPU image may lack. (The CPU-side launcher, ledger and compiled-code checks are CI's.)
 step tests 120 "$py" -m pytest -m gpu -q -rfE --tb=short --durations=8 -p no:cacheprovider \
   tests/test_fused_ops.py tests/test_static_decode.py tests/test_kernels.py tests/test_swap.py tests/test_engine.py \
   tests/test_engine_beam_search.py

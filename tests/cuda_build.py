@@ -57,8 +57,9 @@ def _ptxas_report(arch: str) -> dict[str, dict[str, int]]:
     with tempfile.TemporaryDirectory() as folder:
         source = Path(folder) / "kernels.ptx"
         source.write_text(_compile_ptx(arch))
-        result = subprocess.run(["ptxas", "-v", f"-arch=sm_{arch}", "-o", str(Path(folder) / "k.cubin"),
-                                 str(source)], capture_output=True, text=True, check=True)
+        result = subprocess.run(["ptxas", "-v", "--split-compile", "0", f"-arch=sm_{arch}", "-o",
+                                 str(Path(folder) / "k.cubin"), str(source)], capture_output=True, text=True,
+                                check=True)  # --split-compile 0: every core (the report is the same)
     report = {}
     for block in re.split(r"Compiling entry function", result.stderr)[1:]:
         name = re.search(r"'(\w+)'", block).group(1)

@@ -35,6 +35,7 @@ class HostPool(Protocol):
     """What the tier needs of the host pool it shares (``KVBlockManager``)."""
 
     num_physical_blocks: int
+    num_free_blocks: int
 
     def lend_block(self) -> int | None: ...
     def return_block(self, block: int) -> None: ...
@@ -76,16 +77,16 @@ class OffloadTier:
         if key in entries:
             entries.move_to_end(key)
             return None
-        if self.capacity is None:
-            slot, self.next_slot = self.next_slot, self.next_slot + 1
-        elif self.free_slots:
+        if self.free_slots:
             slot = self.free_slots.pop()
+        elif self.capacity is None:
+            slot, self.next_slot = self.next_slot, self.next_slot + 1
+        elif self.host is not None and self.host.num_free_blocks:
+            slot = self.host.lend_block()
         else:
-            slot = self.host.lend_block() if self.host is not None else None
+            slot = self._evict()
             if slot is None:
-                slot = self._evict()
-                if slot is None:
-                    return None
+                return None
         entries[key] = (slot, content_id)
         self.pinned.add(slot)
         stats = self.stats

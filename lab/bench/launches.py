@@ -151,7 +151,7 @@ def host_time_per_step(model: str = "tiny", num_seqs: int = 64, steps: int = 30)
     """What the host does in a decode step outside the forward, on this machine's CPU: a real engine decoding
     ``num_seqs`` sequences; per step, the step's wall time minus its forward's (median over ``steps`` steps). Then
     the same steps with the forward stubbed (it returns fixed logits): the host's work without a CPU forward
-    evicting its data from the caches in between, as on a GPU, where the forward does not run on the host."""
+    using the cores and their caches in between, as on a GPU, where the forward does not run on the host."""
     from ..engine import LLMEngine, SamplingParams
 
     engine = LLMEngine(model, num_blocks=num_seqs * 8, max_num_seqs=num_seqs)

@@ -27,7 +27,7 @@ from .beam import BeamRanking, BeamSearchError, BeamSearchOutput, BeamSearchPara
 from .errors import InputError, LabError
 from .checks import check_bool, check_choice, check_int, check_real
 from .hardware import check_device
-from .kv_policy import PagedPolicy, default_num_cpu_blocks, host_pool_blocks
+from .kv_policy import PagedPolicy, default_num_cpu_blocks
 from .model import load_hf_model
 from .model_runner import ModelInput, ModelRunner
 from .sampler import Sampler, SamplingParams, SamplingParamsError
@@ -193,11 +193,10 @@ class LLMEngine:
         if num_blocks < 1:
             raise InputError(f"num_blocks must be >= 1, got {num_blocks}")
         num_cpu_blocks = self._num_cpu_blocks(hf_config, config, dtype, num_blocks)
-        self.runner = ModelRunner(self.hf_model, num_blocks, config.block_size, config.attention_backend,
-                                 host_pool_blocks(num_cpu_blocks, config.kv_offload_blocks,
-                                                  config.enable_prefix_caching))
         self.policy = PagedPolicy(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks,
                                   config.kv_offload_blocks)
+        self.runner = ModelRunner(self.hf_model, num_blocks, config.block_size, config.attention_backend,
+                                 self.policy.num_host_blocks)
         self.block_manager = self.policy.manager
         self.max_model_len = config.max_model_len or getattr(hf_config, "max_position_embeddings", 1 << 30)
         if config.cuda_graphs and self.device.type == "cuda" and self.runner.attention_backend == "cupy":

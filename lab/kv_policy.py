@@ -80,7 +80,7 @@ class PagedPolicy:
         # (cheaper). With several samples, a sibling's recompute may ask at any time: register now.
         # (With an offload tier, always now: the engine caches every prompt's blocks as it admits them, and the tier
         # stores what either executor evicts from its cache, so both must cache the same blocks.)
-        register = len(first.group.seqs) > 1 or manager.offload is not None
+        register = len(first.group.seqs) > 1 or self.tier is not None
         first.cached_tokens = manager.create_sequence(first.seq_id, ids, count, stream, register)
         first.synced_len = prompt_len
         if len(seqs) > 1:
@@ -176,8 +176,7 @@ class PagedPolicy:
 
     def offload_stats(self):
         """The offload tier's ``OffloadStats`` (None without a tier)."""
-        tier = self.manager.offload
-        return tier.stats if tier is not None else None
+        return self.tier.stats if self.tier is not None else None
 
     def refork(self, parent: Sequence, child: Sequence, kv_len: int) -> None:
         """Beam search: ``child`` drops its blocks and becomes a fork of ``parent`` (both hold ``kv_len - 1`` tokens;
@@ -262,9 +261,13 @@ class PagedPolicy:
     def num_free_blocks(self) -> int:
         return self.manager.num_free_blocks
 
+    @property
+    def num_host_blocks(self) -> int:
+        """Blocks of the host pool (swap space and a bounded tier together; 0: none)."""
+        return 0 if self.cpu_manager is None else self.cpu_manager.num_physical_blocks
+
     def host_capacity_tokens(self) -> int:
-        """Slots of the host pool (swap space and a bounded tier together)."""
-        return 0 if self.cpu_manager is None else self.cpu_manager.num_physical_blocks * self.block_size
+        return self.num_host_blocks * self.block_size
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self.manager.prefix_cache_stats

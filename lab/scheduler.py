@@ -35,8 +35,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 NO_EVENT = 1 << 62  # a KV length no sequence reaches: "needs no more memory"
 PERIODIC_END = -1  # a memory-calendar entry's epoch that marks a sequence's last periodic block (epochs are >= 0)
 STEP_LOG_COLUMNS = ("step", "num_prefill_tokens", "num_decode_seqs", "num_running", "num_waiting", "num_swapped",
-                    "blocks_in_use", "cpu_blocks_in_use", "tier_blocks_in_use", "num_preempted", "num_swapped_out", "num_swapped_in",
-                    "num_finished", "num_offload_stored", "num_offload_loaded", "duration_s")
+                    "blocks_in_use", "cpu_blocks_in_use", "tier_blocks_in_use", "num_preempted", "num_swapped_out",
+                    "num_swapped_in", "num_finished", "num_offload_stored", "num_offload_loaded", "duration_s")
 
 
 class SchedulerError(LabError):

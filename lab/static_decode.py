@@ -69,7 +69,8 @@ class StaticDecode:
 
     def _fill(self, step: ModelInput, kv, bucket: int) -> None:
         """The step's inputs into the buffers' first ``bucket`` columns, padding after its sequences: one upload of
-        the vectors, one of the block tables."""
+        the vectors with the batch's block-table rows and changed entries (``lab.block_tables``), then the rows'
+        gather into the static block tables."""
         num_seqs, pad = len(step.decode_seq_ids), bucket - len(step.decode_seq_ids)
         positions, tables = step.positions, self.runner.block_tables
         batch_rows, updates = tables.plan(step.decode_seq_ids, kv)

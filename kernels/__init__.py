@@ -15,11 +15,13 @@ import numpy as np
 from . import reference, validate
 from . import cupy_backend as _cupy
 from .cupy_backend import cupy_status
+from .validate import BackendUnavailableError, KernelArgumentError
 
 BACKENDS = ("reference", "torch", "cupy")
 
 __all__ = ["write_kv_cache", "paged_attention_decode", "copy_blocks", "swap_blocks", "rms_norm", "silu_and_mul",
-           "qk_norm_rope_write", "available_backends", "BACKENDS", "cupy_status", "resolve_backend"]
+           "qk_norm_rope_write", "available_backends", "BACKENDS", "cupy_status", "resolve_backend",
+           "KernelArgumentError", "BackendUnavailableError"]
 
 
 def available_backends() -> list[str]:
@@ -39,7 +41,7 @@ def resolve_backend(backend: str, tensor, head_dim: int | None = None, group: in
     """The concrete backend for ``backend`` on ``tensor``; raises for unknown or unusable ones. Give ``head_dim``,
     ``group`` and ``caches`` for attention, so ``auto`` only picks ``cupy`` where its kernel is instantiated."""
     if not isinstance(backend, str) or backend not in (*BACKENDS, "auto"):
-        raise ValueError(f"backend must be one of {', '.join((*BACKENDS, 'auto'))}; got {backend!r}")
+        raise KernelArgumentError(f"backend must be one of {', '.join((*BACKENDS, 'auto'))}; got {backend!r}")
     is_numpy = isinstance(tensor, np.ndarray)
     if backend == "auto":
         if is_numpy:
@@ -48,16 +50,16 @@ def resolve_backend(backend: str, tensor, head_dim: int | None = None, group: in
                                                                                               caches) is None
         return "cupy" if runnable else "torch"
     if is_numpy and backend != "reference":
-        raise ValueError(f"backend {backend!r} takes torch tensors; NumPy arrays need backend='reference'")
+        raise KernelArgumentError(f"backend {backend!r} takes torch tensors; NumPy arrays need backend='reference'")
     if backend == "cupy":
         usable, reason = cupy_status()
         if not usable:
-            raise RuntimeError(f"backend 'cupy' is unavailable: {reason}")
+            raise BackendUnavailableError(f"backend 'cupy' is unavailable: {reason}")
         if not _cupy.is_cuda(tensor):
-            raise ValueError("backend 'cupy' needs CUDA tensors; got CPU tensors")
+            raise KernelArgumentError("backend 'cupy' needs CUDA tensors; got CPU tensors")
         reason = _cupy.unsupported_reason(tensor, head_dim, group, caches)
         if reason is not None:
-            raise ValueError(reason)
+            raise KernelArgumentError(reason)
         return "cupy"
     return backend
 
@@ -93,11 +95,11 @@ def swap_blocks(src_key_cache, src_value_cache, dst_key_cache, dst_value_cache, 
                 backend: str = "auto"):
     """Swap: copy whole blocks ``dst_*[d] = src_*[s]`` for each ``(s, d)`` pair between two cache pairs of the same
     block shape and dtype, typically device <-> host (preemption by swapping). Destinations must be distinct. Checks
-    everything before copying anything; a bad mapping raises ``ValueError`` and changes nothing."""
+    everything before copying anything; a bad mapping raises ``KernelArgumentError`` (a ``ValueError``) and changes nothing."""
     mapping = validate.check_swap_args(src_key_cache, src_value_cache, dst_key_cache, dst_value_cache, block_mapping)
     if isinstance(src_key_cache, np.ndarray) or isinstance(dst_key_cache, np.ndarray):
         if not (isinstance(src_key_cache, np.ndarray) and isinstance(dst_key_cache, np.ndarray)):
-            raise ValueError("swap_blocks takes two NumPy cache pairs or two torch cache pairs, not a mix")
+            raise KernelArgumentError("swap_blocks takes two NumPy cache pairs or two torch cache pairs, not a mix")
         for src, dst in ((src_key_cache, dst_key_cache), (src_value_cache, dst_value_cache)):
             dst[mapping[:, 1]] = src[mapping[:, 0]]
         return
@@ -237,7 +239,7 @@ class _ReferenceOnTensors:
 
 def _require_cpu_float(tensor) -> None:
     if tensor.is_cuda or tensor.dtype not in _numpy_viewable():
-        raise ValueError(f"backend 'reference' writes in place only into CPU float32/float64 caches, "
+        raise KernelArgumentError(f"backend 'reference' writes in place only into CPU float32/float64 caches, "
                          f"got {tensor.dtype} on {tensor.device}")
 
 

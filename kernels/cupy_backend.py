@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from . import validate
-from .validate import is_cuda
+from .validate import KernelArgumentError, is_cuda
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE_PATH = CSRC / "paged_attention.cu"
@@ -157,7 +157,7 @@ def _sm_count(device: torch.device) -> int:
 
 def _require(reason: str | None) -> None:
     if reason is not None:
-        raise ValueError(reason)
+        raise KernelArgumentError(reason)
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
@@ -215,7 +215,7 @@ def swap_blocks(src_key_cache, src_value_cache, dst_key_cache, dst_value_cache, 
 
     for cache in (src_key_cache, src_value_cache, dst_key_cache, dst_value_cache):
         if not cache.is_contiguous():
-            raise ValueError("the cupy backend needs contiguous caches to swap blocks")
+            raise KernelArgumentError("the cupy backend needs contiguous caches to swap blocks")
     mapping = validate.to_numpy(block_mapping).reshape(-1, 2)
     device = src_key_cache.device if is_cuda(src_key_cache) else dst_key_cache.device
     block_bytes = src_key_cache[0].numel() * src_key_cache.element_size()
@@ -275,7 +275,7 @@ def _attend(out, query, key_cache, value_cache, block_tables, seq_lens, scale, p
         partition_size = choose_partition_size(num_seqs, num_kv_heads, max_seq_len, _sm_count(device))
     num_parts = max(1, -(-max_seq_len // partition_size)) if partition_size else 1
     if num_parts > MAX_GRID_YZ:
-        raise ValueError(f"partition_size={partition_size} splits a {max_seq_len}-token context into {num_parts} "
+        raise KernelArgumentError(f"partition_size={partition_size} splits a {max_seq_len}-token context into {num_parts} "
                          f"partitions; the grid allows {MAX_GRID_YZ}")
     max_logits = torch.empty((num_seqs, num_q_heads, num_parts), dtype=torch.float32, device=device)
     exp_sums = torch.empty_like(max_logits)
@@ -298,7 +298,7 @@ def _attend(out, query, key_cache, value_cache, block_tables, seq_lens, scale, p
 
 def _require_contiguous(key_cache, value_cache) -> None:
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError("the cupy backend needs contiguous key_cache and value_cache")
+        raise KernelArgumentError("the cupy backend needs contiguous key_cache and value_cache")
 
 
 def instantiation_source() -> str:

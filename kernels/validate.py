@@ -6,6 +6,14 @@ import functools
 import numpy as np
 
 
+class KernelArgumentError(ValueError):
+    """An argument of a ``kernels`` call is wrong (the message names it); nothing was written."""
+
+
+class BackendUnavailableError(KernelArgumentError, RuntimeError):
+    """The requested backend cannot run on this machine (no GPU, no CuPy)."""
+
+
 def shape_of(x) -> tuple[int, ...]:
     return tuple(x.shape)  # a torch.Size or a NumPy shape: ints either way
 
@@ -15,14 +23,14 @@ def check_rank(name: str, x, rank: int) -> tuple[int, ...]:
     check_array(name, x)
     shape = shape_of(x)
     if len(shape) != rank:
-        raise ValueError(f"{name} must have rank {rank}, got shape {shape}")
+        raise KernelArgumentError(f"{name} must have rank {rank}, got shape {shape}")
     return shape
 
 
 def check_array(name: str, x) -> None:
     """A torch tensor or a NumPy array."""
     if not (_is_numpy(x) or type(x).__module__.startswith("torch") and hasattr(x, "detach")):
-        raise ValueError(f"{name} must be a torch tensor or a NumPy array, got {type(x).__name__} {x!r:.60}")
+        raise KernelArgumentError(f"{name} must be a torch tensor or a NumPy array, got {type(x).__name__} {x!r:.60}")
 
 
 MAX_SCALE = 1e6  # softmax(scale * q.k): far past any head_dim ** -0.5
@@ -32,7 +40,7 @@ def check_scale(scale) -> float:
     """The softmax scale as a float: a finite number > 0."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)) or \
             not 0 < float(scale) <= MAX_SCALE:
-        raise ValueError(f"scale must be a number in (0, {MAX_SCALE:g}], got {scale!r:.60}")
+        raise KernelArgumentError(f"scale must be a number in (0, {MAX_SCALE:g}], got {scale!r:.60}")
     return float(scale)
 
 
@@ -40,9 +48,9 @@ def check_cache_pair(key_cache, value_cache) -> tuple[int, int, int, int]:
     """Return ``(num_blocks, num_kv_heads, block_size, head_dim)`` after checking both caches agree."""
     shape, value_shape = check_rank("key_cache", key_cache, 4), check_rank("value_cache", value_cache, 4)
     if shape != value_shape:
-        raise ValueError(f"value_cache shape {value_shape} differs from key_cache {shape}")
+        raise KernelArgumentError(f"value_cache shape {value_shape} differs from key_cache {shape}")
     if min(shape) < 1:
-        raise ValueError(f"key_cache shape {shape}: num_blocks, num_kv_heads, block_size and head_dim must all be >= 1")
+        raise KernelArgumentError(f"key_cache shape {shape}: num_blocks, num_kv_heads, block_size and head_dim must all be >= 1")
     check_same_kind("value_cache", value_cache, "key_cache", key_cache)
     return shape
 
@@ -50,16 +58,16 @@ def check_cache_pair(key_cache, value_cache) -> tuple[int, int, int, int]:
 def check_same_kind(name: str, x, ref_name: str, ref) -> None:
     """Same dtype and same device (torch) or both NumPy."""
     if _is_numpy(x) != _is_numpy(ref):  # a torch Parameter is a tensor like any other
-        raise ValueError(f"{name} is a {type(x).__name__} but {ref_name} is a {type(ref).__name__}")
+        raise KernelArgumentError(f"{name} is a {type(x).__name__} but {ref_name} is a {type(ref).__name__}")
     if x.dtype != ref.dtype:
-        raise ValueError(f"{name} has dtype {x.dtype} but {ref_name} has dtype {ref.dtype}")
+        raise KernelArgumentError(f"{name} has dtype {x.dtype} but {ref_name} has dtype {ref.dtype}")
     if getattr(x, "device", None) != getattr(ref, "device", None):
-        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
+        raise KernelArgumentError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
 
 
 def check_integer(name: str, x) -> None:
     if _dtype_kind(x.dtype) not in "iu":
-        raise ValueError(f"{name} must hold integers, got dtype {x.dtype}")
+        raise KernelArgumentError(f"{name} must hold integers, got dtype {x.dtype}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,12 +85,12 @@ def check_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:
     num_blocks, _, block_size, _ = check_write_shapes(key, value, key_cache, value_cache, slot_mapping)
     slots = to_numpy(slot_mapping)
     if slots.size and slots.max() >= num_blocks * block_size:
-        raise ValueError(f"slot_mapping holds slot {int(slots.max())} beyond the cache's "
+        raise KernelArgumentError(f"slot_mapping holds slot {int(slots.max())} beyond the cache's "
                          f"{num_blocks * block_size} slots")
     used = slots[slots >= 0]
     if np.unique(used).size != used.size:
         values, counts = np.unique(used, return_counts=True)
-        raise ValueError(f"slot_mapping names slot {int(values[counts > 1][0])} more than once; non-negative slots "
+        raise KernelArgumentError(f"slot_mapping names slot {int(values[counts > 1][0])} more than once; non-negative slots "
                          f"must be distinct")
 
 
@@ -91,15 +99,15 @@ def check_write_shapes(key, value, key_cache, value_cache, slot_mapping) -> tupl
     num_blocks, num_kv_heads, block_size, head_dim = check_cache_pair(key_cache, value_cache)
     key_shape, value_shape = check_rank("key", key, 3), check_rank("value", value, 3)
     if key_shape != value_shape:
-        raise ValueError(f"value shape {value_shape} differs from key shape {key_shape}")
+        raise KernelArgumentError(f"value shape {value_shape} differs from key shape {key_shape}")
     if key_shape[1:] != (num_kv_heads, head_dim):
-        raise ValueError(f"key must be [num_tokens, {num_kv_heads}, {head_dim}] to match key_cache, got {key_shape}")
+        raise KernelArgumentError(f"key must be [num_tokens, {num_kv_heads}, {head_dim}] to match key_cache, got {key_shape}")
     check_same_kind("key", key, "key_cache", key_cache)
     check_same_kind("value", value, "key_cache", key_cache)
     num_slots = check_rank("slot_mapping", slot_mapping, 1)[0]
     check_integer("slot_mapping", slot_mapping)
     if num_slots != key_shape[0]:
-        raise ValueError(f"slot_mapping has {num_slots} entries for {key_shape[0]} tokens")
+        raise KernelArgumentError(f"slot_mapping has {num_slots} entries for {key_shape[0]} tokens")
     check_same_device("slot_mapping", slot_mapping, key_cache)
     return num_blocks, num_kv_heads, block_size, head_dim
 
@@ -115,16 +123,16 @@ def check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens
     num_blocks, num_kv_heads, block_size, head_dim = check_cache_pair(key_cache, value_cache)
     num_seqs, num_q_heads, q_head_dim = check_rank("query", query, 3)
     if q_head_dim != head_dim:
-        raise ValueError(f"query head_dim {q_head_dim} differs from key_cache head_dim {head_dim}")
+        raise KernelArgumentError(f"query head_dim {q_head_dim} differs from key_cache head_dim {head_dim}")
     if num_q_heads % num_kv_heads:
-        raise ValueError(f"query's {num_q_heads} heads are not divisible by key_cache's {num_kv_heads} kv heads")
+        raise KernelArgumentError(f"query's {num_q_heads} heads are not divisible by key_cache's {num_kv_heads} kv heads")
     check_same_kind("query", query, "key_cache", key_cache)
     table_rows = check_rank("block_tables", block_tables, 2)[0]
     check_integer("block_tables", block_tables)
     num_lens = check_rank("seq_lens", seq_lens, 1)[0]
     check_integer("seq_lens", seq_lens)
     if table_rows != num_seqs or num_lens != num_seqs:
-        raise ValueError(f"block_tables rows ({table_rows}) and seq_lens entries ({num_lens}) must equal query's "
+        raise KernelArgumentError(f"block_tables rows ({table_rows}) and seq_lens entries ({num_lens}) must equal query's "
                          f"{num_seqs} sequences")
     check_same_device("block_tables", block_tables, key_cache)
     check_same_device("seq_lens", seq_lens, key_cache)
@@ -137,18 +145,18 @@ def check_max_seq_len(max_seq_len, seq_lens=None) -> None:
     if max_seq_len is None:
         return
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) or max_seq_len < 0:
-        raise ValueError(f"max_seq_len must be None or an integer >= 0, got {max_seq_len!r}")
+        raise KernelArgumentError(f"max_seq_len must be None or an integer >= 0, got {max_seq_len!r}")
     if seq_lens is not None:
         lens = to_numpy(seq_lens)
         longest = int(lens.max()) if lens.size else 0
         if max_seq_len != longest:
-            raise ValueError(f"max_seq_len={max_seq_len} but the longest of seq_lens is {longest}")
+            raise KernelArgumentError(f"max_seq_len={max_seq_len} but the longest of seq_lens is {longest}")
 
 
 def check_out(out, query) -> None:
     """``out`` must match ``query`` in shape, dtype and device."""
     if shape_of(out) != shape_of(query):
-        raise ValueError(f"out has shape {shape_of(out)}, query {shape_of(query)}")
+        raise KernelArgumentError(f"out has shape {shape_of(out)}, query {shape_of(query)}")
     check_same_kind("out", out, "query", query)
 
 
@@ -156,17 +164,17 @@ def check_used_blocks(block_tables: np.ndarray, seq_lens: np.ndarray, block_size
     """seq_lens must be >= 0 (0 gives a row of zeros) and fit their rows, and every block a sequence reads must
     exist; entries past a sequence's blocks are padding and may hold anything (-1 by convention)."""
     if seq_lens.size and seq_lens.min() < 0:
-        raise ValueError(f"seq_lens must be >= 0, got {int(seq_lens.min())}")
+        raise KernelArgumentError(f"seq_lens must be >= 0, got {int(seq_lens.min())}")
     used = -(-seq_lens.astype(np.int64) // block_size)
     if used.size and used.max() > block_tables.shape[1]:
         row = int(used.argmax())
-        raise ValueError(f"seq_lens[{row}]={int(seq_lens[row])} needs {int(used[row])} blocks but block_tables "
+        raise KernelArgumentError(f"seq_lens[{row}]={int(seq_lens[row])} needs {int(used[row])} blocks but block_tables "
                          f"has {block_tables.shape[1]} columns")
     mask = np.arange(block_tables.shape[1])[None, :] < used[:, None]
     bad = mask & ((block_tables < 0) | (block_tables >= num_blocks))
     if bad.any():
         row, col = map(int, np.argwhere(bad)[0])
-        raise ValueError(f"block_tables[{row}, {col}]={int(block_tables[row, col])} is outside the cache's "
+        raise KernelArgumentError(f"block_tables[{row}, {col}]={int(block_tables[row, col])} is outside the cache's "
                          f"{num_blocks} blocks")
 
 
@@ -176,7 +184,7 @@ def as_block_pairs(block_mapping) -> np.ndarray:
     if raw.size == 0:
         return np.zeros((0, 2), np.int64)
     if raw.dtype.kind not in "iu" or raw.ndim > 2 or raw.shape[-1] != 2 or (raw.ndim == 1 and raw.size != 2):
-        raise ValueError(f"block_mapping must be (src, dst) integer pairs, got dtype {raw.dtype} shape {raw.shape}")
+        raise KernelArgumentError(f"block_mapping must be (src, dst) integer pairs, got dtype {raw.dtype} shape {raw.shape}")
     return raw.astype(np.int64).reshape(-1, 2)
 
 
@@ -185,7 +193,7 @@ def check_block_mapping(block_mapping, num_blocks: int) -> np.ndarray:
     effect in order (a pair may read what an earlier one wrote), in every backend."""
     mapping = as_block_pairs(block_mapping)
     if mapping.size and (mapping.min() < 0 or mapping.max() >= num_blocks):
-        raise ValueError(f"block_mapping refers to a block outside the cache's {num_blocks} blocks")
+        raise KernelArgumentError(f"block_mapping refers to a block outside the cache's {num_blocks} blocks")
     return mapping
 
 
@@ -195,18 +203,18 @@ def check_swap_args(src_key_cache, src_value_cache, dst_key_cache, dst_value_cac
     src_shape = check_cache_pair(src_key_cache, src_value_cache)
     dst_shape = check_cache_pair(dst_key_cache, dst_value_cache)
     if src_shape[1:] != dst_shape[1:]:
-        raise ValueError(f"source blocks {src_shape[1:]} and destination blocks {dst_shape[1:]} differ in shape")
+        raise KernelArgumentError(f"source blocks {src_shape[1:]} and destination blocks {dst_shape[1:]} differ in shape")
     if src_key_cache.dtype != dst_key_cache.dtype:
-        raise ValueError(f"source dtype {src_key_cache.dtype} differs from destination dtype {dst_key_cache.dtype}")
+        raise KernelArgumentError(f"source dtype {src_key_cache.dtype} differs from destination dtype {dst_key_cache.dtype}")
     mapping = as_block_pairs(block_mapping)
     if not mapping.size:
         return mapping
     for column, name, count in ((0, "source", src_shape[0]), (1, "destination", dst_shape[0])):
         values = mapping[:, column]
         if values.min() < 0 or values.max() >= count:
-            raise ValueError(f"block_mapping refers to a {name} block outside the {count} blocks there")
+            raise KernelArgumentError(f"block_mapping refers to a {name} block outside the {count} blocks there")
     if np.unique(mapping[:, 1]).size != len(mapping):
-        raise ValueError("block_mapping names a destination block twice")
+        raise KernelArgumentError("block_mapping names a destination block twice")
     return mapping
 
 
@@ -221,7 +229,7 @@ def check_same_device(name: str, x, ref) -> None:
     if _is_numpy(ref) or _is_numpy(x) or not x.is_cuda:
         return
     if x.device != ref.device:
-        raise ValueError(f"{name} is on {x.device} but key_cache is on {ref.device}")
+        raise KernelArgumentError(f"{name} is on {x.device} but key_cache is on {ref.device}")
 
 
 def index_like(x, cache):
@@ -243,7 +251,7 @@ def to_numpy(x, name: str = "argument") -> np.ndarray:
         try:
             return np.asarray(x)
         except (ValueError, TypeError, OverflowError):
-            raise ValueError(f"{name} must be a rectangular list of integers, got {x!r:.60}") from None
+            raise KernelArgumentError(f"{name} must be a rectangular list of integers, got {x!r:.60}") from None
     check_array(name, x)
     return x.detach().cpu().numpy()
 
@@ -262,7 +270,7 @@ def _is_numpy(x) -> bool:
 def check_eps(eps) -> float:
     """A norm's epsilon: a finite number in [0, 1]."""
     if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating, np.integer)) or not 0 <= float(eps) <= 1:
-        raise ValueError(f"eps must be a number in [0, 1], got {eps!r:.60}")
+        raise KernelArgumentError(f"eps must be a number in [0, 1], got {eps!r:.60}")
     return float(eps)
 
 
@@ -271,14 +279,14 @@ def check_rms_norm_args(x, weight, residual) -> None:
     check_array("x", x)
     shape = shape_of(x)
     if not shape or shape[-1] < 1:
-        raise ValueError(f"x must have a last axis of at least 1 element, got shape {shape}")
+        raise KernelArgumentError(f"x must have a last axis of at least 1 element, got shape {shape}")
     if check_rank("weight", weight, 1) != shape[-1:]:
-        raise ValueError(f"weight must be [{shape[-1]}] to match x's last axis, got {shape_of(weight)}")
+        raise KernelArgumentError(f"weight must be [{shape[-1]}] to match x's last axis, got {shape_of(weight)}")
     check_same_kind("weight", weight, "x", x)
     if residual is not None:
         check_array("residual", residual)
         if shape_of(residual) != shape:
-            raise ValueError(f"residual shape {shape_of(residual)} differs from x {shape}")
+            raise KernelArgumentError(f"residual shape {shape_of(residual)} differs from x {shape}")
         check_same_kind("residual", residual, "x", x)
 
 
@@ -287,7 +295,7 @@ def check_silu_and_mul_args(x) -> None:
     check_array("x", x)
     shape = shape_of(x)
     if not shape or shape[-1] % 2 or shape[-1] < 2:
-        raise ValueError(f"x must be [..., 2 * d] (gate, then up), got shape {shape}")
+        raise KernelArgumentError(f"x must be [..., 2 * d] (gate, then up), got shape {shape}")
 
 
 def check_qk_norm_rope_write_args(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache, value_cache,
@@ -297,22 +305,22 @@ def check_qk_norm_rope_write_args(q, k, v, q_weight, k_weight, cos_sin_cache, po
     num_tokens, num_q_heads, head_dim = check_rank("q", q, 3)
     check_write_shapes(k, v, key_cache, value_cache, slot_mapping)
     if shape_of(k)[0] != num_tokens or shape_of(k)[2] != head_dim:
-        raise ValueError(f"k shape {shape_of(k)} does not match q {shape_of(q)} (tokens and head_dim)")
+        raise KernelArgumentError(f"k shape {shape_of(k)} does not match q {shape_of(q)} (tokens and head_dim)")
     if head_dim % 2:
-        raise ValueError(f"rotary needs an even head_dim, got {head_dim}")
+        raise KernelArgumentError(f"rotary needs an even head_dim, got {head_dim}")
     if num_q_heads % shape_of(k)[1]:
-        raise ValueError(f"q's {num_q_heads} heads are not a multiple of k's {shape_of(k)[1]}")
+        raise KernelArgumentError(f"q's {num_q_heads} heads are not a multiple of k's {shape_of(k)[1]}")
     check_same_kind("q", q, "key_cache", key_cache)
     for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
         if check_rank(name, weight, 1) != (head_dim,):
-            raise ValueError(f"{name} must be [{head_dim}], got {shape_of(weight)}")
+            raise KernelArgumentError(f"{name} must be [{head_dim}], got {shape_of(weight)}")
         check_same_kind(name, weight, "key_cache", key_cache)
     table = check_rank("cos_sin_cache", cos_sin_cache, 2)
     if table[1] != 2 * head_dim:
-        raise ValueError(f"cos_sin_cache must be [max_position, {2 * head_dim}] (cos, then sin), got {table}")
+        raise KernelArgumentError(f"cos_sin_cache must be [max_position, {2 * head_dim}] (cos, then sin), got {table}")
     check_same_kind("cos_sin_cache", cos_sin_cache, "key_cache", key_cache)
     if check_rank("positions", positions, 1)[0] != num_tokens:
-        raise ValueError(f"positions has {shape_of(positions)[0]} entries for {num_tokens} tokens")
+        raise KernelArgumentError(f"positions has {shape_of(positions)[0]} entries for {num_tokens} tokens")
     check_integer("positions", positions)
     check_same_device("positions", positions, key_cache)
 
@@ -321,5 +329,5 @@ def check_positions(positions, max_position: int) -> None:
     """Every position has a row in the rotary table (reads the data: ``check=True`` only)."""
     values = to_numpy(positions)
     if values.size and (values.min() < 0 or values.max() >= max_position):
-        raise ValueError(f"positions must be in [0, {max_position}) (the rotary table's rows), got "
+        raise KernelArgumentError(f"positions must be in [0, {max_position}) (the rotary table's rows), got "
                          f"{int(values.min())}..{int(values.max())}")

@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from .errors import InputError
+from .errors import USER_ERRORS, InputError
 
 
 def positive_int(text: str) -> int:
@@ -144,7 +144,7 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     try:
         args.run(args)
-    except (ValueError, RuntimeError, OSError) as exc:
+    except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -7,10 +7,6 @@ import streamlit as st
 from lab.errors import LabError
 from lab.results import ResultStore, export_name, to_csv_bytes, with_settings
 
-# What a page shows as a message: the lab's typed errors (bad settings, files, requests), the kernels' argument
-# errors (``kernels`` depends on nothing of ours, so they are ValueErrors) and files that cannot be read. Anything
-# else is a bug and reaches Streamlit's handler.
-USER_ERRORS = (LabError, ValueError, OSError)
 
 
 def _enter_through_app() -> None:

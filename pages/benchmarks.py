@@ -2,7 +2,8 @@ import streamlit as st
 
 from lab.charts import headline_figure
 from lab.results import headline_results, read_recorded, recorded_results, settings_of
-from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
+from lab.errors import USER_ERRORS
+from pages._ui import chart, csv_download, results_store, show_error
 
 st.title("Benchmarks")
 st.caption("The lab's headline figures as last recorded in this repository, each against its goal; then every "

@@ -4,7 +4,8 @@ from lab.charts import block_pool_figure, block_pool_frame, block_table_frame, o
 from lab.live import throttled
 from lab.results import settings_of
 from simulator.pool_frames import PoolRunConfig, busiest_frame, record_pool_frames
-from pages._ui import USER_ERRORS, chart, csv_download, show_error
+from lab.errors import USER_ERRORS
+from pages._ui import chart, csv_download, show_error
 
 st.title("Block pool")
 st.caption("Every physical KV block, coloured by the sequence that holds it; ● marks shared blocks with their "

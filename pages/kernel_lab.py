@@ -8,7 +8,8 @@ from lab.bench.kernels import KernelBenchConfig, check_against_reference, run_ke
 from lab.charts import kernel_bandwidth_figure, kernel_time_figure
 from lab.live import throttled
 from lab.results import settings_of
-from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
+from lab.errors import USER_ERRORS, InputError
+from pages._ui import chart, csv_download, results_store, show_error
 
 cached_check = st.cache_data(check_against_reference, show_spinner="checking against the reference…")
 SHAPES = {"Qwen3-0.6B/1.7B (16 q / 8 kv heads)": (16, 8), "Qwen3-4B/8B (32 / 8)": (32, 8),
@@ -38,9 +39,9 @@ config = KernelBenchConfig(device="cuda" if usable else "cpu", dtype=getattr(tor
 if run or "kernel_table" not in st.session_state:
     try:
         if not config.backends:
-            raise ValueError("choose at least one of the torch / cupy backends to time")
+            raise InputError("choose at least one of the torch / cupy backends to time")
         if not batches or not contexts:
-            raise ValueError("choose at least one batch size and one context length")
+            raise InputError("choose at least one batch size and one context length")
         correctness = cached_check(dataclasses.replace(config, backends=tuple(backends)))
         bar = st.progress(0.0, "timing kernels…")
         show = throttled(lambda done, total: bar.progress(done / total, "timing kernels…"), 1.0)  # redraws cost time

@@ -8,7 +8,8 @@ import streamlit as st
 import simulator
 from simulator import charts, report
 from simulator.metrics import rejection_warning
-from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
+from lab.errors import USER_ERRORS, InputError
+from pages._ui import chart, csv_download, results_store, show_error
 
 cached_workload = st.cache_data(simulator.make_workload, show_spinner=False)
 DEFAULTS = simulator.APP_DEFAULTS
@@ -132,7 +133,7 @@ def build_inputs():
                                            shared_prefix_tokens=shared_prefix,
                                            max_model_len=max_model_len)
     else:
-        raise ValueError("upload a trace file first (or switch to a synthetic workload)")
+        raise InputError("upload a trace file first (or switch to a synthetic workload)")
     configs = simulator.make_configs(allocators, sorted(block_sizes), model=model, gpu=gpu,
                                      max_model_len=max_model_len, capacity_tokens=capacity or None,
                                      gpu_memory_utilization=utilization, address_space=address_space,
@@ -239,7 +240,7 @@ with st.expander("What a CPU tier buys: the prefix cache with a host offload tie
             with st.spinner("simulating five tier sizes…"):
                 paged = next((c for c in st.session_state["sim_configs"] if c.allocator == "paged"), None)
                 if paged is None:
-                    raise ValueError("choose the paged allocator to sweep its offload tier")
+                    raise InputError("choose the paged allocator to sweep its offload tier")
                 st.session_state["sim_offload"] = simulator.offload_sweep(st.session_state["sim_workload_obj"],
                                                                           paged)
         except USER_ERRORS as exc:

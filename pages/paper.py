@@ -3,7 +3,8 @@ import streamlit as st
 from lab.results import settings_of
 from simulator import charts
 from simulator.paper import FIGURES, SAVED_RUN, TINY, compute_figures, load_figures, run_settings
-from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
+from lab.errors import USER_ERRORS
+from pages._ui import chart, csv_download, results_store, show_error
 
 st.title("The vLLM paper, reproduced")
 st.caption("Kwon et al., SOSP 2023: the simulator's numbers beside the paper's, figure by figure, with a verdict "

@@ -10,7 +10,8 @@ from lab.engine import EngineConfig
 from lab.live import RuntimeRunConfig, run_runtime, throttled
 from lab.model import load_hf_model
 from lab.results import settings_of
-from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
+from lab.errors import USER_ERRORS
+from pages._ui import chart, csv_download, results_store, show_error
 
 st.title("Qwen3 runtime")
 st.caption("The paged engine serving a request mix: continuous batching, prefix caching, preemption, live.")

@@ -8,7 +8,8 @@ from simulator.isolated import run_isolated
 from simulator.plan import HOST_PRICE_PER_GIB_HOUR, plan_capacity
 from simulator.sweep import (SIM_FIELDS, WORKLOAD_FIELDS, default_store_path, failed_runs, read_table, run_sweep,
                              runs_failing_checks)
-from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
+from lab.errors import USER_ERRORS
+from pages._ui import chart, csv_download, results_store, show_error
 
 STORE = default_store_path()  # the user's own: finished runs survive reruns of the page
 

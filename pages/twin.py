@@ -8,7 +8,8 @@ from lab.results import settings_of
 from lab.profile import GRIDS, Profile, extrapolation_warning, profile_engine
 from simulator import charts
 from simulator.twin import TwinConfig, run_twin, twin_workload
-from pages._ui import USER_ERRORS, chart, csv_download, results_store, show_error
+from lab.errors import USER_ERRORS, InputError
+from pages._ui import chart, csv_download, results_store, show_error
 
 CALIBRATION_REDRAW_S = 2.0  # a redraw per scenario slowed the steps being measured (lab.live.throttled)
 
@@ -78,7 +79,7 @@ def build_workload():
     if source != "upload a trace":
         return twin_workload(source, int(num_requests), rate or None, int(input_len), int(output_len))
     if trace is None:
-        raise ValueError("upload a trace file first (or choose a synthetic workload)")
+        raise InputError("upload a trace file first (or choose a synthetic workload)")
     return simulator.load_trace_bytes(trace.getvalue(), trace.name, time_scale, int(num_requests))
 
 

@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 from lab.cli_args import cli_settings, output_csv, output_folder, positive_float, positive_int
+from lab.errors import USER_ERRORS
 from lab.results import print_and_save, with_settings
 
-from .sweep import GridError, failed_runs, load_grid, run_sweep, runs_failing_checks, save_table
+from .sweep import failed_runs, load_grid, run_sweep, runs_failing_checks, save_table
 
 
 def output_table(text: str) -> str:
@@ -48,7 +49,7 @@ def sweep_main(argv: list[str]) -> int:
         grid = load_grid(args.grid)
         result = run_sweep(grid, store, parallel=not args.serial, address=args.address, num_cpus=args.num_cpus,
                            progress=not args.no_progress, retry_failed=not args.no_retry_failed)
-    except (GridError, ValueError, OSError) as exc:
+    except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     table = result.table
@@ -155,7 +156,7 @@ def plan_parser() -> argparse.ArgumentParser:
 
 
 def plan_main(argv: list[str]) -> int:
-    from .plan import PlanError, RateSearch, parse_slos, plan_capacity
+    from .plan import RateSearch, parse_slos, plan_capacity
 
     args = plan_parser().parse_args(argv)
     try:
@@ -166,7 +167,7 @@ def plan_main(argv: list[str]) -> int:
                                address=args.address, num_cpus=args.num_cpus, progress=not args.no_progress,
                                offload_gib=args.kv_offload_gib, host_price_per_gib_hour=args.host_price,
                                block_size=args.block_size, router=args.router, max_model_len=args.max_model_len)
-    except (PlanError, ValueError, OSError) as exc:
+    except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     table = result.table
@@ -216,7 +217,7 @@ def paper_main(argv: list[str]) -> int:
     try:
         summary = run_figures(list(FIGURES) if args.figure == "all" else [args.figure], args.out, args.num_requests,
                               None if args.no_tiny else TINY)
-    except (ValueError, OSError) as exc:
+    except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print_and_save(summary, None)

@@ -170,37 +170,47 @@ class PrefillChunk:
     samples: list = field(default_factory=list)
 
 
-NOTHING: tuple = ()  # an empty list field of a SchedulerOutput (a list is made when something is added)
+NOTHING: tuple = ()  # an empty list field of a SchedulerOutput (most steps add nothing to most of them)
 
 
+@dataclass(slots=True)
 class SchedulerOutput:
-    """One step's plan. ``decode_seqs`` is materialised only in ``sync_every_step`` mode (the engine); the simulator
-    reads ``num_decode_seqs``. Copies run in the order swap-out, swap-in, copy-on-write, before the model.
+    """One step's plan: what the executor runs, in this order: swap-out, swap-in, copy-on-write copies and the offload
+    tier's copies, then the forward over the prefill chunks and the decoding sequences. The list fields are ``()``
+    until the scheduler adds to them (``_extended``): most steps have no preemption, swap or copy, and the simulator
+    makes one plan per step."""
 
-    ``prefill_chunks`` (``PrefillChunk``), ``prefill_done`` (prompt fully computed: they sample their first token),
-    ``blocks_to_swap_out`` ((gpu block, cpu block)), ``blocks_to_swap_in`` ((cpu block, gpu block)),
-    ``blocks_to_copy`` (copy-on-write (src, dst) on the GPU), ``preempted`` (recomputed later), ``swapped_out``,
-    ``swapped_in`` and ``finished`` (filled by ``Scheduler.finish``) are sequences: empty ones are a shared empty
-    tuple, since most steps have none (a plain class, not a dataclass, because it is made every step)."""
-
-    __slots__ = ("step", "num_prefill_tokens", "num_decode_seqs", "decode_seqs", "decode_kv_tokens",
-                 "decode_max_kv_len", "prefill_attention_pairs", "cached_tokens_read", "prefill_chunks", "prefill_done",
-                 "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "blocks_to_store", "blocks_to_load",
-                 "preempted", "swapped_out", "swapped_in", "finished")
-
-    def __init__(self, step: int):
-        self.step = step
-        self.num_prefill_tokens = self.num_decode_seqs = self.decode_kv_tokens = self.cached_tokens_read = 0
-        self.decode_max_kv_len = 0
-        self.prefill_attention_pairs = 0.0
-        self.decode_seqs: list[Sequence] | None = None
-        self.prefill_chunks = self.prefill_done = self.blocks_to_swap_out = self.blocks_to_swap_in = NOTHING
-        self.blocks_to_copy = self.preempted = self.swapped_out = self.swapped_in = self.finished = NOTHING
-        self.blocks_to_store = self.blocks_to_load = NOTHING  # the offload tier's (device, host) / (host, device)
+    step: int  # the step's number (the scheduler's ``num_steps`` after it)
+    num_prefill_tokens: int = 0  # prompt tokens computed this step (all chunks)
+    num_decode_seqs: int = 0  # sequences that decode one token this step
+    decode_seqs: list[Sequence] | None = None  # those sequences; only with ``sync_every_step`` (the engine)
+    decode_kv_tokens: int = 0  # KV tokens the decoding sequences attend to, summed
+    decode_max_kv_len: int = 0  # the longest of them (a padded batch's width)
+    prefill_attention_pairs: float = 0.0  # (query, key) pairs the prefill chunks' attention computes
+    cached_tokens_read: int = 0  # KV tokens of earlier chunks and prefix-cache hits that the chunks read
+    prefill_chunks: list[PrefillChunk] | tuple = NOTHING  # the prompt chunks to compute
+    prefill_done: list[Sequence] | tuple = NOTHING  # prompts fully computed: they sample their first token
+    blocks_to_swap_out: list[tuple[int, int]] | tuple = NOTHING  # (device block, host block)
+    blocks_to_swap_in: list[tuple[int, int]] | tuple = NOTHING  # (host block, device block)
+    blocks_to_copy: list[tuple[int, int]] | tuple = NOTHING  # copy-on-write (source, destination) on the device
+    blocks_to_store: list[tuple[int, int]] | tuple = NOTHING  # offload tier stores (device block, host slot)
+    blocks_to_load: list[tuple[int, int]] | tuple = NOTHING  # offload tier loads (host slot, device block)
+    preempted: list[Sequence] | tuple = NOTHING  # preempted by recompute: back to waiting, their KV freed
+    swapped_out: list[Sequence] | tuple = NOTHING  # preempted by swapping their blocks to the host
+    swapped_in: list[Sequence] | tuple = NOTHING  # brought back from the host this step
+    finished: list[Sequence] | tuple = NOTHING  # finished this step (``Scheduler.finish``)
 
     @property
     def is_empty(self) -> bool:
         return not (self.num_prefill_tokens or self.num_decode_seqs or self.prefill_done)
+
+
+def _extended(items: list | tuple, more) -> list:
+    """A plan's list field with ``more`` appended (in place once it is a list)."""
+    if items is NOTHING:
+        return list(more)
+    items.extend(more)
+    return items
 
 
 @dataclass(slots=True)
@@ -394,9 +404,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         out = self._output
         if out is not None:
-            if out.finished is NOTHING:
-                out.finished = []
-            out.finished.append(seq)
+            out.finished = _extended(out.finished, (seq,))
 
     def postprocess(self, sampled: list[tuple[Sequence, int]]) -> list[Sequence]:
         """The executor sampled ``(sequence, token)``: finish each sequence whose token is one of its group's stop
@@ -567,8 +575,8 @@ class Scheduler:
                 for seq, kv_len in zip(group, kv_lens):
                     self._leave_running(seq, kv_len, release=False)
                     seq.kv_len_base, seq.status = kv_len, SequenceStatus.SWAPPED
-                out.blocks_to_swap_out = [*out.blocks_to_swap_out, *self.policy.swap_out(group, kv_lens)]
-                out.swapped_out = [*out.swapped_out, *group]
+                out.blocks_to_swap_out = _extended(out.blocks_to_swap_out, self.policy.swap_out(group, kv_lens))
+                out.swapped_out = _extended(out.swapped_out, group)
                 self.swapped.append(group)
                 self.num_swapped_seqs += len(group)
                 self.num_swaps_out += 1
@@ -581,7 +589,7 @@ class Scheduler:
         self._leave_running(victim, kv_len, release=False)
         self.policy.preempt(victim, kv_len)
         victim.prompt_len, victim.num_computed, victim.status = kv_len + 1, 0, SequenceStatus.WAITING
-        out.preempted = [*out.preempted, victim]
+        out.preempted = _extended(out.preempted, (victim,))
         alone = SequenceGroup(group.request_id, [victim], group.token_ids, group.data, group.stream_key)
         if group.beam is not None:
             # A search alone in the batch cannot make room by restarting (a contiguous space too fragmented for all
@@ -614,7 +622,7 @@ class Scheduler:
         for seq in group.seqs:
             seq.num_computed, seq.status = 0, SequenceStatus.WAITING
         group.beam.restart(group.seqs)
-        out.preempted = [*out.preempted, *live]
+        out.preempted = _extended(out.preempted, live)
         self.waiting.appendleft(group)
         self.num_waiting_seqs += len(group.seqs)
 
@@ -630,7 +638,7 @@ class Scheduler:
                 return
             self.swapped.popleft()
             self.num_swapped_seqs -= len(group)
-            out.blocks_to_swap_in = [*out.blocks_to_swap_in, *self.policy.swap_in(group)]
+            out.blocks_to_swap_in = _extended(out.blocks_to_swap_in, self.policy.swap_in(group))
             for seq in group:
                 seq.status = SequenceStatus.RUNNING
                 self._enter_running(seq)
@@ -638,7 +646,7 @@ class Scheduler:
                 if min(self.policy.memory_needs(seq)) <= kv_len:
                     self.policy.grow(seq, kv_len, False)  # room was checked by can_swap_in
                 self._schedule_memory_event(seq)
-            out.swapped_in = [*out.swapped_in, *group]
+            out.swapped_in = _extended(out.swapped_in, group)
 
     # ---- prefill ------------------------------------------------------------------------------------------------
     def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:

@@ -589,37 +589,6 @@ class KVBlockManager:
         return [sequences[seq_id].block_table[position // size] * size + position % size
                 for seq_id, position in zip(seq_ids, positions)]
 
-    def get_slot_mapping_tensor(self, spans: Iterable[tuple], device=None):
-        """int64 slot_mapping of a flat batch: the slots of positions ``[start, end)`` for each ``(seq_id, start,
-        end)`` span, concatenated in order (what ``kernels.write_kv_cache`` takes)."""
-        import torch
-
-        slots = [slot for seq_id, start, end in spans for slot in self.get_slot_mapping(seq_id, start, end)]
-        return torch.tensor(slots, dtype=torch.int64, device=device)
-
-    def get_block_tables_tensor(self, seq_ids: Iterable, device=None):
-        """int32 ``[num_seqs, max_blocks_per_seq]`` block tables, rows padded with block 0 (never read)."""
-        import torch
-
-        tables = [self._seq(s).block_table for s in seq_ids]
-        width = max((len(t) for t in tables), default=0)
-        if width:
-            rows, padding = array(BLOCK_ID), array(BLOCK_ID, [0]) * width
-            for table in tables:  # one flat C array, viewed as a tensor and copied once (not one tensor per row)
-                rows.extend(table)
-                rows.extend(padding[len(table):])
-            out = torch.frombuffer(rows, dtype=torch.int32).view(len(tables), width).clone()
-        else:
-            out = torch.zeros((len(tables), 1), dtype=torch.int32)
-        return out.to(device) if device is not None else out
-
-    def get_seq_lens_tensor(self, seq_ids: Iterable, device=None):
-        """int32 ``[num_seqs]`` sequence lengths."""
-        import torch
-
-        out = torch.tensor([self._seq(s).num_tokens for s in seq_ids], dtype=torch.int32)
-        return out.to(device) if device is not None else out
-
     def is_cached(self, block: int) -> bool:
         """Whether a physical block is registered in the prefix cache."""
         self._flush_reserve()

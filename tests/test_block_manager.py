@@ -1,6 +1,5 @@
 """Unit and state-machine tests of lab.block_manager.KVBlockManager."""
 import pytest
-import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -209,15 +208,13 @@ def test_batch_exports():
     m = KVBlockManager(16, 4)
     m.create_sequence(0, num_prompt_tokens=9)
     m.create_sequence(1, num_prompt_tokens=2)
-    tables = m.get_block_tables_tensor([0, 1])
-    assert tables.dtype == torch.int32 and tables.shape == (2, 3)
-    assert tables[0].tolist() == m.get_block_table(0) and tables[1, 0] == m.get_block_table(1)[0]
-    assert m.get_seq_lens_tensor([1, 0]).tolist() == [2, 9]
+    assert len(m.get_block_table(0)) == 3 and len(m.get_block_table(1)) == 1
+    assert [m.get_sequence_length(s) for s in (1, 0)] == [2, 9]
     owners = block_owners(m)
     assert sum(len(o) for o in owners) == 4
-    slots = m.get_slot_mapping_tensor([(0, 7, 9), (1, 0, 2)])
-    assert slots.dtype == torch.int64
-    assert slots.tolist() == m.get_slot_mapping(0, 7, 9) + m.get_slot_mapping(1, 0, 2)
+    table = m.get_block_table(0)
+    assert m.get_slot_mapping(0, 7, 9) == [table[1] * 4 + 3, table[2] * 4]
+    assert m.get_decode_slots([0, 1], [8, 1]) == m.get_slot_mapping(0, 8, 9) + m.get_slot_mapping(1, 1, 2)
 
 
 def test_append_tokens_equals_repeated_append_token():

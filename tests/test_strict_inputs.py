@@ -334,3 +334,29 @@ def test_a_cache_with_a_zero_dimension_is_named(shape, backend):
     with pytest.raises(ValueError, match="must all be >= 1"):
         kernels.write_kv_cache(torch.zeros(1, shape[1], shape[3]), torch.zeros(1, shape[1], shape[3]), cache,
                                cache.clone(), torch.zeros(1, dtype=torch.int64), backend=backend)
+
+
+# ---- which errors are the user's --------------------------------------------------------------------------------
+def test_user_errors_are_the_lab_s_and_the_kernels_not_python_s(capsys):
+    import kernels
+    from lab.cli_args import run_command
+    from lab.errors import USER_ERRORS
+
+    with pytest.raises(kernels.KernelArgumentError, match="backend must be one of"):
+        kernels.resolve_backend("vulkan", np.zeros(1))
+    with pytest.raises(kernels.KernelArgumentError, match="slot_mapping"):
+        kernels.write_kv_cache(np.zeros((2, 1, 4)), np.zeros((2, 1, 4)), np.zeros((1, 1, 2, 4)),
+                               np.zeros((1, 1, 2, 4)), np.array([0]))
+    assert not any(issubclass(ValueError, e) or issubclass(RuntimeError, e) for e in USER_ERRORS)
+
+    def command(raises):
+        parser = argparse.ArgumentParser()
+        parser.set_defaults(run=lambda args: (_ for _ in ()).throw(raises))
+        return parser
+
+    assert run_command(command(SimulationError("a priced step is not finite")), []) == 2
+    assert "error: a priced step is not finite" in capsys.readouterr().err
+    assert run_command(command(kernels.BackendUnavailableError("backend 'cupy' is unavailable")), []) == 2
+    for bug in (ValueError("a bug's error"), RuntimeError("the scheduler made no progress")):
+        with pytest.raises(type(bug)):  # a bug shows as one: a traceback, not an "error:" line
+            run_command(command(bug), [])

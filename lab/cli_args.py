@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from .errors import USER_ERRORS, InputError
+from .errors import InputError, user_errors
 
 
 def positive_int(text: str) -> int:
@@ -144,7 +144,7 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     try:
         args.run(args)
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

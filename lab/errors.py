@@ -1,6 +1,6 @@
 """The lab's one error base: every error that bad input (a setting, a file, a request) raises derives from
 ``LabError``, so the app and the CLIs catch the lab's errors, show the message and let genuine bugs through."""
-from kernels import KernelArgumentError
+import sys
 
 
 class LabError(ValueError):
@@ -11,7 +11,11 @@ class InputError(LabError):
     """A field or argument has a wrong type or is out of range (``lab.checks``)."""
 
 
-# What the app and the CLIs show as a message instead of a traceback: the lab's errors, the kernels' argument errors
-# (``kernels`` depends on nothing of ours, so it has its own base) and files that cannot be read. Anything else,
-# a plain ``ValueError`` included, is a bug.
-USER_ERRORS = (LabError, KernelArgumentError, OSError)
+def user_errors() -> tuple[type[Exception], ...]:
+    """What the app and the CLIs show as a message instead of a traceback (``except user_errors() as exc``): the
+    lab's errors, the kernels' argument errors (``kernels`` depends on nothing of ours, so it has its own base) and
+    files that cannot be read. Anything else, a plain ``ValueError`` included, is a bug. The kernels' errors join
+    once ``kernels`` is loaded (it brings torch, which the simulator's pages and commands never import; nothing can
+    raise them before)."""
+    kernels = sys.modules.get("kernels")
+    return (LabError, OSError) if kernels is None else (LabError, kernels.KernelArgumentError, OSError)

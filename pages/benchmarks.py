@@ -2,7 +2,7 @@ import streamlit as st
 
 from lab.charts import headline_figure
 from lab.results import headline_results, read_recorded, recorded_results, settings_of
-from lab.errors import USER_ERRORS
+from lab.errors import user_errors
 from pages._ui import chart, csv_download, results_store, show_error
 
 st.title("Benchmarks")
@@ -29,7 +29,7 @@ if upload is not None and st.session_state.get("loaded_upload") != upload.file_i
     try:
         store.load_csv(upload.getvalue(), upload.name)
         st.session_state["loaded_upload"] = upload.file_id
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         show_error(exc)
 
 
@@ -69,7 +69,7 @@ def recorded():
     file = st.selectbox("Show", listing["file"], key="recorded_file")
     try:
         table = read_recorded(file)
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         show_error(exc)
         return
     st.dataframe(table, hide_index=True)

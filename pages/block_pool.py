@@ -4,7 +4,7 @@ from lab.charts import block_pool_figure, block_pool_frame, block_table_frame, o
 from lab.live import throttled
 from lab.results import settings_of
 from simulator.pool_frames import PoolRunConfig, busiest_frame, record_pool_frames
-from lab.errors import USER_ERRORS
+from lab.errors import user_errors
 from pages._ui import chart, csv_download, show_error
 
 st.title("Block pool")
@@ -44,7 +44,7 @@ if run or "pool_frames" not in st.session_state:
         frames = record_pool_frames(config, throttled(draw_frame, 0.25))  # at most 4 redraws a second
         st.session_state.update(pool_frames=frames, pool_index=busiest_frame(frames),
                                 pool_settings=settings_of(config))  # open on the fullest frame
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         show_error(exc)
         st.stop()
     live.empty()

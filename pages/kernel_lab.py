@@ -8,7 +8,7 @@ from lab.bench.kernels import KernelBenchConfig, check_against_reference, run_ke
 from lab.charts import kernel_bandwidth_figure, kernel_time_figure
 from lab.live import throttled
 from lab.results import settings_of
-from lab.errors import USER_ERRORS, InputError
+from lab.errors import InputError, user_errors
 from pages._ui import chart, csv_download, results_store, show_error
 
 cached_check = st.cache_data(check_against_reference, show_spinner="checking against the reference…")
@@ -51,7 +51,7 @@ if run or "kernel_table" not in st.session_state:
                                 kernel_settings=settings_of(config, shape=shape))
         results_store().add("kernels", f"kernels: {shape}, {dtype}, B={block_size}", table,
                             st.session_state["kernel_settings"])
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         show_error(exc)
         st.stop()
 

@@ -8,7 +8,7 @@ import streamlit as st
 import simulator
 from simulator import charts, report
 from simulator.metrics import rejection_warning
-from lab.errors import USER_ERRORS, InputError
+from lab.errors import InputError, user_errors
 from pages._ui import chart, csv_download, results_store, show_error
 
 cached_workload = st.cache_data(simulator.make_workload, show_spinner=False)
@@ -45,7 +45,7 @@ def block_size_sweep(workload, configs):
     try:
         workloads = simulator.block_size_sweep_workloads(workload, base.max_model_len, BLOCK_SWEEP_REQUESTS)
         return simulator.block_size_sweep(workloads, base)
-    except USER_ERRORS as exc:  # the comparison above stands on its own
+    except user_errors() as exc:  # the comparison above stands on its own
         st.warning(f"The block-size sweep could not run: {exc}")
         return None
 
@@ -189,7 +189,7 @@ if st.session_state.get("sim_key") != key:
                             st.session_state["sim_settings"])
         results_store().add("checks", f"checks: {workload.name} × {len(configs)} configs", checks,
                             st.session_state["sim_settings"])
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         st.session_state.pop("sim_key", None)
         show_error(exc)
         st.stop()
@@ -243,7 +243,7 @@ with st.expander("What a CPU tier buys: the prefix cache with a host offload tie
                     raise InputError("choose the paged allocator to sweep its offload tier")
                 st.session_state["sim_offload"] = simulator.offload_sweep(st.session_state["sim_workload_obj"],
                                                                           paged)
-        except USER_ERRORS as exc:
+        except user_errors() as exc:
             show_error(exc)
     offload = st.session_state.get("sim_offload")
     if offload is not None:

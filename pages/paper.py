@@ -3,7 +3,7 @@ import streamlit as st
 from lab.results import settings_of
 from simulator import charts
 from simulator.paper import FIGURES, SAVED_RUN, TINY, compute_figures, load_figures, run_settings
-from lab.errors import USER_ERRORS
+from lab.errors import user_errors
 from pages._ui import chart, csv_download, results_store, show_error
 
 st.title("The vLLM paper, reproduced")
@@ -26,7 +26,7 @@ if st.button("Run", key="run_paper", type="primary"):
         st.session_state.update(paper_summary=summary, paper_tables=tables,
                                 paper_settings=run_settings(figures, int(num_requests), TINY if with_tiny else None))
         results_store().add("paper", f"paper figures {','.join(figures)}", summary, st.session_state["paper_settings"])
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         show_error(exc)
         st.stop()
 summary = st.session_state.get("paper_summary")

@@ -10,7 +10,7 @@ from lab.engine import EngineConfig
 from lab.live import RuntimeRunConfig, run_runtime, throttled
 from lab.model import load_hf_model
 from lab.results import settings_of
-from lab.errors import USER_ERRORS
+from lab.errors import user_errors
 from pages._ui import chart, csv_download, results_store, show_error
 
 st.title("Qwen3 runtime")
@@ -88,7 +88,7 @@ if run or "runtime_run" not in st.session_state:
         st.session_state.update(runtime_run=result, runtime_settings=settings_of(config))
         results_store().add("runtime", f"runtime: {model}, {num_requests} requests, B={block_size}",
                             pd.DataFrame([result.summary]), st.session_state["runtime_settings"])
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         slot.empty()
         show_error(exc)
         st.stop()
@@ -132,7 +132,7 @@ if st.button("Compare", key="compare"):
         st.session_state.update(runtime_compare=table, runtime_compare_settings=settings_of(bench))
         results_store().add("runtime", f"serving comparison: {model}", table,
                             st.session_state["runtime_compare_settings"])
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         show_error(exc)
 if "runtime_compare" in st.session_state:
     table = st.session_state["runtime_compare"]

@@ -8,7 +8,7 @@ from simulator.isolated import run_isolated
 from simulator.plan import HOST_PRICE_PER_GIB_HOUR, plan_capacity
 from simulator.sweep import (SIM_FIELDS, WORKLOAD_FIELDS, default_store_path, failed_runs, read_table, run_sweep,
                              runs_failing_checks)
-from lab.errors import USER_ERRORS
+from lab.errors import user_errors
 from pages._ui import chart, csv_download, results_store, show_error
 
 STORE = default_store_path()  # the user's own: finished runs survive reruns of the page
@@ -53,7 +53,7 @@ if mode == "load a results file":
     try:
         st.session_state.update(sweep_table=read_table(upload.getvalue(), upload.name),
                                 sweep_settings=settings_of(source_file=upload.name))
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         show_error(exc)
         st.stop()
 else:
@@ -91,7 +91,7 @@ else:
                                    num_requests=int(num_requests), on_ray=on_ray)
             st.session_state.update(sweep_key=key, sweep_table=table, sweep_settings=settings)
             results_store().add(mode, f"{mode}: {len(table)} rows", table, settings)
-        except USER_ERRORS as exc:
+        except user_errors() as exc:
             show_error(exc)
             st.stop()
         bar.empty()

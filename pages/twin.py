@@ -8,7 +8,7 @@ from lab.results import settings_of
 from lab.profile import GRIDS, Profile, extrapolation_warning, profile_engine
 from simulator import charts
 from simulator.twin import TwinConfig, run_twin, twin_workload
-from lab.errors import USER_ERRORS, InputError
+from lab.errors import InputError, user_errors
 from pages._ui import chart, csv_download, results_store, show_error
 
 CALIBRATION_REDRAW_S = 2.0  # a redraw per scenario slowed the steps being measured (lab.live.throttled)
@@ -51,7 +51,7 @@ with st.sidebar:
 if upload is not None:
     try:
         st.session_state["twin_profile"] = Profile.from_bytes(upload.getvalue(), upload.name)
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         show_error(exc)
         st.stop()
 if st.button("Calibrate on this machine", key="calibrate"):
@@ -60,7 +60,7 @@ if st.button("Calibrate on this machine", key="calibrate"):
         show = throttled(lambda done, total: bar.progress(done / total, f"scenario {done} of {total}"),
                          CALIBRATION_REDRAW_S)
         st.session_state["twin_profile"] = profile_engine(model, block_size=block_size, grid=grid, progress=show)
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         show_error(exc)
         st.stop()
     bar.empty()
@@ -89,7 +89,7 @@ try:  # built once a run: shown here (how long its arrivals alone keep each real
     st.caption(f"Workload: {shown['num_requests']} requests arriving over {shown['duration_s']:.1f} s (each real "
                f"run lasts at least that), prompts {shown['prompt_mean']:.0f} and outputs "
                f"{shown['output_mean']:.0f} tokens on average")
-except USER_ERRORS as exc:
+except user_errors() as exc:
     workload, workload_error = None, exc
     if source != "upload a trace" or trace is not None:  # a bad input is named before any run
         show_error(exc)
@@ -112,7 +112,7 @@ if st.button("Run the twin", key="run_twin", type="primary"):
             profile_dtype=profile.dtype, profile_backend=profile.backend, profile_block_size=profile.block_size)
         results_store().add("twin", f"twin: {workload.name}, {len(workload)} requests",
                             st.session_state["twin_result"].table, st.session_state["twin_settings"])
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         show_error(exc)
         st.stop()
 result = st.session_state.get("twin_result")

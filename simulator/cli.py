@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
-from lab.errors import USER_ERRORS, InputError
+from lab.errors import InputError, user_errors
 from lab.cli_args import (non_negative_int, output_csv, positive_float, positive_int, positive_ints, refuse_ignored,
                           scheduler_options)
 from lab.profile import extrapolation_warning
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         summary, timeseries, checks, settings = run(args)
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     columns = SUMMARY_COLUMNS + [c for c in ("paper_token_states_frac",) if c in summary]

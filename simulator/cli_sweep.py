@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from lab.cli_args import cli_settings, output_csv, output_folder, positive_float, positive_int
-from lab.errors import USER_ERRORS
+from lab.errors import user_errors
 from lab.results import print_and_save, with_settings
 
 from .sweep import failed_runs, load_grid, run_sweep, runs_failing_checks, save_table
@@ -49,7 +49,7 @@ def sweep_main(argv: list[str]) -> int:
         grid = load_grid(args.grid)
         result = run_sweep(grid, store, parallel=not args.serial, address=args.address, num_cpus=args.num_cpus,
                            progress=not args.no_progress, retry_failed=not args.no_retry_failed)
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     table = result.table
@@ -167,7 +167,7 @@ def plan_main(argv: list[str]) -> int:
                                address=args.address, num_cpus=args.num_cpus, progress=not args.no_progress,
                                offload_gib=args.kv_offload_gib, host_price_per_gib_hour=args.host_price,
                                block_size=args.block_size, router=args.router, max_model_len=args.max_model_len)
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     table = result.table
@@ -217,7 +217,7 @@ def paper_main(argv: list[str]) -> int:
     try:
         summary = run_figures(list(FIGURES) if args.figure == "all" else [args.figure], args.out, args.num_requests,
                               None if args.no_tiny else TINY)
-    except USER_ERRORS as exc:
+    except user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print_and_save(summary, None)

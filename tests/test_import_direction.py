@@ -85,3 +85,16 @@ def test_the_engine_step_reads_like_nano_vllm_s():
     body = [line for line in inspect.getsource(LLMEngine._step).splitlines()[1:] if line.strip()]
     assert len(body) <= 12, body
     assert "self.scheduler.postprocess(" in inspect.getsource(LLMEngine._postprocess)
+
+
+def test_the_simulator_s_commands_and_pages_do_not_load_torch():
+    """A simulation needs no model: the simulator's commands and the Memory simulator, Sweeps and Paper pages' imports
+    start in well under a second without torch (the error boundary once pulled it in through ``kernels``)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, simulator, simulator.cli, simulator.cli_sweep, simulator.sweep, simulator.plan, "
+            "simulator.paper, simulator.charts, simulator.report, lab.errors, lab.cli_args; "
+            "print(sorted(m for m in ('torch', 'kernels', 'transformers') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]"

@@ -30,7 +30,7 @@ import numpy as np
 
 from .checks import check_bool, check_int
 from .errors import InputError, LabError
-from .offload import OffloadTier
+from .offload import OffloadCopies, OffloadTier
 from .prefix_cache import ROOT_CONTENT_ID, PrefixCache, PrefixCacheStats
 
 MAX_POOL_BLOCKS = 2**31 - 1  # block ids are C ints
@@ -331,15 +331,13 @@ class KVBlockManager:
             self.offload_loads.append((slot, block))
         return blocks
 
-    def take_offload_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The tier's copies queued since the last call: ``(stores, loads)``, stores ``(device block, host slot)``
-        and loads ``(host slot, device block)``. The executor runs the stores before anything writes the device
-        pool and the loads before the forward reads it."""
+    def take_offload_copies(self) -> OffloadCopies:
+        """The tier's copies queued since the last call."""
         stores, loads = self.offload_stores, self.offload_loads
         self.offload_stores, self.offload_loads = [], []
         if self.offload is not None:
             self.offload.unpin()
-        return stores, loads
+        return OffloadCopies(stores, loads)
 
     def register_stream_blocks(self, seq_id) -> None:
         """Register a stream sequence's full prompt blocks in the prefix cache (if not done yet). With the free

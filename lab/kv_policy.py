@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from .block_manager import KVBlockManager, PrefixCacheStats
 from .pool_view import pool_snapshot, tier_snapshot
-from .scheduler import NO_EVENT, MemorySample, Sequence
+from .offload import OffloadCopies
+from .scheduler import NO_EVENT, MemoryNeeds, MemorySample, Sequence
 
 DEFAULT_SWAP_SPACE_BYTES = 4 << 30  # vLLM's --swap-space default: 4 GiB of host memory per GPU
 
@@ -93,18 +94,18 @@ class PagedPolicy:
         return True
 
     # ---- growth ---------------------------------------------------------------------------------------------------
-    def memory_needs(self, seq: Sequence) -> tuple[int, int]:
+    def memory_needs(self, seq: Sequence) -> MemoryNeeds:
         """For ``seq`` (synced): the KV length at which it needs a copy of the partly filled block it shares
         (an event), and the KV length from which it needs a new block every ``block_period`` tokens; ``NO_EVENT``
         for none (its blocks already hold ``final_len``)."""
         if seq.group.beam is not None:  # beams are re-forked every step: their memory is an event every step
-            return seq.synced_len + 1, NO_EVENT
+            return MemoryNeeds(seq.synced_len + 1, NO_EVENT)
         # A shared partly filled last block comes from a fork (prefix-cache hits are full blocks), and
         # _track_shared_partial recorded it; the table holds the blocks of the synced tokens.
         if seq.shared_block >= 0 and self.manager.is_shared(seq.shared_block):
-            return seq.synced_len + 1, NO_EVENT
+            return MemoryNeeds(seq.synced_len + 1, NO_EVENT)
         allocated = -(-seq.synced_len // self.block_size) * self.block_size
-        return NO_EVENT, allocated + 1 if allocated < seq.final_len else NO_EVENT
+        return MemoryNeeds(NO_EVENT, allocated + 1 if allocated < seq.final_len else NO_EVENT)
 
     def final_block_reserved(self, seq: Sequence) -> None:
         """``seq``'s last periodic block was reserved: the slots past its final length will never be filled."""
@@ -171,7 +172,7 @@ class PagedPolicy:
         manager = self.manager
         return bool(manager.offload_stores or manager.offload_loads)
 
-    def take_offload_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    def take_offload_copies(self) -> OffloadCopies:
         return self.manager.take_offload_copies()
 
     def offload_stats(self):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 @dataclass(slots=True)
@@ -29,6 +29,14 @@ class OffloadStats:
     loaded_blocks: int = 0
     stored_blocks: int = 0
     peak_blocks: int = 0
+
+
+class OffloadCopies(NamedTuple):
+    """The tier's copies queued in a step, for the executor: stores run before anything writes the device pool,
+    loads before the forward reads it."""
+
+    stores: list[tuple[int, int]]  # (device block, host slot)
+    loads: list[tuple[int, int]]  # (host slot, device block)
 
 
 class HostPool(Protocol):

@@ -24,11 +24,11 @@ from collections import deque
 from enum import Enum
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from .errors import LabError
 from .block_manager import PrefixCacheStats, TokenIds
-from .offload import OffloadStats
+from .offload import OffloadCopies, OffloadStats
 
 SCHEDULING_MODES = ("prefill-first", "chunked")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -261,6 +261,13 @@ class MemorySample:
                 self.free)
 
 
+class MemoryNeeds(NamedTuple):
+    """When a sequence next needs KV memory beyond what it holds (``KVPolicy.memory_needs``; ``NO_EVENT``: never)."""
+
+    event_len: int  # the KV length at which it needs memory once (a copy-on-write, a region that overflows)
+    periodic_from: int  # the KV length from which it needs a new block every ``block_size`` tokens
+
+
 class KVPolicy(Protocol):
     """Where sequences' KV lives: the paged block manager (``lab.kv_policy.PagedPolicy``) or a contiguous allocator
     (the simulator's baselines). One signature per operation; ``kv_len`` is the KV tokens the sequence holds."""
@@ -275,7 +282,7 @@ class KVPolicy(Protocol):
 
     def can_ever_fit(self, final_len: int, count: int = 1) -> bool: ...  # count sequences at once, sharing nothing
     def admit(self, seqs: list[Sequence], token_ids: list[int] | None) -> bool: ...
-    def memory_needs(self, seq: Sequence) -> tuple[int, int]: ...
+    def memory_needs(self, seq: Sequence) -> MemoryNeeds: ...
     def reserve(self, count: int) -> bool: ...
     def final_block_reserved(self, seq: Sequence) -> None: ...
     def grow(self, seq: Sequence, kv_len: int, alone: bool) -> bool: ...
@@ -295,7 +302,7 @@ class KVPolicy(Protocol):
     def memory_sample(self, held_tokens: int) -> MemorySample: ...
     def host_capacity_tokens(self) -> int: ...  # slots of the host pool swapped sequences go to (0: none)
     def prefix_cache_stats(self) -> "PrefixCacheStats | None": ...  # None: the policy has no prefix cache
-    def take_offload_copies(self) -> tuple[list, list]: ...  # (stores, loads) queued since the last call
+    def take_offload_copies(self) -> OffloadCopies: ...  # the tier's copies queued since the last call
     def offload_stats(self) -> "OffloadStats | None": ...  # None: no offload tier
     def describe_pool(self, snapshot, running: dict) -> None: ...  # put the pool's picture on a Snapshot
     def refork(self, parent: Sequence, child: Sequence, kv_len: int) -> None: ...

@@ -11,7 +11,7 @@ import bisect
 from dataclasses import dataclass
 
 from lab.errors import InputError
-from lab.scheduler import MemorySample
+from lab.scheduler import MemoryNeeds, MemorySample
 from lab.kv_policy import PagedPolicy  # noqa: F401  (re-exported: the simulator's policies in one place)
 from lab.scheduler import NO_EVENT
 
@@ -210,11 +210,11 @@ class ContiguousPolicy:
             placed.append(seq)
         return True
 
-    def memory_needs(self, seq) -> tuple[int, int]:
+    def memory_needs(self, seq) -> MemoryNeeds:
         """The KV length at which ``seq`` next needs more memory (grow only), and no periodic needs."""
         if self.kind != "contiguous-grow" or seq.region[1] >= seq.final_len:
-            return NO_EVENT, NO_EVENT
-        return seq.region[1] + 1, NO_EVENT
+            return MemoryNeeds(NO_EVENT, NO_EVENT)
+        return MemoryNeeds(seq.region[1] + 1, NO_EVENT)
 
     def reserve(self, count: int) -> bool:
         return False

@@ -127,13 +127,11 @@ def build_inputs():
         return simulator.synthetic_workload(spec), configs
     if upload is not None:
         workload = simulator.load_trace_bytes(upload.getvalue(), upload.name, time_scale, int(num_requests))
-    elif source == "synthetic":
+    else:  # synthetic (an upload not given yet stops the page before it gets here)
         workload = cached_workload(preset, num_requests=int(num_requests), rate=rate or math.inf,
                                            burstiness=burstiness, n=n, beam_width=beam_width,
                                            shared_prefix_tokens=shared_prefix,
                                            max_model_len=max_model_len)
-    else:
-        raise InputError("upload a trace file first (or switch to a synthetic workload)")
     configs = simulator.make_configs(allocators, sorted(block_sizes), model=model, gpu=gpu,
                                      max_model_len=max_model_len, capacity_tokens=capacity or None,
                                      gpu_memory_utilization=utilization, address_space=address_space,
@@ -159,6 +157,10 @@ if st.session_state.get("stop_sim"):  # the Stop button interrupted the last run
     st.session_state["sim_stopped_key"] = key
 if st.session_state.get("sim_stopped_key") == key:
     st.info("Stopped. Change any input to run again.")
+    st.stop()
+if not figure2 and source == "upload a trace" and upload is None:  # waiting for a file is not an error
+    st.info("Upload a trace in the sidebar (an Azure CSV, a Mooncake JSONL, or a CSV of arrival_time_s, "
+            "prompt_tokens, output_tokens): its arrivals and lengths drive the run.", icon=":material/upload_file:")
     st.stop()
 if st.session_state.get("sim_key") != key:
     try:

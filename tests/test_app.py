@@ -134,6 +134,7 @@ def test_memory_simulator_greys_out_what_a_trace_brings_itself():
     assert len(sliders(app)) == len(synthetic_only) and not any(s.disabled for s in sliders(app))
     app.radio[0].set_value("upload a trace").run()  # its arrivals and lengths come from the file
     assert not app.exception and all(s.disabled for s in sliders(app))
+    assert not app.error and any("Upload a trace in the sidebar" in i.value for i in app.info)  # not an error yet
 
 
 def test_memory_simulator_bad_upload_shows_error():

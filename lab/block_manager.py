@@ -185,14 +185,12 @@ class KVBlockManager:
         self.block_size = int(block_size)
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * self.num_physical_blocks  # stored counts (see the module docstring)
-        self.prefix_cache = PrefixCache(self.num_physical_blocks, self.block_size, enable_prefix_caching)
         if offload_blocks is not None:
             check_int("KVBlockManager", "offload_blocks", offload_blocks, 0, MAX_POOL_BLOCKS,
                       error=BlockManagerConfigError)
         self.offload = OffloadTier(offload_blocks, offload_host) \
             if enable_prefix_caching and offload_blocks != 0 else None
-        self.offload_stores: list[tuple[int, int]] = []  # (device block, host slot) copies queued this step
-        self.offload_loads: list[tuple[int, int]] = []  # (host slot, device block)
+        self.prefix_cache = PrefixCache(self.num_physical_blocks, self.block_size, enable_prefix_caching, self.offload)
         self._prompt_registration = False
         self.free_block_queue = FreeBlockQueue(self.num_physical_blocks, self._ref_counts,
                                                self.prefix_cache.block_keys)
@@ -321,23 +319,19 @@ class KVBlockManager:
         return seq
 
     def _load_from_tier(self, keys: list[tuple]) -> array:
-        """Fresh blocks for the tier's hits, registered in the prefix cache under the same keys and content ids, with
-        a load queued for each (the tier pins their slots until the copies are taken)."""
+        """Fresh blocks for the tier's hits, cached under the same keys, a load queued for each. Their slots are
+        taken (pinned) before the blocks: allocating may evict cached blocks into the tier, which must not reuse
+        them."""
         slots = [self.offload.take(key) for key in keys]
         blocks = self._allocate_blocks(len(keys))
-        for key, slot, block in zip(keys, slots, blocks):
+        for block in blocks:
             self._ref_counts[block] = 1
-            self.prefix_cache.register_known(key, block, self.offload.get(key)[1])
-            self.offload_loads.append((slot, block))
+        self.prefix_cache.register_loaded(keys, slots, blocks)
         return blocks
 
     def take_offload_copies(self) -> OffloadCopies:
         """The tier's copies queued since the last call."""
-        stores, loads = self.offload_stores, self.offload_loads
-        self.offload_stores, self.offload_loads = [], []
-        if self.offload is not None:
-            self.offload.unpin()
-        return OffloadCopies(stores, loads)
+        return self.prefix_cache.take_tier_copies()
 
     def register_stream_blocks(self, seq_id) -> None:
         """Register a stream sequence's full prompt blocks in the prefix cache (if not done yet). With the free
@@ -659,29 +653,14 @@ class KVBlockManager:
         if token_ids is not None:
             self._flush_reserve()  # the reserved blocks leave the queue first: they may evict cached ones
             hits = cache.lookup(token_ids)
-            return hits, self._tier_keys(hits, num_tokens, token_ids, None) if tier is not None else []
+            return hits, cache.tier_hits(hits, num_tokens, token_ids, None) if tier is not None else []
         # a stream hits only from its first block on: without that block cached, skip the flush and the lookup
         if stream_key is not None and (cache.has_stream(stream_key) or tier is not None and
                                        tier.get(cache.stream_key(ROOT_CONTENT_ID, stream_key, 0)) is not None):
             self._flush_reserve()
             hits = cache.lookup_stream(stream_key, num_tokens)
-            return hits, self._tier_keys(hits, num_tokens, None, stream_key) if tier is not None else []
+            return hits, cache.tier_hits(hits, num_tokens, None, stream_key) if tier is not None else []
         return [], []
-
-    def _tier_keys(self, hits: list[int], num_tokens: int, token_ids, stream_key) -> list[tuple]:
-        """Keys of the full blocks after ``hits`` that the tier holds, in order, up to the first miss (the last
-        prompt token is never served from a cache)."""
-        cache, size, keys = self.prefix_cache, self.block_size, []
-        parent = cache.content_ids[hits[-1]] if hits else ROOT_CONTENT_ID
-        for index in range(len(hits), (num_tokens - 1) // size):
-            key = cache.token_key(parent, token_ids[index * size:(index + 1) * size]) if token_ids is not None \
-                else cache.stream_key(parent, stream_key, index)
-            entry = self.offload.get(key)
-            if entry is None:
-                break
-            keys.append(key)
-            parent = entry[1]
-        return keys
 
     def _shortfall(self, num_tokens: int, hits: list[int]) -> int:
         """Blocks missing to allocate a prompt of ``num_tokens`` tokens with these cache hits (<= 0: it fits). A hit
@@ -762,11 +741,7 @@ class KVBlockManager:
             for block in taken:
                 if keys[block] is not None:
                     free.num_keyed -= 1
-                    if self.offload is not None and cache.prompt_blocks[block]:  # reused: keep it on the host
-                        slot = self.offload.store(keys[block], cache.content_ids[block])
-                        if slot is not None:
-                            self.offload_stores.append((block, slot))
-                    cache.evict(block)
+                    cache.evict(block)  # reused: a prompt block's contents go to the offload tier
         return taken
 
     def _held_by(self, seq: SequenceBlocks, blocks: array) -> array:

@@ -169,8 +169,7 @@ class PagedPolicy:
     @property
     def pending_offload(self) -> bool:
         """Whether the offload tier has copies queued (the scheduler takes them once per step)."""
-        manager = self.manager
-        return bool(manager.offload_stores or manager.offload_loads)
+        return self.manager.prefix_cache.has_tier_copies
 
     def take_offload_copies(self) -> OffloadCopies:
         return self.manager.take_offload_copies()

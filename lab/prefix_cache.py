@@ -10,10 +10,16 @@ with other contents. A caller that does not have the tokens but knows that a pro
 The cache only remembers which block holds which content. Who holds a block, and when a block is reused, is the
 block manager's (``lab.block_manager``): it asks ``lookup`` before allocating, ``register`` as blocks fill, and
 ``evict`` when the free queue hands a cached block to a new owner.
+
+With an offload tier below it (``lab.offload``), an evicted prompt block's contents go to the tier (a store copy is
+queued), ``tier_hits`` finds the blocks after the GPU hits that the tier holds, and ``register_loaded`` caches the
+fresh GPU blocks they are loaded into (a load copy queued). ``take_tier_copies`` hands the step's copies over.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .offload import OffloadCopies, OffloadTier
 
 ROOT_CONTENT_ID = -1  # the content id "before" a sequence's first block
 STREAM = object()  # marks a block key made from a stream key instead of token ids
@@ -37,9 +43,9 @@ class PrefixCache:
     lookups find nothing and token registrations keep nothing (stream keys are the caller's to withhold)."""
 
     __slots__ = ("block_size", "enabled", "blocks", "block_keys", "content_ids", "next_content_id", "stats",
-                 "prompt_blocks")
+                 "prompt_blocks", "tier", "tier_stores", "tier_loads")
 
-    def __init__(self, num_blocks: int, block_size: int, enabled: bool):
+    def __init__(self, num_blocks: int, block_size: int, enabled: bool, tier: OffloadTier | None = None):
         self.block_size, self.enabled = block_size, enabled
         self.blocks: dict[tuple, int] = {}  # key -> block id
         self.block_keys: list[tuple | None] = [None] * num_blocks  # block id -> its key, None when not cached
@@ -49,6 +55,9 @@ class PrefixCache:
         # block id -> cached as part of a prompt (not filled by decoding): what the offload tier keeps, so that the
         # engine (which knows generated tokens) and the simulator (which does not) offload the same blocks
         self.prompt_blocks: list[bool] = [False] * num_blocks
+        self.tier = tier
+        self.tier_stores: list[tuple[int, int]] = []  # (device block, host slot) copies queued this step
+        self.tier_loads: list[tuple[int, int]] = []  # (host slot, device block)
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -94,13 +103,45 @@ class PrefixCache:
         """The key of a stream's full block ``index``."""
         return parent_content_id, STREAM, stream_key, index
 
-    def register_known(self, key: tuple, block: int, content_id: int) -> None:
-        """Cache ``block`` under ``key`` with the content id it had before (a block loaded back from the offload
-        tier: the keys of the blocks after it chain on that id)."""
-        self.blocks[key] = block
-        self.block_keys[block] = key
-        self.content_ids[block] = content_id
-        self.prompt_blocks[block] = True
+    def tier_hits(self, hits: list[int], num_tokens: int, token_ids, stream_key) -> list[tuple]:
+        """Keys of the full blocks after the GPU ``hits`` that the tier holds, in order, up to the first miss (the
+        last prompt token is never served from a cache); by tokens, or by stream position when ``token_ids`` is
+        None."""
+        size, tier, keys = self.block_size, self.tier, []
+        parent = self.content_ids[hits[-1]] if hits else ROOT_CONTENT_ID
+        for index in range(len(hits), (num_tokens - 1) // size):
+            key = self.token_key(parent, token_ids[index * size:(index + 1) * size]) if token_ids is not None \
+                else self.stream_key(parent, stream_key, index)
+            entry = tier.get(key)
+            if entry is None:
+                break
+            keys.append(key)
+            parent = entry[1]
+        return keys
+
+    def register_loaded(self, keys: list[tuple], slots: list[int], blocks) -> None:
+        """Cache the fresh ``blocks`` that the tier's ``slots`` (taken for ``keys``) are loaded into, under the same
+        keys and content ids (the keys of the blocks after them chain on those ids), and queue the loads."""
+        entries = self.tier.entries
+        for key, slot, block in zip(keys, slots, blocks):
+            self.blocks[key] = block
+            self.block_keys[block] = key
+            self.content_ids[block] = entries[key][1]
+            self.prompt_blocks[block] = True
+            self.tier_loads.append((slot, block))
+
+    @property
+    def has_tier_copies(self) -> bool:
+        """Whether copies to or from the tier are queued."""
+        return bool(self.tier_stores or self.tier_loads)
+
+    def take_tier_copies(self) -> OffloadCopies:
+        """The copies queued since the last call; the tier's slots may be reused from now on."""
+        copies = OffloadCopies(self.tier_stores, self.tier_loads)
+        self.tier_stores, self.tier_loads = [], []
+        if self.tier is not None:
+            self.tier.unpin()
+        return copies
 
     def register(self, parent_content_id: int, block: int, tokens, prompt: bool = False) -> int:
         """Cache ``block``, just filled with ``tokens`` after the prefix ``parent_content_id`` (``prompt``: as part
@@ -129,8 +170,13 @@ class PrefixCache:
         return self.content_ids[cached]
 
     def evict(self, block: int) -> None:
-        """Forget ``block``'s content (it is being reused)."""
-        del self.blocks[self.block_keys[block]]
+        """Forget ``block``'s content (it is being reused); a prompt block's contents go to the tier first."""
+        key = self.block_keys[block]
+        if self.tier is not None and self.prompt_blocks[block]:
+            slot = self.tier.store(key, self.content_ids[block])
+            if slot is not None:
+                self.tier_stores.append((block, slot))
+        del self.blocks[key]
         self.block_keys[block] = None
         self.content_ids[block] = ROOT_CONTENT_ID
         self.prompt_blocks[block] = False

@@ -3,6 +3,7 @@ contents, the last token is never served, stream keys, eviction, disabled caches
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from lab.offload import OffloadTier
 from lab.prefix_cache import ROOT_CONTENT_ID, PrefixCache
 
 
@@ -43,6 +44,29 @@ def test_eviction_forgets_a_block_and_what_chains_on_it_misses():
     cache.evict(1)
     assert not cache.is_cached(1) and cache.lookup([1, 2, 3, 4, 5, 6, 7]) == [0]
     cache.check()
+
+
+def test_an_evicted_prompt_block_goes_to_the_tier_and_comes_back_under_its_key():
+    cache = PrefixCache(8, 2, True, OffloadTier(4))
+    parent = ROOT_CONTENT_ID
+    for index, block in enumerate([0, 1, 2]):  # a prompt's blocks
+        parent = cache.register(parent, block, [1, 2, 3, 4, 5, 6][2 * index:2 * index + 2], prompt=True)
+    cache.register(parent, 3, [7, 8])  # a block filled by decoding: never stored
+    cache.evict(3)
+    cache.evict(1)
+    cache.evict(2)
+    assert cache.has_tier_copies and cache.lookup([1, 2, 3, 4, 5, 6, 7]) == [0]
+    copies = cache.take_tier_copies()
+    assert [block for block, _ in copies.stores] == [1, 2] and copies.loads == [] and not cache.has_tier_copies
+    keys = cache.tier_hits([0], 7, [1, 2, 3, 4, 5, 6, 7], None)
+    assert len(keys) == 2 and cache.tier_hits([0], 6, [1, 2, 3, 4, 5, 6], None) == keys[:1]  # never the last token
+    slots = [cache.tier.take(key) for key in keys]
+    assert slots == [slot for _, slot in copies.stores]
+    cache.register_loaded(keys, slots, [6, 7])  # fresh blocks: the tier's contents, the same keys and content ids
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 9]) == [0, 6, 7]
+    assert cache.take_tier_copies().loads == list(zip(slots, [6, 7]))
+    cache.check()
+    cache.check_tokens("prompt", [0, 6, 7], [1, 2, 3, 4, 5, 6])
 
 
 def test_stream_keys_hit_by_position_without_tokens():

@@ -122,11 +122,11 @@ class PrefixCache:
     def register_loaded(self, keys: list[tuple], slots: list[int], blocks) -> None:
         """Cache the fresh ``blocks`` that the tier's ``slots`` (taken for ``keys``) are loaded into, under the same
         keys and content ids (the keys of the blocks after them chain on those ids), and queue the loads."""
-        entries = self.tier.entries
+        tier = self.tier
         for key, slot, block in zip(keys, slots, blocks):
             self.blocks[key] = block
             self.block_keys[block] = key
-            self.content_ids[block] = entries[key][1]
+            self.content_ids[block] = tier.get(key)[1]
             self.prompt_blocks[block] = True
             self.tier_loads.append((slot, block))
 

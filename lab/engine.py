@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-import kernels
+import paged_kernels
 
 from .beam import BeamRanking, BeamSearchError, BeamSearchOutput, BeamSearchParams
 from .errors import InputError, LabError
@@ -107,7 +107,7 @@ class EngineConfig(SchedulingSettings):
         check_real(owner, "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True, error=error)
         for name in ("enable_prefix_caching", "record_logits", "cuda_graphs"):
             check_bool(owner, name, getattr(self, name), error)
-        check_choice(owner, "attention_backend", self.attention_backend, ("auto", *kernels.BACKENDS), error)
+        check_choice(owner, "attention_backend", self.attention_backend, ("auto", *paged_kernels.BACKENDS), error)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise EngineConfigError(f"EngineConfig.dtype={self.dtype!r}: expected None or one of "
                                     f"{', '.join(map(str, DTYPES))}")

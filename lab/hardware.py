@@ -52,9 +52,9 @@ def describe_hardware() -> pd.DataFrame:
     """A two-column table (item, value) describing the hardware and the usable kernel backends."""
     import torch
 
-    import kernels
+    import paged_kernels
 
-    usable, reason = kernels.cupy_status()
+    usable, reason = paged_kernels.cupy_status()
     memory = memory_bytes()
     rows = [("CPU", f"{cpu_name()} × {os.cpu_count()} cores"),
             ("memory", f"{memory / 2**30:.0f} GiB" if memory else "unknown"), ("torch", torch.__version__)]
@@ -64,5 +64,5 @@ def describe_hardware() -> pd.DataFrame:
     else:
         rows.append(("GPU", "none visible"))
     rows += [("CuPy kernels", "yes" if usable else f"no — {reason}"),
-             ("kernel backends", ", ".join(kernels.available_backends()))]
+             ("kernel backends", ", ".join(paged_kernels.available_backends()))]
     return pd.DataFrame(rows, columns=["item", "value"])

@@ -1,7 +1,7 @@
 """The model runner: a Qwen3's weights (HF transformers) run by our own varlen forward over the paged KV cache.
 
-Prefill writes K/V into the cache through ``slot_mapping`` (``kernels.write_kv_cache``); decode tokens attend with
-``kernels.paged_attention_decode``; prefill tokens attend with torch SDPA over their own K/V, plus the cached prefix
+Prefill writes K/V into the cache through ``slot_mapping`` (``paged_kernels.write_kv_cache``); decode tokens attend with
+``paged_kernels.paged_attention_decode``; prefill tokens attend with torch SDPA over their own K/V, plus the cached prefix
 gathered from the paged cache when the prefix cache served part of the prompt. The runner sees a step as a
 ``ModelInput`` (host lists built from the scheduler's plan) and the pool through ``KVView``'s reads: it knows
 nothing of how blocks are managed.
@@ -13,8 +13,8 @@ from typing import Protocol
 
 import torch
 
-import kernels
-from kernels.torch_backend import gather_kv, synchronize
+import paged_kernels
+from paged_kernels.torch_backend import gather_kv, synchronize
 
 from .block_tables import DeviceBlockTables
 from .model import head_dim_of
@@ -125,7 +125,7 @@ class ModelRunner:
         probe = torch.empty(0, device=self.device, dtype=self.dtype)
         # auto may pick cupy for the cache ops but torch for attention (e.g. the tiny preset's head_dim 32).
         self.attention_backend = self.resolve_attention_backend(hf_model, attention_backend)
-        self.cache_backend = "torch" if attention_backend == "reference" else kernels.resolve_backend(
+        self.cache_backend = "torch" if attention_backend == "reference" else paged_kernels.resolve_backend(
             attention_backend, probe)
         shape = (num_blocks, self.num_kv_heads, block_size, self.head_dim)
         self.key_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
@@ -151,7 +151,7 @@ class ModelRunner:
         config, parameter = hf_model.config, next(hf_model.parameters())
         head_dim = head_dim_of(config)
         probe = torch.empty(0, device=parameter.device, dtype=parameter.dtype)
-        return kernels.resolve_backend(attention_backend, probe, head_dim,
+        return paged_kernels.resolve_backend(attention_backend, probe, head_dim,
                                        config.num_attention_heads // config.num_key_value_heads)
 
     @staticmethod
@@ -165,7 +165,7 @@ class ModelRunner:
         if not block_mapping:
             return
         for key_cache, value_cache in zip(self.key_caches, self.value_caches):
-            kernels.copy_blocks(key_cache, value_cache, block_mapping, backend=self.cache_backend, check=False)
+            paged_kernels.copy_blocks(key_cache, value_cache, block_mapping, backend=self.cache_backend, check=False)
 
     def swap(self, block_mapping: list[tuple[int, int]], to_host: bool) -> None:
         """Move blocks between the device pool and the host pool in every layer (``(src, dst)`` pairs)."""
@@ -175,9 +175,9 @@ class ModelRunner:
         for key, value, cpu_key, cpu_value in zip(self.key_caches, self.value_caches, self.cpu_key_caches,
                                                   self.cpu_value_caches):
             if to_host:
-                kernels.swap_blocks(key, value, cpu_key, cpu_value, block_mapping, backend=backend)
+                paged_kernels.swap_blocks(key, value, cpu_key, cpu_value, block_mapping, backend=backend)
             else:
-                kernels.swap_blocks(cpu_key, cpu_value, key, value, block_mapping, backend=backend)
+                paged_kernels.swap_blocks(cpu_key, cpu_value, key, value, block_mapping, backend=backend)
 
     def execute_copies(self, plan) -> None:
         """A step's block movements (a ``SchedulerOutput``'s), in this order: the offload tier's stores (a reused
@@ -207,7 +207,7 @@ class ModelRunner:
         mapping = [(row, slot) for row, (_, slot) in enumerate(stores)]
         backend = "torch" if self.cache_backend == "reference" else self.cache_backend
         for (key, value), cpu_key, cpu_value in zip(staged, self.cpu_key_caches, self.cpu_value_caches):
-            kernels.swap_blocks(key, value, cpu_key, cpu_value, mapping, backend=backend)
+            paged_kernels.swap_blocks(key, value, cpu_key, cpu_value, mapping, backend=backend)
 
     def synchronize(self) -> None:
         """Wait until the device has run the work queued so far (nothing to wait for on a CPU)."""
@@ -274,7 +274,7 @@ class ModelRunner:
         hidden, residual = model.embed_tokens(batch.input_ids), None
         for index, layer in enumerate(self.layers):
             hidden, residual = self._layer(index, layer, hidden, residual, batch)
-        return kernels.rms_norm(hidden[logit_rows], model.norm.weight, self.eps, residual[logit_rows],
+        return paged_kernels.rms_norm(hidden[logit_rows], model.norm.weight, self.eps, residual[logit_rows],
                                 backend=self.cache_backend)[0]
 
     def _layer(self, index: int, layer: "LayerWeights", hidden, residual, batch: ForwardBatch):
@@ -282,19 +282,19 @@ class ModelRunner:
         op, attention, o projection, norm, one gate-up GEMM, SiLU-and-multiply, down projection. Returns the MLP's
         output and the residual stream (the next norm adds them)."""
         backend, tokens = self.cache_backend, hidden.shape[0]
-        normed, residual = kernels.rms_norm(hidden, layer.input_norm, self.eps, residual, backend=backend)
+        normed, residual = paged_kernels.rms_norm(hidden, layer.input_norm, self.eps, residual, backend=backend)
         qkv = torch.nn.functional.linear(normed, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split(layer.qkv_sizes, dim=-1)
-        q, k = kernels.qk_norm_rope_write(
+        q, k = paged_kernels.qk_norm_rope_write(
             q.view(tokens, self.num_q_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
             v.view(tokens, self.num_kv_heads, self.head_dim), layer.q_norm, layer.k_norm, self.cos_sin_cache,
             batch.positions, self.key_caches[index], self.value_caches[index], batch.slot_mapping, self.eps,
             backend=backend, check=False)
         attn = self._attention(index, q, k, v.view(tokens, self.num_kv_heads, self.head_dim), batch)
         hidden = torch.nn.functional.linear(attn.reshape(tokens, -1), layer.o_proj)
-        normed, residual = kernels.rms_norm(hidden, layer.post_norm, self.eps, residual, backend=backend)
+        normed, residual = paged_kernels.rms_norm(hidden, layer.post_norm, self.eps, residual, backend=backend)
         gate_up = torch.nn.functional.linear(normed, layer.gate_up)
-        return torch.nn.functional.linear(kernels.silu_and_mul(gate_up, backend=backend), layer.down), residual
+        return torch.nn.functional.linear(paged_kernels.silu_and_mul(gate_up, backend=backend), layer.down), residual
 
     def _attention(self, layer: int, q, k, v, batch: ForwardBatch) -> torch.Tensor:
         out = torch.empty_like(q)
@@ -304,7 +304,7 @@ class ModelRunner:
             out[start:end] = self._prefill_attention(layer, q[start:end], k[start:end], v[start:end], cached, table)
             start = end
         if batch.block_tables is not None:
-            kernels.paged_attention_decode(q[start:], self.key_caches[layer], self.value_caches[layer],
+            paged_kernels.paged_attention_decode(q[start:], self.key_caches[layer], self.value_caches[layer],
                                            batch.block_tables, batch.seq_lens, self.scale,
                                            backend=self.attention_backend, check=False, out=out[start:],
                                            max_seq_len=batch.max_seq_len)  # written in place: no copy per layer

@@ -3,7 +3,7 @@ import dataclasses
 import streamlit as st
 import torch
 
-import kernels
+import paged_kernels
 from lab.bench.kernels import KernelBenchConfig, check_against_reference, run_kernel_bench
 from lab.charts import kernel_bandwidth_figure, kernel_time_figure
 from lab.live import throttled
@@ -16,11 +16,11 @@ SHAPES = {"Qwen3-0.6B/1.7B (16 q / 8 kv heads)": (16, 8), "Qwen3-4B/8B (32 / 8)"
           "Qwen3-14B (40 / 8)": (40, 8), "Qwen3-32B (64 / 8)": (64, 8)}
 
 st.title("Kernel lab")
-usable, reason = kernels.cupy_status()
+usable, reason = paged_kernels.cupy_status()
 if not usable:
     st.info(f"The CuPy CUDA kernels need an NVIDIA GPU: {reason}. Running the CPU backends (torch, reference).")
 with st.sidebar:
-    backends = st.multiselect("Backends", kernels.available_backends(),
+    backends = st.multiselect("Backends", paged_kernels.available_backends(),
                               default=["cupy"] if usable else ["torch"])
     shape = st.selectbox("Heads (head_dim 128)", list(SHAPES))
     batches = st.multiselect("Batch sizes", [1, 2, 4, 8, 16, 32, 64], default=[1, 8])

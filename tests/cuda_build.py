@@ -20,7 +20,7 @@ _pool = ThreadPoolExecutor(len(SUITE_ARCHS))
 def _nvcc_ptx(arch: str) -> str:
     from cupy.cuda import compiler
 
-    from kernels.cupy_backend import instantiation_source
+    from paged_kernels.cupy_backend import instantiation_source
 
     ptx = compiler.compile_using_nvcc(instantiation_source(), arch=arch, code_type="ptx")
     return ptx.decode() if isinstance(ptx, bytes) else ptx

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
-from kernels import cupy_backend
+import paged_kernels
+from paged_kernels import cupy_backend
 
 
 @dataclass
@@ -40,7 +40,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(cupy_backend, "_kernel", lambda name, *rest: name)
     monkeypatch.setattr(cupy_backend, "_sm_count", lambda device: 132)
     monkeypatch.setattr(cupy_backend, "is_cuda", lambda tensor: True)
-    monkeypatch.setattr(kernels, "cupy_status", lambda: (True, "ok"))
+    monkeypatch.setattr(paged_kernels, "cupy_status", lambda: (True, "ok"))
     return recorded
 
 
@@ -76,7 +76,7 @@ def test_permuted_query_and_strided_out_get_a_dense_kernel_buffer(launches):
     result = cupy_backend.paged_attention_decode(permuted, kc, vc, tables, lens, 1.0, partition_size=0)
     assert result.is_contiguous() and torch.equal(result, dense_order)
     out = torch.full(query.shape[::-1], float("nan")).transpose(0, 2)  # strided out
-    returned = kernels.paged_attention_decode(permuted, kc, vc, tables, lens, backend="cupy", out=out)
+    returned = paged_kernels.paged_attention_decode(permuted, kc, vc, tables, lens, backend="cupy", out=out)
     assert returned is out and torch.equal(out, dense_order)
 
 
@@ -102,7 +102,7 @@ def test_huge_batches_are_tiled_under_the_grid_limit(launches):
 
 
 def test_partition_count_stays_under_the_grid_limit():
-    from kernels.cupy_backend import MAX_GRID_YZ, PARTITION_SIZE, choose_partition_size
+    from paged_kernels.cupy_backend import MAX_GRID_YZ, PARTITION_SIZE, choose_partition_size
 
     huge = PARTITION_SIZE * MAX_GRID_YZ + 1
     size = choose_partition_size(1, 1, huge, 132)
@@ -120,8 +120,8 @@ def test_forced_partition_past_the_grid_limit_raises(launches, monkeypatch):
 def test_write_and_copy_take_any_head_dim(launches):
     cache = torch.zeros(6, 2, 3, 8, dtype=torch.bfloat16)
     key = torch.randn(4, 2, 8).to(torch.bfloat16)
-    kernels.write_kv_cache(key, key, cache, cache.clone(), torch.tensor([0, -1, 5, 7]), backend="cupy")
-    kernels.copy_blocks(cache, cache.clone(), [(0, 4), (2, 5)], backend="cupy")
+    paged_kernels.write_kv_cache(key, key, cache, cache.clone(), torch.tensor([0, -1, 5, 7]), backend="cupy")
+    paged_kernels.copy_blocks(cache, cache.clone(), [(0, 4), (2, 5)], backend="cupy")
     write, copy = launches
     assert write.kernel == "write_kv_cache_kernel<bf16_t>" and write.grid == (4,) and write.block == (32,)
     assert write.args[4].dtype == torch.int64
@@ -138,7 +138,7 @@ def test_write_and_copy_take_any_head_dim(launches):
 def test_copy_rounds_keep_the_in_order_meaning(launches, mapping, rounds):
     assert [r.tolist() for r in cupy_backend.copy_rounds(np.array(mapping))] == [list(map(list, r)) for r in rounds]
     cache = torch.zeros(6, 1, 2, 4)
-    kernels.copy_blocks(cache, cache.clone(), mapping, backend="cupy")
+    paged_kernels.copy_blocks(cache, cache.clone(), mapping, backend="cupy")
     assert [launch.args[2].tolist() for launch in launches] == [list(map(list, r)) for r in rounds]
 
 
@@ -149,18 +149,18 @@ def test_copy_rounds_keep_the_in_order_meaning(launches, mapping, rounds):
 ])
 def test_auto_picks_a_backend_that_can_run(launches, dtype, head_dim, group, expected):
     probe = torch.empty(0, dtype=dtype)
-    assert kernels.resolve_backend("auto", probe, head_dim, group) == expected
-    assert kernels.resolve_backend("auto", probe) == ("torch" if dtype == torch.float64 else "cupy")
+    assert paged_kernels.resolve_backend("auto", probe, head_dim, group) == expected
+    assert paged_kernels.resolve_backend("auto", probe) == ("torch" if dtype == torch.float64 else "cupy")
     if expected == "torch":
         with pytest.raises(ValueError, match="cupy"):
-            kernels.resolve_backend("cupy", probe, head_dim, group)
+            paged_kernels.resolve_backend("cupy", probe, head_dim, group)
 
 
 def test_auto_avoids_misaligned_caches(launches):
     query, kc, vc, tables, lens = decode_inputs(dtype=torch.float16)
     flat = torch.zeros(kc.numel() + 1, dtype=torch.float16)
     shifted = flat[1:].view(kc.shape)  # contiguous, but 2 bytes past a 16-byte boundary
-    assert kernels.resolve_backend("auto", query, 128, 2, (shifted, vc)) == "torch"
+    assert paged_kernels.resolve_backend("auto", query, 128, 2, (shifted, vc)) == "torch"
     with pytest.raises(ValueError, match="aligned"):
         cupy_backend.paged_attention_decode(query, shifted, vc, tables, lens, 0.1)
 

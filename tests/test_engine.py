@@ -227,9 +227,9 @@ def test_gpu_greedy_parity_fp32(prompts, backend, modes):
     """On CUDA, fp32: greedy tokens equal HF generate, also under chunked prefill and swap preemption (device <->
     pinned host). ``cupy`` needs head_dim 64+, so it runs the tiny-hd64 preset; ``auto`` on the tiny preset uses
     CuPy for cache writes and torch for attention."""
-    import kernels
+    import paged_kernels
 
-    if backend == "cupy" and "cupy" not in kernels.available_backends():
+    if backend == "cupy" and "cupy" not in paged_kernels.available_backends():
         pytest.skip("cupy backend unavailable")
     model = "tiny-hd64" if backend == "cupy" else "tiny"
     settings = {"block_size": 16, "num_blocks": 512, **modes}
@@ -266,9 +266,9 @@ def test_gpu_seeded_sampling(prompts):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["torch", "cupy"])
 def test_gpu_bf16_logits_close(prompts, backend):
-    import kernels
+    import paged_kernels
 
-    if backend not in kernels.available_backends():
+    if backend not in paged_kernels.available_backends():
         pytest.skip(f"{backend} backend unavailable")
     model = "tiny-hd64" if backend == "cupy" else "tiny"  # the cupy attention kernel needs head_dim 64+
     engine = LLMEngine(model, device="cuda", dtype=torch.bfloat16, attention_backend=backend, num_blocks=512,
@@ -358,9 +358,9 @@ def test_swap_preemption_in_a_tiny_pool_matches_hf(prompts, hf_reference, schedu
 def test_engine_kernel_calls_pass_the_checks_they_skip(monkeypatch, prompts):
     """The engine calls the kernels with check=False: the block manager must never hand one slot to two tokens of a
     step, and the decode calls' host-side max_seq_len must be their seq_lens' maximum (run here with the checks)."""
-    import kernels
+    import paged_kernels
 
-    real_write, real_decode, decode_calls = kernels.write_kv_cache, kernels.paged_attention_decode, []
+    real_write, real_decode, decode_calls = paged_kernels.write_kv_cache, paged_kernels.paged_attention_decode, []
 
     def checked_write(key, value, key_cache, value_cache, slot_mapping, backend="auto", check=True):
         used = slot_mapping[slot_mapping >= 0]
@@ -371,8 +371,8 @@ def test_engine_kernel_calls_pass_the_checks_they_skip(monkeypatch, prompts):
         decode_calls.append(named["max_seq_len"])
         return real_decode(*args, check=True, **named)
 
-    monkeypatch.setattr(kernels, "write_kv_cache", checked_write)
-    monkeypatch.setattr(kernels, "paged_attention_decode", checked_decode)
+    monkeypatch.setattr(paged_kernels, "write_kv_cache", checked_write)
+    monkeypatch.setattr(paged_kernels, "paged_attention_decode", checked_decode)
     engine = LLMEngine("tiny", block_size=3, num_blocks=40, scheduling="chunked", max_num_batched_tokens=16)
     engine.generate(prompts + prompts[:2], SamplingParams(max_tokens=5, n=2, temperature=1.0, seed=1))
     assert engine.num_preemptions > 0 and decode_calls and min(decode_calls) > 0

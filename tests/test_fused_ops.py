@@ -1,4 +1,4 @@
-"""The fused layer ops (``kernels.rms_norm``, ``silu_and_mul``, ``qk_norm_rope_write``) against the float64
+"""The fused layer ops (``paged_kernels.rms_norm``, ``silu_and_mul``, ``qk_norm_rope_write``) against the float64
 reference: fresh random inputs, outputs and caches poisoned first, block sizes that do not divide the lengths; the
 torch backend bit for bit against HF's own modules; the CuPy launcher's geometry recorded without a GPU; the same
 checks on CUDA under ``gpu``."""
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
-from kernels import reference
+import paged_kernels
+from paged_kernels import reference
 from tests.kernel_cases import relative_error
 from tests.test_cupy_launcher import launches  # noqa: F401 - the recorder fixture
 
@@ -70,7 +70,7 @@ def test_rms_norm_matches_reference(backend, shape, with_residual):
     generator = torch.Generator().manual_seed(sum(shape))
     x, residual = torch.randn(*shape, generator=generator), torch.randn(*shape, generator=generator)
     weight = torch.randn(shape[-1], generator=generator)
-    normed, total = kernels.rms_norm(x, weight, 1e-6, residual if with_residual else None, backend=backend)
+    normed, total = paged_kernels.rms_norm(x, weight, 1e-6, residual if with_residual else None, backend=backend)
     want_normed, want_total = reference.rms_norm(x.double().numpy(), weight.double().numpy(), 1e-6,
                                                  residual.double().numpy() if with_residual else None)
     assert relative_error(normed, want_normed) < 1e-6 and relative_error(total, want_total) < 1e-6
@@ -80,7 +80,7 @@ def test_rms_norm_matches_reference(backend, shape, with_residual):
 @pytest.mark.parametrize("shape", [(1, 2), (4, 96), (2, 3, 2 * 771)])
 def test_silu_and_mul_matches_reference(backend, shape):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
-    assert relative_error(kernels.silu_and_mul(x, backend=backend), reference.silu_and_mul(x.double().numpy())) < 1e-6
+    assert relative_error(paged_kernels.silu_and_mul(x, backend=backend), reference.silu_and_mul(x.double().numpy())) < 1e-6
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -90,7 +90,7 @@ def test_silu_and_mul_matches_reference(backend, shape):
 def test_qk_norm_rope_write_matches_reference(backend, block_size, heads, head_dim):
     case = qk_case(11, *heads, head_dim, block_size, seed=block_size + head_dim)
     q, k, key_cache, value_cache = reference_qk(case)
-    q_out, k_out = kernels.qk_norm_rope_write(**case, backend=backend)
+    q_out, k_out = paged_kernels.qk_norm_rope_write(**case, backend=backend)
     assert relative_error(q_out, q) < 1e-6 and relative_error(k_out, k) < 1e-6
     assert_caches_match(case, key_cache, value_cache, 1e-6)
 
@@ -104,12 +104,12 @@ def test_the_torch_backend_is_hf_bit_for_bit():
     norm = Qwen3RMSNorm(64, eps=1e-6)
     norm.weight.data = torch.randn(64, generator=generator)
     x, residual = torch.randn(9, 64, generator=generator), torch.randn(9, 64, generator=generator)
-    assert torch.equal(kernels.rms_norm(x, norm.weight.data, 1e-6, residual, backend="torch")[0], norm(x + residual))
+    assert torch.equal(paged_kernels.rms_norm(x, norm.weight.data, 1e-6, residual, backend="torch")[0], norm(x + residual))
     gate_up = torch.randn(9, 128, generator=generator)
-    assert torch.equal(kernels.silu_and_mul(gate_up, backend="torch"),
+    assert torch.equal(paged_kernels.silu_and_mul(gate_up, backend="torch"),
                        torch.nn.functional.silu(gate_up[:, :64]) * gate_up[:, 64:])
     case = qk_case(9, 4, 2, 64, 3, seed=5)
-    q_out, k_out = kernels.qk_norm_rope_write(**case, backend="torch")
+    q_out, k_out = paged_kernels.qk_norm_rope_write(**case, backend="torch")
     q_norm, k_norm = Qwen3RMSNorm(64, eps=1e-6), Qwen3RMSNorm(64, eps=1e-6)
     q_norm.weight.data, k_norm.weight.data = case["q_weight"], case["k_weight"]
     rows = case["cos_sin_cache"][case["positions"]]
@@ -127,25 +127,25 @@ def test_the_torch_backend_is_hf_bit_for_bit():
 def test_bad_qk_arguments_are_named(bad, message):
     case = qk_case(11, 4, 2, 32, 3)
     with pytest.raises(ValueError, match=message):
-        kernels.qk_norm_rope_write(**{**case, **bad}, backend="torch")
+        paged_kernels.qk_norm_rope_write(**{**case, **bad}, backend="torch")
 
 
 def test_bad_norm_and_activation_arguments_are_named():
     with pytest.raises(ValueError, match="weight must be"):
-        kernels.rms_norm(torch.zeros(2, 8), torch.zeros(7))
+        paged_kernels.rms_norm(torch.zeros(2, 8), torch.zeros(7))
     with pytest.raises(ValueError, match="residual shape"):
-        kernels.rms_norm(torch.zeros(2, 8), torch.zeros(8), residual=torch.zeros(3, 8))
+        paged_kernels.rms_norm(torch.zeros(2, 8), torch.zeros(8), residual=torch.zeros(3, 8))
     with pytest.raises(ValueError, match=r"\[\.\.\., 2 \* d\]"):
-        kernels.silu_and_mul(torch.zeros(2, 7))
+        paged_kernels.silu_and_mul(torch.zeros(2, 7))
 
 
 def test_fused_launch_geometry(launches):  # noqa: F811
     """One launch per op, whole warps per block, merged-projection views passed with their row stride."""
     x = torch.randn(6, 1024, dtype=torch.bfloat16)
-    kernels.rms_norm(x, torch.ones(1024, dtype=torch.bfloat16), 1e-6, x.clone(), backend="cupy")
-    kernels.silu_and_mul(torch.randn(6, 2 * 3072, dtype=torch.bfloat16), backend="cupy")
+    paged_kernels.rms_norm(x, torch.ones(1024, dtype=torch.bfloat16), 1e-6, x.clone(), backend="cupy")
+    paged_kernels.silu_and_mul(torch.randn(6, 2 * 3072, dtype=torch.bfloat16), backend="cupy")
     case = qk_case(6, 16, 8, 128, 16, dtype=torch.bfloat16)
-    kernels.qk_norm_rope_write(**case, backend="cupy", check=False)
+    paged_kernels.qk_norm_rope_write(**case, backend="cupy", check=False)
     norm, silu, qk = launches
     assert (norm.kernel, norm.grid, norm.block) == ("rms_norm_kernel<bf16_t>", (6,), (1024,))
     assert (silu.kernel, silu.grid, silu.block) == ("silu_and_mul_kernel<bf16_t>", (6,), (1024,))
@@ -154,7 +154,7 @@ def test_fused_launch_geometry(launches):  # noqa: F811
     assert [int(a) for a in qk.args[-3:]] == [row, row, row]  # q, k and v read in place from the merged output
     assert qk.args[2].data_ptr() == case["q"].data_ptr()
     small = qk_case(3, 4, 2, 32, 3, dtype=torch.bfloat16)
-    kernels.qk_norm_rope_write(**small, backend="cupy", check=False)
+    paged_kernels.qk_norm_rope_write(**small, backend="cupy", check=False)
     assert launches[-1].block == (32,)  # 16 pairs, one whole warp
 
 
@@ -164,15 +164,15 @@ def test_fused_launch_geometry(launches):  # noqa: F811
 def test_fused_ops_match_reference_cuda(dtype, tolerance, block_size):
     case = qk_case(37, 16, 8, 128, block_size, dtype=dtype, device="cuda", seed=block_size)
     q, k, key_cache, value_cache = reference_qk(case)
-    q_out, k_out = kernels.qk_norm_rope_write(**case, backend="cupy")
+    q_out, k_out = paged_kernels.qk_norm_rope_write(**case, backend="cupy")
     assert relative_error(q_out, q) < tolerance and relative_error(k_out, k) < tolerance
     assert_caches_match(case, key_cache, value_cache, tolerance)
     x, residual = torch.randn(37, 1024, device="cuda").to(dtype), torch.randn(37, 1024, device="cuda").to(dtype)
     weight = torch.randn(1024, device="cuda").to(dtype)
-    normed, total = kernels.rms_norm(x, weight, 1e-6, residual, backend="cupy")
+    normed, total = paged_kernels.rms_norm(x, weight, 1e-6, residual, backend="cupy")
     want = reference.rms_norm(x.double().cpu().numpy(), weight.double().cpu().numpy(), 1e-6,
                               residual.double().cpu().numpy())
     assert relative_error(normed, want[0]) < tolerance and relative_error(total, want[1]) < tolerance
     gate_up = torch.randn(37, 2 * 3072, device="cuda").to(dtype)
-    assert relative_error(kernels.silu_and_mul(gate_up, backend="cupy"),
+    assert relative_error(paged_kernels.silu_and_mul(gate_up, backend="cupy"),
                           reference.silu_and_mul(gate_up.double().cpu().numpy())) < tolerance

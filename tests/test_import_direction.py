@@ -1,4 +1,4 @@
-"""The arrows point one way: ``kernels`` <- ``lab`` <- ``simulator`` <- ``pages``/``app.py``, and no module imports
+"""The arrows point one way: ``paged_kernels`` <- ``lab`` <- ``simulator`` <- ``pages``/``app.py``, and no module imports
 one that (directly or through others) imports it back. Every import statement counts, at module level or inside a
 function: a deferred import is still an arrow."""
 import ast
@@ -8,12 +8,12 @@ import networkx as nx
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = {"kernels": 0, "lab": 1, "simulator": 2, "pages": 3, "app": 3}
+LAYERS = {"paged_kernels": 0, "lab": 1, "simulator": 2, "pages": 3, "app": 3}
 
 
 def _modules() -> dict[str, Path]:
     modules = {"app": ROOT / "app.py"}
-    for package in ("kernels", "lab", "simulator", "pages"):
+    for package in ("paged_kernels", "lab", "simulator", "pages"):
         for path in (ROOT / package).rglob("*.py"):
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
             modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
@@ -56,7 +56,7 @@ def import_graph() -> nx.DiGraph:
 def test_the_graph_sees_every_kind_of_import():
     graph = import_graph()
     assert graph.has_edge("simulator.cli", "simulator.cli_twin")  # inside a function
-    assert graph.has_edge("kernels.cupy_backend", "kernels.validate")  # from . import module
+    assert graph.has_edge("paged_kernels.cupy_backend", "paged_kernels.validate")  # from . import module
     assert graph.has_edge("lab.engine", "lab.scheduler")  # from .module import name
     assert graph.has_edge("pages.sweeps", "simulator")  # import package
 
@@ -89,12 +89,12 @@ def test_the_engine_step_reads_like_nano_vllm_s():
 
 def test_the_simulator_s_commands_and_pages_do_not_load_torch():
     """A simulation needs no model: the simulator's commands and the Memory simulator, Sweeps and Paper pages' imports
-    start in well under a second without torch (the error boundary once pulled it in through ``kernels``)."""
+    start in well under a second without torch (the error boundary once pulled it in through ``paged_kernels``)."""
     import subprocess
     import sys
 
     code = ("import sys, simulator, simulator.cli, simulator.cli_sweep, simulator.sweep, simulator.plan, "
             "simulator.paper, simulator.charts, simulator.report, lab.errors, lab.cli_args; "
-            "print(sorted(m for m in ('torch', 'kernels', 'transformers') if m in sys.modules))")
+            "print(sorted(m for m in ('torch', 'paged_kernels', 'transformers') if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]"

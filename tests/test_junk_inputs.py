@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import kernels
+import paged_kernels
 from lab.engine import EngineConfig, LLMEngine, SamplingParams
 from simulator import SimConfig, Simulator
 from simulator.workloads import SyntheticSpec, Workload, load_trace_bytes, synthetic_workload
@@ -170,21 +170,21 @@ def test_junk_kernel_arguments(op, position, junk):
     if op == "write":
         args = [torch.randn(2, 2, 8), torch.randn(2, 2, 8), key_cache, value_cache, torch.tensor([0, 4])]
         shapes = [(2, 2, 8), (2, 2, 8), tuple(key_cache.shape), tuple(key_cache.shape), (2,)]
-        call = kernels.write_kv_cache
+        call = paged_kernels.write_kv_cache
     elif op == "copy":
         args = [key_cache, value_cache, [(0, 1)]]
         shapes = [tuple(key_cache.shape), tuple(key_cache.shape), (1, 2)]
-        call = kernels.copy_blocks
+        call = paged_kernels.copy_blocks
     elif op == "swap":
         dst_key, dst_value = _caches()
         args = [key_cache, value_cache, dst_key, dst_value, [(0, 1)]]
         shapes = [tuple(key_cache.shape)] * 4 + [(1, 2)]
-        call = kernels.swap_blocks
+        call = paged_kernels.swap_blocks
     else:
         args = [torch.randn(2, 4, 8), key_cache, value_cache, torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
                 torch.tensor([5, 4], dtype=torch.int32), 0.3]
         shapes = [(2, 4, 8), tuple(key_cache.shape), tuple(key_cache.shape), (2, 2), (2,), ()]
-        call = kernels.paged_attention_decode
+        call = paged_kernels.paged_attention_decode
     position = position % len(args)
     args[position] = tensorish(junk, shapes[position])
     ok, result = typed_or_ok(lambda: call(*args))

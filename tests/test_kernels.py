@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
-from kernels import reference, split_k
+import paged_kernels
+from paged_kernels import reference, split_k
 from tests.cuda_build import compile_ptx
 from tests.kernel_cases import make_decode_case, make_write_case, relative_error
 
@@ -25,7 +25,7 @@ def test_decode_matches_reference_cpu(backend, block_size, group):
     seq_lens = [1, block_size, 2 * block_size, 3 * block_size + 1, 37, 300]
     case = make_decode_case(seq_lens, block_size, num_kv_heads=2, group=group, head_dim=64)
     out = torch.full_like(case.query, float("nan"))  # poisoned: every element must be written
-    returned = kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
+    returned = paged_kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
                                               case.seq_lens, backend=backend, out=out)
     assert returned is out and relative_error(out, reference_decode(case)) < 1e-5
 
@@ -36,7 +36,7 @@ def test_decode_with_host_max_seq_len_matches_reference(backend, block_size):
     """A runner passes the longest length it knows on the host (no device read-back); results are unchanged."""
     case = make_decode_case([0, 3, block_size + 2, 61], block_size, num_kv_heads=2, group=2, head_dim=32)
     out = torch.full_like(case.query, float("nan"))
-    kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+    paged_kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
                                    backend=backend, check=False, out=out, max_seq_len=61)
     assert relative_error(out, reference_decode(case)) < 1e-5 and (out[0] == 0).all()
 
@@ -45,16 +45,16 @@ def test_decode_rejects_a_wrong_max_seq_len():
     case = make_decode_case([5, 9], 4, num_kv_heads=1, group=2, head_dim=8)
     args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens)
     with pytest.raises(ValueError, match="max_seq_len=8 but the longest of seq_lens is 9"):
-        kernels.paged_attention_decode(*args, max_seq_len=8)
+        paged_kernels.paged_attention_decode(*args, max_seq_len=8)
     for bad in (-1, 2.5, True, "9"):  # the type is checked even unchecked (no look at the data needed)
         with pytest.raises(ValueError, match="max_seq_len must be None or an integer >= 0"):
-            kernels.paged_attention_decode(*args, check=False, max_seq_len=bad)
+            paged_kernels.paged_attention_decode(*args, check=False, max_seq_len=bad)
 
 
 def test_reference_takes_numpy_and_matches_plain_softmax():
     case = make_decode_case([5, 9], 4, num_kv_heads=1, group=2, head_dim=8)
     q, kc, vc = (t.double().numpy() for t in (case.query, case.key_cache, case.value_cache))
-    out = kernels.paged_attention_decode(q, kc, vc, case.block_tables.numpy(), case.seq_lens.numpy(), scale=0.3)
+    out = paged_kernels.paged_attention_decode(q, kc, vc, case.block_tables.numpy(), case.seq_lens.numpy(), scale=0.3)
     for s, length in enumerate([5, 9]):
         rows = [b * 4 + o for b in case.block_tables[s].tolist() for o in range(4)][:length]
         keys, values = kc.transpose(0, 2, 1, 3).reshape(-1, 1, 8)[rows, 0], vc.transpose(0, 2, 1, 3).reshape(-1, 1, 8)[rows, 0]
@@ -79,7 +79,7 @@ def test_split_k_reduction_matches_reference(block_size):
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 def test_write_kv_cache_scatters_and_skips_padding(backend, block_size):
     case = make_write_case(num_tokens=23, block_size=block_size, num_blocks=40)
-    kernels.write_kv_cache(case.key, case.value, case.key_cache, case.value_cache, case.slot_mapping, backend=backend)
+    paged_kernels.write_kv_cache(case.key, case.value, case.key_cache, case.value_cache, case.slot_mapping, backend=backend)
     flat_k = case.key_cache.transpose(1, 2).reshape(-1, *case.key.shape[1:])
     flat_v = case.value_cache.transpose(1, 2).reshape(-1, *case.key.shape[1:])
     keep = case.slot_mapping >= 0
@@ -96,7 +96,7 @@ def test_sync_free_padding_writes_what_dropping_it_writes(padding, cache_dtype):
     """The torch backend's write on a GPU (``redirect_padding``: no read-back, padding rows become duplicate writes
     of equal values) leaves the caches bit-identical to dropping the padding rows (its CPU path), slot 0 included
     when every row is padding; on caches of random values, so an overwritten slot shows."""
-    from kernels.torch_backend import drop_padding, redirect_padding
+    from paged_kernels.torch_backend import drop_padding, redirect_padding
 
     case = make_write_case(num_tokens=13, block_size=3, num_blocks=9)
     slots = {"some": case.slot_mapping, "none": torch.randperm(27)[:13], "all": torch.full((13,), -1)}[padding]
@@ -105,7 +105,7 @@ def test_sync_free_padding_writes_what_dropping_it_writes(padding, cache_dtype):
     for padding_rows in (drop_padding, redirect_padding):
         key_cache, value_cache = (cache.clone() for cache in caches)
         rows = padding_rows(slots, case.key.to(cache_dtype), case.value.to(cache_dtype), key_cache, value_cache)
-        kernels.torch_backend.write_kv_cache(*rows[1:], key_cache, value_cache, rows[0])
+        paged_kernels.torch_backend.write_kv_cache(*rows[1:], key_cache, value_cache, rows[0])
         written.append((key_cache, value_cache))
     (dropped_k, dropped_v), (redirected_k, redirected_v) = written
     assert torch.equal(redirected_k, dropped_k) and torch.equal(redirected_v, dropped_v)
@@ -117,12 +117,12 @@ def test_sync_free_padding_writes_what_dropping_it_writes(padding, cache_dtype):
 def test_copy_blocks(backend):
     kc, vc = torch.randn(6, 2, 3, 4), torch.randn(6, 2, 3, 4)
     k0, v0 = kc.clone(), vc.clone()
-    kernels.copy_blocks(kc, vc, [(0, 4), (2, 5)], backend=backend)
+    paged_kernels.copy_blocks(kc, vc, [(0, 4), (2, 5)], backend=backend)
     assert torch.equal(kc[4], k0[0]) and torch.equal(vc[5], v0[2]) and torch.equal(kc[:4], k0[:4])
     with pytest.raises(ValueError, match="outside"):
-        kernels.copy_blocks(kc, vc, [(0, 6)], backend=backend)
+        paged_kernels.copy_blocks(kc, vc, [(0, 6)], backend=backend)
     with pytest.raises(ValueError, match="pairs"):
-        kernels.copy_blocks(kc, vc, [(0, 1, 2)], backend=backend)
+        paged_kernels.copy_blocks(kc, vc, [(0, 1, 2)], backend=backend)
     assert torch.equal(kc[:4], k0[:4])
 
 
@@ -141,7 +141,7 @@ def sequential_copy(cache, mapping):
 def test_copy_blocks_pairs_take_effect_in_order(backend, mapping):
     kc, vc = torch.randn(6, 2, 3, 4), torch.randn(6, 2, 3, 4)
     expected_k, expected_v = sequential_copy(kc, mapping), sequential_copy(vc, mapping)
-    kernels.copy_blocks(kc, vc, mapping, backend=backend, check=False)
+    paged_kernels.copy_blocks(kc, vc, mapping, backend=backend, check=False)
     assert torch.equal(kc, expected_k) and torch.equal(vc, expected_v)
 
 
@@ -151,7 +151,7 @@ def test_write_rejects_duplicate_slots_and_changes_nothing(backend):
     case.slot_mapping[:] = torch.tensor([4, -1, 9, 4, -1, 2])
     before = case.key_cache.clone()
     with pytest.raises(ValueError, match="slot 4 more than once"):
-        kernels.write_kv_cache(case.key, case.value, case.key_cache, case.value_cache, case.slot_mapping,
+        paged_kernels.write_kv_cache(case.key, case.value, case.key_cache, case.value_cache, case.slot_mapping,
                                backend=backend)
     assert torch.equal(case.key_cache.nan_to_num(7), before.nan_to_num(7))
 
@@ -163,13 +163,13 @@ def test_empty_sequences_get_zeros_and_padding_is_ignored(backend, block_size):
     tables = case.block_tables.clone()
     for row, length in enumerate([0, 37, 0, 5]):
         tables[row, -(-length // block_size):] = -1  # padding past each sequence's blocks
-    out = kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, tables, case.seq_lens,
+    out = paged_kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, tables, case.seq_lens,
                                          backend=backend, out=torch.full_like(case.query, float("nan")))
     expected = reference_decode(case)
     assert (out[[0, 2]] == 0).all() and np.all(expected[[0, 2]] == 0)
     assert relative_error(out, expected) < 1e-5
     none = torch.zeros(4, dtype=torch.int32)
-    out = kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, tables, none,
+    out = paged_kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, tables, none,
                                          backend=backend)
     assert (out == 0).all()
 
@@ -189,7 +189,7 @@ def test_bad_input_names_the_argument():
     def call(**changes):
         named = dict(zip(["query", "key_cache", "value_cache", "block_tables", "seq_lens"], args))
         named.update(changes)
-        return kernels.paged_attention_decode(**named)
+        return paged_kernels.paged_attention_decode(**named)
 
     with pytest.raises(ValueError, match="query must have rank 3"):
         call(query=case.query[0])
@@ -211,26 +211,26 @@ def test_bad_input_names_the_argument():
         with pytest.raises(ValueError, match="block_tables must hold integers"):
             call(block_tables=case.block_tables.to(dtype))
         with pytest.raises(ValueError, match="slot_mapping must hold integers"):
-            kernels.write_kv_cache(torch.randn(2, 2, 8), torch.randn(2, 2, 8), case.key_cache, case.value_cache,
+            paged_kernels.write_kv_cache(torch.randn(2, 2, 8), torch.randn(2, 2, 8), case.key_cache, case.value_cache,
                                    torch.tensor([0, 1]).to(dtype), check=False)
     with pytest.raises(ValueError, match="backend must be one of"):
-        kernels.paged_attention_decode(*args, backend="triton")
-    if "cupy" not in kernels.available_backends():
+        paged_kernels.paged_attention_decode(*args, backend="triton")
+    if "cupy" not in paged_kernels.available_backends():
         with pytest.raises(RuntimeError, match="cupy"):
-            kernels.paged_attention_decode(*args, backend="cupy")
+            paged_kernels.paged_attention_decode(*args, backend="cupy")
     with pytest.raises(ValueError, match="slot_mapping"):
-        kernels.write_kv_cache(torch.randn(2, 2, 8), torch.randn(2, 2, 8), case.key_cache, case.value_cache,
+        paged_kernels.write_kv_cache(torch.randn(2, 2, 8), torch.randn(2, 2, 8), case.key_cache, case.value_cache,
                                torch.tensor([0, 1, 2]))
 
 
 def test_available_backends_on_cpu():
-    assert {"reference", "torch"} <= set(kernels.available_backends())
-    usable, reason = kernels.cupy_status()
-    assert usable == ("cupy" in kernels.available_backends()) and reason
+    assert {"reference", "torch"} <= set(paged_kernels.available_backends())
+    usable, reason = paged_kernels.cupy_status()
+    assert usable == ("cupy" in paged_kernels.available_backends()) and reason
 
 
 def test_cuda_sources_compile_to_ptx_for_sm80():
-    from kernels.cupy_backend import all_kernel_names
+    from paged_kernels.cupy_backend import all_kernel_names
 
     ptx = compile_ptx("80")
     assert ptx.count(".entry") == len(all_kernel_names())
@@ -249,7 +249,7 @@ def test_decode_matches_reference_cuda(backend, dtype, block_size, group, head_d
     case = make_decode_case([1, block_size, 3 * block_size + 1, 37, 700, 1300], block_size, num_kv_heads=2,
                             group=group, head_dim=head_dim, dtype=dtype, device="cuda")
     out = torch.full_like(case.query, float("nan"))
-    out = kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
+    out = paged_kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
                                          case.seq_lens, backend=backend, out=out)
     assert out.dtype == dtype and relative_error(out, reference_decode(case)) < TOLERANCE[dtype]
 
@@ -262,7 +262,7 @@ def test_decode_with_host_max_seq_len_cuda(backend, block_size):
     lengths = [0, 1, 3 * block_size + 1, 700, 1300]
     case = make_decode_case(lengths, block_size, num_kv_heads=2, group=2, head_dim=128, device="cuda")
     out = torch.full_like(case.query, float("nan"))
-    kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+    paged_kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
                                    backend=backend, check=False, out=out, max_seq_len=max(lengths))
     assert relative_error(out, reference_decode(case)) < TOLERANCE[torch.float32]
 
@@ -271,9 +271,9 @@ def test_decode_with_host_max_seq_len_cuda(backend, block_size):
 @pytest.mark.parametrize("partition_size", [None, 0, 512])
 def test_cupy_contracts_match_the_cpu_backends(partition_size):
     """Empty sequences, -1 padding, permuted query and strided out, chained copies: as on the CPU."""
-    from kernels import cupy_backend
+    from paged_kernels import cupy_backend
 
-    if "cupy" not in kernels.available_backends():
+    if "cupy" not in paged_kernels.available_backends():
         pytest.skip("cupy cannot run kernels here")
     case = make_decode_case([0, 1300, 0, 5], 16, num_kv_heads=2, group=2, head_dim=64, dtype=torch.float16,
                             device="cuda")
@@ -288,19 +288,19 @@ def test_cupy_contracts_match_the_cpu_backends(partition_size):
     for mapping in CHAINED_MAPPINGS:
         kc, vc = torch.randn(6, 2, 3, 64, device="cuda"), torch.randn(6, 2, 3, 64, device="cuda")
         expected_k, expected_v = sequential_copy(kc, mapping), sequential_copy(vc, mapping)
-        kernels.copy_blocks(kc, vc, mapping, backend="cupy")
+        paged_kernels.copy_blocks(kc, vc, mapping, backend="cupy")
         assert torch.equal(kc, expected_k) and torch.equal(vc, expected_v)
 
 
 @pytest.mark.gpu
 def test_cupy_tiles_batches_past_the_grid_limit():
-    if "cupy" not in kernels.available_backends():
+    if "cupy" not in paged_kernels.available_backends():
         pytest.skip("cupy cannot run kernels here")
-    from kernels import cupy_backend
+    from paged_kernels import cupy_backend
 
     case = make_decode_case([3] * (cupy_backend.MAX_GRID_YZ + 5), 1, num_kv_heads=1, group=2, head_dim=64,
                             dtype=torch.bfloat16, device="cuda")
-    out = kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
+    out = paged_kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
                                          case.seq_lens, backend="cupy", out=torch.full_like(case.query, float("nan")))
     assert relative_error(out, reference_decode(case)) < TOLERANCE[torch.bfloat16]
 
@@ -310,8 +310,8 @@ def test_tiny_preset_head_dim_runs_on_cuda_with_auto():
     case = make_decode_case([5, 40], 16, num_kv_heads=2, group=2, head_dim=32, dtype=torch.bfloat16, device="cuda")
     write = make_write_case(num_tokens=9, block_size=16, num_blocks=4, head_dim=32, dtype=torch.bfloat16,
                             device="cuda")
-    kernels.write_kv_cache(write.key, write.value, write.key_cache, write.value_cache, write.slot_mapping)
-    out = kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
+    paged_kernels.write_kv_cache(write.key, write.value, write.key_cache, write.value_cache, write.slot_mapping)
+    out = paged_kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
                                          case.seq_lens)
     assert relative_error(out, reference_decode(case)) < TOLERANCE[torch.bfloat16]
 
@@ -319,9 +319,9 @@ def test_tiny_preset_head_dim_runs_on_cuda_with_auto():
 @pytest.mark.gpu
 @pytest.mark.parametrize("partition_size", [0, 512])
 def test_cupy_v1_and_v2_long_context(partition_size):
-    from kernels import cupy_backend
+    from paged_kernels import cupy_backend
 
-    if "cupy" not in kernels.available_backends():
+    if "cupy" not in paged_kernels.available_backends():
         pytest.skip("cupy cannot run kernels here")
     case = make_decode_case([32768, 5000, 1], 16, num_kv_heads=8, group=2, head_dim=128, device="cuda")
     out = cupy_backend.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
@@ -336,19 +336,19 @@ def test_cupy_v1_and_v2_long_context(partition_size):
 def test_write_and_copy_cuda(backend, dtype):
     case = make_write_case(num_tokens=50, block_size=7, num_blocks=30, dtype=dtype, device="cuda")
     expected_k, expected_v = case.key_cache.cpu(), case.value_cache.cpu()  # the CPU write drops padding rows
-    kernels.write_kv_cache(case.key.cpu(), case.value.cpu(), expected_k, expected_v, case.slot_mapping.cpu(),
+    paged_kernels.write_kv_cache(case.key.cpu(), case.value.cpu(), expected_k, expected_v, case.slot_mapping.cpu(),
                            backend="torch")
     expected_k, expected_v = expected_k.cuda(), expected_v.cuda()
-    kernels.write_kv_cache(case.key, case.value, case.key_cache, case.value_cache, case.slot_mapping, backend=backend)
+    paged_kernels.write_kv_cache(case.key, case.value, case.key_cache, case.value_cache, case.slot_mapping, backend=backend)
     assert torch.equal(case.key_cache.nan_to_num(7), expected_k.nan_to_num(7))
     assert torch.equal(case.value_cache.nan_to_num(7), expected_v.nan_to_num(7))
-    kernels.copy_blocks(case.key_cache, case.value_cache, [(1, 20), (3, 21)], backend=backend)
+    paged_kernels.copy_blocks(case.key_cache, case.value_cache, [(1, 20), (3, 21)], backend=backend)
     assert torch.equal(case.key_cache[20].nan_to_num(7), case.key_cache[1].nan_to_num(7))
     assert torch.equal(case.value_cache[21].nan_to_num(7), case.value_cache[3].nan_to_num(7))
 
 
 def test_cupy_dispatch_rule_and_instances():
-    from kernels.cupy_backend import PARTITION_SIZE, all_kernel_names, choose_partition_size
+    from paged_kernels.cupy_backend import PARTITION_SIZE, all_kernel_names, choose_partition_size
 
     assert choose_partition_size(1, 8, 512, 132) == 0  # one partition anyway
     assert choose_partition_size(1, 8, 4096, 132) == PARTITION_SIZE  # few blocks: split the context

@@ -294,7 +294,7 @@ def test_every_backend_honours_the_padding_row_of_the_contract(backend, block_si
     """Entries past a sequence's blocks may hold any value: the result is that of the float64 reference."""
     import torch
 
-    import kernels
+    import paged_kernels
 
     device = "cuda" if backend == "cupy" else "cpu"
     generator = torch.Generator().manual_seed(seed)
@@ -309,11 +309,11 @@ def test_every_backend_honours_the_padding_row_of_the_contract(backend, block_si
         used = -(-length // block_size)
         tables[row, :used] = np.arange(row * width, row * width + used)
     seq_lens = np.asarray(lens, dtype=np.int64)
-    expected = kernels.paged_attention_decode(query.double().numpy(), key_cache.double().numpy(),
+    expected = paged_kernels.paged_attention_decode(query.double().numpy(), key_cache.double().numpy(),
                                               value_cache.double().numpy(), tables, seq_lens, backend="reference")
     index = (tables, seq_lens) if numpy_index else (torch.from_numpy(tables), torch.from_numpy(seq_lens))
     out = torch.full_like(query, float("nan")).to(device)  # poisoned
-    kernels.paged_attention_decode(query.to(device), key_cache.to(device), value_cache.to(device), *index,
+    paged_kernels.paged_attention_decode(query.to(device), key_cache.to(device), value_cache.to(device), *index,
                                    backend=backend, out=out)
     error = np.abs(out.double().cpu().numpy() - expected).max() / max(np.abs(expected).max(), 1e-12)
     assert error < 1e-5
@@ -324,31 +324,31 @@ def test_every_backend_honours_the_padding_row_of_the_contract(backend, block_si
 def test_a_cache_with_a_zero_dimension_is_named(shape, backend):
     import torch
 
-    import kernels
+    import paged_kernels
 
     cache = torch.zeros(shape)
     query = torch.zeros(1, 2, shape[3])
     with pytest.raises(ValueError, match="must all be >= 1"):
-        kernels.paged_attention_decode(query, cache, cache.clone(), torch.zeros(1, 1, dtype=torch.int32),
+        paged_kernels.paged_attention_decode(query, cache, cache.clone(), torch.zeros(1, 1, dtype=torch.int32),
                                        torch.ones(1, dtype=torch.int32), backend=backend)
     with pytest.raises(ValueError, match="must all be >= 1"):
-        kernels.write_kv_cache(torch.zeros(1, shape[1], shape[3]), torch.zeros(1, shape[1], shape[3]), cache,
+        paged_kernels.write_kv_cache(torch.zeros(1, shape[1], shape[3]), torch.zeros(1, shape[1], shape[3]), cache,
                                cache.clone(), torch.zeros(1, dtype=torch.int64), backend=backend)
 
 
 # ---- which errors are the user's --------------------------------------------------------------------------------
 def test_user_errors_are_the_lab_s_and_the_kernels_not_python_s(capsys):
-    import kernels
+    import paged_kernels
     from lab.cli_args import run_command
     from lab.errors import user_errors
 
-    with pytest.raises(kernels.KernelArgumentError, match="backend must be one of"):
-        kernels.resolve_backend("vulkan", np.zeros(1))
-    with pytest.raises(kernels.KernelArgumentError, match="slot_mapping"):
-        kernels.write_kv_cache(np.zeros((2, 1, 4)), np.zeros((2, 1, 4)), np.zeros((1, 1, 2, 4)),
+    with pytest.raises(paged_kernels.KernelArgumentError, match="backend must be one of"):
+        paged_kernels.resolve_backend("vulkan", np.zeros(1))
+    with pytest.raises(paged_kernels.KernelArgumentError, match="slot_mapping"):
+        paged_kernels.write_kv_cache(np.zeros((2, 1, 4)), np.zeros((2, 1, 4)), np.zeros((1, 1, 2, 4)),
                                np.zeros((1, 1, 2, 4)), np.array([0]))
     assert not any(issubclass(ValueError, e) or issubclass(RuntimeError, e) for e in user_errors())
-    assert kernels.KernelArgumentError in user_errors()
+    assert paged_kernels.KernelArgumentError in user_errors()
 
     def command(raises):
         parser = argparse.ArgumentParser()
@@ -357,7 +357,7 @@ def test_user_errors_are_the_lab_s_and_the_kernels_not_python_s(capsys):
 
     assert run_command(command(SimulationError("a priced step is not finite")), []) == 2
     assert "error: a priced step is not finite" in capsys.readouterr().err
-    assert run_command(command(kernels.BackendUnavailableError("backend 'cupy' is unavailable")), []) == 2
+    assert run_command(command(paged_kernels.BackendUnavailableError("backend 'cupy' is unavailable")), []) == 2
     for bug in (ValueError("a bug's error"), RuntimeError("the scheduler made no progress")):
         with pytest.raises(type(bug)):  # a bug shows as one: a traceback, not an "error:" line
             run_command(command(bug), [])

@@ -15,7 +15,7 @@ import torch
 
 from ..engine import EngineConfig, LLMEngine, SamplingParams, load_model
 from ..errors import InputError
-from kernels.torch_backend import synchronize
+from paged_kernels.torch_backend import synchronize
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-import kernels
+import paged_kernels
 from lab.bench.timing import median_seconds
 from lab.errors import LabError
 
@@ -51,7 +51,7 @@ def make_paged_inputs(batch: int, context: int, config: KernelBenchConfig, seed:
 
 
 def contiguous_kv(cache, block_tables, context: int):
-    from kernels.torch_backend import gather_kv
+    from paged_kernels.torch_backend import gather_kv
 
     return gather_kv(cache, block_tables.long(), block_tables.shape[1])[:, :, :context].contiguous()
 
@@ -91,13 +91,13 @@ def _variants(backend, query, key_cache, value_cache, block_tables, seq_lens):
     """Each call as the engine makes it: unchecked, the longest length given from the host."""
     args, longest = (query, key_cache, value_cache, block_tables, seq_lens), int(seq_lens.max())
     if backend != "cupy":
-        yield backend, lambda: kernels.paged_attention_decode(*args, backend=backend, check=False,
+        yield backend, lambda: paged_kernels.paged_attention_decode(*args, backend=backend, check=False,
                                                               max_seq_len=longest)
         return
-    from kernels import cupy_backend
+    from paged_kernels import cupy_backend
 
     scale = query.shape[-1] ** -0.5
-    yield "cupy-auto", lambda: kernels.paged_attention_decode(*args, backend="cupy", check=False,
+    yield "cupy-auto", lambda: paged_kernels.paged_attention_decode(*args, backend="cupy", check=False,
                                                               max_seq_len=longest)
     yield "cupy-v1", lambda: cupy_backend.paged_attention_decode(*args, scale, partition_size=0, max_seq_len=longest)
     yield "cupy-v2", lambda: cupy_backend.paged_attention_decode(*args, scale, partition_size=512,
@@ -204,7 +204,7 @@ def run_kernel_bench(config: KernelBenchConfig, progress=None) -> pd.DataFrame:
 def check_against_reference(config: KernelBenchConfig, context: int = 300, batch: int = 3) -> pd.DataFrame:
     """Max relative error of each backend against the float64 NumPy reference on a small shape of the config's
     heads and block size (context not a multiple of the block size)."""
-    from kernels import reference
+    from paged_kernels import reference
 
     query, key_cache, value_cache, block_tables, seq_lens, _ = make_paged_inputs(batch, context, config, seed=1)
     seq_lens = torch.tensor([context, context // 2 + 1, 1][:batch] + [context] * max(0, batch - 3),
@@ -214,7 +214,7 @@ def check_against_reference(config: KernelBenchConfig, context: int = 300, batch
                                                 config.head_dim ** -0.5)
     rows = []
     for backend in config.backends:
-        out = kernels.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, backend=backend)
+        out = paged_kernels.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, backend=backend)
         error = float(abs(out.double().cpu().numpy() - expected).max() / abs(expected).max())
         rows.append({"backend": backend, "dtype": str(config.dtype).replace("torch.", ""), "max_rel_err": error})
     return pd.DataFrame(rows)

@@ -19,8 +19,8 @@ import pandas as pd
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kernels
-from kernels import cupy_backend
+import paged_kernels
+from paged_kernels import cupy_backend
 
 from ..model import load_hf_model
 from ..model_runner import ForwardBatch, ModelRunner
@@ -67,20 +67,20 @@ class _Counter(TorchDispatchMode):
 @contextlib.contextmanager
 def _recorded_cupy(counter: _Counter):
     """The CuPy backend on meta tensors: every launch is recorded as one kernel of the current layer."""
-    saved = (kernels.cupy_status, cupy_backend.is_cuda, cupy_backend._launch, cupy_backend._kernel,
+    saved = (paged_kernels.cupy_status, cupy_backend.is_cuda, cupy_backend._launch, cupy_backend._kernel,
              cupy_backend._sm_count)
 
     def record(kernel, grid, block, args, device, shared_mem=0):
         counter.counts[(counter.layer, f"cupy.{kernel.split('<')[0]}")] += 1
 
-    kernels.cupy_status = lambda: (True, "ok")
+    paged_kernels.cupy_status = lambda: (True, "ok")
     cupy_backend.is_cuda = lambda tensor: True
     cupy_backend._launch, cupy_backend._kernel = record, lambda name, *rest: name
     cupy_backend._sm_count = lambda device: 132
     try:
         yield
     finally:
-        (kernels.cupy_status, cupy_backend.is_cuda, cupy_backend._launch, cupy_backend._kernel,
+        (paged_kernels.cupy_status, cupy_backend.is_cuda, cupy_backend._launch, cupy_backend._kernel,
          cupy_backend._sm_count) = saved
 
 

@@ -7,7 +7,7 @@ import numpy as np
 
 
 class KernelArgumentError(ValueError):
-    """An argument of a ``kernels`` call is wrong (the message names it); nothing was written."""
+    """An argument of a ``paged_kernels`` call is wrong (the message names it); nothing was written."""
 
 
 class BackendUnavailableError(KernelArgumentError, RuntimeError):

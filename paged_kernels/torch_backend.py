@@ -168,7 +168,7 @@ _buffers = threading.local()
 
 
 def rms_norm(x, weight, eps: float, residual=None):
-    """``(normed, residual_out)`` (see ``kernels.rms_norm``), computed as HF's ``Qwen3RMSNorm`` does: in float32,
+    """``(normed, residual_out)`` (see ``paged_kernels.rms_norm``), computed as HF's ``Qwen3RMSNorm`` does: in float32,
     the result cast back before the weight multiplies it (so the engine's tokens stay HF's)."""
     total = x if residual is None else x + residual
     hidden = total.to(torch.float32)
@@ -185,7 +185,7 @@ def silu_and_mul(x):
 def qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache, value_cache, slot_mapping,
                        eps: float):
     """Per-head RMSNorm, rotary from the table, and the cache write of the rotated keys and ``v`` (see
-    ``kernels.qk_norm_rope_write``); the arithmetic of HF's ``apply_rotary_pos_emb``."""
+    ``paged_kernels.qk_norm_rope_write``); the arithmetic of HF's ``apply_rotary_pos_emb``."""
     head_dim = q.shape[-1]
     table = cos_sin_cache[positions.to(device=cos_sin_cache.device, dtype=torch.long)]
     cos, sin = table[:, None, :head_dim], table[:, None, head_dim:]

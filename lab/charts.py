@@ -2,10 +2,14 @@
 Pure functions of data, so they are tested without Streamlit."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
+
+from .results import human_number
 
 SHARED_MARK = "●"
 
@@ -120,11 +124,33 @@ def paging_diagram() -> go.Figure:
     return figure
 
 
+def log_ticks(values) -> dict:
+    """Ticks for a log axis over ``values``: 1, 2 and 5 of each decade (1 alone past four decades), labelled in
+    human form (a log axis's own labels read "10, 5, 2, 1, 5, 2, 0.1"). Keywords for ``update_xaxes/yaxes``."""
+    positive = [float(v) for v in values if v > 0 and math.isfinite(v)]
+    if not positive:
+        return {}
+    low, high = min(positive), max(positive)
+    first, last = math.floor(math.log10(low)), math.ceil(math.log10(high))
+    mantissas = (1,) if last - first > 4 else (1, 2, 5)
+    ticks = [m * 10.0 ** e for e in range(first, last + 1) for m in mantissas if low / 2.5 <= m * 10.0 ** e <= high * 2.5]
+    return {"tickvals": ticks, "ticktext": [human_number(t) for t in ticks]}
+
+
 def kernel_time_figure(table: pd.DataFrame) -> go.Figure:
-    """Median time per kernel vs context, one line per (kernel, batch)."""
+    """Median time per kernel vs context, one line per (kernel, batch), the repeats' spread (fastest to slowest
+    call) as error bars where the table has it."""
     frame = table.assign(series=table["kernel"] + " · batch " + table["batch"].astype(str))
-    figure = px.line(frame, x="context", y="median_ms", color="series", markers=True, log_y=True,
-                     title="Decode attention time (median)", labels={"median_ms": "ms", "context": "context"})
+    spread = {}
+    if {"min_ms", "max_ms"} <= set(frame.columns):
+        frame = frame.assign(above=frame["max_ms"] - frame["median_ms"], below=frame["median_ms"] - frame["min_ms"])
+        spread = {"error_y": "above", "error_y_minus": "below"}
+    figure = px.line(frame, x="context", y="median_ms", color="series", markers=True, log_y=True, log_x=True,
+                     title="Decode attention time (median; bars: fastest to slowest call)", **spread,
+                     labels={"median_ms": "time per call (ms)", "context": "context (tokens)", "series": "kernel"})
+    values = list(frame["median_ms"]) + (list(frame["min_ms"]) + list(frame["max_ms"]) if spread else [])
+    figure.update_yaxes(**log_ticks(values))
+    figure.update_xaxes(**log_ticks(frame["context"]))
     return figure.update_layout(height=380)
 
 
@@ -132,7 +158,8 @@ def kernel_bandwidth_figure(table: pd.DataFrame) -> go.Figure:
     """Achieved KV bandwidth per kernel, grouped by shape."""
     frame = table.assign(shape="b" + table["batch"].astype(str) + "×" + table["context"].astype(str))
     figure = px.bar(frame, x="shape", y="kv_gb_per_s", color="kernel", barmode="group",
-                    title="Achieved KV bandwidth", labels={"kv_gb_per_s": "GB/s"})
+                    title="Achieved KV bandwidth", labels={"kv_gb_per_s": "K/V read (GB/s)",
+                                                           "shape": "batch × context (tokens)"})
     return figure.update_layout(height=380)
 
 
@@ -200,7 +227,7 @@ def headline_figure(table: pd.DataFrame) -> go.Figure:
     goal for all of them: green bars meet it, red ones do not."""
     data = table.dropna(subset=["latest_over_goal"])
     colours = ["#16a34a" if met else "#dc2626" for met in data["met"]]
-    text = [f"{value:,.4g} {unit} (goal {goal})" for value, unit, goal in
+    text = [f"{human_number(value)} {unit} (goal {goal})" for value, unit, goal in
             zip(data["latest"], data["unit"], data["goal"])]
     figure = go.Figure(go.Bar(x=data["latest_over_goal"], y=data["benchmark"], orientation="h", marker_color=colours,
                               text=text, textposition="auto", hovertemplate="%{y}<br>%{text}<extra></extra>"))

@@ -218,7 +218,7 @@ def split_settings(table: pd.DataFrame, names) -> tuple[pd.DataFrame, dict]:
 
 def export_name(kind: str, settings: dict, when: datetime.datetime | None = None) -> str:
     """A file name that tells exports apart: the kind, the settings that name a run (workload, its size and rate,
-    model, GPU or device, block size) where present, and a timestamp, e.g.
+    model, GPU or device, block size or the paged block sizes compared) where present, and a timestamp, e.g.
     ``summary_sharegpt_1000req_5rps_opt-13b_a100-40gb_20261202-201500.csv``."""
     when = when or datetime.datetime.now()
     parts = [kind]
@@ -231,7 +231,8 @@ def export_name(kind: str, settings: dict, when: datetime.datetime | None = None
 
 _NAME_PARTS = (("workload", str), ("num_requests", "{}req".format),
                ("arrival_rate_req_s", lambda rate: "allatonce" if rate == math.inf else f"{rate:g}rps"),
-               ("model", str), ("gpu", str), ("device", str), ("block_size", "B{}".format))
+               ("model", str), ("gpu", str), ("device", str), ("block_size", "B{}".format),
+               ("paged_block_sizes", "B{}".format))
 
 
 def to_csv_bytes(table: pd.DataFrame) -> bytes:
@@ -296,8 +297,13 @@ HEADLINES = [
 ]
 
 
-def _figure(value: float) -> str:
-    """3 significant digits, thousands separated: ``4.23``, ``0.921``, ``26,900``."""
+def human_number(value: float) -> str:
+    """A number as a person reads it, 3 significant digits, thousands separated: ``4.23``, ``0.921``, ``26,916``;
+    ``—`` for NaN, ``∞`` for infinity."""
+    if value != value:
+        return "—"
+    if abs(value) == float("inf"):
+        return "∞" if value > 0 else "−∞"
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
 
 
@@ -314,7 +320,7 @@ def headline_results(folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
         except (KeyError, IndexError, ValueError):
             value = float("nan")
         goal = "" if headline.goal is None else \
-            f"{'≥' if headline.higher_is_better else '≤'} {_figure(headline.goal)}"
+            f"{'≥' if headline.higher_is_better else '≤'} {human_number(headline.goal)}"
         ratio = float("nan") if headline.goal is None or value != value else \
             (value / headline.goal if headline.higher_is_better else headline.goal / value if value else float("inf"))
         command = next((c for pattern, c in RECORDED_BY.items() if Path(headline.file).match(pattern)), "")
@@ -329,6 +335,6 @@ def headline_markdown(folder: Path = RECORDED_RESULTS) -> str:
     lines = ["| figure | latest | goal | command |", "|---|---|---|---|"]
     for row in headline_results(folder).itertuples():
         mark = "" if row.met is None else " ✓" if row.met else " ✗"
-        value = "not measured" if row.latest != row.latest else f"**{_figure(row.latest)} {row.unit}**{mark}"
+        value = "not measured" if row.latest != row.latest else f"**{human_number(row.latest)} {row.unit}**{mark}"
         lines.append(f"| {row.benchmark} | {value} | {row.goal} {row.unit if row.goal else ''} | `{row.command}` |")
     return "\n".join(lines)

@@ -17,7 +17,7 @@ def headlines():
     st.subheader(f"Headline figures: {int(met.sum())} of {len(met)} goals met")
     chart(headline_figure(table), "headlines")
     st.dataframe(table.drop(columns=["latest_over_goal"]), hide_index=True, column_config={
-        "latest": st.column_config.NumberColumn("latest", format="%.4g"),
+        "latest": st.column_config.NumberColumn("latest", format="localized"),
         "met": st.column_config.CheckboxColumn("goal met"),
         "benchmark": st.column_config.TextColumn("benchmark", width="large")})
     st.caption("Read from the CSVs in `benchmarks/results/` (each `command` writes its file), so they survive the "

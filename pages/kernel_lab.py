@@ -66,5 +66,13 @@ with left:
 with right:
     chart(kernel_bandwidth_figure(table), "kernel_bandwidth")
 st.subheader("Timings (paged vs SDPA on contiguous K/V)")
-st.dataframe(table, hide_index=True)
+st.dataframe(table, hide_index=True, column_config={
+    "context": st.column_config.NumberColumn("context (tokens)", format="localized"),
+    "median_ms": st.column_config.NumberColumn("median (ms)", format="%.3f"),
+    "min_ms": st.column_config.NumberColumn("fastest call (ms)", format="%.3f"),
+    "max_ms": st.column_config.NumberColumn("slowest call (ms)", format="%.3f"),
+    "vs_sdpa": st.column_config.NumberColumn("median vs SDPA's", format="%.2f×"),
+    "kv_gb_per_s": st.column_config.NumberColumn("K/V read (GB/s)", format="%.1f"),
+    "max_rel_err": st.column_config.NumberColumn("max relative error vs SDPA", format="%.1e")})
+st.caption(f"Each time is the median of {config.repeats} calls; fastest and slowest call give its spread.")
 csv_download(table, "kernels", settings, "dl_kernels")

@@ -166,7 +166,7 @@ if st.session_state.get("sim_key") != key:
     try:
         if key in finished_runs():
             finished_runs().move_to_end(key)
-            workload, configs, summary, runs, checks, sweep = finished_runs()[key]
+            workload, configs, summary, runs, checks = finished_runs()[key]
         else:
             workload, configs = build_inputs()
             bar, stop = st.progress(0.0, "simulating…"), st.empty()
@@ -178,14 +178,13 @@ if st.session_state.get("sim_key") != key:
             if figure2:
                 summary["paper_token_states_frac"] = summary["allocator"].map(simulator.PAPER_FIGURE2_TOKEN_STATES)
             checks = simulator.closed_form_checks(workload, runs)
-            sweep = block_size_sweep(workload, configs) if not figure2 else None
-            finished_runs()[key] = workload, configs, summary, runs, checks, sweep
+            finished_runs()[key] = workload, configs, summary, runs, checks
             while len(finished_runs()) > FINISHED_RUNS_KEPT:
                 finished_runs().popitem(last=False)
         summary = summary.copy()
         st.session_state.update(sim_key=key, sim_summary=summary, sim_series={k: r.timeseries for k, r in runs.items()},
-                                sim_workload=workload.summary(), sim_checks=checks, sim_block_sweep=sweep,
-                                sim_settings=report.run_settings(workload, configs[0]), sim_configs=configs,
+                                sim_workload=workload.summary(), sim_checks=checks, sim_block_sweep=None,
+                                sim_settings=report.run_settings(workload, configs), sim_configs=configs,
                                 sim_workload_obj=workload, sim_offload=None)
         results_store().add("simulation", f"simulation: {workload.name} × {len(configs)} configs", summary,
                             st.session_state["sim_settings"])
@@ -206,15 +205,18 @@ for row in summary[summary["num_requests_rejected"] > 0].itertuples():
 st.subheader("What paging buys here")
 versus = report.paged_vs_best_contiguous(summary)
 if not versus.empty:
+    first = versus.iloc[0]
+    st.caption(f"**{first['Paged run']}** (the paged run of highest throughput) against **{first['Contiguous run']}** "
+               f"(the contiguous run of highest throughput); every card compares these two runs.")
     cards = st.columns(len(HEADLINE_CARDS))
     for card, (figure, label, unit) in zip(cards, HEADLINE_CARDS):
         row = versus[versus["Figure"] == figure].iloc[0]
-        ratio = row["Paged / contiguous"]
-        comparison = f"{ratio:.2f}× the best contiguous" if ratio >= 1 or not ratio else \
-            f"{1 / ratio:.1f}× less than contiguous"
-        card.metric(label, f"{row['Paged']:,.1f}{unit}", comparison, delta_color="off", delta_arrow="off",
-                    border=True, help=f"{row['Paged run']}: {row['Paged']:,.2f}; the best contiguous allocator, "
-                                      f"{row['Contiguous run']}: {row['Best contiguous']:,.2f}")
+        value, comparison = report.compare_card(row, unit)
+        card.metric(f"{label} · {row['Paged run']}", value, comparison, delta_color="off", delta_arrow="off",
+                    border=True, help=f"{row['Paged run']}: {row['Paged']:,.2f}{unit}; {row['Contiguous run']}: "
+                                      f"{row['Best contiguous']:,.2f}{unit}")
+elif (summary["num_requests_completed"] == 0).all():
+    st.info("No run served a request, so there is nothing to compare: see the warnings above.")
 st.dataframe(report.headline(summary), hide_index=True, column_config=HEADLINE_FORMAT)
 if not versus.empty:
     with st.expander("Paged against the best contiguous allocator, figure by figure"):
@@ -226,12 +228,18 @@ with st.expander("Glossary: what these words and numbers mean"):
     st.markdown("\n".join(f"- **{term}**: {text}" for term, text in report.GLOSSARY.items()))
 
 chart(charts.waste_bars(summary), "waste_bars")
-sweep = st.session_state.get("sim_block_sweep")
-if sweep is not None:
-    chart(charts.block_size_lines(sweep), "block_size_sweep")
+with st.expander("Which block size? The paged allocator at every block size from 1 to 256 tokens"):
     st.caption("The paged allocator at every block size on this workload and the other synthetic preset (first "
                f"{BLOCK_SWEEP_REQUESTS} requests each, the sidebar's model, GPU and scheduler). Throughput falls at "
                "small blocks (the kernel's per-block cost) and at large ones (fewer sequences fit).")
+    if st.button("Run the block-size sweep", key="run_block_sweep", disabled=figure2):
+        with st.spinner(f"simulating {len(simulator.BLOCK_SIZES)} block sizes on two workloads…"):
+            st.session_state["sim_block_sweep"] = block_size_sweep(st.session_state["sim_workload_obj"],
+                                                                   st.session_state["sim_configs"])
+    sweep = st.session_state.get("sim_block_sweep")
+    if sweep is not None:
+        chart(charts.block_size_lines(sweep), "block_size_sweep")
+        csv_download(sweep, "block-size-sweep", settings, "dl_block_sweep", "Download the block-size sweep (CSV)")
 with st.expander("What a CPU tier buys: the prefix cache with a host offload tier of 0 to unbounded GiB"):
     st.caption("The first paged configuration, prefix caching on, with a host tier of each size: blocks the GPU pool "
                "reuses are kept in host memory and loaded back when a later prompt shares them. Traffic whose "

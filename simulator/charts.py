@@ -8,6 +8,7 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
+from lab.charts import log_ticks
 from lab.errors import InputError
 from .metrics import CATEGORIES, CATEGORY_LABELS, SUMMARY_FRACTIONS as FRACTION_COLUMNS
 
@@ -112,10 +113,11 @@ def latency_percentiles(summary: pd.DataFrame, label: str = "label") -> go.Figur
             for q in (50, 90, 99):
                 rows.append({"run": run[label], "metric": LATENCY_LABELS[metric], "percentile": f"p{q}",
                              "seconds": run[f"{metric}_p{q}_s"]})
-    figure = px.bar(pd.DataFrame(rows), x="percentile", y="seconds", color="run", barmode="group",
-                    facet_col="metric", title="Latency percentiles", log_y=True, labels={"run": "allocator"})
+    frame = pd.DataFrame(rows)
+    figure = px.bar(frame, x="percentile", y="seconds", color="run", barmode="group", facet_col="metric",
+                    title="Latency percentiles", log_y=True, labels={"run": "allocator", "seconds": "latency (s)"})
     figure.for_each_annotation(lambda a: a.update(text=a.text.split("=", 1)[-1]))  # "TTFT", not "metric=TTFT"
-    figure.update_yaxes(matches=None)
+    figure.update_yaxes(matches=None, **log_ticks(frame["seconds"]))
     return figure.update_layout(height=340)
 
 

@@ -191,7 +191,7 @@ def run(args) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict]:
     series = [r.timeseries.assign(allocator=r.config.allocator, block_size=r.config.block_size)
               for r in results.values()]
     return (summary, pd.concat(series, ignore_index=True), closed_form_checks(workload, results),
-            run_settings(workload, configs[0]))
+            run_settings(workload, configs))
 
 
 def main(argv: list[str] | None = None) -> int:

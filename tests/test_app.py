@@ -65,6 +65,32 @@ def test_every_page_runs_with_defaults_and_its_exports_say_what_produced_them(pa
         table = pd.read_csv(io.BytesIO(downloads[file_id]))
         assert "lab_version" in table, (page, button.proto.id)
         assert re.search(r"_\d{8}-\d{6}\.csv$", downloads.names[file_id]), downloads.names[file_id]  # a timestamp
+        EXPORTS[f"{page}: {downloads.names[file_id]}"] = table
+
+
+EXPORTS: dict[str, pd.DataFrame] = {}  # every export of every page at its defaults (filled by the test above)
+UNIT_SUFFIXES = {"_frac": (0.0, 1.0), "_pct": (0.0, 100.0), "_s": (0.0, None), "_ms": (0.0, None),
+                 "_tokens": (0.0, None), "_tok_s": (0.0, None)}
+
+
+def test_a_column_name_means_one_thing_in_every_export():
+    """A column shared by exports is numeric in all or in none, and a unit suffix holds its promise everywhere:
+    ``_frac`` in [0, 1], ``_pct`` in [0, 100], times, token counts and rates not negative."""
+    if len(EXPORTS) < len(PAGES):
+        pytest.skip("runs after test_every_page_runs_with_defaults_and_its_exports_say_what_produced_them")
+    kinds: dict[str, dict[str, bool]] = {}
+    for name, table in EXPORTS.items():
+        for column in table.columns:
+            values = table[column].dropna()
+            numeric = pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values)
+            if not values.empty:
+                kinds.setdefault(column, {})[name] = numeric
+            for suffix, (low, high) in UNIT_SUFFIXES.items():
+                if column.endswith(suffix) and numeric:
+                    finite = values[values.abs() != float("inf")]
+                    assert (finite >= low).all() and (high is None or (finite <= high).all()), (name, column)
+    mixed = {column: by for column, by in kinds.items() if len(set(by.values())) > 1}
+    assert not mixed, mixed
 
 
 def test_memory_simulator_reacts_and_exports(downloads):

@@ -264,7 +264,12 @@ def test_a_baseline_that_gets_faster_with_context_is_refused(monkeypatch):
     monkeypatch.setattr(bench, "warm_up", lambda config: None)
     retimed = []
     monkeypatch.setattr(bench, "retime_baseline", lambda table, config: retimed.append(len(table)))
-    monkeypatch.setattr(bench, "median_seconds", lambda fn, repeats=10, warmup=2, cuda=False: (fn(), next(times))[1])
+    def timed(fn, repeats=10, warmup=2, cuda=False):
+        fn()
+        seconds = next(times)
+        return bench.Timing(seconds, seconds, seconds)
+
+    monkeypatch.setattr(bench, "time_calls", timed)
     config = KernelBenchConfig(batch_sizes=(1,), context_lens=(256, 512), num_q_heads=4, num_kv_heads=2, head_dim=16,
                                backends=(), repeats=1)
     with pytest.raises(bench.KernelBenchError, match="context 256"):

@@ -30,16 +30,18 @@ def free_port() -> int:
 
 
 SERVER_PIDS: dict[str, int] = {}  # url -> the server's process id
+SERVER_LOGS: dict[str, Path] = {}  # url -> what the server printed
 
 
 @contextlib.contextmanager
 def streamlit_server():
     """``streamlit run app.py`` on a free loopback port; yields its URL once it answers."""
     port = free_port()
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"minipaged-streamlit-{port}.log"
     process = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.address",
          "127.0.0.1", "--server.port", str(port), "--browser.gatherUsageStats", "false"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 60
@@ -52,7 +54,7 @@ def streamlit_server():
                 if time.time() > deadline or process.poll() is not None:
                     raise RuntimeError("streamlit did not start") from None
                 time.sleep(0.5)
-        SERVER_PIDS[url] = process.pid
+        SERVER_PIDS[url], SERVER_LOGS[url] = process.pid, log
         yield url
     finally:
         process.terminate()
@@ -89,17 +91,42 @@ def shots(tmp_path_factory) -> Path:
     return path
 
 
-def settle(page, charts: bool) -> None:
-    """Wait for the script run to end (and for a chart to draw)."""
+RUNS_STARTED = """() => {
+    const app = document.querySelector('[data-testid="stApp"]');
+    if (window.__runsStarted === undefined) {
+        window.__runsStarted = 0;
+        new MutationObserver(() => {
+            if (app.getAttribute('data-test-script-state') === 'running') window.__runsStarted++;
+        }).observe(app, {attributes: true, attributeFilter: ['data-test-script-state']});
+    }
+    return window.__runsStarted;
+}"""
+IDLE = """() => {
+    const app = document.querySelector('[data-testid="stApp"]');
+    return app && app.getAttribute('data-test-script-state') === 'notRunning'
+        && !document.querySelector('[data-stale="true"]');
+}"""
+
+
+def runs_started(page) -> int:
+    """How many script runs the page has started since it was first watched (a MutationObserver on the app's
+    ``data-test-script-state``, which Streamlit sets to ``running`` for every run)."""
     page.wait_for_selector('[data-testid="stApp"]', timeout=60_000)
+    return page.evaluate(RUNS_STARTED)
+
+
+def settle(page, charts: bool, after: int | None = None) -> None:
+    """Wait until the page is current: the script is not running and no element is stale (Streamlit marks the
+    previous run's elements ``data-stale`` while a rerun goes on). ``after``: a ``runs_started`` count taken before
+    an action, so that the wait first sees the action's own run begin (it may not have started yet)."""
+    runs_started(page)
+    if after is not None:
+        page.wait_for_function(f"() => window.__runsStarted > {after}", timeout=30_000)
     if charts:
         page.wait_for_selector(".js-plotly-plot .main-svg", timeout=120_000)
     for _ in range(2):  # a run can report idle between its script and fragment reruns: check twice
-        page.wait_for_function(
-            "() => !document.querySelector('[data-testid=\"stStatusWidget\"]')"
-            " || !document.querySelector('[data-testid=\"stStatusWidget\"]').innerText.includes('Running')",
-            timeout=120_000)
-        page.wait_for_timeout(800)
+        page.wait_for_function(IDLE, timeout=180_000)
+        page.wait_for_timeout(500)
 
 
 def no_exception(page) -> None:
@@ -145,14 +172,33 @@ def test_moving_a_slider_reruns_the_simulator(server, browser, shots):
     settle(page, True)
     handle = page.locator('[data-testid="stSidebar"] [data-testid="stSlider"] input[type="range"]').first
     before = handle.input_value()
+    runs = runs_started(page)
     handle.focus()
     for _ in range(5):
         handle.press("PageUp")
-    page.wait_for_timeout(1000)
-    settle(page, True)
+    settle(page, True, after=runs)
     assert handle.input_value() != before
     no_exception(page)
     page.screenshot(path=str(shots / "memory_simulator_after_slider.png"), full_page=True)
+    page.close()
+
+
+def test_the_wait_waits_for_a_slow_run(server, browser):
+    """``settle`` returns only once the page shows the new run: 6,000 requests take seconds to simulate, and right
+    after the wait the page describes them (a wait that returned at once would still show the 1,000 before)."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(f"{server}/memory_simulator", timeout=60_000)
+    settle(page, True)
+    requests = page.locator('[data-testid="stSidebar"] [data-testid="stNumberInput"]').filter(
+        has_text="Requests").locator("input")
+    runs, started = runs_started(page), time.monotonic()
+    requests.fill("6000")
+    requests.press("Enter")
+    settle(page, True, after=runs)
+    waited = time.monotonic() - started
+    no_exception(page)
+    assert "6,000 requests" in page.get_by_text("Workload:").first.inner_text()
+    assert waited > 1.0, f"a 6,000-request run settled in {waited:.2f} s"
     page.close()
 
 
@@ -162,8 +208,9 @@ def test_the_twin_calibrates_and_runs_both_ways(server, browser, shots):
     settle(page, False)
     # the quick grid keeps CI short; screenshots for the README calibrate on the full grid, a real fit
     grid = "full" if os.environ.get("MINIPAGED_SCREENSHOT_DIR") else "quick"
+    runs = runs_started(page)
     page.locator('[data-testid="stSidebar"] label').filter(has_text=grid).click()
-    settle(page, False)
+    settle(page, False, after=runs if grid == "quick" else None)  # full is the default: no rerun
     page.get_by_role("button", name="Calibrate on this machine").click()
     page.get_by_role("button", name="Run the twin").wait_for(timeout=180_000)
     settle(page, False)
@@ -246,6 +293,11 @@ def test_a_block_size_change_moves_throughput_and_fragmentation(server, browser)
     small, large = summary.loc["paged-B16"], summary.loc["paged-B128"]
     assert large["internal_fragmentation_frac"] > small["internal_fragmentation_frac"]
     assert large["throughput_tok_s"] != small["throughput_tok_s"]
+    page.get_by_text("Which block size?").click()  # the sweep runs when asked for, not on every change
+    runs = runs_started(page)
+    page.get_by_role("button", name="Run the block-size sweep").click()
+    settle(page, True, after=runs)
+    no_exception(page)
     assert page.locator(".js-plotly-plot").filter(has_text="block size").count() >= 1  # the sweep chart
     page.close()
 
@@ -278,6 +330,34 @@ def test_no_request_leaves_the_machine():
     outside = sorted({url for url in requested if urlparse(url).scheme in ("http", "https", "ws", "wss")
                       and urlparse(url).hostname != "127.0.0.1"})
     assert len(requested) > 50 and not outside, outside
+
+
+def test_a_trace_whose_every_request_is_rejected_shows_the_warning_only(server, browser, tmp_path):
+    trace = tmp_path / "too_long.csv"
+    trace.write_text("arrival_time_s,prompt_tokens,output_tokens\n0,5000,10\n1,6000,10\n")
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(f"{server}/memory_simulator", timeout=60_000)
+    settle(page, True)
+    runs = runs_started(page)
+    page.locator('[data-testid="stSidebar"] label').filter(has_text="upload a trace").click()
+    settle(page, False, after=runs)
+    runs = runs_started(page)
+    page.locator('[data-testid="stSidebar"] input[type="file"]').set_input_files(str(trace))
+    settle(page, False, after=runs)
+    no_exception(page)
+    alerts = page.locator('[data-testid="stAlert"]').all_inner_texts()
+    assert any("rejected" in alert for alert in alerts), alerts
+    assert page.locator('[data-testid="stException"]').count() == 0
+    assert not any("error" in alert.lower() for alert in alerts), alerts
+    page.close()
+
+
+def test_the_server_log_has_no_traceback():
+    """Every page and action above left no traceback in the server's log (the app shows messages, not stacks)."""
+    assert SERVER_LOGS, "no server ran"
+    for url, log in SERVER_LOGS.items():
+        text = log.read_text()
+        assert "Traceback" not in text, f"{url}:\n{text[-3000:]}"
 
 
 def test_the_server_outlives_the_sweep_by_90_seconds(server):

@@ -44,5 +44,6 @@ def test_the_readme_s_answer_at_the_defaults_is_what_the_simulator_gives():
     assert f"against {contiguous.min():.0f}–{contiguous.max():.0f} %" in README
     assert f"**{versus.loc['Mean running sequences', 'Paged / contiguous']:.2f} ×** more requests" in README
     assert f"**{versus.loc['Throughput (output tokens/s)', 'Paged / contiguous']:.2f} ×** the best" in README
+    assert versus["Contiguous run"].iloc[0] == "contiguous-oracle"  # "the oracle" in the sentence
     d = simulator.APP_DEFAULTS
     assert f"{d['num_requests']:,} ShareGPT-like requests at {d['rate']:g} per second" in README

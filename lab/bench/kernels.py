@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 
 import paged_kernels
-from lab.bench.timing import median_seconds
+from lab.bench.timing import Timing, median_seconds, time_calls
 from lab.errors import LabError
 
 
@@ -76,14 +76,14 @@ def bench_one(batch: int, context: int, config: KernelBenchConfig) -> list[dict]
     query, key_cache, value_cache, block_tables, seq_lens, (keys, values) = make_paged_inputs(batch, context, config)
     cuda = config.device != "cpu"
     kv_bytes = 2 * batch * context * config.num_kv_heads * config.head_dim * key_cache.element_size()
-    sdpa_s = median_seconds(lambda: sdpa_decode(query, keys, values), config.repeats, cuda=cuda)
-    rows = [_row("sdpa-contiguous", batch, context, sdpa_s, sdpa_s, kv_bytes, 0.0)]
+    sdpa = time_calls(lambda: sdpa_decode(query, keys, values), config.repeats, cuda=cuda)
+    rows = [_row("sdpa-contiguous", batch, context, sdpa, sdpa.median, kv_bytes, 0.0)]
     expected = sdpa_decode(query, keys, values).view_as(query).float()
     for backend in config.backends:
         for variant, call in _variants(backend, query, key_cache, value_cache, block_tables, seq_lens):
-            seconds = median_seconds(call, config.repeats, cuda=cuda)
+            timing = time_calls(call, config.repeats, cuda=cuda)
             error = float(((call().float() - expected).abs().max() / expected.abs().max()).item())
-            rows.append(_row(variant, batch, context, seconds, sdpa_s, kv_bytes, error))
+            rows.append(_row(variant, batch, context, timing, sdpa.median, kv_bytes, error))
     return rows
 
 
@@ -104,9 +104,11 @@ def _variants(backend, query, key_cache, value_cache, block_tables, seq_lens):
                                                                  max_seq_len=longest)
 
 
-def _row(kernel, batch, context, seconds, sdpa_seconds, kv_bytes, error) -> dict:
-    return {"kernel": kernel, "batch": batch, "context": context, "median_ms": seconds * 1e3,
-            "vs_sdpa": seconds / sdpa_seconds, "kv_gb_per_s": kv_bytes / seconds / 1e9, "max_rel_err": error}
+def _row(kernel, batch, context, timing: Timing, sdpa_seconds, kv_bytes, error) -> dict:
+    """One timed call: its median and spread (fastest, slowest of the repeats) in ms, against SDPA's median."""
+    return {"kernel": kernel, "batch": batch, "context": context, "median_ms": timing.median * 1e3,
+            "min_ms": timing.low * 1e3, "max_ms": timing.high * 1e3, "vs_sdpa": timing.median / sdpa_seconds,
+            "kv_gb_per_s": kv_bytes / timing.median / 1e9, "max_rel_err": error}
 
 
 class KernelBenchError(LabError):
@@ -170,6 +172,7 @@ def retime_baseline(table: pd.DataFrame, config: KernelBenchConfig, rounds: int 
         seconds = sorted(samples)[len(samples) // 2]
         kv_bytes = table.at[index, "kv_gb_per_s"] * table.at[index, "median_ms"] * 1e6  # GB/s x ms
         table.at[index, "median_ms"] = seconds * 1e3
+        table.at[index, "min_ms"], table.at[index, "max_ms"] = min(samples) * 1e3, max(samples) * 1e3  # of medians
         table.at[index, "kv_gb_per_s"] = kv_bytes / seconds / 1e9
     for index in table.index[table["kernel"] != "sdpa-contiguous"]:
         same = sdpa[(table.loc[sdpa, "batch"] == table.at[index, "batch"])

@@ -1,26 +1,44 @@
-"""Median wall time of a callable, with CUDA events on GPU."""
+"""Wall time of a callable (median and spread of repeated calls), with CUDA events on GPU."""
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable
+
+
+@dataclass(slots=True, frozen=True)
+class Timing:
+    """Seconds of repeated calls: their median and the fastest and slowest call (the spread)."""
+
+    median: float
+    low: float
+    high: float
+
+
+def time_calls(fn: Callable[[], object], repeats: int = 10, warmup: int = 2, cuda: bool = False) -> Timing:
+    """Median, fastest and slowest of ``repeats`` calls of ``fn`` after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = _cuda_times(fn, repeats) if cuda else _cpu_times(fn, repeats)
+    return Timing(statistics.median(times), min(times), max(times))
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 10, warmup: int = 2, cuda: bool = False) -> float:
     """Median seconds of ``repeats`` calls of ``fn`` after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        return _cuda_median(fn, repeats)
+    return time_calls(fn, repeats, warmup, cuda).median
+
+
+def _cpu_times(fn, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
-def _cuda_median(fn, repeats: int) -> float:
+def _cuda_times(fn, repeats: int) -> list[float]:
     import torch
 
     times = []
@@ -31,4 +49,4 @@ def _cuda_median(fn, repeats: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return times

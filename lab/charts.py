@@ -150,7 +150,8 @@ def kernel_time_figure(table: pd.DataFrame) -> go.Figure:
                      labels={"median_ms": "time per call (ms)", "context": "context (tokens)", "series": "kernel"})
     values = list(frame["median_ms"]) + (list(frame["min_ms"]) + list(frame["max_ms"]) if spread else [])
     figure.update_yaxes(**log_ticks(values))
-    figure.update_xaxes(**log_ticks(frame["context"]))
+    contexts = sorted(frame["context"].unique())
+    figure.update_xaxes(tickvals=contexts, ticktext=[human_number(c) for c in contexts])  # the contexts measured
     return figure.update_layout(height=380)
 
 

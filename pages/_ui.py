@@ -36,8 +36,9 @@ def results_store() -> ResultStore:
 def csv_download(table, kind: str, settings: dict, key: str, label: str = "Download CSV") -> None:
     """A download of ``table`` that says what produced it: the ``settings`` (``lab.results.settings_of``) as leading
     columns and in the file name, with a timestamp, so two exports can be told apart."""
-    st.download_button(label, to_csv_bytes(with_settings(table, settings)), file_name=export_name(kind, settings),
-                       mime="text/csv", key=key, on_click="ignore")  # a download never reruns (or stops) the page
+    st.download_button(label, lambda: to_csv_bytes(with_settings(table, settings)),  # made when clicked, not per run
+                       file_name=export_name(kind, settings), mime="text/csv", key=key,
+                       on_click="ignore")  # a download never reruns (or stops) the page
 
 
 def show_error(exc: Exception) -> None:

@@ -1,5 +1,6 @@
 import dataclasses
 import math
+import os
 from collections import OrderedDict
 
 import pandas as pd
@@ -15,6 +16,7 @@ cached_workload = st.cache_data(simulator.make_workload, show_spinner=False)
 DEFAULTS = simulator.APP_DEFAULTS
 BLOCK_SWEEP_REQUESTS = 300
 FINISHED_RUNS_KEPT = 4
+WORKERS = os.cpu_count() or 1  # the configurations run side by side (simulator.parallel)
 HEADLINE_CARDS = (("Allocated KV holding tokens (%)", "Allocated KV holding tokens", " %"),
                   ("Throughput (output tokens/s)", "Throughput", " tok/s"),
                   ("Mean running sequences", "Mean running sequences", ""),
@@ -166,24 +168,25 @@ if st.session_state.get("sim_key") != key:
     try:
         if key in finished_runs():
             finished_runs().move_to_end(key)
-            workload, configs, summary, runs, checks = finished_runs()[key]
+            workload, configs, summary, runs, checks, figures = finished_runs()[key]
         else:
             workload, configs = build_inputs()
             bar, stop = st.progress(0.0, "simulating…"), st.empty()
             stop.button("Stop", key="stop_sim", help="Interrupts the run (any widget change does too)")
-            summary, runs = simulator.compare(workload, configs, progress=lambda f: bar.progress(min(f, 1.0),
-                                                                                              "simulating…"))
+            summary, runs = simulator.compare(workload, configs, workers=WORKERS,
+                                              progress=lambda f: bar.progress(min(f, 1.0), "simulating…"))
             bar.empty()
             stop.empty()
             if figure2:
                 summary["paper_token_states_frac"] = summary["allocator"].map(simulator.PAPER_FIGURE2_TOKEN_STATES)
             checks = simulator.closed_form_checks(workload, runs)
-            finished_runs()[key] = workload, configs, summary, runs, checks
+            figures = charts.comparison_figures(summary, {k: r.timeseries for k, r in runs.items()})
+            finished_runs()[key] = workload, configs, summary, runs, checks, figures
             while len(finished_runs()) > FINISHED_RUNS_KEPT:
                 finished_runs().popitem(last=False)
         summary = summary.copy()
         st.session_state.update(sim_key=key, sim_summary=summary, sim_series={k: r.timeseries for k, r in runs.items()},
-                                sim_workload=workload.summary(), sim_checks=checks, sim_block_sweep=None,
+                                sim_workload=workload.summary(), sim_checks=checks, sim_block_sweep=None, sim_figures=figures,
                                 sim_settings=report.run_settings(workload, configs), sim_configs=configs,
                                 sim_workload_obj=workload, sim_offload=None)
         results_store().add("simulation", f"simulation: {workload.name} × {len(configs)} configs", summary,
@@ -208,7 +211,7 @@ if not versus.empty:
     first = versus.iloc[0]
     st.caption(f"**{first['Paged run']}** (the paged run of highest throughput) against **{first['Contiguous run']}** "
                f"(the contiguous run of highest throughput); every card compares these two runs.")
-    cards = st.columns(len(HEADLINE_CARDS))
+    cards = [column for _ in range(2) for column in st.columns(2)]  # two by two: each card's text fits whole
     for card, (figure, label, unit) in zip(cards, HEADLINE_CARDS):
         row = versus[versus["Figure"] == figure].iloc[0]
         value, comparison = report.compare_card(row, unit)
@@ -227,7 +230,8 @@ if not versus.empty:
 with st.expander("Glossary: what these words and numbers mean"):
     st.markdown("\n".join(f"- **{term}**: {text}" for term, text in report.GLOSSARY.items()))
 
-chart(charts.waste_bars(summary), "waste_bars")
+figures: dict = st.session_state["sim_figures"]
+chart(figures["waste_bars"], "waste_bars")
 with st.expander("Which block size? The paged allocator at every block size from 1 to 256 tokens"):
     st.caption("The paged allocator at every block size on this workload and the other synthetic preset (first "
                f"{BLOCK_SWEEP_REQUESTS} requests each, the sidebar's model, GPU and scheduler). Throughput falls at "
@@ -262,17 +266,15 @@ with st.expander("What a CPU tier buys: the prefix cache with a host offload tie
                      column_config={label: st.column_config.NumberColumn(format="%.3g")
                                     for label in list(OFFLOAD_LABELS.values())[1:]})
         csv_download(offload, "offload-sweep", settings, "dl_offload", "Download the tier sweep (CSV)")
-tabs = st.tabs(list(series))
-for tab, (label, frame) in zip(tabs, series.items()):
-    with tab:
-        chart(charts.waste_areas(frame, f"{label}: KV breakdown over time"), f"areas_{label}")
+shown_run = st.segmented_control("KV breakdown over time of", list(series), default=list(series)[-1],
+                                 key="sim_areas_run") or list(series)[-1]  # one chart drawn, not one per run
+chart(figures[f"areas_{shown_run}"], "areas")
 left, right = st.columns(2)
 with left:
-    chart(charts.over_time(series, "num_running", "Batch size", "running sequences"), "batch_over_time")
+    chart(figures["batch_over_time"], "batch_over_time")
 with right:
-    chart(charts.over_time(series, "generated_tokens", "Throughput", "output tokens/s", per_second=True),
-          "throughput_over_time")
-chart(charts.latency_percentiles(summary), "latency_percentiles")
+    chart(figures["throughput_over_time"], "throughput_over_time")
+chart(figures["latency_percentiles"], "latency_percentiles")
 st.subheader("Summary")
 shown = ["label", "token_states_frac", "reserved_frac", "internal_fragmentation_frac", "external_fragmentation_frac",
          "free_frac", "sharing_saving_frac", "mean_batch_size", "peak_batch_size", "throughput_tok_s", "ttft_p50_s",

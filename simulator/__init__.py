@@ -67,21 +67,30 @@ def simulate(workload, config: SimConfig | None = None, on_snapshot: Callable[[S
 
 
 def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool | None] | None = None,
-            **workload_options) -> tuple[pd.DataFrame, dict[str, SimResult]]:
+            workers: int = 1, **workload_options) -> tuple[pd.DataFrame, dict[str, SimResult]]:
     """Run several configs on the same workload: a summary table (one row per config) and the results by label.
-    ``progress(fraction)`` is called as runs proceed; returning False stops the remaining work."""
+    ``progress(fraction)`` is called as runs proceed; returning False stops the remaining work. ``workers > 1``
+    runs the configs side by side in that many processes (``parallel.run_in_processes``: the same results, each
+    run being deterministic; progress then moves as runs finish)."""
     workload = make_workload(workload, **workload_options)
-    results = {}
+    labels = []
     for index, config in enumerate(configs):
-        label = config.label if config.label not in results else f"{config.label} #{index + 1}"
+        labels.append(config.label if config.label not in labels else f"{config.label} #{index + 1}")
+    if workers > 1 and len(configs) > 1:
+        from .parallel import run_in_processes
 
-        def on_snapshot(snapshot, index=index):
-            return None if progress is None else progress((index + snapshot.progress) / len(configs))
+        runs = run_in_processes(workload, configs, workers, progress)
+        results = {label: run for label, run in zip(labels, runs) if run is not None}
+    else:
+        results = {}
+        for index, (label, config) in enumerate(zip(labels, configs)):
+            def on_snapshot(snapshot, index=index):
+                return None if progress is None else progress((index + snapshot.progress) / len(configs))
 
-        results[label] = run_simulation(workload, config, on_snapshot=on_snapshot, snapshot_every=100,
-                                        snapshot_pool=False)
-        if results[label].summary["stopped_early"]:
-            break
+            results[label] = run_simulation(workload, config, on_snapshot=on_snapshot, snapshot_every=100,
+                                            snapshot_pool=False)
+            if results[label].summary["stopped_early"]:
+                break
     table = pd.DataFrame([{"label": label, **r.summary} for label, r in results.items()])
     return table, results
 

@@ -30,8 +30,24 @@ def waste_bars(summary: pd.DataFrame, label: str = "label") -> go.Figure:
     return figure
 
 
+MAX_POINTS = 400  # per line of a chart over time: a browser draws thousands of points per trace slowly
+
+
+def thinned(frame: pd.DataFrame, max_points: int = MAX_POINTS) -> pd.DataFrame:
+    """Every k-th row of ``frame`` (and its last), at most about ``max_points``: what a chart draws of a timeseries
+    (the exports keep every row)."""
+    if len(frame) <= max_points:
+        return frame
+    step = -(-len(frame) // max_points)
+    keep = list(range(0, len(frame), step))
+    if keep[-1] != len(frame) - 1:
+        keep.append(len(frame) - 1)
+    return frame.iloc[keep]
+
+
 def waste_areas(timeseries: pd.DataFrame, title: str) -> go.Figure:
-    """Stacked areas of the breakdown over time for one run."""
+    """Stacked areas of the breakdown over time for one run (``thinned``)."""
+    timeseries = thinned(timeseries)
     figure = go.Figure()
     for name in CATEGORIES:
         figure.add_scatter(x=timeseries["elapsed_s"], y=timeseries[f"{name}_frac"] * 100, name=CATEGORY_LABELS[name],
@@ -56,7 +72,7 @@ def over_time(timeseries: dict[str, pd.DataFrame], column: str, title: str, y_la
             counts = frame[column].diff().fillna(frame[column])  # each kept row's share of the total
             points = windowed_rate(frame["elapsed_s"], counts, frame["elapsed_s"].max() / RATE_WINDOWS)
         else:
-            points = pd.DataFrame({"elapsed_s": frame["elapsed_s"], "value": frame[column]})
+            points = thinned(pd.DataFrame({"elapsed_s": frame["elapsed_s"], "value": frame[column]}))
         frames.append(points.assign(run=label))
     data = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["elapsed_s", "value", "run"])
     figure = px.line(data, x="elapsed_s", y="value", color="run", title=title,
@@ -299,3 +315,16 @@ def paper_figure(figure: str, table: pd.DataFrame) -> go.Figure:
                                 legend=dict(x=1.1))
         return chart
     raise InputError(f"no chart for figure {figure!r}")
+
+
+def comparison_figures(summary: pd.DataFrame, series: dict[str, pd.DataFrame]) -> dict[str, go.Figure]:
+    """Every chart of a comparison (the Memory simulator's), by key, built once per result: where the KV memory
+    goes, each run's breakdown over time, batch size and throughput over time, latency percentiles."""
+    figures = {"waste_bars": waste_bars(summary)}
+    for label, frame in series.items():
+        figures[f"areas_{label}"] = waste_areas(frame, f"{label}: KV breakdown over time")
+    figures["batch_over_time"] = over_time(series, "num_running", "Batch size", "running sequences")
+    figures["throughput_over_time"] = over_time(series, "generated_tokens", "Throughput", "output tokens/s",
+                                                per_second=True)
+    figures["latency_percentiles"] = latency_percentiles(summary)
+    return figures

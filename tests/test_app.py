@@ -6,6 +6,7 @@ from pathlib import Path, PurePosixPath
 
 import pandas as pd
 import pytest
+from streamlit.runtime.media_file_manager import MediaFileManager
 from streamlit.runtime.memory_media_file_storage import MemoryMediaFileStorage
 from streamlit.testing.v1 import AppTest
 
@@ -15,24 +16,42 @@ PAGES = ["overview", "memory_simulator", "block_pool", "kernel_lab", "runtime", 
 
 
 class Downloads(dict):
-    """Bytes of every file the app hands to a download button by file id; ``names``: their file names."""
+    """Bytes of every file the app offers for download, by file id (a deferred download's bytes are made when first
+    read, as a click would); ``names``: their file names."""
 
     def __init__(self):
         super().__init__()
-        self.names = {}
+        self.names, self.deferred = {}, {}
+
+    def __missing__(self, file_id):
+        self[file_id] = self.deferred.pop(file_id)()
+        return self[file_id]
+
+
+def file_id_of(button) -> str:
+    """The file id behind a download button: its URL's stem, or its deferred file's id."""
+    return button.proto.deferred_file_id or PurePosixPath(button.proto.url).stem
 
 
 @pytest.fixture
 def downloads(monkeypatch):
     files = Downloads()
     original = MemoryMediaFileStorage.load_and_get_id
+    original_deferred = MediaFileManager.add_deferred
 
     def record(self, path_or_data, mimetype, kind, filename=None):
         file_id = original(self, path_or_data, mimetype, kind, filename)
         files[file_id], files.names[file_id] = path_or_data, filename
         return file_id
 
+    def record_deferred(self, data_callable, mimetype, coordinates, file_name=None, **kwargs):
+        file_id = original_deferred(self, data_callable, mimetype, coordinates, file_name, **kwargs)
+        files.pop(file_id, None)
+        files.deferred[file_id], files.names[file_id] = data_callable, file_name
+        return file_id
+
     monkeypatch.setattr(MemoryMediaFileStorage, "load_and_get_id", record)
+    monkeypatch.setattr(MediaFileManager, "add_deferred", record_deferred)
     return files
 
 
@@ -52,8 +71,7 @@ def clean(app: AppTest) -> None:
 
 def download_table(app: AppTest, files: dict, key: str) -> pd.DataFrame:
     button = next(b for b in app.download_button if b.proto.id.endswith(key))
-    url = button.proto.url
-    return pd.read_csv(io.BytesIO(files[PurePosixPath(url).stem]))
+    return pd.read_csv(io.BytesIO(files[file_id_of(button)]))
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -61,7 +79,7 @@ def test_every_page_runs_with_defaults_and_its_exports_say_what_produced_them(pa
     app = open_page(page)
     clean(app)
     for button in app.download_button:
-        file_id = PurePosixPath(button.proto.url).stem
+        file_id = file_id_of(button)
         table = pd.read_csv(io.BytesIO(downloads[file_id]))
         assert "lab_version" in table, (page, button.proto.id)
         assert re.search(r"_\d{8}-\d{6}\.csv$", downloads.names[file_id]), downloads.names[file_id]  # a timestamp

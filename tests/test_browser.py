@@ -2,18 +2,17 @@
 Debian's Chromium (never a downloaded browser). Screenshots go to a temp dir, or to $MINIPAGED_SCREENSHOT_DIR."""
 import contextlib
 import os
-import shutil
-import socket
-import subprocess
-import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from benchmarks.app_flow import CHROMIUM, launch, runs_started, settle
+from benchmarks.app_flow import streamlit_server as app_server
+
 ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
 PAGES = {"": "MiniPaged Lab", "memory_simulator": "Memory simulator", "block_pool": "Block pool",
          "kernel_lab": "Kernel lab", "runtime": "Qwen3 runtime", "twin": "Digital twin", "paper": "The vLLM paper",
          "sweeps": "Sweeps & capacity planning", "benchmarks": "Benchmarks"}
@@ -22,47 +21,18 @@ CHART_PAGES = {"", "memory_simulator", "block_pool", "kernel_lab", "runtime", "p
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)")]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 SERVER_PIDS: dict[str, int] = {}  # url -> the server's process id
 SERVER_LOGS: dict[str, Path] = {}  # url -> what the server printed
 
 
 @contextlib.contextmanager
 def streamlit_server():
-    """``streamlit run app.py`` on a free loopback port; yields its URL once it answers."""
-    port = free_port()
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"minipaged-streamlit-{port}.log"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.address",
-         "127.0.0.1", "--server.port", str(port), "--browser.gatherUsageStats", "false"],
-        cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                if time.time() > deadline or process.poll() is not None:
-                    raise RuntimeError("streamlit did not start") from None
-                time.sleep(0.5)
-        SERVER_PIDS[url], SERVER_LOGS[url] = process.pid, log
+    """The app on a free loopback port (``benchmarks.app_flow.streamlit_server``), its log kept for
+    ``test_the_server_log_has_no_traceback``; yields its URL."""
+    log = Path(tempfile.mkdtemp(prefix="minipaged-streamlit-")) / "server.log"
+    with app_server(log) as (url, pid):
+        SERVER_PIDS[url], SERVER_LOGS[url] = pid, log
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +45,7 @@ def server():
 def browser():
     playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     with playwright_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM, headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        browser = launch(playwright)
         yield browser
         browser.close()
 
@@ -89,44 +56,6 @@ def shots(tmp_path_factory) -> Path:
     path = Path(target) if target else tmp_path_factory.mktemp("screenshots")
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-RUNS_STARTED = """() => {
-    const app = document.querySelector('[data-testid="stApp"]');
-    if (window.__runsStarted === undefined) {
-        window.__runsStarted = 0;
-        new MutationObserver(() => {
-            if (app.getAttribute('data-test-script-state') === 'running') window.__runsStarted++;
-        }).observe(app, {attributes: true, attributeFilter: ['data-test-script-state']});
-    }
-    return window.__runsStarted;
-}"""
-IDLE = """() => {
-    const app = document.querySelector('[data-testid="stApp"]');
-    return app && app.getAttribute('data-test-script-state') === 'notRunning'
-        && !document.querySelector('[data-stale="true"]');
-}"""
-
-
-def runs_started(page) -> int:
-    """How many script runs the page has started since it was first watched (a MutationObserver on the app's
-    ``data-test-script-state``, which Streamlit sets to ``running`` for every run)."""
-    page.wait_for_selector('[data-testid="stApp"]', timeout=60_000)
-    return page.evaluate(RUNS_STARTED)
-
-
-def settle(page, charts: bool, after: int | None = None) -> None:
-    """Wait until the page is current: the script is not running and no element is stale (Streamlit marks the
-    previous run's elements ``data-stale`` while a rerun goes on). ``after``: a ``runs_started`` count taken before
-    an action, so that the wait first sees the action's own run begin (it may not have started yet)."""
-    runs_started(page)
-    if after is not None:
-        page.wait_for_function(f"() => window.__runsStarted > {after}", timeout=30_000)
-    if charts:
-        page.wait_for_selector(".js-plotly-plot .main-svg", timeout=120_000)
-    for _ in range(2):  # a run can report idle between its script and fragment reruns: check twice
-        page.wait_for_function(IDLE, timeout=180_000)
-        page.wait_for_timeout(500)
 
 
 def no_exception(page) -> None:

@@ -362,3 +362,20 @@ def test_a_block_size_sweep_trades_fragmentation_for_kernel_speed():
     best = sharegpt["throughput_tok_s"].idxmax()
     assert 8 <= best <= 64 and sharegpt.loc[1, "throughput_tok_s"] < sharegpt.loc[best, "throughput_tok_s"]
     assert sharegpt.loc[256, "throughput_tok_s"] < sharegpt.loc[best, "throughput_tok_s"]
+
+
+def test_a_comparison_in_two_processes_is_the_serial_one():
+    """``compare(..., workers=2)`` runs the configs side by side in worker processes: the same summaries and
+    timeseries, in the same order."""
+    import simulator
+
+    workload = simulator.make_workload("sharegpt", num_requests=120, rate=20.0, max_model_len=2048)
+    configs = simulator.make_configs(["contiguous-oracle", "paged", "contiguous-max"], [16, 3], model="opt-13b",
+                                     gpu="a100-40gb", max_model_len=2048)
+    serial, serial_runs = simulator.compare(workload, configs)
+    parallel, parallel_runs = simulator.compare(workload, configs, workers=2)
+    same = [c for c in serial.columns if c != "wall_time_s"]
+    pd.testing.assert_frame_equal(serial[same], parallel[same])
+    assert list(serial_runs) == list(parallel_runs)
+    for label, run in serial_runs.items():
+        pd.testing.assert_frame_equal(run.timeseries, parallel_runs[label].timeseries)

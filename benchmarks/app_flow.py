@@ -1,0 +1,199 @@
+"""The core flow in a real browser: how long the Memory simulator takes to be current again after a change.
+
+    python -m benchmarks.app_flow [--repeats 5] [--out benchmarks/results/app_flow.csv]
+
+Starts ``streamlit run app.py`` on a free loopback port, opens the Memory simulator in Debian's Chromium at the
+defaults, then changes the arrival rate, the paged block sizes and the allocator set, ``--repeats`` times each, and
+times each change from the input to the page being current (the app's script idle and no element stale). Prints a
+table (median and spread per change), writes it as CSV. The browser helpers are the browser tests' too.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+RUNS_STARTED = """() => {
+    const app = document.querySelector('[data-testid="stApp"]');
+    if (window.__runsStarted === undefined) {
+        window.__runsStarted = 0;
+        new MutationObserver(() => {
+            if (app.getAttribute('data-test-script-state') === 'running') window.__runsStarted++;
+        }).observe(app, {attributes: true, attributeFilter: ['data-test-script-state']});
+    }
+    return window.__runsStarted;
+}"""
+IDLE = """() => {
+    const app = document.querySelector('[data-testid="stApp"]');
+    return app && app.getAttribute('data-test-script-state') === 'notRunning'
+        && !document.querySelector('[data-stale="true"]');
+}"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def streamlit_server(log: Path | None = None):
+    """``streamlit run app.py`` on a free loopback port, its output to ``log``; yields ``(url, pid)`` once it
+    answers, and stops it on the way out."""
+    port = free_port()
+    out = log.open("w") if log else subprocess.DEVNULL
+    process = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.address",
+         "127.0.0.1", "--server.port", str(port), "--browser.gatherUsageStats", "false"],
+        cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                if time.time() > deadline or process.poll() is not None:
+                    raise RuntimeError("streamlit did not start") from None
+                time.sleep(0.5)
+        yield url, process.pid
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if log:
+            out.close()
+
+
+def runs_started(page) -> int:
+    """How many script runs the page has started since it was first watched (a MutationObserver on the app's
+    ``data-test-script-state``, which Streamlit sets to ``running`` for every run)."""
+    page.wait_for_selector('[data-testid="stApp"]', timeout=60_000)
+    return page.evaluate(RUNS_STARTED)
+
+
+def settle(page, charts: bool, after: int | None = None, recheck_ms: int = 500) -> None:
+    """Wait until the page is current: the script is not running and no element is stale (Streamlit marks the
+    previous run's elements ``data-stale`` while a rerun goes on). ``after``: a ``runs_started`` count taken before
+    an action, so that the wait first sees the action's own run begin (it may not have started yet)."""
+    runs_started(page)
+    if after is not None:
+        page.wait_for_function(f"() => window.__runsStarted > {after}", timeout=30_000)
+    if charts:
+        page.wait_for_selector(".js-plotly-plot .main-svg", timeout=120_000)
+    for _ in range(2 if recheck_ms else 1):  # a run can report idle between its script and fragment reruns
+        page.wait_for_function(IDLE, timeout=180_000, polling=20)
+        if recheck_ms:
+            page.wait_for_timeout(recheck_ms)
+
+
+def launch(playwright):
+    return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+
+
+def _timed(page, action) -> float:
+    """Seconds from ``action()`` to the page being current again."""
+    runs = runs_started(page)
+    started = time.perf_counter()
+    action()
+    settle(page, True, after=runs, recheck_ms=0)
+    return time.perf_counter() - started
+
+
+def _sidebar(page, testid: str, text: str):
+    return page.locator(f'[data-testid="stSidebar"] [data-testid="{testid}"]').filter(has_text=text)
+
+
+def _toggle_option(page, widget: str, option: str) -> None:
+    """Add ``option`` to a sidebar multiselect, or remove it when it is chosen."""
+    page.locator("h1").first.click()  # close a dropdown an earlier change left open (it swallows the next click)
+    box = _sidebar(page, "stMultiSelect", widget)
+    remove = box.get_by_role("button", name=f"Remove {option}", exact=True)
+    if remove.count():
+        remove.click()
+        return
+    box.locator("input").click()
+    page.keyboard.type(option)
+    page.get_by_role("option", name=option, exact=True).click()
+    page.keyboard.press("Escape")
+
+
+def run(repeats: int) -> list[dict]:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    from playwright.sync_api import sync_playwright
+
+    rows = []
+    with streamlit_server() as (url, _), sync_playwright() as playwright:
+        browser = launch(playwright)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        started = time.perf_counter()
+        page.goto(f"{url}/memory_simulator", timeout=60_000)
+        settle(page, True, recheck_ms=0)
+        rows.append({"change": "page load (fresh server)", "seconds": time.perf_counter() - started})
+        rate = _sidebar(page, "stSlider", "Arrival rate").locator('input[type="range"]').first
+        block_sizes = ["32", "64", "128", "8", "4", "256", "2", "1"]
+        allocators = ["contiguous-max", "contiguous-pow2", "contiguous-grow", "contiguous-pow2-total", "contiguous-max"]
+        changes = {  # each change makes a configuration the page has not run yet
+            "arrival rate (+0.01 requests/s)": lambda i: (rate.focus(), rate.press("ArrowRight")),
+            "paged block sizes (add one)": lambda i: _toggle_option(page, "block sizes", block_sizes[i % 8]),
+            "allocator set (remove or add one)": lambda i: _toggle_option(page, "Allocators", allocators[i % 5])}
+        for name, change in changes.items():
+            for i in range(repeats):
+                try:
+                    rows.append({"change": name, "seconds": _timed(page, lambda: change(i))})
+                except PlaywrightTimeout as error:
+                    page.screenshot(path="app_flow_timeout.png", full_page=True)
+                    raise RuntimeError(f"'{name}' (change {i + 1}) did not rerun the page; see app_flow_timeout.png"
+                                       ) from error
+        started = time.perf_counter()
+        page.reload()
+        settle(page, True, recheck_ms=0)
+        rows.append({"change": "page load (warm server)", "seconds": time.perf_counter() - started})
+        browser.close()
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    by_change: dict[str, list[float]] = {}
+    for row in rows:
+        by_change.setdefault(row["change"], []).append(row["seconds"])
+    return [{"change": change, "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+             "repeats": len(times)} for change, times in by_change.items()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.app_flow", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5, help="times each change is made (median)")
+    parser.add_argument("--out", default="benchmarks/results/app_flow.csv", help="results CSV")
+    args = parser.parse_args(argv)
+    if CHROMIUM is None:
+        print("error: Debian's chromium is not installed (apt-get install chromium)", file=sys.stderr)
+        return 2
+    import pandas as pd
+
+    table = pd.DataFrame(summarize(run(args.repeats)))
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    table.assign(cpus=os.cpu_count()).to_csv(args.out, index=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

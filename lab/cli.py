@@ -103,7 +103,9 @@ def _generate(args) -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, n=args.n)
     for output in engine.generate(prompts, params, progress=True):
-        print(f"[{output.request_id}] {output.text if output.text is not None else output.token_ids}")
+        samples = output.texts if output.texts is not None else output.outputs
+        for index, sample in enumerate(samples):  # every sample of --n, as [request] or [request.sample]
+            print(f"[{output.request_id}{f'.{index}' if len(samples) > 1 else ''}] {sample}")
     metrics = pd.DataFrame([engine.run_metrics()])
     print_and_save(metrics, args.out, settings=cli_settings(args), kind="generate")
 

@@ -66,6 +66,32 @@ def output_csv(text: str) -> str:
     return text
 
 
+def output_file(text: str) -> str:
+    """A file path that can be written (any extension), checked before any run."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file")
+    _check_creatable(path.parent, text)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not writable")
+    return text
+
+
+def refuse_shared_outputs(args: argparse.Namespace, *names: str) -> None:
+    """Raise ``InputError`` when two of the output options ``names`` (argparse dests) name the same file: the
+    second write would replace the first's result (or a store)."""
+    seen: dict[Path, str] = {}
+    for name in names:
+        value = getattr(args, name, None)
+        if not value or value.endswith(("/", os.sep)) or Path(value).is_dir():
+            continue  # unset, or a folder that each output names its own file in
+        path = Path(value).resolve()
+        if path in seen:
+            raise InputError(f"--{seen[path].replace('_', '-')} and --{name.replace('_', '-')} both write {value}; "
+                             f"give each output its own file")
+        seen[path] = name
+
+
 def output_folder(text: str) -> str:
     """A folder that exists and is writable, or can be created (checked before any run)."""
     path = Path(text)
@@ -91,6 +117,21 @@ def _int_at_least(text: str, low: int) -> int:
     if value < low:
         raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
     return value
+
+
+def key_values(text: str, what: str) -> dict[str, str]:
+    """``a=1,b=2`` as ``{"a": "1", "b": "2"}``. A part without ``=`` or a key given twice (one side would silently
+    win) raises ``InputError`` naming it; ``what`` names the option in the message."""
+    pairs: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, equals, value = part.partition("=")
+        key = key.strip()
+        if not equals or not key:
+            raise InputError(f"{what}: expected name=value, got {part!r}")
+        if key in pairs:
+            raise InputError(f"{what}: {key!r} is given twice ({key}={pairs[key]} and {part}); give each once")
+        pairs[key] = value.strip()
+    return pairs
 
 
 def refuse_ignored(names, reason: str) -> None:

@@ -14,6 +14,7 @@ import numbers
 import resource
 import time
 from collections import abc
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -177,11 +178,16 @@ class LLMEngine:
         unknown = set(overrides) - {f.name for f in dataclasses.fields(EngineConfig)}
         if unknown:
             raise EngineConfigError(f"unknown LLMEngine setting(s): {', '.join(sorted(unknown))}")
+        if config is not None and not isinstance(config, EngineConfig):
+            raise EngineConfigError(f"config must be an EngineConfig (or None), got {type(config).__name__}")
         config = dataclasses.replace(config or EngineConfig(), **overrides)
         config.check()
         self.config = config
-        if isinstance(model, str):
-            model, tokenizer = load_model(model, config)
+        if isinstance(model, (str, Path)):
+            model, tokenizer = load_model(str(model), config)
+        elif not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise EngineConfigError(f"model must be a preset name, a checkpoint directory or a loaded Qwen3 model; "
+                                    f"got {type(model).__name__} {model!r:.60}")
         # else an already loaded Qwen3ForCausalLM (e.g. cached by the app, or shared by a profile's engines)
         self.hf_model, self.tokenizer = model, tokenizer
         parameter = next(model.parameters())
@@ -209,6 +215,8 @@ class LLMEngine:
         eos = getattr(hf_config, "eos_token_id", None)
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         self.record_logits, self.on_step = config.record_logits, on_step
+        self._undelivered: list[RequestOutput] = []  # finished, not yet returned by step() (a callback raised)
+        self._last_plan_ran = False
         self.requests: dict[int, _Request] = {}
         self.finished: list[RequestOutput] = []
         self.recorded_logits: dict[int, list[torch.Tensor]] = {}  # request id -> per sample [steps, vocab]
@@ -385,15 +393,22 @@ class LLMEngine:
         continues each request from the tokens it had accepted, with the tokens an undisturbed run would give."""
         self.sampler.drawn, self._accepted = [], set()
         try:
-            return self._step()
+            self._undelivered += self._step()
         except BaseException:
             # a sample whose token was accepted keeps it, so its generator keeps the draw too
             self._recover(generators=[(g, state) for g, state in self.sampler.drawn if id(g) not in self._accepted])
             raise
+        if self.on_step and self._last_plan_ran:
+            # the step stands whatever the callback does: if it raises, the requests that finished are returned by
+            # the next step() instead of being lost
+            self.on_step(self._last_stats)
+        finished, self._undelivered = self._undelivered, []
+        return finished
 
     def _step(self) -> list[RequestOutput]:
         started, finished_before = time.perf_counter(), len(self.finished)
         plan = self._schedule()
+        self._last_plan_ran = plan is not None
         if plan is None:
             return []
         self.runner.execute_copies(plan)
@@ -476,8 +491,6 @@ class LLMEngine:
         self._last_stats = self.scheduler.end_step(ended - started, ended - self.started_s, self.generated_tokens,
                                                    memory)
         self.scheduler_s += time.perf_counter() - post
-        if self.on_step:
-            self.on_step(self._last_stats)
 
     def _recover(self, generators: list = (), abort: set = frozenset()) -> None:
         """Bring the engine back to a consistent state after a failure part-way through a step (or a beam search).

@@ -44,9 +44,23 @@ def check_scale(scale) -> float:
     return float(scale)
 
 
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def check_float(name: str, x) -> None:
+    """``x`` holds real floating-point numbers (``FLOAT_DTYPES``): integer, bool or complex data would be computed
+    on as something it is not (truncated, or its imaginary part dropped)."""
+    dtype = str(x.dtype).replace("torch.", "")
+    if dtype not in FLOAT_DTYPES:
+        raise KernelArgumentError(f"{name} must hold floating-point numbers ({', '.join(FLOAT_DTYPES)}), got dtype "
+                                  f"{dtype}")
+
+
 def check_cache_pair(key_cache, value_cache) -> tuple[int, int, int, int]:
-    """Return ``(num_blocks, num_kv_heads, block_size, head_dim)`` after checking both caches agree."""
+    """Return ``(num_blocks, num_kv_heads, block_size, head_dim)`` after checking both caches agree and hold
+    floating-point numbers."""
     shape, value_shape = check_rank("key_cache", key_cache, 4), check_rank("value_cache", value_cache, 4)
+    check_float("key_cache", key_cache)
     if shape != value_shape:
         raise KernelArgumentError(f"value_cache shape {value_shape} differs from key_cache {shape}")
     if min(shape) < 1:
@@ -277,6 +291,7 @@ def check_eps(eps) -> float:
 def check_rms_norm_args(x, weight, residual) -> None:
     """``x [..., hidden]``, ``weight [hidden]``, ``residual`` like ``x``."""
     check_array("x", x)
+    check_float("x", x)
     shape = shape_of(x)
     if not shape or shape[-1] < 1:
         raise KernelArgumentError(f"x must have a last axis of at least 1 element, got shape {shape}")
@@ -293,6 +308,7 @@ def check_rms_norm_args(x, weight, residual) -> None:
 def check_silu_and_mul_args(x) -> None:
     """``x [..., 2 * d]``."""
     check_array("x", x)
+    check_float("x", x)
     shape = shape_of(x)
     if not shape or shape[-1] % 2 or shape[-1] < 2:
         raise KernelArgumentError(f"x must be [..., 2 * d] (gate, then up), got shape {shape}")
@@ -303,6 +319,7 @@ def check_qk_norm_rope_write_args(q, k, v, q_weight, k_weight, cos_sin_cache, po
     """Shapes, dtypes and devices (no look at the data): ``q [T, Hq, D]``, ``k``/``v [T, Hk, D]`` as the caches,
     weights ``[D]``, ``cos_sin_cache [P, 2 D]``, ``positions [T]``, ``slot_mapping [T]``; ``D`` even."""
     num_tokens, num_q_heads, head_dim = check_rank("q", q, 3)
+    check_float("q", q)
     check_write_shapes(k, v, key_cache, value_cache, slot_mapping)
     if shape_of(k)[0] != num_tokens or shape_of(k)[2] != head_dim:
         raise KernelArgumentError(f"k shape {shape_of(k)} does not match q {shape_of(q)} (tokens and head_dim)")

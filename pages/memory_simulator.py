@@ -1,4 +1,3 @@
-import dataclasses
 import math
 import os
 from collections import OrderedDict
@@ -143,10 +142,8 @@ def build_inputs():
                                      model_overrides={"dtype_bytes": dtype_bytes},
                                      gpu_overrides={"memory_bytes": memory_gib * 2**30,
                                                     "bandwidth_bytes_s": bandwidth_tbs * 1e12,
-                                                    "peak_flops": peak_tflops * 1e12})
-    if offload_gib and prefix_caching:
-        configs = [dataclasses.replace(c, kv_offload_blocks=simulator.offload_blocks(c, offload_gib))
-                   if c.allocator == "paged" else c for c in configs]
+                                                    "peak_flops": peak_tflops * 1e12},
+                                     kv_offload_gib=offload_gib if prefix_caching else 0.0)
     return workload, configs
 
 

@@ -38,6 +38,9 @@ def make_workload(workload: str | Path | Workload, num_requests: int | None = No
     mean rate: ``at_mean_rate``), or itself. A keyword the source would ignore is a ``ValueError``."""
     if isinstance(workload, Workload):
         return workload
+    if not isinstance(workload, (str, Path)):
+        raise InputError(f"workload must be a preset name ({', '.join(SYNTHETIC_PRESETS)}), a trace path or a Workload; "
+                         f"got {type(workload).__name__} {workload!r:.60}")
     if str(workload) in SYNTHETIC_PRESETS:
         if time_scale != 1.0:
             raise InputError(f"a time scale applies to a trace's arrivals; the {workload} preset's come from its rate")
@@ -72,6 +75,8 @@ def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool
     ``progress(fraction)`` is called as runs proceed; returning False stops the remaining work. ``workers > 1``
     runs the configs side by side in that many processes (``parallel.run_in_processes``: the same results, each
     run being deterministic; progress then moves as runs finish)."""
+    if not isinstance(configs, (list, tuple)) or not configs or not all(isinstance(c, SimConfig) for c in configs):
+        raise InputError(f"configs must be a non-empty list of SimConfig (see make_configs); got {configs!r:.80}")
     workload = make_workload(workload, **workload_options)
     labels = []
     for index, config in enumerate(configs):

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -14,12 +13,12 @@ from tqdm import tqdm
 
 from lab.errors import InputError, user_errors
 from lab.cli_args import (non_negative_int, output_csv, positive_float, positive_int, positive_ints, refuse_ignored,
-                          scheduler_options)
+                           refuse_shared_outputs, scheduler_options)
 from lab.profile import extrapolation_warning
 from lab.results import print_and_save, save_csv
 
 from .allocators import ALLOCATORS
-from . import compare, make_workload, offload_blocks
+from . import compare, make_workload
 from .checks import closed_form_checks
 from .engine import SimConfig
 from .metrics import rejection_warning
@@ -89,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-SYNTHETIC_OPTIONS = ("burstiness", "n", "beam_width", "shared_prefix")  # --rate rescales a trace's arrivals
+SYNTHETIC_OPTIONS = ("burstiness", "n", "beam_width", "shared_prefix", "seed")  # --rate rescales a trace's arrivals
 ROOFLINE_OPTIONS = ("model", "gpu", "kernel_csv", "address_space")
 # what --preset figure2 leaves to the command line; it fixes every other option (``presets.figure2_experiment``)
 FIGURE2_OPTIONS = ("preset", "num_requests", "seed", "out", "timeseries", "checks", "no_progress")
@@ -141,15 +140,6 @@ def _workload(args):
 
 
 def _configs(args) -> list[SimConfig]:
-    configs = _allocator_configs(args)
-    gib = args.kv_offload_gib
-    if gib != 0:
-        configs = [dataclasses.replace(c, kv_offload_blocks=offload_blocks(c, gib)) if c.allocator == "paged" else c
-                   for c in configs]
-    return configs
-
-
-def _allocator_configs(args) -> list[SimConfig]:
     if args.preset == "figure2":
         return figure2_experiment()[1]
     capacity = args.capacity_tokens
@@ -168,14 +158,15 @@ def _allocator_configs(args) -> list[SimConfig]:
                             preemption_mode=args.preemption_mode, num_cpu_blocks=args.num_cpu_blocks,
                             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                             enable_prefix_caching=not args.no_prefix_caching, max_points=args.max_points,
-                            replicas=args.replicas, router=args.router)
+                            replicas=args.replicas, router=args.router, kv_offload_gib=args.kv_offload_gib)
     return make_configs(args.allocators, args.block_size, model=args.model, gpu=args.gpu,
                         max_model_len=args.max_model_len, capacity_tokens=capacity,
                         scheduling=args.scheduling, address_space=args.address_space,
                         preemption_mode=args.preemption_mode, num_cpu_blocks=args.num_cpu_blocks,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                         enable_prefix_caching=not args.no_prefix_caching, kernel_csv=args.kernel_csv,
-                        max_points=args.max_points, replicas=args.replicas, router=args.router)
+                        max_points=args.max_points, replicas=args.replicas, router=args.router,
+                        kv_offload_gib=args.kv_offload_gib)
 
 
 def run(args) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict]:
@@ -206,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         return twin_main(argv)
     args = build_parser().parse_args(argv)
     try:
+        refuse_shared_outputs(args, "out", "timeseries", "checks")
         summary, timeseries, checks, settings = run(args)
     except user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from lab.cli_args import cli_settings, output_csv, output_folder, positive_float, positive_int
+from lab.cli_args import cli_settings, key_values, output_file, refuse_ignored, refuse_shared_outputs, output_csv, output_folder, positive_float, positive_int
 from lab.errors import user_errors
 from lab.results import print_and_save, with_settings
 
@@ -35,7 +35,8 @@ def sweep_parser() -> argparse.ArgumentParser:
                                             "when the sweep is run again.")
     p.add_argument("--grid", required=True, help="YAML: field -> list of values")
     p.add_argument("--out", type=output_table, required=True, help="results table (.parquet or .csv)")
-    p.add_argument("--store", default=None, help="SQLite file of finished runs (default: <out>.store.sqlite)")
+    p.add_argument("--store", type=output_file, default=None,
+                   help="SQLite file of finished runs (default: <out>.store.sqlite)")
     p.add_argument("--no-retry-failed", action="store_true",
                    help="keep the stored result of a run that failed instead of running it again")
     _ray_options(p)
@@ -44,8 +45,10 @@ def sweep_parser() -> argparse.ArgumentParser:
 
 def sweep_main(argv: list[str]) -> int:
     args = sweep_parser().parse_args(argv)
-    store = args.store or str(Path(args.out).with_suffix("")) + ".store.sqlite"
+    args.store = args.store or str(Path(args.out).with_suffix("")) + ".store.sqlite"
+    store = args.store
     try:
+        refuse_shared_outputs(args, "out", "store")
         grid = load_grid(args.grid)
         result = run_sweep(grid, store, parallel=not args.serial, address=args.address, num_cpus=args.num_cpus,
                            progress=not args.no_progress, retry_failed=not args.no_retry_failed)
@@ -109,14 +112,23 @@ def name_list(text: str) -> list[str]:
 
 
 def prices(text: str) -> dict[str, float]:
-    """``a100-80gb=3.5,h100-80gb=6`` (USD per GPU-hour)."""
+    """``a100-80gb=3.5,h100-80gb=6`` (USD per GPU-hour): known GPU presets, each once."""
+    from lab.errors import InputError
+
+    from .models import GPUS
+
+    try:
+        pairs = key_values(text, "--gpu-price")
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     out = {}
-    for part in name_list(text):
-        name, _, value = part.partition("=")
+    for name, value in pairs.items():
+        if name not in GPUS:
+            raise argparse.ArgumentTypeError(f"--gpu-price: unknown GPU {name!r}; GPU presets: {', '.join(GPUS)}")
         try:
             out[name] = positive_float(value)
         except argparse.ArgumentTypeError:
-            raise argparse.ArgumentTypeError(f"expected gpu=price per hour, got {part!r}") from None
+            raise argparse.ArgumentTypeError(f"expected gpu=price per hour, got {name}={value!r}") from None
     return out
 
 
@@ -160,6 +172,9 @@ def plan_main(argv: list[str]) -> int:
 
     args = plan_parser().parse_args(argv)
     try:
+        if max(args.replicas) == 1:
+            refuse_ignored(["router"] if args.router != plan_parser().get_default("router") else [],
+                           "--router shares requests among --replicas (more than 1)")
         slos = parse_slos(args.slo)
         result = plan_capacity({"workload": args.workload, "num_requests": args.num_requests}, args.slo,
                                args.models, args.gpus, args.tp, args.replicas, args.allocators, args.target_rate,
@@ -172,7 +187,7 @@ def plan_main(argv: list[str]) -> int:
         return 2
     table = result.table
     print_and_save(table, None, [c for c in ("model", "gpu", "tp", "replicas", "allocator", "kv_offload_gib",
-                                             "max_rate_req_s",
+                                             "max_rate_req_s", "search_bound",
                                              "cost_per_hour", "cost_per_million_requests", "chosen", *slos)])
     if args.out:
         save_table(with_settings(table, cli_settings(args)), args.out)
@@ -185,8 +200,11 @@ def plan_main(argv: list[str]) -> int:
               f"plan with more --num-requests", file=sys.stderr)
     chosen = table[table["chosen"]]
     if chosen.empty:
-        print("warning: no configuration meets the SLOs" + (f" at {args.target_rate} req/s" if args.target_rate
-                                                           else ""), file=sys.stderr)
+        unmeetable = (table["search_bound"] == "no rate meets the SLOs").all() if "search_bound" in table else False
+        lowest = table["first_failing_rate_req_s"].min()
+        print("no configuration meets the SLOs" + (f" at {args.target_rate} req/s" if args.target_rate else "") +
+              (f": the SLOs are unmeetable here, every configuration failed them even at the lowest rate simulated "
+               f"({lowest:.3g} req/s)" if unmeetable else ""), file=sys.stderr)
         return 1
     best = chosen.iloc[0]
     print(f"chosen: {best['model']} on {best['tp']} x {best['gpu']} x {best['replicas']} replicas, "

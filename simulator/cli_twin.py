@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from lab.cli_args import (DEVICE_HELP, cli_settings, device, model_options, non_negative_int, output_csv,
-                          positive_float, positive_int, refuse_ignored, run_command, scheduler_options)
+                          positive_float, positive_int, refuse_ignored, refuse_shared_outputs, run_command, scheduler_options)
 from lab.results import print_and_save, save_csv, settings_of
 
 
@@ -24,6 +24,7 @@ def _twin(args) -> None:
 
     from .twin import TwinConfig, run_twin, twin_workload
 
+    refuse_shared_outputs(args, "out", "steps_out")
     lengths = {name: getattr(args, name) for name in ("input_len", "output_len") if getattr(args, name) is not None}
     if args.workload not in ("random", "fixed"):
         refuse_ignored(list(lengths), f"only the random and fixed presets take lengths ({args.workload} brings its "

@@ -14,7 +14,7 @@ from collections import Counter
 import numpy as np
 import pandas as pd
 
-from .engine import SimConfig, SimResult, Simulator
+from .engine import SimConfig, SimResult, Simulator, check_config
 from .metrics import format_rejections, latency_summary, parse_rejections
 from .workloads import Workload
 
@@ -39,6 +39,7 @@ def route(num_requests: int, replicas: int, router: str) -> list[list[int]]:
 def run_simulation(workload: Workload, config: SimConfig, on_snapshot=None, snapshot_every: int = 50,
                    snapshot_pool: bool = True) -> SimResult:
     """One run of ``config`` on ``workload``: a ``Simulator`` for one replica, ``run_cluster`` for several."""
+    check_config(config)  # before a cluster is built from it (replicas up to 4,096)
     if config.replicas > 1:
         return run_cluster(workload, config, on_snapshot, snapshot_every, snapshot_pool)
     return Simulator(workload, config, on_snapshot, snapshot_every, snapshot_pool).run()

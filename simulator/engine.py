@@ -132,13 +132,19 @@ def build_policy(config: SimConfig, capacity_tokens: int, block_bytes: int):
                             config.grow_initial_extra)
 
 
+MAX_OFFLOAD_GIB = 2**20  # a host tier past 1 PiB is a typo for "unbounded" (inf), not a machine
+
+
 def offload_blocks(config: SimConfig, gib: float) -> int | None:
     """The offload tier's blocks in ``gib`` GiB of host memory for ``config``'s model and block size (None:
     unbounded)."""
-    if not gib >= 0:
-        raise InputError(f"the offload tier's size must be >= 0 GiB (inf: unbounded), got {gib}")
+    if not isinstance(gib, (int, float)) or isinstance(gib, bool) or not gib >= 0:
+        raise InputError(f"the offload tier's size must be a number >= 0 GiB (inf: unbounded), got {gib!r}")
     if gib == math.inf:
         return None
+    if gib > MAX_OFFLOAD_GIB:
+        raise InputError(f"the offload tier's size must be at most {MAX_OFFLOAD_GIB:,} GiB (1 PiB; inf: unbounded), "
+                         f"got {gib:g}")
     return int(gib * 2**30 // resolve_capacity(config)[1].block_bytes(config.block_size))
 
 

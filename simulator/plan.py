@@ -11,8 +11,10 @@ from typing import Callable
 import pandas as pd
 
 from lab.checks import check_int, check_real
-from lab.errors import LabError
+from lab.cli_args import key_values
+from lab.errors import InputError, LabError
 from .models import get_gpu
+from .workloads import MIN_RATE
 from .sweep import OFFLOAD_GIB, WORKLOAD_DEFAULTS, check_spec, progress_bar, run_one, start_ray
 
 # What a GiB of host memory costs an hour beside a GPU: about the on-demand price difference between a cloud's
@@ -55,10 +57,14 @@ class PlanResult:
 
 
 def parse_slos(text: str) -> dict[str, float]:
-    """``ttft_p90=2,tpot_p90=0.2`` -> {"ttft_p90_s": 2.0, "tpot_p90_s": 0.2}."""
+    """``ttft_p90=2,tpot_p90=0.2`` -> {"ttft_p90_s": 2.0, "tpot_p90_s": 0.2}; a metric given twice is refused."""
     slos = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        name, _, value = part.partition("=")
+    try:
+        pairs = key_values(text, "--slo")
+    except InputError as exc:
+        raise PlanError(str(exc)) from None
+    for name, value in pairs.items():
+        part = f"{name}={value}"
         if name not in SLO_METRICS:
             raise PlanError(f"SLO {name!r}: expected one of {', '.join(SLO_METRICS)}")
         try:
@@ -82,8 +88,11 @@ def meets(row: dict, slos: dict[str, float]) -> bool:
 
 def search_max_rate(spec: dict, slos: dict[str, float], search: RateSearch) -> dict:
     """The highest rate (req/s) at which ``spec`` meets ``slos``: the row of the run at that rate, plus
-    ``max_rate_req_s``, ``first_failing_rate_req_s`` and ``simulations``. ``max_rate_req_s`` is 0 when even
-    ``start / 2**max_steps`` fails."""
+    ``max_rate_req_s``, ``first_failing_rate_req_s``, ``simulations`` and ``search_bound``, which says where the
+    search stopped without bracketing the answer (empty when it did): ``"no rate meets the SLOs"`` (even the lowest
+    rate simulated, down to the workload's minimum ``MIN_RATE`` or ``start / 2**max_steps``, fails: then
+    ``max_rate_req_s`` is 0 and ``first_failing_rate_req_s`` that lowest rate) or ``"every rate tried meets the
+    SLOs"`` (``first_failing_rate_req_s`` is inf). Only rates that were simulated are reported."""
     runs = {}
 
     def passes(rate: float) -> bool:
@@ -100,7 +109,7 @@ def search_max_rate(spec: dict, slos: dict[str, float], search: RateSearch) -> d
             rate *= 2
         else:
             high = rate
-            if low is not None:
+            if low is not None or rate / 2 < MIN_RATE:  # a lower rate is no workload the simulator can run
                 break
             rate /= 2
     if low is not None and high is not None:
@@ -110,9 +119,10 @@ def search_max_rate(spec: dict, slos: dict[str, float], search: RateSearch) -> d
                 break
             middle = math.sqrt(low * high)
             low, high = (middle, high) if passes(middle) else (low, middle)
+    bound = "no rate meets the SLOs" if low is None else "every rate tried meets the SLOs" if high is None else ""
     best = runs[low] if low is not None else runs[min(runs)]
     return {**best, "max_rate_req_s": low or 0.0, "first_failing_rate_req_s": high if high is not None else math.inf,
-            "simulations": len(runs)}
+            "simulations": len(runs), "search_bound": bound}
 
 
 def plan_specs(workload: dict, models: list, gpus: list, tps: list[int], replicas: list[int], allocators: list[str],
@@ -209,7 +219,7 @@ def price_table(rows: list[dict], slos: dict[str, float], prices: dict[str, floa
         table.loc[feasible.sort_values(["cost_per_hour", "max_rate_req_s"], ascending=[True, False]).index[0],
                   "chosen"] = True
     columns = ["model", "gpu", "tp", "replicas", "allocator", OFFLOAD_GIB, "gpus", "max_rate_req_s",
-               "first_failing_rate_req_s", "cost_per_hour", "host_cost_per_hour", "cost_per_million_requests", "meets_target", "chosen", *slos, "throughput_tok_s",
+               "first_failing_rate_req_s", "search_bound", "cost_per_hour", "host_cost_per_hour", "cost_per_million_requests", "meets_target", "chosen", *slos, "throughput_tok_s",
                "simulations", "error"]
     return table[[c for c in columns if c in table] + [c for c in table if c not in columns]]
 

@@ -44,12 +44,34 @@ def figure2_experiment(num_requests: int = 1000, seed: int = 0) -> tuple[Synthet
     return spec, configs
 
 
-def make_configs(allocators: list[str], block_sizes: list[int], preemption_mode: str = "recompute",
-                 **common) -> list[SimConfig]:
-    """One config per contiguous allocator and one per (paged, block size); ``common`` holds the other fields.
-    ``preemption_mode`` applies to the paged configs (the contiguous baselines always recompute)."""
-    from .allocators import ALLOCATORS
+# Settings of one kind of allocator: (default, the kind that uses them, what they are). Given to a comparison that
+# has no allocator of that kind they are refused; the configurations of the other kind keep the default, so that no
+# output records a setting that did not apply (a contiguous run "with" an offload tier).
+ALLOCATOR_SETTINGS = {
+    "preemption_mode": ("recompute", "paged", "swap preemption moves a paged sequence's blocks to host memory; the "
+                                              "contiguous baselines always recompute"),
+    "num_cpu_blocks": (0, "paged", "the host pool of swapped paged blocks"),
+    "kv_offload_gib": (0.0, "paged", "the offload tier keeps the paged prefix cache's blocks"),
+    "address_space": ("first-fit", "contiguous", "how contiguous regions are placed; paged blocks have no address "
+                                                 "space to place"),
+}
 
+
+def make_configs(allocators: list[str], block_sizes: list[int], preemption_mode: str = "recompute",
+                 kv_offload_gib: float = 0.0, **common) -> list[SimConfig]:
+    """One config per contiguous allocator and one per (paged, block size); ``common`` holds the other fields.
+    A setting of one kind of allocator (``ALLOCATOR_SETTINGS``: ``preemption_mode``, ``num_cpu_blocks``,
+    ``kv_offload_gib`` for paged, ``address_space`` for contiguous) applies to that kind's configs only, and is
+    refused when no allocator of that kind is chosen. ``kv_offload_gib``: the prefix cache's host tier (GiB, inf:
+    unbounded), which needs prefix caching."""
+    from .allocators import ALLOCATORS
+    from .engine import offload_blocks
+
+    if not isinstance(allocators, (list, tuple)) or not all(isinstance(a, str) for a in allocators):
+        raise InputError(f"allocators must be a list of names ({', '.join(ALLOCATORS)}); got {allocators!r:.80}")
+    if not isinstance(block_sizes, (list, tuple)) or not all(isinstance(b, int) and not isinstance(b, bool)
+                                                             for b in block_sizes):
+        raise InputError(f"block sizes must be a list of integers >= 1; got {block_sizes!r:.80}")
     unknown = [a for a in allocators if a not in ALLOCATORS]
     if unknown:
         raise InputError(f"unknown allocator(s) {', '.join(unknown)}; choose from {', '.join(ALLOCATORS)}")
@@ -57,10 +79,25 @@ def make_configs(allocators: list[str], block_sizes: list[int], preemption_mode:
         raise InputError("choose at least one allocator")
     if not block_sizes or min(block_sizes) < 1:
         raise InputError(f"block sizes must be >= 1, got {block_sizes}")
+    given = {"preemption_mode": preemption_mode, "kv_offload_gib": kv_offload_gib,
+             **{name: common.pop(name) for name in ("num_cpu_blocks", "address_space") if name in common}}
+    kinds = {"paged" if a == "paged" else "contiguous" for a in allocators}
+    for name, value in given.items():
+        default, kind, what = ALLOCATOR_SETTINGS[name]
+        if value != default and kind not in kinds:
+            raise InputError(f"{name} = {value!r} would be ignored: it applies to {kind} allocators only ({what}), "
+                             f"and none is chosen ({', '.join(allocators)})")
+    if kv_offload_gib and not common.get("enable_prefix_caching", True):
+        raise InputError(f"kv_offload_gib = {kv_offload_gib!r} would be ignored: the offload tier keeps prefix-cache "
+                         f"blocks, and prefix caching is off")
     configs = []
     for allocator in allocators:
-        sizes = block_sizes if allocator == "paged" else [block_sizes[0]]
-        mode = preemption_mode if allocator == "paged" else "recompute"
-        configs += [SimConfig(allocator=allocator, block_size=size, preemption_mode=mode, **common)
-                    for size in sizes]
+        kind = "paged" if allocator == "paged" else "contiguous"
+        own = {name: value if ALLOCATOR_SETTINGS[name][1] == kind else ALLOCATOR_SETTINGS[name][0]
+               for name, value in given.items() if name != "kv_offload_gib"}
+        for size in block_sizes if kind == "paged" else [block_sizes[0]]:
+            config = SimConfig(allocator=allocator, block_size=size, **own, **common)
+            if kind == "paged" and kv_offload_gib:
+                config.kv_offload_blocks = offload_blocks(config, kv_offload_gib)
+            configs.append(config)
     return configs

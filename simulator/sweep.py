@@ -33,6 +33,7 @@ from .workloads import (SYNTHETIC_PRESETS, at_mean_rate, SyntheticSpec, Workload
 
 WORKLOAD_FIELDS = ("workload", "num_requests", "rate", "burstiness", "n", "beam_width", "shared_prefix_tokens",
                    "seed")
+SYNTHETIC_ONLY = ("burstiness", "n", "beam_width", "shared_prefix_tokens", "seed")  # a trace ignores these
 ALIASES = {"trace": "workload"}  # a grid may say ``trace: [path, ...]``
 SIM_FIELDS = tuple(f.name for f in dataclasses.fields(SimConfig) if f.name not in ("model_overrides",
                                                                                     "gpu_overrides", "record_steps"))
@@ -67,12 +68,31 @@ class SweepResult:
 
 
 # ---- the grid ---------------------------------------------------------------------------------------------------
+def _unique_key_loader():
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """YAML's safe loader, refusing a mapping that gives a key twice (plain YAML keeps the last silently)."""
+
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
+                                                            key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return Loader
+
+
 def load_grid(path: str | Path) -> dict[str, list]:
     """A grid from YAML (or JSON): a mapping from field name to a non-empty list of values."""
     import yaml
 
     try:
-        grid = yaml.safe_load(Path(path).read_text())
+        grid = yaml.load(Path(path).read_text(), Loader=_unique_key_loader())
     except OSError as exc:
         raise GridError(f"cannot read grid {path}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
@@ -94,6 +114,14 @@ def check_grid(grid, name: str = "grid") -> dict[str, list]:
                             f"fields: {', '.join(WORKLOAD_FIELDS)}; {OFFLOAD_GIB} (the offload tier in GiB)")
         if not isinstance(values, list) or not values:
             raise GridError(f"{name}: field {field!r} must be a non-empty list, got {values!r:.80}")
+    workloads = [str(w) for w in grid.get("workload", [WORKLOAD_DEFAULTS["workload"]])]
+    if all(w not in SYNTHETIC_PRESETS for w in workloads):  # traces only: their arrivals and lengths are their own
+        ignored = [f for f in SYNTHETIC_ONLY if f in grid]
+        if ignored:
+            raise GridError(f"{name}: {', '.join(ignored)} would be ignored: every workload of the grid is a trace, "
+                            f"which keeps its own lengths and one sample per request (its rate can be set)")
+    if max(grid.get("replicas", [1])) == 1 and "router" in grid:
+        raise GridError(f"{name}: router would be ignored: it shares requests among replicas (more than 1)")
     for spec in expand(grid):
         try:
             check_spec(spec)
@@ -264,6 +292,28 @@ def _plain(value):
 
 
 # ---- the sweep --------------------------------------------------------------------------------------------------
+RAY_CONNECT_TIMEOUT_S = 5.0  # a cluster that does not answer by then is named, not retried for minutes
+
+
+def check_reachable(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """Raise ``InputError`` unless ``address`` (``host:port``, ``ray://host:port``; ``auto``/``local`` are Ray's own
+    look-ups and pass) accepts a TCP connection within ``timeout_s``: Ray itself retries an unreachable head for
+    minutes before it gives up."""
+    import socket
+
+    if address in ("auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InputError(f"Ray address {address!r}: expected host:port (or ray://host:port)")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise InputError(f"Ray address {address!r} does not answer ({exc.strerror or exc}) within {timeout_s:g} s; "
+                         f"start the cluster, fix the address, or leave it out for a local Ray") from None
+
+
 def start_ray(address: str | None = None, num_cpus: int | None = None) -> float:
     """Start (or join) Ray; returns the seconds it took. No address and no ``RAY_ADDRESS``: a local Ray."""
     import ray
@@ -275,6 +325,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None) -> float:
     root = str(Path(__file__).resolve().parent.parent)
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}}
     if address:
+        check_reachable(address)
         ray.init(address=address, runtime_env={"working_dir": root, "excludes": ["benchmarks", "tests", ".git"]},
                  log_to_driver=False)
     else:

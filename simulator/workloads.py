@@ -19,6 +19,8 @@ from lab.errors import InputError, LabError
 MOONCAKE_BLOCK_TOKENS = 512
 MAX_TRACE_TOKENS = 2**31 - 1  # a length in a trace must fit int32
 SYNTHETIC_PRESETS = ("sharegpt", "alpaca", "random", "fixed")
+YEAR_S = 365.25 * 24 * 3600
+MAX_ARRIVAL_S = 2.0**32  # ~136 years: float64 seconds keep microseconds below 2**33
 MIN_RATE = 1e-6  # requests/s: one request in 11.6 days; below it arrival times leave float range
 MIN_BURSTINESS = 1e-3  # gamma shape; below it the gaps underflow to 0 and overflow to inf
 
@@ -76,6 +78,11 @@ class Workload:
             row = int(np.argmax(bad))
             raise WorkloadError(f"{owner}: arrival_s[{row}]={arrivals[row]!r} is not a finite time >= 0 (a rate or "
                                 f"time scale too small or too large overflows)")
+        if arrivals.max() > MAX_ARRIVAL_S:
+            row = int(np.argmax(arrivals > MAX_ARRIVAL_S))
+            raise WorkloadError(f"{owner}: arrival_s[{row}]={arrivals[row]:.4g} s is {arrivals[row] / YEAR_S:,.0f} "
+                                f"years after the first request; arrivals must lie within {MAX_ARRIVAL_S / YEAR_S:.0f} "
+                                f"years of it (past that the simulator's clock, float seconds, loses microseconds)")
         if count > 1 and (np.diff(arrivals) < 0).any():
             row = int(np.argmax(np.diff(arrivals) < 0)) + 1
             raise WorkloadError(f"{owner}: arrival_s[{row}] is earlier than arrival_s[{row - 1}] (not sorted)")
@@ -102,11 +109,9 @@ class Workload:
     def prompt_token_ids(self, index: int) -> list[int] | None:
         """Synthetic token ids that reproduce the workload's prefix sharing, or None when nothing is shared."""
         length = int(self.prompt_tokens[index])
-        if self.prompt_block_ids is not None:
-            positions = np.arange(length)
-            ids = np.asarray(self.prompt_block_ids[index], dtype=np.int64)
-            return (ids[positions // MOONCAKE_BLOCK_TOKENS] * MOONCAKE_BLOCK_TOKENS
-                    + positions % MOONCAKE_BLOCK_TOKENS).tolist()
+        if self.prompt_block_ids is not None:  # Python ints: an id times the block size never wraps round
+            ids, block = self.prompt_block_ids[index], MOONCAKE_BLOCK_TOKENS
+            return [int(ids[position // block]) * block + position % block for position in range(length)]
         if self.shared_prefix_tokens:
             shared = min(self.shared_prefix_tokens, length)
             unique_base = -(index + 1) * (1 << 24)  # negative ids never collide with the shared prefix
@@ -458,7 +463,14 @@ def _load_mooncake(path: Path, max_rows: int | None) -> Workload:
     arrival = np.asarray(times, dtype=np.float64) / 1000.0
     _check_sorted(path, arrival, "timestamp", first_row=1)
     return Workload(path.stem, arrival, np.asarray(prompts, np.int64), np.asarray(outputs, np.int64),
-                    prompt_block_ids=None if block_ids[0] is None else block_ids, source=str(path))
+                    prompt_block_ids=None if block_ids[0] is None else _dense_ids(block_ids), source=str(path))
+
+
+def _dense_ids(block_ids: list[list[int]]) -> list[list[int]]:
+    """Each distinct hash id as its rank of first appearance (0, 1, ...): equal ids stay equal, distinct ones stay
+    distinct, and token ids built from them stay small (int64 hash ids times the block size would overflow)."""
+    rank: dict[int, int] = {}
+    return [[rank.setdefault(h, len(rank)) for h in ids] for ids in block_ids]
 
 
 class _DuplicateKeyError(ValueError):

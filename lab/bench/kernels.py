@@ -217,7 +217,8 @@ def check_against_reference(config: KernelBenchConfig, context: int = 300, batch
                                                 config.head_dim ** -0.5)
     rows = []
     for backend in config.backends:
-        out = paged_kernels.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, backend=backend)
+        out = paged_kernels.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens,
+                                                   backend=backend)
         error = float(abs(out.double().cpu().numpy() - expected).max() / abs(expected).max())
         rows.append({"backend": backend, "dtype": str(config.dtype).replace("torch.", ""), "max_rel_err": error})
     return pd.DataFrame(rows)

@@ -158,7 +158,7 @@ def test_the_tier_sweep_shows_what_a_cpu_tier_buys():
     hits = table["prefix_cache_hit_pct"].tolist()
     assert hits[0] <= hits[1] <= hits[2] and table["offload_hit_pct"].iloc[0] == 0
     assert len(offload_lines(table).layout.annotations) == 3
-    with pytest.raises(LabError, match="must be >= 0"):
+    with pytest.raises(LabError, match="must be a number >= 0"):
         offload_sweep(workload, config, (-1.0,))
 
 

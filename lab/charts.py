@@ -133,7 +133,8 @@ def log_ticks(values) -> dict:
     low, high = min(positive), max(positive)
     first, last = math.floor(math.log10(low)), math.ceil(math.log10(high))
     mantissas = (1,) if last - first > 4 else (1, 2, 5)
-    ticks = [m * 10.0 ** e for e in range(first, last + 1) for m in mantissas if low / 2.5 <= m * 10.0 ** e <= high * 2.5]
+    ticks = [m * 10.0 ** e for e in range(first, last + 1) for m in mantissas
+             if low / 2.5 <= m * 10.0 ** e <= high * 2.5]
     return {"tickvals": ticks, "ticktext": [human_number(t) for t in ticks]}
 
 

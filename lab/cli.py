@@ -7,8 +7,9 @@ import sys
 import pandas as pd
 
 from .errors import InputError
-from lab.cli_args import (cli_settings, device, model_options, non_negative_int, output_csv, positive_int,
-                          positive_ints, refuse_ignored, run_command, scheduler_options)
+from lab.cli_args import (cli_settings, device, model_options, non_negative_int, output_csv, output_folder,
+                          positive_int, positive_ints, refuse_ignored, run_command, scheduler_options)
+from lab.model import PRESETS
 from lab.profile import GRIDS
 from lab.results import print_and_save, settings_of
 
@@ -219,7 +220,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=output_csv, default="profile.json", help="the profile (JSON)")
     p.set_defaults(run=_profile)
 
+    c = commands.add_parser("checkpoint", help="save a preset as a Hugging Face checkpoint directory (weights, config "
+                                               "and a tokenizer built here) that our engine, HF and vLLM all load")
+    c.add_argument("--model", default="tiny", choices=list(PRESETS), help="preset (random weights, seeded)")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
+    c.add_argument("--seed", type=non_negative_int, default=0, help="seeds the random weights (as the engine does)")
+    c.add_argument("--out", type=output_folder, required=True, help="the checkpoint directory")
+    c.set_defaults(run=_checkpoint)
+
     return parser
+
+
+def _checkpoint(args) -> None:
+    import torch
+
+    from lab.model import save_checkpoint
+
+    print(save_checkpoint(args.model, args.out, getattr(torch, args.dtype), args.seed))
 
 
 def main(argv: list[str] | None = None) -> int:

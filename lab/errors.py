@@ -13,9 +13,9 @@ class InputError(LabError):
 
 def user_errors() -> tuple[type[Exception], ...]:
     """What the app and the CLIs show as a message instead of a traceback (``except user_errors() as exc``): the
-    lab's errors, the kernels' argument errors (``kernels`` depends on nothing of ours, so it has its own base) and
-    files that cannot be read. Anything else, a plain ``ValueError`` included, is a bug. The kernels' errors join
-    once ``paged_kernels`` is loaded (it brings torch, which the simulator's pages and commands never import; nothing can
-    raise them before)."""
+    lab's errors, the kernels' argument errors (``paged_kernels`` depends on nothing of ours, so it has its own base)
+    and files that cannot be read. Anything else, a plain ``ValueError`` included, is a bug. The kernels' errors join
+    once ``paged_kernels`` is loaded (it brings torch, which the simulator's pages and commands never import;
+    nothing can raise them before)."""
     kernels = sys.modules.get("paged_kernels")
     return (LabError, OSError) if kernels is None else (LabError, kernels.KernelArgumentError, OSError)

@@ -64,6 +64,25 @@ def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, seed: in
     return hf.eval(), tokenizer
 
 
+def save_checkpoint(preset: str, out: str | Path, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
+    """Save a preset (random weights, seeded as ``load_hf_model`` seeds them) as a Hugging Face checkpoint
+    directory that our engine, HF transformers and vLLM all load: ``config.json``, safetensors weights in ``dtype``
+    and a word-level tokenizer built here (``tokenizers``; nothing downloaded) whose token ``tN`` is id ``N``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out)
+    hf, _ = load_hf_model(preset, dtype, torch.device("cpu"), seed)
+    vocab = hf.config.vocab_size
+    hf.config.architectures = ["Qwen3ForCausalLM"]
+    hf.save_pretrained(out, safe_serialization=True)
+    word_level = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=word_level, unk_token="t0",
+                            model_max_length=hf.config.max_position_embeddings).save_pretrained(out)
+    return out
+
+
 def _check_checkpoint(path: Path) -> None:
     import json
 

@@ -183,7 +183,8 @@ if st.session_state.get("sim_key") != key:
                 finished_runs().popitem(last=False)
         summary = summary.copy()
         st.session_state.update(sim_key=key, sim_summary=summary, sim_series={k: r.timeseries for k, r in runs.items()},
-                                sim_workload=workload.summary(), sim_checks=checks, sim_block_sweep=None, sim_figures=figures,
+                                sim_workload=workload.summary(), sim_checks=checks, sim_block_sweep=None,
+                                sim_figures=figures,
                                 sim_settings=report.run_settings(workload, configs), sim_configs=configs,
                                 sim_workload_obj=workload, sim_offload=None)
         results_store().add("simulation", f"simulation: {workload.name} × {len(configs)} configs", summary,

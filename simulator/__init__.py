@@ -39,8 +39,8 @@ def make_workload(workload: str | Path | Workload, num_requests: int | None = No
     if isinstance(workload, Workload):
         return workload
     if not isinstance(workload, (str, Path)):
-        raise InputError(f"workload must be a preset name ({', '.join(SYNTHETIC_PRESETS)}), a trace path or a Workload; "
-                         f"got {type(workload).__name__} {workload!r:.60}")
+        raise InputError(f"workload must be a preset name ({', '.join(SYNTHETIC_PRESETS)}), a trace path or a "
+                         f"Workload; got {type(workload).__name__} {workload!r:.60}")
     if str(workload) in SYNTHETIC_PRESETS:
         if time_scale != 1.0:
             raise InputError(f"a time scale applies to a trace's arrivals; the {workload} preset's come from its rate")

@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from lab.cli_args import cli_settings, key_values, output_file, refuse_ignored, refuse_shared_outputs, output_csv, output_folder, positive_float, positive_int
+from lab.cli_args import (cli_settings, key_values, output_csv, output_file, output_folder, positive_float,
+                          positive_int, refuse_ignored, refuse_shared_outputs)
 from lab.errors import user_errors
 from lab.results import print_and_save, with_settings
 

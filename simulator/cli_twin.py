@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from lab.cli_args import (DEVICE_HELP, cli_settings, device, model_options, non_negative_int, output_csv,
-                          positive_float, positive_int, refuse_ignored, refuse_shared_outputs, run_command, scheduler_options)
+                          positive_float, positive_int, refuse_ignored, refuse_shared_outputs, run_command,
+                          scheduler_options)
 from lab.results import print_and_save, save_csv, settings_of
 
 

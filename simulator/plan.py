@@ -219,7 +219,8 @@ def price_table(rows: list[dict], slos: dict[str, float], prices: dict[str, floa
         table.loc[feasible.sort_values(["cost_per_hour", "max_rate_req_s"], ascending=[True, False]).index[0],
                   "chosen"] = True
     columns = ["model", "gpu", "tp", "replicas", "allocator", OFFLOAD_GIB, "gpus", "max_rate_req_s",
-               "first_failing_rate_req_s", "search_bound", "cost_per_hour", "host_cost_per_hour", "cost_per_million_requests", "meets_target", "chosen", *slos, "throughput_tok_s",
+               "first_failing_rate_req_s", "search_bound", "cost_per_hour", "host_cost_per_hour",
+               "cost_per_million_requests", "meets_target", "chosen", *slos, "throughput_tok_s",
                "simulations", "error"]
     return table[[c for c in columns if c in table] + [c for c in table if c not in columns]]
 

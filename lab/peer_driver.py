@@ -1,0 +1,104 @@
+"""vLLM, driven from the lab: run by the vLLM peer's own Python (``lab.peer``), never imported by the lab.
+
+Reads one JSON object per line on stdin and answers one per line on stdout:
+``{"load": {checkpoint, dtype, block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len,
+enable_prefix_caching}}`` builds vLLM's offline engine (in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
+``{"run": {"prompts": [[ids]], "max_tokens": [n], "arrival_steps": [k]}}`` serves the requests greedily, adding
+request i before engine step ``arrival_steps[i]``, and answers with each request's tokens and times and vLLM's
+step log: per scheduler step (``Scheduler.schedule`` in ``vllm/v1/core/sched/scheduler.py``) the tokens scheduled
+per request, the new, preempted and finished requests, running / waiting counts and the KV usage;
+``{"quit": true}`` ends it. Imports nothing of the lab's: the peer's environment has vLLM, not the lab.
+"""
+import json
+import os
+import sys
+import time
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, so its scheduler is reachable
+
+
+def load(settings: dict):
+    from vllm import LLM
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    llm = LLM(model=settings["checkpoint"], dtype=settings.get("dtype", "float32"),
+              block_size=settings["block_size"], num_gpu_blocks_override=settings["num_blocks"],
+              max_num_seqs=settings["max_num_seqs"], max_num_batched_tokens=settings["max_num_batched_tokens"],
+              max_model_len=settings["max_model_len"], enable_prefix_caching=settings["enable_prefix_caching"],
+              skip_tokenizer_init=True, enforce_eager=True, seed=0)
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    log: list[dict] = []
+    schedule = scheduler.schedule
+
+    def recorded(*args, **kwargs):
+        out = schedule(*args, **kwargs)
+        if out.total_num_scheduled_tokens or out.finished_req_ids:
+            log.append({"scheduled": dict(out.num_scheduled_tokens),
+                        "new": [r.req_id for r in out.scheduled_new_reqs],
+                        "preempted": sorted(getattr(out, "preempted_req_ids", None) or ()),
+                        "finished": sorted(out.finished_req_ids), "running": len(scheduler.running),
+                        "waiting": len(scheduler.waiting), "kv_usage": scheduler.kv_cache_manager.usage})
+        return out
+
+    scheduler.schedule = recorded
+    return llm, log
+
+
+def run(llm, log: list, job: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine, log[:] = llm.llm_engine, []
+    run_id = f"r{time.monotonic_ns()}."  # a request id of this run: "<run_id><index>"
+    prompts, max_tokens, arrivals = job["prompts"], job["max_tokens"], job.get("arrival_steps") or [0] * len(
+        job["prompts"])
+    order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    outputs, first_token_s, finish_s, added_s = {}, {}, {}, {}
+    started, step, next_request = time.perf_counter(), 0, 0
+    while next_request < len(order) or engine.has_unfinished_requests():
+        while next_request < len(order) and arrivals[order[next_request]] <= step:
+            i = order[next_request]
+            engine.add_request(f"{run_id}{i}", TokensPrompt(prompt_token_ids=prompts[i]),
+                               SamplingParams(max_tokens=max_tokens[i], temperature=0.0, ignore_eos=True))
+            added_s[i] = time.perf_counter() - started
+            next_request += 1
+        for output in engine.step():
+            i, now = int(output.request_id.removeprefix(run_id)), time.perf_counter() - started
+            if output.outputs and output.outputs[0].token_ids and i not in first_token_s:
+                first_token_s[i] = now
+            if output.finished:
+                outputs[i], finish_s[i] = list(output.outputs[0].token_ids), now
+        step += 1
+    elapsed = time.perf_counter() - started
+    for step in log:  # the last run's final finish is reported by this run's first schedule: not this run's
+        step["finished"] = [r for r in step["finished"] if r.startswith(run_id)]
+    log[:] = [step for step in log if step["scheduled"] or step["finished"]]
+    return {"outputs": [outputs[i] for i in range(len(prompts))], "elapsed_s": elapsed,
+            "arrival_s": [added_s[i] for i in range(len(prompts))],
+            "first_token_s": [first_token_s.get(i, finish_s[i]) for i in range(len(prompts))],
+            "finish_s": [finish_s[i] for i in range(len(prompts))], "steps": list(log)}
+
+
+def main() -> int:
+    llm = log = None
+    for line in sys.stdin:
+        message = json.loads(line)
+        try:
+            if "load" in message:
+                started = time.perf_counter()
+                llm, log = load(message["load"])
+                answer = {"loaded_s": time.perf_counter() - started}
+            elif "run" in message:
+                answer = run(llm, log, message["run"])
+            else:
+                return 0
+        except Exception as exc:  # the lab shows it; the driver stays up for the next request
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        sys.__stdout__.write(json.dumps(answer) + "\n")
+        sys.__stdout__.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.stdout = sys.stderr  # vLLM's own prints must not mix with the answers
+    sys.exit(main())

@@ -81,6 +81,33 @@ def _bench_e2e(args) -> None:
     print_and_save(table, args.out, settings=settings_of(config), kind="e2e")
 
 
+def vllm_models(text: str) -> list[str]:
+    """``--model`` of ``bench vllm``: presets vLLM's CPU attention takes (head_dim 32 or 128)."""
+    models = [m for m in text.split(",") if m]
+    allowed = ("tiny", "qwen3-0.6b-random-4l")
+    if not models or any(m not in allowed for m in models):
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(allowed)}; got {text!r}")
+    return models
+
+
+def _bench_vllm(args) -> None:
+    from tqdm import tqdm
+
+    from lab.bench.vllm import VLLMBenchConfig, run_vllm_bench
+
+    if len(args.num_requests) != len(args.model):
+        raise InputError(f"--num-requests gives {len(args.num_requests)} counts for {len(args.model)} models")
+    tables = []
+    for model, requests in zip(args.model, args.num_requests):
+        config = VLLMBenchConfig(model=model, dtype=args.dtype, num_requests=requests, num_blocks=args.num_blocks,
+                                 repeats=args.repeats)
+        bar = tqdm(total=2 * config.repeats, desc=f"ours vs vLLM, {model}", file=sys.stderr)
+        tables.append(run_vllm_bench(config, progress=lambda done, total: bar.update(done - bar.n)))
+        bar.close()
+    shared = {k: v for k, v in settings_of(config).items() if k not in ("model", "num_requests")}  # per-row columns
+    print_and_save(pd.concat(tables, ignore_index=True), args.out, settings=shared, kind="vllm")
+
+
 def _generate(args) -> None:
     import torch
 
@@ -170,6 +197,19 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--repeats", type=positive_int, default=3, help="runs per system; medians are reported")
     e.add_argument("--out", type=output_csv, default="benchmarks/results/e2e_cpu.csv", help="results CSV")
     e.set_defaults(run=_bench_e2e)
+
+    v = bench.add_parser("vllm", help="our engine vs vLLM's CPU build on the same checkpoint, pool and budgets "
+                                      "(runs alternating; needs `bash scripts/vllm_peer.sh`)")
+    v.add_argument("--model", type=vllm_models, default=["tiny", "qwen3-0.6b-random-4l"],
+                   help="comma list of presets, each saved as a checkpoint both engines load")
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines' dtype")
+    v.add_argument("--num-requests", type=positive_ints, default=(32, 16),
+                   help="requests per model, in --model's order (prompts of 100-400 tokens, 80-120 out)")
+    v.add_argument("--num-blocks", type=positive_int, default=512, help="vLLM's KV blocks of 32 tokens (ours: one "
+                                                                          "fewer, vLLM's null block)")
+    v.add_argument("--repeats", type=positive_int, default=3, help="alternating runs of each engine (medians)")
+    v.add_argument("--out", type=output_csv, default="benchmarks/results/vllm_cpu.csv", help="results CSV")
+    v.set_defaults(run=_bench_vllm)
 
     n = bench.add_parser("launches", help="kernel launches per layer and step of the CUDA path (counted on the "
                                           "meta device) and the host's time per step outside the forward")

@@ -11,6 +11,8 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import pandas as pd
+
 from .errors import LabError
 
 VLLM_VERSION = "0.32.0"
@@ -142,24 +144,20 @@ def serve(engine, prompts: list[list[int]], max_tokens: list[int], arrival_steps
 STEP_FIELDS = ("scheduled_tokens", "running", "waiting", "finished", "preempted")
 
 
-def vllm_step_table(steps: list[dict]) -> "pd.DataFrame":
+def vllm_step_table(steps: list[dict]) -> pd.DataFrame:
     """vLLM's recorded steps (``VLLMPeer.run``'s ``steps``) as one row per step: the tokens scheduled, running and
     waiting requests after scheduling, requests finished and preempted (``STEP_FIELDS``) and the KV usage."""
-    import pandas as pd
-
     return pd.DataFrame([{"step": index + 1, "scheduled_tokens": sum(step["scheduled"].values()),
                           "running": step["running"], "waiting": step["waiting"], "finished": len(step["finished"]),
                           "preempted": len(step["preempted"]), "kv_usage": step["kv_usage"]}
                          for index, step in enumerate(steps)])
 
 
-def our_step_table(step_log: "pd.DataFrame") -> "pd.DataFrame":
+def our_step_table(step_log: pd.DataFrame) -> pd.DataFrame:
     """Our engine's ``step_log()`` in ``vllm_step_table``'s columns. vLLM counts its queues right after scheduling
     and reports a request's finish in the next step (``finished_req_ids`` of the next ``schedule``); our log counts
     them at the end of the step. So a request that finished in a step is still running in vLLM's row of that step,
     and its finish shows one step later."""
-    import pandas as pd
-
     finished = step_log["num_finished"].shift(1, fill_value=0).astype(int)
     return pd.DataFrame({"step": step_log["step"], "scheduled_tokens": step_log["num_prefill_tokens"]
                          + step_log["num_decode_seqs"], "running": step_log["num_running"] + step_log["num_finished"],
@@ -167,7 +165,7 @@ def our_step_table(step_log: "pd.DataFrame") -> "pd.DataFrame":
                          "preempted": step_log["num_preempted"]})
 
 
-def compare_step_logs(ours: "pd.DataFrame", theirs: "pd.DataFrame") -> "pd.DataFrame":
+def compare_step_logs(ours: pd.DataFrame, theirs: pd.DataFrame) -> pd.DataFrame:
     """The two step tables side by side, step by step (``<field>_ours``, ``<field>_vllm``), with ``same``: every
     ``STEP_FIELDS`` value equal (a step only one engine ran compares unequal)."""
     table = ours.merge(theirs, on="step", how="outer", suffixes=("_ours", "_vllm")).sort_values("step")

@@ -35,7 +35,8 @@ RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cp
                "twin_offload*_cpu.csv": "python -m simulator twin --kv-offload-blocks (docs/offload.md)",
                "simulator.csv": "python -m simulator.bench", "sweep.csv": "python -m simulator.bench --sweep",
                "paper/*.csv": "python -m simulator paper", "launches.csv": "python -m lab bench launches",
-               "gpu/*.csv": "scripts/gpu_check.sh (on a GPU)"}
+               "gpu/*.csv": "scripts/gpu_check.sh (on a GPU)", "vllm_cpu.csv": "python -m lab bench vllm",
+               "app_flow.csv": "python -m benchmarks.app_flow"}
 
 
 @dataclass(slots=True)
@@ -292,6 +293,10 @@ HEADLINES = [
              lambda t: 100 * _row_value("token_states_frac", allocator="paged")(t), "% of KV", 90.0),
     Headline("Kernel launches per decoder layer in a decode step (CUDA path, Qwen3-0.6B shapes)", "launches.csv",
              _row_value("per_layer", step="decode"), "launches", 12, False),
+    Headline("Our engine vs vLLM's CPU build, output tokens/s (tiny Qwen3, fp32, same checkpoint and pool)",
+             "vllm_cpu.csv", _row_value("output_tok_s", system="ours / vllm", model="tiny"), "×", 1.0),
+    Headline("Our engine vs vLLM's CPU build, output tokens/s (Qwen3-0.6B shapes, 4 layers, fp32)", "vllm_cpu.csv",
+             _row_value("output_tok_s", system="ours / vllm", model="qwen3-0.6b-random-4l"), "×", 0.8),
     Headline("Paged engine vs HF continuous batching on an H200 (Qwen3-0.6B shapes)", "gpu/e2e_gpu.csv",
              _row_value("speedup_vs_hf_continuous", system="paged-engine"), "×", 5.0),
 ]

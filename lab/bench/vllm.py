@@ -1,0 +1,123 @@
+"""Our engine against vLLM's CPU build on the same checkpoint, workload, KV pool, block size and budgets, runs
+alternating in one invocation: output tokens/s, TTFT and TPOT p50/p90, steps, preemptions and peak memory, medians
+over the repeats, and the ratio ours / vLLM. vLLM runs in its own environment (``lab.peer``)."""
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from lab.engine import LLMEngine
+from lab.live import random_requests
+from lab.model import PRESETS, save_checkpoint
+from lab.peer import PeerSettings, VLLMPeer, serve
+
+METRICS = ("output_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s", "steps", "preemptions",
+           "peak_memory_bytes")
+
+
+@dataclass(slots=True)
+class VLLMBenchConfig:
+    """The checkpoint and workload both engines serve, and what they are given alike."""
+
+    model: str = "tiny"  # a preset, saved as a checkpoint both load (lab.model.save_checkpoint)
+    dtype: str = "float32"
+    num_requests: int = 32
+    prompt_range: tuple[int, int] = (100, 400)
+    output_range: tuple[int, int] = (80, 120)
+    block_size: int = 32
+    num_blocks: int = 512  # vLLM's count; ours is one fewer (vLLM keeps block 0 as its null block)
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    repeats: int = 3
+    seed: int = 0
+
+
+def _percentile(values, q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def _latencies(arrival, first, finish, outputs) -> dict:
+    ttft = [f - a for a, f in zip(arrival, first)]
+    tpot = [(e - f) / (len(o) - 1) for f, e, o in zip(first, finish, outputs) if len(o) > 1]
+    return {"ttft_p50_s": _percentile(ttft, 50), "ttft_p90_s": _percentile(ttft, 90),
+            "tpot_p50_s": _percentile(tpot, 50), "tpot_p90_s": _percentile(tpot, 90)}
+
+
+def _peak_rss(pid: int | None = None) -> int:
+    """Peak resident set size (VmHWM) of a process, this one by default, in bytes."""
+    status = Path(f"/proc/{pid or 'self'}/status")
+    for line in status.read_text().splitlines() if status.exists() else ():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _ours(engine: LLMEngine, prompts, max_tokens) -> dict:
+    steps_before, preempted_before = len(engine.step_log()), engine.step_log()["num_preempted"].sum()
+    started = time.perf_counter()
+    finished_before = len(engine.finished)
+    run = serve(engine, prompts, max_tokens)
+    done = engine.finished[finished_before:]
+    log = engine.step_log()
+    return {"output_tok_s": sum(map(len, run["outputs"])) / run["elapsed_s"],
+            **_latencies([o.arrival_s - started for o in done], [o.first_token_s - started for o in done],
+                         [o.finish_s - started for o in done], [o.outputs[0] for o in done]),
+            "steps": len(log) - steps_before, "preemptions": int(log["num_preempted"].sum() - preempted_before),
+            "peak_memory_bytes": _peak_rss(), "outputs": run["outputs"]}
+
+
+def _theirs(peer: VLLMPeer, prompts, max_tokens) -> dict:
+    run = peer.run(prompts, max_tokens)
+    return {"output_tok_s": sum(map(len, run["outputs"])) / run["elapsed_s"],
+            **_latencies(run["arrival_s"], run["first_token_s"], run["finish_s"], run["outputs"]),
+            "steps": len(run["steps"]), "preemptions": sum(len(s["preempted"]) for s in run["steps"]),
+            "peak_memory_bytes": _peak_rss(peer.process.pid), "outputs": run["outputs"]}
+
+
+def run_vllm_bench(config: VLLMBenchConfig, progress=None) -> pd.DataFrame:
+    """One row per (system, repeat) and a median row per system, then a ``ours / vLLM`` row of the medians' ratios;
+    ``greedy_agreement`` says which share of the generated tokens the two engines agree on."""
+    if config.model not in PRESETS:
+        raise ValueError(f"model must be a preset ({', '.join(PRESETS)}); got {config.model!r}")
+    with tempfile.TemporaryDirectory() as folder:
+        checkpoint = save_checkpoint(config.model, Path(folder) / config.model, getattr(torch, config.dtype),
+                                     config.seed)
+        prompts, max_tokens = random_requests(config.num_requests, config.prompt_range, config.output_range,
+                                              PRESETS[config.model][6], config.seed)
+        settings = PeerSettings(str(checkpoint), config.dtype, config.block_size, config.num_blocks,
+                                config.max_num_seqs, config.max_num_batched_tokens,
+                                max_model_len=config.prompt_range[1] + config.output_range[1])
+        engine = LLMEngine(str(checkpoint), block_size=config.block_size, num_blocks=config.num_blocks - 1,
+                           max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                           scheduling="chunked", enable_prefix_caching=False,
+                           dtype=getattr(torch, config.dtype))
+        rows = []
+        with VLLMPeer(settings) as peer:
+            warm = prompts[:4], [8] * 4
+            _ours(engine, *warm), _theirs(peer, *warm)
+            for repeat in range(config.repeats):  # alternating, so a slow spell of the machine touches both
+                for system, run in (("ours", lambda: _ours(engine, prompts, max_tokens)),
+                                    ("vllm", lambda: _theirs(peer, prompts, max_tokens))):
+                    rows.append({"system": system, "repeat": repeat, **run()})
+                    if progress:
+                        progress(len(rows), 2 * config.repeats)
+    table = pd.DataFrame(rows)
+    ours, theirs = table[table["system"] == "ours"], table[table["system"] == "vllm"]
+    agree = sum(a == b for x, y in zip(ours["outputs"].iloc[0], theirs["outputs"].iloc[0]) for a, b in zip(x, y))
+    total = sum(len(y) for y in theirs["outputs"].iloc[0])
+    table = table.drop(columns="outputs")
+    medians = [{"system": name, "repeat": "median", **{m: statistics.median(part[m]) for m in METRICS}}
+               for name, part in (("ours", ours), ("vllm", theirs))]
+    ratio = {"system": "ours / vllm", "repeat": "median",
+             **{m: medians[0][m] / medians[1][m] if medians[1][m] else float("nan") for m in METRICS}}
+    table = pd.concat([table, pd.DataFrame(medians + [ratio])], ignore_index=True)
+    table["greedy_agreement"] = agree / total if total else float("nan")
+    table["model"], table["dtype"], table["num_requests"] = config.model, config.dtype, config.num_requests
+    return table

@@ -63,12 +63,14 @@ class PagedPolicy:
     def can_ever_fit(self, final_len: int, count: int = 1) -> bool:
         return count * -(-final_len // self.block_size) <= self.manager.num_physical_blocks
 
-    def admit(self, seqs: list[Sequence], token_ids: list[int] | None) -> bool:
-        """Allocate a group's prompt (the first sequence; the others fork it), if the prompt and the group's first
-        decode step fit. All or nothing."""
+    def admit(self, seqs: list[Sequence], token_ids: list[int] | None, first_decode: bool = True) -> bool:
+        """Allocate a group's prompt (the first sequence; the others fork it), if the prompt and, with
+        ``first_decode``, the group's first decode step fit. All or nothing. vLLM V1 admits without the first decode's
+        block (``KVCacheManager.allocate_slots`` for the scheduled tokens only) and preempts when that decode finds
+        no free block."""
         first, manager = seqs[0], self.manager
         prompt_len = first.prompt_len
-        extra = len(seqs) if prompt_len % self.block_size == 0 else len(seqs) - 1
+        extra = len(seqs) if first_decode and prompt_len % self.block_size == 0 else len(seqs) - 1
         ids = token_ids if token_ids is not None and len(token_ids) == prompt_len else None
         count = None if ids is not None else prompt_len
         stream = first.group.stream_key if ids is None else None

@@ -30,7 +30,7 @@ from .errors import LabError
 from .block_manager import PrefixCacheStats, TokenIds
 from .offload import OffloadCopies, OffloadStats
 
-SCHEDULING_MODES = ("prefill-first", "chunked")
+SCHEDULING_MODES = ("prefill-first", "chunked", "vllm")
 PREEMPTION_MODES = ("recompute", "swap")
 NO_EVENT = 1 << 62  # a KV length no sequence reaches: "needs no more memory"
 PERIODIC_END = -1  # a memory-calendar entry's epoch that marks a sequence's last periodic block (epochs are >= 0)
@@ -63,7 +63,9 @@ class SchedulingSettings:
     max_num_batched_tokens: int = field(default=8192, metadata={
         "help": "token budget per step (chunked: prompts longer than this are spread over steps)"})
     scheduling: str = field(default="prefill-first", metadata={
-        "help": "chunked: decodes first, then prompt chunks up to the token budget", "choices": SCHEDULING_MODES})
+        "help": "chunked: decodes first, then prompt chunks up to the token budget; vllm: chunked as vLLM V1 admits "
+                "(a prompt whose blocks fit, its first decode's block taken when it decodes: docs/vllm.md)",
+        "choices": SCHEDULING_MODES})
     preemption_mode: str = field(default="recompute", metadata={
         "help": "swap: preempted sequences move to a host pool (paged)", "choices": PREEMPTION_MODES})
     num_cpu_blocks: int = field(default=0, metadata={
@@ -281,7 +283,7 @@ class KVPolicy(Protocol):
     pending_offload: bool  # the offload tier has copies queued (take_offload_copies)
 
     def can_ever_fit(self, final_len: int, count: int = 1) -> bool: ...  # count sequences at once, sharing nothing
-    def admit(self, seqs: list[Sequence], token_ids: list[int] | None) -> bool: ...
+    def admit(self, seqs: list[Sequence], token_ids: list[int] | None, first_decode: bool = True) -> bool: ...
     def memory_needs(self, seq: Sequence) -> MemoryNeeds: ...
     def reserve(self, count: int) -> bool: ...
     def final_block_reserved(self, seq: Sequence) -> None: ...
@@ -385,7 +387,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step; allocates everything it needs (so executing the plan cannot run out of memory)."""
         out = self._output = SchedulerOutput(self.num_steps + 1)
-        if self.config.scheduling == "chunked":
+        if self.config.scheduling != "prefill-first":  # chunked, vllm
             self._schedule_decode(out)
             if self.waiting or self.prefilling:
                 self._schedule_prefills(out, self.config.max_num_batched_tokens - out.num_decode_seqs)
@@ -660,7 +662,7 @@ class Scheduler:
         """Continue partial prompts (chunked), then admit waiting groups FCFS while the sequence cap, the token
         budget and memory allow: whole prompts in prefill-first mode, budget-sized chunks in chunked mode (groups of
         n > 1 samples are prefilled whole)."""
-        chunked = self.config.scheduling == "chunked"
+        chunked = self.config.scheduling != "prefill-first"  # chunked, vllm
         out.prefill_chunks, out.prefill_done = [], []
         for seq in list(self.prefilling):
             if budget <= 0:
@@ -682,7 +684,7 @@ class Scheduler:
             if whole and out.prefill_chunks and prompt > budget:
                 break
             ids = self._prompt_token_ids(group, prompt) if group.token_ids is not None else None
-            if not self.policy.admit(seqs, ids):
+            if not self.policy.admit(seqs, ids, self.config.scheduling != "vllm"):
                 break
             self.waiting.popleft()
             self.num_waiting_seqs -= len(seqs)

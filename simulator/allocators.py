@@ -196,8 +196,9 @@ class ContiguousPolicy:
         size = max(self.space.rounded(self.initial_size(final_len, final_len)), final_len)
         return count * size <= self.space.max_region()
 
-    def admit(self, seqs: list, token_ids=None) -> bool:
-        """Reserve a region for every sequence of a group, or none of them (``token_ids`` are not used)."""
+    def admit(self, seqs: list, token_ids=None, first_decode: bool = True) -> bool:
+        """Reserve a region for every sequence of a group, or none of them (``token_ids`` and ``first_decode`` are
+        not used: a region holds its first decode)."""
         placed = []
         for seq in seqs:
             region = self.space.allocate(self.initial_size(seq.prompt_len, seq.final_len))

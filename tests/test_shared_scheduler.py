@@ -67,6 +67,7 @@ def assert_same_plan(real, simulated):
 
 MODES = [dict(scheduling=s, preemption_mode=p) for s, p in itertools.product(["prefill-first", "chunked"],
                                                                             ["recompute", "swap"])]
+MODES.append(dict(scheduling="vllm", preemption_mode="recompute"))  # vLLM V1's admission (docs/vllm.md)
 
 
 @pytest.mark.parametrize("modes", MODES, ids=lambda m: f"{m['scheduling']}-{m['preemption_mode']}")
@@ -83,7 +84,7 @@ def test_engine_and_simulator_plan_identical_steps(modes, caching, n):
     assert real["num_preempted"].sum() + real["num_swapped_out"].sum() > 0, "the pool should force preemption"
     if modes["preemption_mode"] == "swap":
         assert real["num_swapped_out"].sum() > 0 and real["cpu_blocks_in_use"].max() > 0
-    if modes["scheduling"] == "chunked":
+    if modes["scheduling"] != "prefill-first":
         assert ((real["num_prefill_tokens"] > 0) & (real["num_decode_seqs"] > 0)).any()
     assert real["blocks_in_use"].iloc[-1] == 0 and real["cpu_blocks_in_use"].iloc[-1] == 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_physical_blocks
@@ -147,7 +148,7 @@ def fuzz_cases(draw):
     longest = max(p + o for p, o in zip(lengths, outputs))
     engine = dict(block_size=block_size, num_blocks=-(-longest // block_size) + n + draw(st.integers(0, 20)),
                   num_cpu_blocks=draw(st.integers(0, 12)), enable_prefix_caching=draw(st.booleans()),
-                  scheduling=draw(st.sampled_from(["prefill-first", "chunked"])),
+                  scheduling=draw(st.sampled_from(["prefill-first", "chunked", "vllm"])),
                   preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
                   max_num_batched_tokens=draw(st.integers(4, 64)), max_num_seqs=n + draw(st.integers(0, 6)),
                   kv_offload_blocks=draw(st.sampled_from([0, 0, 2, 16])))

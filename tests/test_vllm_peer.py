@@ -64,11 +64,11 @@ def vllm_runs(checkpoint):
     return runs
 
 
-def ours(checkpoint, num_blocks: int, arrival_steps=None, max_model_len=None):
-    """Our engine with vLLM's settings: chunked prefill, no prefix caching, and one block fewer than vLLM's count
+def ours(checkpoint, num_blocks: int, arrival_steps=None, max_model_len=None, scheduling="vllm"):
+    """Our engine with vLLM's settings: the vllm policy, no prefix caching, and one block fewer than vLLM's count
     (vLLM's block pool keeps block 0 as its null block: ``BlockPool.__init__``, vllm/v1/core/block_pool.py)."""
     engine = LLMEngine(str(checkpoint), block_size=BLOCK_SIZE, num_blocks=num_blocks - 1, max_num_seqs=MAX_SEQS,
-                       max_num_batched_tokens=BUDGET, scheduling="chunked", enable_prefix_caching=False,
+                       max_num_batched_tokens=BUDGET, scheduling=scheduling, enable_prefix_caching=False,
                        max_model_len=max_model_len)
     prompts, max_tokens = workload()
     return engine, serve(engine, prompts, max_tokens, arrival_steps)
@@ -88,21 +88,25 @@ def test_greedy_tokens_agree_with_vllm_in_fp32(checkpoint, vllm_runs, case, bloc
 
 
 @needs_peer
-@pytest.mark.parametrize("case, arrivals", [("all at once", None), ("staggered", [3 * i for i in range(12)])])
-def test_vllm_s_step_log_is_ours_step_for_step(checkpoint, vllm_runs, case, arrivals):
+@pytest.mark.parametrize("case, blocks, arrivals, max_model_len", [
+    ("all at once", 256, None, None), ("staggered", 256, [3 * i for i in range(12)], None),
+    ("small pool", 12, None, 256)])
+def test_vllm_s_step_log_is_ours_step_for_step(checkpoint, vllm_runs, case, blocks, arrivals, max_model_len):
     """Tokens scheduled, running and waiting requests, finishes and preemptions of every step equal vLLM V1's own
-    (our chunked policy: decode first, then prompt chunks in the token budget, as vllm/v1/core/sched/scheduler.py)."""
-    engine, _ = ours(checkpoint, 256, arrivals)
+    (the vllm policy: decodes first, then prompt chunks in the token budget, a prompt admitted when its blocks fit,
+    as vllm/v1/core/sched/scheduler.py), a pool small enough to preempt included."""
+    engine, _ = ours(checkpoint, blocks, arrivals, max_model_len)
     table = compare_step_logs(our_step_table(engine.step_log()), vllm_step_table(vllm_runs[case]["steps"]))
     assert table["same"].all(), table[~table["same"]].head().to_string()
+    if case == "small pool":
+        assert table["preempted_ours"].sum() > 0
 
 
 @needs_peer
-def test_under_memory_pressure_the_logs_part_where_vllm_admits_more(checkpoint, vllm_runs):
-    """A pool too small for the load: the same tokens and preemptions in total, the first 50 steps identical, then
-    vLLM admits a waiting request whose first chunk fits and preempts a running one at the next decode, where our
-    policy keeps the request waiting (the difference docs/vllm.md names)."""
-    engine, _ = ours(checkpoint, 12, None, 256)
-    table = compare_step_logs(our_step_table(engine.step_log()), vllm_step_table(vllm_runs["small pool"]["steps"]))
-    assert table["same"].iloc[:50].all()
-    assert table["preempted_ours"].sum() == table["preempted_vllm"].sum() > 0
+def test_the_chunked_policy_parts_from_vllm_only_under_memory_pressure(checkpoint, vllm_runs):
+    """Our chunked policy also reserves a prompt's first decode block when it admits it: identical to vLLM on a large
+    pool, it keeps a request waiting that vLLM admits (and later preempts for) on a small one."""
+    for case, blocks, max_model_len, identical in (("all at once", 256, None, True), ("small pool", 12, 256, False)):
+        engine, _ = ours(checkpoint, blocks, None, max_model_len, scheduling="chunked")
+        table = compare_step_logs(our_step_table(engine.step_log()), vllm_step_table(vllm_runs[case]["steps"]))
+        assert table["same"].all() == identical

@@ -96,7 +96,7 @@ def run_vllm_bench(config: VLLMBenchConfig, progress=None) -> pd.DataFrame:
                                 max_model_len=config.prompt_range[1] + config.output_range[1])
         engine = LLMEngine(str(checkpoint), block_size=config.block_size, num_blocks=config.num_blocks - 1,
                            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                           scheduling="chunked", enable_prefix_caching=False,
+                           scheduling="vllm", enable_prefix_caching=False,
                            dtype=getattr(torch, config.dtype))
         rows = []
         with VLLMPeer(settings) as peer:

@@ -26,6 +26,14 @@ def workload(seed: int = 0, count: int = 12):
     return prompts, [rng.randint(10, 60) for _ in prompts]
 
 
+def shared_prefix_workload(count: int = 12):
+    """Prompts that share a 100-token system prompt (3 full blocks of 32, then a partial one)."""
+    rng = random.Random(1)
+    prefix = [rng.randrange(1024) for _ in range(100)]
+    prompts = [prefix + [rng.randrange(1024) for _ in range(rng.randint(20, 120))] for _ in range(count)]
+    return prompts, [rng.randint(10, 40) for _ in prompts]
+
+
 def test_the_shared_checkpoint_is_the_preset(checkpoint):
     """Saved, it loads in our engine and in HF transformers with the preset's weights and a tokenizer of its own."""
     from transformers import AutoTokenizer, Qwen3ForCausalLM
@@ -61,6 +69,10 @@ def vllm_runs(checkpoint):
     with VLLMPeer(PeerSettings(str(checkpoint), num_blocks=12, max_model_len=256, max_num_seqs=MAX_SEQS,
                                max_num_batched_tokens=BUDGET)) as peer:
         runs["small pool"] = peer.run(prompts, max_tokens)
+    for case, arrivals in (("shared prefix", None), ("shared prefix, staggered", [4 * i for i in range(12)])):
+        with VLLMPeer(PeerSettings(str(checkpoint), num_blocks=256, max_num_seqs=MAX_SEQS,  # a cold prefix cache
+                                   max_num_batched_tokens=BUDGET, enable_prefix_caching=True)) as peer:
+            runs[case] = peer.run(*shared_prefix_workload(), arrivals)
     return runs
 
 
@@ -100,6 +112,21 @@ def test_vllm_s_step_log_is_ours_step_for_step(checkpoint, vllm_runs, case, bloc
     assert table["same"].all(), table[~table["same"]].head().to_string()
     if case == "small pool":
         assert table["preempted_ours"].sum() > 0
+
+
+@needs_peer
+@pytest.mark.parametrize("case, arrivals", [("shared prefix", None),
+                                            ("shared prefix, staggered", [4 * i for i in range(12)])])
+def test_with_prefix_caching_the_step_logs_and_tokens_agree(checkpoint, vllm_runs, case, arrivals):
+    """Shared prefixes with prefix caching on in both: vLLM schedules only the tokens its cache misses, so equal
+    scheduled tokens per step mean equal cache hits."""
+    engine = LLMEngine(str(checkpoint), block_size=BLOCK_SIZE, num_blocks=255, max_num_seqs=MAX_SEQS,
+                       max_num_batched_tokens=BUDGET, scheduling="vllm", enable_prefix_caching=True)
+    run = serve(engine, *shared_prefix_workload(), arrivals)
+    assert run["outputs"] == vllm_runs[case]["outputs"]
+    table = compare_step_logs(our_step_table(engine.step_log()), vllm_step_table(vllm_runs[case]["steps"]))
+    assert table["same"].all(), table[~table["same"]].head().to_string()
+    assert engine.run_metrics()["prefix_hit_rate"] > 0
 
 
 @needs_peer

@@ -279,6 +279,9 @@ class Profile:
                                                       for v in coefficients.values()):
             raise ProfileError(f"{name}: coefficients must be numbers in [0, {MAX_COEFFICIENT:g}] (seconds per unit) "
                                f"for exactly {', '.join(names)}")
+        if not any(coefficients.values()):
+            raise ProfileError(f"{name}: every coefficient is 0, which prices every step at 0 s (a clock that never "
+                               f"advances); measure one with `python -m lab profile`")
         if data["block_size"] < 1:
             raise ProfileError(f"{name}: block_size must be >= 1")
         if not _is_number(data.get("add_request_s", 0.0)) or data.get("add_request_s", 0.0) < 0:

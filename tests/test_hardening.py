@@ -185,6 +185,20 @@ def test_sizes_beyond_any_machine_are_refused():
         simulator.compare("sharegpt", simulator.make_configs(["paged"], [16], replicas=4097), num_requests=4)
 
 
+def test_a_profile_that_prices_every_step_at_zero_is_refused():
+    from lab.profile import Profile, ProfileError, feature_names, PROFILE_VERSION
+
+    knots = [1, 8]
+    data = {"version": PROFILE_VERSION, "model": "tiny", "device": "cpu", "dtype": "float32", "backend": "torch",
+            "block_size": 16, "coefficients": {name: 0.0 for name in feature_names(knots)}, "decode_knots": knots,
+            "samples": []}
+    with pytest.raises(ProfileError, match="every coefficient is 0"):
+        Profile.from_dict(data)
+    data["coefficients"][feature_names(knots)[0]] = 1e9
+    with pytest.raises(ProfileError, match="coefficients must be numbers in"):
+        Profile.from_dict(data)
+
+
 def test_huge_mooncake_hash_ids_never_collide(tmp_path):
     trace = tmp_path / "m.jsonl"
     rows = [{"timestamp": 0, "input_length": 1000, "output_length": 2, "hash_ids": [3 * 2**60, 7]},

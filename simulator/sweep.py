@@ -33,6 +33,7 @@ from .workloads import (SYNTHETIC_PRESETS, at_mean_rate, SyntheticSpec, Workload
 
 WORKLOAD_FIELDS = ("workload", "num_requests", "rate", "burstiness", "n", "beam_width", "shared_prefix_tokens",
                    "seed")
+MAX_GRID_RUNS = 100_000  # every run is checked before any starts: a grid past this is a typo, not a sweep
 SYNTHETIC_ONLY = ("burstiness", "n", "beam_width", "shared_prefix_tokens", "seed")  # a trace ignores these
 ALIASES = {"trace": "workload"}  # a grid may say ``trace: [path, ...]``
 SIM_FIELDS = tuple(f.name for f in dataclasses.fields(SimConfig) if f.name not in ("model_overrides",
@@ -114,6 +115,10 @@ def check_grid(grid, name: str = "grid") -> dict[str, list]:
                             f"fields: {', '.join(WORKLOAD_FIELDS)}; {OFFLOAD_GIB} (the offload tier in GiB)")
         if not isinstance(values, list) or not values:
             raise GridError(f"{name}: field {field!r} must be a non-empty list, got {values!r:.80}")
+    runs = math.prod(len(values) for values in grid.values())
+    if runs > MAX_GRID_RUNS:
+        sizes = " x ".join(f"{len(values)} {field}" for field, values in grid.items())
+        raise GridError(f"{name}: {sizes} make {runs:,} runs; a grid may hold at most {MAX_GRID_RUNS:,}")
     workloads = [str(w) for w in grid.get("workload", [WORKLOAD_DEFAULTS["workload"]])]
     if all(w not in SYNTHETIC_PRESETS for w in workloads):  # traces only: their arrivals and lengths are their own
         ignored = [f for f in SYNTHETIC_ONLY if f in grid]

@@ -185,6 +185,16 @@ def test_sizes_beyond_any_machine_are_refused():
         simulator.compare("sharegpt", simulator.make_configs(["paged"], [16], replicas=4097), num_requests=4)
 
 
+def test_a_grid_of_millions_of_runs_is_refused_before_it_is_expanded(tmp_path):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("block_size: [" + ", ".join(map(str, range(1, 301))) + "]\n"
+                    "max_num_seqs: [" + ", ".join(map(str, range(1, 301))) + "]\nseed: [1, 2]\n")
+    started = time.monotonic()
+    refused(cli("simulator", "sweep", "--grid", str(grid), "--out", str(tmp_path / "s.csv"), "--serial"),
+            "180,000 runs")
+    assert time.monotonic() - started < 60
+
+
 def test_a_profile_that_prices_every_step_at_zero_is_refused():
     from lab.profile import Profile, ProfileError, feature_names, PROFILE_VERSION
 

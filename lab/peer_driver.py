@@ -3,7 +3,8 @@
 Reads one JSON object per line on stdin and answers one per line on stdout:
 ``{"load": {checkpoint, dtype, block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len,
 enable_prefix_caching}}`` builds vLLM's offline engine (in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
-``{"run": {"prompts": [[ids]], "max_tokens": [n], "arrival_steps": [k]}}`` serves the requests greedily, adding
+``{"run": {"prompts": [[ids]], "max_tokens": [n], "arrival_steps": [k]}}`` serves the requests greedily on a cold
+prefix cache, adding
 request i before engine step ``arrival_steps[i]``, and answers with each request's tokens and times and vLLM's
 step log: per scheduler step (``Scheduler.schedule`` in ``vllm/v1/core/sched/scheduler.py``) the tokens scheduled
 per request, the new, preempted and finished requests, running / waiting counts and the KV usage;
@@ -48,6 +49,7 @@ def run(llm, log: list, job: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    llm.reset_prefix_cache()  # each run starts cold, as a fresh engine of ours does
     engine, log[:] = llm.llm_engine, []
     run_id = f"r{time.monotonic_ns()}."  # a request id of this run: "<run_id><index>"
     prompts, max_tokens, arrivals = job["prompts"], job["max_tokens"], job.get("arrival_steps") or [0] * len(

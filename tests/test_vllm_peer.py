@@ -1,6 +1,7 @@
 """vLLM itself beside the lab: the shared checkpoint loads in our engine, HF and vLLM; greedy tokens agree in fp32;
-vLLM V1's own step log (recorded from its scheduler) against our scheduler's, step by step. The peer is started once
-per module; without it (``bash scripts/vllm_peer.sh``) the vLLM tests skip with that command as the reason."""
+vLLM V1's own step log (recorded from its scheduler) against our scheduler's, step by step. vLLM is started twice
+per module (two pool sizes); without the peer (``bash scripts/vllm_peer.sh``) the vLLM tests skip with that command
+as the reason."""
 import random
 
 import pytest
@@ -58,29 +59,31 @@ def test_a_missing_peer_is_named_with_the_command(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def vllm_runs(checkpoint):
-    """vLLM on the tiny checkpoint (fp32): all at once and staggered on a large pool, all at once on a pool small
-    enough to preempt. One peer process per pool size."""
+    """vLLM on the tiny checkpoint (fp32), prefix caching on, each run on a cold cache: random prompts all at once and
+    staggered, shared prefixes all at once and staggered on a large pool; random prompts on a pool small enough to
+    preempt, prefix caching off (with it on, a request resumed after preemption hits one cached block more in vLLM
+    than in ours: docs/vllm.md). Two vLLM starts for the module (a pool's size is fixed when vLLM starts)."""
     prompts, max_tokens = workload()
     runs = {}
-    with VLLMPeer(PeerSettings(str(checkpoint), num_blocks=256, max_num_seqs=MAX_SEQS,
-                               max_num_batched_tokens=BUDGET)) as peer:
+    with VLLMPeer(PeerSettings(str(checkpoint), num_blocks=256, max_num_seqs=MAX_SEQS, max_num_batched_tokens=BUDGET,
+                               enable_prefix_caching=True)) as peer:
         runs["all at once"] = peer.run(prompts, max_tokens)
         runs["staggered"] = peer.run(prompts, max_tokens, [3 * i for i in range(len(prompts))])
+        runs["shared prefix"] = peer.run(*shared_prefix_workload())
+        runs["shared prefix, staggered"] = peer.run(*shared_prefix_workload(), [4 * i for i in range(12)])
     with VLLMPeer(PeerSettings(str(checkpoint), num_blocks=12, max_model_len=256, max_num_seqs=MAX_SEQS,
-                               max_num_batched_tokens=BUDGET)) as peer:
+                               max_num_batched_tokens=BUDGET, enable_prefix_caching=False)) as peer:
         runs["small pool"] = peer.run(prompts, max_tokens)
-    for case, arrivals in (("shared prefix", None), ("shared prefix, staggered", [4 * i for i in range(12)])):
-        with VLLMPeer(PeerSettings(str(checkpoint), num_blocks=256, max_num_seqs=MAX_SEQS,  # a cold prefix cache
-                                   max_num_batched_tokens=BUDGET, enable_prefix_caching=True)) as peer:
-            runs[case] = peer.run(*shared_prefix_workload(), arrivals)
     return runs
 
 
 def ours(checkpoint, num_blocks: int, arrival_steps=None, max_model_len=None, scheduling="vllm"):
-    """Our engine with vLLM's settings: the vllm policy, no prefix caching, and one block fewer than vLLM's count
-    (vLLM's block pool keeps block 0 as its null block: ``BlockPool.__init__``, vllm/v1/core/block_pool.py)."""
+    """Our engine with the peer's settings: the vllm policy, prefix caching as the peer of that pool size has it, and
+    one block fewer than vLLM's count (vLLM's block pool keeps block 0 as its null block: ``BlockPool.__init__``,
+    vllm/v1/core/block_pool.py)."""
+    caching = num_blocks > 12  # the small pool's peer runs without prefix caching
     engine = LLMEngine(str(checkpoint), block_size=BLOCK_SIZE, num_blocks=num_blocks - 1, max_num_seqs=MAX_SEQS,
-                       max_num_batched_tokens=BUDGET, scheduling=scheduling, enable_prefix_caching=False,
+                       max_num_batched_tokens=BUDGET, scheduling=scheduling, enable_prefix_caching=caching,
                        max_model_len=max_model_len)
     prompts, max_tokens = workload()
     return engine, serve(engine, prompts, max_tokens, arrival_steps)

@@ -187,8 +187,11 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.app_flow", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5, help="times each change is made (median)")
-    parser.add_argument("--out", default="benchmarks/results/app_flow.csv", help="results CSV")
+    from lab.cli_args import output_csv, positive_int
+
+    parser.add_argument("--repeats", type=positive_int, default=5, help="times each change is made (median)")
+    parser.add_argument("--out", type=output_csv, default="benchmarks/results/app_flow.csv",
+                        help="results CSV (checked writable before the browser starts)")
     args = parser.parse_args(argv)
     if CHROMIUM is None:
         print("error: Debian's chromium is not installed (apt-get install chromium)", file=sys.stderr)

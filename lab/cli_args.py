@@ -107,6 +107,13 @@ def _check_creatable(folder: Path, text: str) -> None:
         folder = folder.parent
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text!r}: cannot write into {str(folder)!r}")
+    try:  # permissions can say yes where writing cannot (a read-only or virtual file system, root's view of /proc)
+        import tempfile
+
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot write into {str(folder)!r} ({exc.strerror})") from None
 
 
 def _int_at_least(text: str, low: int) -> int:

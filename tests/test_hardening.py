@@ -124,6 +124,15 @@ def test_two_outputs_of_one_command_never_share_a_file(tmp_path, args):
     assert not (tmp_path / "same.csv").exists()
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_output_where_nothing_can_be_written_is_refused_before_the_run():
+    """/proc says root may write there; writing says otherwise: the check writes, it does not ask."""
+    started = time.monotonic()
+    result = cli("simulator", "--out", "/proc/sys/summary.csv", "--num-requests", "2000")
+    assert result.returncode == 2 and "cannot write into '/proc/sys'" in result.stderr
+    assert time.monotonic() - started < 30  # refused before any simulation
+
+
 def test_a_sweep_store_is_never_its_output(tmp_path):
     grid = tmp_path / "grid.yaml"
     grid.write_text("block_size: [8]\n")

@@ -60,10 +60,7 @@ def output_csv(text: str) -> str:
     if path.is_dir() or text.endswith(("/", os.sep)):
         _check_creatable(path, text)
         return text
-    _check_creatable(path.parent, text)
-    if path.exists() and not os.access(path, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{text!r} exists and is not writable")
-    return text
+    return output_file(text)
 
 
 def output_file(text: str) -> str:

@@ -56,7 +56,7 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.peak = torch.cuda.max_memory_allocated(self.device)
         else:
-            self.peak = _status_bytes("VmHWM")
+            self.peak = status_bytes("VmHWM")
 
 
 def _reset_rss_peak() -> None:
@@ -66,13 +66,17 @@ def _reset_rss_peak() -> None:
         pass  # not Linux or not allowed: the peak then covers the whole process
 
 
-def _status_bytes(field: str) -> int:
+def status_bytes(field: str, pid: int | None = None) -> int:
+    """A byte count of ``/proc/<pid>/status`` (``VmHWM``: the peak resident set) of this process or ``pid``; off
+    Linux, this process's peak resident set (another process's: 0)."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid or 'self'}/status").read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
+    if pid is not None:
+        return 0
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from lab.bench.e2e import status_bytes
 from lab.engine import LLMEngine
 from lab.live import random_requests
 from lab.model import PRESETS, save_checkpoint
@@ -50,15 +51,6 @@ def _latencies(arrival, first, finish, outputs) -> dict:
             "tpot_p50_s": _percentile(tpot, 50), "tpot_p90_s": _percentile(tpot, 90)}
 
 
-def _peak_rss(pid: int | None = None) -> int:
-    """Peak resident set size (VmHWM) of a process, this one by default, in bytes."""
-    status = Path(f"/proc/{pid or 'self'}/status")
-    for line in status.read_text().splitlines() if status.exists() else ():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def _ours(engine: LLMEngine, prompts, max_tokens) -> dict:
     steps_before, preempted_before = len(engine.step_log()), engine.step_log()["num_preempted"].sum()
     started = time.perf_counter()
@@ -70,7 +62,7 @@ def _ours(engine: LLMEngine, prompts, max_tokens) -> dict:
             **_latencies([o.arrival_s - started for o in done], [o.first_token_s - started for o in done],
                          [o.finish_s - started for o in done], [o.outputs[0] for o in done]),
             "steps": len(log) - steps_before, "preemptions": int(log["num_preempted"].sum() - preempted_before),
-            "peak_memory_bytes": _peak_rss(), "outputs": run["outputs"]}
+            "peak_memory_bytes": status_bytes("VmHWM"), "outputs": run["outputs"]}
 
 
 def _theirs(peer: VLLMPeer, prompts, max_tokens) -> dict:
@@ -78,7 +70,7 @@ def _theirs(peer: VLLMPeer, prompts, max_tokens) -> dict:
     return {"output_tok_s": sum(map(len, run["outputs"])) / run["elapsed_s"],
             **_latencies(run["arrival_s"], run["first_token_s"], run["finish_s"], run["outputs"]),
             "steps": len(run["steps"]), "preemptions": sum(len(s["preempted"]) for s in run["steps"]),
-            "peak_memory_bytes": _peak_rss(peer.process.pid), "outputs": run["outputs"]}
+            "peak_memory_bytes": status_bytes("VmHWM", peer.process.pid), "outputs": run["outputs"]}
 
 
 def run_vllm_bench(config: VLLMBenchConfig, progress=None) -> pd.DataFrame:

@@ -84,14 +84,16 @@ class SequenceBlocks:
     stream_key: object = None  # content known as (stream key, position) for its first stream_blocks full blocks
     stream_blocks: int = 0
     stream_registered: int = 0  # leading blocks already registered in the prefix cache
+    untracked_from: int = -1  # the first block left unhashed when tokens were appended without ids (-1: none)
 
 
 class FreeBlockQueue:
-    """Unreferenced blocks, least recently released first (vLLM V1's free block queue): allocation takes the head
-    whether or not a block is still in the prefix cache, so when a block was registered never changes which block
-    is reused next. A list with a moving head, so bulk allocation and release are list slices; a cached free block
-    taken back by a prefix hit leaves a stale entry that allocation skips (only cached blocks can be taken from the
-    middle, so only their entry positions are tracked)."""
+    """Unreferenced blocks in the order they will be reused, as vLLM 0.32's free block queue keeps them
+    (``BlockPool.free_blocks``, vllm/v1/core/block_pool.py): a block without a cache key goes to the head (reused
+    first, last freed first), a cached one to the tail (cached blocks are evicted least recently released first).
+    Allocation takes the head. A list with a moving head, so bulk allocation and release are list slices; a cached
+    free block taken back by a prefix hit leaves a stale entry that allocation skips (only cached blocks can be taken
+    from the middle, so only their entry positions are tracked)."""
 
     def __init__(self, num_blocks: int, ref_counts: list[int], block_keys: list):
         self.entries = array(BLOCK_ID, np.arange(num_blocks, dtype=np.intc).tobytes())  # from one buffer, not element by element
@@ -104,10 +106,18 @@ class FreeBlockQueue:
     def __len__(self) -> int:
         return self.num_free
 
-    def extend_unkeyed(self, blocks: array) -> None:
-        """Queue blocks that have no cache key (the bulk release path)."""
-        self.entries.extend(blocks)
-        self.num_free += len(blocks)
+    def prepend_unkeyed(self, blocks: array) -> None:
+        """Queue blocks that have no cache key at the head, ``blocks[0]`` to be reused first."""
+        count, head = len(blocks), self.head
+        if count > head:  # room before the head: pad the front (entry positions stay absolute through ``base``)
+            pad = count - head + len(self.entries) // 2 + 64
+            self.entries[0:0] = array(BLOCK_ID, bytes(pad * self.entries.itemsize))
+            self.base -= pad
+            head += pad
+        head -= count
+        self.entries[head:head + count] = blocks
+        self.head = head
+        self.num_free += count
 
     def push(self, block: int) -> None:
         if self.block_keys[block] is not None:
@@ -257,12 +267,15 @@ class KVBlockManager:
         return self._shortfall(num_tokens, hits) + extra_blocks <= 0
 
     def create_sequence(self, seq_id, prompt_token_ids: Sequence[int] | None = None,
-                        num_prompt_tokens: int | None = None, stream_key=None, register_stream: bool = True) -> int:
+                        num_prompt_tokens: int | None = None, stream_key=None, register_stream: bool = True,
+                        max_new_tokens: int | None = None) -> int:
         """Allocate blocks for a new sequence's prompt and return how many leading tokens came from the prefix cache.
+        With ``max_new_tokens``, only the cache hits and at most that many more tokens (a first prompt chunk, as vLLM
+        V1's ``allocate_slots`` allocates for the tokens it schedules); ``append_tokens`` adds the rest.
 
         Give ``prompt_token_ids`` (enables prefix caching for this sequence) or just ``num_prompt_tokens`` (with a
         ``stream_key``, prefix caching by stream position: its full blocks are registered now, or with
-        ``register_stream=False`` only when ``register_stream_blocks`` is called); with neither the sequence starts
+        ``register_stream=False`` only when ``register_blocks`` is called); with neither the sequence starts
         empty. The last prompt token is never served from the cache, so a caller always
         has at least one token to compute. Raises ``OutOfBlocksError`` (nothing changed) when the pool is too small.
         """
@@ -270,6 +283,9 @@ class KVBlockManager:
         num_tokens, token_ids = self._prompt_args(prompt_token_ids, num_prompt_tokens)
         hits, tier = self._lookup(token_ids, num_tokens, stream_key)
         size = self.block_size
+        if max_new_tokens is not None:
+            num_tokens = min(num_tokens, (len(hits) + len(tier)) * size + _count(max_new_tokens, "max_new_tokens"))
+            token_ids = token_ids[:num_tokens] if token_ids is not None else None
         blocks = -(-num_tokens // size)
         # enough free blocks for the whole prompt suffice (hits only lower the need): skip counting them
         if blocks > self.free_block_queue.num_free and self._shortfall(num_tokens, hits) > 0:
@@ -295,7 +311,7 @@ class KVBlockManager:
                 stats.hit_blocks += len(hits) + len(tier)
                 stats.hit_tokens += (len(hits) + len(tier)) * size
         if register_stream and stream_key is not None:
-            self.register_stream_blocks(seq_id)
+            self.register_blocks(seq_id)
         return (len(hits) + len(tier)) * size
 
     def _create_from_cache(self, hits: list[int], num_tokens: int, token_ids: list[int] | None,
@@ -333,18 +349,35 @@ class KVBlockManager:
         """The tier's copies queued since the last call."""
         return self.prefix_cache.take_tier_copies()
 
-    def register_stream_blocks(self, seq_id) -> None:
-        """Register a stream sequence's full prompt blocks in the prefix cache (if not done yet). With the free
-        queue reusing blocks in release order, registering a block any time before its release gives the same
-        later hits as registering it when it filled."""
+    def register_blocks(self, seq_id, token_ids=None, sampled: bool = False) -> None:
+        """Register a sequence's full blocks in the prefix cache (if not done yet): a stream sequence's prompt
+        blocks, with ``sampled`` its later ones too (the stream of a request of one sample is that sample's own);
+        given ``token_ids`` (its tokens, at least as many as it holds), every full block of a sequence whose
+        later tokens were appended without ids, sampled tokens' included, as vLLM V1 caches a request's blocks while
+        they fill (``KVCacheManager.allocate_slots`` → ``cache_blocks``, vllm/v1/core/kv_cache_manager.py), so that
+        a preempted request hits its own blocks when it is prefilled again. With the free queue reusing blocks in
+        release order, registering a block any time before its release gives the same later hits as registering it
+        when it filled."""
         seq = self._seq(seq_id)
         self._flush_reserve()
-        if seq.stream_key is not None and seq.stream_registered < seq.stream_blocks:
-            self._share(seq)  # its blocks get cache keys
-            seq.parent_content_id = self.prefix_cache.register_stream(seq.parent_content_id, seq.stream_key,
-                                                                     seq.block_table, seq.stream_registered,
-                                                                     seq.stream_blocks)
-            seq.stream_registered = seq.stream_blocks
+        if seq.stream_key is not None:
+            if sampled:
+                seq.stream_blocks = max(seq.stream_blocks, seq.num_tokens // self.block_size)
+            if seq.stream_registered < seq.stream_blocks:
+                self._share(seq)  # its blocks get cache keys
+                seq.parent_content_id = self.prefix_cache.register_stream(seq.parent_content_id, seq.stream_key,
+                                                                         seq.block_table, seq.stream_registered,
+                                                                         seq.stream_blocks)
+                seq.stream_registered = seq.stream_blocks
+            return
+        full = seq.num_tokens // self.block_size
+        if token_ids is not None and 0 <= seq.untracked_from < full and len(token_ids) >= full * self.block_size:
+            self._share(seq)
+            size, register = self.block_size, self.prefix_cache.register
+            for index in range(seq.untracked_from, full):
+                seq.parent_content_id = register(seq.parent_content_id, seq.block_table[index],
+                                                 token_ids[index * size:(index + 1) * size])
+            seq.untracked_from = full
 
     def fork_sequence(self, parent_id, child_id) -> None:
         """Make ``child_id`` share every block of ``parent_id`` (reference counts go up; nothing is copied)."""
@@ -363,7 +396,8 @@ class KVBlockManager:
     def release_sequence(self, seq_id, num_reserved: int = 0) -> None:
         """Drop a sequence; blocks whose count reaches zero become free (cached ones stay reusable, LRU). With
         ``num_reserved``, the last that many reserved blocks (ones it would have taken with ``from_reserved``
-        appends) are freed with it, as if appended first."""
+        appends) are freed with it, as if appended first. Uncached blocks are reused first, cached ones last
+        (``FreeBlockQueue``)."""
         seq = self._seq(seq_id)
         if num_reserved:
             if type(num_reserved) is not int or num_reserved < 0:
@@ -377,17 +411,26 @@ class KVBlockManager:
         table = seq.block_table
         self.num_block_references -= len(table) + num_reserved
         ref_counts, free = self._ref_counts, self.free_block_queue
-        if num_reserved:  # the newest reserved blocks, freed as if appended (stored count 0 already)
-            free.extend_unkeyed(self._take_reserved(num_reserved, newest_first=False))
+        if self._reserve_backlog:  # reserved blocks leave the head before freed ones are put there
+            self._flush_reserve()
+        # vLLM frees a request's blocks tail first: the newest reserved blocks (as if appended), then the table's
+        unkeyed = self._take_reserved(num_reserved) if num_reserved else array(BLOCK_ID)
         if seq.exclusive:  # every block has one holder (stored as 0) and no cache key: free them in bulk
             table.reverse()  # the table dies with the sequence: reverse it in place
-            free.extend_unkeyed(table)
+            unkeyed.extend(table)
+            free.prepend_unkeyed(unkeyed)
             return
-        for block in reversed(table):  # tail first, so a prefix's head is reused last
+        keys = self.prefix_cache.block_keys
+        for block in reversed(table):
             count = ref_counts[block] - 1
             ref_counts[block] = count
             if count == 0:
-                free.push(block)
+                if keys[block] is None:
+                    unkeyed.append(block)
+                else:
+                    free.push(block)
+        if unkeyed:
+            free.prepend_unkeyed(unkeyed)
 
     # ---- appending ----------------------------------------------------------------------------------------
     def num_blocks_to_append(self, seq_id, num_tokens: int = 1) -> int:
@@ -681,8 +724,9 @@ class KVBlockManager:
         if new_blocks > 0:
             seq.block_table.extend(self._held_by(seq, (source or self._allocate_blocks)(new_blocks)))
         if seq.partial_token_ids is not None and num_tokens:
-            if token_ids is None:
-                seq.partial_token_ids = seq.known_tokens = None  # tokens unknown from here on: never cached
+            if token_ids is None:  # tokens unknown from here on: cached only by register_blocks
+                seq.partial_token_ids = seq.known_tokens = None
+                seq.untracked_from = seq.num_tokens // self.block_size
             else:
                 self._track_tokens(seq, token_ids)
         seq.num_tokens += num_tokens
@@ -710,8 +754,9 @@ class KVBlockManager:
         seq.partial_token_ids = list(token_ids[whole:])
 
     def _track_token(self, seq: SequenceBlocks, token_id) -> None:
-        if token_id is None:
-            seq.partial_token_ids = seq.known_tokens = None  # tokens unknown from here on: never cached
+        if token_id is None:  # tokens unknown from here on: cached only by register_blocks
+            seq.partial_token_ids = seq.known_tokens = None
+            seq.untracked_from = (seq.num_tokens - 1) // self.block_size  # num_tokens counts this token already
             return
         seq.partial_token_ids.append(int(token_id))
         seq.known_tokens.append(int(token_id))

@@ -8,7 +8,7 @@ copy-on-write of a shared partial block, the first token after a swap-in) are ev
 """
 from __future__ import annotations
 
-from .block_manager import KVBlockManager, PrefixCacheStats
+from .block_manager import KVBlockManager, OutOfBlocksError, PrefixCacheStats
 from .pool_view import pool_snapshot, tier_snapshot
 from .offload import OffloadCopies
 from .scheduler import NO_EVENT, MemoryNeeds, MemorySample, Sequence
@@ -63,11 +63,13 @@ class PagedPolicy:
     def can_ever_fit(self, final_len: int, count: int = 1) -> bool:
         return count * -(-final_len // self.block_size) <= self.manager.num_physical_blocks
 
-    def admit(self, seqs: list[Sequence], token_ids: list[int] | None, first_decode: bool = True) -> bool:
+    def admit(self, seqs: list[Sequence], token_ids: list[int] | None, first_decode: bool = True,
+              chunk: int | None = None) -> bool:
         """Allocate a group's prompt (the first sequence; the others fork it), if the prompt and, with
         ``first_decode``, the group's first decode step fit. All or nothing. vLLM V1 admits without the first decode's
-        block (``KVCacheManager.allocate_slots`` for the scheduled tokens only) and preempts when that decode finds
-        no free block."""
+        block and allocates for the tokens it schedules only (``KVCacheManager.allocate_slots``): with ``chunk`` (a
+        group of one), only the cache hits and the next ``chunk`` prompt tokens get blocks now, ``grow`` gives a later
+        chunk its own."""
         first, manager = seqs[0], self.manager
         prompt_len = first.prompt_len
         extra = len(seqs) if first_decode and prompt_len % self.block_size == 0 else len(seqs) - 1
@@ -76,7 +78,7 @@ class PagedPolicy:
         stream = first.group.stream_key if ids is None else None
         blocks = -(-prompt_len // self.block_size)  # its table: cache hits plus fresh blocks
         # Enough free blocks for the whole prompt is sufficient (hits only lower the need): skip the lookup.
-        if blocks + extra > self.free_queue.num_free and \
+        if chunk is None and blocks + extra > self.free_queue.num_free and \
                 not manager.can_allocate(ids, count, extra, stream):
             return False
         # A request of one sample: only its own later prefill can ask for its stream, so register on preemption
@@ -84,8 +86,12 @@ class PagedPolicy:
         # (With an offload tier, always now: the engine caches every prompt's blocks as it admits them, and the tier
         # stores what either executor evicts from its cache, so both must cache the same blocks.)
         register = len(first.group.seqs) > 1 or self.tier is not None
-        first.cached_tokens = manager.create_sequence(first.seq_id, ids, count, stream, register)
-        first.synced_len = prompt_len
+        try:
+            first.cached_tokens = manager.create_sequence(first.seq_id, ids, count, stream, register, chunk)
+        except OutOfBlocksError:  # only with a chunk: the check above has made sure of the rest
+            return False
+        first.synced_len = manager.sequences[first.seq_id].num_tokens
+        blocks = -(-first.synced_len // self.block_size)
         if len(seqs) > 1:
             for seq in seqs[1:]:
                 manager.fork_sequence(first.seq_id, seq.seq_id)
@@ -114,8 +120,8 @@ class PagedPolicy:
         self._count_final_block(seq, -(-seq.final_len // self.block_size))
 
     def grow(self, seq: Sequence, kv_len: int, alone: bool) -> bool:
-        """Give ``seq`` (synced) fresh blocks for ``kv_len`` tokens (copy-on-write included); False (nothing changed)
-        when too few blocks are free. A lone sequence always fits (``can_ever_fit``), so ``alone`` needs nothing
+        """Give ``seq`` (synced) fresh blocks for ``kv_len`` tokens (copy-on-write included; a prompt chunk's tokens
+        hashed for the prefix cache); False (nothing changed) when too few blocks are free. A lone sequence always fits (``can_ever_fit``), so ``alone`` needs nothing
         special here."""
         manager, size = self.manager, self.block_size
         table = manager.sequences[seq.seq_id].block_table
@@ -124,7 +130,11 @@ class PagedPolicy:
             needed += 1
         if needed > manager.num_free_blocks:
             return False
-        self._append(seq, kv_len, False)
+        token_ids = seq.group.token_ids
+        if seq.synced_len < seq.prompt_len and token_ids is not None:  # a prompt chunk: its full blocks are cached
+            self._append(seq, kv_len, False, token_ids(seq, kv_len)[seq.synced_len:kv_len])
+        else:
+            self._append(seq, kv_len, False)
         if len(table) * size >= seq.final_len and not seq.final_block_counted:
             self._count_final_block(seq, len(table))
         return True
@@ -143,10 +153,10 @@ class PagedPolicy:
         if seq.shared_block >= 0 or -(-kv_len // size) > -(-seq.synced_len // size):
             self._append(seq, kv_len, True)
 
-    def _append(self, seq: Sequence, kv_len: int, from_reserved: bool) -> None:
+    def _append(self, seq: Sequence, kv_len: int, from_reserved: bool, token_ids=None) -> None:
         if seq.shared_block >= 0:
             self._leave_shared_partial(seq)
-        self.manager.append_tokens(seq.seq_id, kv_len - seq.synced_len, None, from_reserved)
+        self.manager.append_tokens(seq.seq_id, kv_len - seq.synced_len, token_ids, from_reserved)
         seq.synced_len = kv_len
 
     def release(self, seq: Sequence, kv_len: int) -> None:
@@ -161,8 +171,16 @@ class PagedPolicy:
         self.manager.release_sequence(seq.seq_id, owed)
 
     def preempt(self, seq: Sequence, kv_len: int) -> None:
-        """Release a sequence that will be prefilled again: its prompt blocks stay findable in the prefix cache."""
-        self.manager.register_stream_blocks(seq.seq_id)
+        """Release a sequence that will be prefilled again: its full blocks stay findable in the prefix cache, for a
+        request of one sample those of its sampled tokens too (a sample of several: the prompt's only, since the
+        simulator cannot know one sample's tokens from another's; docs/vllm.md)."""
+        self.sync(seq, kv_len)  # the table then holds every block of its tokens (whatever views synced before)
+        group = seq.group
+        if len(group.seqs) == 1:
+            ids = group.token_ids(seq, kv_len) if group.token_ids is not None else None
+            self.manager.register_blocks(seq.seq_id, ids, sampled=True)
+        else:
+            self.manager.register_blocks(seq.seq_id)
         self.release(seq, kv_len)
 
     def take_copies(self) -> list[tuple[int, int]]:
@@ -208,7 +226,7 @@ class PagedPolicy:
         copy-on-write earlier in this step is read from its source (the copy has not run yet)."""
         manager = self.manager
         for seq, kv_len in zip(seqs, kv_lens):
-            manager.register_stream_blocks(seq.seq_id)  # the GPU blocks stay cached after the move
+            manager.register_blocks(seq.seq_id)  # the GPU blocks stay cached after the move
             self.sync(seq, kv_len)
             self._forget(seq)
         ids = [s.seq_id for s in seqs]

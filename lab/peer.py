@@ -96,11 +96,14 @@ class VLLMPeer:
             raise PeerError(f"vLLM: {answer['error']}")
         return answer
 
-    def run(self, prompts: list[list[int]], max_tokens: list[int], arrival_steps: list[int] | None = None) -> dict:
-        """Serve ``prompts`` greedily (request i joins before engine step ``arrival_steps[i]``): each request's
-        ``outputs``, ``arrival_s``, ``first_token_s``, ``finish_s``, the run's ``elapsed_s`` and vLLM's ``steps``."""
-        return self._ask({"run": {"prompts": prompts, "max_tokens": max_tokens, "arrival_steps": arrival_steps}},
-                         RUN_TIMEOUT_S)
+    def run(self, prompts: list[list[int]], max_tokens: list[int], arrival_steps: list[int] | None = None,
+            long_prefill_token_threshold: int | None = None) -> dict:
+        """Serve ``prompts`` greedily (request i joins before engine step ``arrival_steps[i]``; the scheduler's
+        long-prefill threshold set for this run when given): each request's ``outputs``, ``arrival_s``,
+        ``first_token_s``, ``finish_s``, the run's ``elapsed_s`` and vLLM's ``steps``."""
+        job = {"prompts": prompts, "max_tokens": max_tokens, "arrival_steps": arrival_steps,
+               "long_prefill_token_threshold": long_prefill_token_threshold}
+        return self._ask({"run": job}, RUN_TIMEOUT_S)
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -121,48 +124,81 @@ class VLLMPeer:
 
 def serve(engine, prompts: list[list[int]], max_tokens: list[int], arrival_steps: list[int] | None = None) -> dict:
     """Our engine served as the driver serves vLLM (``peer_driver.run``): request i joins before engine step
-    ``arrival_steps[i]``, greedy; each request's ``outputs`` and the run's ``elapsed_s``."""
+    ``arrival_steps[i]``, greedy; each request's ``outputs``, the run's ``elapsed_s`` and ``steps``: per step, the
+    tokens scheduled per request (by index, as the driver reports vLLM's) and the blocks in use right after
+    scheduling (when vLLM's recorder reads its KV usage)."""
     import time
 
     from .sampler import SamplingParams
 
     arrivals = arrival_steps or [0] * len(prompts)
     order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
-    ids, outputs, step, next_request = {}, {}, 0, 0
+    ids, outputs, steps, step, next_request = {}, {}, {}, 0, 0
+    scheduler = engine.scheduler
+    schedule = scheduler.schedule
+
+    def recorded():
+        plan = schedule()
+        scheduled: dict[str, int] = {}
+        for chunk in plan.prefill_chunks or ():
+            key = str(ids[chunk.seq.group.request_id])
+            scheduled[key] = scheduled.get(key, 0) + chunk.num_tokens
+        for seq in plan.decode_seqs or ():
+            key = str(ids[seq.group.request_id])
+            scheduled[key] = scheduled.get(key, 0) + 1
+        steps[plan.step] = {"scheduled": scheduled, "blocks_in_use": scheduler.policy.blocks_in_use()}
+        return plan
+
+    scheduler.schedule = recorded
     started = time.perf_counter()
-    while next_request < len(order) or engine.has_unfinished():
-        while next_request < len(order) and arrivals[order[next_request]] <= step:
-            i = order[next_request]
-            ids[engine.add_request(prompts[i], SamplingParams(max_tokens=max_tokens[i]))] = i
-            next_request += 1
-        for output in engine.step():
-            outputs[ids[output.request_id]] = output.outputs[0]
-        step += 1
-    return {"outputs": [outputs[i] for i in range(len(prompts))], "elapsed_s": time.perf_counter() - started}
+    try:
+        while next_request < len(order) or engine.has_unfinished():
+            while next_request < len(order) and arrivals[order[next_request]] <= step:
+                i = order[next_request]
+                ids[engine.add_request(prompts[i], SamplingParams(max_tokens=max_tokens[i]))] = i
+                next_request += 1
+            for output in engine.step():
+                outputs[ids[output.request_id]] = output.outputs[0]
+            step += 1
+    finally:
+        del scheduler.schedule
+    return {"outputs": [outputs[i] for i in range(len(prompts))], "elapsed_s": time.perf_counter() - started,
+            "steps": steps}
 
 
-STEP_FIELDS = ("scheduled_tokens", "running", "waiting", "finished", "preempted")
+STEP_FIELDS = ("scheduled_tokens", "per_request", "running", "waiting", "finished", "preempted", "blocks_in_use")
 
 
-def vllm_step_table(steps: list[dict]) -> pd.DataFrame:
-    """vLLM's recorded steps (``VLLMPeer.run``'s ``steps``) as one row per step: the tokens scheduled, running and
-    waiting requests after scheduling, requests finished and preempted (``STEP_FIELDS``) and the KV usage."""
+def _per_request(scheduled: dict[str, int]) -> str:
+    """Tokens scheduled per request as one comparable cell: ``index:tokens`` pairs by index."""
+    return " ".join(f"{key}:{scheduled[key]}" for key in sorted(scheduled, key=int))
+
+
+def vllm_step_table(steps: list[dict], num_blocks: int) -> pd.DataFrame:
+    """vLLM's recorded steps (``VLLMPeer.run``'s ``steps``) as one row per step: the tokens scheduled (in all and
+    per request), running and waiting requests after scheduling, requests finished and preempted, and the blocks in
+    use then (``STEP_FIELDS``): vLLM's KV usage times its ``num_blocks - 1`` usable blocks (``BlockPool.get_usage``,
+    vllm/v1/core/block_pool.py)."""
     return pd.DataFrame([{"step": index + 1, "scheduled_tokens": sum(step["scheduled"].values()),
-                          "running": step["running"], "waiting": step["waiting"], "finished": len(step["finished"]),
-                          "preempted": len(step["preempted"]), "kv_usage": step["kv_usage"]}
+                          "per_request": _per_request(step["scheduled"]), "running": step["running"],
+                          "waiting": step["waiting"], "finished": len(step["finished"]),
+                          "preempted": len(step["preempted"]),
+                          "blocks_in_use": round(step["kv_usage"] * (num_blocks - 1))}
                          for index, step in enumerate(steps)])
 
 
-def our_step_table(step_log: pd.DataFrame) -> pd.DataFrame:
-    """Our engine's ``step_log()`` in ``vllm_step_table``'s columns. vLLM counts its queues right after scheduling
-    and reports a request's finish in the next step (``finished_req_ids`` of the next ``schedule``); our log counts
-    them at the end of the step. So a request that finished in a step is still running in vLLM's row of that step,
-    and its finish shows one step later."""
+def our_step_table(step_log: pd.DataFrame, steps: dict[int, dict]) -> pd.DataFrame:
+    """Our engine's ``step_log()`` and ``serve``'s per-step record in ``vllm_step_table``'s columns. vLLM counts its
+    queues right after scheduling and reports a request's finish in the next step (``finished_req_ids`` of the next
+    ``schedule``); our log counts them at the end of the step. So a request that finished in a step is still
+    running in vLLM's row of that step, and its finish shows one step later."""
     finished = step_log["num_finished"].shift(1, fill_value=0).astype(int)
+    record = [steps[step] for step in step_log["step"]]
     return pd.DataFrame({"step": step_log["step"], "scheduled_tokens": step_log["num_prefill_tokens"]
-                         + step_log["num_decode_seqs"], "running": step_log["num_running"] + step_log["num_finished"],
+                         + step_log["num_decode_seqs"], "per_request": [_per_request(r["scheduled"]) for r in record],
+                         "running": step_log["num_running"] + step_log["num_finished"],
                          "waiting": step_log["num_waiting"], "finished": finished,
-                         "preempted": step_log["num_preempted"]})
+                         "preempted": step_log["num_preempted"], "blocks_in_use": [r["blocks_in_use"] for r in record]})
 
 
 def compare_step_logs(ours: pd.DataFrame, theirs: pd.DataFrame) -> pd.DataFrame:

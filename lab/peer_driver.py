@@ -3,9 +3,10 @@
 Reads one JSON object per line on stdin and answers one per line on stdout:
 ``{"load": {checkpoint, dtype, block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len,
 enable_prefix_caching}}`` builds vLLM's offline engine (in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
-``{"run": {"prompts": [[ids]], "max_tokens": [n], "arrival_steps": [k]}}`` serves the requests greedily on a cold
-prefix cache, adding
-request i before engine step ``arrival_steps[i]``, and answers with each request's tokens and times and vLLM's
+``{"run": {"prompts": [[ids]], "max_tokens": [n], "arrival_steps": [k], "long_prefill_token_threshold": t}}``
+serves the requests greedily on a cold prefix cache, adding request i before engine step ``arrival_steps[i]`` (``t``,
+when given, is the scheduler's long-prefill threshold for this run: ``Scheduler.schedule`` reads it from its config
+every step), and answers with each request's tokens and times and vLLM's
 step log: per scheduler step (``Scheduler.schedule`` in ``vllm/v1/core/sched/scheduler.py``) the tokens scheduled
 per request, the new, preempted and finished requests, running / waiting counts and the KV usage;
 ``{"quit": true}`` ends it. Imports nothing of the lab's: the peer's environment has vLLM, not the lab.
@@ -46,11 +47,22 @@ def load(settings: dict):
 
 
 def run(llm, log: list, job: dict) -> dict:
+    llm.reset_prefix_cache()  # each run starts cold, as a fresh engine of ours does
+    engine, log[:] = llm.llm_engine, []
+    config = engine.engine_core.engine_core.scheduler.scheduler_config
+    threshold = config.long_prefill_token_threshold
+    if job.get("long_prefill_token_threshold") is not None:
+        config.long_prefill_token_threshold = job["long_prefill_token_threshold"]
+    try:
+        return _serve(engine, log, job)
+    finally:
+        config.long_prefill_token_threshold = threshold
+
+
+def _serve(engine, log: list, job: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm.reset_prefix_cache()  # each run starts cold, as a fresh engine of ours does
-    engine, log[:] = llm.llm_engine, []
     run_id = f"r{time.monotonic_ns()}."  # a request id of this run: "<run_id><index>"
     prompts, max_tokens, arrivals = job["prompts"], job["max_tokens"], job.get("arrival_steps") or [0] * len(
         job["prompts"])
@@ -74,6 +86,8 @@ def run(llm, log: list, job: dict) -> dict:
     elapsed = time.perf_counter() - started
     for step in log:  # the last run's final finish is reported by this run's first schedule: not this run's
         step["finished"] = [r for r in step["finished"] if r.startswith(run_id)]
+        # by request index: the scheduler's ids are ours with a suffix vLLM adds ("<run_id><index>-<random>")
+        step["scheduled"] = {r.removeprefix(run_id).split("-")[0]: n for r, n in step["scheduled"].items()}
     log[:] = [step for step in log if step["scheduled"] or step["finished"]]
     return {"outputs": [outputs[i] for i in range(len(prompts))], "elapsed_s": elapsed,
             "arrival_s": [added_s[i] for i in range(len(prompts))],

@@ -36,6 +36,7 @@ RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cp
                "simulator.csv": "python -m simulator.bench", "sweep.csv": "python -m simulator.bench --sweep",
                "paper/*.csv": "python -m simulator paper", "launches.csv": "python -m lab bench launches",
                "gpu/*.csv": "scripts/gpu_check.sh (on a GPU)", "vllm_cpu.csv": "python -m lab bench vllm",
+               "vllm_cpu_bf16.csv": "python -m lab bench vllm --model tiny --num-requests 32 --dtype bfloat16",
                "app_flow.csv": "python -m benchmarks.app_flow"}
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import sys
 from collections import deque
 from enum import Enum
 from dataclasses import dataclass, field, fields
@@ -66,6 +67,9 @@ class SchedulingSettings:
         "help": "chunked: decodes first, then prompt chunks up to the token budget; vllm: chunked as vLLM V1 admits "
                 "(a prompt whose blocks fit, its first decode's block taken when it decodes: docs/vllm.md)",
         "choices": SCHEDULING_MODES})
+    long_prefill_token_threshold: int = field(default=0, metadata={
+        "help": "chunked and vllm: most prompt tokens one request takes per step while other requests run or wait "
+                "(0: no cap; vLLM V1's long_prefill_token_threshold)"})
     preemption_mode: str = field(default="recompute", metadata={
         "help": "swap: preempted sequences move to a host pool (paged)", "choices": PREEMPTION_MODES})
     num_cpu_blocks: int = field(default=0, metadata={
@@ -95,6 +99,12 @@ class SchedulerConfig(SchedulingSettings):
                 raise SchedulerError(f"{name} must be an integer >= 1, got {value!r}")
         if self.scheduling not in SCHEDULING_MODES:
             raise SchedulerError(f"scheduling must be one of {', '.join(SCHEDULING_MODES)}; got {self.scheduling!r}")
+        threshold = self.long_prefill_token_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise SchedulerError(f"long_prefill_token_threshold must be an integer >= 0, got {threshold!r}")
+        if threshold and self.scheduling == "prefill-first":
+            raise SchedulerError("long_prefill_token_threshold caps prompt chunks: it applies to chunked and vllm "
+                                 "scheduling, not prefill-first (which prefills whole prompts)")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise SchedulerError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; "
                                  f"got {self.preemption_mode!r}")
@@ -118,12 +128,14 @@ class Sequence:
 
     __slots__ = ("seq_id", "group", "sample", "prompt_len", "final_len", "kv_len_base", "step_base", "epoch",
                  "num_computed", "cached_tokens", "region", "synced_len", "final_block_counted", "final_block_slack",
-                 "shared_block", "status", "phase", "periodic_first", "periodic_last", "boundary_pending", "data")
+                 "shared_block", "status", "phase", "periodic_first", "periodic_last", "boundary_pending", "admitted",
+                 "data")
 
     def __init__(self, seq_id, group: "SequenceGroup", sample: int, prompt_len: int, final_len: int, data=None):
         self.seq_id, self.group, self.sample, self.data = seq_id, group, sample, data
         self.prompt_len, self.final_len = prompt_len, final_len
         self.kv_len_base = self.step_base = self.epoch = self.num_computed = self.cached_tokens = 0
+        self.admitted = 0  # when it was last admitted (the scheduler's count): vLLM preempts the newest
         self.region, self.synced_len = None, 0
         self.final_block_counted, self.final_block_slack = False, 0
         self.shared_block = -1  # a partly filled block it shares with forks (paged accounting), else -1
@@ -283,7 +295,8 @@ class KVPolicy(Protocol):
     pending_offload: bool  # the offload tier has copies queued (take_offload_copies)
 
     def can_ever_fit(self, final_len: int, count: int = 1) -> bool: ...  # count sequences at once, sharing nothing
-    def admit(self, seqs: list[Sequence], token_ids: list[int] | None, first_decode: bool = True) -> bool: ...
+    def admit(self, seqs: list[Sequence], token_ids: list[int] | None, first_decode: bool = True,
+              chunk: int | None = None) -> bool: ...
     def memory_needs(self, seq: Sequence) -> MemoryNeeds: ...
     def reserve(self, count: int) -> bool: ...
     def final_block_reserved(self, seq: Sequence) -> None: ...
@@ -335,6 +348,7 @@ class Scheduler:
         self._heap_ties = itertools.count()
         self.num_waiting_seqs = self.num_swapped_seqs = 0
         self.num_preemptions = self.num_swaps_out = 0
+        self.num_admitted = 0  # groups admitted so far (``Sequence.admitted``)
         self.num_discarded_tokens = 0  # sampled tokens a restarted beam search threw away
         self.beam_groups: dict[SequenceGroup, None] = {}  # beam searches with beams decoding, in admission order
         self.step_rows: list[tuple] | None = None
@@ -471,10 +485,16 @@ class Scheduler:
             out.decode_seqs = list(self.running.values())
             for seq in out.decode_seqs:
                 sync(seq, kv_len(seq))
+        self._count_decodes(out)
+
+    def _count_decodes(self, out: SchedulerOutput) -> None:
+        """The plan's decode batch: the running sequences (again when a prompt chunk preempted one of them)."""
+        if self.config.sync_every_step:
+            out.decode_seqs = list(self.running.values())
         out.num_decode_seqs = len(self.running)
         out.decode_kv_tokens = self.len_offset + len(self.running) * self.step
-        if self.config.track_longest and self.running:
-            out.decode_max_kv_len = self._max_len_offset() + self.step
+        out.decode_max_kv_len = self._max_len_offset() + self.step if self.config.track_longest and self.running \
+            else 0
 
     def _max_len_offset(self) -> int:
         """max over running of (kv_len_base - step_base): the longest sequence's length is this plus ``step``
@@ -549,7 +569,7 @@ class Scheduler:
             while not self.policy.reserve(1):
                 if len(self.running) == 1 and not self.prefilling:
                     raise RuntimeError(f"sequence {seq.seq_id!r} alone cannot get a block (can_ever_fit was wrong)")
-                self._preempt(self.running[next(reversed(self.running))], out)
+                self._preempt(self._newest(), out)
                 if not seq.boundary_pending:
                     break
             else:
@@ -564,17 +584,36 @@ class Scheduler:
                 if not self.policy.grow(seq, kv_len, True):
                     raise RuntimeError(f"sequence {seq.seq_id!r} alone cannot grow (can_ever_fit was wrong)")
                 return True
-            victim = running[next(reversed(running))]
-            self._preempt(victim, out)
+            self._preempt(self._newest(), out)
             if running.get(seq.seq_id) is not seq:
                 return False
             if self.policy.grow(seq, kv_len, False):
                 return True
 
+    def _newest(self) -> Sequence:
+        """The preemption victim: the newest running sequence; in vllm scheduling the newest admitted of the
+        running and the partly prefilled ones (vLLM V1 preempts ``self.running[-1]``, which holds both)."""
+        newest = self.running[next(reversed(self.running))] if self.running else None
+        if self.config.scheduling == "vllm" and self.prefilling and (
+                newest is None or self.prefilling[-1].admitted > newest.admitted):
+            return self.prefilling[-1]
+        return newest
+
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
         """Free the victim's GPU memory: swap its whole group's running sequences to the host pool, or (recompute,
         or no host room) drop its KV and queue it first to be prefilled again with everything it has sampled."""
         self.num_preemptions += 1
+        if victim.status is SequenceStatus.PREFILLING:  # vllm: its prompt starts over (its blocks stay cached)
+            self.prefilling.remove(victim)
+            self.policy.preempt(victim, victim.num_computed)
+            victim.num_computed, victim.status = 0, SequenceStatus.WAITING
+            out.preempted = _extended(out.preempted, (victim,))
+            group = victim.group
+            if len(group.seqs) > 1:  # a sample of n > 1 being recomputed alone, queued as the decode path queues it
+                group = SequenceGroup(group.request_id, [victim], group.token_ids, group.data, group.stream_key)
+            self.waiting.appendleft(group)
+            self.num_waiting_seqs += 1
+            return
         if self.config.preemption_mode == "swap":
             group = self._running_of(victim.group)
             kv_lens = [self.kv_len(s) - 1 for s in group]  # this step's token has no slot yet
@@ -663,16 +702,29 @@ class Scheduler:
         budget and memory allow: whole prompts in prefill-first mode, budget-sized chunks in chunked mode (groups of
         n > 1 samples are prefilled whole)."""
         chunked = self.config.scheduling != "prefill-first"  # chunked, vllm
+        vllm = self.config.scheduling == "vllm"  # blocks per chunk, as it schedules (else the prompt's at admission)
+        cap = self._prompt_cap()
         out.prefill_chunks, out.prefill_done = [], []
         for seq in list(self.prefilling):
             if budget <= 0:
                 break
-            budget -= self._add_chunk(out, seq, budget)
+            if vllm:
+                if seq.status is not SequenceStatus.PREFILLING:
+                    continue  # preempted for an earlier one's chunk
+                end = seq.num_computed + min(budget, cap, seq.prompt_len - seq.num_computed)
+                decoding = len(self.running)
+                grown = end <= seq.synced_len or self._grow_prompt(seq, end, out)
+                if len(self.running) < decoding:  # a decode admitted after it went: vLLM had not scheduled it yet
+                    budget += out.num_decode_seqs - len(self.running)
+                    self._count_decodes(out)
+                if not grown:
+                    break  # preempted itself: vLLM schedules no later running request
+            budget -= self._add_chunk(out, seq, min(budget, cap))
             if seq.num_computed >= seq.prompt_len:
                 self.prefilling.remove(seq)
                 out.prefill_done.append(seq)
                 out.prefill_chunks[-1].samples = [seq]
-        if self.swapped:
+        if self.swapped or vllm and out.preempted:  # vLLM admits nothing in a step that preempted
             return
         while self.waiting and budget > 0:
             group = self.waiting[0]
@@ -684,14 +736,17 @@ class Scheduler:
             if whole and out.prefill_chunks and prompt > budget:
                 break
             ids = self._prompt_token_ids(group, prompt) if group.token_ids is not None else None
-            if not self.policy.admit(seqs, ids, self.config.scheduling != "vllm"):
+            if not self.policy.admit(seqs, ids, not vllm, min(budget, cap) if vllm and not whole else None):
                 break
             self.waiting.popleft()
             self.num_waiting_seqs -= len(seqs)
+            self.num_admitted += 1
+            for seq in seqs:
+                seq.admitted = self.num_admitted
             parent = seqs[0]
             parent.num_computed = parent.cached_tokens
             out.cached_tokens_read += parent.cached_tokens
-            budget -= self._add_chunk(out, parent, prompt if whole else budget)
+            budget -= self._add_chunk(out, parent, prompt if whole else min(budget, cap))
             if parent.num_computed >= prompt:
                 for seq in seqs:
                     seq.num_computed = prompt
@@ -701,6 +756,25 @@ class Scheduler:
             else:
                 parent.status = SequenceStatus.PREFILLING
                 self.prefilling.append(parent)
+
+    def _grow_prompt(self, seq: Sequence, end: int, out: SchedulerOutput) -> bool:
+        """vllm: blocks for ``seq``'s prompt up to ``end``, preempting the newest until they fit; False when ``seq``
+        itself was preempted (``allocate_slots`` in the running loop of vllm/v1/core/sched/scheduler.py)."""
+        while not self.policy.grow(seq, end, False):
+            victim = self._newest()
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _prompt_cap(self) -> int:
+        """The most prompt tokens one request takes this step: ``long_prefill_token_threshold`` while more than one
+        request runs or waits, as ``Scheduler.schedule`` in vllm/v1/core/sched/scheduler.py counts them before it
+        schedules (nobody to starve otherwise), else no cap."""
+        threshold = self.config.long_prefill_token_threshold
+        if threshold and len(self.running) + len(self.prefilling) + len(self.waiting) > 1:
+            return threshold
+        return sys.maxsize
 
     def _prompt_token_ids(self, group: SequenceGroup, prompt: int) -> TokenIds:
         """The group's prompt ids, built and checked once while it waits at the head of the queue for memory (it is

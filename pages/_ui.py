@@ -41,6 +41,22 @@ def csv_download(table, kind: str, settings: dict, key: str, label: str = "Downl
                        on_click="ignore")  # a download never reruns (or stops) the page
 
 
+SCHEDULING_LABELS = {"prefill-first": "Prefill first (vLLM 0.1, the paper)", "chunked": "Chunked prefill",
+                     "vllm": "vLLM V1"}
+
+
+def scheduling_radio(default: str, key: str, disabled: bool = False) -> str:
+    """The scheduling policy (``lab.scheduler.SCHEDULING_MODES``), named as people know them."""
+    modes = list(SCHEDULING_LABELS)
+    return st.radio("Scheduling", modes, index=modes.index(default), format_func=SCHEDULING_LABELS.get,
+                    horizontal=True, key=key, disabled=disabled,
+                    help="Prefill first: a step prefills waiting prompts whole, or else decodes. Chunked: every step "
+                         "decodes all running sequences, then fills the token budget with prompt chunks (Sarathi), "
+                         "admitting a prompt when its blocks and its first decode's fit. vLLM V1: chunked as vLLM V1 "
+                         "schedules (a chunk's blocks taken as it is scheduled, the newest request preempted when a "
+                         "block is short; docs/vllm.md)")
+
+
 def show_error(exc: Exception) -> None:
     """The error's message, and for the lab's own errors what to do about it."""
     hint = "" if not isinstance(exc, LabError) else "  \nChange the setting or file it names and the page runs again."

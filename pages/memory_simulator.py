@@ -9,7 +9,7 @@ import simulator
 from simulator import charts, report
 from simulator.metrics import rejection_warning
 from lab.errors import InputError, user_errors
-from pages._ui import chart, csv_download, results_store, show_error
+from pages._ui import chart, csv_download, results_store, scheduling_radio, show_error
 
 cached_workload = st.cache_data(simulator.make_workload, show_spinner=False)
 DEFAULTS = simulator.APP_DEFAULTS
@@ -106,7 +106,7 @@ with st.sidebar:
                                  disabled=figure2, help="Small blocks waste less of their last block but slow the "
                                                         "attention kernel; the sweep chart below shows the trade")
     address_space = st.radio("Contiguous address space", ["first-fit", "buddy"], horizontal=True, disabled=figure2)
-    scheduling = st.radio("Scheduling", ["prefill-first", "chunked"], horizontal=True, disabled=figure2)
+    scheduling = scheduling_radio("prefill-first", key="sim_scheduling", disabled=figure2)
     max_num_seqs = st.number_input("Max running sequences (max_num_seqs)", 1, 65_536, 256, key="sim_max_num_seqs",
                                    disabled=figure2)
     budget = st.number_input("Token budget per step (max_num_batched_tokens)", 1, 10**6, 8192, key="sim_budget",

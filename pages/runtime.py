@@ -11,7 +11,7 @@ from lab.live import RuntimeRunConfig, run_runtime, throttled
 from lab.model import load_hf_model
 from lab.results import settings_of
 from lab.errors import user_errors
-from pages._ui import chart, csv_download, results_store, show_error
+from pages._ui import chart, csv_download, results_store, scheduling_radio, show_error
 
 st.title("Qwen3 runtime")
 st.caption("The paged engine serving a request mix: continuous batching, prefix caching, preemption, live.")
@@ -36,9 +36,7 @@ with st.sidebar:
     n = st.slider("Parallel samples n", 1, 8, 1)
     temperature = st.slider("Temperature", 0.0, 2.0, 0.0)
     backend = st.selectbox("Attention backend", ["auto", "torch", "reference", "cupy"])
-    scheduling = st.radio("Scheduling", ["prefill-first", "chunked"], horizontal=True, key="runtime_scheduling",
-                          help="chunked: every step decodes all running sequences, then fills the token budget "
-                               "with prompt chunks (vLLM V1 / Sarathi)")
+    scheduling = scheduling_radio("vllm", key="runtime_scheduling")
     max_num_seqs = st.number_input("Max running sequences (max_num_seqs)", 1, 1024, 32, key="runtime_max_num_seqs",
                                    help="continuous batching's cap on the sequences a step decodes")
     budget = st.number_input("Token budget per step (max_num_batched_tokens)", 1, 65_536, 4096,

@@ -9,7 +9,7 @@ from lab.profile import GRIDS, Profile, extrapolation_warning, profile_engine
 from simulator import charts
 from simulator.twin import TwinConfig, run_twin, twin_workload
 from lab.errors import InputError, user_errors
-from pages._ui import chart, csv_download, results_store, show_error
+from pages._ui import chart, csv_download, results_store, scheduling_radio, show_error
 
 CALIBRATION_REDRAW_S = 2.0  # a redraw per scenario slowed the steps being measured (lab.live.throttled)
 
@@ -42,7 +42,7 @@ with st.sidebar:
                                      disabled=source not in ("random", "fixed"))
     num_blocks = st.number_input("KV pool (blocks)", 4, 1_000_000, 256)
     max_num_seqs = st.number_input("Max running sequences (max_num_seqs)", 1, 1024, 64, key="twin_max_num_seqs")
-    scheduling = st.radio("Scheduling", ["prefill-first", "chunked"], horizontal=True)
+    scheduling = scheduling_radio("prefill-first", key="twin_scheduling")
     budget = st.number_input("Token budget per step (max_num_batched_tokens)", 1, 65_536, 4096,
                              help="chunked: prompts longer than this are spread over several steps")
     preemption = st.radio("Preemption", ["recompute", "swap"], horizontal=True)

@@ -196,9 +196,9 @@ class ContiguousPolicy:
         size = max(self.space.rounded(self.initial_size(final_len, final_len)), final_len)
         return count * size <= self.space.max_region()
 
-    def admit(self, seqs: list, token_ids=None, first_decode: bool = True) -> bool:
-        """Reserve a region for every sequence of a group, or none of them (``token_ids`` and ``first_decode`` are
-        not used: a region holds its first decode)."""
+    def admit(self, seqs: list, token_ids=None, first_decode: bool = True, chunk: int | None = None) -> bool:
+        """Reserve a region for every sequence of a group, or none of them (``token_ids``, ``first_decode`` and
+        ``chunk`` are not used: a region holds the whole prompt and its first decode)."""
         placed = []
         for seq in seqs:
             region = self.space.allocate(self.initial_size(seq.prompt_len, seq.final_len))
@@ -206,7 +206,7 @@ class ContiguousPolicy:
                 for done in placed:
                     self._free(done)
                 return False
-            seq.region = region
+            seq.region, seq.synced_len = region, seq.prompt_len  # the scheduler never grows a prompt in a region
             self._account(seq, +1)
             placed.append(seq)
         return True

@@ -68,7 +68,7 @@ def test_exclusive_sequences_hold_implicit_counts_until_shared():
     m.check_invariants()
     m.fork_sequence("a", "b")
     assert [m._ref_counts[b] for b in a] == [2, 2, 2] and m.is_shared(a[-1])
-    m.register_stream_blocks("s")
+    m.register_blocks("s")
     assert [m._ref_counts[b] for b in s] == [1, 1]
     m.append_tokens("s", 1, from_reserved=True)  # a non-exclusive holder stores its new block's count
     assert m._ref_counts[m.get_block_table("s")[-1]] == 1
@@ -499,3 +499,54 @@ def test_invariants_catch_a_block_cached_under_other_tokens():
     with pytest.raises(AssertionError, match="cached under other tokens"):
         m.check_invariants()
     assert not m.invariants_ok() and key_first is not None
+
+
+def test_free_blocks_are_reused_as_vllm_0_32_orders_them():
+    """Uncached freed blocks are reused first (the last freed first), cached ones evicted least recently freed first
+    (``BlockPool.free_blocks``, vllm/v1/core/block_pool.py); a request's blocks are freed tail first."""
+    m = KVBlockManager(8, 2, enable_prefix_caching=True)
+    m.create_sequence("cached", [1, 2, 3, 4, 5])  # blocks of [1, 2] and [3, 4] cached, [5] not
+    m.create_sequence("plain", num_prompt_tokens=4)
+    cached, plain = m.get_block_table("cached"), m.get_block_table("plain")
+    m.release_sequence("cached")
+    m.release_sequence("plain")
+    queued = m.free_block_queue.queued()
+    assert queued[:3] == [plain[1], plain[0], cached[2]]  # uncached: the last freed at the head, each tail first
+    assert queued[-2:] == [cached[1], cached[0]]  # cached: at the end, tail first
+    m.create_sequence("next", num_prompt_tokens=6)
+    assert list(m.get_block_table("next")) == queued[:3]  # the cached blocks survive
+    assert m.create_sequence("again", [1, 2, 3, 4, 9]) == 4
+    m.check_invariants()
+
+
+def test_many_uncached_releases_before_the_head_keep_the_queue_whole():
+    m = KVBlockManager(300, 1)
+    for i in range(300):
+        m.create_sequence(i, num_prompt_tokens=1)
+    for i in range(300):
+        m.release_sequence(i)  # each prepends past a head that has no room: the queue pads its front
+    assert m.free_block_queue.queued() == list(range(299, -1, -1)) and m.num_free_blocks == 300
+    m.check_invariants()
+
+
+def test_a_first_chunk_takes_the_hits_and_its_own_blocks_only():
+    m = KVBlockManager(16, 4, enable_prefix_caching=True)
+    m.create_sequence("a", list(range(12)))
+    assert m.create_sequence("b", list(range(8)) + [50, 51, 52, 53, 54, 55], max_new_tokens=3) == 8
+    assert m.get_sequence_length("b") == 11 and len(m.get_block_table("b")) == 3
+    m.append_tokens("b", 3, [53, 54, 55])
+    assert len(m.get_block_table("b")) == 4
+    m.check_invariants()
+
+
+def test_sampled_blocks_registered_at_preemption_are_hit_again():
+    """Tokens appended without ids stop the hashing; ``register_blocks`` with the tokens caches those blocks too,
+    so the sequence prefilled again (prompt and what it sampled) hits them."""
+    m = KVBlockManager(16, 4, enable_prefix_caching=True)
+    tokens = list(range(100, 114))
+    m.create_sequence("a", tokens[:6])
+    m.append_tokens("a", 7)  # decoded: ids unknown to the manager
+    m.register_blocks("a", tokens[:13])
+    m.release_sequence("a")
+    assert m.create_sequence("a again", tokens) == 12  # three full blocks of prompt and sampled tokens
+    m.check_invariants()

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from lab.engine import LLMEngine, SamplingParams
-from lab.scheduler import STEP_LOG_COLUMNS
+from lab.scheduler import STEP_LOG_COLUMNS, SchedulerError
 from simulator import SimConfig, Simulator, Workload
 
 PLAN_COLUMNS = [c for c in STEP_LOG_COLUMNS if c != "duration_s"]
@@ -280,3 +280,25 @@ def test_the_plan_s_longest_decode_sequence_is_the_longest_one_decoding(modes):
         assert plan.decode_max_kv_len == (max(lengths) if lengths else 0), plan.step
         checked += bool(lengths)
     assert checked > 10 and engine.num_preemptions > 0
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["cache", "nocache"])
+def test_a_long_prefill_threshold_caps_chunks_alike_in_both_executors(caching):
+    """vLLM's ``long_prefill_token_threshold``: while more than one request runs or waits, no request takes more
+    than that many prompt tokens in a step; the engine and the simulator plan the same steps under it."""
+    lengths, outputs = [9, 23, 5, 17, 30, 12], [7, 12, 9, 5, 10, 8]
+    prompts = make_prompts(lengths, shared_prefix=4, seed=1)
+    engine, _, real, simulated = engine_and_simulator_logs(
+        prompts, outputs, shared_prefix=4, num_blocks=14, enable_prefix_caching=caching, max_num_batched_tokens=24,
+        scheduling="vllm", long_prefill_token_threshold=5)
+    assert_same_plan(real, simulated)
+    capped = real[real["num_running"] + real["num_waiting"] > 1]
+    assert (capped["num_prefill_tokens"] <= 5 * (capped["num_running"] + capped["num_finished"])).all()
+    assert real["num_preempted"].sum() > 0
+
+
+@pytest.mark.parametrize("settings, words", [(dict(long_prefill_token_threshold=-1), "integer >= 0"),
+                                             (dict(long_prefill_token_threshold=8), "not prefill-first")])
+def test_a_long_prefill_threshold_out_of_place_is_refused(settings, words):
+    with pytest.raises(SchedulerError, match=words):
+        LLMEngine("tiny", scheduling="prefill-first", **settings)

@@ -75,7 +75,8 @@ def _theirs(peer: VLLMPeer, prompts, max_tokens) -> dict:
 
 def run_vllm_bench(config: VLLMBenchConfig, progress=None) -> pd.DataFrame:
     """One row per (system, repeat) and a median row per system, then a ``ours / vLLM`` row of the medians' ratios;
-    ``greedy_agreement`` says which share of the generated tokens the two engines agree on."""
+    ``greedy_agreement`` says which share of the generated tokens the two engines agree on (position by position),
+    ``first_token_agreement`` which share of the requests start with the same token."""
     if config.model not in PRESETS:
         raise ValueError(f"model must be a preset ({', '.join(PRESETS)}); got {config.model!r}")
     with tempfile.TemporaryDirectory() as folder:
@@ -102,8 +103,10 @@ def run_vllm_bench(config: VLLMBenchConfig, progress=None) -> pd.DataFrame:
                         progress(len(rows), 2 * config.repeats)
     table = pd.DataFrame(rows)
     ours, theirs = table[table["system"] == "ours"], table[table["system"] == "vllm"]
-    agree = sum(a == b for x, y in zip(ours["outputs"].iloc[0], theirs["outputs"].iloc[0]) for a, b in zip(x, y))
-    total = sum(len(y) for y in theirs["outputs"].iloc[0])
+    our_tokens, their_tokens = ours["outputs"].iloc[0], theirs["outputs"].iloc[0]
+    agree = sum(a == b for x, y in zip(our_tokens, their_tokens) for a, b in zip(x, y))
+    total = sum(len(y) for y in their_tokens)
+    first = sum(x[:1] == y[:1] for x, y in zip(our_tokens, their_tokens)) / len(their_tokens)
     table = table.drop(columns="outputs")
     medians = [{"system": name, "repeat": "median", **{m: statistics.median(part[m]) for m in METRICS}}
                for name, part in (("ours", ours), ("vllm", theirs))]
@@ -111,5 +114,6 @@ def run_vllm_bench(config: VLLMBenchConfig, progress=None) -> pd.DataFrame:
              **{m: medians[0][m] / medians[1][m] if medians[1][m] else float("nan") for m in METRICS}}
     table = pd.concat([table, pd.DataFrame(medians + [ratio])], ignore_index=True)
     table["greedy_agreement"] = agree / total if total else float("nan")
+    table["first_token_agreement"] = first  # a sequence that parts once (a near-tie) differs from there on
     table["model"], table["dtype"], table["num_requests"] = config.model, config.dtype, config.num_requests
     return table

@@ -349,6 +349,10 @@ class Scheduler:
         self.num_waiting_seqs = self.num_swapped_seqs = 0
         self.num_preemptions = self.num_swaps_out = 0
         self.num_admitted = 0  # groups admitted so far (``Sequence.admitted``)
+        # (head group, its first chunk, free blocks) when the queue's head could not be admitted, until memory may have
+        # come free: with no release since and no more free blocks, admitting it would fail again (a pool that only
+        # fills cannot take it), so the step skips the attempt (the simulator offers a blocked head every step)
+        self._blocked_head: tuple | None = None
         self.num_discarded_tokens = 0  # sampled tokens a restarted beam search threw away
         self.beam_groups: dict[SequenceGroup, None] = {}  # beam searches with beams decoding, in admission order
         self.step_rows: list[tuple] | None = None
@@ -520,6 +524,7 @@ class Scheduler:
                 self._reserve_one_by_one(bucket, out)
         if step not in self.memory_calendar:
             return
+        self._blocked_head = None  # growth may move a region (contiguous) or copy a shared block
         running = self.running
         for seq, epoch in self.memory_calendar.pop(step):
             if epoch == PERIODIC_END:
@@ -539,6 +544,7 @@ class Scheduler:
         the sequences of beams no candidate continues (``KVPolicy.refork``), and ``group.beam.forked`` learns which
         sequence continues which beam; the group's beams are re-ranked parents first, each followed by its forks.
         A beam left over (fewer next beams than live ones) leaves the batch."""
+        self._blocked_head = None  # re-forking releases and takes blocks
         running, beam = self.running, group.beam
         live = self._running_of(group)
         if not live:
@@ -604,6 +610,7 @@ class Scheduler:
         or no host room) drop its KV and queue it first to be prefilled again with everything it has sampled."""
         self.num_preemptions += 1
         if victim.status is SequenceStatus.PREFILLING:  # vllm: its prompt starts over (its blocks stay cached)
+            self._blocked_head = None
             self.prefilling.remove(victim)
             self.policy.preempt(victim, victim.num_computed)
             victim.num_computed, victim.status = 0, SequenceStatus.WAITING
@@ -704,6 +711,10 @@ class Scheduler:
         chunked = self.config.scheduling != "prefill-first"  # chunked, vllm
         vllm = self.config.scheduling == "vllm"  # blocks per chunk, as it schedules (else the prompt's at admission)
         cap = self._prompt_cap()
+        if not self.prefilling and self.waiting:
+            head = self.waiting[0]
+            if self._admission_fails(head, min(budget, cap) if vllm and len(head.seqs) == 1 else None):
+                return  # the queue's head still does not fit: nothing to do
         out.prefill_chunks, out.prefill_done = [], []
         for seq in list(self.prefilling):
             if budget <= 0:
@@ -735,8 +746,12 @@ class Scheduler:
                 break
             if whole and out.prefill_chunks and prompt > budget:
                 break
+            chunk = min(budget, cap) if vllm and not whole else None
+            if self._admission_fails(group, chunk):
+                break
             ids = self._prompt_token_ids(group, prompt) if group.token_ids is not None else None
-            if not self.policy.admit(seqs, ids, not vllm, min(budget, cap) if vllm and not whole else None):
+            if not self.policy.admit(seqs, ids, not vllm, chunk):
+                self._blocked_head = (group, chunk, self.policy.num_free_blocks())
                 break
             self.waiting.popleft()
             self.num_waiting_seqs -= len(seqs)
@@ -757,9 +772,17 @@ class Scheduler:
                 parent.status = SequenceStatus.PREFILLING
                 self.prefilling.append(parent)
 
+    def _admission_fails(self, group: SequenceGroup, chunk: int | None) -> bool:
+        """Whether admitting ``group`` (with this first ``chunk``) is known to fail: it failed before, and no memory
+        has come free since (``_blocked_head``)."""
+        blocked = self._blocked_head
+        return blocked is not None and blocked[0] is group and blocked[1] == chunk and \
+            self.policy.num_free_blocks() <= blocked[2]
+
     def _grow_prompt(self, seq: Sequence, end: int, out: SchedulerOutput) -> bool:
         """vllm: blocks for ``seq``'s prompt up to ``end``, preempting the newest until they fit; False when ``seq``
         itself was preempted (``allocate_slots`` in the running loop of vllm/v1/core/sched/scheduler.py)."""
+        self._blocked_head = None  # a chunk's blocks are cached as they are taken: the head may hit them
         while not self.policy.grow(seq, end, False):
             victim = self._newest()
             self._preempt(victim, out)
@@ -817,6 +840,7 @@ class Scheduler:
     def _leave_running(self, seq: Sequence, kv_len: int, release: bool = True) -> None:
         """Take ``seq`` off the running set; ``release`` frees its memory (else the caller preempts or swaps it, so
         its block table is completed first)."""
+        self._blocked_head = None  # its memory comes free (or, preempted, its blocks may be hit)
         if not release:
             self._materialize(seq)
         if seq.phase >= 0:

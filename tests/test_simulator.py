@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis import example, given
 
 from lab.block_manager import KVBlockManager
@@ -379,3 +379,21 @@ def test_a_comparison_in_two_processes_is_the_serial_one():
     assert list(serial_runs) == list(parallel_runs)
     for label, run in serial_runs.items():
         pd.testing.assert_frame_equal(run.timeseries, parallel_runs[label].timeseries)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(allocator=st.sampled_from(ALLOCATORS), block_size=st.sampled_from([1, 7, 16]),
+       capacity=st.integers(300, 4000), scheduling=st.sampled_from(["prefill-first", "chunked", "vllm"]),
+       caching=st.booleans(), seed=st.integers(0, 10_000), n=st.sampled_from([1, 2]))
+def test_skipping_a_blocked_head_s_admission_changes_nothing(allocator, block_size, capacity, scheduling, caching,
+                                                             seed, n, monkeypatch):
+    """The scheduler skips offering a queue head that failed to fit while no memory has come free since: every
+    number of the summary is what offering it every step gives."""
+    workload = small_workload(num_requests=30, seed=seed, max_model_len=512, n=n, shared_prefix_tokens=32)
+    config = SimConfig(allocator=allocator, block_size=block_size, capacity_tokens=capacity, max_model_len=512,
+                       scheduling=scheduling, max_num_batched_tokens=256, enable_prefix_caching=caching)
+    skipping = Simulator(workload, config).run().summary
+    with monkeypatch.context() as patch:  # the same patch on every example
+        patch.setattr("lab.scheduler.Scheduler._admission_fails", lambda self, group, chunk: False)
+        offering = Simulator(workload, config).run().summary
+    assert not _same_summary(skipping, offering)

@@ -90,11 +90,17 @@ def vllm_models(text: str) -> list[str]:
     return models
 
 
+VLLM_BENCH_OUT = "benchmarks/results/vllm_cpu.csv"
+
+
 def _bench_vllm(args) -> None:
     from tqdm import tqdm
 
     from lab.bench.vllm import VLLMBenchConfig, run_vllm_bench
 
+    if args.profile:
+        _profile_vllm(args)
+        return
     if len(args.num_requests) != len(args.model):
         raise InputError(f"--num-requests gives {len(args.num_requests)} counts for {len(args.model)} models")
     tables = []
@@ -106,6 +112,20 @@ def _bench_vllm(args) -> None:
         bar.close()
     shared = {k: v for k, v in settings_of(config).items() if k not in ("model", "num_requests")}  # per-row columns
     print_and_save(pd.concat(tables, ignore_index=True), args.out, settings=shared, kind="vllm")
+
+
+def _profile_vllm(args) -> None:
+    from tqdm import tqdm
+
+    from lab.bench.step_profile import run_step_profile
+
+    tables = []
+    for model in args.model:
+        bar = tqdm(desc=f"step shapes, ours and vLLM, {model}", file=sys.stderr)
+        tables.append(run_step_profile(model, args.dtype, progress=lambda done, total: bar.update(done - bar.n)))
+        bar.close()
+    out = args.out if args.out != VLLM_BENCH_OUT else "benchmarks/results/vllm_profile_cpu.csv"
+    print_and_save(pd.concat(tables, ignore_index=True), out, settings={"dtype": args.dtype}, kind="vllm-profile")
 
 
 def _generate(args) -> None:
@@ -208,7 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--num-blocks", type=positive_int, default=512, help="vLLM's KV blocks of 32 tokens (ours: one "
                                                                           "fewer, vLLM's null block)")
     v.add_argument("--repeats", type=positive_int, default=3, help="alternating runs of each engine (medians)")
-    v.add_argument("--out", type=output_csv, default="benchmarks/results/vllm_cpu.csv", help="results CSV")
+    v.add_argument("--profile", action="store_true",
+                   help="instead: where a step's time goes in both engines, by op kind, on fixed step shapes "
+                        "(prefills of 32-2,048 tokens, decodes of 1-64 sequences at 128 and 1,024 tokens)")
+    v.add_argument("--out", type=output_csv, default=VLLM_BENCH_OUT,
+                   help="results CSV (with --profile: benchmarks/results/vllm_profile_cpu.csv unless given)")
     v.set_defaults(run=_bench_vllm)
 
     n = bench.add_parser("launches", help="kernel launches per layer and step of the CUDA path (counted on the "

@@ -59,6 +59,18 @@ class PeerSettings:
     enable_prefix_caching: bool = False
 
 
+def _die_with_parent() -> None:
+    """In the peer's process before it runs: the kernel kills it when the lab's process dies (a killed benchmark or
+    test session leaves no vLLM engine spinning; ``PR_SET_PDEATHSIG``, Linux)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except OSError:  # not Linux: close() and the driver's end of input still stop it
+        pass
+
+
 class VLLMPeer:
     """One vLLM engine in the peer's process, loaded once; ``run`` serves a workload on it. Use as a context manager:
     the process is always stopped on the way out."""
@@ -71,7 +83,7 @@ class VLLMPeer:
         # -I: the driver's folder (lab/, whose profile.py and checks.py shadow modules vLLM imports) stays off its path
         self.process = subprocess.Popen([str(peer_python()), "-I", str(DRIVER)], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                        start_new_session=True)
+                                        start_new_session=True, preexec_fn=_die_with_parent)
         self._answers: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.load_s = self._ask({"load": asdict(settings)}, LOAD_TIMEOUT_S)["loaded_s"]
@@ -104,6 +116,11 @@ class VLLMPeer:
         job = {"prompts": prompts, "max_tokens": max_tokens, "arrival_steps": arrival_steps,
                "long_prefill_token_threshold": long_prefill_token_threshold}
         return self._ask({"run": job}, RUN_TIMEOUT_S)
+
+    def profile(self, shapes: list[dict], steps: int) -> dict:
+        """``lab.bench.step_profile`` on vLLM: per shape (``kind`` and its ``prompts``) the median step wall time and
+        ms per step by op kind (``rows``), and vLLM's torch ``threads``."""
+        return self._ask({"profile": {"shapes": shapes, "steps": steps}}, RUN_TIMEOUT_S)
 
     def close(self) -> None:
         if self.process.poll() is None:

@@ -9,7 +9,9 @@ when given, is the scheduler's long-prefill threshold for this run: ``Scheduler.
 every step), and answers with each request's tokens and times and vLLM's
 step log: per scheduler step (``Scheduler.schedule`` in ``vllm/v1/core/sched/scheduler.py``) the tokens scheduled
 per request, the new, preempted and finished requests, running / waiting counts and the KV usage;
-``{"quit": true}`` ends it. Imports nothing of the lab's: the peer's environment has vLLM, not the lab.
+``{"profile": {"shapes": [[kind, ...]], "steps": n}}`` times each step shape (a prefill of one prompt, a decode
+step of a batch at a context; ``lab.bench.step_profile``) and splits it by op kind with ``torch.profiler`` scopes
+around vLLM's own modules; ``{"quit": true}`` ends it. Imports nothing of the lab's: the peer's environment has vLLM, not the lab.
 """
 import json
 import os
@@ -95,6 +97,109 @@ def _serve(engine, log: list, job: dict) -> dict:
             "finish_s": [finish_s[i] for i in range(len(prompts))], "steps": list(log)}
 
 
+# vLLM's modules by the op kind their time counts as (the names of ``lab.bench.step_profile.KINDS``)
+MODULE_KINDS = {"QKVParallelLinear": "gemm", "RowParallelLinear": "gemm", "MergedColumnParallelLinear": "gemm",
+                "LogitsProcessor": "gemm", "Attention": "attention", "RMSNorm": "norms, rotary, cache write",
+                "RotaryEmbedding": "norms, rotary, cache write", "SiluAndMul": "activation"}
+CACHE_WRITE_OP = "vllm::unified_kv_cache_update"
+MAX_STEPS_TO_DECODE = 1000  # prefill steps a profile waits for before its batch decodes (a bounded wait)  # inside the attention module's scope: moved to the cache write
+
+
+def _scoped(kind: str, function):
+    from torch.profiler import record_function
+
+    def wrapper(*args, **kwargs):
+        with record_function(kind):
+            return function(*args, **kwargs)
+    return wrapper
+
+
+def profile(llm, log: list, job: dict) -> dict:
+    """Each shape's median step wall time and ms per step by op kind (``job["steps"]`` timed, as many profiled)."""
+    import statistics
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.worker.model_runner
+    wrapped = [(m, MODULE_KINDS[type(m).__name__]) for m in runner.model.modules() if type(m).__name__ in MODULE_KINDS]
+    wrapped += [(runner.sampler, "sampling")]
+    steps, rows, serial = job["steps"], [], [0]
+
+    def add(prompts, max_tokens):
+        for prompt in prompts:
+            serial[0] += 1
+            engine.add_request(f"p{serial[0]}", TokensPrompt(prompt_token_ids=prompt),
+                               SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+    def timed() -> float:
+        started = time.perf_counter()
+        engine.step()
+        return time.perf_counter() - started
+
+    def drain():
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    for spec in job["shapes"]:
+        prompts = spec["prompts"]
+        llm.reset_prefix_cache()
+        log[:] = []
+        if spec["kind"] == "prefill":
+            def run_once():
+                add(prompts[:1], 1)
+                elapsed = timed()
+                drain()
+                return elapsed
+            run_once()  # warm
+            walls = [run_once() for _ in range(steps)]
+            measured = run_once
+        else:
+            add(prompts, spec["max_tokens"])
+            for _ in range(MAX_STEPS_TO_DECODE):
+                if log and len(log[-1]["scheduled"]) == len(prompts) and set(log[-1]["scheduled"].values()) == {1}:
+                    break  # every request decoding
+                engine.step()
+            else:
+                last = log[-1] if log else {"scheduled": {}, "running": 0, "waiting": 0}
+                raise RuntimeError(f"{len(prompts)} requests of {len(prompts[0])} tokens were not all decoding after "
+                                   f"{MAX_STEPS_TO_DECODE} steps (the last: {len(last['scheduled'])} scheduled, "
+                                   f"{last['running']} running, {last['waiting']} waiting)")
+            for _ in range(steps):  # warm: kernels for this batch size are made on first use
+                engine.step()
+            walls = [timed() for _ in range(steps)]
+            measured = engine.step
+        schedule = core.scheduler.schedule
+        core.scheduler.schedule = _scoped("scheduler", schedule)
+        for module, kind in wrapped:
+            module.forward = _scoped(kind, module.forward)
+        try:
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                started = time.perf_counter()
+                for _ in range(steps):
+                    measured()
+                profiled = (time.perf_counter() - started) / steps * 1e3
+        finally:
+            core.scheduler.schedule = schedule
+            for module, _ in wrapped:
+                del module.forward
+        drain()
+        totals = {}
+        for event in prof.key_averages():
+            totals[event.key] = totals.get(event.key, 0.0) + event.cpu_time_total / 1e3 / steps
+        kinds = {kind: totals.get(kind, 0.0) for kind in ("gemm", "attention", "norms, rotary, cache write",
+                                                          "activation", "sampling", "scheduler")}
+        moved = min(totals.get(CACHE_WRITE_OP, 0.0), kinds["attention"])
+        kinds["attention"] -= moved
+        kinds["norms, rotary, cache write"] += moved
+        rows.append({"step_ms": statistics.median(walls) * 1e3, "profiled_ms": profiled, **kinds})
+    return {"rows": rows, "threads": __import__("torch").get_num_threads()}
+
+
 def main() -> int:
     llm = log = None
     for line in sys.stdin:
@@ -106,6 +211,8 @@ def main() -> int:
                 answer = {"loaded_s": time.perf_counter() - started}
             elif "run" in message:
                 answer = run(llm, log, message["run"])
+            elif "profile" in message:
+                answer = profile(llm, log, message["profile"])
             else:
                 return 0
         except Exception as exc:  # the lab shows it; the driver stays up for the next request

@@ -37,6 +37,7 @@ RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cp
                "paper/*.csv": "python -m simulator paper", "launches.csv": "python -m lab bench launches",
                "gpu/*.csv": "scripts/gpu_check.sh (on a GPU)", "vllm_cpu.csv": "python -m lab bench vllm",
                "vllm_cpu_bf16.csv": "python -m lab bench vllm --model tiny --num-requests 32 --dtype bfloat16",
+               "vllm_profile_cpu.csv": "python -m lab bench vllm --profile",
                "app_flow.csv": "python -m benchmarks.app_flow"}
 
 

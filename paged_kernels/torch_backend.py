@@ -88,6 +88,8 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
     """
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device) if out is None else out
     seq_lens = seq_lens.to(device=key_cache.device, dtype=torch.long)
+    if query.is_cpu and IN_PLACE_CPU and _in_place(query, key_cache, value_cache, block_tables, seq_lens, scale, out):
+        return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if len(seq_lens) else 0
     num_blocks_used = min(-(-int(max_seq_len) // key_cache.shape[2]), block_tables.shape[1])
@@ -104,6 +106,25 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
         out[start:end] = _attend_chunk(query[start:end], key_cache, value_cache, block_tables[start:end],
                                        seq_lens[start:end], scale, buffers)
     return out
+
+
+IN_PLACE_CPU = True  # CPU decode attention reads the pool in place when the extension builds (False: gather, as A/B)
+
+
+def _in_place(query, key_cache, value_cache, block_tables, seq_lens, scale, out) -> bool:
+    """Decode attention by ``cpu_extension`` (no gathered copy); False when it is not built here."""
+    from .cpu_extension import extension
+
+    module = extension()
+    if module is None:
+        return False
+    tables = block_tables.to(torch.long).contiguous()
+    target = out if out.is_contiguous() else torch.empty_like(query)
+    module.paged_attention_decode(target, query.contiguous(), key_cache.contiguous(), value_cache.contiguous(),
+                                  tables, seq_lens.contiguous(), float(scale))
+    if target is not out:
+        out.copy_(target)
+    return True
 
 
 def gather_kv(cache, block_tables, num_blocks_used: int):

@@ -30,6 +30,25 @@ def test_decode_matches_reference_cpu(backend, block_size, group):
     assert returned is out and relative_error(out, reference_decode(case)) < 1e-5
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "gather"])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("block_size", [1, 3, 7, 32])
+def test_both_cpu_decode_paths_match_reference(in_place, dtype, tolerance, block_size, monkeypatch):
+    """The torch backend's CPU decode attention reads the pool in place (``paged_kernels.cpu_extension``, built on
+    first use) or, where that cannot be built, gathers the blocks: both against float64, in every cache dtype."""
+    from paged_kernels import cpu_extension
+
+    if in_place and cpu_extension.status() is not None:
+        pytest.skip(f"the in-place CPU attention cannot be built here: {cpu_extension.status()}")
+    monkeypatch.setattr("paged_kernels.torch_backend.IN_PLACE_CPU", in_place)
+    case = make_decode_case([0, 1, block_size, 2 * block_size + 1, 45, 130], block_size, num_kv_heads=2, group=4,
+                            head_dim=32, dtype=dtype)
+    out = torch.full_like(case.query, float("nan"))
+    paged_kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
+                                         case.seq_lens, backend="torch", out=out)
+    assert relative_error(out, reference_decode(case)) < tolerance and (out[0] == 0).all()
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("block_size", [1, 7, 16])
 def test_decode_with_host_max_seq_len_matches_reference(backend, block_size):

@@ -1,0 +1,38 @@
+"""The CPU decode attention that reads the block pool in place (``csrc/cpu_paged_attention.cpp``), a torch C++
+extension compiled on first use with this machine's C++ compiler (``torch.utils.cpp_extension``; nothing is
+downloaded, the build is cached under ``~/.cache/torch_extensions``). Where it cannot be built, the torch backend
+gathers the blocks instead (``status`` says why)."""
+from __future__ import annotations
+
+import threading
+import warnings
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_paged_attention.cpp"
+_lock = threading.Lock()
+_module = None
+_error: str | None = None
+
+
+def extension():
+    """The compiled module, or None when it cannot be built here (the reason: ``status``)."""
+    global _module, _error
+    if _module is None and _error is None:
+        with _lock:
+            if _module is None and _error is None:
+                try:
+                    from torch.utils.cpp_extension import load
+
+                    _module = load("minipaged_cpu_attention", [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                                   extra_ldflags=["-fopenmp"], verbose=False)
+                except Exception as exc:  # no compiler, no headers: the gathering path serves
+                    _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+                    warnings.warn(f"the in-place CPU attention could not be built ({_error}); decode attention on "
+                                  f"the CPU gathers the blocks instead", RuntimeWarning, stacklevel=2)
+    return _module
+
+
+def status() -> str | None:
+    """None when the extension is built (or builds now), else why it cannot be."""
+    extension()
+    return _error

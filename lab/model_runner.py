@@ -139,6 +139,7 @@ class ModelRunner:
         self.scale = self.head_dim ** -0.5
         self.eps = config.rms_norm_eps
         self.layers = [merged_weights(layer) for layer in hf_model.model.layers]
+        self.packed = self._pack_cpu_gemms()
         self.cos_sin_cache = rotary_table(hf_model, config.max_position_embeddings)
         self.static_decode = None  # a lab.static_decode.StaticDecode: decode steps through fixed buffers
         self.block_size = block_size
@@ -264,7 +265,29 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:
         """Run the model over the flat batch; return the logits (the model's dtype) of the rows ``logit_rows``."""
-        return self.hf.lm_head(self.hidden_states(batch, logit_rows))
+        head = self.hf.lm_head
+        return self.linear(self.hidden_states(batch, logit_rows), head.weight, head.bias)
+
+    def _pack_cpu_gemms(self) -> dict:
+        """On a CPU, each GEMM's weight (the layers' and the LM head's) also in oneDNN's blocked layout, by the id of
+        the matrix it copies: vLLM's CPU build multiplies by such weights (its ``onednn_mm``), 2-6 times faster than
+        the row-major matrices for a decode step's few rows (``python -m lab bench vllm --profile``). The matrices
+        stay (the HF model's parameters view them): this holds the weights twice. Empty elsewhere."""
+        mkldnn = getattr(torch.ops, "mkldnn", None)
+        if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16) or \
+                not torch.backends.mkldnn.is_available() or not hasattr(mkldnn, "_linear_pointwise"):
+            return {}
+        weights = [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        weights.append(self.hf.lm_head.weight)
+        with torch.inference_mode():  # the matrix itself is kept beside its copy, so its id stays its own
+            return {id(w): (w, mkldnn._reorder_linear_weight(w.detach(), 16)) for w in weights}
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ weight.T + bias``, by the weight's packed copy where there is one (``_pack_cpu_gemms``)."""
+        packed = self.packed.get(id(weight))
+        if packed is None or x.dim() != 2:
+            return torch.nn.functional.linear(x, weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed[1], bias, "none", [], "")
 
     @torch.inference_mode()
     def hidden_states(self, batch: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:
@@ -283,7 +306,7 @@ class ModelRunner:
         output and the residual stream (the next norm adds them)."""
         backend, tokens = self.cache_backend, hidden.shape[0]
         normed, residual = paged_kernels.rms_norm(hidden, layer.input_norm, self.eps, residual, backend=backend)
-        qkv = torch.nn.functional.linear(normed, layer.qkv, layer.qkv_bias)
+        qkv = self.linear(normed, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split(layer.qkv_sizes, dim=-1)
         q, k = paged_kernels.qk_norm_rope_write(
             q.view(tokens, self.num_q_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
@@ -291,10 +314,10 @@ class ModelRunner:
             batch.positions, self.key_caches[index], self.value_caches[index], batch.slot_mapping, self.eps,
             backend=backend, check=False)
         attn = self._attention(index, q, k, v.view(tokens, self.num_kv_heads, self.head_dim), batch)
-        hidden = torch.nn.functional.linear(attn.reshape(tokens, -1), layer.o_proj)
+        hidden = self.linear(attn.reshape(tokens, -1), layer.o_proj)
         normed, residual = paged_kernels.rms_norm(hidden, layer.post_norm, self.eps, residual, backend=backend)
-        gate_up = torch.nn.functional.linear(normed, layer.gate_up)
-        return torch.nn.functional.linear(paged_kernels.silu_and_mul(gate_up, backend=backend), layer.down), residual
+        gate_up = self.linear(normed, layer.gate_up)
+        return self.linear(paged_kernels.silu_and_mul(gate_up, backend=backend), layer.down), residual
 
     def _attention(self, layer: int, q, k, v, batch: ForwardBatch) -> torch.Tensor:
         out = torch.empty_like(q)

@@ -78,8 +78,7 @@ def _scoped(kind: str, function):
 def _our_scopes(engine: LLMEngine):
     """Scopes around our engine's ops while profiling (the functions and methods it calls, wrapped and restored)."""
     runner = engine.runner
-    patches = [(torch.nn.functional, "linear", "gemm"), (runner.hf.lm_head, "forward", "gemm"),
-               (runner, "_attention", "attention"), (paged_kernels, "rms_norm", "norms, rotary, cache write"),
+    patches = [(runner, "linear", "gemm"), (runner, "_attention", "attention"), (paged_kernels, "rms_norm", "norms, rotary, cache write"),
                (paged_kernels, "qk_norm_rope_write", "norms, rotary, cache write"),
                (paged_kernels, "silu_and_mul", "activation"), (engine.sampler, "sample", "sampling"),
                (engine.scheduler, "schedule", "scheduler")]
@@ -90,7 +89,7 @@ def _our_scopes(engine: LLMEngine):
         yield
     finally:
         for owner, name, original in saved:
-            if owner in (torch.nn.functional, paged_kernels):
+            if owner is paged_kernels:
                 setattr(owner, name, original)
             else:
                 delattr(owner, name)  # the instance attribute goes; the class's method shows again

@@ -48,22 +48,25 @@ static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::
       }
       scores.resize(group * len);
       std::fill(maxima.begin(), maxima.end(), std::numeric_limits<float>::lowest());  // finite: built fast-math
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {  // scores, block by block
-        const int64_t block = tables[seq * max_blocks + t0 / block_size];
-        const scalar_t* keys = k_base + block * block_stride + kv_head * head_stride;
-        const int64_t count = std::min(block_size, len - t0);
-        for (int64_t j = 0; j < count; ++j) {
-          const scalar_t* key = keys + j * head_dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = q.data() + g * head_dim;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(key[d]);
-            scores[g * len + t0 + j] = dot;
-            maxima[g] = std::max(maxima[g], dot);
-          }
+      // each of the sequence's tokens t, with its row in ``cache`` (this kv head's), block by block
+      const int64_t* table = tables + seq * max_blocks;
+      auto each_token = [&](const scalar_t* cache, auto&& visit) {
+        for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+          const scalar_t* rows = cache + table[t0 / block_size] * block_stride + kv_head * head_stride;
+          const int64_t count = std::min(block_size, len - t0);
+          for (int64_t j = 0; j < count; ++j) visit(t0 + j, rows + j * head_dim);
         }
-      }
+      };
+      each_token(k_base, [&](int64_t t, const scalar_t* key) {  // the scores
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = q.data() + g * head_dim;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(key[d]);
+          scores[g * len + t] = dot;
+          maxima[g] = std::max(maxima[g], dot);
+        }
+      });
       for (int64_t g = 0; g < group; ++g) {  // softmax numerators and their sums
         float sum = 0.0f;
         float* row = scores.data() + g * len;
@@ -75,20 +78,14 @@ static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::
         }
         sums[g] = sum;
       }
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {  // the weighted values, block by block
-        const int64_t block = tables[seq * max_blocks + t0 / block_size];
-        const scalar_t* values = v_base + block * block_stride + kv_head * head_stride;
-        const int64_t count = std::min(block_size, len - t0);
-        for (int64_t j = 0; j < count; ++j) {
-          const scalar_t* value = values + j * head_dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * len + t0 + j];
-            float* a = acc.data() + g * head_dim;
+      each_token(v_base, [&](int64_t t, const scalar_t* value) {  // the weighted values
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + t];
+          float* a = acc.data() + g * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(value[d]);
-          }
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(value[d]);
         }
-      }
+      });
       for (int64_t g = 0; g < group; ++g) {
         scalar_t* dst = out_base + (seq * num_q_heads + kv_head * group + g) * head_dim;
         const float inverse = 1.0f / sums[g];

@@ -4,6 +4,7 @@ downloaded, the build is cached under ``~/.cache/torch_extensions``). Where it c
 gathers the blocks instead (``status`` says why)."""
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from pathlib import Path
@@ -23,6 +24,8 @@ def extension():
                 try:
                     from torch.utils.cpp_extension import load
 
+                    _ninja_on_path()
+
                     _module = load("minipaged_cpu_attention", [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                                    extra_ldflags=["-fopenmp"], verbose=False)
                 except Exception as exc:  # no compiler, no headers: the gathering path serves
@@ -30,6 +33,17 @@ def extension():
                     warnings.warn(f"the in-place CPU attention could not be built ({_error}); decode attention on "
                                   f"the CPU gathers the blocks instead", RuntimeWarning, stacklevel=2)
     return _module
+
+
+def _ninja_on_path() -> None:
+    """The ``ninja`` the lock installs (the pip package's binary) on ``PATH``, which the build runs: an environment
+    used without activating it has its ``bin/`` off ``PATH``."""
+    try:
+        import ninja
+    except ImportError:  # the system's ninja, if any, serves
+        return
+    if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def status() -> str | None:

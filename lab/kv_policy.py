@@ -71,6 +71,8 @@ class PagedPolicy:
         group of one), only the cache hits and the next ``chunk`` prompt tokens get blocks now, ``grow`` gives a later
         chunk its own."""
         first, manager = seqs[0], self.manager
+        if chunk is not None and (self.tier is not None or len(first.group.seqs) > 1):
+            chunk = None  # the whole prompt now: a tier stores whole prompts, a sample's stream is not its own
         prompt_len = first.prompt_len
         extra = len(seqs) if first_decode and prompt_len % self.block_size == 0 else len(seqs) - 1
         ids = token_ids if token_ids is not None and len(token_ids) == prompt_len else None
@@ -81,13 +83,10 @@ class PagedPolicy:
         if chunk is None and blocks + extra > self.free_queue.num_free and \
                 not manager.can_allocate(ids, count, extra, stream):
             return False
-        # A request of one sample: only its own later prefill can ask for its stream, so register on preemption
-        # (cheaper). With several samples, a sibling's recompute may ask at any time: register now.
-        # (With an offload tier, always now: the engine caches every prompt's blocks as it admits them, and the tier
-        # stores what either executor evicts from its cache, so both must cache the same blocks.)
-        register = len(first.group.seqs) > 1 or self.tier is not None
+        # A stream's prompt blocks are cached as it is admitted, as the engine caches a prompt's: a cached block is
+        # freed to the back of the free queue, an uncached one to the front, so both executors must cache the same.
         try:
-            first.cached_tokens = manager.create_sequence(first.seq_id, ids, count, stream, register, chunk)
+            first.cached_tokens = manager.create_sequence(first.seq_id, ids, count, stream, True, chunk)
         except OutOfBlocksError:  # only with a chunk: the check above has made sure of the rest
             return False
         first.synced_len = manager.sequences[first.seq_id].num_tokens
@@ -134,7 +133,10 @@ class PagedPolicy:
         if seq.synced_len < seq.prompt_len and token_ids is not None:  # a prompt chunk: its full blocks are cached
             self._append(seq, kv_len, False, token_ids(seq, kv_len)[seq.synced_len:kv_len])
         else:
+            prompt_chunk = seq.synced_len < seq.prompt_len
             self._append(seq, kv_len, False)
+            if prompt_chunk:  # a stream's, by position
+                manager.register_blocks(seq.seq_id, sampled=True)
         if len(table) * size >= seq.final_len and not seq.final_block_counted:
             self._count_final_block(seq, len(table))
         return True

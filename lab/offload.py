@@ -119,8 +119,11 @@ class OffloadTier:
         self.pinned.clear()
 
     def _evict(self) -> int | None:
-        """Drop the least recently used entry whose slot is not pinned; its slot (None when all are pinned)."""
+        """Drop the least recently used entry whose slot is not pinned; its slot (None when all are pinned, or the
+        tier holds nothing: swapped-out sequences have the whole shared host pool)."""
         entries, pinned = self.entries, self.pinned
+        if not entries:
+            return None
         key, (slot, content_id) = entries.popitem(last=False)
         if slot not in pinned:
             return slot

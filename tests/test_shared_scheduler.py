@@ -302,3 +302,23 @@ def test_a_long_prefill_threshold_caps_chunks_alike_in_both_executors(caching):
 def test_a_long_prefill_threshold_out_of_place_is_refused(settings, words):
     with pytest.raises(SchedulerError, match=words):
         LLMEngine("tiny", scheduling="prefill-first", **settings)
+
+
+@pytest.mark.parametrize("case", [
+    FuzzCase([1, 1, 1, 21, 14, 1], [1, 1, 1, 4, 12, 1], 2, 0, 0, [0] * 6,
+             dict(block_size=1, num_blocks=40, num_cpu_blocks=1, enable_prefix_caching=True, scheduling="vllm",
+                  preemption_mode="swap", max_num_batched_tokens=4, max_num_seqs=4, kv_offload_blocks=16)),
+    FuzzCase([1, 1, 1, 20, 1, 1], [1] * 6, 1, 0, 0, [0] * 6,
+             dict(block_size=1, num_blocks=22, num_cpu_blocks=0, enable_prefix_caching=True, scheduling="vllm",
+                  preemption_mode="recompute", max_num_batched_tokens=4, max_num_seqs=1, kv_offload_blocks=16)),
+    FuzzCase([1, 1, 1, 1, 1, 16], [1, 1, 1, 1, 6, 6], 3, 0, 0, [0] * 6,
+             dict(block_size=1, num_blocks=37, num_cpu_blocks=8, enable_prefix_caching=True,
+                  scheduling="prefill-first", preemption_mode="swap", max_num_batched_tokens=4, max_num_seqs=6,
+                  kv_offload_blocks=16))], ids=["vllm-swap-tier-n2", "vllm-tier", "swap-tier-host-full"])
+def test_fuzz_finds_plan_alike(case):
+    """Cases a fuzz run found: the vllm policy with an offload tier (prompts taken whole, as the tier stores them), and
+    a swap-in whose evicted blocks find the shared host pool all taken by swapped sequences (nothing stored)."""
+    _, results, real, simulated = engine_and_simulator_logs(case.prompts, case.outputs, n=case.n,
+                                                            shared_prefix=case.shared_prefix, **case.engine)
+    assert_same_plan(real, simulated)
+    assert [len(o) for r in results for o in r.outputs] == [o for o in case.outputs for _ in range(case.n)]

@@ -355,9 +355,8 @@ class KVBlockManager:
         given ``token_ids`` (its tokens, at least as many as it holds), every full block of a sequence whose
         later tokens were appended without ids, sampled tokens' included, as vLLM V1 caches a request's blocks while
         they fill (``KVCacheManager.allocate_slots`` → ``cache_blocks``, vllm/v1/core/kv_cache_manager.py), so that
-        a preempted request hits its own blocks when it is prefilled again. With the free queue reusing blocks in
-        release order, registering a block any time before its release gives the same later hits as registering it
-        when it filled."""
+        a preempted request hits its own blocks when it is prefilled again. Any time before a block's release gives
+        the same later hits as when it filled: what the free queue goes by is whether it is cached when it is freed."""
         seq = self._seq(seq_id)
         self._flush_reserve()
         if seq.stream_key is not None:

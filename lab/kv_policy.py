@@ -119,9 +119,9 @@ class PagedPolicy:
         self._count_final_block(seq, -(-seq.final_len // self.block_size))
 
     def grow(self, seq: Sequence, kv_len: int, alone: bool) -> bool:
-        """Give ``seq`` (synced) fresh blocks for ``kv_len`` tokens (copy-on-write included; a prompt chunk's tokens
-        hashed for the prefix cache); False (nothing changed) when too few blocks are free. A lone sequence always fits (``can_ever_fit``), so ``alone`` needs nothing
-        special here."""
+        """Give ``seq`` (synced) fresh blocks for ``kv_len`` tokens (copy-on-write included; a prompt chunk's full
+        blocks cached, as at admission); False (nothing changed) when too few blocks are free. A lone sequence always
+        fits (``can_ever_fit``), so ``alone`` needs nothing special here."""
         manager, size = self.manager, self.block_size
         table = manager.sequences[seq.seq_id].block_table
         needed = -(-kv_len // size) - len(table)
@@ -129,14 +129,11 @@ class PagedPolicy:
             needed += 1
         if needed > manager.num_free_blocks:
             return False
-        token_ids = seq.group.token_ids
-        if seq.synced_len < seq.prompt_len and token_ids is not None:  # a prompt chunk: its full blocks are cached
-            self._append(seq, kv_len, False, token_ids(seq, kv_len)[seq.synced_len:kv_len])
-        else:
-            prompt_chunk = seq.synced_len < seq.prompt_len
-            self._append(seq, kv_len, False)
-            if prompt_chunk:  # a stream's, by position
-                manager.register_blocks(seq.seq_id, sampled=True)
+        token_ids, prompt_chunk = seq.group.token_ids, seq.synced_len < seq.prompt_len
+        self._append(seq, kv_len, False, token_ids(seq, kv_len)[seq.synced_len:kv_len]
+                     if prompt_chunk and token_ids is not None else None)  # known tokens: hashed as they are added
+        if prompt_chunk and token_ids is None:  # a stream's, by position
+            manager.register_blocks(seq.seq_id, sampled=True)
         if len(table) * size >= seq.final_len and not seq.final_block_counted:
             self._count_final_block(seq, len(table))
         return True

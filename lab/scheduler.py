@@ -615,11 +615,7 @@ class Scheduler:
             self.policy.preempt(victim, victim.num_computed)
             victim.num_computed, victim.status = 0, SequenceStatus.WAITING
             out.preempted = _extended(out.preempted, (victim,))
-            group = victim.group
-            if len(group.seqs) > 1:  # a sample of n > 1 being recomputed alone, queued as the decode path queues it
-                group = SequenceGroup(group.request_id, [victim], group.token_ids, group.data, group.stream_key)
-            self.waiting.appendleft(group)
-            self.num_waiting_seqs += 1
+            self._requeue_alone(victim)
             return
         if self.config.preemption_mode == "swap":
             group = self._running_of(victim.group)
@@ -645,15 +641,21 @@ class Scheduler:
         self.policy.preempt(victim, kv_len)
         victim.prompt_len, victim.num_computed, victim.status = kv_len + 1, 0, SequenceStatus.WAITING
         out.preempted = _extended(out.preempted, (victim,))
-        alone = SequenceGroup(group.request_id, [victim], group.token_ids, group.data, group.stream_key)
+        alone = self._requeue_alone(victim)
         if group.beam is not None:
             # A search alone in the batch cannot make room by restarting (a contiguous space too fragmented for all
             # its beams; ``check_request`` keeps a paged pool from ever getting here): its newest beam leaves it and
             # ends on its own, as a sample.
             group.seqs.remove(victim)
             victim.group = alone
+
+    def _requeue_alone(self, victim: Sequence) -> SequenceGroup:
+        """Queue a preempted sequence first, in a group of its own (a sample of several is recomputed alone)."""
+        group = victim.group
+        alone = SequenceGroup(group.request_id, [victim], group.token_ids, group.data, group.stream_key)
         self.waiting.appendleft(alone)
         self.num_waiting_seqs += 1
+        return alone
 
     def _running_of(self, group: SequenceGroup) -> list[Sequence]:
         """``group``'s sequences in the running set, in the group's order."""

@@ -139,11 +139,12 @@ class VLLMPeer:
         self.close()
 
 
-def serve(engine, prompts: list[list[int]], max_tokens: list[int], arrival_steps: list[int] | None = None) -> dict:
+def serve(engine, prompts: list[list[int]], max_tokens: list[int], arrival_steps: list[int] | None = None,
+          record_steps: bool = True) -> dict:
     """Our engine served as the driver serves vLLM (``peer_driver.run``): request i joins before engine step
-    ``arrival_steps[i]``, greedy; each request's ``outputs``, the run's ``elapsed_s`` and ``steps``: per step, the
-    tokens scheduled per request (by index, as the driver reports vLLM's) and the blocks in use right after
-    scheduling (when vLLM's recorder reads its KV usage)."""
+    ``arrival_steps[i]``, greedy; each request's ``outputs``, the run's ``elapsed_s`` and, with ``record_steps``
+    (a timed run goes without), ``steps``: per step, the tokens scheduled per request (by index, as the driver
+    reports vLLM's) and the blocks in use right after scheduling (when vLLM's recorder reads its KV usage)."""
     import time
 
     from .sampler import SamplingParams
@@ -166,7 +167,8 @@ def serve(engine, prompts: list[list[int]], max_tokens: list[int], arrival_steps
         steps[plan.step] = {"scheduled": scheduled, "blocks_in_use": scheduler.policy.blocks_in_use()}
         return plan
 
-    scheduler.schedule = recorded
+    if record_steps:
+        scheduler.schedule = recorded
     started = time.perf_counter()
     try:
         while next_request < len(order) or engine.has_unfinished():
@@ -178,7 +180,8 @@ def serve(engine, prompts: list[list[int]], max_tokens: list[int], arrival_steps
                 outputs[ids[output.request_id]] = output.outputs[0]
             step += 1
     finally:
-        del scheduler.schedule
+        if record_steps:
+            del scheduler.schedule
     return {"outputs": [outputs[i] for i in range(len(prompts))], "elapsed_s": time.perf_counter() - started,
             "steps": steps}
 

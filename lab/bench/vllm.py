@@ -55,7 +55,7 @@ def _ours(engine: LLMEngine, prompts, max_tokens) -> dict:
     steps_before, preempted_before = len(engine.step_log()), engine.step_log()["num_preempted"].sum()
     started = time.perf_counter()
     finished_before = len(engine.finished)
-    run = serve(engine, prompts, max_tokens)
+    run = serve(engine, prompts, max_tokens, record_steps=False)
     done = engine.finished[finished_before:]
     log = engine.step_log()
     return {"output_tok_s": sum(map(len, run["outputs"])) / run["elapsed_s"],

@@ -109,12 +109,13 @@ class VLLMPeer:
         return answer
 
     def run(self, prompts: list[list[int]], max_tokens: list[int], arrival_steps: list[int] | None = None,
-            long_prefill_token_threshold: int | None = None) -> dict:
+            long_prefill_token_threshold: int | None = None, idle_s: float = 0.0) -> dict:
         """Serve ``prompts`` greedily (request i joins before engine step ``arrival_steps[i]``; the scheduler's
-        long-prefill threshold set for this run when given): each request's ``outputs``, ``arrival_s``,
-        ``first_token_s``, ``finish_s``, the run's ``elapsed_s`` and vLLM's ``steps``."""
+        long-prefill threshold set for this run when given; ``idle_s`` slept before the first step): each request's
+        ``outputs``, ``arrival_s``, ``first_token_s``, ``finish_s``, the run's ``elapsed_s`` and vLLM's ``steps``
+        (``lab/peer_driver.py`` says what a step records)."""
         job = {"prompts": prompts, "max_tokens": max_tokens, "arrival_steps": arrival_steps,
-               "long_prefill_token_threshold": long_prefill_token_threshold}
+               "long_prefill_token_threshold": long_prefill_token_threshold, "idle_s": idle_s}
         return self._ask({"run": job}, RUN_TIMEOUT_S)
 
     def profile(self, shapes: list[dict], steps: int) -> dict:

@@ -3,12 +3,14 @@
 Reads one JSON object per line on stdin and answers one per line on stdout:
 ``{"load": {checkpoint, dtype, block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len,
 enable_prefix_caching}}`` builds vLLM's offline engine (in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
-``{"run": {"prompts": [[ids]], "max_tokens": [n], "arrival_steps": [k], "long_prefill_token_threshold": t}}``
-serves the requests greedily on a cold prefix cache, adding request i before engine step ``arrival_steps[i]`` (``t``,
+``{"run": {"prompts": [[ids]], "max_tokens": [n], "arrival_steps": [k], "long_prefill_token_threshold": t,
+"idle_s": s}}`` serves the requests greedily on a cold prefix cache, adding request i before engine step
+``arrival_steps[i]`` (``s``: seconds slept before the first step; ``t``,
 when given, is the scheduler's long-prefill threshold for this run: ``Scheduler.schedule`` reads it from its config
 every step), and answers with each request's tokens and times and vLLM's
 step log: per scheduler step (``Scheduler.schedule`` in ``vllm/v1/core/sched/scheduler.py``) the tokens scheduled
-per request, the new, preempted and finished requests, running / waiting counts and the KV usage;
+per request, each one's tokens computed before the step and tokens known (prompt and outputs), the new, preempted and
+finished requests, running / waiting counts, the KV usage and the wall time of the ``engine.step()`` call;
 ``{"profile": {"shapes": [[kind, ...]], "steps": n}}`` times each step shape (a prefill of one prompt, a decode
 step of a batch at a context; ``lab.bench.step_profile``) and splits it by op kind with ``torch.profiler`` scopes
 around vLLM's own modules; ``{"quit": true}`` ends it. Imports nothing of the lab's: the peer's environment has vLLM, not the lab.
@@ -37,7 +39,10 @@ def load(settings: dict):
     def recorded(*args, **kwargs):
         out = schedule(*args, **kwargs)
         if out.total_num_scheduled_tokens or out.finished_req_ids:
-            log.append({"scheduled": dict(out.num_scheduled_tokens),
+            requests, scheduled = scheduler.requests, out.num_scheduled_tokens
+            log.append({"scheduled": dict(scheduled),  # num_computed_tokens already counts this step's tokens:
+                        "computed": {r: requests[r].num_computed_tokens - n for r, n in scheduled.items()},
+                        "tokens": {r: requests[r].num_tokens for r in scheduled},
                         "new": [r.req_id for r in out.scheduled_new_reqs],
                         "preempted": sorted(getattr(out, "preempted_req_ids", None) or ()),
                         "finished": sorted(out.finished_req_ids), "running": len(scheduler.running),
@@ -70,7 +75,7 @@ def _serve(engine, log: list, job: dict) -> dict:
         job["prompts"])
     order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
     outputs, first_token_s, finish_s, added_s = {}, {}, {}, {}
-    started, step, next_request = time.perf_counter(), 0, 0
+    started, step, next_request, idle_s = time.perf_counter(), 0, 0, job.get("idle_s") or 0.0
     while next_request < len(order) or engine.has_unfinished_requests():
         while next_request < len(order) and arrivals[order[next_request]] <= step:
             i = order[next_request]
@@ -78,7 +83,13 @@ def _serve(engine, log: list, job: dict) -> dict:
                                SamplingParams(max_tokens=max_tokens[i], temperature=0.0, ignore_eos=True))
             added_s[i] = time.perf_counter() - started
             next_request += 1
-        for output in engine.step():
+        if idle_s and step == 0:  # the first step starts after the engine sat idle (the profile's idle scenarios)
+            time.sleep(idle_s)
+        logged, step_started = len(log), time.perf_counter()
+        stepped = engine.step()
+        for entry in log[logged:]:
+            entry["step_s"] = time.perf_counter() - step_started
+        for output in stepped:
             i, now = int(output.request_id.removeprefix(run_id)), time.perf_counter() - started
             if output.outputs and output.outputs[0].token_ids and i not in first_token_s:
                 first_token_s[i] = now
@@ -89,7 +100,8 @@ def _serve(engine, log: list, job: dict) -> dict:
     for step in log:  # the last run's final finish is reported by this run's first schedule: not this run's
         step["finished"] = [r for r in step["finished"] if r.startswith(run_id)]
         # by request index: the scheduler's ids are ours with a suffix vLLM adds ("<run_id><index>-<random>")
-        step["scheduled"] = {r.removeprefix(run_id).split("-")[0]: n for r, n in step["scheduled"].items()}
+        for key in ("scheduled", "computed", "tokens"):
+            step[key] = {r.removeprefix(run_id).split("-")[0]: n for r, n in step[key].items()}
     log[:] = [step for step in log if step["scheduled"] or step["finished"]]
     return {"outputs": [outputs[i] for i in range(len(prompts))], "elapsed_s": elapsed,
             "arrival_s": [added_s[i] for i in range(len(prompts))],

@@ -1,0 +1,367 @@
+"""A twin of a real vLLM server: the simulator, running the vLLM V1 policy of our scheduler on a step-time profile
+measured on vLLM itself (``lab.peer_profile``), predicts what a vLLM server does with a workload, and the server
+(``lab.vllm_server``) is measured doing it.
+
+The profile is calibrated on the profile's own scenarios (single prefills, decode batches, a cached prefix, idle
+pauses), served by vLLM's offline engine in the peer: never on a workload that is scored. Each scored workload is
+then sent to the server at its arrival times; the simulator gets the same requests at the times they were sent, the
+server's pool (``vllm:cache_config_info``), block size and budgets, and its prediction is scored per metric.
+"""
+from __future__ import annotations
+
+import json
+import math
+import threading
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+
+from lab.errors import InputError
+from lab.peer import PeerError, PeerSettings, VLLMPeer
+from lab.profile import Profile
+from lab.vllm_server import ServerRequest, ServerRun, VLLMServer, check_server, run_server_workload
+
+from .engine import SimConfig, Simulator
+from .metrics import latency_summary
+from .twin import real_prompt_ids
+from .workloads import SyntheticSpec, Workload, at_mean_rate, load_trace, synthetic_workload
+
+TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+AZURE_CONV = TRACES / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+WORKLOADS = ("all-at-once", "prefix", "poisson", "gamma", "azure")
+GAMMA_BURSTINESS = 0.5  # gamma shape of the bursty workload (coefficient of variation sqrt(2))
+SHARED_PREFIX_TOKENS = 256  # the prefix-sharing workload's system prompt
+WARM_UP_REQUESTS = 8  # sent before the first scored run: the server's first steps build its kernels
+# metric -> (goal, how its error is measured): relative error for latencies, points for fractions, counts
+GOALS = {"ttft_p50_s": (0.05, "relative"), "tpot_p50_s": (0.05, "relative"), "e2e_p50_s": (0.05, "relative"),
+         "ttft_p90_s": (0.10, "relative"), "tpot_p90_s": (0.10, "relative"), "e2e_p90_s": (0.10, "relative"),
+         "kv_usage_mean_abs_points": (5.0, "points"), "prefix_hit_rate": (1.0, "points"),
+         "preemptions": (0.0, "count")}
+
+
+@dataclass(slots=True)
+class VLLMTwinConfig:
+    """The server both sides are given (its pool, block size, budgets; a checkpoint of ``model``), the profile's
+    grid and rounds, and the scored workloads: ``num_requests`` each, ShareGPT-like lengths times ``length_scale``,
+    arrivals at ``rate`` requests/s (all at once and prefix: at t = 0)."""
+
+    model: str = "tiny"
+    dtype: str = "float32"
+    block_size: int = 32
+    num_blocks: int = 256
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    workloads: tuple = ("all-at-once", "prefix", "poisson")
+    num_requests: int = 48
+    rate: float = 20.0
+    length_scale: float = 0.25
+    repeats: int = 1  # real runs per workload (3: the spread)
+    grid: str = "small"
+    profile_repeats: int = 2
+    seed: int = 0
+    poll_s: float = 0.25
+    url: str | None = None  # a server already running (nothing else is contacted); None: start one
+
+    def peer_settings(self, checkpoint: str) -> PeerSettings:
+        return PeerSettings(checkpoint, self.dtype, self.block_size, self.num_blocks, self.max_num_seqs,
+                            self.max_num_batched_tokens, self.max_model_len, enable_prefix_caching=True)
+
+
+def _scaled(workload: Workload, scale: float) -> Workload:
+    prompts = np.maximum(1, np.round(workload.prompt_tokens * scale)).astype(np.int64)
+    outputs = np.maximum(1, np.round(workload.output_tokens * scale)).astype(np.int64)
+    return replace(workload, prompt_tokens=prompts, output_tokens=outputs,
+                   meta={**workload.meta, "length_scale": scale}).check()
+
+
+def make_twin_workload(name: str, config: VLLMTwinConfig, seed: int) -> Workload:
+    """One of ``WORKLOADS``: ShareGPT-like lengths times ``length_scale`` all at t = 0 (``all-at-once``), the same
+    behind a shared system prompt (``prefix``), at a Poisson or gamma (``GAMMA_BURSTINESS``) ``rate``, or the
+    Azure 2023 conversation trace's first requests, lengths scaled alike, at a mean of ``rate`` (``azure``; the
+    shared traces must be present)."""
+    if name == "azure":
+        if not AZURE_CONV.exists():
+            raise InputError(f"the azure workload reads the shared trace {AZURE_CONV}, which is not there")
+        trace = at_mean_rate(load_trace(AZURE_CONV, max_rows=config.num_requests), config.rate)
+        workload = _scaled(trace, config.length_scale)
+    elif name in WORKLOADS:
+        rate = math.inf if name in ("all-at-once", "prefix") else config.rate
+        spec = SyntheticSpec("sharegpt", config.num_requests, rate, GAMMA_BURSTINESS if name == "gamma" else 1.0,
+                             seed=seed)
+        workload = _scaled(synthetic_workload(spec), config.length_scale)
+        if name == "prefix":
+            workload = replace(workload, prompt_tokens=workload.prompt_tokens + SHARED_PREFIX_TOKENS,
+                               shared_prefix_tokens=SHARED_PREFIX_TOKENS)
+    else:
+        raise InputError(f"workload must be one of {', '.join(WORKLOADS)}; got {name!r}")
+    longest = int((workload.prompt_tokens + workload.output_tokens).max())
+    if longest > config.max_model_len:
+        raise InputError(f"the {name} workload has a request of {longest} tokens, beyond max_model_len "
+                         f"{config.max_model_len}: lower length_scale")
+    return replace(workload, name=name)
+
+
+def server_requests(workload: Workload, vocab_size: int, seed: int) -> list[ServerRequest]:
+    """The workload's requests as the server gets them: random prompts (equal where the workload shares a prefix,
+    as ``simulator.twin.real_prompt_ids`` makes them), greedy, at their arrival offsets."""
+    prompts = real_prompt_ids(workload, vocab_size, seed)
+    return [ServerRequest(prompt, int(out), float(at))
+            for prompt, out, at in zip(prompts, workload.output_tokens, workload.arrival_s)]
+
+
+def server_cache_config(url: str) -> dict:
+    """The server's ``block_size``, ``num_gpu_blocks`` and ``enable_prefix_caching`` (``vllm:cache_config_info``)."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{url}/metrics", timeout=5.0).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:cache_config_info":
+                labels = sample.labels
+                try:
+                    return {"block_size": int(labels["block_size"]), "num_gpu_blocks": int(labels["num_gpu_blocks"]),
+                            "enable_prefix_caching": labels.get("enable_prefix_caching") == "True"}
+                except (KeyError, ValueError) as exc:
+                    raise PeerError(f"{url}: vllm:cache_config_info lacks {exc}") from exc
+    raise PeerError(f"{url}: /metrics has no vllm:cache_config_info (its pool and block size)")
+
+
+def sim_config(config: VLLMTwinConfig, cache: dict, profile: Profile) -> SimConfig:
+    """The simulator as the server is: vLLM V1's policy, its usable blocks (one fewer than its count: block 0 is
+    vLLM's null block), block size, budgets and prefix caching, steps priced by ``profile``."""
+    return SimConfig(allocator="paged", block_size=cache["block_size"],
+                     capacity_tokens=(cache["num_gpu_blocks"] - 1) * cache["block_size"],
+                     max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+                     max_num_batched_tokens=config.max_num_batched_tokens, scheduling="vllm",
+                     enable_prefix_caching=cache["enable_prefix_caching"], profile=profile, max_points=100_000)
+
+
+def _requests_frame(workload: Workload, run: ServerRun) -> pd.DataFrame:
+    frame = run.requests.rename(columns={"sent_s": "arrival_s"})
+    frame["output_tokens"] = workload.output_tokens
+    return frame
+
+
+@dataclass(slots=True)
+class ServerCalibration:
+    """What the server adds to its engine's steps, measured on calibration requests (never a scored workload):
+    ``step_scale``, the server's decode time per token over the simulator's on the offline profile (its engine
+    shares two cores with its API process and the load generator), and ``request_overhead_s``, the seconds between a
+    request's send and its first token that no engine step accounts for (HTTP, the API process, the hand-over to
+    the engine and back). ``table``: the calibration runs."""
+
+    step_scale: float = 1.0
+    request_overhead_s: float = 0.0
+    table: pd.DataFrame = field(default_factory=pd.DataFrame)
+
+
+def simulate_run(workload: Workload, run: ServerRun, config: SimConfig, request_overhead_s: float = 0.0):
+    """The simulator on the workload's requests at the times the run sent them plus ``request_overhead_s`` (the
+    requests it never sent dropped); its result's ``requests`` and summary latencies count from the send."""
+    sent = run.requests["sent_s"].to_numpy()
+    keep = ~np.isnan(sent)
+    arrivals = np.maximum.accumulate(sent[keep])  # sends of one instant may leave microseconds out of order
+    index = np.flatnonzero(keep)
+    subset = replace(workload, arrival_s=arrivals + request_overhead_s, prompt_tokens=workload.prompt_tokens[index],
+                     output_tokens=workload.output_tokens[index],
+                     prompt_block_ids=None if workload.prompt_block_ids is None
+                     else [workload.prompt_block_ids[i] for i in index]).check()
+    result = Simulator(subset, config).run()
+    if request_overhead_s:
+        result.requests["arrival_s"] -= request_overhead_s
+        result.summary.update(latency_summary(result.requests))
+    return result
+
+
+def _usage_error(run: ServerRun, timeseries: pd.DataFrame, usable_blocks: int) -> tuple[float, float, float]:
+    """KV usage, real and simulated, averaged over the run's /metrics readings, and their mean absolute difference
+    (points): at each reading, the simulator's usage after its last step that ended by then."""
+    readings = run.metrics.dropna(subset=["kv_usage"])
+    readings = readings[readings["t_s"] <= run.requests["finish_s"].max()]
+    if readings.empty or timeseries.empty:
+        return math.nan, math.nan, math.nan
+    ends = timeseries["elapsed_s"].to_numpy()
+    usage = timeseries["blocks_in_use"].to_numpy() / usable_blocks
+    at = np.searchsorted(ends, readings["t_s"].to_numpy(), side="right") - 1
+    simulated = np.where(at >= 0, usage[np.maximum(at, 0)], 0.0)
+    real = readings["kv_usage"].to_numpy()
+    return float(real.mean() * 100), float(simulated.mean() * 100), float(np.abs(real - simulated).mean() * 100)
+
+
+def _counter(run: ServerRun, column: str) -> float:
+    values = run.metrics[column].dropna()
+    return float(values.iloc[-1] - values.iloc[0]) if len(values) >= 2 else math.nan
+
+
+def score(workload: Workload, run: ServerRun, config: SimConfig, request_overhead_s: float = 0.0) -> pd.DataFrame:
+    """One row per metric of ``GOALS``: the server's value, the simulator's, the error (relative, points or a
+    count, per ``GOALS``), the goal and whether it is met."""
+    result = simulate_run(workload, run, config, request_overhead_s)
+    real = latency_summary(_requests_frame(workload, run))
+    simulated = result.summary
+    rows = []
+    for name in ("ttft_p50_s", "tpot_p50_s", "e2e_p50_s", "ttft_p90_s", "tpot_p90_s", "e2e_p90_s"):
+        rows.append((name, real[name], simulated[name], abs(simulated[name] - real[name]) / real[name]))
+    usable = int(config.capacity_tokens // config.block_size)
+    real_usage, simulated_usage, difference = _usage_error(run, result.timeseries, usable)
+    rows.append(("kv_usage_mean_abs_points", real_usage, simulated_usage, difference))
+    queries, hits = _counter(run, "prefix_queries"), _counter(run, "prefix_hits")
+    real_rate = 100 * hits / queries if queries else math.nan
+    hit_blocks = simulated.get("prefix_cache_hit_blocks", math.nan)
+    simulated_rate = 100 * hit_blocks * config.block_size / float(workload.prompt_tokens.sum())
+    rows.append(("prefix_hit_rate", real_rate, simulated_rate, abs(simulated_rate - real_rate)))
+    real_preemptions = _counter(run, "preemptions")
+    rows.append(("preemptions", real_preemptions, float(simulated["preemptions"]),
+                 abs(simulated["preemptions"] - real_preemptions)))
+    table = pd.DataFrame(rows, columns=["metric", "real", "simulated", "error"])
+    table["goal"] = [GOALS[name][0] for name in table["metric"]]
+    table["unit"] = [GOALS[name][1] for name in table["metric"]]
+    table["met"] = table["error"] <= table["goal"]
+    return table
+
+
+@dataclass(slots=True)
+class VLLMTwinResult:
+    """Per workload and run: the score table, the server's run and the simulator's result."""
+
+    table: pd.DataFrame  # workload, run, metric, real, simulated, error, goal, unit, met
+    runs: dict = field(default_factory=dict)  # (workload, run) -> ServerRun
+    simulated: dict = field(default_factory=dict)  # (workload, run) -> SimResult
+    profile: Profile | None = None
+    server_start_s: float = math.nan
+    calibration: ServerCalibration | None = None
+
+    def summary(self) -> pd.DataFrame:
+        """Per workload and metric: the median error over the runs, its range, the goal and whether the median
+        meets it."""
+        grouped = self.table.groupby(["workload", "metric"], sort=False)
+        out = grouped.agg(real=("real", "median"), simulated=("simulated", "median"), error=("error", "median"),
+                          error_min=("error", "min"), error_max=("error", "max"), goal=("goal", "first"),
+                          unit=("unit", "first"), runs=("run", "count")).reset_index()
+        out["met"] = out["error"] <= out["goal"]
+        return out
+
+
+def vocab_size(checkpoint: str | Path) -> int:
+    return int(json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"])
+
+
+def calibrate(config: VLLMTwinConfig, checkpoint: str, progress: Callable[[str], None] = print) -> Profile:
+    """The step-time profile of vLLM's engine on the checkpoint (``lab.peer_profile.profile_vllm``), measured in
+    the peer's offline engine with the server's pool and budgets."""
+    from lab.peer_profile import profile_vllm
+
+    progress(f"calibrating on vLLM's engine ({config.grid} grid, {config.profile_repeats} rounds)")
+    with VLLMPeer(config.peer_settings(checkpoint)) as peer:
+        return profile_vllm(peer, config.model, vocab_size(checkpoint), config.grid, config.profile_repeats,
+                            config.seed)
+
+
+CALIBRATION_BATCHES = (1, 4, 8, 16)  # decode batches whose time per token gives the step scale
+CALIBRATION_PROMPTS = (32, 128, 384)  # single prompts on an idle server: the request overhead (two each)
+
+
+def _fixed(count: int, prompt: int, output: int) -> Workload:
+    return Workload("calibration", np.zeros(count), np.full(count, prompt, dtype=np.int64),
+                    np.full(count, output, dtype=np.int64)).check()
+
+
+def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, seed: int = 0) -> ServerCalibration:
+    """Measure ``ServerCalibration`` on the server: decode batches of ``CALIBRATION_BATCHES`` requests (96-token
+    prompts, 48 tokens each; the median ratio of the server's TPOT p50 to the simulator's is the step scale), then
+    single prompts of ``CALIBRATION_PROMPTS`` tokens sent one at a time (the median of the server's TTFT less the
+    simulator's, steps scaled, is the request overhead)."""
+    rows = []
+    for batch in CALIBRATION_BATCHES:
+        workload = _fixed(batch, 96, 48)
+        run = run_server_workload(url, server_requests(workload, vocab, seed + batch), model, poll_s=60.0)
+        real = latency_summary(_requests_frame(workload, run))["tpot_p50_s"]
+        rows.append(("decode", batch, real, simulate_run(workload, run, simulation).summary["tpot_p50_s"]))
+    scale = float(np.median([real / simulated for _, _, real, simulated in rows]))
+    scaled = replace(simulation, profile=scaled_profile(simulation.profile, scale))
+    for repeat in range(2):
+        for length in CALIBRATION_PROMPTS:
+            workload = _fixed(1, length, 2)
+            run = run_server_workload(url, server_requests(workload, vocab, seed + 100 * repeat + length), model,
+                                      poll_s=60.0)
+            real = latency_summary(_requests_frame(workload, run))["ttft_p50_s"]
+            rows.append(("prefill", length, real, simulate_run(workload, run, scaled).summary["ttft_p50_s"]))
+    overhead = float(np.median([real - simulated for kind, _, real, simulated in rows if kind == "prefill"]))
+    table = pd.DataFrame(rows, columns=["kind", "size", "real_s", "simulated_s"])
+    return ServerCalibration(scale, max(overhead, 0.0), table)
+
+
+def scaled_profile(profile: Profile, scale: float) -> Profile:
+    """``profile`` with every step priced ``scale`` times as long."""
+    return replace(profile, coefficients={name: value * scale for name, value in profile.coefficients.items()})
+
+
+def _reset_prefix_cache(url: str) -> bool:
+    import requests
+
+    try:
+        return requests.post(f"{url}/reset_prefix_cache", timeout=10.0).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | None = None,
+                  progress: Callable[[str], None] = print, stop: threading.Event | None = None) -> VLLMTwinResult:
+    """Calibrate (unless ``profile`` is given), start the server (or use ``config.url``), warm it up, then run
+    each workload ``config.repeats`` times against it and score the simulator's prediction of each run."""
+    profile = profile or calibrate(config, checkpoint, progress)
+    profile.check_matches(block_size=config.block_size)
+    result = VLLMTwinResult(pd.DataFrame(), profile=profile)
+    vocab = vocab_size(checkpoint)
+    server = None
+    try:
+        if config.url is None:
+            progress("starting vLLM's server")
+            server = VLLMServer(config.peer_settings(checkpoint))
+            url, result.server_start_s = server.url, server.start_s
+        else:
+            url = config.url
+        model = check_server(url)
+        cache = server_cache_config(url)
+        if cache["block_size"] != profile.block_size:
+            raise PeerError(f"the server at {url} uses blocks of {cache['block_size']} tokens, the profile "
+                            f"{profile.block_size}")
+        simulation = sim_config(config, cache, profile)
+        warm = make_twin_workload("all-at-once", replace(config, num_requests=WARM_UP_REQUESTS), config.seed + 999)
+        run_server_workload(url, server_requests(warm, vocab, config.seed + 999), model)
+        progress("calibrating on the server (decode batches, single prompts)")
+        calibration = result.calibration = calibrate_server(url, model, simulation, vocab, config.seed + 7)
+        progress(f"server steps x{calibration.step_scale:.3f} the engine's; request overhead "
+                 f"{calibration.request_overhead_s * 1e3:.1f} ms")
+        simulation = replace(simulation, profile=scaled_profile(profile, calibration.step_scale))
+        tables = []
+        for name in config.workloads:
+            workload = make_twin_workload(name, config, config.seed)
+            for repeat in range(config.repeats):
+                if stop is not None and stop.is_set():
+                    break
+                _reset_prefix_cache(url)
+                progress(f"{name}, run {repeat + 1} of {config.repeats}: {len(workload)} requests")
+                # fresh prompts per run: a server whose cache cannot be reset still starts each run cold
+                run = run_server_workload(url, server_requests(workload, vocab, config.seed + 1 + repeat), model,
+                                          events=server.events if server else None, poll_s=config.poll_s,
+                                          stop=stop)
+                if run.problems:
+                    progress(f"{name}: {'; '.join(run.problems[:3])}")
+                result.runs[(name, repeat)] = run
+                table = score(workload, run, simulation, calibration.request_overhead_s)
+                tables.append(table.assign(workload=name, run=repeat))
+        result.table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()
+        return result
+    finally:
+        if server is not None:
+            server.close()
+
+
+def settings_of(config: VLLMTwinConfig) -> dict:
+    return {f"twin_{key}": value for key, value in asdict(config).items()}

@@ -14,6 +14,7 @@ PAGES = [
     st.Page("pages/kernel_lab.py", title="Kernel lab", icon=":material/memory:"),
     st.Page("pages/runtime.py", title="Qwen3 runtime", icon=":material/smart_toy:"),
     st.Page("pages/twin.py", title="Digital twin", icon=":material/compare:"),
+    st.Page("pages/vllm_twin.py", title="vLLM twin", icon=":material/dns:"),
     st.Page("pages/paper.py", title="vLLM paper", icon=":material/science:"),
     st.Page("pages/sweeps.py", title="Sweeps & planning", icon=":material/grid_on:"),
     st.Page("pages/benchmarks.py", title="Benchmarks", icon=":material/table_chart:"),

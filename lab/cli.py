@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import pandas as pd
 
@@ -163,6 +165,9 @@ def _profile(args) -> None:
 
     from lab.profile import profile_engine
 
+    if args.peer == "vllm":
+        return _profile_peer(args)
+    args.block_size = args.block_size or 16
     bars = []  # the bar starts with the first scenario, once the model has loaded (or failed to, with no bar drawn)
 
     def step(done, total):
@@ -176,10 +181,41 @@ def _profile(args) -> None:
     finally:
         for bar in bars:
             bar.close()
-    profile.save(args.out)
+    _report_profile(profile, args.out)
+
+
+def _profile_peer(args) -> None:
+    import tempfile
+
+    import torch
+    from tqdm import tqdm
+
+    from lab.model import checkpoint_dir
+    from lab.peer import PeerSettings, VLLMPeer
+    from lab.peer_profile import profile_vllm
+
+    refuse_ignored([name for name, default in (("device", None), ("backend", "auto"))
+                    if getattr(args, name) != default], "vLLM's CPU build runs on the CPU with its own attention")
+    block_size = args.block_size or 32
+    if block_size % 32:
+        raise InputError(f"--block-size {block_size}: vLLM's CPU attention takes multiples of 32")
+    with tempfile.TemporaryDirectory(prefix="minipaged-profile-") as folder:
+        checkpoint = checkpoint_dir(args.model, folder, torch.float32)
+        settings = PeerSettings(checkpoint, block_size=block_size, num_blocks=args.num_blocks,
+                                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                enable_prefix_caching=True)
+        vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
+        with VLLMPeer(settings) as peer, tqdm(desc="profiling vLLM", unit="scenario", file=sys.stderr) as bar:
+            profile = profile_vllm(peer, args.model, vocab, args.grid, args.repeats,
+                                   progress=lambda done, total: (setattr(bar, "total", total), bar.update(1)))
+    _report_profile(profile, args.out)
+
+
+def _report_profile(profile, out: str) -> None:
+    profile.save(out)
     print(f"{len(profile.samples)} step shapes on {profile.device} ({profile.dtype}, {profile.backend}); held-out "
           f"relative error median {profile.holdout_median_rel_error:.1%}, max {profile.holdout_max_rel_error:.1%}; "
-          f"wrote {args.out}")
+          f"wrote {out}")
     for name, value in profile.coefficients.items():
         print(f"  {name:<24} {value:.4g}")
     print(f"  {'add_request_s':<24} {profile.add_request_s:.4g}  (per request, between steps)")
@@ -282,7 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", choices=GRIDS, default="full",
                    help="scenarios: full; small (models whose prefills take seconds on a CPU); quick")
     p.add_argument("--out", type=output_csv, default="profile.json", help="the profile (JSON)")
-    p.set_defaults(run=_profile)
+    p.add_argument("--peer", choices=["vllm"], default=None,
+                   help="measure vLLM's engine (the peer environment) instead of ours, on the scenarios it runs as "
+                        "they are; its block size defaults to 32 (multiples of 32 only)")
+    p.add_argument("--num-blocks", type=positive_int, default=256, help="--peer vllm: vLLM's KV pool in blocks")
+    p.add_argument("--max-num-seqs", type=positive_int, default=16, help="--peer vllm: vLLM's running cap")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=512, help="--peer vllm: its token budget")
+    p.set_defaults(run=_profile, block_size=None)
 
     c = commands.add_parser("checkpoint", help="save a preset as a Hugging Face checkpoint directory (weights, config "
                                                "and a tokenizer built here) that our engine, HF and vLLM all load")

@@ -64,6 +64,16 @@ def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, seed: in
     return hf.eval(), tokenizer
 
 
+def checkpoint_dir(model: str, folder: str | Path, dtype: torch.dtype = torch.float32) -> str:
+    """``model`` when it is a checkpoint directory, else the preset of that name saved into ``folder``
+    (``save_checkpoint``): what a separate process such as the vLLM peer loads."""
+    if Path(model).is_dir():
+        return str(model)
+    if model not in PRESETS:
+        raise InputError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+    return str(save_checkpoint(model, Path(folder) / model, dtype))
+
+
 def save_checkpoint(preset: str, out: str | Path, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
     """Save a preset (random weights, seeded as ``load_hf_model`` seeds them) as a Hugging Face checkpoint
     directory that our engine, HF transformers and vLLM all load: ``config.json``, safetensors weights in ``dtype``

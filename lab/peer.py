@@ -145,11 +145,14 @@ def serve(engine, prompts: list[list[int]], max_tokens: list[int], arrival_steps
     """Our engine served as the driver serves vLLM (``peer_driver.run``): request i joins before engine step
     ``arrival_steps[i]``, greedy; each request's ``outputs``, the run's ``elapsed_s`` and, with ``record_steps``
     (a timed run goes without), ``steps``: per step, the tokens scheduled per request (by index, as the driver
-    reports vLLM's) and the blocks in use right after scheduling (when vLLM's recorder reads its KV usage)."""
+    reports vLLM's), the blocks in use right after scheduling (when vLLM's recorder reads its KV usage) and the
+    plan's ``lab.profile.plan_quantities``."""
     import time
 
+    from .profile import plan_quantities
     from .sampler import SamplingParams
 
+    block_size = engine.block_manager.block_size
     arrivals = arrival_steps or [0] * len(prompts)
     order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
     ids, outputs, steps, step, next_request = {}, {}, {}, 0, 0
@@ -165,7 +168,8 @@ def serve(engine, prompts: list[list[int]], max_tokens: list[int], arrival_steps
         for seq in plan.decode_seqs or ():
             key = str(ids[seq.group.request_id])
             scheduled[key] = scheduled.get(key, 0) + 1
-        steps[plan.step] = {"scheduled": scheduled, "blocks_in_use": scheduler.policy.blocks_in_use()}
+        steps[plan.step] = {"scheduled": scheduled, "blocks_in_use": scheduler.policy.blocks_in_use(),
+                            "quantities": plan_quantities(plan, block_size)}
         return plan
 
     if record_steps:

@@ -474,8 +474,15 @@ async def _read_metrics(session: aiohttp.ClientSession, url: str, timeout_s: flo
 
 
 async def _poll(session, url: str, state: _Recorder, started: float, done: asyncio.Event, poll_s: float) -> None:
+    """Read /metrics every ``poll_s`` (the first reading is the run's own, before it sends), backing off while the
+    server does not answer."""
     failures = 0
     while not done.is_set():
+        try:
+            await asyncio.wait_for(done.wait(), timeout=poll_s * min(2 ** failures, 50))
+            return
+        except asyncio.TimeoutError:
+            pass
         now = time.perf_counter() - started
         try:
             state.metrics.append({"t_s": now, **await _read_metrics(session, url, max(poll_s * 10, 1.0))})
@@ -483,10 +490,6 @@ async def _poll(session, url: str, state: _Recorder, started: float, done: async
         except (aiohttp.ClientError, asyncio.TimeoutError, PeerError) as exc:
             failures += 1
             state.problem(f"/metrics at {now:.1f} s: {type(exc).__name__}: {exc}")
-        try:
-            await asyncio.wait_for(done.wait(), timeout=poll_s * min(2 ** failures, 50))
-        except asyncio.TimeoutError:
-            pass
 
 
 async def _run(url, model, requests, state, started, stop, poll_s, read_timeout_s, progress) -> None:
@@ -534,11 +537,11 @@ def run_server_workload(url: str, requests: list[ServerRequest], model: str | No
     model = model or check_server(url)
     stop = stop or threading.Event()
     state, started, wall = _Recorder(len(requests)), time.perf_counter(), time.time()
-    first_event = len(events.rows) if events is not None else 0
 
     def snapshot() -> ServerRun:
-        frame = events.frame().iloc[first_event:].reset_index(drop=True) if events is not None \
-            else pd.DataFrame(columns=list(EVENT_COLUMNS))
+        # this run's events: published since it started (a cache reset just before it may arrive after the start)
+        frame = events.frame() if events is not None else pd.DataFrame(columns=list(EVENT_COLUMNS))
+        frame = frame[frame["ts"] >= wall].reset_index(drop=True)
         problems = list(state.problems)
         if events is not None and (events.bad_frames or events.missed_frames):
             problems.append(f"KV events: {events.bad_frames} frames did not decode, {events.missed_frames} missed"
@@ -550,3 +553,20 @@ def run_server_workload(url: str, requests: list[ServerRequest], model: str | No
     report = None if progress is None else (lambda _: progress(snapshot()))
     asyncio.run(_run(url, model, requests, state, started, stop, poll_s, read_timeout_s, report))
     return snapshot()
+
+
+def prefix_cache_timeline(run: ServerRun) -> tuple[pd.DataFrame, dict]:
+    """vLLM's prefix cache through a run from its KV events: per event, seconds from the run's start, the blocks
+    cached after it and the blocks stored and removed so far; and the run's totals with its hit rate (tokens hit
+    over tokens queried, from /metrics)."""
+    events = run.events
+    timeline = pd.DataFrame({"t_s": events["ts"] - run.started_at, "cached_blocks": events["cached_blocks"],
+                             "stored_blocks": events["blocks"].where(events["kind"] == "stored", 0).cumsum(),
+                             "removed_blocks": events["blocks"].where(events["kind"] == "removed", 0).cumsum()})
+    metrics = run.metrics.dropna(subset=["prefix_queries"])
+    queries = float(metrics["prefix_queries"].iloc[-1] - metrics["prefix_queries"].iloc[0]) if len(metrics) else 0.0
+    hits = float(metrics["prefix_hits"].iloc[-1] - metrics["prefix_hits"].iloc[0]) if len(metrics) else 0.0
+    totals = {"stored_blocks": int(timeline["stored_blocks"].iloc[-1]) if len(timeline) else 0,
+              "removed_blocks": int(timeline["removed_blocks"].iloc[-1]) if len(timeline) else 0,
+              "hit_rate": hits / queries if queries else math.nan, "queried_tokens": queries, "hit_tokens": hits}
+    return timeline, totals

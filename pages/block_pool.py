@@ -94,3 +94,36 @@ def player():
                                   f"{iteration}", swapped), "offload_tier_heatmap")
 
 player()
+
+
+def vllm_prefix_cache() -> None:
+    """vLLM's own prefix cache, from the KV events of the vLLM twin page's last run."""
+    import plotly.express as px
+
+    from lab.vllm_server import prefix_cache_timeline
+
+    st.subheader("vLLM's prefix cache (KV events of the vLLM twin page's last run)")
+    twin = st.session_state.get("vllm_twin")
+    run = twin.snapshot() if twin is not None else None
+    if run is None or run.events.empty:
+        st.caption("Run a workload on the vLLM twin page with a server started there: its KV-cache events "
+                   "(blocks stored and evicted, published over ZMQ) are drawn here.")
+        return
+    timeline, totals = prefix_cache_timeline(run)
+    cols = st.columns(3)
+    cols[0].metric("blocks stored", f"{totals['stored_blocks']:,}")
+    cols[1].metric("blocks evicted", f"{totals['removed_blocks']:,}")
+    cols[2].metric("prefix-cache hit rate", f"{totals['hit_rate']:.1%}",
+                   help=f"{totals['hit_tokens']:,.0f} of {totals['queried_tokens']:,.0f} prompt tokens found cached")
+    long = timeline.melt(id_vars="t_s", value_vars=["cached_blocks", "stored_blocks", "removed_blocks"],
+                         var_name="series", value_name="blocks")
+    long["series"] = long["series"].map({"cached_blocks": "cached now", "stored_blocks": "stored so far",
+                                         "removed_blocks": "evicted so far"})
+    chart(px.line(long, x="t_s", y="blocks", color="series", line_shape="hv",
+                  labels={"t_s": "seconds from the run's first request", "blocks": f"blocks ({twin.config.block_size} tokens each)"},
+                  title=f"{twin.workload.name}: {len(twin.workload)} requests"), "vllm_prefix_cache")
+    csv_download(timeline, "vllm-prefix-cache", {**settings_of(twin.config), "workload": twin.workload.name},
+                 "dl_vllm_prefix_cache", "Download the prefix-cache timeline (CSV)")
+
+
+vllm_prefix_cache()

@@ -40,6 +40,11 @@ GOALS = {"ttft_p50_s": (0.05, "relative"), "tpot_p50_s": (0.05, "relative"), "e2
          "ttft_p90_s": (0.10, "relative"), "tpot_p90_s": (0.10, "relative"), "e2e_p90_s": (0.10, "relative"),
          "kv_usage_mean_abs_points": (5.0, "points"), "prefix_hit_rate": (1.0, "points"),
          "preemptions": (0.0, "count")}
+METRIC_LABELS = {"ttft_p50_s": "time to first token, p50 (s)", "tpot_p50_s": "time per output token, p50 (s)",
+                 "e2e_p50_s": "end-to-end latency, p50 (s)", "ttft_p90_s": "time to first token, p90 (s)",
+                 "tpot_p90_s": "time per output token, p90 (s)", "e2e_p90_s": "end-to-end latency, p90 (s)",
+                 "kv_usage_mean_abs_points": "KV cache usage, mean over the run (%)",
+                 "prefix_hit_rate": "prefix-cache hit rate (%)", "preemptions": "preemptions"}
 
 
 @dataclass(slots=True)
@@ -153,28 +158,39 @@ class ServerCalibration:
     ``step_scale``, the server's decode time per token over the simulator's on the offline profile (its engine
     shares two cores with its API process and the load generator), and ``request_overhead_s``, the seconds between a
     request's send and its first token that no engine step accounts for (HTTP, the API process, the hand-over to
-    the engine and back). ``table``: the calibration runs."""
+    the engine and back), and ``request_interval_s``, the API process's time per request: requests sent together
+    reach the engine one such interval apart. ``table``: the calibration runs."""
 
     step_scale: float = 1.0
     request_overhead_s: float = 0.0
+    request_interval_s: float = 0.0
     table: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
-def simulate_run(workload: Workload, run: ServerRun, config: SimConfig, request_overhead_s: float = 0.0):
-    """The simulator on the workload's requests at the times the run sent them plus ``request_overhead_s`` (the
-    requests it never sent dropped); its result's ``requests`` and summary latencies count from the send."""
+def engine_arrivals(sent: np.ndarray, overhead_s: float = 0.0, interval_s: float = 0.0) -> np.ndarray:
+    """When requests sent at ``sent`` (sorted) reach the engine: ``overhead_s`` later, through a frontend that takes
+    ``interval_s`` per request in order (``a[i] = max(sent[i] + overhead, a[i - 1] + interval)``)."""
+    steps = np.arange(len(sent)) * interval_s
+    return np.maximum.accumulate(sent + overhead_s - steps) + steps
+
+
+def simulate_run(workload: Workload, run: ServerRun, config: SimConfig, calibration: ServerCalibration | None = None):
+    """The simulator on the workload's requests at the times the run sent them, reaching the engine as
+    ``calibration`` says (the requests it never sent dropped); its result's ``requests`` and summary latencies count
+    from the send."""
+    calibration = calibration or ServerCalibration()
     sent = run.requests["sent_s"].to_numpy()
     keep = ~np.isnan(sent)
-    arrivals = np.maximum.accumulate(sent[keep])  # sends of one instant may leave microseconds out of order
+    sent = np.maximum.accumulate(sent[keep])  # sends of one instant may leave microseconds out of order
+    arrivals = engine_arrivals(sent, calibration.request_overhead_s, calibration.request_interval_s)
     index = np.flatnonzero(keep)
-    subset = replace(workload, arrival_s=arrivals + request_overhead_s, prompt_tokens=workload.prompt_tokens[index],
+    subset = replace(workload, arrival_s=arrivals, prompt_tokens=workload.prompt_tokens[index],
                      output_tokens=workload.output_tokens[index],
                      prompt_block_ids=None if workload.prompt_block_ids is None
                      else [workload.prompt_block_ids[i] for i in index]).check()
     result = Simulator(subset, config).run()
-    if request_overhead_s:
-        result.requests["arrival_s"] -= request_overhead_s
-        result.summary.update(latency_summary(result.requests))
+    result.requests["arrival_s"] = sent
+    result.summary.update(latency_summary(result.requests))
     return result
 
 
@@ -198,10 +214,11 @@ def _counter(run: ServerRun, column: str) -> float:
     return float(values.iloc[-1] - values.iloc[0]) if len(values) >= 2 else math.nan
 
 
-def score(workload: Workload, run: ServerRun, config: SimConfig, request_overhead_s: float = 0.0) -> pd.DataFrame:
+def score(workload: Workload, run: ServerRun, config: SimConfig,
+          calibration: ServerCalibration | None = None) -> pd.DataFrame:
     """One row per metric of ``GOALS``: the server's value, the simulator's, the error (relative, points or a
     count, per ``GOALS``), the goal and whether it is met."""
-    result = simulate_run(workload, run, config, request_overhead_s)
+    result = simulate_run(workload, run, config, calibration)
     real = latency_summary(_requests_frame(workload, run))
     simulated = result.summary
     rows = []
@@ -263,7 +280,9 @@ def calibrate(config: VLLMTwinConfig, checkpoint: str, progress: Callable[[str],
 
 
 CALIBRATION_BATCHES = (1, 4, 8, 16)  # decode batches whose time per token gives the step scale
-CALIBRATION_PROMPTS = (32, 128, 384)  # single prompts on an idle server: the request overhead (two each)
+CALIBRATION_PROMPTS = (32, 128, 384)  # single prompts on an idle server: the request overhead
+CALIBRATION_REPEATS = 3  # of each calibration run: a two-core machine's step times vary by 10-30 % run to run
+INTERVALS_S = tuple(np.arange(0.0, 0.0061, 0.00025))  # the API process's time per request: the values tried
 
 
 def _fixed(count: int, prompt: int, output: int) -> Workload:
@@ -272,28 +291,42 @@ def _fixed(count: int, prompt: int, output: int) -> Workload:
 
 
 def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, seed: int = 0) -> ServerCalibration:
-    """Measure ``ServerCalibration`` on the server: decode batches of ``CALIBRATION_BATCHES`` requests (96-token
-    prompts, 48 tokens each; the median ratio of the server's TPOT p50 to the simulator's is the step scale), then
-    single prompts of ``CALIBRATION_PROMPTS`` tokens sent one at a time (the median of the server's TTFT less the
-    simulator's, steps scaled, is the request overhead)."""
-    rows = []
-    for batch in CALIBRATION_BATCHES:
-        workload = _fixed(batch, 96, 48)
-        run = run_server_workload(url, server_requests(workload, vocab, seed + batch), model, poll_s=60.0)
-        real = latency_summary(_requests_frame(workload, run))["tpot_p50_s"]
-        rows.append(("decode", batch, real, simulate_run(workload, run, simulation).summary["tpot_p50_s"]))
+    """Measure ``ServerCalibration`` on the server, each run ``CALIBRATION_REPEATS`` times: decode batches of
+    ``CALIBRATION_BATCHES`` requests sent together (96-token prompts, 64 tokens each; the median ratio of the server's TPOT p50 to the simulator's is the
+    step scale), then single prompts of ``CALIBRATION_PROMPTS`` tokens sent one at a time (the median of the
+    server's TTFT less the simulator's, steps scaled, is the request overhead); the request interval is the one of
+    ``INTERVALS_S`` whose simulated TTFT p50 of the batches is closest to the server's (least squares, relative)."""
+    rows, batches = [], []
+    for repeat in range(CALIBRATION_REPEATS):
+        for batch in CALIBRATION_BATCHES:
+            workload = _fixed(batch, 96, 64)
+            run = run_server_workload(url, server_requests(workload, vocab, seed + 10 * repeat + batch), model,
+                                      poll_s=60.0)
+            batches.append((workload, run, latency_summary(_requests_frame(workload, run))))
+            rows.append(("decode tpot", batch, batches[-1][2]["tpot_p50_s"],
+                         simulate_run(workload, run, simulation).summary["tpot_p50_s"]))
     scale = float(np.median([real / simulated for _, _, real, simulated in rows]))
     scaled = replace(simulation, profile=scaled_profile(simulation.profile, scale))
-    for repeat in range(2):
+    for repeat in range(CALIBRATION_REPEATS):
         for length in CALIBRATION_PROMPTS:
             workload = _fixed(1, length, 2)
             run = run_server_workload(url, server_requests(workload, vocab, seed + 100 * repeat + length), model,
                                       poll_s=60.0)
             real = latency_summary(_requests_frame(workload, run))["ttft_p50_s"]
-            rows.append(("prefill", length, real, simulate_run(workload, run, scaled).summary["ttft_p50_s"]))
-    overhead = float(np.median([real - simulated for kind, _, real, simulated in rows if kind == "prefill"]))
+            rows.append(("single ttft", length, real, simulate_run(workload, run, scaled).summary["ttft_p50_s"]))
+    overhead = max(0.0, float(np.median([real - sim for kind, _, real, sim in rows if kind == "single ttft"])))
+
+    def misfit(interval: float) -> float:
+        calibration = ServerCalibration(scale, overhead, interval)
+        return sum((simulate_run(w, run, scaled, calibration).summary["ttft_p50_s"] / real["ttft_p50_s"] - 1) ** 2
+                   for w, run, real in batches if len(w) > 1)
+
+    interval = float(min(INTERVALS_S, key=misfit))
+    for workload, run, real in batches:
+        simulated = simulate_run(workload, run, scaled, ServerCalibration(scale, overhead, interval))
+        rows.append(("batch ttft", len(workload), real["ttft_p50_s"], simulated.summary["ttft_p50_s"]))
     table = pd.DataFrame(rows, columns=["kind", "size", "real_s", "simulated_s"])
-    return ServerCalibration(scale, max(overhead, 0.0), table)
+    return ServerCalibration(scale, overhead, interval, table)
 
 
 def scaled_profile(profile: Profile, scale: float) -> Profile:
@@ -337,7 +370,8 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
         progress("calibrating on the server (decode batches, single prompts)")
         calibration = result.calibration = calibrate_server(url, model, simulation, vocab, config.seed + 7)
         progress(f"server steps x{calibration.step_scale:.3f} the engine's; request overhead "
-                 f"{calibration.request_overhead_s * 1e3:.1f} ms")
+                 f"{calibration.request_overhead_s * 1e3:.1f} ms, {calibration.request_interval_s * 1e3:.2f} ms per "
+                 f"request in the API process")
         simulation = replace(simulation, profile=scaled_profile(profile, calibration.step_scale))
         tables = []
         for name in config.workloads:
@@ -354,7 +388,7 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
                 if run.problems:
                     progress(f"{name}: {'; '.join(run.problems[:3])}")
                 result.runs[(name, repeat)] = run
-                table = score(workload, run, simulation, calibration.request_overhead_s)
+                table = score(workload, run, simulation, calibration)
                 tables.append(table.assign(workload=name, run=repeat))
         result.table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()
         return result
@@ -365,3 +399,145 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
 
 def settings_of(config: VLLMTwinConfig) -> dict:
     return {f"twin_{key}": value for key, value in asdict(config).items()}
+
+
+# ---- live: one workload against the server while the twin's prediction is drawn beside it ----------------------
+
+class Phase:
+    """Where a live run is (``LiveTwin.phase``)."""
+
+    CALIBRATING, STARTING, RUNNING, DONE, FAILED = "calibrating", "starting the server", "running", "done", "failed"
+
+
+class LiveTwin:
+    """One workload sent to a vLLM server in a background thread (``start``) while the caller polls ``snapshot()``
+    for what was measured so far; the twin's prediction on the workload's planned arrival times is ready before the
+    first request, and is re-run on the actual send times at the end (``table``, the scores). A server the run
+    started is stopped when it ends, however it ends; ``stop()`` ends the workload early and keeps what was
+    measured. ``profile``: a vLLM profile to reuse (else measured first, then kept in ``self.profile``)."""
+
+    def __init__(self, config: VLLMTwinConfig, checkpoint: str, workload: str, profile: Profile | None = None,
+                 calibration: ServerCalibration | None = None):
+        self.config, self.checkpoint, self.profile, self.calibration = config, checkpoint, profile, calibration
+        self.workload = make_twin_workload(workload, config, config.seed)
+        self.phase, self.error, self.prediction, self.table = Phase.CALIBRATING, "", None, None
+        self.run: ServerRun | None = None
+        self.cache: dict | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._main, daemon=True, name="vllm-twin")
+
+    def start(self) -> "LiveTwin":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout_s: float | None = None) -> None:
+        self._thread.join(timeout_s)
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in (Phase.DONE, Phase.FAILED)
+
+    def snapshot(self) -> ServerRun | None:
+        """What was measured so far (None before the first request)."""
+        return self.run
+
+    def _main(self) -> None:
+        server = None
+        try:
+            vocab = vocab_size(self.checkpoint)
+            if self.profile is None:
+                self.profile = calibrate(self.config, self.checkpoint, progress=lambda _: None)
+            self.phase = Phase.STARTING
+            if self.config.url is None:
+                server = VLLMServer(self.config.peer_settings(self.checkpoint))
+                url = server.url
+            else:
+                url = self.config.url
+            model = check_server(url)
+            self.cache = server_cache_config(url)
+            simulation = sim_config(self.config, self.cache, self.profile)
+            if self.calibration is None:
+                self.calibration = calibrate_server(url, model, simulation, vocab, self.config.seed + 7)
+            simulation = replace(simulation, profile=scaled_profile(self.profile, self.calibration.step_scale))
+            planned = ServerRun(pd.DataFrame({"sent_s": self.workload.arrival_s}), pd.DataFrame(),
+                                pd.DataFrame(), 0.0, 0.0)
+            self.prediction = simulate_run(self.workload, planned, simulation, self.calibration)
+            _reset_prefix_cache(url)
+            self.phase = Phase.RUNNING
+
+            def seen(run: ServerRun) -> None:
+                self.run = run
+
+            requests = server_requests(self.workload, vocab, self.config.seed + 1)
+            self.run = run_server_workload(url, requests, model, events=server.events if server else None,
+                                           stop=self._stop, poll_s=self.config.poll_s, progress=seen)
+            if self.run.requests["sent_s"].notna().any():
+                self.prediction = simulate_run(self.workload, self.run, simulation, self.calibration)
+                self.table = score(self.workload, self.run, simulation, self.calibration)
+            self.phase = Phase.DONE
+        except Exception as exc:  # shown on the page; the thread must not die silently
+            self.error, self.phase = f"{type(exc).__name__}: {exc}", Phase.FAILED
+        finally:
+            if server is not None:
+                server.close()
+
+
+def live_series(twin: LiveTwin) -> dict[str, pd.DataFrame]:
+    """The live page's series, one frame each, real and predicted on the same time axis (seconds from the run's
+    start): ``kv_usage`` (%), ``queues`` (running and waiting requests), ``tokens_per_s`` (generated tokens per
+    second between readings; the twin's per step window of 0.25 s) and ``latency`` (per request: TTFT and ITL, ms).
+    Empty frames before there is anything to draw."""
+    run, prediction = twin.snapshot(), twin.prediction
+    frames = {}
+    usable = (twin.cache["num_gpu_blocks"] - 1) if twin.cache else 1
+    real_metrics = run.metrics if run is not None else pd.DataFrame(columns=["t_s"])
+    rows = []
+    if len(real_metrics):
+        rows.append(pd.DataFrame({"t_s": real_metrics["t_s"], "kv_usage_pct": real_metrics["kv_usage"] * 100,
+                                  "running": real_metrics["running"], "waiting": real_metrics["waiting"],
+                                  "source": "vLLM server"}))
+    if prediction is not None and len(prediction.timeseries):
+        series = prediction.timeseries
+        rows.append(pd.DataFrame({"t_s": series["elapsed_s"], "kv_usage_pct": series["blocks_in_use"] / usable * 100,
+                                  "running": series["num_running"], "waiting": series["num_waiting"],
+                                  "source": "twin (simulator)"}))
+    joined = pd.concat(rows, ignore_index=True) if rows else pd.DataFrame(
+        columns=["t_s", "kv_usage_pct", "running", "waiting", "source"])
+    frames["kv_usage"] = joined[["t_s", "kv_usage_pct", "source"]]
+    frames["queues"] = joined.melt(id_vars=["t_s", "source"], value_vars=["running", "waiting"], var_name="queue",
+                                   value_name="requests")
+    throughput = []
+    if len(real_metrics) >= 2:
+        tokens = real_metrics["generation_tokens"].diff() / real_metrics["t_s"].diff()
+        throughput.append(pd.DataFrame({"t_s": real_metrics["t_s"], "tokens_per_s": tokens,
+                                        "source": "vLLM server"}).dropna())
+    if prediction is not None and len(prediction.timeseries):
+        series = prediction.timeseries
+        bins = np.floor(series["elapsed_s"] / LIVE_WINDOW_S) * LIVE_WINDOW_S
+        generated = series["generated_tokens"].groupby(bins).max().diff().fillna(0) / LIVE_WINDOW_S
+        throughput.append(pd.DataFrame({"t_s": generated.index + LIVE_WINDOW_S, "tokens_per_s": generated.values,
+                                        "source": "twin (simulator)"}))
+    frames["tokens_per_s"] = pd.concat(throughput, ignore_index=True) if throughput else pd.DataFrame(
+        columns=["t_s", "tokens_per_s", "source"])
+    latency = []
+    if run is not None:
+        done = run.requests[run.requests["finish_s"].notna()]
+        latency.append(pd.DataFrame({"request": done.index, "ttft_ms": (done["first_token_s"] - done["sent_s"]) * 1e3,
+                                     "itl_ms": (done["finish_s"] - done["first_token_s"])
+                                     / (done["output_tokens"] - 1).clip(lower=1) * 1e3, "source": "vLLM server"}))
+    if prediction is not None:
+        requests = prediction.requests
+        latency.append(pd.DataFrame({"request": np.arange(len(requests)),
+                                     "ttft_ms": (requests["first_token_s"] - requests["arrival_s"]).to_numpy() * 1e3,
+                                     "itl_ms": ((requests["finish_s"] - requests["first_token_s"])
+                                                / (requests["output_tokens"] - 1).clip(lower=1)).to_numpy() * 1e3,
+                                     "source": "twin (simulator)"}))
+    frames["latency"] = pd.concat(latency, ignore_index=True) if latency else pd.DataFrame(
+        columns=["request", "ttft_ms", "itl_ms", "source"])
+    return frames
+
+
+LIVE_WINDOW_S = 0.25  # the twin's tokens/s is counted per window of this many seconds (the real one per reading)

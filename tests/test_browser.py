@@ -15,7 +15,7 @@ from benchmarks.app_flow import streamlit_server as app_server
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = {"": "MiniPaged Lab", "memory_simulator": "Memory simulator", "block_pool": "Block pool",
          "kernel_lab": "Kernel lab", "runtime": "Qwen3 runtime", "twin": "Digital twin", "paper": "The vLLM paper",
-         "sweeps": "Sweeps & capacity planning", "benchmarks": "Benchmarks"}
+         "sweeps": "Sweeps & capacity planning", "benchmarks": "Benchmarks", "vllm_twin": "vLLM twin"}
 CHART_PAGES = {"", "memory_simulator", "block_pool", "kernel_lab", "runtime", "paper"}
 
 pytestmark = [pytest.mark.browser,
@@ -152,6 +152,41 @@ def test_the_twin_calibrates_and_runs_both_ways(server, browser, shots):
     assert page.locator(".js-plotly-plot").count() == 4  # blocks, tokens/s, TTFT and TPOT CDFs
     page.screenshot(path=str(shots / "twin_run.png"), full_page=True)
     page.close()
+
+
+def test_the_vllm_twin_runs_live_and_feeds_the_block_pool_page(server, browser, shots):
+    """A real vLLM server started from the page (the peer environment), a workload with a shared system prompt, the
+    twin drawn beside it and scored; then the Block pool page, in the same session, draws vLLM's prefix cache from
+    the run's KV events. The server is gone when the run is."""
+    from lab.peer import missing_reason
+
+    if missing_reason():
+        pytest.skip(missing_reason())
+    page = browser.new_page(viewport={"width": 1400, "height": 2200})
+    page.goto(f"{server}/vllm_twin", timeout=60_000)
+    settle(page, False)
+    runs = runs_started(page)
+    page.locator('[data-testid="stSidebar"] [data-testid="stSelectbox"]').filter(has_text="Workload").click()
+    page.get_by_role("option", name="Shared system prompt").click()
+    settle(page, False, after=runs)
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.locator('[data-testid="stProgress"]').filter(has_text="done:").wait_for(timeout=300_000)
+    settle(page, True)
+    no_exception(page)
+    assert page.locator(".js-plotly-plot").count() == 4  # KV usage, queues, tokens/s, latency CDFs
+    assert "How close the twin came" in page.locator("h3").all_inner_texts()
+    assert page.get_by_role("button", name="Stop").is_disabled()
+    page.screenshot(path=str(shots / "vllm_twin_run.png"), full_page=True)
+    page.get_by_role("link", name="Block pool").click()
+    page.get_by_text("vLLM's prefix cache (KV events").wait_for(timeout=60_000)
+    settle(page, True)
+    no_exception(page)
+    metrics = page.locator('[data-testid="stMetric"]').all_inner_texts()
+    assert any("prefix-cache hit rate" in text and "%" in text for text in metrics), metrics
+    page.screenshot(path=str(shots / "block_pool_vllm_prefix_cache.png"), full_page=True)
+    page.close()
+    import subprocess
+    assert "vllm.entrypoints" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
 
 
 def test_a_deep_link_on_a_fresh_server_goes_through_the_app_s_navigation(browser):

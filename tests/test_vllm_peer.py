@@ -138,3 +138,27 @@ def test_the_chunked_policy_takes_a_prompt_s_blocks_up_front(checkpoint, vllm_ru
             assert (table[f"{field}_ours"] == table[f"{field}_vllm"]).all(), field
     assert (table["blocks_in_use_ours"] >= table["blocks_in_use_vllm"]).all()
     assert (table["blocks_in_use_ours"] > table["blocks_in_use_vllm"]).any()
+
+
+@needs_peer
+@pytest.mark.parametrize("case", list(CASES))
+def test_vllm_s_step_quantities_are_our_plans(checkpoint, vllm_runs, case):
+    """What the vLLM profile reads from vLLM's step record (``lab.peer_profile.step_quantities``: prefill tokens and
+    chunks, decode batch, KV tokens read, attention pairs, logit rows) equals what our profile reads from our plan of
+    the same step (``plan_quantities``), preemptions and prefix hits included; the idle time and the previous step's
+    prefill are the caller's, compared apart."""
+    from lab.peer_profile import run_quantities
+    from lab.profile import QUANTITIES
+
+    run, _ = ours(checkpoint, case)
+    requests = CASES[case][0][0]
+    theirs = run_quantities(vllm_runs[case]["steps"], [len(prompt) for prompt in requests], BLOCK_SIZE)
+    mine = [run["steps"][step]["quantities"] for step in sorted(run["steps"])]
+    assert len(theirs) == len(mine)
+    skip = {QUANTITIES.index("idle_s"), QUANTITIES.index("previous_prefill_tokens")}
+    for index, ((quantities, seconds), expected) in enumerate(zip(theirs, mine)):
+        assert seconds > 0
+        assert [q for i, q in enumerate(quantities) if i not in skip] == \
+            [q for i, q in enumerate(expected) if i not in skip], f"step {index + 1}"
+    previous = [q[QUANTITIES.index("previous_prefill_tokens")] for q, _ in theirs]
+    assert previous[1:] == [q[QUANTITIES.index("prefill_tokens")] for q, _ in theirs][:-1] and previous[0] == 0

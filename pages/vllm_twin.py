@@ -1,0 +1,157 @@
+"""A real vLLM server and the simulator's prediction of it, live, on the same axes (simulator.vllm_twin.LiveTwin)."""
+import tempfile
+
+import plotly.express as px
+import streamlit as st
+
+from lab.errors import user_errors
+from lab.model import PRESETS, checkpoint_dir
+from lab.peer import PeerError, missing_reason
+from lab.results import settings_of
+from pages._ui import chart, csv_download, show_error
+from simulator.vllm_twin import METRIC_LABELS, WORKLOADS, LiveTwin, Phase, VLLMTwinConfig, live_series
+
+REDRAW_S = 0.5
+WORKLOAD_LABELS = {"all-at-once": "All at once (t = 0)", "prefix": "Shared system prompt (256 tokens), all at once",
+                   "poisson": "Poisson arrivals", "gamma": "Bursty arrivals (gamma, shape 0.5)",
+                   "azure": "Azure 2023 conversation trace (a sample)"}
+COLORS = {"vLLM server": "#1f77b4", "twin (simulator)": "#ff7f0e"}
+
+st.title("vLLM twin")
+st.caption("A real vLLM server (its CPU build, in the peer environment) serves a workload while the simulator — "
+           "the vLLM V1 policy of the lab's scheduler, priced by a profile measured on vLLM's own engine — predicts "
+           "it. Both are drawn on the same axes as the run goes; the scores come when it ends.")
+
+with st.sidebar:
+    where = st.radio("Server", ["Start one here", "Connect to a URL"], horizontal=True,
+                     help="Start one: vLLM's OpenAI server on 127.0.0.1 at a free port, stopped when the run ends. "
+                          "Connect: a server you run; nothing but that URL is contacted")
+    url = st.text_input("Server URL", "http://127.0.0.1:8000", disabled=where != "Connect to a URL")
+    model = st.selectbox("Model (random weights; a checkpoint both load)", list(PRESETS), index=0,
+                         help="Connecting to a URL: the preset that server serves (its vocabulary draws the prompts)")
+    workload = st.selectbox("Workload", WORKLOADS, format_func=WORKLOAD_LABELS.get)
+    num_requests = st.number_input("Requests", 1, 2000, 48)
+    rate = st.number_input("Arrival rate (requests/s; Poisson, gamma, Azure)", 0.1, 1000.0, 20.0,
+                           disabled=workload in ("all-at-once", "prefix"))
+    length_scale = st.number_input("ShareGPT-like lengths × (prompts ~167, outputs ~356 tokens at 1)", 0.01, 1.0,
+                                   0.25, help="Shorter requests keep a CPU run to seconds")
+    num_blocks = st.number_input("KV pool (blocks of 32 tokens)", 16, 100_000, 256, disabled=where != "Start one here")
+    max_num_seqs = st.number_input("Max running sequences", 1, 256, 16)
+    budget = st.number_input("Token budget per step", 32, 16_384, 512)
+
+config = VLLMTwinConfig(model=model, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=budget, workloads=(workload,), num_requests=num_requests, rate=rate,
+                        length_scale=length_scale, url=url.strip() if where == "Connect to a URL" else None)
+settings = {**settings_of(config), "workload": workload}
+
+reason = missing_reason() if where == "Start one here" else None
+if reason:
+    st.warning(f"vLLM is not set up here: {reason}", icon=":material/info:")
+
+twin: LiveTwin | None = st.session_state.get("vllm_twin")
+running = twin is not None and not twin.finished
+left, right = st.columns([1, 5])
+if left.button("Run", type="primary", disabled=running or bool(reason), key="vllm_twin_run"):
+    try:
+        folder = st.session_state.setdefault("vllm_twin_folder", tempfile.mkdtemp(prefix="minipaged-vllm-twin-"))
+        checkpoint = checkpoint_dir(model, folder)
+        cached = st.session_state.get("vllm_twin_profile")  # the calibration is reused while the server's settings hold
+        same = cached is not None and cached[0] == (model, config.block_size, num_blocks, max_num_seqs, budget,
+                                                    config.url)
+        twin = LiveTwin(config, checkpoint, workload, cached[1] if same else None, cached[2] if same else None)
+        st.session_state["vllm_twin"] = twin.start()
+        running = True
+    except user_errors() as exc:
+        show_error(exc)
+if right.button("Stop", disabled=not running, key="vllm_twin_stop",
+                help="Stops sending; what was measured stays on the page and in the exports"):
+    twin.stop()
+
+
+def draw(twin: LiveTwin) -> None:
+    run = twin.snapshot()
+    total = len(twin.workload)
+    done = 0 if run is None else int(run.requests["finish_s"].notna().sum())
+    label = {Phase.CALIBRATING: "calibrating on vLLM's engine (once per model and settings, ~20 s)",
+             Phase.STARTING: "starting vLLM's server and calibrating it (~30 s)",
+             Phase.RUNNING: f"{done} of {total} requests done", Phase.DONE: f"done: {done} of {total} requests",
+             Phase.FAILED: "failed"}[twin.phase]
+    st.progress(done / total, label)
+    if twin.error:
+        show_error(PeerError(twin.error))
+    if run is not None and run.problems:
+        st.warning("  \n".join(run.problems[:5]), icon=":material/warning:")
+    series = live_series(twin)
+    time_axis = {"t_s": "seconds from the first request"}
+    cols = st.columns(2)
+    with cols[0]:
+        figure = px.line(series["kv_usage"], x="t_s", y="kv_usage_pct", color="source", color_discrete_map=COLORS,
+                         labels={**time_axis, "kv_usage_pct": "KV cache in use (%)"}, title="KV cache usage",
+                         line_shape="hv")
+        chart(figure, "vllm_twin_kv")
+    with cols[1]:
+        figure = px.line(series["queues"], x="t_s", y="requests", color="source", line_dash="queue",
+                         color_discrete_map=COLORS, labels={**time_axis, "requests": "requests"},
+                         title="Running and waiting requests", line_shape="hv")
+        chart(figure, "vllm_twin_queues")
+    cols = st.columns(2)
+    with cols[0]:
+        figure = px.line(series["tokens_per_s"], x="t_s", y="tokens_per_s", color="source",
+                         color_discrete_map=COLORS, labels={**time_axis, "tokens_per_s": "output tokens/s"},
+                         title="Output throughput")
+        chart(figure, "vllm_twin_tokens")
+    with cols[1]:
+        latency = series["latency"].melt(id_vars=["request", "source"], value_vars=["ttft_ms", "itl_ms"],
+                                         var_name="metric", value_name="ms")
+        latency["metric"] = latency["metric"].map({"ttft_ms": "time to first token", "itl_ms": "inter-token"})
+        figure = px.ecdf(latency, x="ms", color="source", facet_col="metric", color_discrete_map=COLORS,
+                         labels={"ms": "milliseconds"}, title="Latency per request (CDF)")
+        figure.update_xaxes(matches=None)
+        chart(figure, "vllm_twin_latency")
+    if twin.table is not None:
+        st.subheader("How close the twin came")
+        table = twin.table.copy()
+        table["metric"] = table["metric"].map(METRIC_LABELS)
+        st.dataframe(table, hide_index=True, column_config={
+            "metric": "metric", "real": st.column_config.NumberColumn("vLLM server", format="%.4g"),
+            "simulated": st.column_config.NumberColumn("twin", format="%.4g"),
+            "error": st.column_config.NumberColumn("error", format="%.3g",
+                                                   help="relative (0.05 = 5 %), percentage points, or a count: "
+                                                        "see unit; KV usage: the mean absolute difference at each "
+                                                        "reading of the server's /metrics"),
+            "goal": st.column_config.NumberColumn("goal", format="%.3g"), "met": "goal met"})
+        calibration = twin.calibration
+        st.caption(f"Calibration: server steps ×{calibration.step_scale:.3f} the engine's profile; "
+                   f"{calibration.request_overhead_s * 1e3:.1f} ms per request to reach the engine, "
+                   f"{calibration.request_interval_s * 1e3:.2f} ms per request in vLLM's API process. "
+                   f"{len(twin.profile.samples)} step shapes in the profile (held-out error median "
+                   f"{twin.profile.holdout_median_rel_error:.1%}).")
+    if run is not None:
+        exports = {"scores": twin.table, "requests": run.requests, "server-metrics": run.metrics,
+                   "kv-events": run.events, "kv-usage": series["kv_usage"], "queues": series["queues"],
+                   "throughput": series["tokens_per_s"], "latency": series["latency"]}
+        cols = st.columns(4)
+        for index, (name, table) in enumerate((k, v) for k, v in exports.items() if v is not None):
+            with cols[index % 4]:
+                csv_download(table, f"vllm-twin-{name}", settings, f"dl_vllm_twin_{name}", f"{name} (CSV)")
+
+
+@st.fragment(run_every=REDRAW_S if running else None)
+def live() -> None:
+    current = st.session_state.get("vllm_twin")
+    if current is None:
+        st.info("Pick a workload and press Run: the first run measures vLLM's engine (~20 s), starts its server "
+                "(~25 s) and calibrates it on requests of its own (~5 s); the workload then runs in seconds.",
+                icon=":material/play_circle:")
+        return
+    draw(current)
+    if current.finished:
+        if current.profile is not None and current.calibration is not None:
+            key = (current.config.model, current.config.block_size, current.config.num_blocks,
+                   current.config.max_num_seqs, current.config.max_num_batched_tokens, current.config.url)
+            st.session_state["vllm_twin_profile"] = (key, current.profile, current.calibration)
+        if running:
+            st.rerun()  # the page's buttons and the timer follow the run's end
+
+
+live()

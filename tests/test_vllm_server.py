@@ -1,0 +1,269 @@
+"""The client of a real vLLM server (``lab.vllm_server``) without one: its /metrics and KV-event frames as recorded
+from vLLM 0.32's server (``tests/data/vllm_server/``), and a stand-in server (aiohttp) that is not vLLM, dies
+mid-stream, stalls or answers garbage. Every failure must end the run in bounded time with a message naming it and
+keep what was measured. The same client against the real server: ``tests/test_vllm_twin.py``."""
+import asyncio
+import base64
+import json
+import math
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import zmq
+from aiohttp import web
+
+from lab import vllm_server
+from lab.peer import PeerError, PeerSettings
+from lab.vllm_server import (KVEventListener, ServerRequest, VLLMServer, check_server, decode_frame, parse_metrics,
+                             run_server_workload)
+
+DATA = Path(__file__).parent / "data" / "vllm_server"
+
+
+def recorded_frames() -> list[list[bytes]]:
+    """KV-event messages vLLM's server published (two prompts sharing a prefix, then nine that evict blocks)."""
+    return [[base64.b64decode(part) for part in frame] for frame in json.loads((DATA / "kv_events.json").read_text())]
+
+
+def test_recorded_metrics_parse():
+    values = parse_metrics((DATA / "metrics.txt").read_text())
+    assert values["kv_usage"] == 0.0 and values["running"] == 0.0 and values["waiting"] == 0.0
+    assert values["preemptions"] == 0.0
+    assert values["prefix_queries"] > values["prefix_hits"] > 0  # the shared prefix hit
+    assert values["generation_tokens"] > 0 and values["prompt_tokens"] >= values["prefix_queries"]
+
+
+def test_a_metrics_text_that_does_not_parse_is_named():
+    text = (DATA / "metrics.txt").read_text()
+    line = next(line for line in text.splitlines() if line.startswith("vllm:num_requests_running{"))
+    broken = text.replace(line, line.rsplit(" ", 1)[0] + " not-a-number", 1)
+    with pytest.raises(PeerError, match="does not parse as Prometheus text"):
+        parse_metrics(broken)
+    with pytest.raises(PeerError, match="none of vLLM's series"):
+        parse_metrics("# HELP up whether\n# TYPE up gauge\nup 1\n")
+
+
+def test_recorded_kv_events_decode():
+    listener = KVEventListener.bound()
+    try:
+        for frame in recorded_frames():
+            listener.add(frame)
+        events = listener.frame()
+    finally:
+        listener.close()
+    assert listener.bad_frames == 0 and listener.missed_frames == 0
+    stored = events.loc[events["kind"] == "stored", "blocks"].sum()
+    removed = events.loc[events["kind"] == "removed", "blocks"].sum()
+    assert (len(events[events["kind"] == "stored"]), len(events[events["kind"] == "removed"])) == (10, 32)
+    cached = set()  # the recording starts mid-life: some removed blocks were stored before it
+    for frame in recorded_frames():
+        for event in msgspec.msgpack.decode(frame[2])[1]:
+            (cached.update if event["type"] == "BlockStored" else cached.difference_update)(event["block_hashes"])
+    assert events["cached_blocks"].iloc[-1] == len(cached) > 0 and stored > removed
+    assert events["ts"].is_monotonic_increasing
+
+
+def test_bad_and_missing_event_frames_are_counted_not_raised():
+    frames = recorded_frames()
+    listener = KVEventListener.bound()
+    try:
+        listener.add(frames[0])
+        listener.add([frames[1][0], frames[1][1], b"\x93not msgpack of a batch"])
+        listener.add(frames[1][:2])  # two parts
+        listener.add(frames[4])  # frames 1-3 never arrived
+    finally:
+        listener.close()
+    assert listener.bad_frames == 2 and listener.missed_frames == 3
+    assert "does not decode" in listener.problems[0] and "2 parts" in listener.problems[1]
+    assert len(listener.frame()) == 2  # the two good frames' events are kept
+    with pytest.raises(PeerError, match="does not decode"):
+        decode_frame([b"", (1).to_bytes(8, "big"), msgspec.msgpack.encode([1.0, [{"type": "Unknown"}]])])
+
+
+def test_events_arrive_over_zmq_from_a_publisher_that_connects():
+    """As vLLM's publisher does for a non-wildcard endpoint (ZmqEventPublisher._socket_setup)."""
+    listener = KVEventListener.bound()
+    context = zmq.Context()
+    publisher = context.socket(zmq.PUB)
+    publisher.connect(listener.endpoint)
+    try:
+        frames = recorded_frames()
+        deadline = time.monotonic() + 10
+        sent = 0
+        while time.monotonic() < deadline and len(listener.frame()) < 42:
+            if sent < len(frames):  # a PUB drops what it sends before the connection is up: resend from the start
+                publisher.send_multipart(frames[sent])
+                sent += 1
+            else:
+                time.sleep(0.05)
+                if listener.frame().empty:
+                    sent = 0
+        events = listener.frame()
+    finally:
+        publisher.close(linger=0)
+        context.term()
+        listener.close()
+    assert len(events) >= 42 and set(events["kind"]) == {"stored", "removed"}
+
+
+# ---- a stand-in server -----------------------------------------------------------------------------------------
+
+class FakeServer:
+    """An aiohttp server on a free port in a thread: /v1/models, /metrics (the recorded text, or ``metrics_text``
+    once ``garbage_after`` reads have been answered) and streaming /v1/completions whose ``mode`` is ``ok``,
+    ``dies`` (the connection closes after 2 tokens), ``stalls`` (no token after the first) or ``html`` (not
+    vLLM at all)."""
+
+    def __init__(self, mode: str = "ok", garbage_after: int | None = None):
+        self.mode, self.garbage_after, self.metrics_reads = mode, garbage_after, 0
+        self.metrics = (DATA / "metrics.txt").read_text()
+        self.port = vllm_server.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ready, self.loop = threading.Event(), None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+        assert self.ready.wait(10)
+
+    def _serve(self):
+        self.loop = asyncio.new_event_loop()
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.read_metrics)
+        app.router.add_post("/v1/completions", self.completions)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.5)
+        self.loop.run_until_complete(self.runner.setup())
+        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+        self.ready.set()
+        self.loop.run_forever()
+
+    async def models(self, request):
+        if self.mode == "html":
+            return web.Response(text="<html>hello</html>", content_type="text/html")
+        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+    async def read_metrics(self, request):
+        self.metrics_reads += 1
+        if self.garbage_after is not None and self.metrics_reads > self.garbage_after:
+            return web.Response(text="vllm:kv_cache_usage_perc{engine=\"0\"} not-a-number\n")
+        return web.Response(text=self.metrics)
+
+    async def completions(self, request):
+        body = await request.json()
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for index in range(body["max_tokens"]):
+            if self.mode == "dies" and index == 2:
+                request.transport.close()
+                return response
+            if self.mode == "stalls" and index == 1:
+                await asyncio.sleep(5)
+            chunk = {"choices": [{"index": 0, "text": "", "token_ids": [index]}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(0.002)
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def fake(request):
+    server = FakeServer(*getattr(request, "param", ("ok",)))
+    yield server
+    server.close()
+
+
+def requests(count: int = 6, tokens: int = 8, gap_s: float = 0.01) -> list[ServerRequest]:
+    return [ServerRequest([1, 2, 3], tokens, index * gap_s) for index in range(count)]
+
+
+def test_a_clean_run_records_every_request_and_the_metrics(fake):
+    run = run_server_workload(fake.url, requests(), poll_s=0.02)
+    assert run.complete and not run.problems
+    assert (run.requests["output_tokens"] == 8).all()
+    assert (run.requests["first_token_s"] >= run.requests["sent_s"]).all()
+    assert (run.requests["finish_s"] >= run.requests["first_token_s"]).all()
+    assert len(run.metrics) >= 2 and run.metrics["t_s"].iloc[0] == 0.0  # a reading before the first request
+
+
+@pytest.mark.parametrize("fake", [("html",)], indirect=True)
+def test_a_url_that_is_not_vllm_is_named(fake):
+    with pytest.raises(PeerError, match="is not a vLLM server"):
+        check_server(fake.url)
+    with pytest.raises(PeerError, match="no server answers"):
+        check_server(f"http://127.0.0.1:{vllm_server.free_port()}")
+
+
+@pytest.mark.parametrize("fake", [("dies",)], indirect=True)
+def test_a_server_that_drops_streams_fails_those_requests_and_keeps_the_rest(fake):
+    run = run_server_workload(fake.url, requests(), poll_s=0.05)
+    assert not run.complete
+    assert (run.requests["output_tokens"] == 2).all()  # what came before the drop is kept
+    assert run.requests["first_token_s"].notna().all() and run.requests["finish_s"].isna().all()
+    assert run.requests["error"].str.len().gt(0).all()
+    assert any("failed after 2 tokens" in problem for problem in run.problems)
+
+
+@pytest.mark.parametrize("fake", [("stalls",)], indirect=True)
+def test_a_stalled_server_is_called_stalled_within_the_read_timeout(fake):
+    started = time.perf_counter()
+    run = run_server_workload(fake.url, requests(count=3), poll_s=0.05, read_timeout_s=0.5)
+    assert time.perf_counter() - started < 10
+    assert run.requests["error"].str.startswith("stalled").all()
+    assert (run.requests["output_tokens"] == 1).all()
+
+
+@pytest.mark.parametrize("fake", [("ok", 2)], indirect=True)
+def test_metrics_that_stop_parsing_mid_run_are_reported_and_the_run_goes_on(fake):
+    run = run_server_workload(fake.url, requests(count=4, tokens=40), poll_s=0.02)
+    assert run.requests["finish_s"].notna().all()
+    assert any("does not parse" in problem for problem in run.problems)
+    assert len(run.metrics) >= 1  # the readings before the garbage stay
+
+
+def test_stop_ends_the_run_and_keeps_what_was_measured(fake):
+    stop = threading.Event()
+    timer = threading.Timer(0.3, stop.set)
+    timer.start()
+    started = time.perf_counter()
+    run = run_server_workload(fake.url, requests(count=20, tokens=8, gap_s=0.1), stop=stop, poll_s=0.05)
+    timer.cancel()
+    assert time.perf_counter() - started < 3 and run.stopped and not run.complete
+    sent = run.requests["sent_s"].notna()
+    assert 0 < sent.sum() < 20
+    assert (run.requests.loc[~sent, "error"] == "not sent: stopped").all()
+    assert run.requests.loc[sent, "finish_s"].notna().sum() >= 1
+
+
+def test_a_server_that_never_gets_ready_or_exits_is_stopped_and_named(monkeypatch):
+    """A spawned server that fails to start is named with its log, and its process group is gone."""
+    monkeypatch.setattr(vllm_server, "missing_reason", lambda: None)
+    spawned = []
+    real_popen = vllm_server.subprocess.Popen
+
+    def popen(command, **kwargs):
+        process = real_popen(command, **kwargs)
+        spawned.append(process)
+        return process
+
+    monkeypatch.setattr(vllm_server.subprocess, "Popen", popen)
+    monkeypatch.setattr(vllm_server, "server_command", lambda *args: [sys.executable, "-c", "import time; "
+                                                                      "print('loading', flush=True); time.sleep(60)"])
+    with pytest.raises(PeerError, match=r"did not answer /health within 1 s(.|\n)*loading"):
+        VLLMServer(PeerSettings("unused"), start_timeout_s=1)
+    assert spawned[-1].poll() is not None  # stopped
+    monkeypatch.setattr(vllm_server, "server_command", lambda *args: [sys.executable, "-c", "raise SystemExit(3)"])
+    with pytest.raises(PeerError, match="exited with code 3 while starting"):
+        VLLMServer(PeerSettings("unused"), start_timeout_s=30)
+
+
+def test_stream_times_count_from_the_send(fake):
+    run = run_server_workload(fake.url, [ServerRequest([1], 4, 0.2)], poll_s=0.05)
+    assert run.requests["sent_s"].iloc[0] >= 0.2 and not math.isnan(run.requests["finish_s"].iloc[0])

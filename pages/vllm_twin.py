@@ -121,7 +121,7 @@ def draw(twin: LiveTwin) -> None:
                                                         "reading of the server's /metrics"),
             "goal": st.column_config.NumberColumn("goal", format="%.3g"), "met": "goal met"})
         calibration = twin.calibration
-        st.caption(f"Calibration: server steps ×{calibration.step_scale:.3f} the engine's profile; "
+        st.caption(f"Calibration: server steps {calibration.step_overhead_s * 1e3:+.2f} ms over the engine's profile; "
                    f"{calibration.request_overhead_s * 1e3:.1f} ms per request to reach the engine, "
                    f"{calibration.request_interval_s * 1e3:.2f} ms per request in vLLM's API process. "
                    f"{len(twin.profile.samples)} step shapes in the profile (held-out error median "

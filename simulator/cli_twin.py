@@ -101,7 +101,7 @@ def _vllm_twin(args) -> None:
         checkpoint = checkpoint_dir(args.model, folder, getattr(torch, config.dtype))
         result = run_vllm_twin(config, checkpoint, profile, progress=lambda message: print(message, file=sys.stderr))
     calibration = result.calibration
-    settings = {**twin_settings(config), "step_scale": calibration.step_scale,
+    settings = {**twin_settings(config), "step_overhead_s": calibration.step_overhead_s,
                 "request_overhead_s": calibration.request_overhead_s,
                 "profile_holdout_median_rel_error": result.profile.holdout_median_rel_error}
     print_and_save(result.summary(), args.out, settings=settings, kind="vllm-twin")

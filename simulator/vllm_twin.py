@@ -155,16 +155,24 @@ def _requests_frame(workload: Workload, run: ServerRun) -> pd.DataFrame:
 @dataclass(slots=True)
 class ServerCalibration:
     """What the server adds to its engine's steps, measured on calibration requests (never a scored workload):
-    ``step_scale``, the server's decode time per token over the simulator's on the offline profile (its engine
-    shares two cores with its API process and the load generator), and ``request_overhead_s``, the seconds between a
-    request's send and its first token that no engine step accounts for (HTTP, the API process, the hand-over to
-    the engine and back), and ``request_interval_s``, the API process's time per request: requests sent together
-    reach the engine one such interval apart. ``table``: the calibration runs."""
+    ``step_overhead_s``, seconds the server's steps take beyond the offline profile's (the engine core hands each
+    step to its worker process and its outputs to the API process, on two cores shared with that process and the
+    load generator; measured on decode batches of 1-16, this was flat in the batch size, about 0.9 ms, where a
+    ratio ran from 1.21 to 1.36), ``request_overhead_s``, the seconds between a request's send and its first token
+    that no engine step accounts for (HTTP, the API process, the hand-over to the engine and back), and
+    ``request_interval_s``, the API process's time per request: requests sent together reach the engine one such
+    interval apart. ``table``: the calibration runs."""
 
-    step_scale: float = 1.0
+    step_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
     request_interval_s: float = 0.0
     table: pd.DataFrame = field(default_factory=pd.DataFrame)
+
+    def priced(self, profile: Profile) -> Profile:
+        """``profile`` with every step ``step_overhead_s`` longer (its constant term)."""
+        coefficients = dict(profile.coefficients)
+        coefficients["constant"] = coefficients.get("constant", 0.0) + self.step_overhead_s
+        return replace(profile, coefficients=coefficients)
 
 
 def engine_arrivals(sent: np.ndarray, overhead_s: float = 0.0, interval_s: float = 0.0) -> np.ndarray:
@@ -292,10 +300,11 @@ def _fixed(count: int, prompt: int, output: int) -> Workload:
 
 def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, seed: int = 0) -> ServerCalibration:
     """Measure ``ServerCalibration`` on the server, each run ``CALIBRATION_REPEATS`` times: decode batches of
-    ``CALIBRATION_BATCHES`` requests sent together (96-token prompts, 64 tokens each; the median ratio of the server's TPOT p50 to the simulator's is the
-    step scale), then single prompts of ``CALIBRATION_PROMPTS`` tokens sent one at a time (the median of the
-    server's TTFT less the simulator's, steps scaled, is the request overhead); the request interval is the one of
-    ``INTERVALS_S`` whose simulated TTFT p50 of the batches is closest to the server's (least squares, relative)."""
+    ``CALIBRATION_BATCHES`` requests sent together (96-token prompts, 64 tokens each; the median of the server's TPOT
+    p50 less the simulator's is the step overhead), then single prompts of ``CALIBRATION_PROMPTS`` tokens sent one
+    at a time (the median of the server's TTFT less the simulator's, steps priced with the overhead, is the request
+    overhead); the request interval is the one of ``INTERVALS_S`` whose simulated TTFT p50 of the batches is
+    closest to the server's (least squares, relative)."""
     rows, batches = [], []
     for repeat in range(CALIBRATION_REPEATS):
         for batch in CALIBRATION_BATCHES:
@@ -305,33 +314,28 @@ def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, se
             batches.append((workload, run, latency_summary(_requests_frame(workload, run))))
             rows.append(("decode tpot", batch, batches[-1][2]["tpot_p50_s"],
                          simulate_run(workload, run, simulation).summary["tpot_p50_s"]))
-    scale = float(np.median([real / simulated for _, _, real, simulated in rows]))
-    scaled = replace(simulation, profile=scaled_profile(simulation.profile, scale))
+    step = ServerCalibration(float(np.median([real - simulated for _, _, real, simulated in rows])))
+    priced = replace(simulation, profile=step.priced(simulation.profile))
     for repeat in range(CALIBRATION_REPEATS):
         for length in CALIBRATION_PROMPTS:
             workload = _fixed(1, length, 2)
             run = run_server_workload(url, server_requests(workload, vocab, seed + 100 * repeat + length), model,
                                       poll_s=60.0)
             real = latency_summary(_requests_frame(workload, run))["ttft_p50_s"]
-            rows.append(("single ttft", length, real, simulate_run(workload, run, scaled).summary["ttft_p50_s"]))
+            rows.append(("single ttft", length, real, simulate_run(workload, run, priced).summary["ttft_p50_s"]))
     overhead = max(0.0, float(np.median([real - sim for kind, _, real, sim in rows if kind == "single ttft"])))
 
     def misfit(interval: float) -> float:
-        calibration = ServerCalibration(scale, overhead, interval)
-        return sum((simulate_run(w, run, scaled, calibration).summary["ttft_p50_s"] / real["ttft_p50_s"] - 1) ** 2
+        calibration = replace(step, request_overhead_s=overhead, request_interval_s=interval)
+        return sum((simulate_run(w, run, priced, calibration).summary["ttft_p50_s"] / real["ttft_p50_s"] - 1) ** 2
                    for w, run, real in batches if len(w) > 1)
 
-    interval = float(min(INTERVALS_S, key=misfit))
+    calibration = replace(step, request_overhead_s=overhead, request_interval_s=float(min(INTERVALS_S, key=misfit)))
     for workload, run, real in batches:
-        simulated = simulate_run(workload, run, scaled, ServerCalibration(scale, overhead, interval))
+        simulated = simulate_run(workload, run, priced, calibration)
         rows.append(("batch ttft", len(workload), real["ttft_p50_s"], simulated.summary["ttft_p50_s"]))
-    table = pd.DataFrame(rows, columns=["kind", "size", "real_s", "simulated_s"])
-    return ServerCalibration(scale, overhead, interval, table)
-
-
-def scaled_profile(profile: Profile, scale: float) -> Profile:
-    """``profile`` with every step priced ``scale`` times as long."""
-    return replace(profile, coefficients={name: value * scale for name, value in profile.coefficients.items()})
+    calibration.table = pd.DataFrame(rows, columns=["kind", "size", "real_s", "simulated_s"])
+    return calibration
 
 
 def _reset_prefix_cache(url: str) -> bool:
@@ -369,10 +373,10 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
         run_server_workload(url, server_requests(warm, vocab, config.seed + 999), model)
         progress("calibrating on the server (decode batches, single prompts)")
         calibration = result.calibration = calibrate_server(url, model, simulation, vocab, config.seed + 7)
-        progress(f"server steps x{calibration.step_scale:.3f} the engine's; request overhead "
+        progress(f"server steps +{calibration.step_overhead_s * 1e3:.2f} ms over the engine's; request overhead "
                  f"{calibration.request_overhead_s * 1e3:.1f} ms, {calibration.request_interval_s * 1e3:.2f} ms per "
                  f"request in the API process")
-        simulation = replace(simulation, profile=scaled_profile(profile, calibration.step_scale))
+        simulation = replace(simulation, profile=calibration.priced(profile))
         tables = []
         for name in config.workloads:
             workload = make_twin_workload(name, config, config.seed)
@@ -461,7 +465,7 @@ class LiveTwin:
             simulation = sim_config(self.config, self.cache, self.profile)
             if self.calibration is None:
                 self.calibration = calibrate_server(url, model, simulation, vocab, self.config.seed + 7)
-            simulation = replace(simulation, profile=scaled_profile(self.profile, self.calibration.step_scale))
+            simulation = replace(simulation, profile=self.calibration.priced(self.profile))
             planned = ServerRun(pd.DataFrame({"sent_s": self.workload.arrival_s}), pd.DataFrame(),
                                 pd.DataFrame(), 0.0, 0.0)
             self.prediction = simulate_run(self.workload, planned, simulation, self.calibration)

@@ -38,7 +38,9 @@ RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cp
                "gpu/*.csv": "scripts/gpu_check.sh (on a GPU)", "vllm_cpu.csv": "python -m lab bench vllm",
                "vllm_cpu_bf16.csv": "python -m lab bench vllm --model tiny --num-requests 32 --dtype bfloat16",
                "vllm_profile_cpu.csv": "python -m lab bench vllm --profile",
-               "app_flow.csv": "python -m benchmarks.app_flow"}
+               "app_flow.csv": "python -m benchmarks.app_flow",
+               "vllm_twin_cpu.csv": "python -m simulator twin --peer vllm --repeats 3 --workloads "
+                                    "all-at-once,prefix,poisson,gamma,azure"}
 
 
 @dataclass(slots=True)
@@ -270,6 +272,13 @@ def _row_value(column: str, **where):
     return read
 
 
+def _vllm_twin_worst_p50(table: pd.DataFrame) -> float:
+    """The largest median p50 error (TTFT, TPOT, E2E) of the vLLM twin on its all-at-once and prefix workloads, %."""
+    rows = table[table["workload"].isin(["all-at-once", "prefix"])
+                 & table["metric"].isin(["ttft_p50_s", "tpot_p50_s", "e2e_p50_s"])]
+    return float(rows["error"].max() * 100) if len(rows) else float("nan")
+
+
 def _twin_within(table: pd.DataFrame) -> float:
     p50 = table[table["metric"].isin(["throughput_tok_s", "ttft_p50_s", "tpot_p50_s"])
                 & ~table["load"].isin(["profile"])]
@@ -299,6 +308,8 @@ HEADLINES = [
              "vllm_cpu.csv", _row_value("output_tok_s", system="ours / vllm", model="tiny"), "×", 1.0),
     Headline("Our engine vs vLLM's CPU build, output tokens/s (Qwen3-0.6B shapes, 4 layers, fp32)", "vllm_cpu.csv",
              _row_value("output_tok_s", system="ours / vllm", model="qwen3-0.6b-random-4l"), "×", 0.8),
+    Headline("vLLM twin: worst p50 error of TTFT, TPOT and E2E against a real vLLM server (CPU, all at once and "
+             "shared prefix, median of 3 runs)", "vllm_twin_cpu.csv", _vllm_twin_worst_p50, "%", 5.0, False),
     Headline("Paged engine vs HF continuous batching on an H200 (Qwen3-0.6B shapes)", "gpu/e2e_gpu.csv",
              _row_value("speedup_vs_hf_continuous", system="paged-engine"), "×", 5.0),
 ]

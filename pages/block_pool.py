@@ -115,11 +115,15 @@ def vllm_prefix_cache() -> None:
     cols[1].metric("blocks evicted", f"{totals['removed_blocks']:,}")
     cols[2].metric("prefix-cache hit rate", f"{totals['hit_rate']:.1%}",
                    help=f"{totals['hit_tokens']:,.0f} of {totals['queried_tokens']:,.0f} prompt tokens found cached")
-    long = timeline.melt(id_vars="t_s", value_vars=["cached_blocks", "stored_blocks", "removed_blocks"],
+    # cached last, dashed: drawn over "stored so far", which it equals until the first eviction
+    long = timeline.melt(id_vars="t_s", value_vars=["stored_blocks", "removed_blocks", "cached_blocks"],
                          var_name="series", value_name="blocks")
     long["series"] = long["series"].map({"cached_blocks": "cached now", "stored_blocks": "stored so far",
                                          "removed_blocks": "evicted so far"})
-    chart(px.line(long, x="t_s", y="blocks", color="series", line_shape="hv",
+    chart(px.line(long, x="t_s", y="blocks", color="series", line_shape="hv", line_dash="series",
+                  line_dash_map={"cached now": "dash", "stored so far": "solid", "evicted so far": "solid"},
+                  color_discrete_map={"cached now": "#1f77b4", "stored so far": "#2ca02c",
+                                      "evicted so far": "#d62728"},
                   labels={"t_s": "seconds from the run's first request", "blocks": f"blocks ({twin.config.block_size} tokens each)"},
                   title=f"{twin.workload.name}: {len(twin.workload)} requests"), "vllm_prefix_cache")
     csv_download(timeline, "vllm-prefix-cache", {**settings_of(twin.config), "workload": twin.workload.name},

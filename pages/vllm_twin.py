@@ -12,6 +12,7 @@ from pages._ui import chart, csv_download, show_error
 from simulator.vllm_twin import METRIC_LABELS, WORKLOADS, LiveTwin, Phase, VLLMTwinConfig, live_series
 
 REDRAW_S = 0.5
+CALIBRATION_REDRAW_S = 3.0
 WORKLOAD_LABELS = {"all-at-once": "All at once (t = 0)", "prefix": "Shared system prompt (256 tokens), all at once",
                    "poisson": "Poisson arrivals", "gamma": "Bursty arrivals (gamma, shape 0.5)",
                    "azure": "Azure 2023 conversation trace (a sample)"}
@@ -38,6 +39,10 @@ with st.sidebar:
     num_blocks = st.number_input("KV pool (blocks of 32 tokens)", 16, 100_000, 256, disabled=where != "Start one here")
     max_num_seqs = st.number_input("Max running sequences", 1, 256, 16)
     budget = st.number_input("Token budget per step", 32, 16_384, 512)
+    remeasure = st.checkbox("Measure vLLM's engine again", False,
+                            help="The profile of vLLM's engine for these settings is measured once and kept beside "
+                                 "the peer environment; measure it again after the machine or vLLM changed. It is "
+                                 "measured while this page runs, so keep the machine otherwise quiet")
 
 config = VLLMTwinConfig(model=model, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=budget, workloads=(workload,), num_requests=num_requests, rate=rate,
@@ -58,7 +63,8 @@ if left.button("Run", type="primary", disabled=running or bool(reason), key="vll
         cached = st.session_state.get("vllm_twin_profile")  # the calibration is reused while the server's settings hold
         same = cached is not None and cached[0] == (model, config.block_size, num_blocks, max_num_seqs, budget,
                                                     config.url)
-        twin = LiveTwin(config, checkpoint, workload, cached[1] if same else None, cached[2] if same else None)
+        twin = LiveTwin(config, checkpoint, workload, None if remeasure or not same else cached[1],
+                        cached[2] if same and not remeasure else None, remeasure=remeasure)
         st.session_state["vllm_twin"] = twin.start()
         running = True
     except user_errors() as exc:
@@ -124,8 +130,8 @@ def draw(twin: LiveTwin) -> None:
         st.caption(f"Calibration: server steps {calibration.step_overhead_s * 1e3:+.2f} ms over the engine's profile; "
                    f"{calibration.request_overhead_s * 1e3:.1f} ms per request to reach the engine, "
                    f"{calibration.request_interval_s * 1e3:.2f} ms per request in vLLM's API process. "
-                   f"{len(twin.profile.samples)} step shapes in the profile (held-out error median "
-                   f"{twin.profile.holdout_median_rel_error:.1%}).")
+                   f"The profile of vLLM's engine ({twin.profile_source}): {len(twin.profile.samples)} step shapes, "
+                   f"held-out error median {twin.profile.holdout_median_rel_error:.1%}.")
     if run is not None:
         exports = {"scores": twin.table, "requests": run.requests, "server-metrics": run.metrics,
                    "kv-events": run.events, "kv-usage": series["kv_usage"], "queues": series["queues"],
@@ -136,7 +142,12 @@ def draw(twin: LiveTwin) -> None:
                 csv_download(table, f"vllm-twin-{name}", settings, f"dl_vllm_twin_{name}", f"{name} (CSV)")
 
 
-@st.fragment(run_every=REDRAW_S if running else None)
+# a slow redraw while vLLM's engine is measured and its server starts: the page's reruns share the cores with them
+PHASE = twin.phase if twin is not None else None
+interval = (REDRAW_S if PHASE == Phase.RUNNING else CALIBRATION_REDRAW_S) if running else None
+
+
+@st.fragment(run_every=interval)
 def live() -> None:
     current = st.session_state.get("vllm_twin")
     if current is None:
@@ -145,13 +156,13 @@ def live() -> None:
                 icon=":material/play_circle:")
         return
     draw(current)
+    if running and current.phase != PHASE:
+        st.rerun()  # a new phase: the page's timer follows it
     if current.finished:
         if current.profile is not None and current.calibration is not None:
             key = (current.config.model, current.config.block_size, current.config.num_blocks,
                    current.config.max_num_seqs, current.config.max_num_batched_tokens, current.config.url)
             st.session_state["vllm_twin_profile"] = (key, current.profile, current.calibration)
-        if running:
-            st.rerun()  # the page's buttons and the timer follow the run's end
 
 
 live()

@@ -21,7 +21,7 @@ import pandas as pd
 
 from lab.errors import InputError
 from lab.peer import PeerError, PeerSettings, VLLMPeer
-from lab.profile import Profile
+from lab.profile import Profile, ProfileError
 from lab.vllm_server import ServerRequest, ServerRun, VLLMServer, check_server, run_server_workload
 
 from .engine import SimConfig, Simulator
@@ -276,6 +276,16 @@ def vocab_size(checkpoint: str | Path) -> int:
     return int(json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"])
 
 
+def profile_cache_path(config: VLLMTwinConfig) -> Path:
+    """Where the page keeps the profile of vLLM's engine for these settings (beside the peer environment): measured
+    once on a quiet machine it is reused, instead of re-measured while the browser and the app share the cores."""
+    from lab.peer import VLLM_VERSION, peer_venv
+
+    name = (f"{Path(config.model).name}-{config.dtype}-B{config.block_size}-{config.num_blocks}blocks-"
+            f"{config.max_num_seqs}seqs-{config.max_num_batched_tokens}tokens-{config.grid}-vllm{VLLM_VERSION}.json")
+    return peer_venv().parent / "vllm-profiles" / name
+
+
 def calibrate(config: VLLMTwinConfig, checkpoint: str, progress: Callable[[str], None] = print) -> Profile:
     """The step-time profile of vLLM's engine on the checkpoint (``lab.peer_profile.profile_vllm``), measured in
     the peer's offline engine with the server's pool and budgets."""
@@ -287,7 +297,7 @@ def calibrate(config: VLLMTwinConfig, checkpoint: str, progress: Callable[[str],
                             config.seed)
 
 
-CALIBRATION_BATCHES = (1, 4, 8, 16)  # decode batches whose time per token gives the step scale
+CALIBRATION_BATCHES = (1, 4, 8, 16)  # decode batches whose time per token gives the step overhead
 CALIBRATION_PROMPTS = (32, 128, 384)  # single prompts on an idle server: the request overhead
 CALIBRATION_REPEATS = 3  # of each calibration run: a two-core machine's step times vary by 10-30 % run to run
 INTERVALS_S = tuple(np.arange(0.0, 0.0061, 0.00025))  # the API process's time per request: the values tried
@@ -418,11 +428,13 @@ class LiveTwin:
     for what was measured so far; the twin's prediction on the workload's planned arrival times is ready before the
     first request, and is re-run on the actual send times at the end (``table``, the scores). A server the run
     started is stopped when it ends, however it ends; ``stop()`` ends the workload early and keeps what was
-    measured. ``profile``: a vLLM profile to reuse (else measured first, then kept in ``self.profile``)."""
+    measured. ``profile``: a vLLM profile to reuse (else the cached one for these settings, or, with ``remeasure``
+    or none cached, measured first and cached; ``profile_source`` says which)."""
 
     def __init__(self, config: VLLMTwinConfig, checkpoint: str, workload: str, profile: Profile | None = None,
-                 calibration: ServerCalibration | None = None):
+                 calibration: ServerCalibration | None = None, remeasure: bool = False):
         self.config, self.checkpoint, self.profile, self.calibration = config, checkpoint, profile, calibration
+        self.remeasure, self.profile_source = remeasure, "given"
         self.workload = make_twin_workload(workload, config, config.seed)
         self.phase, self.error, self.prediction, self.table = Phase.CALIBRATING, "", None, None
         self.run: ServerRun | None = None
@@ -448,12 +460,27 @@ class LiveTwin:
         """What was measured so far (None before the first request)."""
         return self.run
 
+    def _cached_profile(self) -> Profile:
+        """The profile for these settings from the cache (``profile_cache_path``), else measured now and stored."""
+        path = profile_cache_path(self.config)
+        if path.exists() and not self.remeasure:
+            try:
+                self.profile_source = f"loaded from {path}"
+                return Profile.load(path)
+            except ProfileError:
+                pass  # a corrupt or older file: measured again below
+        profile = calibrate(self.config, self.checkpoint, progress=lambda _: None)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        profile.save(path)
+        self.profile_source = f"measured now, kept in {path}"
+        return profile
+
     def _main(self) -> None:
         server = None
         try:
             vocab = vocab_size(self.checkpoint)
             if self.profile is None:
-                self.profile = calibrate(self.config, self.checkpoint, progress=lambda _: None)
+                self.profile = self._cached_profile()
             self.phase = Phase.STARTING
             if self.config.url is None:
                 server = VLLMServer(self.config.peer_settings(self.checkpoint))

@@ -170,9 +170,12 @@ def test_the_vllm_twin_runs_live_and_feeds_the_block_pool_page(server, browser, 
     page.get_by_role("option", name="Shared system prompt").click()
     settle(page, False, after=runs)
     page.get_by_role("button", name="Run", exact=True).click()
-    page.locator('[data-testid="stProgress"]').filter(has_text="done:").wait_for(timeout=300_000)
+    progress = page.locator('[data-testid="stProgress"]')
+    page.wait_for_function("() => [...document.querySelectorAll('[data-testid=\"stProgress\"]')].some("
+                           "e => /done:|failed/.test(e.innerText))", timeout=300_000, polling=500)
     settle(page, True)
     no_exception(page)
+    assert "done:" in progress.inner_text(), page.locator('[data-testid="stAlert"]').all_inner_texts()
     assert page.locator(".js-plotly-plot").count() == 4  # KV usage, queues, tokens/s, latency CDFs
     assert "How close the twin came" in page.locator("h3").all_inner_texts()
     assert page.get_by_role("button", name="Stop").is_disabled()

@@ -66,12 +66,16 @@ def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, seed: in
 
 def checkpoint_dir(model: str, folder: str | Path, dtype: torch.dtype = torch.float32) -> str:
     """``model`` when it is a checkpoint directory, else the preset of that name saved into ``folder``
-    (``save_checkpoint``): what a separate process such as the vLLM peer loads."""
+    (``save_checkpoint``; once: a folder that already holds it is reused): what a separate process such as the vLLM
+    peer loads."""
     if Path(model).is_dir():
         return str(model)
     if model not in PRESETS:
         raise InputError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
-    return str(save_checkpoint(model, Path(folder) / model, dtype))
+    saved = Path(folder) / f"{model}-{str(dtype).removeprefix('torch.')}"
+    if (saved / "tokenizer.json").exists():  # written last: the weights before it are complete
+        return str(saved)
+    return str(save_checkpoint(model, saved, dtype))
 
 
 def save_checkpoint(preset: str, out: str | Path, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:

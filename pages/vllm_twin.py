@@ -9,7 +9,8 @@ from lab.model import PRESETS, checkpoint_dir
 from lab.peer import PeerError, missing_reason
 from lab.results import settings_of
 from pages._ui import chart, csv_download, show_error
-from simulator.vllm_twin import METRIC_LABELS, WORKLOADS, LiveTwin, Phase, VLLMTwinConfig, live_series
+from simulator.vllm_live import LiveTwin, Phase, live_series
+from simulator.vllm_twin import METRIC_LABELS, WORKLOADS, VLLMTwinConfig
 
 REDRAW_S = 0.5
 CALIBRATION_REDRAW_S = 3.0

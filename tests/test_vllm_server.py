@@ -267,3 +267,44 @@ def test_a_server_that_never_gets_ready_or_exits_is_stopped_and_named(monkeypatc
 def test_stream_times_count_from_the_send(fake):
     run = run_server_workload(fake.url, [ServerRequest([1], 4, 0.2)], poll_s=0.05)
     assert run.requests["sent_s"].iloc[0] >= 0.2 and not math.isnan(run.requests["finish_s"].iloc[0])
+
+
+def flat_profile():
+    """A vLLM profile whose every step takes 2 ms (blocks of 32)."""
+    from lab.profile import Profile, feature_names
+
+    coefficients = dict.fromkeys(feature_names([1]), 0.0) | {"constant": 0.002}
+    return Profile("tiny", "cpu", "float32", 32, "vllm", coefficients, [1])
+
+
+def test_the_live_twin_runs_against_a_server_and_draws_both_sides(fake, tmp_path):
+    """``simulator.vllm_live.LiveTwin`` on a URL (the stand-in server, which reports vLLM's recorded pool), a given
+    profile and calibration: the prediction is ready, the run is measured, scored, and every live series has both
+    sides."""
+    from simulator.vllm_live import LiveTwin, Phase, live_series
+    from simulator.vllm_twin import ServerCalibration, VLLMTwinConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+    profile = flat_profile()
+    config = VLLMTwinConfig(url=fake.url, num_requests=6, length_scale=0.05, poll_s=0.02)
+    twin = LiveTwin(config, str(tmp_path), "all-at-once", profile, ServerCalibration(0.0005, 0.001, 0.0)).start()
+    twin.join(60)
+    assert twin.phase == Phase.DONE, twin.error
+    assert twin.cache == {"block_size": 32, "num_gpu_blocks": 96, "enable_prefix_caching": True}
+    assert twin.snapshot().complete and twin.table is not None and len(twin.table) == 9
+    series = live_series(twin)
+    for name in ("kv_usage", "queues", "tokens_per_s", "latency"):
+        assert set(series[name]["source"]) == {"vLLM server", "twin (simulator)"}, name
+    assert len(series["latency"]) == 2 * len(twin.workload)
+
+
+@pytest.mark.parametrize("fake", [("html",)], indirect=True)
+def test_a_live_twin_on_a_url_that_is_not_vllm_fails_with_the_reason(fake, tmp_path):
+    from simulator.vllm_live import LiveTwin, Phase
+    from simulator.vllm_twin import VLLMTwinConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+    profile = flat_profile()
+    twin = LiveTwin(VLLMTwinConfig(url=fake.url, num_requests=3), str(tmp_path), "poisson", profile).start()
+    twin.join(30)
+    assert twin.phase == Phase.FAILED and "is not a vLLM server" in twin.error and twin.snapshot() is None

@@ -39,8 +39,7 @@ RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cp
                "vllm_cpu_bf16.csv": "python -m lab bench vllm --model tiny --num-requests 32 --dtype bfloat16",
                "vllm_profile_cpu.csv": "python -m lab bench vllm --profile",
                "app_flow.csv": "python -m benchmarks.app_flow",
-               "vllm_twin_cpu.csv": "python -m simulator twin --peer vllm --repeats 3 --workloads "
-                                    "all-at-once,prefix,poisson,gamma,azure"}
+               "vllm_twin_cpu.csv": "python -m simulator twin --peer vllm --repeats 3"}
 
 
 @dataclass(slots=True)
@@ -308,8 +307,8 @@ HEADLINES = [
              "vllm_cpu.csv", _row_value("output_tok_s", system="ours / vllm", model="tiny"), "×", 1.0),
     Headline("Our engine vs vLLM's CPU build, output tokens/s (Qwen3-0.6B shapes, 4 layers, fp32)", "vllm_cpu.csv",
              _row_value("output_tok_s", system="ours / vllm", model="qwen3-0.6b-random-4l"), "×", 0.8),
-    Headline("vLLM twin: worst p50 error of TTFT, TPOT and E2E against a real vLLM server (CPU, all at once and "
-             "shared prefix, median of 3 runs)", "vllm_twin_cpu.csv", _vllm_twin_worst_p50, "%", 5.0, False),
+    Headline("vLLM twin: worst p50 error (TTFT, TPOT, E2E) against a real vLLM server (CPU, all at once, shared prefix)",
+             "vllm_twin_cpu.csv", _vllm_twin_worst_p50, "%", 5.0, False),
     Headline("Paged engine vs HF continuous batching on an H200 (Qwen3-0.6B shapes)", "gpu/e2e_gpu.csv",
              _row_value("speedup_vs_hf_continuous", system="paged-engine"), "×", 5.0),
 ]

@@ -1,4 +1,5 @@
-"""The CPU decode attention that reads the block pool in place (``csrc/cpu_paged_attention.cpp``), a torch C++
+"""The CPU decode attention that reads the block pool in place and the fused q/k norm + rotary + cache write
+(``csrc/cpu_paged_attention.cpp``), a torch C++
 extension compiled on first use with this machine's C++ compiler (``torch.utils.cpp_extension``; nothing is
 downloaded, the build is cached under ``~/.cache/torch_extensions``). Where it cannot be built, the torch backend
 gathers the blocks instead (``status`` says why)."""

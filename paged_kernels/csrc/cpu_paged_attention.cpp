@@ -110,7 +110,98 @@ void paged_attention_decode(torch::Tensor out, torch::Tensor query, torch::Tenso
   });
 }
 
+// Qwen3's per-head q/k RMSNorm, rotary embedding and the paged cache write in one pass over the tokens: the contract
+// of paged_kernels.qk_norm_rope_write. q [T, Hq, D], k and v [T, Hk, D] may be row-strided views of the merged qkv
+// projection (the head dimension contiguous); q_inv [T, Hq] and k_inv [T, Hk] are each head's 1 / rms in float32,
+// computed by torch (its reduction order: the result stays HF's to the last bit); cos_sin [max_position, 2 D] (cos,
+// then sin, HF's layout: rotate_half pairs element i with i + D / 2); caches [num_blocks, Hk, block_size, D]; a
+// negative slot is padding (not written). Each product and sum is rounded to the dtype as torch's elementwise ops
+// round them, and never contracted into a fused multiply-add (the file is built with -ffast-math for the decode).
+template <typename scalar_t>
+__attribute__((optimize("no-fast-math", "fp-contract=off")))
+static void norm_rope_head(scalar_t* dst, const scalar_t* src, float inverse, const scalar_t* weight,
+                           const scalar_t* cos, const scalar_t* sin, int64_t head_dim, std::vector<scalar_t>& normed) {
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const scalar_t scaled = static_cast<scalar_t>(static_cast<float>(src[d]) * inverse);
+    normed[d] = static_cast<scalar_t>(static_cast<float>(weight[d]) * static_cast<float>(scaled));
+  }
+  const int64_t half = head_dim / 2;
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const scalar_t rotated = d < half ? static_cast<scalar_t>(-static_cast<float>(normed[d + half])) : normed[d - half];
+    const scalar_t a = static_cast<scalar_t>(static_cast<float>(normed[d]) * static_cast<float>(cos[d]));
+    const scalar_t b = static_cast<scalar_t>(static_cast<float>(rotated) * static_cast<float>(sin[d]));
+    dst[d] = static_cast<scalar_t>(static_cast<float>(a) + static_cast<float>(b));
+  }
+}
+
+template <typename scalar_t>
+static void qk_norm_rope_write_impl(torch::Tensor& q_out, torch::Tensor& k_out, const torch::Tensor& q,
+                                    const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& q_inv,
+                                    const torch::Tensor& k_inv, const torch::Tensor& q_weight,
+                                    const torch::Tensor& k_weight, const torch::Tensor& cos_sin,
+                                    const torch::Tensor& positions, torch::Tensor& key_cache,
+                                    torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
+  const int64_t tokens = q.size(0), q_heads = q.size(1), head_dim = q.size(2), kv_heads = k.size(1);
+  const int64_t block_size = key_cache.size(2);
+  const int64_t q_row = q.stride(0), q_head = q.stride(1), k_row = k.stride(0), k_head = k.stride(1);
+  const int64_t v_row = v.stride(0), v_head = v.stride(1), table_row = cos_sin.stride(0);
+  const int64_t block_stride = kv_heads * block_size * head_dim, cache_head = block_size * head_dim;
+  const scalar_t *q_base = q.data_ptr<scalar_t>(), *k_base = k.data_ptr<scalar_t>(), *v_base = v.data_ptr<scalar_t>();
+  const scalar_t *qw = q_weight.data_ptr<scalar_t>(), *kw = k_weight.data_ptr<scalar_t>();
+  const scalar_t* table = cos_sin.data_ptr<scalar_t>();
+  const int64_t *pos = positions.data_ptr<int64_t>(), *slots = slot_mapping.data_ptr<int64_t>();
+  scalar_t *q_dst = q_out.data_ptr<scalar_t>(), *k_dst = k_out.data_ptr<scalar_t>();
+  scalar_t *kc = key_cache.data_ptr<scalar_t>(), *vc = value_cache.data_ptr<scalar_t>();
+  const float *qi = q_inv.data_ptr<float>(), *ki = k_inv.data_ptr<float>();
+
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> normed(head_dim);
+    for (int64_t t = begin; t < end; ++t) {
+      const scalar_t* cos = table + pos[t] * table_row;
+      const scalar_t* sin = cos + head_dim;
+      for (int64_t h = 0; h < q_heads; ++h)
+        norm_rope_head(q_dst + (t * q_heads + h) * head_dim, q_base + t * q_row + h * q_head, qi[t * q_heads + h],
+                       qw, cos, sin, head_dim, normed);
+      const int64_t slot = slots[t];
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        scalar_t* key = k_dst + (t * kv_heads + h) * head_dim;
+        norm_rope_head(key, k_base + t * k_row + h * k_head, ki[t * kv_heads + h], kw, cos, sin, head_dim, normed);
+        if (slot < 0) continue;
+        const int64_t at = (slot / block_size) * block_stride + h * cache_head + (slot % block_size) * head_dim;
+        std::copy(key, key + head_dim, kc + at);
+        std::copy(v_base + t * v_row + h * v_head, v_base + t * v_row + h * v_head + head_dim, vc + at);
+      }
+    }
+  });
+}
+
+void qk_norm_rope_write(torch::Tensor q_out, torch::Tensor k_out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                        torch::Tensor q_inv, torch::Tensor k_inv, torch::Tensor q_weight, torch::Tensor k_weight,
+                        torch::Tensor cos_sin, torch::Tensor positions, torch::Tensor key_cache,
+                        torch::Tensor value_cache, torch::Tensor slot_mapping) {
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
+              "qk_norm_rope_write (cpu): the head dimension of q, k and v must be contiguous");
+  TORCH_CHECK(q_out.is_contiguous() && k_out.is_contiguous() && key_cache.is_contiguous() &&
+              value_cache.is_contiguous() && q_weight.is_contiguous() && k_weight.is_contiguous() &&
+              cos_sin.is_contiguous() && positions.is_contiguous() && slot_mapping.is_contiguous(),
+              "qk_norm_rope_write (cpu): outputs, caches, weights, table and indices must be contiguous");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong,
+              "qk_norm_rope_write (cpu): positions and slot_mapping must be int64");
+  TORCH_CHECK(q_inv.scalar_type() == at::kFloat && k_inv.scalar_type() == at::kFloat && q_inv.is_contiguous() &&
+              k_inv.is_contiguous() && q_inv.numel() == q.size(0) * q.size(1) &&
+              k_inv.numel() == k.size(0) * k.size(1),
+              "qk_norm_rope_write (cpu): q_inv and k_inv must be contiguous float32, one per token and head");
+  for (const auto* t : {&k, &v, &q_weight, &k_weight, &cos_sin, &key_cache, &value_cache, &q_out, &k_out})
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "qk_norm_rope_write (cpu): every float tensor must share a dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "qk_norm_rope_write", [&] {
+    qk_norm_rope_write_impl<scalar_t>(q_out, k_out, q, k, v, q_inv, k_inv, q_weight, k_weight, cos_sin, positions,
+                                      key_cache, value_cache, slot_mapping);
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode,
         "GQA paged decode attention reading the block pool in place (CPU)");
+  m.def("qk_norm_rope_write", &qk_norm_rope_write,
+        "Qwen3's q/k RMSNorm, rotary embedding and the paged cache write in one pass (CPU)");
 }

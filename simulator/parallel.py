@@ -6,13 +6,18 @@ import atexit
 import concurrent.futures
 import multiprocessing
 import threading
+import time
 from typing import Callable
 
 from .cluster import run_simulation
 from .engine import SimConfig, SimResult
 from .workloads import Workload
 
-POLL_S = 0.05  # how often a waiting caller hears of progress (a Streamlit page stops a run from its callback)
+POLL_S = 0.05  # how often the caller's wait wakes to collect finished runs
+# the caller hears of progress when a run finishes, else at most this often (a Streamlit page stops a run from its
+# callback; each call there sends the browser a message: at every POLL_S they took ~18 % of the machine's CPU while
+# the page waited on a comparison, measured by py-spy on the server)
+PROGRESS_EVERY_S = 0.5
 _pool: concurrent.futures.ProcessPoolExecutor | None = None
 _pool_workers = 0
 _lock = threading.Lock()
@@ -40,16 +45,20 @@ def _run(workload: Workload, config: SimConfig) -> SimResult:
 def run_in_processes(workload: Workload, configs: list[SimConfig], workers: int,
                      progress: Callable[[float], bool | None] | None = None) -> list[SimResult | None]:
     """Each config's result, in order, computed in ``workers`` processes. ``progress(fraction done)`` is called
-    every ``POLL_S`` while runs go on; when it returns False (or raises, as a page that reruns does) the runs not
-    started are cancelled and those not finished come back as None."""
+    when a run finishes and at least every ``PROGRESS_EVERY_S`` while runs go on; when it returns False (or raises,
+    as a page that reruns does) the runs not started are cancelled and those not finished come back as None."""
     futures = [pool(workers).submit(_run, workload, config) for config in configs]
     done: set = set()
+    told = time.monotonic()
     try:
         while len(done) < len(futures):
-            finished, _ = concurrent.futures.wait(futures, timeout=POLL_S,
+            finished, _ = concurrent.futures.wait(set(futures) - done, timeout=POLL_S,
                                                   return_when=concurrent.futures.FIRST_COMPLETED)
             done |= finished
-            if progress is not None and progress(len(done) / len(futures)) is False:
+            if progress is None or not (finished or time.monotonic() - told >= PROGRESS_EVERY_S):
+                continue
+            told = time.monotonic()
+            if progress(len(done) / len(futures)) is False:
                 break
     finally:
         for future in futures:

@@ -397,3 +397,23 @@ def test_skipping_a_blocked_head_s_admission_changes_nothing(allocator, block_si
         patch.setattr("lab.scheduler.Scheduler._admission_fails", lambda self, group, chunk: False)
         offering = Simulator(workload, config).run().summary
     assert not _same_summary(skipping, offering)
+
+
+def test_a_waiting_caller_hears_of_progress_when_runs_finish_not_every_poll():
+    """``run_in_processes`` tells ``progress`` of each finished run and otherwise at most every
+    ``PROGRESS_EVERY_S`` (each call on a page is a message to the browser); a False answer still stops the rest."""
+    import time
+
+    import simulator
+    from simulator import parallel
+
+    workload = simulator.make_workload("sharegpt", num_requests=400, rate=20.0, max_model_len=2048)
+    configs = simulator.make_configs(["contiguous-max", "paged", "contiguous-oracle"], [16], model="opt-13b",
+                                     gpu="a100-40gb", max_model_len=2048)
+    calls = []
+    simulator.compare(workload, configs, workers=2, progress=lambda f: calls.append((time.monotonic(), f)))
+    assert calls[-1][1] == 1.0
+    for (before, fraction), (after, next_fraction) in zip(calls, calls[1:]):
+        assert next_fraction > fraction or after - before >= parallel.PROGRESS_EVERY_S * 0.9
+    stopped = parallel.run_in_processes(workload, configs * 3, 2, progress=lambda f: False)
+    assert stopped.count(None) >= len(configs * 3) - 2  # the two in flight may finish; nothing else starts

@@ -71,7 +71,7 @@ class VLLMServer:
         reason = missing_reason()
         if reason:
             raise PeerError(reason)
-        self.settings, self.port = settings, free_port()
+        self.settings, self.port, self._closed = settings, free_port(), False
         self.url = f"http://127.0.0.1:{self.port}"
         self.events = KVEventListener.bound() if events else None
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-server-", suffix=".log", delete=False)
@@ -113,20 +113,25 @@ class VLLMServer:
         return self.process.poll() is None
 
     def close(self) -> None:
-        """Stop the server's process group: SIGTERM, then SIGKILL after ``STOP_TIMEOUT_S``."""
-        if self.process.poll() is None:
-            for sig, wait_s in ((signal.SIGTERM, STOP_TIMEOUT_S), (signal.SIGKILL, None)):
-                try:
-                    os.killpg(self.process.pid, sig)
-                    self.process.wait(timeout=wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-                except ProcessLookupError:
-                    break
+        """Stop the server's process group (SIGTERM; SIGKILL to whatever is left after ``STOP_TIMEOUT_S``, an engine
+        process whose API process died first included), stop listening and remove its log. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=STOP_TIMEOUT_S)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
         if self.events is not None:
             self.events.close()
         self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)  # what a failed start needs of it is in its error message
 
     def __enter__(self) -> "VLLMServer":
         return self

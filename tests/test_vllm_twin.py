@@ -66,6 +66,32 @@ def test_the_twin_predicts_the_server_on_held_out_workloads(checkpoint, server):
     assert -0.002 < calibration.step_overhead_s < 0.01 and 0 <= calibration.request_overhead_s < 0.2
 
 
+def vllm_processes() -> list[str]:
+    import subprocess
+
+    listing = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in listing if "VLLM::" in line or "vllm.entrypoints" in line]
+
+
+def test_a_server_whose_lab_process_is_killed_leaves_no_process(checkpoint):
+    """The lab's process killed outright (no cleanup runs): vLLM's API, engine-core and worker processes all go (they
+    outlived a killed API process before ``SUPERVISOR``)."""
+    import subprocess
+    import sys
+    import time
+
+    before = vllm_processes()
+    script = ("import os, signal; from lab.peer import PeerSettings; from lab.vllm_server import VLLMServer; "
+              f"s = VLLMServer(PeerSettings({checkpoint!r}), events=False); print(s.url, flush=True); "
+              "os.kill(os.getpid(), signal.SIGKILL)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.stdout.startswith("http://127.0.0.1:"), done.stderr[-2000:]
+    deadline = time.monotonic() + 30
+    while vllm_processes() != before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert vllm_processes() == before
+
+
 def test_a_server_killed_mid_run_ends_the_run_with_what_was_measured(server):
     """Last in this module: it kills the module's server."""
     import os

@@ -250,8 +250,11 @@ def check_server(url: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str:
     try:
         models = requests.get(f"{url}/v1/models", timeout=timeout_s)
         metrics = requests.get(f"{url}/metrics", timeout=timeout_s)
+    except requests.Timeout as exc:
+        raise PeerError(f"no server answers at {url} within {timeout_s:g} s") from exc
     except requests.RequestException as exc:
-        raise PeerError(f"no server answers at {url}: {type(exc).__name__}: {exc}") from exc
+        reason = "connection refused: nothing listens there" if "refused" in str(exc) else type(exc).__name__
+        raise PeerError(f"no server answers at {url} ({reason})") from exc
     try:
         model = models.json()["data"][0]["id"]
     except (ValueError, KeyError, IndexError, TypeError) as exc:

@@ -80,6 +80,8 @@ class LiveTwin:
         server = None
         try:
             vocab = vocab_size(self.checkpoint)
+            if self.config.url is not None:
+                check_server(self.config.url)  # a URL with no vLLM behind it fails now, not after the calibration
             if self.profile is None:
                 self.profile = self._cached_profile()
             self.phase = Phase.STARTING

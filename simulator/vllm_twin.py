@@ -361,6 +361,8 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
                   progress: Callable[[str], None] = print, stop: threading.Event | None = None) -> VLLMTwinResult:
     """Calibrate (unless ``profile`` is given), start the server (or use ``config.url``), warm it up, then run
     each workload ``config.repeats`` times against it and score the simulator's prediction of each run."""
+    if config.url is not None:
+        check_server(config.url)  # a URL with no vLLM behind it fails now, not after the calibration
     profile = profile or calibrate(config, checkpoint, progress)
     profile.check_matches(block_size=config.block_size)
     result = VLLMTwinResult(pd.DataFrame(), profile=profile)

@@ -308,3 +308,7 @@ def test_a_live_twin_on_a_url_that_is_not_vllm_fails_with_the_reason(fake, tmp_p
     twin = LiveTwin(VLLMTwinConfig(url=fake.url, num_requests=3), str(tmp_path), "poisson", profile).start()
     twin.join(30)
     assert twin.phase == Phase.FAILED and "is not a vLLM server" in twin.error and twin.snapshot() is None
+    # without a profile it fails as fast: the URL is checked before vLLM's engine would be measured
+    twin = LiveTwin(VLLMTwinConfig(url=fake.url, num_requests=3), str(tmp_path), "poisson").start()
+    twin.join(30)
+    assert twin.phase == Phase.FAILED and "is not a vLLM server" in twin.error

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import pandas as pd
 
@@ -190,7 +188,7 @@ def _profile_peer(args) -> None:
     import torch
     from tqdm import tqdm
 
-    from lab.model import checkpoint_dir
+    from lab.model import checkpoint_dir, checkpoint_vocab_size
     from lab.peer import PeerSettings, VLLMPeer
     from lab.peer_profile import profile_vllm
 
@@ -204,7 +202,7 @@ def _profile_peer(args) -> None:
         settings = PeerSettings(checkpoint, block_size=block_size, num_blocks=args.num_blocks,
                                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                 enable_prefix_caching=True)
-        vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
+        vocab = checkpoint_vocab_size(checkpoint)
         with VLLMPeer(settings) as peer, tqdm(desc="profiling vLLM", unit="scenario", file=sys.stderr) as bar:
             profile = profile_vllm(peer, args.model, vocab, args.grid, args.repeats,
                                    progress=lambda done, total: (setattr(bar, "total", total), bar.update(1)))

@@ -64,6 +64,14 @@ def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, seed: in
     return hf.eval(), tokenizer
 
 
+def checkpoint_vocab_size(checkpoint: str | Path) -> int:
+    """The vocabulary size of a checkpoint directory (its ``config.json``): the range a separate process's random
+    prompts are drawn from."""
+    import json
+
+    return int(json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"])
+
+
 def checkpoint_dir(model: str, folder: str | Path, dtype: torch.dtype = torch.float32) -> str:
     """``model`` when it is a checkpoint directory, else the preset of that name saved into ``folder``
     (``save_checkpoint``; once: a folder that already holds it is reused): what a separate process such as the vLLM

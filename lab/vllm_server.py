@@ -244,6 +244,32 @@ def parse_metrics(text: str) -> dict[str, float]:
     return values
 
 
+def server_cache_config(url: str, timeout_s: float = CONNECT_TIMEOUT_S) -> dict:
+    """The server's ``block_size``, ``num_gpu_blocks`` and ``enable_prefix_caching`` (``vllm:cache_config_info``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{url}/metrics", timeout=timeout_s).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:cache_config_info":
+                labels = sample.labels
+                try:
+                    return {"block_size": int(labels["block_size"]), "num_gpu_blocks": int(labels["num_gpu_blocks"]),
+                            "enable_prefix_caching": labels.get("enable_prefix_caching") == "True"}
+                except (KeyError, ValueError) as exc:
+                    raise PeerError(f"{url}: vllm:cache_config_info lacks {exc}") from exc
+    raise PeerError(f"{url}: /metrics has no vllm:cache_config_info (its pool and block size)")
+
+
+def reset_prefix_cache(url: str) -> bool:
+    """Empty the server's prefix cache (a server in vLLM's dev mode, as ``VLLMServer`` starts it); False where the
+    server does not offer it."""
+    try:
+        return requests.post(f"{url}/reset_prefix_cache", timeout=10.0).status_code == 200
+    except requests.RequestException:
+        return False
+
+
 def check_server(url: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str:
     """The model a vLLM server at ``url`` serves; a ``PeerError`` naming the problem when nothing answers there,
     the answer is not an OpenAI model list, or its ``/metrics`` is not vLLM's."""
@@ -422,6 +448,12 @@ class ServerRun:
     problems: list[str] = field(default_factory=list)
     stopped: bool = False
 
+    def counter(self, column: str) -> float:
+        """How much a running total of ``/metrics`` (``METRIC_SERIES``) rose over the run; NaN with fewer than two
+        readings."""
+        values = self.metrics[column].dropna()
+        return float(values.iloc[-1] - values.iloc[0]) if len(values) >= 2 else math.nan
+
     @property
     def complete(self) -> bool:
         """Every request finished, nothing went wrong and nobody stopped it."""
@@ -587,10 +619,8 @@ def prefix_cache_timeline(run: ServerRun) -> tuple[pd.DataFrame, dict]:
     timeline = pd.DataFrame({"t_s": events["ts"] - run.started_at, "cached_blocks": events["cached_blocks"],
                              "stored_blocks": events["blocks"].where(events["kind"] == "stored", 0).cumsum(),
                              "removed_blocks": events["blocks"].where(events["kind"] == "removed", 0).cumsum()})
-    metrics = run.metrics.dropna(subset=["prefix_queries"])
-    queries = float(metrics["prefix_queries"].iloc[-1] - metrics["prefix_queries"].iloc[0]) if len(metrics) else 0.0
-    hits = float(metrics["prefix_hits"].iloc[-1] - metrics["prefix_hits"].iloc[0]) if len(metrics) else 0.0
+    queries, hits = run.counter("prefix_queries"), run.counter("prefix_hits")
     totals = {"stored_blocks": int(timeline["stored_blocks"].iloc[-1]) if len(timeline) else 0,
               "removed_blocks": int(timeline["removed_blocks"].iloc[-1]) if len(timeline) else 0,
-              "hit_rate": hits / queries if queries else math.nan, "queried_tokens": queries, "hit_tokens": hits}
+              "hit_rate": hits / queries if queries > 0 else math.nan, "queried_tokens": queries, "hit_tokens": hits}
     return timeline, totals

@@ -54,6 +54,14 @@ reason = missing_reason() if where == "Start one here" else None
 if reason:
     st.warning(f"vLLM is not set up here: {reason}", icon=":material/info:")
 
+
+
+def calibration_key(config: VLLMTwinConfig) -> tuple:
+    """What a kept calibration was measured with: reused while these hold."""
+    return (config.model, config.block_size, config.num_blocks, config.max_num_seqs, config.max_num_batched_tokens,
+            config.url)
+
+
 twin: LiveTwin | None = st.session_state.get("vllm_twin")
 running = twin is not None and not twin.finished
 left, right = st.columns([1, 5])
@@ -62,8 +70,7 @@ if left.button("Run", type="primary", disabled=running or bool(reason), key="vll
         folder = st.session_state.setdefault("vllm_twin_folder", tempfile.mkdtemp(prefix="minipaged-vllm-twin-"))
         checkpoint = checkpoint_dir(model, folder)
         cached = st.session_state.get("vllm_twin_profile")  # the calibration is reused while the server's settings hold
-        same = cached is not None and cached[0] == (model, config.block_size, num_blocks, max_num_seqs, budget,
-                                                    config.url)
+        same = cached is not None and cached[0] == calibration_key(config)
         twin = LiveTwin(config, checkpoint, workload, None if remeasure or not same else cached[1],
                         cached[2] if same and not remeasure else None, remeasure=remeasure)
         st.session_state["vllm_twin"] = twin.start()
@@ -161,9 +168,8 @@ def live() -> None:
         st.rerun()  # a new phase: the page's timer follows it
     if current.finished:
         if current.profile is not None and current.calibration is not None:
-            key = (current.config.model, current.config.block_size, current.config.num_blocks,
-                   current.config.max_num_seqs, current.config.max_num_batched_tokens, current.config.url)
-            st.session_state["vllm_twin_profile"] = (key, current.profile, current.calibration)
+            st.session_state["vllm_twin_profile"] = (calibration_key(current.config), current.profile,
+                                                     current.calibration)
 
 
 live()

@@ -8,12 +8,13 @@ from dataclasses import replace
 import numpy as np
 import pandas as pd
 
+from lab.model import checkpoint_vocab_size
 from lab.profile import Profile, ProfileError
-from lab.vllm_server import ServerRun, VLLMServer, check_server, run_server_workload
+from lab.vllm_server import (ServerRun, VLLMServer, check_server, reset_prefix_cache, run_server_workload,
+                             server_cache_config)
 
-from .vllm_twin import (ServerCalibration, VLLMTwinConfig, reset_prefix_cache, calibrate, calibrate_server,
-                        make_twin_workload, profile_cache_path, score, server_cache_config, server_requests,
-                        sim_config, simulate_run, vocab_size)
+from .vllm_twin import (ServerCalibration, VLLMTwinConfig, calibrate, calibrate_server, make_twin_workload,
+                        profile_cache_path, score, server_requests, sim_config, simulate_run)
 
 LIVE_WINDOW_S = 0.25  # the twin's tokens/s is counted per window of this many seconds (the real one per reading)
 
@@ -79,7 +80,7 @@ class LiveTwin:
     def _main(self) -> None:
         server = None
         try:
-            vocab = vocab_size(self.checkpoint)
+            vocab = checkpoint_vocab_size(self.checkpoint)
             if self.config.url is not None:
                 check_server(self.config.url)  # a URL with no vLLM behind it fails now, not after the calibration
             if self.profile is None:

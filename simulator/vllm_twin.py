@@ -9,7 +9,6 @@ server's pool (``vllm:cache_config_info``), block size and budgets, and its pred
 """
 from __future__ import annotations
 
-import json
 import math
 import threading
 from dataclasses import asdict, dataclass, field, replace
@@ -22,7 +21,9 @@ import pandas as pd
 from lab.errors import InputError
 from lab.peer import PeerError, PeerSettings, VLLMPeer
 from lab.profile import Profile
-from lab.vllm_server import ServerRequest, ServerRun, VLLMServer, check_server, run_server_workload
+from lab.model import checkpoint_vocab_size
+from lab.vllm_server import (ServerRequest, ServerRun, VLLMServer, check_server, reset_prefix_cache,
+                              run_server_workload, server_cache_config)
 
 from .engine import SimConfig, Simulator
 from .metrics import latency_summary
@@ -118,24 +119,6 @@ def server_requests(workload: Workload, vocab_size: int, seed: int) -> list[Serv
             for prompt, out, at in zip(prompts, workload.output_tokens, workload.arrival_s)]
 
 
-def server_cache_config(url: str) -> dict:
-    """The server's ``block_size``, ``num_gpu_blocks`` and ``enable_prefix_caching`` (``vllm:cache_config_info``)."""
-    import requests
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = requests.get(f"{url}/metrics", timeout=5.0).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "vllm:cache_config_info":
-                labels = sample.labels
-                try:
-                    return {"block_size": int(labels["block_size"]), "num_gpu_blocks": int(labels["num_gpu_blocks"]),
-                            "enable_prefix_caching": labels.get("enable_prefix_caching") == "True"}
-                except (KeyError, ValueError) as exc:
-                    raise PeerError(f"{url}: vllm:cache_config_info lacks {exc}") from exc
-    raise PeerError(f"{url}: /metrics has no vllm:cache_config_info (its pool and block size)")
-
-
 def sim_config(config: VLLMTwinConfig, cache: dict, profile: Profile) -> SimConfig:
     """The simulator as the server is: vLLM V1's policy, its usable blocks (one fewer than its count: block 0 is
     vLLM's null block), block size, budgets and prefix caching, steps priced by ``profile``."""
@@ -217,11 +200,6 @@ def _usage_error(run: ServerRun, timeseries: pd.DataFrame, usable_blocks: int) -
     return float(real.mean() * 100), float(simulated.mean() * 100), float(np.abs(real - simulated).mean() * 100)
 
 
-def _counter(run: ServerRun, column: str) -> float:
-    values = run.metrics[column].dropna()
-    return float(values.iloc[-1] - values.iloc[0]) if len(values) >= 2 else math.nan
-
-
 def score(workload: Workload, run: ServerRun, config: SimConfig,
           calibration: ServerCalibration | None = None) -> pd.DataFrame:
     """One row per metric of ``GOALS``: the server's value, the simulator's, the error (relative, points or a
@@ -235,12 +213,12 @@ def score(workload: Workload, run: ServerRun, config: SimConfig,
     usable = int(config.capacity_tokens // config.block_size)
     real_usage, simulated_usage, difference = _usage_error(run, result.timeseries, usable)
     rows.append(("kv_usage_mean_abs_points", real_usage, simulated_usage, difference))
-    queries, hits = _counter(run, "prefix_queries"), _counter(run, "prefix_hits")
+    queries, hits = run.counter("prefix_queries"), run.counter("prefix_hits")
     real_rate = 100 * hits / queries if queries else math.nan
     hit_blocks = simulated.get("prefix_cache_hit_blocks", math.nan)
     simulated_rate = 100 * hit_blocks * config.block_size / float(workload.prompt_tokens.sum())
     rows.append(("prefix_hit_rate", real_rate, simulated_rate, abs(simulated_rate - real_rate)))
-    real_preemptions = _counter(run, "preemptions")
+    real_preemptions = run.counter("preemptions")
     rows.append(("preemptions", real_preemptions, float(simulated["preemptions"]),
                  abs(simulated["preemptions"] - real_preemptions)))
     table = pd.DataFrame(rows, columns=["metric", "real", "simulated", "error"])
@@ -272,10 +250,6 @@ class VLLMTwinResult:
         return out
 
 
-def vocab_size(checkpoint: str | Path) -> int:
-    return int(json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"])
-
-
 def profile_cache_path(config: VLLMTwinConfig) -> Path:
     """Where the page keeps the profile of vLLM's engine for these settings (beside the peer environment): measured
     once on a quiet machine it is reused, instead of re-measured while the browser and the app share the cores."""
@@ -293,7 +267,7 @@ def calibrate(config: VLLMTwinConfig, checkpoint: str, progress: Callable[[str],
 
     progress(f"calibrating on vLLM's engine ({config.grid} grid, {config.profile_repeats} rounds)")
     with VLLMPeer(config.peer_settings(checkpoint)) as peer:
-        return profile_vllm(peer, config.model, vocab_size(checkpoint), config.grid, config.profile_repeats,
+        return profile_vllm(peer, config.model, checkpoint_vocab_size(checkpoint), config.grid, config.profile_repeats,
                             config.seed)
 
 
@@ -348,15 +322,6 @@ def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, se
     return calibration
 
 
-def reset_prefix_cache(url: str) -> bool:
-    import requests
-
-    try:
-        return requests.post(f"{url}/reset_prefix_cache", timeout=10.0).status_code == 200
-    except requests.RequestException:
-        return False
-
-
 def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | None = None,
                   progress: Callable[[str], None] = print, stop: threading.Event | None = None) -> VLLMTwinResult:
     """Calibrate (unless ``profile`` is given), start the server (or use ``config.url``), warm it up, then run
@@ -366,7 +331,7 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
     profile = profile or calibrate(config, checkpoint, progress)
     profile.check_matches(block_size=config.block_size)
     result = VLLMTwinResult(pd.DataFrame(), profile=profile)
-    vocab = vocab_size(checkpoint)
+    vocab = checkpoint_vocab_size(checkpoint)
     server = None
     try:
         if config.url is None:

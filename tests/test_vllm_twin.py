@@ -11,9 +11,8 @@ import torch
 
 from lab.model import save_checkpoint
 from lab.peer import missing_reason
-from lab.vllm_server import VLLMServer, check_server, run_server_workload
-from simulator.vllm_twin import (VLLMTwinConfig, make_twin_workload, run_vllm_twin, server_cache_config,
-                                 server_requests)
+from lab.vllm_server import VLLMServer, check_server, run_server_workload, server_cache_config
+from simulator.vllm_twin import VLLMTwinConfig, make_twin_workload, run_vllm_twin, server_requests
 
 pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
 CONFIG = VLLMTwinConfig(workloads=("all-at-once", "prefix"), num_requests=24, profile_repeats=1)

@@ -8,13 +8,14 @@ nothing of how blocks are managed.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 import paged_kernels
-from paged_kernels.torch_backend import gather_kv, synchronize
+from paged_kernels.torch_backend import gather_kv, paged_attention_prefill, synchronize
 
 from .block_tables import DeviceBlockTables
 from .model import head_dim_of
@@ -89,7 +90,9 @@ class ForwardBatch:
     """A flat batch: prefill sequences first (each a run of tokens), then one token per decode sequence.
 
     ``prefill_lens``/``prefill_cached`` give each prefill sequence's new-token count and how many tokens before them
-    are already in the cache (prefix hits); ``prefill_block_tables`` their block tables. ``block_tables``/``seq_lens``
+    are already in the cache (prefix hits); ``prefill_block_tables`` their block tables (a row each, padded),
+    ``prefill_start_loc`` where each one's rows start (and the end), ``prefill_context_lens`` ``prefill_cached`` as a
+    tensor. ``block_tables``/``seq_lens``
     describe the decode sequences (``seq_lens`` includes the token being decoded; ``max_seq_len`` is their longest,
     known on the host so that the decode kernels need not read it back from the device every layer).
     """
@@ -99,10 +102,12 @@ class ForwardBatch:
     slot_mapping: torch.Tensor
     prefill_lens: list[int]
     prefill_cached: list[int]
-    prefill_block_tables: list[torch.Tensor]
+    prefill_block_tables: torch.Tensor | list
     block_tables: torch.Tensor | None
     seq_lens: torch.Tensor | None
     max_seq_len: int = 0
+    prefill_start_loc: torch.Tensor | None = None
+    prefill_context_lens: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -247,12 +252,22 @@ class ModelRunner:
         if num_decode:
             self.block_tables.apply(ints[starts[5]:starts[6]])
             block_tables = self.block_tables.gather(ints[starts[4]:starts[5]], -(-step.max_seq_len // self.block_size))
-        tables = [torch.tensor(kv.get_block_table(seq_id), dtype=torch.long, device=self.device)
-                  for seq_id in step.prefill_seq_ids]
         batch = ForwardBatch(ints[:starts[1]], ints[starts[1]:starts[2]], ints[starts[2]:starts[3]],
-                             step.prefill_lens, step.prefill_cached, tables, block_tables,
+                             step.prefill_lens, step.prefill_cached, [], block_tables,
                              ints[starts[3]:starts[4]] if num_decode else None, step.max_seq_len)
+        if step.prefill_seq_ids:
+            self._prefill_tables(batch, step, kv)
         return batch, ints[starts[6]:]
+
+    def _prefill_tables(self, batch: ForwardBatch, step: ModelInput, kv: KVView) -> None:
+        """The prompt chunks' block tables (a row each, padded with block 0), row starts and cached lengths."""
+        tables = [kv.get_block_table(seq_id) for seq_id in step.prefill_seq_ids]
+        width = max(map(len, tables))
+        rows = [table + [0] * (width - len(table)) for table in tables]
+        starts = [0, *itertools.accumulate(step.prefill_lens)]
+        batch.prefill_block_tables = torch.tensor(rows, dtype=torch.long).to(self.device)
+        batch.prefill_start_loc = torch.tensor(starts, dtype=torch.long).to(self.device)
+        batch.prefill_context_lens = torch.tensor(step.prefill_cached, dtype=torch.long).to(self.device)
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """``host`` on the runner's device: as is on a CPU; on CUDA from pinned memory, without waiting."""
@@ -320,12 +335,18 @@ class ModelRunner:
         return self.linear(paged_kernels.silu_and_mul(gate_up, backend=backend), layer.down), residual
 
     def _attention(self, layer: int, q, k, v, batch: ForwardBatch) -> torch.Tensor:
+        """Prompt chunks (their keys and values already in the pool) attend first, then the decode rows."""
         out = torch.empty_like(q)
-        start = 0
-        for length, cached, table in zip(batch.prefill_lens, batch.prefill_cached, batch.prefill_block_tables):
-            end = start + length
-            out[start:end] = self._prefill_attention(layer, q[start:end], k[start:end], v[start:end], cached, table)
-            start = end
+        start = sum(batch.prefill_lens)
+        if start and not paged_attention_prefill(
+                q[:start], self.key_caches[layer], self.value_caches[layer], batch.prefill_block_tables,
+                batch.prefill_start_loc, batch.prefill_context_lens, self.scale, out[:start]):
+            start = 0
+            for length, cached, table in zip(batch.prefill_lens, batch.prefill_cached, batch.prefill_block_tables):
+                end = start + length
+                out[start:end] = self._prefill_attention(layer, q[start:end], k[start:end], v[start:end], cached,
+                                                         table)
+                start = end
         if batch.block_tables is not None:
             paged_kernels.paged_attention_decode(q[start:], self.key_caches[layer], self.value_caches[layer],
                                            batch.block_tables, batch.seq_lens, self.scale,

@@ -127,6 +127,28 @@ def _in_place(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
     return True
 
 
+IN_PLACE_PREFILL_CPU = True  # CPU prefill attention reads the pool in place when the extension builds (False: A/B)
+
+
+def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale: float,
+                            out) -> bool:
+    """Causal attention of a step's prompt chunks on a CPU, by ``cpu_extension``, reading the block pool in place
+    (each chunk's own keys and values written there first): chunk ``s`` is rows ``query_start_loc[s]`` to
+    ``query_start_loc[s + 1]`` of ``query [tokens, num_q_heads, head_dim]``, its first token at position
+    ``context_lens[s]`` (the tokens before it are cached), and sees its sequence's tokens up to each row's position
+    through ``block_tables[s]``. Writes ``out`` (like ``query``, contiguous). False where it does not serve (not a
+    CPU float tensor, a head size it is not built for, the extension not built): the caller attends another way."""
+    if not (IN_PLACE_PREFILL_CPU and query.is_cpu and query.is_contiguous() and out.is_contiguous()):
+        return False
+    from .cpu_extension import extension
+
+    module = extension()
+    if module is None:
+        return False
+    return module.paged_attention_prefill(out, query, key_cache.contiguous(), value_cache.contiguous(),
+                                          block_tables.contiguous(), query_start_loc, context_lens, float(scale))
+
+
 FUSED_CPU = True  # q/k norm, rotary and cache write in one C++ pass on the CPU when the extension builds (False: A/B)
 
 

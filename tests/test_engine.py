@@ -76,12 +76,14 @@ def test_prefix_caching_saves_blocks_and_keeps_outputs():
     assert results[True][1] == results[False][1] - 4
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "gathered"])
 @pytest.mark.parametrize("block_size", [1, 3, 7, 16])
 @pytest.mark.parametrize("shared_len,tail_len", [(16, 40), (64, 3)], ids=["short-prefix", "long-prefix"])
-def test_prefills_after_a_prefix_cache_hit_match_hf_forward(block_size, shared_len, tail_len):
-    """A prompt whose prefix is cached attends to it from the paged cache: with a prefix shorter than the new tokens
-    the prefix's rows are padded with zero queries and run causally, with a longer one under an explicit mask; both
-    give HF's logits."""
+def test_prefills_after_a_prefix_cache_hit_match_hf_forward(block_size, shared_len, tail_len, in_place, monkeypatch):
+    """A prompt whose prefix is cached attends to it from the paged cache: in place on a CPU, or gathered (with a
+    prefix shorter than the new tokens the prefix's rows are padded with zero queries and run causally, with a
+    longer one under an explicit mask); each gives HF's logits."""
+    monkeypatch.setattr("paged_kernels.torch_backend.IN_PLACE_PREFILL_CPU", in_place)
     generator = torch.Generator().manual_seed(block_size * 100 + shared_len)
     shared = torch.randint(0, 1024, (shared_len,), generator=generator).tolist()
     engine = LLMEngine("tiny", block_size=block_size, num_blocks=512, record_logits=True)
@@ -122,10 +124,12 @@ def test_split_prefill_attention_matches_a_float64_reference(dtype, tolerance, h
 
 
 def test_chunked_prefill_in_split_attention_matches_hf(monkeypatch, prompts, hf_reference):
-    """With every cached chunk sent through the two flash passes, chunked prefill still gives HF's greedy tokens
-    and per-step logits."""
+    """With every cached chunk sent through the two flash passes (where the in-place CPU prefill attention is not
+    built), chunked prefill still gives HF's greedy tokens and per-step logits."""
     import lab.model_runner
+    import paged_kernels.torch_backend
 
+    monkeypatch.setattr(paged_kernels.torch_backend, "IN_PLACE_PREFILL_CPU", False)
     monkeypatch.setattr(lab.model_runner, "SPLIT_ATTENTION_MIN_TOKENS", 1)
     calls = []
     split = lab.model_runner.ModelRunner._split_prefill_attention

@@ -49,6 +49,59 @@ def test_both_cpu_decode_paths_match_reference(in_place, dtype, tolerance, block
     assert relative_error(out, reference_decode(case)) < tolerance and (out[0] == 0).all()
 
 
+def reference_prefill(query, case, chunk_lens, cached):
+    """Each chunk's rows against its sequence's tokens up to their own positions, in float64."""
+    block_size, group = case.key_cache.shape[2], query.shape[1] // case.key_cache.shape[1]
+    out, start = [], 0
+    for s, (length, before) in enumerate(zip(chunk_lens, cached)):
+        total = before + length
+        positions = torch.arange(total)
+        blocks = case.block_tables[s].long()[positions // block_size]
+        keys, values = (cache[blocks, :, positions % block_size].double().repeat_interleave(group, 1)
+                        for cache in (case.key_cache, case.value_cache))
+        scores = torch.einsum("thd,khd->htk", query[start:start + length].double(), keys) * query.shape[-1] ** -0.5
+        future = torch.arange(total)[None, :] > (before + torch.arange(length))[:, None]
+        out.append(torch.einsum("htk,khd->thd", scores.masked_fill(future, float("-inf")).softmax(-1), values))
+        start += length
+    return torch.cat(out).numpy()
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("block_size", [1, 3, 7, 16, 32, 256])
+@pytest.mark.parametrize("num_kv_heads, group, head_dim", [(2, 2, 32), (8, 2, 128), (1, 6, 64), (2, 1, 32)])
+def test_cpu_prefill_attention_reads_the_pool_in_place(dtype, tolerance, block_size, num_kv_heads, group, head_dim):
+    """The CPU prefill attention (``paged_kernels.cpu_extension``): prompt chunks with and without cached prefixes,
+    lengths that do not divide the block size or its tiles, against float64; slots past each sequence hold NaN and
+    the output starts as NaN."""
+    from paged_kernels import cpu_extension
+    from paged_kernels.torch_backend import paged_attention_prefill
+
+    if cpu_extension.status() is not None:
+        pytest.skip(f"the in-place CPU attention cannot be built here: {cpu_extension.status()}")
+    chunk_lens, cached = [5, 70, 1, 37, 130], [0, 13, 200, 64, 0]
+    case = make_decode_case([c + n for c, n in zip(cached, chunk_lens)], block_size, num_kv_heads, group, head_dim,
+                            dtype=dtype)
+    generator = torch.Generator().manual_seed(block_size * head_dim)
+    query = torch.randn(sum(chunk_lens), num_kv_heads * group, head_dim, generator=generator).to(dtype)
+    out = torch.full_like(query, float("nan"))
+    starts = torch.tensor([0, *np.cumsum(chunk_lens)], dtype=torch.long)
+    assert paged_attention_prefill(query, case.key_cache, case.value_cache, case.block_tables.long(), starts,
+                                   torch.tensor(cached), head_dim ** -0.5, out)
+    assert relative_error(out, reference_prefill(query, case, chunk_lens, cached)) < tolerance
+
+
+def test_cpu_prefill_attention_declines_what_it_is_not_built_for():
+    """A head size without an instantiation, or an output it cannot write in place (not contiguous), is left to the
+    caller."""
+    from paged_kernels.torch_backend import paged_attention_prefill
+
+    case = make_decode_case([9], 4, 2, 2, 48)
+    query, out = torch.randn(9, 4, 48), torch.empty(9, 4, 48)
+    args = (case.key_cache, case.value_cache, case.block_tables.long(), torch.tensor([0, 9]), torch.tensor([0]), 0.1)
+    assert not paged_attention_prefill(query, *args, out)
+    assert not paged_attention_prefill(query, *args, torch.empty(4, 9, 48).transpose(0, 1))
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("block_size", [1, 7, 16])
 def test_decode_with_host_max_seq_len_matches_reference(backend, block_size):

@@ -110,6 +110,223 @@ void paged_attention_decode(torch::Tensor out, torch::Tensor query, torch::Tenso
   });
 }
 
+// Causal attention of prompt chunks over the paged cache, read in place (the chunk's own keys and values written there
+// first): sequence s's queries are rows [query_start_loc[s], query_start_loc[s + 1]) of query [T, Hq, D]; its row i
+// is the token at position context_lens[s] + i, which sees the sequence's tokens 0 .. that position through
+// block_tables[s]. Tasks are (sequence, kv head, tile of TILE_TOKENS tokens): a tile's query-head group multiplies one
+// tile of KEY_TILE keys at a time (copied out of their blocks once, keys transposed), with an online softmax in
+// float32 (flash attention's). Tasks are dealt to the threads by their cost, largest first (a causal chunk's late
+// tiles see more keys).
+constexpr int64_t TILE_TOKENS = 64, KEY_TILE = 64, ROW_BLOCK = 4, D_CHUNK = 32;
+constexpr float MASKED = -1e30f;  // finite: the file is built with -ffast-math
+// A register of LANES floats (GCC/Clang vector extensions: AVX-512 registers under -march=native where the CPU has
+// them, pairs or quads of narrower ones elsewhere); load/store take unaligned addresses.
+constexpr int64_t LANES = 16;
+typedef float Vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef float UnalignedVec __attribute__((vector_size(LANES * sizeof(float)), aligned(alignof(float))));
+static inline Vec load(const float* at) { return *reinterpret_cast<const UnalignedVec*>(at); }
+static inline void store(float* at, Vec v) { *reinterpret_cast<UnalignedVec*>(at) = v; }
+// A loaded vector kept in a register: GCC otherwise folds the load into each multiply-add that reads it, one load
+// per use, and the kernels' inner loops become bound by loads rather than multiply-adds.
+static inline void in_register(Vec& v) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  asm("" : "+v"(v));
+#endif
+}
+
+template <typename scalar_t, int64_t D>
+struct PrefillTask {
+  static_assert(D % D_CHUNK == 0, "head sizes are multiples of D_CHUNK");
+  const scalar_t *q, *kc, *vc;
+  scalar_t* out;
+  const int64_t* table;
+  int64_t q_heads, group, block_size, block_stride, head_stride;
+  float scale;
+
+  // tokens [t0, t0 + n) of query/out, the first at position first_pos, with kv head h. Rows are (token, q head of
+  // the group), ROW_BLOCK at a time: a block's scores over the key tile and its weighted values are register tiles.
+  void run(int64_t t0, int64_t n, int64_t first_pos, int64_t h, std::vector<float>& buffer) const {
+    const int64_t rows = n * group, padded = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
+    const int64_t num_keys = first_pos + n;
+    buffer.resize(padded * (2 * D + 2) + 2 * KEY_TILE * D);
+    float *qf = buffer.data(), *acc = qf + padded * D, *maxima = acc + padded * D, *sums = maxima + padded;
+    float *keys_t = sums + padded, *values = keys_t + KEY_TILE * D;  // keys transposed [D][KEY_TILE]
+    std::fill(qf, qf + padded * D, 0.0f);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t g = 0; g < group; ++g) {
+        const scalar_t* src = q + ((t0 + i) * q_heads + h * group + g) * D;
+        for (int64_t d = 0; d < D; ++d) qf[(i * group + g) * D + d] = static_cast<float>(src[d]) * scale;
+      }
+    std::fill(acc, acc + padded * D, 0.0f);
+    std::fill(maxima, maxima + padded, MASKED);
+    std::fill(sums, sums + padded, 0.0f);
+    for (int64_t k0 = 0; k0 < num_keys; k0 += KEY_TILE) {
+      const int64_t count = std::min(KEY_TILE, num_keys - k0);
+      load_keys(k0, count, h, keys_t, values);
+      for (int64_t r0 = 0; r0 < padded; r0 += ROW_BLOCK) {
+        int64_t visible[ROW_BLOCK], most = 0;
+        for (int64_t b = 0; b < ROW_BLOCK; ++b) {  // causal: a row sees the keys up to its token's position
+          const int64_t r = r0 + b;
+          visible[b] = r < rows ? std::max<int64_t>(0, std::min(count, first_pos + r / group - k0 + 1)) : 0;
+          most = std::max(most, visible[b]);
+        }
+        if (most == 0) continue;
+        alignas(64) float s[ROW_BLOCK][KEY_TILE];
+        scores(qf + r0 * D, keys_t, s);
+        float rescale[ROW_BLOCK];
+        for (int64_t b = 0; b < ROW_BLOCK; ++b) rescale[b] = softmax_step(s[b], visible[b], maxima[r0 + b],
+                                                                           sums[r0 + b]);
+        for (int64_t c = 0; c < D; c += D_CHUNK) weigh_values(s, values + c, most, rescale, acc + r0 * D + c);
+      }
+    }
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = i * group + g;
+        scalar_t* dst = out + ((t0 + i) * q_heads + h * group + g) * D;
+        const float inverse = 1.0f / sums[r];
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[r * D + d] * inverse);
+      }
+  }
+
+  // s[b][j] = q row b . key j for a block of ROW_BLOCK rows and the tile's KEY_TILE keys (keys_t: [D][KEY_TILE])
+  static void scores(const float* qf, const float* keys_t, float (*s)[KEY_TILE]) {
+    static_assert(KEY_TILE == 4 * LANES, "a key tile is four registers");
+    Vec acc[ROW_BLOCK][4] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const float* row = keys_t + d * KEY_TILE;
+      Vec k0 = load(row), k1 = load(row + LANES), k2 = load(row + 2 * LANES), k3 = load(row + 3 * LANES);
+      in_register(k0), in_register(k1), in_register(k2), in_register(k3);
+      for (int64_t b = 0; b < ROW_BLOCK; ++b) {
+        const float qd = qf[b * D + d];
+        acc[b][0] += qd * k0, acc[b][1] += qd * k1, acc[b][2] += qd * k2, acc[b][3] += qd * k3;
+      }
+    }
+    for (int64_t b = 0; b < ROW_BLOCK; ++b)
+      for (int64_t x = 0; x < 4; ++x) store(s[b] + x * LANES, acc[b][x]);
+  }
+
+  // acc rows (D_CHUNK of their columns, row stride D) = acc * rescale + p . values over the tile's first ``keys``
+  static void weigh_values(const float (*p)[KEY_TILE], const float* values, int64_t keys, const float* rescale,
+                           float* acc) {
+    static_assert(D_CHUNK == 2 * LANES, "a chunk of the head is two registers");
+    Vec a[ROW_BLOCK][2];
+    for (int64_t b = 0; b < ROW_BLOCK; ++b)
+      for (int64_t x = 0; x < 2; ++x) a[b][x] = load(acc + b * D + x * LANES) * rescale[b];
+    for (int64_t j = 0; j < keys; ++j) {
+      Vec v0 = load(values + j * D), v1 = load(values + j * D + LANES);
+      in_register(v0), in_register(v1);
+      for (int64_t b = 0; b < ROW_BLOCK; ++b) a[b][0] += p[b][j] * v0, a[b][1] += p[b][j] * v1;
+    }
+    for (int64_t b = 0; b < ROW_BLOCK; ++b)
+      for (int64_t x = 0; x < 2; ++x) store(acc + b * D + x * LANES, a[b][x]);
+  }
+
+  // keys k0 .. k0 + count - 1 of kv head h out of their blocks, in float: keys transposed, values as rows; zeros past
+  // count
+  void load_keys(int64_t k0, int64_t count, int64_t h, float* keys_t, float* values) const {
+    for (int64_t j = 0; j < KEY_TILE; ++j) {
+      if (j >= count) {
+        for (int64_t d = 0; d < D; ++d) keys_t[d * KEY_TILE + j] = 0.0f, values[j * D + d] = 0.0f;
+        continue;
+      }
+      const int64_t pos = k0 + j;
+      const int64_t at = table[pos / block_size] * block_stride + h * head_stride + (pos % block_size) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        keys_t[d * KEY_TILE + j] = static_cast<float>(kc[at + d]);
+        values[j * D + d] = static_cast<float>(vc[at + d]);
+      }
+    }
+  }
+
+  // One key tile of a row's online softmax: its scores s become probabilities (0 past visible), the row's running
+  // maximum and sum move on; returns the factor the row's accumulated values are rescaled by.
+  static float softmax_step(float* s, int64_t visible, float& maximum, float& sum) {
+    float tile_max = MASKED;
+    for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, s[j]);
+    const float new_max = std::max(maximum, tile_max), rescale = std::exp(maximum - new_max);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < KEY_TILE; ++j) {
+      s[j] = j < visible ? std::exp(s[j] - new_max) : 0.0f;
+      total += s[j];
+    }
+    maximum = new_max;
+    sum = sum * rescale + total;
+    return rescale;
+  }
+};
+
+template <typename scalar_t, int64_t D>
+static void prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
+                    const torch::Tensor& value_cache, const torch::Tensor& block_tables,
+                    const torch::Tensor& query_start_loc, const torch::Tensor& context_lens, double scale) {
+  const int64_t num_seqs = context_lens.size(0), q_heads = query.size(1), kv_heads = key_cache.size(1);
+  const int64_t block_size = key_cache.size(2), max_blocks = block_tables.size(1);
+  const int64_t *starts = query_start_loc.data_ptr<int64_t>(), *cached = context_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  struct Work { int64_t cost, seq, t0, n, h; };
+  std::vector<Work> work;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t t0 = starts[s]; t0 < starts[s + 1]; t0 += TILE_TOKENS) {
+      const int64_t n = std::min(TILE_TOKENS, starts[s + 1] - t0), last = cached[s] + t0 - starts[s] + n;
+      TORCH_CHECK(last <= max_blocks * block_size, "paged_attention_prefill (cpu): sequence ", s,
+                  " reaches past its block table");
+      for (int64_t h = 0; h < kv_heads; ++h) work.push_back({n * last, s, t0, n, h});
+    }
+  std::sort(work.begin(), work.end(), [](const Work& a, const Work& b) { return a.cost > b.cost; });
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), work.size()));
+  std::vector<std::vector<int64_t>> dealt(threads);
+  std::vector<int64_t> load(threads, 0);
+  for (int64_t w = 0; w < static_cast<int64_t>(work.size()); ++w) {
+    const int64_t least = std::min_element(load.begin(), load.end()) - load.begin();
+    dealt[least].push_back(w);
+    load[least] += work[w].cost;
+  }
+  PrefillTask<scalar_t, D> task{query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
+                                value_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), nullptr, q_heads,
+                                q_heads / kv_heads, block_size, kv_heads * block_size * D, block_size * D,
+                                static_cast<float>(scale)};
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer;
+    PrefillTask<scalar_t, D> mine = task;
+    for (int64_t thread = begin; thread < end; ++thread)
+      for (int64_t w : dealt[thread]) {
+        const Work& item = work[w];
+        mine.table = tables + item.seq * max_blocks;
+        mine.run(item.t0, item.n, cached[item.seq] + item.t0 - starts[item.seq], item.h, buffer);
+      }
+  });
+}
+
+bool paged_attention_prefill(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                             torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor query_start_loc,
+                             torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+              out.is_contiguous() && block_tables.is_contiguous() && query_start_loc.is_contiguous() &&
+              context_lens.is_contiguous(), "paged_attention_prefill (cpu): tensors must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start_loc.scalar_type() == at::kLong &&
+              context_lens.scalar_type() == at::kLong,
+              "paged_attention_prefill (cpu): block_tables, query_start_loc and context_lens must be int64");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type() &&
+              value_cache.scalar_type() == query.scalar_type(),
+              "paged_attention_prefill (cpu): query, caches and out must share a dtype");
+  TORCH_CHECK(query_start_loc.numel() == context_lens.numel() + 1 && block_tables.size(0) == context_lens.numel(),
+              "paged_attention_prefill (cpu): one start per sequence and one more, one table per sequence");
+  bool done = false;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_prefill", [&] {
+    switch (query.size(2)) {  // the head size a compile-time constant: each row's accumulator stays in registers
+      case 32: prefill<scalar_t, 32>(out, query, key_cache, value_cache, block_tables, query_start_loc,
+                                     context_lens, scale); done = true; break;
+      case 64: prefill<scalar_t, 64>(out, query, key_cache, value_cache, block_tables, query_start_loc,
+                                     context_lens, scale); done = true; break;
+      case 128: prefill<scalar_t, 128>(out, query, key_cache, value_cache, block_tables, query_start_loc,
+                                       context_lens, scale); done = true; break;
+      default: break;
+    }
+  });
+  return done;
+}
+
 // Qwen3's per-head q/k RMSNorm, rotary embedding and the paged cache write in one pass over the tokens: the contract
 // of paged_kernels.qk_norm_rope_write. q [T, Hq, D], k and v [T, Hk, D] may be row-strided views of the merged qkv
 // projection (the head dimension contiguous); q_inv [T, Hq] and k_inv [T, Hk] are each head's 1 / rms in float32,
@@ -202,6 +419,8 @@ void qk_norm_rope_write(torch::Tensor q_out, torch::Tensor k_out, torch::Tensor 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode,
         "GQA paged decode attention reading the block pool in place (CPU)");
+  m.def("paged_attention_prefill", &paged_attention_prefill,
+        "causal attention of prompt chunks over the paged cache, read in place (CPU); false for an unsupported head size");
   m.def("qk_norm_rope_write", &qk_norm_rope_write,
         "Qwen3's q/k RMSNorm, rotary embedding and the paged cache write in one pass (CPU)");
 }

@@ -1,8 +1,9 @@
 """The model runner: a Qwen3's weights (HF transformers) run by our own varlen forward over the paged KV cache.
 
 Prefill writes K/V into the cache through ``slot_mapping`` (``paged_kernels.write_kv_cache``); decode tokens attend
-with ``paged_kernels.paged_attention_decode``; prefill tokens attend with torch SDPA over their own K/V, plus the cached
-prefix gathered from the paged cache when the prefix cache served part of the prompt. The runner sees a step as a
+with ``paged_kernels.paged_attention_decode``; prefill tokens attend over the pool in place on a CPU
+(``paged_attention_prefill``), else with torch SDPA over their own K/V, plus the cached prefix gathered from the paged
+cache when the prefix cache served part of the prompt. The runner sees a step as a
 ``ModelInput`` (host lists built from the scheduler's plan) and the pool through ``KVView``'s reads: it knows
 nothing of how blocks are managed.
 """

@@ -1,4 +1,4 @@
-"""The CPU decode attention that reads the block pool in place and the fused q/k norm + rotary + cache write
+"""The CPU decode and prefill attention that read the block pool in place and the fused q/k norm + rotary + cache write
 (``csrc/cpu_paged_attention.cpp``), a torch C++
 extension compiled on first use with this machine's C++ compiler (``torch.utils.cpp_extension``; nothing is
 downloaded, the build is cached under ``~/.cache/torch_extensions``). Where it cannot be built, the torch backend
@@ -31,8 +31,8 @@ def extension():
                                    extra_ldflags=["-fopenmp"], verbose=False)
                 except Exception as exc:  # no compiler, no headers: the gathering path serves
                     _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-                    warnings.warn(f"the in-place CPU attention could not be built ({_error}); decode attention on "
-                                  f"the CPU gathers the blocks instead", RuntimeWarning, stacklevel=2)
+                    warnings.warn(f"the in-place CPU attention could not be built ({_error}); attention on the "
+                                  f"CPU gathers the blocks instead", RuntimeWarning, stacklevel=2)
     return _module
 
 

@@ -261,14 +261,15 @@ class ModelRunner:
         return batch, ints[starts[6]:]
 
     def _prefill_tables(self, batch: ForwardBatch, step: ModelInput, kv: KVView) -> None:
-        """The prompt chunks' block tables (a row each, padded with block 0), row starts and cached lengths."""
+        """The prompt chunks' block tables (a row each, padded with block 0) and, on a CPU (what its in-place prefill
+        attention reads), their row starts and cached lengths."""
         tables = [kv.get_block_table(seq_id) for seq_id in step.prefill_seq_ids]
         width = max(map(len, tables))
         rows = [table + [0] * (width - len(table)) for table in tables]
-        starts = [0, *itertools.accumulate(step.prefill_lens)]
         batch.prefill_block_tables = torch.tensor(rows, dtype=torch.long).to(self.device)
-        batch.prefill_start_loc = torch.tensor(starts, dtype=torch.long).to(self.device)
-        batch.prefill_context_lens = torch.tensor(step.prefill_cached, dtype=torch.long).to(self.device)
+        if self.device.type == "cpu":
+            batch.prefill_start_loc = torch.tensor([0, *itertools.accumulate(step.prefill_lens)], dtype=torch.long)
+            batch.prefill_context_lens = torch.tensor(step.prefill_cached, dtype=torch.long)
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         """``host`` on the runner's device: as is on a CPU; on CUDA from pinned memory, without waiting."""

@@ -451,16 +451,65 @@ class Scheduler:
         self.num_steps += 1
         if not want_stats and self.step_rows is None:
             return None
-        stats = StepStats(out.step, out.num_prefill_tokens, out.num_decode_seqs,
-                          self.num_running_seqs, self.num_waiting_seqs, self.num_swapped_seqs,
-                          self.policy.blocks_in_use(), self.policy.cpu_blocks_in_use(),
-                          self.policy.tier_blocks_in_use(), len(out.preempted),
-                          len(out.swapped_out), len(out.swapped_in), len(out.finished), len(out.blocks_to_store),
-                          len(out.blocks_to_load), duration_s, elapsed_s,
-                          generated_tokens, self.policy.num_free_blocks(), peak_memory_bytes)
+        stats = self._stats(out, duration_s, elapsed_s, generated_tokens, peak_memory_bytes)
         if self.step_rows is not None:
             self.step_rows.append(_step_log_row(stats))
         return stats
+
+    def _stats(self, out: SchedulerOutput, duration_s: float, elapsed_s: float, generated_tokens: int,
+               peak_memory_bytes: int = 0) -> StepStats:
+        return StepStats(out.step, out.num_prefill_tokens, out.num_decode_seqs,
+                         self.num_running_seqs, self.num_waiting_seqs, self.num_swapped_seqs,
+                         self.policy.blocks_in_use(), self.policy.cpu_blocks_in_use(),
+                         self.policy.tier_blocks_in_use(), len(out.preempted),
+                         len(out.swapped_out), len(out.swapped_in), len(out.finished), len(out.blocks_to_store),
+                         len(out.blocks_to_load), duration_s, elapsed_s,
+                         generated_tokens, self.policy.num_free_blocks(), peak_memory_bytes)
+
+    # ---- quiet steps (the simulator's fast path) ----------------------------------------------------------------
+    def quiet_decode_steps(self, limit: int) -> int:
+        """How many of the next steps (at most ``limit``) are quiet: every running sequence decodes a token and
+        nothing else happens (no prompt, admission, swap, beam step, memory event or block reservation, no copy
+        pending, no step log). ``skip_quiet_steps`` then counts them without planning each."""
+        if (not self.running or self.prefilling or self.swapped or self.beam_groups or self.step_rows is not None
+                or self.config.sync_every_step or self.policy.pending_copies or self.policy.pending_offload
+                or self.waiting and not self._admits_nothing()):
+            return 0
+        step, period = self.step, self.period
+        if period and self.phase_buckets[(step + 1) % period]:
+            return 0
+        steps = min(limit, min(self.memory_calendar) - step - 1) if self.memory_calendar else limit
+        if period:
+            buckets = self.phase_buckets
+            for ahead in range(2, steps + 1):
+                if buckets[(step + ahead) % period]:
+                    return ahead - 1
+        return max(steps, 0)
+
+    def _admits_nothing(self) -> bool:
+        """With nothing prefilling or swapped: whether the next step admits nothing from ``waiting`` (the batch is
+        full, or the head is known not to fit), as ``_schedule_prefills`` decides."""
+        head = self.waiting[0]
+        if len(self.running) + len(head.seqs) > self.config.max_num_seqs:
+            return True
+        if self.config.scheduling == "prefill-first":
+            return self._admission_fails(head, None)
+        budget = self.config.max_num_batched_tokens - len(self.running)
+        if budget <= 0:
+            return True
+        vllm = self.config.scheduling == "vllm"
+        return self._admission_fails(head, min(budget, self._prompt_cap()) if vllm and len(head.seqs) == 1 else None)
+
+    def quiet_step_stats(self, ahead: int, duration_s: float, elapsed_s: float, generated_tokens: int) -> StepStats:
+        """The ``StepStats`` of the ``ahead``-th (from 1) of the quiet steps about to be skipped."""
+        return self._stats(SchedulerOutput(self.num_steps + ahead, num_decode_seqs=len(self.running)), duration_s,
+                           elapsed_s, generated_tokens)
+
+    def skip_quiet_steps(self, steps: int) -> None:
+        """Count ``steps`` quiet steps (``quiet_decode_steps``) as run: each running sequence is ``steps`` tokens
+        longer (``kv_len``)."""
+        self.step += steps
+        self.num_steps += steps
 
     def drop_unschedulable_head(self) -> SequenceGroup | None:
         """Nothing could run although work is queued: the queue head cannot be admitted even into an idle pool

@@ -37,6 +37,10 @@ MAX_CAPACITY_TOKENS = 1 << 40
 
 
 MAX_STEP_S = 1e6  # one step longer than 11 days is a broken cost model or profile, not a GPU
+# Quiet decode steps (the batch decodes, nothing else happens) are run in one go when at least QUIET_STEPS_MIN come
+# in a row (Simulator._skip_quiet); FAST_FORWARD = False plans every step (the same results: an A/B, a test).
+FAST_FORWARD = True
+QUIET_STEPS_MIN, QUIET_STEPS_MAX = 2, 1 << 20
 
 
 class SimulationError(LabError):
@@ -328,7 +332,8 @@ class Simulator:
                 continue
             if self.time >= until:
                 return
-            self._iterate()
+            if not (FAST_FORWARD and self._skip_quiet(until)):
+                self._iterate()
 
     def assign(self, request: int) -> None:
         """Serve ``request`` too (a router's decision; requests are assigned in arrival order)."""
@@ -454,6 +459,51 @@ class Simulator:
             self.metrics.record(stats, values, self.num_preemptions, self._prefix_cache_hits())
         if snapshot_due:
             self.stopped = self.on_snapshot(self.snapshot(stats)) is False
+
+    def _skip_quiet(self, until: float) -> bool:
+        """Run the next quiet steps (``Scheduler.quiet_decode_steps``: the batch decodes and nothing else happens)
+        at once, with ``_iterate``'s arithmetic step by step: each step priced by the cost model, the clock, the
+        memory sums and the due timeseries rows; up to the next arrival, finish, snapshot or ``until``. False (and
+        nothing done) when the next step is not quiet."""
+        scheduler = self.scheduler
+        if self.profile is not None or self.admission_s or self.policy.copied_tokens != self.copied_tokens:
+            return False
+        limit = QUIET_STEPS_MAX
+        if self.on_snapshot is not None:
+            limit = self.snapshot_every - self.iteration % self.snapshot_every - 1
+        steps = scheduler.quiet_decode_steps(limit) if limit >= QUIET_STEPS_MIN else 0
+        if steps >= QUIET_STEPS_MIN and self.done_calendar:  # up to the next finish
+            steps = min(steps, min(self.done_calendar) - scheduler.step - 1)
+        if steps < QUIET_STEPS_MIN:
+            return False
+        batch, metrics, iteration_time = len(scheduler.running), self.metrics, self.cost.iteration_time
+        first = self.policy.memory_sample(scheduler.held_tokens() + batch)  # held during the first quiet step
+        kv_tokens = scheduler.len_offset + batch * scheduler.step
+        time, generated, durations = self.time, self.generated_tokens, []
+        preemptions, hits = self.num_preemptions, None
+        for ahead in range(1, steps + 1):
+            if time >= until or self.next_arrival_s <= time:
+                break
+            kv_tokens += batch
+            duration = iteration_time(batch, 0.0 + kv_tokens, kv_tokens, batch)  # _iterate's decode-only plan
+            if not 0.0 <= duration <= MAX_STEP_S:
+                break  # _iterate prices it again and says why
+            time += duration
+            generated += batch
+            durations.append(duration)
+            if metrics.due(self.iteration + ahead):
+                shift = (ahead - 1) * batch
+                hits = self._prefix_cache_hits() if hits is None else hits
+                metrics.record(scheduler.quiet_step_stats(ahead, duration, time, generated),
+                               (first.token_states + shift, first.reserved - shift, first.internal_fragmentation,
+                                first.external_fragmentation, first.free), preemptions, hits)
+        if not durations:
+            return False
+        metrics.accumulate_run(first, batch, batch, durations)
+        scheduler.skip_quiet_steps(len(durations))
+        self.iteration += len(durations)
+        self.time, self.generated_tokens, self.idle_s = time, generated, 0.0
+        return True
 
     def _start_decoding(self, seq: Sequence, first_token_time: float) -> None:
         """Prefill done: its first token is out at the end of this iteration."""

@@ -65,6 +65,36 @@ class MetricsRecorder:
         if allocated > self.peak_allocated:
             self.peak_allocated = allocated
 
+    def accumulate_run(self, first: MemorySample, grow: int, batch: int, durations: list[float]) -> None:
+        """``accumulate`` over consecutive steps of one batch that takes and frees no memory (the simulator's quiet
+        steps), in the same order and with the same arithmetic as one call per step: step ``i``'s sample is
+        ``first`` with ``i * grow`` more token states and as many fewer reserved slots (each sequence holds one
+        more token)."""
+        w0, w1, w2, w3, w4 = self.weighted
+        tokens, reserved, internal = first.token_states, first.reserved, first.internal_fragmentation
+        external, free, table = first.external_fragmentation, first.free, first.table_slots
+        allocated = self.capacity - external - free
+        total, batch_time, allocated_time, unshared_time = (self.total_time, self.batch_time, self.allocated_time,
+                                                            self.unshared_time)
+        for duration in durations:
+            w0 += tokens * duration
+            w1 += reserved * duration
+            w2 += internal * duration
+            w3 += external * duration
+            w4 += free * duration
+            total += duration
+            batch_time += batch * duration
+            allocated_time += allocated * duration
+            unshared_time += table * duration
+            tokens += grow
+            reserved -= grow
+        self.weighted[:] = w0, w1, w2, w3, w4
+        self.total_time, self.batch_time, self.allocated_time, self.unshared_time = (total, batch_time,
+                                                                                     allocated_time, unshared_time)
+        if durations:
+            self.peak_batch = max(self.peak_batch, batch)
+            self.peak_allocated = max(self.peak_allocated, allocated)
+
     def due(self, step: int) -> bool:
         """Whether step ``step`` gets a timeseries row."""
         return step % self.stride == 0

@@ -1,6 +1,6 @@
 """The core flow in a real browser: how long the Memory simulator takes to be current again after a change.
 
-    python -m benchmarks.app_flow [--repeats 5] [--out benchmarks/results/app_flow.csv]
+    python -m benchmarks.app_flow [--repeats 5] [--out benchmarks/results/app_flow.csv] [--server-log PATH]
 
 Starts ``streamlit run app.py`` on a free loopback port, opens the Memory simulator in Debian's Chromium at the
 defaults, then changes the arrival rate, the paged block sizes and the allocator set, ``--repeats`` times each, and
@@ -143,11 +143,11 @@ def _toggle_option(page, widget: str, option: str) -> None:
     page.keyboard.press("Escape")
 
 
-def run(repeats: int) -> list[dict]:
+def run(repeats: int, server_log: Path | None = None) -> list[dict]:
     from playwright.sync_api import sync_playwright
 
     rows = []
-    with streamlit_server() as (url, _), sync_playwright() as playwright:
+    with streamlit_server(server_log) as (url, _), sync_playwright() as playwright:
         browser = launch(playwright)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         started = time.perf_counter()
@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     from lab.cli_args import output_csv, positive_int
 
     parser.add_argument("--repeats", type=positive_int, default=5, help="times each change is made (median)")
+    parser.add_argument("--server-log", type=Path, default=None,
+                        help="write the Streamlit server's output here (what a change that times out met)")
     parser.add_argument("--out", type=output_csv, default="benchmarks/results/app_flow.csv",
                         help="results CSV (checked writable before the browser starts)")
     args = parser.parse_args(argv)
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import pandas as pd
 
-    table = pd.DataFrame(summarize(run(args.repeats)))
+    table = pd.DataFrame(summarize(run(args.repeats, args.server_log)))
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     table.assign(cpus=os.cpu_count()).to_csv(args.out, index=False)

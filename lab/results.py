@@ -34,6 +34,7 @@ RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cp
                "kernels_cpu.csv": "python -m lab bench kernels", "twin_cpu*.csv": "python -m simulator twin-bench",
                "twin_offload*_cpu.csv": "python -m simulator twin --kv-offload-blocks (docs/offload.md)",
                "simulator.csv": "python -m simulator.bench", "sweep.csv": "python -m simulator.bench --sweep",
+               "compare.csv": "python -m simulator.bench --compare",
                "paper/*.csv": "python -m simulator paper", "launches.csv": "python -m lab bench launches",
                "gpu/*.csv": "scripts/gpu_check.sh (on a GPU)", "vllm_cpu.csv": "python -m lab bench vllm",
                "vllm_cpu_bf16.csv": "python -m lab bench vllm --model tiny --num-requests 32 --dtype bfloat16",

@@ -15,6 +15,7 @@ cached_workload = st.cache_data(simulator.make_workload, show_spinner=False)
 DEFAULTS = simulator.APP_DEFAULTS
 BLOCK_SWEEP_REQUESTS = 300
 FINISHED_RUNS_KEPT = 4
+RUNS_KEPT = 48  # single runs (~1 MB each at 1,000 requests)
 WORKERS = os.cpu_count() or 1  # the configurations run side by side (simulator.parallel)
 HEADLINE_CARDS = (("Allocated KV holding tokens (%)", "Allocated KV holding tokens", " %"),
                   ("Throughput (output tokens/s)", "Throughput", " tok/s"),
@@ -38,6 +39,13 @@ def finished_runs() -> OrderedDict:
     """The runs this server finished, by their settings: the same settings give the same result, so a return to them
     (or a second visitor at the defaults) shows it at once. The ``FINISHED_RUNS_KEPT`` most recent."""
     return OrderedDict()
+
+
+@st.cache_resource(show_spinner=False)
+def kept_runs() -> simulator.RunCache:
+    """Every configuration's run by (workload, configuration), the ``RUNS_KEPT`` most recent: a change of the block
+    sizes or the allocator set runs only the configurations not run on this workload yet."""
+    return simulator.RunCache(RUNS_KEPT)
 
 
 def block_size_sweep(workload, configs):
@@ -170,7 +178,7 @@ if st.session_state.get("sim_key") != key:
             workload, configs = build_inputs()
             bar, stop = st.progress(0.0, "simulating…"), st.empty()
             stop.button("Stop", key="stop_sim", help="Interrupts the run (any widget change does too)")
-            summary, runs = simulator.compare(workload, configs, workers=WORKERS,
+            summary, runs = simulator.compare(workload, configs, workers=WORKERS, reuse=kept_runs(),
                                               progress=lambda f: bar.progress(min(f, 1.0), "simulating…"))
             bar.empty()
             stop.empty()

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import OrderedDict
 from pathlib import Path
-from typing import Callable
+from typing import Callable, MutableMapping
 
 import pandas as pd
 
@@ -28,7 +29,7 @@ __all__ = ["simulate", "compare", "closed_form_checks", "make_workload", "Simula
            "Snapshot", "Workload", "SyntheticSpec", "TraceFormatError", "ALLOCATORS", "CATEGORIES", "MODELS", "GPUS",
            "SYNTHETIC_PRESETS", "load_trace", "load_trace_bytes", "synthetic_workload", "make_configs",
            "figure2_experiment", "PAPER_FIGURE2_TOKEN_STATES", "CostModel", "get_model", "get_gpu",
-           "kv_capacity_tokens", "block_size_sweep", "block_size_sweep_workloads", "BLOCK_SIZES", "APP_DEFAULTS", "default_comparison"]
+           "kv_capacity_tokens", "RunCache", "block_size_sweep", "block_size_sweep_workloads", "BLOCK_SIZES", "APP_DEFAULTS", "default_comparison"]
 
 
 def make_workload(workload: str | Path | Workload, num_requests: int | None = None, seed: int = 0,
@@ -70,34 +71,71 @@ def simulate(workload, config: SimConfig | None = None, on_snapshot: Callable[[S
 
 
 def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool | None] | None = None,
-            workers: int = 1, **workload_options) -> tuple[pd.DataFrame, dict[str, SimResult]]:
+            workers: int = 1, reuse: MutableMapping | None = None,
+            **workload_options) -> tuple[pd.DataFrame, dict[str, SimResult]]:
     """Run several configs on the same workload: a summary table (one row per config) and the results by label.
     ``progress(fraction)`` is called as runs proceed; returning False stops the remaining work. ``workers > 1``
     runs the configs side by side in that many processes (``parallel.run_in_processes``: the same results, each
-    run being deterministic; progress then moves as runs finish)."""
+    run being deterministic; progress then moves as runs finish). ``reuse``: complete runs by (workload
+    fingerprint, config), read and added to: a configuration this workload already ran with is not run again (a
+    page that reruns keeps one; bounding it is the caller's)."""
     if not isinstance(configs, (list, tuple)) or not configs or not all(isinstance(c, SimConfig) for c in configs):
         raise InputError(f"configs must be a non-empty list of SimConfig (see make_configs); got {configs!r:.80}")
     workload = make_workload(workload, **workload_options)
     labels = []
     for index, config in enumerate(configs):
         labels.append(config.label if config.label not in labels else f"{config.label} #{index + 1}")
+    keys = [(workload.fingerprint(), repr(config)) for config in configs] if reuse is not None else []
+    kept = {index: reuse[key] for index, key in enumerate(keys) if key in reuse} if reuse is not None else {}
+    missing = [index for index in range(len(configs)) if index not in kept]
+    fresh = dict(zip(missing, _run_all(workload, [configs[index] for index in missing], workers, progress)))
+    results = {}
+    for index, label in enumerate(labels):
+        run = kept[index] if index in kept else fresh[index]
+        if run is None:
+            continue
+        results[label] = run
+        if reuse is not None and index in fresh and not run.summary["stopped_early"]:
+            reuse[keys[index]] = run
+    table = pd.DataFrame([{"label": label, **r.summary} for label, r in results.items()])
+    return table, results
+
+
+class RunCache(OrderedDict):
+    """A ``compare(..., reuse=)`` mapping that keeps the ``max_runs`` most recently used runs."""
+
+    def __init__(self, max_runs: int):
+        super().__init__()
+        self.max_runs = max_runs
+
+    def __getitem__(self, key):
+        self.move_to_end(key)
+        return super().__getitem__(key)
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.max_runs:
+            self.popitem(last=False)
+
+
+def _run_all(workload: Workload, configs: list[SimConfig], workers: int,
+             progress: Callable[[float], bool | None] | None) -> list[SimResult | None]:
+    """Each config's run (None for those a stop left unrun), in processes or one after another."""
     if workers > 1 and len(configs) > 1:
         from .parallel import run_in_processes
 
-        runs = run_in_processes(workload, configs, workers, progress)
-        results = {label: run for label, run in zip(labels, runs) if run is not None}
-    else:
-        results = {}
-        for index, (label, config) in enumerate(zip(labels, configs)):
-            def on_snapshot(snapshot, index=index):
-                return None if progress is None else progress((index + snapshot.progress) / len(configs))
+        return run_in_processes(workload, configs, workers, progress)
+    runs: list[SimResult | None] = [None] * len(configs)
+    for index, config in enumerate(configs):
+        def on_snapshot(snapshot, index=index):
+            return None if progress is None else progress((index + snapshot.progress) / len(configs))
 
-            results[label] = run_simulation(workload, config, on_snapshot=on_snapshot, snapshot_every=100,
-                                            snapshot_pool=False)
-            if results[label].summary["stopped_early"]:
-                break
-    table = pd.DataFrame([{"label": label, **r.summary} for label, r in results.items()])
-    return table, results
+        runs[index] = run_simulation(workload, config, on_snapshot=on_snapshot, snapshot_every=100,
+                                     snapshot_pool=False)
+        if runs[index].summary["stopped_early"]:
+            break
+    return runs
 
 
 def default_comparison(num_requests: int = APP_DEFAULTS["num_requests"]):

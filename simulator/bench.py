@@ -1,5 +1,6 @@
 """``python -m simulator.bench``: simulator speed (median of repeats) and memory bounds; prints a table, writes CSV.
-``--sweep``: a 200-run sweep serially and on a local Ray (``benchmarks/results/sweep.csv``).
+``--sweep``: a 200-run sweep serially and on a local Ray (``benchmarks/results/sweep.csv``). ``--compare``: the
+Memory simulator's default comparison with and without the quiet-step fast path (``benchmarks/results/compare.csv``).
 
 Rows: the Azure 2023 conversation trace (19,366 requests) replayed with paged B=16 and, as the in-run baseline,
 contiguous-oracle; the Mooncake conversation trace's first 2,000 requests (long prompts that share prefixes) with
@@ -201,6 +202,48 @@ def bench_sweep(num_cpus: int) -> list[dict]:
             {"case": "Ray start-up (local)", "value": ray_init, "unit": "s"}]
 
 
+def bench_compare(repeats: int) -> list[dict]:
+    """The Memory simulator's opening comparison (``simulator.default_comparison``: every allocator at the app's
+    defaults) timed as ``compare`` runs it, with the quiet-step fast path (``engine.FAST_FORWARD``) and without it
+    (every step planned, as before it), alternating in one run, serially; then with two worker processes (the
+    page's). Checks the two serial paths give the same summaries."""
+    from . import engine
+    from . import compare, make_configs, make_workload
+    from .allocators import ALLOCATORS
+    from .presets import APP_DEFAULTS as d
+
+    workload = make_workload(d["preset"], num_requests=d["num_requests"], rate=d["rate"],
+                             max_model_len=d["max_model_len"])
+    configs = make_configs(list(ALLOCATORS), [d["block_size"]], model=d["model"], gpu=d["gpu"],
+                           max_model_len=d["max_model_len"])
+    times, tables = {True: [], False: []}, {}
+    try:
+        for repeat in range(repeats):
+            for fast in (True, False) if repeat % 2 == 0 else (False, True):
+                engine.FAST_FORWARD = fast
+                start = time.perf_counter()
+                tables[fast] = compare(workload, configs)[0].drop(columns="wall_time_s")
+                times[fast].append(time.perf_counter() - start)
+    finally:
+        engine.FAST_FORWARD = True
+    if not tables[True].equals(tables[False]):
+        raise AssertionError("the quiet-step fast path changed the default comparison's summaries")
+    compare(workload, configs, workers=2)  # the pool's start-up is not the comparison's
+    parallel = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        compare(workload, configs, workers=2)
+        parallel.append(time.perf_counter() - start)
+    rows = [{"case": f"default comparison ({len(configs)} configs), {name}", "value": statistics.median(values),
+             "unit": "s", "min": min(values), "max": max(values)}
+            for name, values in (("serial, every step planned (before)", times[False]),
+                                 ("serial, quiet steps at once", times[True]), ("2 worker processes", parallel))]
+    ratios = [before / after for before, after in zip(times[False], times[True])]
+    rows.append({"case": "default comparison: speed-up of the quiet steps (pairs)", "value": statistics.median(ratios),
+                 "unit": "ratio", "min": min(ratios), "max": max(ratios)})
+    return rows
+
+
 def bench_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m simulator.bench", description=__doc__)
     parser.add_argument("--trace", default=str(AZURE_CONV), help="trace of the paged vs contiguous-oracle replay")
@@ -214,6 +257,9 @@ def bench_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="benchmarks/results/simulator.csv", help="results CSV")
     parser.add_argument("--sweep", action="store_true", help="only the sweep benchmark (serial vs Ray)")
     parser.add_argument("--num-cpus", type=positive_int, default=2, help="CPUs of the local Ray (--sweep)")
+    parser.add_argument("--compare", action="store_true",
+                        help="only the Memory simulator's default comparison, with and without the quiet-step fast "
+                             "path (benchmarks/results/compare.csv)")
     return parser
 
 
@@ -223,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         out = args.out if args.out != parser.get_default("out") else "benchmarks/results/sweep.csv"
         print_and_save(pd.DataFrame(bench_sweep(args.num_cpus)), out, settings=cli_settings(args), kind="sweep-bench")
+        return 0
+    if args.compare:
+        out = args.out if args.out != parser.get_default("out") else "benchmarks/results/compare.csv"
+        print_and_save(pd.DataFrame(bench_compare(args.repeats)), out, settings=cli_settings(args),
+                       kind="compare-bench")
         return 0
     rows = []
     if Path(args.trace).is_file():

@@ -5,6 +5,7 @@ A ``Workload`` is columnar (NumPy arrays, one entry per request) so that a milli
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -126,6 +127,17 @@ class Workload:
         return Workload(self.name, self.arrival_s[indices], self.prompt_tokens[indices], self.output_tokens[indices],
                         self.n, self.shared_prefix_tokens, blocks, samples, self.source, dict(self.meta),
                         self.beam_width)
+
+    def fingerprint(self) -> str:
+        """A digest of everything a run reads of the workload (two workloads with the same one serve alike)."""
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(repr((self.name, self.n, self.shared_prefix_tokens, self.beam_width, self.source,
+                            sorted(self.meta.items(), key=str), self.prompt_block_ids)).encode())
+        for column in (self.arrival_s, self.prompt_tokens, self.output_tokens, self.sample_output_tokens):
+            if column is not None:
+                digest.update(repr((column.dtype.str, column.shape)).encode())
+                digest.update(np.ascontiguousarray(column).tobytes())
+        return digest.hexdigest()
 
     def outputs_of(self, index: int) -> list[int]:
         """Output lengths of every sample (or beam) of request ``index``."""

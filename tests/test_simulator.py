@@ -352,6 +352,33 @@ def test_compare_keeps_every_config_when_two_share_a_label():
     assert list(results) == list(table["label"]) == ["paged-B16", "paged-B16 #2"]
 
 
+def test_compare_reuses_runs_of_the_same_workload_and_config(monkeypatch):
+    """With ``reuse``, a configuration already run on this workload is not run again (a page adding a block size
+    runs one configuration); the table is the same as a fresh comparison's; another workload runs everything; a
+    stopped run is not kept; ``RunCache`` keeps the most recently used."""
+    import simulator.cluster
+
+    ran = []
+    original = simulator.cluster.run_simulation
+    monkeypatch.setattr(simulator, "run_simulation", lambda w, c, **kw: ran.append(c.label) or original(w, c, **kw))
+    workload = small_workload(num_requests=40)
+    first = [SimConfig(allocator="contiguous-max", capacity_tokens=9_000), SimConfig(capacity_tokens=9_000)]
+    more = first + [SimConfig(block_size=4, capacity_tokens=9_000)]
+    reuse = simulator.RunCache(3)
+    compare(workload, first, reuse=reuse)
+    table, results = compare(workload, more, reuse=reuse)
+    assert ran == ["contiguous-max", "paged-B16", "paged-B4"] and len(reuse) == 3
+    assert table.drop(columns="wall_time_s").equals(compare(workload, more)[0].drop(columns="wall_time_s"))
+    compare(dataclasses.replace(workload, arrival_s=workload.arrival_s * 2), first[:1], reuse=reuse)
+    assert ran[-1] == "contiguous-max" and len(reuse) == 3 and (workload.fingerprint(), repr(first[0])) not in reuse
+    ran.clear()
+    compare(workload, [SimConfig(block_size=8, capacity_tokens=9_000)], reuse=reuse, progress=lambda f: False)
+    assert ran == ["paged-B8"] and len(reuse) == 3 and not any("block_size=8," in key[1] for key in reuse)
+    small = simulator.RunCache(1)  # the new run evicts the kept one this comparison also shows
+    compare(workload, first[:1], reuse=small)
+    assert list(compare(workload, first, reuse=small)[1]) == ["contiguous-max", "paged-B16"] and len(small) == 1
+
+
 def test_a_block_size_sweep_trades_fragmentation_for_kernel_speed():
     workloads = simulator.block_size_sweep_workloads(
         simulator.make_workload("sharegpt", num_requests=300, rate=5.0, max_model_len=2048), 2048, 300)

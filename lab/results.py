@@ -310,6 +310,10 @@ HEADLINES = [
              _row_value("output_tok_s", system="ours / vllm", model="qwen3-0.6b-random-4l"), "×", 0.8),
     Headline("vLLM twin: worst p50 error (TTFT, TPOT, E2E) against a real vLLM server (CPU, all at once, shared prefix)",
              "vllm_twin_cpu.csv", _vllm_twin_worst_p50, "%", 5.0, False),
+    Headline("Memory simulator in Chromium: an arrival-rate change until the page is current (defaults, 2 cores)",
+             "app_flow.csv", _row_value("median_s", change="arrival rate (+0.01 requests/s)"), "s", 1.0, False),
+    Headline("Memory simulator's default comparison, 6 configurations (simulator.compare, serially)", "compare.csv",
+             _row_value("value", case="default comparison (6 configs), serial, quiet steps at once"), "s", 0.3, False),
     Headline("Paged engine vs HF continuous batching on an H200 (Qwen3-0.6B shapes)", "gpu/e2e_gpu.csv",
              _row_value("speedup_vs_hf_continuous", system="paged-engine"), "×", 5.0),
 ]

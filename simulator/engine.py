@@ -4,6 +4,8 @@ Each iteration the shared ``Scheduler`` plans a step exactly as it does for ``LL
 plan with the cost model (roofline) instead of running Qwen3, and knows from the workload when each sequence ends.
 Work per iteration is O(1) plus O(1) per event (arrival, block needed, completion, preemption, swap): the scheduler
 keeps sequence lengths implicit and a calendar of memory events; the simulator keeps a calendar of completions.
+Between events, a stretch of steps in which the batch only decodes is run without planning each (``_skip_quiet``),
+with the same arithmetic step by step: the results are the same to the last bit.
 """
 from __future__ import annotations
 

@@ -129,8 +129,10 @@ static inline void store(float* at, Vec v) { *reinterpret_cast<UnalignedVec*>(at
 // A loaded vector kept in a register: GCC otherwise folds the load into each multiply-add that reads it, one load
 // per use, and the kernels' inner loops become bound by loads rather than multiply-adds.
 static inline void in_register(Vec& v) {
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__AVX512F__) && defined(__GNUC__)  // a Vec is one register only with AVX-512
   asm("" : "+v"(v));
+#else
+  (void)v;
 #endif
 }
 

@@ -471,17 +471,16 @@ class Scheduler:
         """How many of the next steps (at most ``limit``) are quiet: every running sequence decodes a token and
         nothing else happens (no prompt, admission, swap, beam step, memory event or block reservation, no copy
         pending, no step log). ``skip_quiet_steps`` then counts them without planning each."""
+        step, period = self.step, self.period
         if (not self.running or self.prefilling or self.swapped or self.beam_groups or self.step_rows is not None
-                or self.config.sync_every_step or self.policy.pending_copies or self.policy.pending_offload
+                or period and self.phase_buckets[(step + 1) % period] or self.config.sync_every_step
+                or self.policy.pending_copies or self.policy.pending_offload
                 or self.waiting and not self._admits_nothing()):
             return 0
-        step, period = self.step, self.period
-        if period and self.phase_buckets[(step + 1) % period]:
-            return 0
         steps = min(limit, min(self.memory_calendar) - step - 1) if self.memory_calendar else limit
-        if period:
+        if period:  # the buckets come round every period steps: none in the next period, none at all
             buckets = self.phase_buckets
-            for ahead in range(2, steps + 1):
+            for ahead in range(2, min(steps, period) + 1):
                 if buckets[(step + ahead) % period]:
                     return ahead - 1
         return max(steps, 0)

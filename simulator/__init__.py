@@ -88,6 +88,9 @@ def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool
     keys = [(workload.fingerprint(), repr(config)) for config in configs] if reuse is not None else []
     kept = {index: reuse[key] for index, key in enumerate(keys) if key in reuse} if reuse is not None else {}
     missing = [index for index in range(len(configs)) if index not in kept]
+    if workers > 1 and reuse:  # the slowest first (by their last run on any workload): the workers finish together
+        seconds = {config: run.summary["wall_time_s"] for (_, config), run in reuse.items()}
+        missing.sort(key=lambda index: -seconds.get(keys[index][1], 0.0))
     fresh = dict(zip(missing, _run_all(workload, [configs[index] for index in missing], workers, progress)))
     results = {}
     for index, label in enumerate(labels):

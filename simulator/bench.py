@@ -205,10 +205,11 @@ def bench_sweep(num_cpus: int) -> list[dict]:
 def bench_compare(repeats: int) -> list[dict]:
     """The Memory simulator's opening comparison (``simulator.default_comparison``: every allocator at the app's
     defaults) timed as ``compare`` runs it, with the quiet-step fast path (``engine.FAST_FORWARD``) and without it
-    (every step planned, as before it), alternating in one run, serially; then with two worker processes (the
-    page's). Checks the two serial paths give the same summaries."""
+    (every step planned, as before it), alternating in one run, serially, and the page's block-size sweep alike;
+    then the comparison with two worker processes (the page's). Checks the two serial paths give the same
+    summaries."""
     from . import engine
-    from . import compare, make_configs, make_workload
+    from . import BLOCK_SIZES, block_size_sweep, block_size_sweep_workloads, compare, make_configs, make_workload
     from .allocators import ALLOCATORS
     from .presets import APP_DEFAULTS as d
 
@@ -216,7 +217,9 @@ def bench_compare(repeats: int) -> list[dict]:
                              max_model_len=d["max_model_len"])
     configs = make_configs(list(ALLOCATORS), [d["block_size"]], model=d["model"], gpu=d["gpu"],
                            max_model_len=d["max_model_len"])
-    times, tables = {True: [], False: []}, {}
+    sweep_workloads = block_size_sweep_workloads(workload, d["max_model_len"], 300)
+    sweep_config = configs[-1]
+    times, tables, sweeps = {True: [], False: []}, {}, {True: [], False: []}
     try:
         for repeat in range(repeats):
             for fast in (True, False) if repeat % 2 == 0 else (False, True):
@@ -224,6 +227,9 @@ def bench_compare(repeats: int) -> list[dict]:
                 start = time.perf_counter()
                 tables[fast] = compare(workload, configs)[0].drop(columns="wall_time_s")
                 times[fast].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                block_size_sweep(sweep_workloads, sweep_config)
+                sweeps[fast].append(time.perf_counter() - start)
     finally:
         engine.FAST_FORWARD = True
     if not tables[True].equals(tables[False]):
@@ -238,6 +244,10 @@ def bench_compare(repeats: int) -> list[dict]:
              "unit": "s", "min": min(values), "max": max(values)}
             for name, values in (("serial, every step planned (before)", times[False]),
                                  ("serial, quiet steps at once", times[True]), ("2 worker processes", parallel))]
+    rows += [{"case": f"block-size sweep ({len(BLOCK_SIZES)} sizes x 2 workloads of 300), {name}",
+              "value": statistics.median(values), "unit": "s", "min": min(values), "max": max(values)}
+             for name, values in (("every step planned (before)", sweeps[False]),
+                                  ("quiet steps at once", sweeps[True]))]
     ratios = [before / after for before, after in zip(times[False], times[True])]
     rows.append({"case": "default comparison: speed-up of the quiet steps (pairs)", "value": statistics.median(ratios),
                  "unit": "ratio", "min": min(ratios), "max": max(ratios)})

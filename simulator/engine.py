@@ -9,6 +9,7 @@ with the same arithmetic step by step: the results are the same to the last bit.
 """
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from array import array
@@ -272,6 +273,7 @@ class Simulator:
         self.admission_s = 0.0
         self.iteration = 0
         self.done_calendar: dict[int, list] = {}  # decode step -> [(seq, epoch)] completing then
+        self.done_steps: list[int] = []  # its steps as a heap (the next finish without a scan)
         self.next_seq_id = 0
         self.generated_tokens = self.copied_tokens = self.swapped_blocks = self.discarded_tokens = 0
         self.num_requests = len(workload)
@@ -470,12 +472,16 @@ class Simulator:
         scheduler = self.scheduler
         if self.profile is not None or self.admission_s or self.policy.copied_tokens != self.copied_tokens:
             return False
-        limit = QUIET_STEPS_MAX
+        steps = scheduler.quiet_decode_steps(QUIET_STEPS_MAX)
+        if steps < QUIET_STEPS_MIN:
+            return False
         if self.on_snapshot is not None:
-            limit = self.snapshot_every - self.iteration % self.snapshot_every - 1
-        steps = scheduler.quiet_decode_steps(limit) if limit >= QUIET_STEPS_MIN else 0
-        if steps >= QUIET_STEPS_MIN and self.done_calendar:  # up to the next finish
-            steps = min(steps, min(self.done_calendar) - scheduler.step - 1)
+            steps = min(steps, self.snapshot_every - self.iteration % self.snapshot_every - 1)
+        done_steps, calendar = self.done_steps, self.done_calendar
+        while done_steps and done_steps[0] not in calendar:  # finished steps leave the calendar, not the heap
+            heapq.heappop(done_steps)
+        if done_steps:  # up to the next finish
+            steps = min(steps, done_steps[0] - scheduler.step - 1)
         if steps < QUIET_STEPS_MIN:
             return False
         batch, metrics, iteration_time = len(scheduler.running), self.metrics, self.cost.iteration_time
@@ -519,6 +525,8 @@ class Simulator:
 
     def _schedule_done(self, seq: Sequence) -> None:
         step = seq.step_base + seq.final_len - seq.kv_len_base
+        if step not in self.done_calendar:
+            heapq.heappush(self.done_steps, step)
         self.done_calendar.setdefault(step, []).append((seq, seq.epoch))
 
     def _finish(self, seq: Sequence, when: float | None = None) -> None:

@@ -15,7 +15,8 @@ def run(workload, config, fast: bool, monkeypatch, **options):
     skipped = []
     original = Scheduler.skip_quiet_steps
     monkeypatch.setattr(engine_module, "FAST_FORWARD", fast)
-    monkeypatch.setattr(Scheduler, "skip_quiet_steps", lambda self, steps: skipped.append(steps) or original(self, steps))
+    monkeypatch.setattr(Scheduler, "skip_quiet_steps",
+                        lambda self, steps: skipped.append(steps) or original(self, steps))
     return run_simulation(workload, config, **options), sum(skipped)
 
 
@@ -43,6 +44,18 @@ def test_quiet_steps_change_nothing(allocator, scheduling, monkeypatch):
     assert_identical(planned, fast)
 
 
+@pytest.mark.parametrize("block_size", [1, 3, 256])
+def test_quiet_steps_at_any_block_size(block_size, monkeypatch):
+    """Block sizes whose block reservations come every step (1) or seldom (256: whole stretches with no sequence
+    needing a block, where the fast path must stop at the next finish, not scan ahead)."""
+    workload = make_workload("sharegpt", num_requests=200, rate=6.0, max_model_len=1024, seed=4)
+    config = SimConfig(allocator="paged", block_size=block_size, capacity_tokens=20_000, max_model_len=1024)
+    planned, _ = run(workload, config, False, monkeypatch)
+    fast, skipped = run(workload, config, True, monkeypatch)
+    assert_identical(planned, fast)
+    assert skipped > 0 or block_size == 1
+
+
 def test_quiet_steps_stop_at_snapshots_and_clusters_agree(monkeypatch):
     """Snapshots (the page's progress) land on the same steps with the same contents; a cluster's replicas, advanced
     by the router's clock, agree too."""
@@ -52,7 +65,8 @@ def test_quiet_steps_stop_at_snapshots_and_clusters_agree(monkeypatch):
         snapshots = []
         config = SimConfig(allocator="contiguous-max", capacity_tokens=10_000, max_model_len=1024)
         result, _ = run(workload, config, fast, monkeypatch, snapshot_every=37,
-                        on_snapshot=lambda snap: snapshots.append((snap.iteration, snap.time_s, snap.metrics, snap.regions)))
+                        on_snapshot=lambda snap: snapshots.append((snap.iteration, snap.time_s, snap.metrics,
+                                                                   snap.regions)))
         cluster, _ = run(workload, SimConfig(allocator="contiguous-pow2", capacity_tokens=6_000, max_model_len=1024,
                                              replicas=3, router="least-loaded"), fast, monkeypatch)
         seen[fast] = result, snapshots, cluster

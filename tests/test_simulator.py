@@ -374,6 +374,14 @@ def test_compare_reuses_runs_of_the_same_workload_and_config(monkeypatch):
     ran.clear()
     compare(workload, [SimConfig(block_size=8, capacity_tokens=9_000)], reuse=reuse, progress=lambda f: False)
     assert ran == ["paged-B8"] and len(reuse) == 3 and not any("block_size=8," in key[1] for key in reuse)
+    for key, run in reuse.items():  # with workers, the slowest configuration last time goes first
+        run.summary["wall_time_s"] = {"contiguous-max": 9.0, "paged-B4": 5.0}.get(run.config.label, 1.0)
+    handed = []
+    monkeypatch.setattr(simulator, "_run_all", lambda w, cs, workers, progress: handed.extend(c.label for c in cs)
+                        or [original(w, c) for c in cs])
+    compare(dataclasses.replace(workload, arrival_s=workload.arrival_s * 3), more, workers=2, reuse=reuse)
+    assert handed == ["contiguous-max", "paged-B4", "paged-B16"]
+    monkeypatch.undo()
     small = simulator.RunCache(1)  # the new run evicts the kept one this comparison also shows
     compare(workload, first[:1], reuse=small)
     assert list(compare(workload, first, reuse=small)[1]) == ["contiguous-max", "paged-B16"] and len(small) == 1

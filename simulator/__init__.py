@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections import OrderedDict
@@ -86,10 +87,13 @@ def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool
     for index, config in enumerate(configs):
         labels.append(config.label if config.label not in labels else f"{config.label} #{index + 1}")
     keys = [(workload.fingerprint(), repr(config)) for config in configs] if reuse is not None else []
-    kept = {index: reuse[key] for index, key in enumerate(keys) if key in reuse} if reuse is not None else {}
+    kept = {}
+    for index, key in enumerate(keys):
+        with contextlib.suppress(KeyError):  # not kept, or gone since (another page's run may evict it)
+            kept[index] = reuse[key]
     missing = [index for index in range(len(configs)) if index not in kept]
     if workers > 1 and reuse:  # the slowest first (by their last run on any workload): the workers finish together
-        seconds = {config: run.summary["wall_time_s"] for (_, config), run in reuse.items()}
+        seconds = {config: run.summary["wall_time_s"] for (_, config), run in list(reuse.items())}
         missing.sort(key=lambda index: -seconds.get(keys[index][1], 0.0))
     fresh = dict(zip(missing, _run_all(workload, [configs[index] for index in missing], workers, progress)))
     results = {}

@@ -55,7 +55,6 @@ if reason:
     st.warning(f"vLLM is not set up here: {reason}", icon=":material/info:")
 
 
-
 def calibration_key(config: VLLMTwinConfig) -> tuple:
     """What a kept calibration was measured with: reused while these hold."""
     return (config.model, config.block_size, config.num_blocks, config.max_num_seqs, config.max_num_batched_tokens,

@@ -489,8 +489,9 @@ class Simulator:
         kv_tokens = scheduler.len_offset + batch * scheduler.step
         time, generated, durations = self.time, self.generated_tokens, []
         preemptions, hits = self.num_preemptions, None
+        stop_at = min(until, self.next_arrival_s)  # a step starts only before both (as advance() would run it)
         for ahead in range(1, steps + 1):
-            if time >= until or self.next_arrival_s <= time:
+            if time >= stop_at:
                 break
             kv_tokens += batch
             duration = iteration_time(batch, 0.0 + kv_tokens, kv_tokens, batch)  # _iterate's decode-only plan

@@ -48,6 +48,15 @@ def kept_runs() -> simulator.RunCache:
     return simulator.RunCache(RUNS_KEPT)
 
 
+def comparison_chart(name: str):
+    """A chart of the comparison shown (``charts.comparison_figure``), built when first shown and kept with the
+    run (a return to its settings draws it at once)."""
+    figures = st.session_state["sim_figures"]
+    if name not in figures:
+        figures[name] = charts.comparison_figure(name, st.session_state["sim_summary"], st.session_state["sim_series"])
+    return figures[name]
+
+
 def block_size_sweep(workload, configs):
     """The block-size sweep under the page's settings, or None (with a warning) when it cannot run."""
     base = next((c for c in configs if c.allocator == "paged"), configs[0])
@@ -185,7 +194,7 @@ if st.session_state.get("sim_key") != key:
             if figure2:
                 summary["paper_token_states_frac"] = summary["allocator"].map(simulator.PAPER_FIGURE2_TOKEN_STATES)
             checks = simulator.closed_form_checks(workload, runs)
-            figures = charts.comparison_figures(summary, {k: r.timeseries for k, r in runs.items()})
+            figures = {}  # each chart built when first shown (comparison_chart), kept with the run
             finished_runs()[key] = workload, configs, summary, runs, checks, figures
             while len(finished_runs()) > FINISHED_RUNS_KEPT:
                 finished_runs().popitem(last=False)
@@ -236,8 +245,7 @@ if not versus.empty:
 with st.expander("Glossary: what these words and numbers mean"):
     st.markdown("\n".join(f"- **{term}**: {text}" for term, text in report.GLOSSARY.items()))
 
-figures: dict = st.session_state["sim_figures"]
-chart(figures["waste_bars"], "waste_bars")
+chart(comparison_chart("waste_bars"), "waste_bars")
 with st.expander("Which block size? The paged allocator at every block size from 1 to 256 tokens"):
     st.caption("The paged allocator at every block size on this workload and the other synthetic preset (first "
                f"{BLOCK_SWEEP_REQUESTS} requests each, the sidebar's model, GPU and scheduler). Throughput falls at "
@@ -272,15 +280,15 @@ with st.expander("What a CPU tier buys: the prefix cache with a host offload tie
                      column_config={label: st.column_config.NumberColumn(format="%.3g")
                                     for label in list(OFFLOAD_LABELS.values())[1:]})
         csv_download(offload, "offload-sweep", settings, "dl_offload", "Download the tier sweep (CSV)")
-shown_run = st.segmented_control("KV breakdown over time of", list(series), default=list(series)[-1],
-                                 key="sim_areas_run") or list(series)[-1]  # one chart drawn, not one per run
-chart(figures[f"areas_{shown_run}"], "areas")
-left, right = st.columns(2)
-with left:
-    chart(figures["batch_over_time"], "batch_over_time")
-with right:
-    chart(figures["throughput_over_time"], "throughput_over_time")
-chart(figures["latency_percentiles"], "latency_percentiles")
+views = list(charts.COMPARISON_VIEWS)
+view = st.segmented_control("Over time and per request", views, default=views[0], key="sim_chart_view",
+                            help="One chart at a time (each is drawn when chosen)") or views[0]
+name = charts.COMPARISON_VIEWS[view]
+if name == "areas":
+    runs_shown = list(series)
+    name = "areas_" + (st.segmented_control("KV breakdown over time of", runs_shown, default=runs_shown[-1],
+                                            key="sim_areas_run") or runs_shown[-1])
+chart(comparison_chart(name), name)
 st.subheader("Summary")
 shown = ["label", "token_states_frac", "reserved_frac", "internal_fragmentation_frac", "external_fragmentation_frac",
          "free_frac", "sharing_saving_frac", "mean_batch_size", "peak_batch_size", "throughput_tok_s", "ttft_p50_s",

@@ -317,14 +317,24 @@ def paper_figure(figure: str, table: pd.DataFrame) -> go.Figure:
     raise InputError(f"no chart for figure {figure!r}")
 
 
-def comparison_figures(summary: pd.DataFrame, series: dict[str, pd.DataFrame]) -> dict[str, go.Figure]:
-    """Every chart of a comparison (the Memory simulator's), by key, built once per result: where the KV memory
-    goes, each run's breakdown over time, batch size and throughput over time, latency percentiles."""
-    figures = {"waste_bars": waste_bars(summary)}
-    for label, frame in series.items():
-        figures[f"areas_{label}"] = waste_areas(frame, f"{label}: KV breakdown over time")
-    figures["batch_over_time"] = over_time(series, "num_running", "Batch size", "running sequences")
-    figures["throughput_over_time"] = over_time(series, "generated_tokens", "Throughput", "output tokens/s",
-                                                per_second=True)
-    figures["latency_percentiles"] = latency_percentiles(summary)
-    return figures
+COMPARISON_VIEWS = {"KV breakdown over time": "areas", "Running sequences over time": "batch_over_time",
+                    "Throughput over time": "throughput_over_time", "Latency percentiles": "latency_percentiles"}
+
+
+def comparison_figure(name: str, summary: pd.DataFrame, series: dict[str, pd.DataFrame]) -> go.Figure:
+    """One chart of a comparison (the Memory simulator's) by name: ``waste_bars`` (where the KV memory goes),
+    ``areas_<run label>`` (that run's breakdown over time) or a value of ``COMPARISON_VIEWS`` other than ``areas``."""
+    if name == "waste_bars":
+        return waste_bars(summary)
+    if name.startswith("areas_"):
+        label = name.removeprefix("areas_")
+        if label not in series:
+            raise InputError(f"no run labelled {label!r} in this comparison (runs: {', '.join(series)})")
+        return waste_areas(series[label], f"{label}: KV breakdown over time")
+    if name == "batch_over_time":
+        return over_time(series, "num_running", "Batch size", "running sequences")
+    if name == "throughput_over_time":
+        return over_time(series, "generated_tokens", "Throughput", "output tokens/s", per_second=True)
+    if name == "latency_percentiles":
+        return latency_percentiles(summary)
+    raise InputError(f"unknown comparison chart {name!r}")

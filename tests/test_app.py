@@ -136,6 +136,35 @@ def test_memory_simulator_reacts_and_exports(downloads):
     assert download_table(app, downloads, "dl_summary")["prefix_cache_hit_rate"].isna().all()
 
 
+def test_memory_simulator_draws_the_chart_chosen_and_builds_each_once():
+    """Two charts at a time (where the memory goes, and the view chosen), each built when first shown and kept with
+    the run: a return to a view shows the same figure without building it again."""
+    import json
+    from unittest import mock
+
+    from simulator import charts
+
+    def titles(app):
+        return [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in app.get("plotly_chart")]
+
+    app = open_page("memory_simulator")
+    clean(app)
+    assert titles(app) == ["Where the KV memory goes (time-weighted mean)", "paged-B16: KV breakdown over time"]
+    with mock.patch.object(charts, "comparison_figure", wraps=charts.comparison_figure) as build:
+        for view, title in (("Running sequences over time", "Batch size"), ("Latency percentiles", None),
+                            ("KV breakdown over time", "paged-B16: KV breakdown over time")):
+            app.segmented_control(key="sim_chart_view").set_value(view).run()
+            clean(app)
+            assert len(titles(app)) == 2 and (title is None or titles(app)[1] == title)
+        app.segmented_control(key="sim_areas_run").set_value("contiguous-max").run()
+        clean(app)
+        assert titles(app)[1] == "contiguous-max: KV breakdown over time"
+        app.segmented_control(key="sim_chart_view").set_value("Running sequences over time").run()
+        clean(app)
+    assert [c.args[0] for c in build.call_args_list] == ["batch_over_time", "latency_percentiles",
+                                                         "areas_contiguous-max"]
+
+
 def test_memory_simulator_shows_settings_it_already_ran_at_once():
     """Going back to settings the server has run shows that result without running again (the same settings give
     the same result); other settings run."""

@@ -6,9 +6,11 @@ from lab.block_manager import KVBlockManager
 from lab.pool_view import pool_snapshot
 from lab.charts import (block_pool_figure, block_pool_frame, block_table_frame, engine_live_figure,
                         kernel_bandwidth_figure, kernel_time_figure, latency_histograms, paging_diagram)
+from lab.errors import InputError
 from lab.results import ResultStore, to_csv_bytes
 from simulator import SimConfig, compare
-from simulator.charts import latency_percentiles, over_time, waste_areas, waste_bars
+from simulator.charts import (COMPARISON_VIEWS, comparison_figure, latency_percentiles, over_time, waste_areas,
+                              waste_bars)
 
 
 def test_block_pool_figure_marks_owners_shared_and_free_blocks():
@@ -38,6 +40,12 @@ def test_simulator_figures_have_one_trace_per_category_or_run():
     rate = over_time({k: r.timeseries for k, r in runs.items()}, "generated_tokens", "t", "tokens/s", per_second=True)
     assert [len(trace.x) for trace in rate.data] == [100, 100]
     assert len(latency_percentiles(summary).data) == 2 * 3  # two runs x three facets (TTFT, TPOT, e2e)
+    series = {k: r.timeseries for k, r in runs.items()}
+    names = ["waste_bars", "areas_contiguous-max"] + [v for v in COMPARISON_VIEWS.values() if v != "areas"]
+    assert [len(comparison_figure(name, summary, series).data) for name in names] == [5, 5, 2, 2, 6]
+    for name, message in (("areas_paged-B32", "no run labelled 'paged-B32'"), ("pie", "unknown comparison chart")):
+        with pytest.raises(InputError, match=message):
+            comparison_figure(name, summary, series)
 
 
 def test_rates_over_time_are_window_means_that_keep_the_total():

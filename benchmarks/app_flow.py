@@ -1,11 +1,15 @@
 """The core flow in a real browser: how long the Memory simulator takes to be current again after a change.
 
-    python -m benchmarks.app_flow [--repeats 5] [--out benchmarks/results/app_flow.csv] [--server-log PATH]
+    python -m benchmarks.app_flow [--repeats 5] [--baseline REV] [--out benchmarks/results/app_flow.csv]
+                                  [--server-log PATH]
 
 Starts ``streamlit run app.py`` on a free loopback port, opens the Memory simulator in Debian's Chromium at the
 defaults, then changes the arrival rate, the paged block sizes and the allocator set, ``--repeats`` times each, and
 times each change from the input to the page being current (the app's script idle and no element stale). Prints a
 table (median and spread per change), writes it as CSV. The browser helpers are the browser tests' too.
+
+``--baseline REV`` is an A/B in one run: a second server runs commit REV (a git worktree of it, removed after), and
+every change is made on both pages in turn (which goes first alternates), so both meet the same machine.
 """
 from __future__ import annotations
 
@@ -54,15 +58,16 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def streamlit_server(log: Path | None = None):
-    """``streamlit run app.py`` on a free loopback port, its output to ``log``; yields ``(url, pid)`` once it
-    answers, and stops it on the way out."""
+def streamlit_server(log: Path | None = None, root: Path = ROOT):
+    """``streamlit run app.py`` of the checkout at ``root`` on a free loopback port, its output to ``log``; yields
+    ``(url, pid)`` once it answers, and stops it on the way out."""
     port = free_port()
     out = log.open("w") if log else subprocess.DEVNULL
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     process = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.address",
          "127.0.0.1", "--server.port", str(port), "--browser.gatherUsageStats", "false"],
-        cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 60
@@ -143,46 +148,126 @@ def _toggle_option(page, widget: str, option: str) -> None:
     page.keyboard.press("Escape")
 
 
-def run(repeats: int, server_log: Path | None = None) -> list[dict]:
+def resolve_commit(rev: str) -> str:
+    """The full hash of commit ``rev`` of this repository; ``ValueError`` naming ``rev`` when there is none."""
+    commit = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=ROOT,
+                            capture_output=True, text=True)
+    if commit.returncode:
+        raise ValueError(f"--baseline {rev!r} is not a commit of this repository")
+    return commit.stdout.strip()
+
+
+@contextlib.contextmanager
+def worktree(commit: str):
+    """A checkout of ``commit`` of this repository in a temporary folder (``git worktree``), removed after."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="app_flow_baseline_") as folder:
+        path = Path(folder) / "checkout"
+        subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(path), commit], cwd=ROOT, check=True)
+        try:
+            yield path
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(path)], cwd=ROOT, check=False)
+
+
+def commit_of(root: Path) -> str:
+    """The short commit of the checkout at ``root``, ``+`` when it has changes not committed."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                           text=True)
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+
+
+class FlowPage:
+    """The Memory simulator of one server in a browser tab, and the changes the benchmark makes to it."""
+
+    BLOCK_SIZES = ["32", "64", "128", "8", "4", "256", "2", "1"]
+    ALLOCATORS = ["contiguous-max", "contiguous-pow2", "contiguous-grow", "contiguous-pow2-total", "contiguous-max"]
+
+    def __init__(self, browser, url: str):
+        self.page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        self.url = url
+
+    def load(self) -> float:
+        started = time.perf_counter()
+        self.page.goto(f"{self.url}/memory_simulator", timeout=60_000)
+        settle(self.page, True, recheck_ms=0)
+        return time.perf_counter() - started
+
+    def reload(self) -> float:
+        started = time.perf_counter()
+        self.page.reload()
+        settle(self.page, True, recheck_ms=0)
+        return time.perf_counter() - started
+
+    def change(self, name: str, i: int) -> float:
+        """Seconds until the page is current after the ``i``-th change called ``name`` (each one a configuration
+        the page has not run yet)."""
+        try:
+            return _timed(self.page, lambda: self._make(name, i))
+        except PlaywrightTimeout as error:
+            self.page.screenshot(path="app_flow_timeout.png", full_page=True)
+            raise RuntimeError(f"'{name}' (change {i + 1}) did not rerun the page; see app_flow_timeout.png"
+                               ) from error
+
+    def _make(self, name: str, i: int) -> None:
+        if name == CHANGES[0]:
+            rate = _sidebar(self.page, "stSlider", "Arrival rate").locator('input[type="range"]').first
+            rate.focus()
+            rate.press("ArrowRight")
+        elif name == CHANGES[1]:
+            _toggle_option(self.page, "block sizes", self.BLOCK_SIZES[i % len(self.BLOCK_SIZES)])
+        else:
+            _toggle_option(self.page, "Allocators", self.ALLOCATORS[i % len(self.ALLOCATORS)])
+
+
+CHANGES = ("arrival rate (+0.01 requests/s)", "paged block sizes (add one)", "allocator set (remove or add one)")
+
+
+def run(repeats: int, server_log: Path | None = None, baseline: str | None = None) -> list[dict]:
+    """One row per timing: ``code`` (``this checkout`` or ``baseline``), ``commit``, ``change``, ``seconds``."""
     from playwright.sync_api import sync_playwright
 
     rows = []
-    with streamlit_server(server_log) as (url, _), sync_playwright() as playwright:
-        browser = launch(playwright)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        started = time.perf_counter()
-        page.goto(f"{url}/memory_simulator", timeout=60_000)
-        settle(page, True, recheck_ms=0)
-        rows.append({"change": "page load (fresh server)", "seconds": time.perf_counter() - started})
-        rate = _sidebar(page, "stSlider", "Arrival rate").locator('input[type="range"]').first
-        block_sizes = ["32", "64", "128", "8", "4", "256", "2", "1"]
-        allocators = ["contiguous-max", "contiguous-pow2", "contiguous-grow", "contiguous-pow2-total", "contiguous-max"]
-        changes = {  # each change makes a configuration the page has not run yet
-            "arrival rate (+0.01 requests/s)": lambda i: (rate.focus(), rate.press("ArrowRight")),
-            "paged block sizes (add one)": lambda i: _toggle_option(page, "block sizes", block_sizes[i % 8]),
-            "allocator set (remove or add one)": lambda i: _toggle_option(page, "Allocators", allocators[i % 5])}
-        for name, change in changes.items():
+    with contextlib.ExitStack() as stack:
+        roots = {"this checkout": ROOT}
+        if baseline is not None:
+            roots["baseline"] = stack.enter_context(worktree(resolve_commit(baseline)))
+        servers = {code: stack.enter_context(streamlit_server(server_log if code == "this checkout" else None, root))
+                   for code, root in roots.items()}
+        browser = launch(stack.enter_context(sync_playwright()))
+        pages = {code: FlowPage(browser, url) for code, (url, _) in servers.items()}
+        commits = {code: commit_of(root) for code, root in roots.items()}
+
+        def record(code: str, change: str, seconds: float) -> None:
+            rows.append({"code": code, "commit": commits[code], "change": change, "seconds": seconds})
+
+        for code, page in pages.items():
+            record(code, "page load (fresh server)", page.load())
+        for name in CHANGES:
             for i in range(repeats):
-                try:
-                    rows.append({"change": name, "seconds": _timed(page, lambda: change(i))})
-                except PlaywrightTimeout as error:
-                    page.screenshot(path="app_flow_timeout.png", full_page=True)
-                    raise RuntimeError(f"'{name}' (change {i + 1}) did not rerun the page; see app_flow_timeout.png"
-                                       ) from error
-        started = time.perf_counter()
-        page.reload()
-        settle(page, True, recheck_ms=0)
-        rows.append({"change": "page load (warm server)", "seconds": time.perf_counter() - started})
+                for code in (list(pages) if i % 2 == 0 else list(pages)[::-1]):  # who goes first alternates
+                    record(code, name, pages[code].change(name, i))
+        for code in list(pages)[::-1]:
+            record(code, "page load (warm server)", pages[code].reload())
         browser.close()
     return rows
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    by_change: dict[str, list[float]] = {}
+    """Median, min and max per (code, change); with a baseline, each change's median over the baseline's."""
+    by_change: dict[tuple, list[float]] = {}
     for row in rows:
-        by_change.setdefault(row["change"], []).append(row["seconds"])
-    return [{"change": change, "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-             "repeats": len(times)} for change, times in by_change.items()]
+        by_change.setdefault((row["code"], row["commit"], row["change"]), []).append(row["seconds"])
+    table = [{"code": code, "commit": commit, "change": change, "median_s": statistics.median(times),
+              "min_s": min(times), "max_s": max(times), "repeats": len(times)}
+             for (code, commit, change), times in by_change.items()]
+    baseline = {row["change"]: row["median_s"] for row in table if row["code"] == "baseline"}
+    for row in table:
+        if baseline:
+            row["vs_baseline"] = row["median_s"] / baseline[row["change"]]
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     from lab.cli_args import output_csv, positive_int
 
     parser.add_argument("--repeats", type=positive_int, default=5, help="times each change is made (median)")
+    parser.add_argument("--baseline", default=None, metavar="REV",
+                        help="A/B in one run: also serve commit REV and make every change on both, in turn")
     parser.add_argument("--server-log", type=Path, default=None,
                         help="write the Streamlit server's output here (what a change that times out met)")
     parser.add_argument("--out", type=output_csv, default="benchmarks/results/app_flow.csv",
@@ -200,7 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import pandas as pd
 
-    table = pd.DataFrame(summarize(run(args.repeats, args.server_log)))
+    if args.baseline is not None:
+        try:
+            resolve_commit(args.baseline)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+    table = pd.DataFrame(summarize(run(args.repeats, args.server_log, args.baseline)))
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     table.assign(cpus=os.cpu_count()).to_csv(args.out, index=False)

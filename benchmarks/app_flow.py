@@ -282,17 +282,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=output_csv, default="benchmarks/results/app_flow.csv",
                         help="results CSV (checked writable before the browser starts)")
     args = parser.parse_args(argv)
-    if CHROMIUM is None:
-        print("error: Debian's chromium is not installed (apt-get install chromium)", file=sys.stderr)
-        return 2
-    import pandas as pd
-
     if args.baseline is not None:
         try:
             resolve_commit(args.baseline)
         except ValueError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
+    if CHROMIUM is None:
+        print("error: Debian's chromium is not installed (apt-get install chromium)", file=sys.stderr)
+        return 2
+    import pandas as pd
+
     table = pd.DataFrame(summarize(run(args.repeats, args.server_log, args.baseline)))
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -292,3 +292,20 @@ def test_a_disturbed_baseline_is_measured_again_before_it_is_refused():
     sdpa_rows = table[table["kernel"] == "sdpa-contiguous"]
     assert torch_rows["vs_sdpa"].to_numpy() == pytest.approx(
         torch_rows["median_ms"].to_numpy() / sdpa_rows["median_ms"].to_numpy())
+
+
+def test_the_browser_flow_bench_compares_with_a_baseline_run_beside_it(capsys):
+    """``benchmarks.app_flow --baseline``: a revision that is not a commit is refused before any browser starts;
+    the table gives each change's median over the baseline's median of the same run."""
+    from benchmarks.app_flow import main as app_flow_main, summarize
+
+    assert app_flow_main(["--baseline", "no-such-revision", "--repeats", "1"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --baseline 'no-such-revision' is not a commit of this repository"
+    rows = [{"code": code, "commit": commit, "change": "rate", "seconds": seconds}
+            for code, commit, seconds in (("this checkout", "b", 1.0), ("baseline", "a", 2.0),
+                                          ("this checkout", "b", 3.0), ("baseline", "a", 4.0),
+                                          ("this checkout", "b", 0.5), ("baseline", "a", 3.0))]
+    table = {row["code"]: row for row in summarize(rows)}
+    assert table["this checkout"]["median_s"] == 1.0 and table["baseline"]["median_s"] == 3.0
+    assert table["this checkout"]["vs_baseline"] == pytest.approx(1 / 3) and table["baseline"]["vs_baseline"] == 1.0
+    assert "vs_baseline" not in summarize(rows[::2])[0]  # no baseline, no ratio

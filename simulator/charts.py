@@ -131,10 +131,27 @@ def latency_percentiles(summary: pd.DataFrame, label: str = "label") -> go.Figur
                              "seconds": run[f"{metric}_p{q}_s"]})
     frame = pd.DataFrame(rows)
     figure = px.bar(frame, x="percentile", y="seconds", color="run", barmode="group", facet_col="metric",
-                    title="Latency percentiles", log_y=True, labels={"run": "allocator", "seconds": "latency (s)"})
+                    title="Latency percentiles", log_y=True, labels={"run": "allocator", "seconds": "latency (s)"},
+                    facet_col_spacing=0.06)
     figure.for_each_annotation(lambda a: a.update(text=a.text.split("=", 1)[-1]))  # "TTFT", not "metric=TTFT"
-    figure.update_yaxes(matches=None, **log_ticks(frame["seconds"]))
+    metrics = list(dict.fromkeys(frame["metric"]))  # the facets, left to right
+    for col, metric in enumerate(metrics, 1):  # each facet its own scale and ticks (TTFT and TPOT differ ~10^4 x)
+        figure.update_yaxes(matches=None, showticklabels=True, row=1, col=col,
+                            **_log_axis(frame.loc[frame["metric"] == metric, "seconds"]))
     return figure.update_layout(height=340)
+
+
+def _log_axis(values: pd.Series) -> dict:
+    """``log_ticks`` and a range from the tick at or below the smallest value to the one at or above the largest,
+    so that a narrow range still shows a tick at each end (a log axis autoranged to 0.3-0.4 shows none)."""
+    ticks = log_ticks(values)
+    positive = values[(values > 0) & np.isfinite(values)]
+    if not ticks or positive.empty:
+        return ticks
+    low, high = positive.min(), positive.max()
+    bottom = max((t for t in ticks["tickvals"] if t <= low), default=low)
+    top = min((t for t in ticks["tickvals"] if t >= high), default=high)
+    return ticks | {"range": [math.log10(bottom), math.log10(top)]}
 
 
 def _label(column: str) -> str:

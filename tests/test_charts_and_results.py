@@ -40,6 +40,14 @@ def test_simulator_figures_have_one_trace_per_category_or_run():
     rate = over_time({k: r.timeseries for k, r in runs.items()}, "generated_tokens", "t", "tokens/s", per_second=True)
     assert [len(trace.x) for trace in rate.data] == [100, 100]
     assert len(latency_percentiles(summary).data) == 2 * 3  # two runs x three facets (TTFT, TPOT, e2e)
+    latency = latency_percentiles(summary)  # each facet ticked over its own values (TPOT is ~1,000 x below TTFT)
+    for axis, metric in (("yaxis", "ttft"), ("yaxis2", "tpot"), ("yaxis3", "e2e")):
+        values = summary[[f"{metric}_p{q}_s" for q in (50, 90, 99)]].to_numpy()
+        ticks = latency.layout[axis].tickvals
+        assert latency.layout[axis].showticklabels and min(ticks) <= values.min() and max(ticks) >= values.max()
+        bottom, top = (10 ** end for end in latency.layout[axis].range)
+        assert bottom <= values.min() * (1 + 1e-9) and top >= values.max() * (1 - 1e-9)
+        assert pytest.approx(bottom) in ticks and pytest.approx(top) in ticks  # a tick at each end
     series = {k: r.timeseries for k, r in runs.items()}
     names = ["waste_bars", "areas_contiguous-max"] + [v for v in COMPARISON_VIEWS.values() if v != "areas"]
     assert [len(comparison_figure(name, summary, series).data) for name in names] == [5, 5, 2, 2, 6]

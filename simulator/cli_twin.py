@@ -103,6 +103,8 @@ def _vllm_twin(args) -> None:
     calibration = result.calibration
     settings = {**twin_settings(config), "step_overhead_s": calibration.step_overhead_s,
                 "request_overhead_s": calibration.request_overhead_s,
+                "request_interval_s": calibration.request_interval_s,
+                "request_interval_at_bound": calibration.interval_at_bound,
                 "profile_holdout_median_rel_error": result.profile.holdout_median_rel_error}
     print_and_save(result.summary(), args.out, settings=settings, kind="vllm-twin")
     for (name, repeat), run in result.runs.items():

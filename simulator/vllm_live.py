@@ -2,6 +2,7 @@
 it is drawn beside what was measured so far (the vLLM twin page; ``simulator.vllm_twin`` is the twin itself)."""
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import replace
 
@@ -14,7 +15,7 @@ from lab.vllm_server import (ServerRun, VLLMServer, check_server, reset_prefix_c
                              server_cache_config)
 
 from .vllm_twin import (ServerCalibration, VLLMTwinConfig, calibrate, calibrate_server, make_twin_workload,
-                        profile_cache_path, score, server_requests, sim_config, simulate_run)
+                        probe_step_overhead, profile_cache_path, score, server_requests, sim_config, simulate_run)
 
 LIVE_WINDOW_S = 0.25  # the twin's tokens/s is counted per window of this many seconds (the real one per reading)
 
@@ -41,6 +42,7 @@ class LiveTwin:
         self.phase, self.error, self.prediction, self.table = Phase.CALIBRATING, "", None, None
         self.run: ServerRun | None = None
         self.cache: dict | None = None
+        self.step_overhead_s = math.nan  # the calibrated step overhead shifted as probed around the run
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, daemon=True, name="vllm-twin")
 
@@ -96,10 +98,14 @@ class LiveTwin:
             simulation = sim_config(self.config, self.cache, self.profile)
             if self.calibration is None:
                 self.calibration = calibrate_server(url, model, simulation, vocab, self.config.seed + 7)
-            simulation = replace(simulation, profile=self.calibration.priced(self.profile))
+            priced = replace(simulation, profile=self.calibration.priced(self.profile))
+            shift = probe_step_overhead(url, model, priced, vocab, self.config.seed + 500)
+            now = self.calibration.shifted(shift)  # the overhead as probed before the run
+            simulation = replace(simulation, profile=now.priced(self.profile))
+            self.step_overhead_s = now.step_overhead_s
             planned = ServerRun(pd.DataFrame({"sent_s": self.workload.arrival_s}), pd.DataFrame(),
                                 pd.DataFrame(), 0.0, 0.0)
-            self.prediction = simulate_run(self.workload, planned, simulation, self.calibration)
+            self.prediction = simulate_run(self.workload, planned, simulation, now)
             reset_prefix_cache(url)
             self.phase = Phase.RUNNING
 
@@ -110,8 +116,13 @@ class LiveTwin:
             self.run = run_server_workload(url, requests, model, events=server.events if server else None,
                                            stop=self._stop, poll_s=self.config.poll_s, progress=seen)
             if self.run.requests["sent_s"].notna().any():
-                self.prediction = simulate_run(self.workload, self.run, simulation, self.calibration)
-                self.table = score(self.workload, self.run, simulation, self.calibration)
+                if not self.run.stopped:  # and after it: the prediction of the run is priced with both
+                    shift = (shift + probe_step_overhead(url, model, priced, vocab, self.config.seed + 501)) / 2
+                    now = self.calibration.shifted(shift)
+                    simulation = replace(simulation, profile=now.priced(self.profile))
+                self.step_overhead_s = now.step_overhead_s
+                self.prediction = simulate_run(self.workload, self.run, simulation, now)
+                self.table = score(self.workload, self.run, simulation, now)
             self.phase = Phase.DONE
         except Exception as exc:  # shown on the page; the thread must not die silently
             self.error, self.phase = f"{type(exc).__name__}: {exc}", Phase.FAILED

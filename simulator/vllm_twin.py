@@ -140,8 +140,8 @@ class ServerCalibration:
     """What the server adds to its engine's steps, measured on calibration requests (never a scored workload):
     ``step_overhead_s``, seconds the server's steps take beyond the offline profile's (the engine core hands each
     step to its worker process and its outputs to the API process, on two cores shared with that process and the
-    load generator; measured on decode batches of 1-16, this was flat in the batch size, about 0.9 ms, where a
-    ratio ran from 1.21 to 1.36), ``request_overhead_s``, the seconds between a request's send and its first token
+    load generator; flat in the batch size, where a ratio was not; it drifts while a server runs, see
+    ``probe_step_overhead``), ``request_overhead_s``, the seconds between a request's send and its first token
     that no engine step accounts for (HTTP, the API process, the hand-over to the engine and back), and
     ``request_interval_s``, the API process's time per request: requests sent together reach the engine one such
     interval apart. ``table``: the calibration runs."""
@@ -150,12 +150,18 @@ class ServerCalibration:
     request_overhead_s: float = 0.0
     request_interval_s: float = 0.0
     table: pd.DataFrame = field(default_factory=pd.DataFrame)
+    interval_at_bound: bool = False  # the request interval's search ended at its largest value (INTERVALS_S)
 
     def priced(self, profile: Profile) -> Profile:
         """``profile`` with every step ``step_overhead_s`` longer (its constant term)."""
         coefficients = dict(profile.coefficients)
         coefficients["constant"] = coefficients.get("constant", 0.0) + self.step_overhead_s
         return replace(profile, coefficients=coefficients)
+
+    def shifted(self, seconds: float) -> "ServerCalibration":
+        """The step overhead ``seconds`` longer (``probe_step_overhead``), never below none: the server's steps do
+        not run faster than its engine's alone."""
+        return replace(self, step_overhead_s=max(0.0, self.step_overhead_s + seconds))
 
 
 def engine_arrivals(sent: np.ndarray, overhead_s: float = 0.0, interval_s: float = 0.0) -> np.ndarray:
@@ -232,7 +238,7 @@ def score(workload: Workload, run: ServerRun, config: SimConfig,
 class VLLMTwinResult:
     """Per workload and run: the score table, the server's run and the simulator's result."""
 
-    table: pd.DataFrame  # workload, run, metric, real, simulated, error, goal, unit, met
+    table: pd.DataFrame  # workload, run, metric, real, simulated, error, goal, unit, met, run_step_overhead_s
     runs: dict = field(default_factory=dict)  # (workload, run) -> ServerRun
     simulated: dict = field(default_factory=dict)  # (workload, run) -> SimResult
     profile: Profile | None = None
@@ -245,7 +251,8 @@ class VLLMTwinResult:
         grouped = self.table.groupby(["workload", "metric"], sort=False)
         out = grouped.agg(real=("real", "median"), simulated=("simulated", "median"), error=("error", "median"),
                           error_min=("error", "min"), error_max=("error", "max"), goal=("goal", "first"),
-                          unit=("unit", "first"), runs=("run", "count")).reset_index()
+                          unit=("unit", "first"), runs=("run", "count"),
+                          run_step_overhead_s=("run_step_overhead_s", "median")).reset_index()
         out["met"] = out["error"] <= out["goal"]
         return out
 
@@ -271,10 +278,11 @@ def calibrate(config: VLLMTwinConfig, checkpoint: str, progress: Callable[[str],
                             config.seed)
 
 
-CALIBRATION_BATCHES = (1, 4, 8, 16)  # decode batches whose time per token gives the step overhead
+CALIBRATION_BATCHES = (1, 4, 8, 16, 32)  # sent together: their TPOT gives the step overhead, their TTFT the interval
 CALIBRATION_PROMPTS = (32, 128, 384)  # single prompts on an idle server: the request overhead
 CALIBRATION_REPEATS = 3  # of each calibration run: a two-core machine's step times vary by 10-30 % run to run
-INTERVALS_S = tuple(np.arange(0.0, 0.0061, 0.00025))  # the API process's time per request: the values tried
+INTERVALS_S = tuple(np.arange(0.0, 0.01201, 0.00025))  # the API process's time per request: the values tried
+PROBE = (4, 96, 48)  # the step-overhead probe: requests sent together, prompt and output tokens each (not scored)
 
 
 def _fixed(count: int, prompt: int, output: int) -> Workload:
@@ -314,12 +322,31 @@ def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, se
         return sum((simulate_run(w, run, priced, calibration).summary["ttft_p50_s"] / real["ttft_p50_s"] - 1) ** 2
                    for w, run, real in batches if len(w) > 1)
 
-    calibration = replace(step, request_overhead_s=overhead, request_interval_s=float(min(INTERVALS_S, key=misfit)))
+    interval = float(min(INTERVALS_S, key=misfit))
+    calibration = replace(step, request_overhead_s=overhead, request_interval_s=interval,
+                          interval_at_bound=interval == INTERVALS_S[-1])
     for workload, run, real in batches:
         simulated = simulate_run(workload, run, priced, calibration)
         rows.append(("batch ttft", len(workload), real["ttft_p50_s"], simulated.summary["ttft_p50_s"]))
     calibration.table = pd.DataFrame(rows, columns=["kind", "size", "real_s", "simulated_s"])
     return calibration
+
+
+def probe_step_overhead(url: str, model: str, simulation: SimConfig, vocab: int, seed: int) -> float:
+    """How much longer the server's steps are now than ``simulation`` (priced as calibrated) says: its TPOT p50 on
+    ``PROBE`` less the simulator's, in seconds a step. What the server adds to its engine's steps (the engine core's
+    hand-overs, the API process) drifts on this VM while a server runs, by more than the twin's goals; the engine's
+    own compute, the profile's terms, drifts far less. So a run is priced with the overhead probed around it
+    (docs/vllm_twin.md)."""
+    workload = _fixed(*PROBE)
+    run = run_server_workload(url, server_requests(workload, vocab, seed), model, poll_s=60.0)
+    if run.problems:
+        raise PeerError(f"the step-overhead probe failed: {'; '.join(run.problems[:3])}")
+    real = latency_summary(_requests_frame(workload, run))["tpot_p50_s"]
+    simulated = simulate_run(workload, run, simulation).summary["tpot_p50_s"]
+    if not (math.isfinite(real) and math.isfinite(simulated)):
+        raise PeerError(f"the step-overhead probe measured a TPOT of {real!r} s against {simulated!r} s simulated")
+    return real - simulated
 
 
 def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | None = None,
@@ -352,8 +379,10 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
         calibration = result.calibration = calibrate_server(url, model, simulation, vocab, config.seed + 7)
         progress(f"server steps +{calibration.step_overhead_s * 1e3:.2f} ms over the engine's; request overhead "
                  f"{calibration.request_overhead_s * 1e3:.1f} ms, {calibration.request_interval_s * 1e3:.2f} ms per "
-                 f"request in the API process")
-        simulation = replace(simulation, profile=calibration.priced(profile))
+                 f"request in the API process" + (" (the largest value searched: the fit may want more)"
+                                                  if calibration.interval_at_bound else ""))
+        priced = replace(simulation, profile=calibration.priced(profile))
+        shifts = [probe_step_overhead(url, model, priced, vocab, config.seed + 500)]
         tables = []
         for name in config.workloads:
             workload = make_twin_workload(name, config, config.seed)
@@ -369,8 +398,10 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
                 if run.problems:
                     progress(f"{name}: {'; '.join(run.problems[:3])}")
                 result.runs[(name, repeat)] = run
-                table = score(workload, run, simulation, calibration)
-                tables.append(table.assign(workload=name, run=repeat))
+                shifts.append(probe_step_overhead(url, model, priced, vocab, config.seed + 500 + len(shifts)))
+                now = calibration.shifted((shifts[-2] + shifts[-1]) / 2)  # probed before and after the run
+                table = score(workload, run, replace(simulation, profile=now.priced(profile)), now)
+                tables.append(table.assign(workload=name, run=repeat, run_step_overhead_s=now.step_overhead_s))
         result.table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()
         return result
     finally:

@@ -296,6 +296,19 @@ def test_the_live_twin_runs_against_a_server_and_draws_both_sides(fake, tmp_path
     for name in ("kv_usage", "queues", "tokens_per_s", "latency"):
         assert set(series[name]["source"]) == {"vLLM server", "twin (simulator)"}, name
     assert len(series["latency"]) == 2 * len(twin.workload)
+    assert twin.step_overhead_s >= 0  # the calibrated overhead, shifted as probed before and after the run
+
+
+def test_a_probed_step_overhead_shifts_the_calibration_and_never_below_none():
+    from simulator.vllm_twin import ServerCalibration
+
+    calibration = ServerCalibration(0.002, 0.003, 0.001)
+    assert calibration.shifted(0.0015).step_overhead_s == pytest.approx(0.0035)
+    assert calibration.shifted(-0.005).step_overhead_s == 0.0  # the server's steps are never shorter than the engine's
+    shifted = calibration.shifted(0.001)
+    assert (shifted.request_overhead_s, shifted.request_interval_s) == (0.003, 0.001)
+    profile = flat_profile()
+    assert shifted.priced(profile).coefficients["constant"] == pytest.approx(0.002 + 0.003)
 
 
 @pytest.mark.parametrize("fake", [("html",)], indirect=True)

@@ -65,6 +65,10 @@ def test_the_twin_predicts_the_server_on_held_out_workloads(checkpoint, server):
     assert table.loc[("prefix", "prefix_hit_rate"), "real"] > 50
     calibration = result.calibration
     assert -0.002 < calibration.step_overhead_s < 0.01 and 0 <= calibration.request_overhead_s < 0.2
+    # each run priced with the overhead probed around it (this VM's drift), which the summary gives per workload
+    per_run = result.table.groupby(["workload", "run"])["run_step_overhead_s"].nunique()
+    assert (per_run == 1).all() and (result.table["run_step_overhead_s"] >= 0).all()
+    assert result.summary()["run_step_overhead_s"].notna().all()
 
 
 def vllm_processes() -> list[str]:

@@ -137,7 +137,8 @@ def draw(twin: LiveTwin) -> None:
         st.caption(f"Calibration: server steps {calibration.step_overhead_s * 1e3:+.2f} ms over the engine's profile "
                    f"({twin.step_overhead_s * 1e3:+.2f} ms as probed around this run); "
                    f"{calibration.request_overhead_s * 1e3:.1f} ms per request to reach the engine, "
-                   f"{calibration.request_interval_s * 1e3:.2f} ms per request in vLLM's API process. "
+                   f"{calibration.request_interval_s * 1e3:.2f} ms per request in vLLM's API process"
+                   f"{' (the largest value searched: the fit may want more)' if calibration.interval_at_bound else ''}. "
                    f"The profile of vLLM's engine ({twin.profile_source}): {len(twin.profile.samples)} step shapes, "
                    f"held-out error median {twin.profile.holdout_median_rel_error:.1%}.")
     if run is not None:

@@ -29,7 +29,7 @@ from lab.scheduler import (PREEMPTION_MODES, SCHEDULING_MODES, RequestRejectedEr
 
 from .allocators import ADDRESS_SPACES, ALLOCATORS, ContiguousPolicy
 from .beams import BeamSurvival
-from .metrics import COLUMNS, MetricsRecorder, format_rejections, latency_summary, row
+from .metrics import COLUMNS, MetricsRecorder, format_rejections, latency_summary, quiet_row, row
 from .models import CostModel, GiB, get_gpu, get_model, kv_capacity_tokens, override
 from .workloads import Workload, WorkloadError
 
@@ -488,7 +488,7 @@ class Simulator:
         first = self.policy.memory_sample(scheduler.held_tokens() + batch)  # held during the first quiet step
         kv_tokens = scheduler.len_offset + batch * scheduler.step
         time, generated, durations = self.time, self.generated_tokens, []
-        preemptions, hits = self.num_preemptions, None
+        first_row = None  # the first quiet step's timeseries row, which the others' are spliced from
         stop_at = min(until, self.next_arrival_s)  # a step starts only before both (as advance() would run it)
         for ahead in range(1, steps + 1):
             if time >= stop_at:
@@ -501,11 +501,13 @@ class Simulator:
             generated += batch
             durations.append(duration)
             if metrics.due(self.iteration + ahead):
+                if first_row is None:
+                    first_row = row(scheduler.quiet_step_stats(1, 0.0, 0.0, 0), first.categories(),
+                                    self.num_preemptions, self._prefix_cache_hits())
                 shift = (ahead - 1) * batch
-                hits = self._prefix_cache_hits() if hits is None else hits
-                metrics.record(scheduler.quiet_step_stats(ahead, duration, time, generated),
-                               (first.token_states + shift, first.reserved - shift, first.internal_fragmentation,
-                                first.external_fragmentation, first.free), preemptions, hits)
+                metrics.append(quiet_row(first_row, ahead - 1, duration, time, generated,
+                                         (first.token_states + shift, first.reserved - shift,
+                                          first.internal_fragmentation, first.external_fragmentation, first.free)))
         if not durations:
             return False
         metrics.accumulate_run(first, batch, batch, durations)

@@ -101,7 +101,11 @@ class MetricsRecorder:
 
     def record(self, stats: StepStats, categories: tuple, preemptions: int, prefix_cache_hits: int) -> None:
         """Append the row of a step (its ``StepStats`` and the categories after it, ``MemorySample.categories``)."""
-        self.rows.append(row(stats, categories, preemptions, prefix_cache_hits))
+        self.append(row(stats, categories, preemptions, prefix_cache_hits))
+
+    def append(self, values: tuple) -> None:
+        """Append a row (``COLUMNS``), halving the rows and doubling the stride when full."""
+        self.rows.append(values)
         if len(self.rows) >= 2 * self.max_points:
             self.rows = self.rows[::2]
             self.stride *= 2
@@ -130,6 +134,20 @@ class MetricsRecorder:
 def row(stats: StepStats, categories: tuple, preemptions: int, prefix_cache_hits: int) -> tuple:
     """A timeseries row (``COLUMNS``)."""
     return (*_step_fields(stats), *categories, preemptions, prefix_cache_hits)
+
+
+_DURATION = STEP_FIELDS.index("duration_s")
+if STEP_FIELDS[0] != "step" or STEP_FIELDS[_DURATION:_DURATION + 3] != ("duration_s", "elapsed_s", "generated_tokens"):
+    raise ImportError(f"quiet_row splices StepStats' fields by position; their order changed: {STEP_FIELDS}")
+
+
+def quiet_row(first: tuple, ahead: int, duration_s: float, elapsed_s: float, generated_tokens: int,
+              categories: tuple) -> tuple:
+    """The row of the ``ahead``-th (from 0) of a run of quiet steps from the row of the first (``first``): the same
+    but for the step, its duration, the clock, the tokens so far and the categories (a quiet step changes nothing
+    else; a tuple spliced, not a ``StepStats`` built per row)."""
+    return (first[0] + ahead, *first[1:_DURATION], duration_s, elapsed_s, generated_tokens,
+            *first[_DURATION + 3:len(STEP_FIELDS)], *categories, *first[len(STEP_FIELDS) + len(CATEGORIES):])
 
 
 REJECTION_REASONS = {"max_model_len": "longer than max_model_len (prompt + output)",

@@ -352,7 +352,8 @@ def probe_step_overhead(url: str, model: str, simulation: SimConfig, vocab: int,
 def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | None = None,
                   progress: Callable[[str], None] = print, stop: threading.Event | None = None) -> VLLMTwinResult:
     """Calibrate (unless ``profile`` is given), start the server (or use ``config.url``), warm it up, then run
-    each workload ``config.repeats`` times against it and score the simulator's prediction of each run."""
+    each workload ``config.repeats`` times against it and score the simulator's prediction of each run, priced with
+    the step overhead probed before and after it (``probe_step_overhead``)."""
     if config.url is not None:
         check_server(config.url)  # a URL with no vLLM behind it fails now, not after the calibration
     profile = profile or calibrate(config, checkpoint, progress)

@@ -206,10 +206,11 @@ def bench_compare(repeats: int) -> list[dict]:
     """The Memory simulator's opening comparison (``simulator.default_comparison``: every allocator at the app's
     defaults) timed as ``compare`` runs it, with the quiet-step fast path (``engine.FAST_FORWARD``) and without it
     (every step planned, as before it), alternating in one run, serially, and the page's block-size sweep alike;
-    then the comparison with two worker processes (the page's). Checks the two serial paths give the same
-    summaries."""
+    then the comparison as the page runs an arrival-rate change: a new workload each time, two worker processes,
+    the runs kept (the slowest configurations first). Checks the two serial paths give the same summaries."""
     from . import engine
-    from . import BLOCK_SIZES, block_size_sweep, block_size_sweep_workloads, compare, make_configs, make_workload
+    from . import (BLOCK_SIZES, RunCache, block_size_sweep, block_size_sweep_workloads, compare, make_configs,
+                   make_workload)
     from .allocators import ALLOCATORS
     from .presets import APP_DEFAULTS as d
 
@@ -234,16 +235,20 @@ def bench_compare(repeats: int) -> list[dict]:
         engine.FAST_FORWARD = True
     if not tables[True].equals(tables[False]):
         raise AssertionError("the quiet-step fast path changed the default comparison's summaries")
-    compare(workload, configs, workers=2)  # the pool's start-up is not the comparison's
+    kept = RunCache(48)  # the page's: the configurations' last runs order the next ones, slowest first
+    compare(workload, configs, workers=2, reuse=kept)  # the pool's start-up is not the comparison's
     parallel = []
-    for _ in range(repeats):
+    for repeat in range(repeats):  # as the page runs an arrival-rate change: a workload not run yet, each time
+        changed = make_workload(d["preset"], num_requests=d["num_requests"], rate=d["rate"] + 0.01 * (repeat + 1),
+                                max_model_len=d["max_model_len"])
         start = time.perf_counter()
-        compare(workload, configs, workers=2)
+        compare(changed, configs, workers=2, reuse=kept)
         parallel.append(time.perf_counter() - start)
     rows = [{"case": f"default comparison ({len(configs)} configs), {name}", "value": statistics.median(values),
              "unit": "s", "min": min(values), "max": max(values)}
             for name, values in (("serial, every step planned (before)", times[False]),
-                                 ("serial, quiet steps at once", times[True]), ("2 worker processes", parallel))]
+                                 ("serial, quiet steps at once", times[True]),
+                                 ("2 worker processes, a new arrival rate each time (the page's)", parallel))]
     rows += [{"case": f"block-size sweep ({len(BLOCK_SIZES)} sizes x 2 workloads of 300), {name}",
               "value": statistics.median(values), "unit": "s", "min": min(values), "max": max(values)}
              for name, values in (("every step planned (before)", sweeps[False]),

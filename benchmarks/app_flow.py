@@ -190,12 +190,14 @@ class FlowPage:
         self.url = url
 
     def load(self) -> float:
+        """Seconds to open the page until it is current (the first visit: its run included)."""
         started = time.perf_counter()
         self.page.goto(f"{self.url}/memory_simulator", timeout=60_000)
         settle(self.page, True, recheck_ms=0)
         return time.perf_counter() - started
 
     def reload(self) -> float:
+        """Seconds to reload the page until it is current (a new session on a warm server)."""
         started = time.perf_counter()
         self.page.reload()
         settle(self.page, True, recheck_ms=0)

@@ -499,10 +499,10 @@ class Scheduler:
         vllm = self.config.scheduling == "vllm"
         return self._admission_fails(head, min(budget, self._prompt_cap()) if vllm and len(head.seqs) == 1 else None)
 
-    def quiet_step_stats(self, ahead: int, duration_s: float, elapsed_s: float, generated_tokens: int) -> StepStats:
-        """The ``StepStats`` of the ``ahead``-th (from 1) of the quiet steps about to be skipped."""
-        return self._stats(SchedulerOutput(self.num_steps + ahead, num_decode_seqs=len(self.running)), duration_s,
-                           elapsed_s, generated_tokens)
+    def quiet_step_stats(self) -> StepStats:
+        """The ``StepStats`` of the first of the quiet steps about to be skipped, but for its times and tokens
+        (the later ones differ from it only in those and the step)."""
+        return self._stats(SchedulerOutput(self.num_steps + 1, num_decode_seqs=len(self.running)), 0.0, 0.0, 0)
 
     def skip_quiet_steps(self, steps: int) -> None:
         """Count ``steps`` quiet steps (``quiet_decode_steps``) as run: each running sequence is ``steps`` tokens

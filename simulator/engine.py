@@ -502,7 +502,7 @@ class Simulator:
             durations.append(duration)
             if metrics.due(self.iteration + ahead):
                 if first_row is None:
-                    first_row = row(scheduler.quiet_step_stats(1, 0.0, 0.0, 0), first.categories(),
+                    first_row = row(scheduler.quiet_step_stats(), first.categories(),
                                     self.num_preemptions, self._prefix_cache_hits())
                 shift = (ahead - 1) * batch
                 metrics.append(quiet_row(first_row, ahead - 1, duration, time, generated,

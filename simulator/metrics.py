@@ -136,18 +136,20 @@ def row(stats: StepStats, categories: tuple, preemptions: int, prefix_cache_hits
     return (*_step_fields(stats), *categories, preemptions, prefix_cache_hits)
 
 
-_DURATION = STEP_FIELDS.index("duration_s")
-if STEP_FIELDS[0] != "step" or STEP_FIELDS[_DURATION:_DURATION + 3] != ("duration_s", "elapsed_s", "generated_tokens"):
-    raise ImportError(f"quiet_row splices StepStats' fields by position; their order changed: {STEP_FIELDS}")
+_STEP, _DURATION, _ELAPSED, _GENERATED = map(STEP_FIELDS.index, ("step", "duration_s", "elapsed_s", "generated_tokens"))
+_CATEGORY_COLUMNS = slice(len(STEP_FIELDS), len(STEP_FIELDS) + len(CATEGORIES))
 
 
 def quiet_row(first: tuple, ahead: int, duration_s: float, elapsed_s: float, generated_tokens: int,
               categories: tuple) -> tuple:
     """The row of the ``ahead``-th (from 0) of a run of quiet steps from the row of the first (``first``): the same
     but for the step, its duration, the clock, the tokens so far and the categories (a quiet step changes nothing
-    else; a tuple spliced, not a ``StepStats`` built per row)."""
-    return (first[0] + ahead, *first[1:_DURATION], duration_s, elapsed_s, generated_tokens,
-            *first[_DURATION + 3:len(STEP_FIELDS)], *categories, *first[len(STEP_FIELDS) + len(CATEGORIES):])
+    else; a row edited, not a ``StepStats`` built per row)."""
+    values = list(first)
+    values[_STEP] += ahead
+    values[_DURATION], values[_ELAPSED], values[_GENERATED] = duration_s, elapsed_s, generated_tokens
+    values[_CATEGORY_COLUMNS] = categories
+    return tuple(values)
 
 
 REJECTION_REASONS = {"max_model_len": "longer than max_model_len (prompt + output)",

@@ -30,7 +30,7 @@ __all__ = ["simulate", "compare", "closed_form_checks", "make_workload", "Simula
            "Snapshot", "Workload", "SyntheticSpec", "TraceFormatError", "ALLOCATORS", "CATEGORIES", "MODELS", "GPUS",
            "SYNTHETIC_PRESETS", "load_trace", "load_trace_bytes", "synthetic_workload", "make_configs",
            "figure2_experiment", "PAPER_FIGURE2_TOKEN_STATES", "CostModel", "get_model", "get_gpu",
-           "kv_capacity_tokens", "RunCache", "block_size_sweep", "block_size_sweep_workloads", "BLOCK_SIZES", "APP_DEFAULTS", "default_comparison"]
+           "kv_capacity_tokens", "RunCache", "block_size_sweep", "block_size_sweep_workloads", "BLOCK_SIZES", "APP_DEFAULTS", "default_inputs", "default_comparison"]
 
 
 def make_workload(workload: str | Path | Workload, num_requests: int | None = None, seed: int = 0,
@@ -145,13 +145,19 @@ def _run_all(workload: Workload, configs: list[SimConfig], workers: int,
     return runs
 
 
-def default_comparison(num_requests: int = APP_DEFAULTS["num_requests"]):
-    """The page's opening comparison: every allocator, paged at ``APP_DEFAULTS``' block size, on its workload."""
+def default_inputs(num_requests: int = APP_DEFAULTS["num_requests"], rate: float = APP_DEFAULTS["rate"]):
+    """The page's opening workload (``APP_DEFAULTS``, at ``rate``) and configurations: every allocator, paged at
+    the default block size."""
     d = APP_DEFAULTS
-    workload = make_workload(d["preset"], num_requests=num_requests, rate=d["rate"], max_model_len=d["max_model_len"])
+    workload = make_workload(d["preset"], num_requests=num_requests, rate=rate, max_model_len=d["max_model_len"])
     configs = make_configs(list(ALLOCATORS), [d["block_size"]], model=d["model"], gpu=d["gpu"],
                            max_model_len=d["max_model_len"])
-    return compare(workload, configs)
+    return workload, configs
+
+
+def default_comparison(num_requests: int = APP_DEFAULTS["num_requests"]):
+    """The page's opening comparison (``default_inputs``)."""
+    return compare(*default_inputs(num_requests))
 
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)

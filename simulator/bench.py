@@ -209,15 +209,10 @@ def bench_compare(repeats: int) -> list[dict]:
     then the comparison as the page runs an arrival-rate change: a new workload each time, two worker processes,
     the runs kept (the slowest configurations first). Checks the two serial paths give the same summaries."""
     from . import engine
-    from . import (BLOCK_SIZES, RunCache, block_size_sweep, block_size_sweep_workloads, compare, make_configs,
-                   make_workload)
-    from .allocators import ALLOCATORS
+    from . import BLOCK_SIZES, RunCache, block_size_sweep, block_size_sweep_workloads, compare, default_inputs
     from .presets import APP_DEFAULTS as d
 
-    workload = make_workload(d["preset"], num_requests=d["num_requests"], rate=d["rate"],
-                             max_model_len=d["max_model_len"])
-    configs = make_configs(list(ALLOCATORS), [d["block_size"]], model=d["model"], gpu=d["gpu"],
-                           max_model_len=d["max_model_len"])
+    workload, configs = default_inputs()
     sweep_workloads = block_size_sweep_workloads(workload, d["max_model_len"], 300)
     sweep_config = configs[-1]
     times, tables, sweeps = {True: [], False: []}, {}, {True: [], False: []}
@@ -239,8 +234,7 @@ def bench_compare(repeats: int) -> list[dict]:
     compare(workload, configs, workers=2, reuse=kept)  # the pool's start-up is not the comparison's
     parallel = []
     for repeat in range(repeats):  # as the page runs an arrival-rate change: a workload not run yet, each time
-        changed = make_workload(d["preset"], num_requests=d["num_requests"], rate=d["rate"] + 0.01 * (repeat + 1),
-                                max_model_len=d["max_model_len"])
+        changed, _ = default_inputs(rate=d["rate"] + 0.01 * (repeat + 1))
         start = time.perf_counter()
         compare(changed, configs, workers=2, reuse=kept)
         parallel.append(time.perf_counter() - start)

@@ -6,7 +6,7 @@ import pytest
 
 import simulator.engine as engine_module
 from lab.scheduler import Scheduler
-from simulator import ALLOCATORS, APP_DEFAULTS, make_configs, make_workload, run_simulation
+from simulator import ALLOCATORS, default_inputs, make_workload, run_simulation
 from simulator.engine import SimConfig
 
 
@@ -78,8 +78,6 @@ def test_quiet_steps_stop_at_snapshots_and_clusters_agree(monkeypatch):
 def test_the_default_comparison_is_unchanged(monkeypatch):
     """The Memory simulator's opening comparison (every allocator at the app's defaults): the same summary numbers
     with and without the fast path."""
-    d = APP_DEFAULTS
-    workload = make_workload(d["preset"], num_requests=400, rate=d["rate"], max_model_len=d["max_model_len"])
-    for config in make_configs(list(ALLOCATORS), [d["block_size"]], model=d["model"], gpu=d["gpu"],
-                               max_model_len=d["max_model_len"]):
+    workload, configs = default_inputs(400)
+    for config in configs:
         assert_identical(run(workload, config, False, monkeypatch)[0], run(workload, config, True, monkeypatch)[0])

@@ -191,15 +191,15 @@ class FlowPage:
 
     def load(self) -> float:
         """Seconds to open the page until it is current (the first visit: its run included)."""
-        started = time.perf_counter()
-        self.page.goto(f"{self.url}/memory_simulator", timeout=60_000)
-        settle(self.page, True, recheck_ms=0)
-        return time.perf_counter() - started
+        return self._loaded(lambda: self.page.goto(f"{self.url}/memory_simulator", timeout=60_000))
 
     def reload(self) -> float:
         """Seconds to reload the page until it is current (a new session on a warm server)."""
+        return self._loaded(self.page.reload)
+
+    def _loaded(self, navigate) -> float:
         started = time.perf_counter()
-        self.page.reload()
+        navigate()
         settle(self.page, True, recheck_ms=0)
         return time.perf_counter() - started
 

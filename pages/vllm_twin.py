@@ -138,7 +138,7 @@ def draw(twin: LiveTwin) -> None:
                    f"({twin.step_overhead_s * 1e3:+.2f} ms as probed around this run); "
                    f"{calibration.request_overhead_s * 1e3:.1f} ms per request to reach the engine, "
                    f"{calibration.request_interval_s * 1e3:.2f} ms per request in vLLM's API process"
-                   f"{' (the largest value searched: the fit may want more)' if calibration.interval_at_bound else ''}. "
+                   f"{calibration.bound_note}. "
                    f"The profile of vLLM's engine ({twin.profile_source}): {len(twin.profile.samples)} step shapes, "
                    f"held-out error median {twin.profile.holdout_median_rel_error:.1%}.")
     if run is not None:

@@ -152,6 +152,11 @@ class ServerCalibration:
     table: pd.DataFrame = field(default_factory=pd.DataFrame)
     interval_at_bound: bool = False  # the request interval's search ended at its largest value (INTERVALS_S)
 
+    @property
+    def bound_note(self) -> str:
+        """What to say after the request interval when its search ended at its bound ("" otherwise)."""
+        return " (the largest value searched: the fit may want more)" if self.interval_at_bound else ""
+
     def priced(self, profile: Profile) -> Profile:
         """``profile`` with every step ``step_overhead_s`` longer (its constant term)."""
         coefficients = dict(profile.coefficients)
@@ -290,6 +295,13 @@ def _fixed(count: int, prompt: int, output: int) -> Workload:
                     np.full(count, output, dtype=np.int64)).check()
 
 
+def _measured(url: str, model: str, workload: Workload, simulation: SimConfig, vocab: int, seed: int):
+    """A calibration workload served (random prompts from ``seed``) and simulated: the run, the server's latency
+    summary and the simulator's (``simulation``, no frontend)."""
+    run = run_server_workload(url, server_requests(workload, vocab, seed), model, poll_s=60.0)
+    return run, latency_summary(_requests_frame(workload, run)), simulate_run(workload, run, simulation).summary
+
+
 def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, seed: int = 0) -> ServerCalibration:
     """Measure ``ServerCalibration`` on the server, each run ``CALIBRATION_REPEATS`` times: decode batches of
     ``CALIBRATION_BATCHES`` requests sent together (96-token prompts, 64 tokens each; the median of the server's TPOT
@@ -301,20 +313,16 @@ def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, se
     for repeat in range(CALIBRATION_REPEATS):
         for batch in CALIBRATION_BATCHES:
             workload = _fixed(batch, 96, 64)
-            run = run_server_workload(url, server_requests(workload, vocab, seed + 10 * repeat + batch), model,
-                                      poll_s=60.0)
-            batches.append((workload, run, latency_summary(_requests_frame(workload, run))))
-            rows.append(("decode tpot", batch, batches[-1][2]["tpot_p50_s"],
-                         simulate_run(workload, run, simulation).summary["tpot_p50_s"]))
+            run, real, simulated = _measured(url, model, workload, simulation, vocab, seed + 10 * repeat + batch)
+            batches.append((workload, run, real))
+            rows.append(("decode tpot", batch, real["tpot_p50_s"], simulated["tpot_p50_s"]))
     step = ServerCalibration(float(np.median([real - simulated for _, _, real, simulated in rows])))
     priced = replace(simulation, profile=step.priced(simulation.profile))
     for repeat in range(CALIBRATION_REPEATS):
         for length in CALIBRATION_PROMPTS:
-            workload = _fixed(1, length, 2)
-            run = run_server_workload(url, server_requests(workload, vocab, seed + 100 * repeat + length), model,
-                                      poll_s=60.0)
-            real = latency_summary(_requests_frame(workload, run))["ttft_p50_s"]
-            rows.append(("single ttft", length, real, simulate_run(workload, run, priced).summary["ttft_p50_s"]))
+            _, real, simulated = _measured(url, model, _fixed(1, length, 2), priced, vocab,
+                                           seed + 100 * repeat + length)
+            rows.append(("single ttft", length, real["ttft_p50_s"], simulated["ttft_p50_s"]))
     overhead = max(0.0, float(np.median([real - sim for kind, _, real, sim in rows if kind == "single ttft"])))
 
     def misfit(interval: float) -> float:
@@ -338,12 +346,10 @@ def probe_step_overhead(url: str, model: str, simulation: SimConfig, vocab: int,
     hand-overs, the API process) drifts on this VM while a server runs, by more than the twin's goals; the engine's
     own compute, the profile's terms, drifts far less. So a run is priced with the overhead probed around it
     (docs/vllm_twin.md)."""
-    workload = _fixed(*PROBE)
-    run = run_server_workload(url, server_requests(workload, vocab, seed), model, poll_s=60.0)
+    run, real, simulated = _measured(url, model, _fixed(*PROBE), simulation, vocab, seed)
     if run.problems:
         raise PeerError(f"the step-overhead probe failed: {'; '.join(run.problems[:3])}")
-    real = latency_summary(_requests_frame(workload, run))["tpot_p50_s"]
-    simulated = simulate_run(workload, run, simulation).summary["tpot_p50_s"]
+    real, simulated = real["tpot_p50_s"], simulated["tpot_p50_s"]
     if not (math.isfinite(real) and math.isfinite(simulated)):
         raise PeerError(f"the step-overhead probe measured a TPOT of {real!r} s against {simulated!r} s simulated")
     return real - simulated
@@ -380,8 +386,7 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
         calibration = result.calibration = calibrate_server(url, model, simulation, vocab, config.seed + 7)
         progress(f"server steps +{calibration.step_overhead_s * 1e3:.2f} ms over the engine's; request overhead "
                  f"{calibration.request_overhead_s * 1e3:.1f} ms, {calibration.request_interval_s * 1e3:.2f} ms per "
-                 f"request in the API process" + (" (the largest value searched: the fit may want more)"
-                                                  if calibration.interval_at_bound else ""))
+                 f"request in the API process{calibration.bound_note}")
         priced = replace(simulation, profile=calibration.priced(profile))
         shifts = [probe_step_overhead(url, model, priced, vocab, config.seed + 500)]
         tables = []

@@ -2,6 +2,8 @@
 readable CSV with the documented columns, bad input shows an error element (never a traceback)."""
 import io
 import re
+import subprocess
+import sys
 from pathlib import Path, PurePosixPath
 
 import pandas as pd
@@ -55,11 +57,27 @@ def downloads(monkeypatch):
     return files
 
 
+def test_worker_processes_that_import_app_py_do_not_start_the_app():
+    # multiprocessing's workers import the main script again as __mp_main__ (the simulator's pool, forkserver)
+    code = ("import runpy, sys; runpy.run_path('app.py', run_name='__mp_main__'); "
+            "print('streamlit' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
+def test_no_pages_folder_beside_app_py():
+    # Streamlit runs a fresh server's first page from a pages/ folder beside the main script (its first multipage
+    # API) before app.py's st.navigation: the page ran twice on the first load
+    assert not (ROOT / "pages").exists()
+    assert (ROOT / "app_pages" / "memory_simulator.py").exists()
+
+
 def open_page(page: str) -> AppTest:
     app = AppTest.from_file(str(ROOT / "app.py"), default_timeout=180)
     app.run()
     if page != "overview":
-        app.switch_page(f"pages/{page}.py")
+        app.switch_page(f"app_pages/{page}.py")
         app.run()
     return app
 
@@ -329,7 +347,7 @@ def test_block_pool_draws_one_host_pool_for_swapping_and_the_tier():
 
 def test_benchmarks_page_lists_results_and_rejects_bad_csv(downloads):
     app = open_page("memory_simulator")
-    app.switch_page("pages/benchmarks.py")
+    app.switch_page("app_pages/benchmarks.py")
     app.run()
     clean(app)
     listing = app.session_state["results"].listing()

@@ -8,12 +8,12 @@ import networkx as nx
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = {"paged_kernels": 0, "lab": 1, "simulator": 2, "pages": 3, "app": 3}
+LAYERS = {"paged_kernels": 0, "lab": 1, "simulator": 2, "app_pages": 3, "app": 3}
 
 
 def _modules() -> dict[str, Path]:
     modules = {"app": ROOT / "app.py"}
-    for package in ("paged_kernels", "lab", "simulator", "pages"):
+    for package in ("paged_kernels", "lab", "simulator", "app_pages"):
         for path in (ROOT / package).rglob("*.py"):
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
             modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
@@ -58,7 +58,7 @@ def test_the_graph_sees_every_kind_of_import():
     assert graph.has_edge("simulator.cli", "simulator.cli_twin")  # inside a function
     assert graph.has_edge("paged_kernels.cupy_backend", "paged_kernels.validate")  # from . import module
     assert graph.has_edge("lab.engine", "lab.scheduler")  # from .module import name
-    assert graph.has_edge("pages.sweeps", "simulator")  # import package
+    assert graph.has_edge("app_pages.sweeps", "simulator")  # import package
 
 
 def test_arrows_point_down_the_layers():

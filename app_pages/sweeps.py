@@ -9,7 +9,7 @@ from simulator.plan import HOST_PRICE_PER_GIB_HOUR, plan_capacity
 from simulator.sweep import (SIM_FIELDS, WORKLOAD_FIELDS, default_store_path, failed_runs, read_table, run_sweep,
                              runs_failing_checks)
 from lab.errors import user_errors
-from pages._ui import chart, csv_download, results_store, show_error
+from app_pages._ui import chart, csv_download, results_store, show_error
 
 STORE = default_store_path()  # the user's own: finished runs survive reruns of the page
 

@@ -4,7 +4,7 @@ from lab.results import settings_of
 from simulator import charts
 from simulator.paper import FIGURES, SAVED_RUN, TINY, compute_figures, load_figures, run_settings
 from lab.errors import user_errors
-from pages._ui import chart, csv_download, results_store, show_error
+from app_pages._ui import chart, csv_download, results_store, show_error
 
 st.title("The vLLM paper, reproduced")
 st.caption("Kwon et al., SOSP 2023: the simulator's numbers beside the paper's, figure by figure, with a verdict "

@@ -9,7 +9,7 @@ from lab.charts import kernel_bandwidth_figure, kernel_time_figure
 from lab.live import throttled
 from lab.results import settings_of
 from lab.errors import InputError, user_errors
-from pages._ui import chart, csv_download, results_store, show_error
+from app_pages._ui import chart, csv_download, results_store, show_error
 
 cached_check = st.cache_data(check_against_reference, show_spinner="checking against the reference…")
 SHAPES = {"Qwen3-0.6B/1.7B (16 q / 8 kv heads)": (16, 8), "Qwen3-4B/8B (32 / 8)": (32, 8),

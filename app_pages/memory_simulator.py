@@ -9,7 +9,7 @@ import simulator
 from simulator import charts, report
 from simulator.metrics import rejection_warning
 from lab.errors import InputError, user_errors
-from pages._ui import chart, csv_download, results_store, scheduling_radio, show_error
+from app_pages._ui import chart, csv_download, results_store, scheduling_radio, show_error
 
 cached_workload = st.cache_data(simulator.make_workload, show_spinner=False)
 DEFAULTS = simulator.APP_DEFAULTS

@@ -5,7 +5,7 @@ from lab.live import throttled
 from lab.results import settings_of
 from simulator.pool_frames import PoolRunConfig, busiest_frame, record_pool_frames
 from lab.errors import user_errors
-from pages._ui import chart, csv_download, show_error
+from app_pages._ui import chart, csv_download, show_error
 
 st.title("Block pool")
 st.caption("Every physical KV block, coloured by the sequence that holds it; ● marks shared blocks with their "

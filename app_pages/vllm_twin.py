@@ -8,7 +8,7 @@ from lab.errors import user_errors
 from lab.model import PRESETS, checkpoint_dir
 from lab.peer import PeerError, missing_reason
 from lab.results import settings_of
-from pages._ui import chart, csv_download, show_error
+from app_pages._ui import chart, csv_download, show_error
 from simulator.vllm_live import LiveTwin, Phase, live_series
 from simulator.vllm_twin import METRIC_LABELS, WORKLOADS, VLLMTwinConfig
 

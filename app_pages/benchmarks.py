@@ -3,7 +3,7 @@ import streamlit as st
 from lab.charts import headline_figure
 from lab.results import headline_results, read_recorded, recorded_results, settings_of
 from lab.errors import user_errors
-from pages._ui import chart, csv_download, results_store, show_error
+from app_pages._ui import chart, csv_download, results_store, show_error
 
 st.title("Benchmarks")
 st.caption("The lab's headline figures as last recorded in this repository, each against its goal; then every "

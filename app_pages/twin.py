@@ -9,7 +9,7 @@ from lab.profile import GRIDS, Profile, extrapolation_warning, profile_engine
 from simulator import charts
 from simulator.twin import TwinConfig, run_twin, twin_workload
 from lab.errors import InputError, user_errors
-from pages._ui import chart, csv_download, results_store, scheduling_radio, show_error
+from app_pages._ui import chart, csv_download, results_store, scheduling_radio, show_error
 
 CALIBRATION_REDRAW_S = 2.0  # a redraw per scenario slowed the steps being measured (lab.live.throttled)
 

@@ -11,7 +11,7 @@ from lab.live import RuntimeRunConfig, run_runtime, throttled
 from lab.model import load_hf_model
 from lab.results import settings_of
 from lab.errors import user_errors
-from pages._ui import chart, csv_download, results_store, scheduling_radio, show_error
+from app_pages._ui import chart, csv_download, results_store, scheduling_radio, show_error
 
 st.title("Qwen3 runtime")
 st.caption("The paged engine serving a request mix: continuous batching, prefix caching, preemption, live.")

@@ -10,7 +10,7 @@ from lab.results import ResultStore, export_name, to_csv_bytes, with_settings
 
 
 def _enter_through_app() -> None:
-    """Route a page opened by its own URL through ``app.py``. Streamlit treats an app with a ``pages/`` folder as an
+    """Route a page opened by its own URL through ``app.py``. Streamlit treats an app with a ``app_pages/`` folder as an
     old-style multipage app until some session has run the entry script's ``st.navigation``; until then a deep link
     (a bookmark of ``/twin`` on a freshly started server) ran the page file alone: no wide layout, and a sidebar
     listing the folder's files (``_ui`` included). The flag is process-wide, so this acts at most once; the rerun

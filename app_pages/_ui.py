@@ -1,30 +1,10 @@
-"""Streamlit glue shared by the pages: deep links routed through app.py, the session's result store, error display,
-CSV downloads, charts."""
+"""Streamlit glue shared by the pages: the session's result store, error display, CSV downloads, charts."""
 from __future__ import annotations
 
 import streamlit as st
 
 from lab.errors import LabError
 from lab.results import ResultStore, export_name, to_csv_bytes, with_settings
-
-
-
-def _enter_through_app() -> None:
-    """Route a page opened by its own URL through ``app.py``. Streamlit treats an app with a ``app_pages/`` folder as an
-    old-style multipage app until some session has run the entry script's ``st.navigation``; until then a deep link
-    (a bookmark of ``/twin`` on a freshly started server) ran the page file alone: no wide layout, and a sidebar
-    listing the folder's files (``_ui`` included). The flag is process-wide, so this acts at most once; the rerun
-    runs ``app.py``, whose navigation resolves the same URL."""
-    try:
-        from streamlit.runtime.pages_manager import PagesManager
-    except ImportError:  # another Streamlit layout: nothing to correct
-        return
-    if getattr(PagesManager, "uses_pages_directory", None):
-        PagesManager.uses_pages_directory = False
-        st.rerun()
-
-
-_enter_through_app()  # each page imports this module first, so it runs before the page draws anything
 
 
 def results_store() -> ResultStore:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -98,10 +97,10 @@ class LiveTwin:
             simulation = sim_config(self.config, self.cache, self.profile)
             if self.calibration is None:
                 self.calibration = calibrate_server(url, model, simulation, vocab, self.config.seed + 7)
-            priced = replace(simulation, profile=self.calibration.priced(self.profile))
+            priced = self.calibration.applied(simulation, self.profile)
             shift = probe_step_overhead(url, model, priced, vocab, self.config.seed + 500)
             now = self.calibration.shifted(shift)  # the overhead as probed before the run
-            simulation = replace(simulation, profile=now.priced(self.profile))
+            simulation = now.applied(simulation, self.profile)
             self.step_overhead_s = now.step_overhead_s
             planned = ServerRun(pd.DataFrame({"sent_s": self.workload.arrival_s}), pd.DataFrame(),
                                 pd.DataFrame(), 0.0, 0.0)
@@ -119,10 +118,10 @@ class LiveTwin:
                 if not self.run.stopped:  # and after it: the prediction of the run is priced with both
                     shift = (shift + probe_step_overhead(url, model, priced, vocab, self.config.seed + 501)) / 2
                     now = self.calibration.shifted(shift)
-                    simulation = replace(simulation, profile=now.priced(self.profile))
+                    simulation = now.applied(simulation, self.profile)
                 self.step_overhead_s = now.step_overhead_s
                 self.prediction = simulate_run(self.workload, self.run, simulation, now)
-                self.table = score(self.workload, self.run, simulation, now)
+                self.table = score(self.workload, self.run, simulation, now, self.prediction)
             self.phase = Phase.DONE
         except Exception as exc:  # shown on the page; the thread must not die silently
             self.error, self.phase = f"{type(exc).__name__}: {exc}", Phase.FAILED

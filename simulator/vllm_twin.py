@@ -163,6 +163,10 @@ class ServerCalibration:
         coefficients["constant"] = coefficients.get("constant", 0.0) + self.step_overhead_s
         return replace(profile, coefficients=coefficients)
 
+    def applied(self, simulation: SimConfig, profile: Profile) -> SimConfig:
+        """``simulation`` with its steps priced by ``profile`` plus the step overhead (``priced``)."""
+        return replace(simulation, profile=self.priced(profile))
+
     def shifted(self, seconds: float) -> "ServerCalibration":
         """The step overhead ``seconds`` longer (``probe_step_overhead``), never below none: the server's steps do
         not run faster than its engine's alone."""
@@ -212,10 +216,11 @@ def _usage_error(run: ServerRun, timeseries: pd.DataFrame, usable_blocks: int) -
 
 
 def score(workload: Workload, run: ServerRun, config: SimConfig,
-          calibration: ServerCalibration | None = None) -> pd.DataFrame:
+          calibration: ServerCalibration | None = None, result=None) -> pd.DataFrame:
     """One row per metric of ``GOALS``: the server's value, the simulator's, the error (relative, points or a
-    count, per ``GOALS``), the goal and whether it is met."""
-    result = simulate_run(workload, run, config, calibration)
+    count, per ``GOALS``), the goal and whether it is met. ``result``: ``simulate_run``'s, when already made."""
+    if result is None:
+        result = simulate_run(workload, run, config, calibration)
     real = latency_summary(_requests_frame(workload, run))
     simulated = result.summary
     rows = []
@@ -317,7 +322,7 @@ def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, se
             batches.append((workload, run, real))
             rows.append(("decode tpot", batch, real["tpot_p50_s"], simulated["tpot_p50_s"]))
     step = ServerCalibration(float(np.median([real - simulated for _, _, real, simulated in rows])))
-    priced = replace(simulation, profile=step.priced(simulation.profile))
+    priced = step.applied(simulation, simulation.profile)
     for repeat in range(CALIBRATION_REPEATS):
         for length in CALIBRATION_PROMPTS:
             _, real, simulated = _measured(url, model, _fixed(1, length, 2), priced, vocab,
@@ -387,7 +392,7 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
         progress(f"server steps +{calibration.step_overhead_s * 1e3:.2f} ms over the engine's; request overhead "
                  f"{calibration.request_overhead_s * 1e3:.1f} ms, {calibration.request_interval_s * 1e3:.2f} ms per "
                  f"request in the API process{calibration.bound_note}")
-        priced = replace(simulation, profile=calibration.priced(profile))
+        priced = calibration.applied(simulation, profile)
         shifts = [probe_step_overhead(url, model, priced, vocab, config.seed + 500)]
         tables = []
         for name in config.workloads:
@@ -406,7 +411,7 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
                 result.runs[(name, repeat)] = run
                 shifts.append(probe_step_overhead(url, model, priced, vocab, config.seed + 500 + len(shifts)))
                 now = calibration.shifted((shifts[-2] + shifts[-1]) / 2)  # probed before and after the run
-                table = score(workload, run, replace(simulation, profile=now.priced(profile)), now)
+                table = score(workload, run, now.applied(simulation, profile), now)
                 tables.append(table.assign(workload=name, run=repeat, run_step_overhead_s=now.step_overhead_s))
         result.table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()
         return result

@@ -309,6 +309,10 @@ def test_a_probed_step_overhead_shifts_the_calibration_and_never_below_none():
     assert (shifted.request_overhead_s, shifted.request_interval_s) == (0.003, 0.001)
     profile = flat_profile()
     assert shifted.priced(profile).coefficients["constant"] == pytest.approx(0.002 + 0.003)
+    from simulator.engine import SimConfig
+
+    simulation = shifted.applied(SimConfig(block_size=32, max_num_seqs=7), profile)
+    assert simulation.max_num_seqs == 7 and simulation.profile.coefficients == shifted.priced(profile).coefficients
 
 
 @pytest.mark.parametrize("fake", [("html",)], indirect=True)

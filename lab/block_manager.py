@@ -360,13 +360,16 @@ class KVBlockManager:
         seq = self._seq(seq_id)
         self._flush_reserve()
         if seq.stream_key is not None:
+            prompt_blocks = seq.stream_blocks  # its prompt's (the tier keeps prompt blocks only, as the engine's)
             if sampled:
                 seq.stream_blocks = max(seq.stream_blocks, seq.num_tokens // self.block_size)
             if seq.stream_registered < seq.stream_blocks:
                 self._share(seq)  # its blocks get cache keys
-                seq.parent_content_id = self.prefix_cache.register_stream(seq.parent_content_id, seq.stream_key,
-                                                                         seq.block_table, seq.stream_registered,
-                                                                         seq.stream_blocks)
+                register, parent = self.prefix_cache.register_stream, seq.parent_content_id
+                split = max(seq.stream_registered, prompt_blocks)
+                parent = register(parent, seq.stream_key, seq.block_table, seq.stream_registered, split)
+                seq.parent_content_id = register(parent, seq.stream_key, seq.block_table, split, seq.stream_blocks,
+                                                 prompt=False)
                 seq.stream_registered = seq.stream_blocks
             return
         full = seq.num_tokens // self.block_size

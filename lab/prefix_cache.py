@@ -151,12 +151,13 @@ class PrefixCache:
             return parent_content_id
         return self._register((parent_content_id, tuple(tokens)), block, prompt)
 
-    def register_stream(self, parent_content_id: int, stream_key, table, first: int, end: int) -> int:
-        """Cache the stream's full blocks ``first <= j < end`` (``table[j]``) under stream keys; returns the content
-        id after the last."""
+    def register_stream(self, parent_content_id: int, stream_key, table, first: int, end: int,
+                        prompt: bool = True) -> int:
+        """Cache the stream's full blocks ``first <= j < end`` (``table[j]``) under stream keys (``prompt``: as part of
+        a prompt, else sampled); returns the content id after the last."""
         parent = parent_content_id
         for index in range(first, end):
-            parent = self._register((parent, STREAM, stream_key, index), table[index], True)
+            parent = self._register((parent, STREAM, stream_key, index), table[index], prompt)
         return parent
 
     def _register(self, key: tuple, block: int, prompt: bool) -> int:

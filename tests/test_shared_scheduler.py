@@ -314,10 +314,16 @@ def test_a_long_prefill_threshold_out_of_place_is_refused(settings, words):
     FuzzCase([1, 1, 1, 1, 1, 16], [1, 1, 1, 1, 6, 6], 3, 0, 0, [0] * 6,
              dict(block_size=1, num_blocks=37, num_cpu_blocks=8, enable_prefix_caching=True,
                   scheduling="prefill-first", preemption_mode="swap", max_num_batched_tokens=4, max_num_seqs=6,
-                  kv_offload_blocks=16))], ids=["vllm-swap-tier-n2", "vllm-tier", "swap-tier-host-full"])
+                  kv_offload_blocks=16)),
+    FuzzCase([1, 1, 1], [1, 4, 4], 1, 0, 0, [0] * 3,
+             dict(block_size=1, num_blocks=6, num_cpu_blocks=0, enable_prefix_caching=True, scheduling="prefill-first",
+                  preemption_mode="recompute", max_num_batched_tokens=4, max_num_seqs=2, kv_offload_blocks=2))],
+    ids=["vllm-swap-tier-n2", "vllm-tier", "swap-tier-host-full", "tier-keeps-prompt-blocks-only"])
 def test_fuzz_finds_plan_alike(case):
-    """Cases a fuzz run found: the vllm policy with an offload tier (prompts taken whole, as the tier stores them), and
-    a swap-in whose evicted blocks find the shared host pool all taken by swapped sequences (nothing stored)."""
+    """Cases a fuzz run found: the vllm policy with an offload tier (prompts taken whole, as the tier stores them),
+    a swap-in whose evicted blocks find the shared host pool all taken by swapped sequences (nothing stored), and a
+    preempted sequence's sampled blocks, evicted for another's decode: not stored in the tier, which keeps prompt
+    blocks (the simulator cached a stream's sampled blocks as prompt blocks)."""
     _, results, real, simulated = engine_and_simulator_logs(case.prompts, case.outputs, n=case.n,
                                                             shared_prefix=case.shared_prefix, **case.engine)
     assert_same_plan(real, simulated)

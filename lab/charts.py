@@ -224,6 +224,9 @@ def system_comparison_figure(table: pd.DataFrame) -> go.Figure:
     return figure.update_layout(height=320, showlegend=False)
 
 
+HEADLINE_RATIO_SHOWN = 5.0
+
+
 def headline_figure(table: pd.DataFrame) -> go.Figure:
     """Each headline figure as a multiple of its goal (inverted where lower is better), so the line at 1 is the
     goal for all of them: green bars meet it, red ones do not."""
@@ -231,10 +234,19 @@ def headline_figure(table: pd.DataFrame) -> go.Figure:
     colours = ["#16a34a" if met else "#dc2626" for met in data["met"]]
     text = [f"{human_number(value)} {unit} (goal {goal})" for value, unit, goal in
             zip(data["latest"], data["unit"], data["goal"])]
-    figure = go.Figure(go.Bar(x=data["latest_over_goal"], y=data["benchmark"], orientation="h", marker_color=colours,
-                              text=text, textposition="auto", hovertemplate="%{y}<br>%{text}<extra></extra>"))
-    figure.add_vline(x=1.0, line_dash="dash", line_color="black", annotation_text="goal")
+    # a figure past HEADLINE_RATIO_SHOWN times its goal (or infinitely past it: a zero where lower is better) is drawn
+    # that long; its label says the figure
+    ratios = np.minimum(data["latest_over_goal"].to_numpy(dtype=float), HEADLINE_RATIO_SHOWN)
+    figure = go.Figure(go.Bar(x=ratios, y=data["benchmark"], orientation="h", marker_color=colours,
+                              customdata=text, hovertemplate="%{y}<br>%{customdata}<extra></extra>"))
+    # each figure written right of its bar or of the goal line, whichever ends later: never crossed by the line
+    label_x = np.maximum(ratios, 1.0) * 1.02
+    figure.add_trace(go.Scatter(x=label_x, y=data["benchmark"], mode="text", text=text, textposition="middle right",
+                                hoverinfo="skip", showlegend=False))
+    figure.add_vline(x=1.0, line_dash="dash", line_color="black", annotation_text="goal",
+                     annotation_position="bottom right")
     figure.update_layout(title="Latest figure against its goal (≥ 1 meets it)", height=120 + 40 * len(data),
-                         xaxis_title="latest / goal (goal / latest where lower is better)",
-                         yaxis=dict(autorange="reversed"), margin=dict(l=10, r=10, t=40, b=10))
+                         xaxis=dict(title="latest / goal (goal / latest where lower is better)",
+                                    range=[0, 1.9 * max(1.0, float(label_x.max()))]),
+                         yaxis=dict(autorange="reversed"), margin=dict(l=10, r=10, t=40, b=10), showlegend=False)
     return figure

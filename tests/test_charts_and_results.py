@@ -187,3 +187,20 @@ def test_stored_results_keep_their_settings_for_export():
     store.add("simulation", "b", pd.DataFrame({"x": [2]}), {"workload": "alpaca"})
     assert "workload" not in store.side_by_side(["a", "b"])
     assert store.side_by_side(["a", "b"], settings=True)["workload"].tolist() == ["sharegpt", "alpaca"]
+
+
+def test_the_headline_chart_writes_each_figure_clear_of_the_goal_line():
+    """Labels start right of their bar and of the goal line (a line through a number made it unreadable); a figure
+    infinitely past its goal (a zero where lower is better) is drawn capped, within the axis."""
+    from lab.charts import HEADLINE_RATIO_SHOWN, headline_figure
+
+    table = pd.DataFrame({"benchmark": ["below", "just above", "far above", "zero cost"],
+                          "latest": [0.5, 1.05, 3.0, 0.0], "unit": ["×", "×", "×", "%"], "goal": ["≥ 1"] * 3 + ["≤ 5"],
+                          "met": [False, True, True, True], "latest_over_goal": [0.5, 1.05, 3.0, float("inf")]})
+    figure = headline_figure(table)
+    bars, labels = figure.data
+    assert list(bars.x) == [0.5, 1.05, 3.0, HEADLINE_RATIO_SHOWN]
+    assert all(x > max(bar, 1.0) for x, bar in zip(labels.x, bars.x)) and labels.textposition == "middle right"
+    assert list(labels.text) == list(bars.customdata) and "0 % (goal ≤ 5)" in labels.text
+    low, high = figure.layout.xaxis.range
+    assert low == 0 and max(labels.x) * 1.5 < high < 20

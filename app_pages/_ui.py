@@ -1,10 +1,45 @@
 """Streamlit glue shared by the pages: the session's result store, error display, CSV downloads, charts."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import streamlit as st
 
 from lab.errors import LabError
 from lab.results import ResultStore, export_name, to_csv_bytes, with_settings
+
+
+@dataclass(frozen=True, slots=True)
+class PageEntry:
+    """One page of the app: its script, its title in the navigation, its icon and what it is for (the Overview's
+    list)."""
+
+    path: str
+    title: str
+    icon: str
+    blurb: str
+
+
+# The app's pages in navigation order (app.py's navigation and the Overview's list both read this)
+PAGES = (
+    PageEntry("app_pages/overview.py", "Overview", ":material/home:", "what paging is, and this machine"),
+    PageEntry("app_pages/memory_simulator.py", "Memory simulator", ":material/stacked_bar_chart:",
+              "contiguous vs paged on your traffic"),
+    PageEntry("app_pages/block_pool.py", "Block pool", ":material/grid_view:",
+              "watch paging, sharing and copy-on-write"),
+    PageEntry("app_pages/kernel_lab.py", "Kernel lab", ":material/memory:", "paged attention vs SDPA"),
+    PageEntry("app_pages/runtime.py", "Qwen3 runtime", ":material/smart_toy:", "the paged engine live"),
+    PageEntry("app_pages/twin.py", "Digital twin", ":material/compare:",
+              "the engine measured, then predicted by the simulator"),
+    PageEntry("app_pages/vllm_twin.py", "vLLM twin", ":material/dns:",
+              "a real vLLM server and the simulator's prediction of it, live"),
+    PageEntry("app_pages/paper.py", "vLLM paper", ":material/science:",
+              "its figures beside the simulator's, with verdicts"),
+    PageEntry("app_pages/sweeps.py", "Sweeps & planning", ":material/grid_on:",
+              "many runs on Ray, cheapest config for an SLO"),
+    PageEntry("app_pages/benchmarks.py", "Benchmarks", ":material/table_chart:",
+              "the headline figures against their goals, and every result of this session"),
+)
 
 
 def results_store() -> ResultStore:

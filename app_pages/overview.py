@@ -3,7 +3,7 @@ import streamlit as st
 from lab.charts import paging_diagram
 from lab.hardware import describe_hardware
 from lab.results import settings_of
-from app_pages._ui import chart, csv_download
+from app_pages._ui import PAGES, chart, csv_download
 
 hardware = st.cache_data(describe_hardware)
 
@@ -24,15 +24,8 @@ st.markdown(
     "online softmax — one thread block per (sequence, KV head) serving every query head of its GQA group.")
 chart(paging_diagram(), "paging_diagram")
 st.subheader("Pages")
-st.page_link("app_pages/memory_simulator.py", label="Memory simulator — contiguous vs paged on your traffic", icon=":material/stacked_bar_chart:")
-st.page_link("app_pages/block_pool.py", label="Block pool — watch paging, sharing and copy-on-write", icon=":material/grid_view:")
-st.page_link("app_pages/kernel_lab.py", label="Kernel lab — paged attention vs SDPA", icon=":material/memory:")
-st.page_link("app_pages/runtime.py", label="Qwen3 runtime — the paged engine live", icon=":material/smart_toy:")
-st.page_link("app_pages/twin.py", label="Digital twin — the engine measured, then predicted by the simulator", icon=":material/compare:")
-st.page_link("app_pages/paper.py", label="The vLLM paper — its figures beside the simulator's, with verdicts", icon=":material/science:")
-st.page_link("app_pages/sweeps.py", label="Sweeps & capacity planning — many runs on Ray, cheapest config for an SLO", icon=":material/grid_on:")
-st.page_link("app_pages/benchmarks.py", label="Benchmarks — the headline figures against their goals, and every result "
-             "of this session", icon=":material/table_chart:")
+for page in PAGES[1:]:
+    st.page_link(page.path, label=f"{page.title} — {page.blurb}", icon=page.icon)
 st.subheader("This machine")
 st.dataframe(hardware(), hide_index=True)
 csv_download(hardware(), "hardware", settings_of(), "dl_hardware")

@@ -534,6 +534,15 @@ def test_paper_page_runs_figures_and_exports(downloads):
     assert set(summary["figure"].astype(str)) == {"2", "19"} and app.get("plotly_chart")
 
 
+def test_the_overview_links_every_page_of_the_navigation():
+    """One list of pages (``app_pages._ui.PAGES``) makes the navigation and the Overview's list: none left out."""
+    from app_pages._ui import PAGES as ENTRIES
+
+    app = open_page("overview")
+    clean(app)
+    assert {link.proto.page for link in app.get("page_link")} == {Path(entry.path).stem for entry in ENTRIES[1:]}
+
+
 def test_benchmarks_page_opens_on_the_headline_figures_against_their_goals():
     from lab.results import HEADLINES
 

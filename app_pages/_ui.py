@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import streamlit as st
 
 from lab.errors import LabError
-from lab.results import ResultStore, export_name, to_csv_bytes, with_settings
+from lab.results import ResultStore, export_name, human_columns, human_label, to_csv_bytes, with_settings
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +76,26 @@ def show_error(exc: Exception) -> None:
     """The error's message, and for the lab's own errors what to do about it."""
     hint = "" if not isinstance(exc, LabError) else "  \nChange the setting or file it names and the page runs again."
     st.error(f"{exc}{hint}", icon=":material/error:")
+
+
+def data_table(frame, labels: dict | None = None, percent: tuple[str, ...] = (), formats: dict | None = None) -> None:
+    """``frame`` with its columns named for a person (``lab.results.human_columns``; ``labels`` first), the
+    ``percent`` columns (fractions) shown as percentages, ``formats`` (name: printf format) for others. Only the
+    display: an export keeps the names."""
+    labels, formats = labels or {}, {**dict.fromkeys(percent, "percent"), **(formats or {})}
+    st.dataframe(human_columns(frame, labels), hide_index=True, column_config={
+        labels.get(name) or human_label(name): st.column_config.NumberColumn(format=style)
+        for name, style in formats.items() if name in frame})
+
+
+def summary_table(frame, columns: list[str] | None = None) -> None:
+    """Simulator results (``columns`` of them; default all) as a person reads them: ``simulator.report.readable``'s
+    labels, fractions of the KV pool as percentages."""
+    from simulator import report
+
+    st.dataframe(report.readable(frame, list(frame.columns) if columns is None else columns), hide_index=True,
+                 column_config={label: st.column_config.NumberColumn(format="%.1f %%")
+                                for label in map(report.LABELS.get, report.PERCENT_COLUMNS)})
 
 
 def chart(figure, key: str) -> None:

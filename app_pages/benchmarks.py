@@ -3,7 +3,7 @@ import streamlit as st
 from lab.charts import headline_figure
 from lab.results import headline_results, read_recorded, recorded_results, settings_of
 from lab.errors import user_errors
-from app_pages._ui import chart, csv_download, results_store, show_error
+from app_pages._ui import chart, csv_download, data_table, results_store, show_error
 
 st.title("Benchmarks")
 st.caption("The lab's headline figures as last recorded in this repository, each against its goal; then every "
@@ -39,20 +39,19 @@ def session_results():
         st.info("No results yet: run the memory simulator, the kernel lab or the runtime, load a CSV, or add a "
                 "recorded result below.")
         return
-    st.dataframe(store.listing(), hide_index=True)
+    data_table(store.listing())
     csv_download(store.listing(), "results-listing", settings_of(), "dl_listing", "Download this list (CSV)")
     latest = store.results[store.names()[-1]]
     same_kind = [name for name, result in store.results.items() if result.kind == latest.kind][-2:]
     chosen = st.multiselect("Compare", store.names(), default=same_kind,
                             help="by default the two latest results of the latest result's kind")
     if chosen:
-        table = store.side_by_side(chosen)
-        st.dataframe(table, hide_index=True)
+        data_table(store.side_by_side(chosen))
         csv_download(store.side_by_side(chosen, settings=True), "comparison", settings_of(), "dl_comparison",
                      "Download the comparison CSV (each result with its settings)")
     for index, name in enumerate(store.names()):
         with st.expander(name):
-            st.dataframe(store.results[name].table, hide_index=True)
+            data_table(store.results[name].table)
             result = store.results[name]
             csv_download(result.table, result.kind, settings_of(result.settings, result=name),
                          f"dl_result_{index}")
@@ -65,14 +64,14 @@ def recorded():
         st.info("No recorded results (benchmarks/results/ is missing).")
         return
     st.caption("The figures the README quotes, from `benchmarks/results/`; each file's command reruns it.")
-    st.dataframe(listing, hide_index=True)
+    data_table(listing)
     file = st.selectbox("Show", listing["file"], key="recorded_file")
     try:
         table = read_recorded(file)
     except user_errors() as exc:
         show_error(exc)
         return
-    st.dataframe(table, hide_index=True)
+    data_table(table)
     csv_download(table, "recorded-" + file.removesuffix(".csv").replace("/", "-"), settings_of(source=file),
                  "dl_recorded")
     if st.button("Add to this session's results (to compare)", key="add_recorded"):

@@ -5,7 +5,7 @@ from lab.live import throttled
 from lab.results import settings_of
 from simulator.pool_frames import PoolRunConfig, busiest_frame, record_pool_frames
 from lab.errors import user_errors
-from app_pages._ui import chart, csv_download, show_error
+from app_pages._ui import chart, csv_download, data_table, show_error
 
 st.title("Block pool")
 st.caption("Every physical KV block, coloured by the sequence that holds it; ● marks shared blocks with their "
@@ -70,7 +70,7 @@ def player():
     if pool.block_tables:
         seq = st.selectbox("Block table of sequence", sorted(pool.block_tables, key=str))
         table = block_table_frame(pool.block_tables[seq], pool.block_size, pool.seq_lens.get(seq))
-        st.dataframe(table, hide_index=True)
+        data_table(table)
         csv_download(table, f"block-table-{seq}", {**settings, "iteration": iteration}, "dl_block_table",
                      "Download this block table (CSV)")
     csv_download(block_pool_frame(pool.ref_counts, pool.owners), "block-pool", {**settings, "iteration": iteration},

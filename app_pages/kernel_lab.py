@@ -9,7 +9,7 @@ from lab.charts import kernel_bandwidth_figure, kernel_time_figure
 from lab.live import throttled
 from lab.results import settings_of
 from lab.errors import InputError, user_errors
-from app_pages._ui import chart, csv_download, results_store, show_error
+from app_pages._ui import chart, csv_download, data_table, results_store, show_error
 
 cached_check = st.cache_data(check_against_reference, show_spinner="checking against the reference…")
 SHAPES = {"Qwen3-0.6B/1.7B (16 q / 8 kv heads)": (16, 8), "Qwen3-4B/8B (32 / 8)": (32, 8),
@@ -57,7 +57,8 @@ if run or "kernel_table" not in st.session_state:
 
 table = st.session_state["kernel_table"]
 st.subheader("Correctness against the float64 reference")
-st.dataframe(st.session_state["kernel_correctness"], hide_index=True)
+data_table(st.session_state["kernel_correctness"],
+           {"max_rel_err": "Max relative error vs the float64 reference"}, formats={"max_rel_err": "%.1e"})
 settings = st.session_state["kernel_settings"]
 csv_download(st.session_state["kernel_correctness"], "kernel-correctness", settings, "dl_correctness")
 left, right = st.columns(2)
@@ -66,13 +67,10 @@ with left:
 with right:
     chart(kernel_bandwidth_figure(table), "kernel_bandwidth")
 st.subheader("Timings (paged vs SDPA on contiguous K/V)")
-st.dataframe(table, hide_index=True, column_config={
-    "context": st.column_config.NumberColumn("context (tokens)", format="localized"),
-    "median_ms": st.column_config.NumberColumn("median (ms)", format="%.3f"),
-    "min_ms": st.column_config.NumberColumn("fastest call (ms)", format="%.3f"),
-    "max_ms": st.column_config.NumberColumn("slowest call (ms)", format="%.3f"),
-    "vs_sdpa": st.column_config.NumberColumn("median vs SDPA's", format="%.2f×"),
-    "kv_gb_per_s": st.column_config.NumberColumn("K/V read (GB/s)", format="%.1f"),
-    "max_rel_err": st.column_config.NumberColumn("max relative error vs SDPA", format="%.1e")})
+data_table(table, {"kernel": "Kernel", "batch": "Batch", "context": "Context (tokens)", "median_ms": "Median (ms)",
+                   "min_ms": "Fastest call (ms)", "max_ms": "Slowest call (ms)", "vs_sdpa": "Median vs SDPA's",
+                   "kv_gb_per_s": "K/V read (GB/s)", "max_rel_err": "Max relative error vs SDPA"},
+           formats={"context": "localized", "median_ms": "%.3f", "min_ms": "%.3f", "max_ms": "%.3f",
+                    "vs_sdpa": "%.2f×", "kv_gb_per_s": "%.1f", "max_rel_err": "%.1e"})
 st.caption(f"Each time is the median of {config.repeats} calls; fastest and slowest call give its spread.")
 csv_download(table, "kernels", settings, "dl_kernels")

@@ -9,7 +9,8 @@ import simulator
 from simulator import charts, report
 from simulator.metrics import rejection_warning
 from lab.errors import InputError, user_errors
-from app_pages._ui import chart, csv_download, results_store, scheduling_radio, show_error
+from app_pages._ui import (chart, csv_download, data_table, results_store, scheduling_radio, show_error,
+                           summary_table)
 
 cached_workload = st.cache_data(simulator.make_workload, show_spinner=False)
 DEFAULTS = simulator.APP_DEFAULTS
@@ -29,9 +30,7 @@ HEADLINE_FORMAT = {"Allocated KV holding tokens (%)": st.column_config.NumberCol
 
 
 OFFLOAD_LABELS = {"tier": "Host tier", "prefix_cache_hit_pct": "Prefix-cache hits (% of prompt blocks)",
-                  "offload_hit_pct": "Served by the tier (% of prompt blocks)", "ttft_p50_s": "TTFT p50 (s)",
-                  "ttft_p90_s": "TTFT p90 (s)", "throughput_tok_s": "Throughput (output tokens/s)",
-                  "preemptions": "Preemptions"}
+                  "offload_hit_pct": "Served by the tier (% of prompt blocks)"}
 
 
 @st.cache_resource(show_spinner=False)
@@ -276,9 +275,8 @@ with st.expander("What a CPU tier buys: the prefix cache with a host offload tie
     offload = st.session_state.get("sim_offload")
     if offload is not None:
         chart(charts.offload_lines(offload), "offload_sweep")
-        st.dataframe(offload.drop(columns="tier_gib").rename(columns=OFFLOAD_LABELS), hide_index=True,
-                     column_config={label: st.column_config.NumberColumn(format="%.3g")
-                                    for label in list(OFFLOAD_LABELS.values())[1:]})
+        tiers = offload.drop(columns="tier_gib")
+        data_table(tiers, OFFLOAD_LABELS, formats=dict.fromkeys(tiers.columns[1:], "%.3g"))
         csv_download(offload, "offload-sweep", settings, "dl_offload", "Download the tier sweep (CSV)")
 views = list(charts.COMPARISON_VIEWS)
 view = st.segmented_control("Over time and per request", views, default=views[0], key="sim_chart_view",
@@ -294,9 +292,7 @@ shown = ["label", "token_states_frac", "reserved_frac", "internal_fragmentation_
          "free_frac", "sharing_saving_frac", "mean_batch_size", "peak_batch_size", "throughput_tok_s", "ttft_p50_s",
          "tpot_p50_s", "preemptions", "num_requests_completed", "num_requests_rejected", "capacity_tokens",
          "host_capacity_tokens", "paper_token_states_frac"]
-st.dataframe(report.readable(summary, shown), hide_index=True,
-             column_config={label: st.column_config.NumberColumn(format="%.1f %%")
-                            for label in map(report.LABELS.get, report.PERCENT_COLUMNS)})
+summary_table(summary, shown)
 csv_download(summary, "summary", settings, "dl_summary",
              "Download summary CSV (with its settings)")
 timeseries = pd.concat([f.assign(run=label) for label, f in series.items()], ignore_index=True)
@@ -308,6 +304,6 @@ with st.expander(f"Checks against closed forms: {len(checks) - len(failed)} of {
                  expanded=not failed.empty):
     st.caption("Identities every run satisfies and bounds that follow from how each allocator holds memory "
                "(`simulator.checks`); a row that does not hold is a simulator bug.")
-    st.dataframe(checks, hide_index=True)
+    data_table(checks)
     csv_download(checks, "checks", settings, "dl_checks",
                  "Download checks CSV")

@@ -4,7 +4,7 @@ from lab.results import settings_of
 from simulator import charts
 from simulator.paper import FIGURES, SAVED_RUN, TINY, compute_figures, load_figures, run_settings
 from lab.errors import user_errors
-from app_pages._ui import chart, csv_download, results_store, show_error
+from app_pages._ui import chart, csv_download, results_store, show_error, summary_table
 
 st.title("The vLLM paper, reproduced")
 st.caption("Kwon et al., SOSP 2023: the simulator's numbers beside the paper's, figure by figure, with a verdict "
@@ -52,5 +52,5 @@ for tab, (figure, table) in zip(st.tabs([f"Figure {figure}" for figure in tables
         chart(charts.paper_figure(figure, table), f"paper_figure{figure}")
         st.dataframe(summary[summary["figure"].astype(str).str.fullmatch(f"{figure}[a-z]?")], hide_index=True,
                      column_config=LAB_COLUMN)
-        st.dataframe(table, hide_index=True)
+        summary_table(table)
         csv_download(table, f"paper-figure{figure}", settings, f"dl_figure{figure}")

@@ -11,7 +11,7 @@ from lab.live import RuntimeRunConfig, run_runtime, throttled
 from lab.model import load_hf_model
 from lab.results import settings_of
 from lab.errors import user_errors
-from app_pages._ui import chart, csv_download, results_store, scheduling_radio, show_error
+from app_pages._ui import chart, csv_download, data_table, results_store, scheduling_radio, show_error
 
 st.title("Qwen3 runtime")
 st.caption("The paged engine serving a request mix: continuous batching, prefix caching, preemption, live.")
@@ -104,7 +104,7 @@ with slot.container():
     chart(engine_live_figure(result.steps), "engine_state")
 if len(result.requests):
     chart(latency_histograms(result.requests), "latency_hist")
-st.dataframe(result.requests, hide_index=True)
+data_table(result.requests)
 run_settings = st.session_state["runtime_settings"]
 csv_download(result.requests, "runtime-requests", run_settings, "dl_requests", "Download per-request CSV")
 csv_download(pd.DataFrame([summary]), "runtime-summary", run_settings, "dl_runtime_summary",
@@ -138,5 +138,5 @@ if "runtime_compare" in st.session_state:
     note = static_batching_note(table)
     if note:
         st.info(note)
-    st.dataframe(table, hide_index=True)
+    data_table(table)
     csv_download(table, "serving-comparison", st.session_state["runtime_compare_settings"], "dl_compare")

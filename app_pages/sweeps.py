@@ -2,14 +2,14 @@ import pandas as pd
 import streamlit as st
 
 import simulator
-from lab.results import settings_of
+from lab.results import human_label, settings_of
 from simulator import charts, report
 from simulator.isolated import run_isolated
 from simulator.plan import HOST_PRICE_PER_GIB_HOUR, plan_capacity
 from simulator.sweep import (SIM_FIELDS, WORKLOAD_FIELDS, default_store_path, failed_runs, read_table, run_sweep,
                              runs_failing_checks)
 from lab.errors import user_errors
-from app_pages._ui import chart, csv_download, results_store, show_error
+from app_pages._ui import chart, csv_download, results_store, show_error, summary_table
 
 STORE = default_store_path()  # the user's own: finished runs survive reruns of the page
 
@@ -120,7 +120,7 @@ else:
     metrics = [c for c in ("throughput_tok_s", "token_states_frac", "ttft_p90_s", "tpot_p90_s", "preemptions",
                            "internal_fragmentation_frac") if c in table]
     if len(varied) >= 1 and metrics:
-        label = lambda column: report.LABELS.get(column, column.replace("_", " "))  # noqa: E731
+        label = lambda column: report.LABELS.get(column) or human_label(column)  # noqa: E731
         value = st.selectbox("Value", metrics, format_func=label)
         left, right = st.columns(2)
         x = left.selectbox("x", varied, index=0, format_func=label)
@@ -128,5 +128,5 @@ else:
         if x != y:
             chart(charts.sweep_heatmap(table, x, y, value), "sweep_heatmap")
         chart(charts.sweep_lines(table, x, value, y if x != y else None), "sweep_lines")
-st.dataframe(table, hide_index=True)
+summary_table(table)
 csv_download(table, "sweep" if "run_key" in table else "plan", st.session_state["sweep_settings"], "dl_sweep")

@@ -4,12 +4,12 @@ import streamlit as st
 import simulator
 from lab.engine import EngineConfig
 from lab.live import throttled
-from lab.results import settings_of
+from lab.results import human_label, settings_of
 from lab.profile import GRIDS, Profile, extrapolation_warning, profile_engine
 from simulator import charts
 from simulator.twin import TwinConfig, run_twin, twin_workload
 from lab.errors import InputError, user_errors
-from app_pages._ui import chart, csv_download, results_store, scheduling_radio, show_error
+from app_pages._ui import chart, csv_download, data_table, results_store, scheduling_radio, show_error
 
 CALIBRATION_REDRAW_S = 2.0  # a redraw per scenario slowed the steps being measured (lab.live.throttled)
 
@@ -72,7 +72,7 @@ st.caption(f"Profile: {profile.model} on {profile.device} ({profile.dtype}, {pro
            f"{profile.block_size}, {len(profile.samples)} step shapes, held-out error median "
            f"{profile.holdout_median_rel_error:.1%}")
 with st.expander("The fit, scenario by scenario (median measured vs fitted step time)"):
-    st.dataframe(profile.scenario_errors(), hide_index=True)
+    data_table(profile.scenario_errors(), percent=("rel_error",))
 
 
 def build_workload():
@@ -126,7 +126,8 @@ if result.extrapolation:
     warning = extrapolation_warning(result.extrapolation)
     st.warning(f"{warning[0].upper()}{warning[1:]}. Calibrate on a grid that reaches them, or read the errors with "
                f"that in mind.")
-st.dataframe(result.table, hide_index=True)
+data_table(result.table.assign(metric=result.table["metric"].map(human_label)),
+           percent=("rel_error", "noise_floor"))
 csv_download(result.table, "twin", st.session_state["twin_settings"], "dl_twin")
 csv_download(result.steps_table(), "twin-steps", st.session_state["twin_settings"], "dl_twin_steps",
              "Download the steps (measured and modelled time)")
@@ -134,7 +135,7 @@ through_run = result.pricing_through_run()
 if not through_run.empty:
     st.caption("Measured / modelled step time through the run, in fifths: a ratio that climbs shows the steps slowing "
                "under sustained load, which the profile's short scenarios do not see.")
-    st.dataframe(through_run, hide_index=True)
+    data_table(through_run)
 left, right = st.columns(2)
 with left:
     chart(charts.twin_steps(result.real_steps, result.simulated_steps, "blocks_in_use", "KV blocks in use"),

@@ -4,13 +4,14 @@ import tempfile
 import plotly.express as px
 import streamlit as st
 
+from lab.charts import facet_names
 from lab.errors import user_errors
 from lab.model import PRESETS, checkpoint_dir
 from lab.peer import PeerError, missing_reason
-from lab.results import settings_of
+from lab.results import human_label, settings_of
 from app_pages._ui import chart, csv_download, show_error
 from simulator.vllm_live import LiveTwin, Phase, live_series
-from simulator.vllm_twin import METRIC_LABELS, WORKLOADS, VLLMTwinConfig
+from simulator.vllm_twin import WORKLOADS, VLLMTwinConfig
 
 REDRAW_S = 0.5
 CALIBRATION_REDRAW_S = 3.0
@@ -120,11 +121,11 @@ def draw(twin: LiveTwin) -> None:
         figure = px.ecdf(latency, x="ms", color="source", facet_col="metric", color_discrete_map=COLORS,
                          labels={"ms": "milliseconds"}, title="Latency per request (CDF)")
         figure.update_xaxes(matches=None)
-        chart(figure, "vllm_twin_latency")
+        chart(facet_names(figure), "vllm_twin_latency")
     if twin.table is not None:
         st.subheader("How close the twin came")
         table = twin.table.copy()
-        table["metric"] = table["metric"].map(METRIC_LABELS)
+        table["metric"] = table["metric"].map(human_label)
         st.dataframe(table, hide_index=True, column_config={
             "metric": "metric", "real": st.column_config.NumberColumn("vLLM server", format="%.4g"),
             "simulated": st.column_config.NumberColumn("twin", format="%.4g"),

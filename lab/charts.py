@@ -199,9 +199,14 @@ def latency_histograms(requests: pd.DataFrame) -> go.Figure:
     frame = pd.concat([pd.DataFrame({"metric": "TTFT", "ms": requests["ttft_s"] * 1e3}),
                        pd.DataFrame({"metric": "TPOT", "ms": requests["tpot_s"] * 1e3})])
     figure = px.histogram(frame, x="ms", color="metric", facet_col="metric", nbins=30,
-                          title="Latency distributions")
+                          title="Latency distributions", labels={"ms": "milliseconds", "count": "requests"})
     figure.update_xaxes(matches=None)
-    return figure.update_layout(height=320, showlegend=False)
+    return facet_names(figure).update_layout(height=320, showlegend=False, yaxis_title="requests")
+
+
+def facet_names(figure: go.Figure) -> go.Figure:
+    """A faceted plotly express figure's panel titles as the values alone (``TTFT``, not ``metric=TTFT``)."""
+    return figure.for_each_annotation(lambda note: note.update(text=note.text.split("=", 1)[-1]))
 
 
 def static_batching_note(table: pd.DataFrame) -> str:

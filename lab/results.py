@@ -320,6 +320,73 @@ HEADLINES = [
 ]
 
 
+# Column and metric names as a person reads them, with their units: what the app's tables and charts show (exports
+# keep the names). One label per name, wherever it appears; a name without one is shown in words (``human_label``).
+COLUMN_LABELS = {
+    # requests and their latencies (a run's requests; summaries of runs)
+    "request_id": "Request", "prompt_tokens": "Prompt tokens", "output_tokens": "Output tokens",
+    "ttft_s": "Time to first token (s)", "tpot_s": "Time per output token (s)", "e2e_s": "End-to-end latency (s)",
+    "ttft_p50_s": "TTFT p50 (s)", "ttft_p90_s": "TTFT p90 (s)", "tpot_p50_s": "TPOT p50 (s)",
+    "tpot_p90_s": "TPOT p90 (s)", "e2e_p50_s": "End-to-end p50 (s)", "e2e_p90_s": "End-to-end p90 (s)",
+    "ttft_median_s": "TTFT median (s)", "tpot_median_s": "TPOT median (s)",
+    "throughput_tok_s": "Throughput (output tokens/s)", "output_tok_s": "Throughput (output tokens/s)",
+    "makespan_s": "Makespan (s)", "wall_s": "Wall time (s)", "wall_time_s": "Wall time (s)",
+    "preemptions": "Preemptions", "peak_blocks_in_use": "Peak KV blocks in use", "steps": "Steps",
+    "num_requests": "Requests", "rate": "Arrival rate (requests/s)",
+    # serving systems compared (python -m lab bench e2e)
+    "system": "System", "scheduler_share": "Scheduler's share of step time", "peak_memory_mib": "Peak memory (MiB)",
+    "same_tokens_as_engine": "Same tokens as the paged engine", "repeats": "Runs (median taken)",
+    "speedup_vs_hf_continuous": "Speed-up vs HF continuous batching (×)",
+    # a twin against its engine
+    "metric": "Metric", "real": "Real engine", "simulated": "Simulated",
+    "rel_error": "Relative error", "noise_floor": "Noise floor (the runs' largest distance from their median)",
+    "schedule_identical": "Same schedule as the engine (1 = yes)",
+    "replay_schedule_identical": "Replay: same schedule as the engine (1 = yes)",
+    "replay_step_time_median": "Replay: median step time (s)",
+    "kv_usage_mean_abs_points": "KV cache usage, mean over the run (%)",
+    "prefix_hit_rate": "Prefix-cache hit rate (%)",
+    "part": "Part of the run (fifths)", "first_step": "First step", "last_step": "Last step",
+    "measured_s": "Measured (s)", "modelled_s": "Modelled (s)", "fitted_s": "Fitted (s)",
+    "measured_over_modelled": "Measured / modelled", "scenario": "Scenario", "samples": "Samples",
+    # block tables and kernels
+    "logical_block": "Logical block", "physical_block": "Physical block",
+    "first_token": "First token (position in the sequence)", "tokens_held": "Tokens held",
+    "backend": "Backend", "dtype": "Data type", "block_size": "Block size (tokens)",
+    # configurations
+    "allocator": "Allocator", "model": "Model", "gpu": "GPU", "replicas": "Replicas", "workload": "Workload",
+}
+
+
+# a name's unit by its suffix, for names without a label (the lab's exports keep to these suffixes)
+UNIT_SUFFIXES = (("_tok_s", "tokens/s"), ("_gb_per_s", "GB/s"), ("_ms", "ms"), ("_s", "s"), ("_mib", "MiB"),
+                 ("_bytes", "bytes"), ("_pct", "%"), ("_frac", "fraction"))
+
+
+def human_label(name):
+    """``name`` as a person reads it: its ``COLUMN_LABELS`` label, else its words with the unit its suffix names
+    (``median_ms``: ``Median (ms)``, ``num_free_blocks``: ``Num free blocks``). Anything but a string as it is."""
+    if not isinstance(name, str):
+        return name
+    if name in COLUMN_LABELS:
+        return COLUMN_LABELS[name]
+    for suffix, unit in UNIT_SUFFIXES:
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return f"{_words(name[:-len(suffix)])} ({unit})"
+    return _words(name)
+
+
+def _words(name: str) -> str:
+    words = name.replace("_", " ")
+    return words[:1].upper() + words[1:]
+
+
+def human_columns(table: pd.DataFrame, labels: dict | None = None) -> pd.DataFrame:
+    """``table`` with its columns named for a person: ``labels`` first (a name that means something more particular
+    in this table, or a layer's own labels), then ``human_label``. For display: exports keep the names."""
+    labels = labels or {}
+    return table.rename(columns=lambda name: labels.get(name) or human_label(name))
+
+
 def human_number(value: float) -> str:
     """A number as a person reads it, 3 significant digits, thousands separated: ``4.23``, ``0.921``, ``26,916``;
     ``—`` for NaN, ``∞`` for infinity."""

@@ -9,6 +9,7 @@ import plotly.express as px
 import plotly.graph_objects as go
 
 from lab.charts import log_ticks
+from lab.results import human_label, human_number
 from lab.errors import InputError
 from .metrics import CATEGORIES, CATEGORY_LABELS, SUMMARY_FRACTIONS as FRACTION_COLUMNS
 
@@ -157,7 +158,7 @@ def _log_axis(values: pd.Series) -> dict:
 def _label(column: str) -> str:
     from .report import LABELS
 
-    return LABELS.get(column, column.replace("_", " "))
+    return LABELS.get(column) or human_label(column)
 
 
 def _in_percent(table: pd.DataFrame, value: str) -> pd.DataFrame:
@@ -168,9 +169,10 @@ def _in_percent(table: pd.DataFrame, value: str) -> pd.DataFrame:
 def sweep_heatmap(table: pd.DataFrame, x: str, y: str, value: str) -> go.Figure:
     """Median of ``value`` over the runs at each (``x``, ``y``) of a sweep table."""
     grid = _in_percent(table, value).pivot_table(index=y, columns=x, values=value, aggfunc="median")
-    figure = px.imshow(grid, text_auto=".3g", aspect="auto", color_continuous_scale="Viridis",
+    figure = px.imshow(grid, aspect="auto", color_continuous_scale="Viridis",
                        labels=dict(x=_label(x), y=_label(y), color=_label(value)),
                        title=f"{_label(value)}, median over the other fields")
+    figure.update_traces(text=grid.map(human_number).to_numpy(), texttemplate="%{text}")
     figure.update_xaxes(type="category")
     figure.update_yaxes(type="category")
     return figure.update_layout(height=380)
@@ -244,8 +246,9 @@ def latency_cdf(real: pd.DataFrame, simulated: pd.DataFrame, column: str) -> go.
     """The distribution of one per-request latency, real vs simulated."""
     data = pd.concat([real[[column]].assign(run="real"), simulated[[column]].assign(run="simulated")],
                      ignore_index=True)
-    figure = px.ecdf(data, x=column, color="run", title=f"{column} CDF")
-    return figure.update_layout(height=320)
+    figure = px.ecdf(data, x=column, color="run", title=f"{_label(column)}: distribution over requests",
+                     labels={column: _label(column), "run": "run"})
+    return figure.update_layout(height=320, yaxis_title="fraction of requests")
 
 
 def paper_vs_lab(summary: pd.DataFrame) -> go.Figure:
@@ -258,17 +261,19 @@ def paper_vs_lab(summary: pd.DataFrame) -> go.Figure:
     figure.add_bar(x=numeric["quantity"], y=numeric["lab"], name="lab",
                    marker_color=[colours.get(v, "#64748b") for v in numeric["verdict"]])
     figure.update_layout(barmode="group", title="Paper vs lab (lab bars coloured by verdict)", height=460,
-                         yaxis_type="log", xaxis_tickangle=-35)
-    return figure
+                         yaxis_type="log", xaxis_tickangle=-35,
+                         yaxis_title="the quantity (a share of KV, or requests; log scale)")
+    return figure.update_yaxes(**log_ticks(list(numeric["paper"]) + list(numeric["lab"])))
 
 
 def _lab_and_paper(table: pd.DataFrame, x: str, lab: str, paper: str, facet: str | None, title: str) -> go.Figure:
     """Bars: the lab's value and the paper's, side by side per ``x`` (and facet)."""
     keep = [c for c in (x, facet) if c]
-    long = table.melt(id_vars=keep, value_vars=[lab, paper], var_name="source", value_name="value")
+    long = _in_percent(table, lab).pipe(_in_percent, paper).melt(id_vars=keep, value_vars=[lab, paper],
+                                                                  var_name="source", value_name="value")
     long["source"] = long["source"].map({lab: "lab", paper: "paper"})
     return px.bar(long, x=x, y="value", color="source", barmode="group", facet_col=facet, title=title,
-                  labels={"value": lab})
+                  labels={"value": _label(lab), **{c: _label(c) for c in keep}})
 
 
 PAPER_LABELS = {"block_size": "block size (tokens)", "normalized_latency_s_per_token":

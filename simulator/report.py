@@ -6,26 +6,25 @@ import math
 
 import pandas as pd
 
-from lab.results import human_number, settings_of
+from lab.results import COLUMN_LABELS, human_columns, human_number, settings_of
 
 from .engine import SimConfig
 from .workloads import Workload
 
-# Summary columns as a person reads them (percentages are of the whole KV pool unless a label says otherwise).
-LABELS = {
+# Summary columns as a person reads them (percentages are of the whole KV pool unless a label says otherwise): the
+# lab's labels (lab.results.COLUMN_LABELS) and the simulator's own.
+SUMMARY_LABELS = {
     "label": "Allocator", "token_states_frac": "Holding tokens (% of KV)", "reserved_frac": "Reserved (% of KV)",
     "internal_fragmentation_frac": "Internal fragmentation (% of KV)",
     "external_fragmentation_frac": "External fragmentation (% of KV)", "free_frac": "Free (% of KV)",
     "sharing_saving_frac": "Saved by sharing (% of KV)", "mean_batch_size": "Mean running sequences",
-    "peak_batch_size": "Peak running sequences", "throughput_tok_s": "Throughput (output tokens/s)",
-    "ttft_p50_s": "TTFT p50 (s)", "tpot_p50_s": "TPOT p50 (s)", "preemptions": "Preemptions",
-    "num_requests_completed": "Requests completed", "num_requests_rejected": "Requests rejected",
-    "capacity_tokens": "KV capacity (tokens)", "host_capacity_tokens": "Host KV pool (tokens; swap and offload tier)",
-    "block_size": "Block size (tokens)", "paper_token_states_frac": "Paper: holding tokens (% of KV)",
-    "ttft_p90_s": "TTFT p90 (s)", "tpot_p90_s": "TPOT p90 (s)", "rate": "Arrival rate (requests/s)",
-    "allocator": "Allocator", "replicas": "Replicas", "model": "Model", "gpu": "GPU",
+    "peak_batch_size": "Peak running sequences", "num_requests_completed": "Requests completed",
+    "num_requests_rejected": "Requests rejected", "capacity_tokens": "KV capacity (tokens)",
+    "host_capacity_tokens": "Host KV pool (tokens; swap and offload tier)",
+    "paper_token_states_frac": "Paper: holding tokens (% of KV)",
 }
-PERCENT_COLUMNS = tuple(column for column, label in LABELS.items() if "(%" in label)
+LABELS = {**COLUMN_LABELS, **SUMMARY_LABELS}
+PERCENT_COLUMNS = tuple(column for column, label in SUMMARY_LABELS.items() if "(%" in label)
 
 GLOSSARY = {
     "KV cache": "The keys and values of every token a request has seen, kept on the GPU so each new token attends "
@@ -105,12 +104,12 @@ def compare_card(row: pd.Series, unit: str) -> tuple[str, str]:
 
 
 def readable(summary: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
-    """``columns`` of a summary with human labels, fractions as percentages."""
+    """``columns`` of a summary with human labels (``LABELS``, else the name in words), fractions as percentages."""
     shown = summary[[c for c in columns if c in summary]].copy()
     for column in shown.columns:
         if column in PERCENT_COLUMNS:
             shown[column] = shown[column] * 100
-    return shown.rename(columns=LABELS)
+    return human_columns(shown, LABELS)
 
 
 def describe_workload(summary: dict) -> str:

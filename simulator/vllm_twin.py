@@ -41,11 +41,6 @@ GOALS = {"ttft_p50_s": (0.05, "relative"), "tpot_p50_s": (0.05, "relative"), "e2
          "ttft_p90_s": (0.10, "relative"), "tpot_p90_s": (0.10, "relative"), "e2e_p90_s": (0.10, "relative"),
          "kv_usage_mean_abs_points": (5.0, "points"), "prefix_hit_rate": (1.0, "points"),
          "preemptions": (0.0, "count")}
-METRIC_LABELS = {"ttft_p50_s": "time to first token, p50 (s)", "tpot_p50_s": "time per output token, p50 (s)",
-                 "e2e_p50_s": "end-to-end latency, p50 (s)", "ttft_p90_s": "time to first token, p90 (s)",
-                 "tpot_p90_s": "time per output token, p90 (s)", "e2e_p90_s": "end-to-end latency, p90 (s)",
-                 "kv_usage_mean_abs_points": "KV cache usage, mean over the run (%)",
-                 "prefix_hit_rate": "prefix-cache hit rate (%)", "preemptions": "preemptions"}
 
 
 @dataclass(slots=True)

@@ -1,6 +1,7 @@
 """Every page of the app under Streamlit's AppTest: defaults run cleanly, widgets change results, downloads are
 readable CSV with the documented columns, bad input shows an error element (never a traceback)."""
 import io
+import json
 import re
 import subprocess
 import sys
@@ -85,6 +86,16 @@ def open_page(page: str) -> AppTest:
 def clean(app: AppTest) -> None:
     assert not app.exception, [e.value for e in app.exception]
     assert not app.error, [e.value for e in app.error]
+    assert_readable_tables(app)
+
+
+def assert_readable_tables(app: AppTest) -> None:
+    """Every table on the page heads its columns for a person (its column config's label, else the column's name):
+    no ``snake_case`` name of an export."""
+    for table in app.dataframe:
+        config = json.loads(table.proto.columns or "{}")
+        headers = [config.get(str(column), {}).get("label") or str(column) for column in table.value.columns]
+        assert not [h for h in headers if "_" in h], headers
 
 
 def download_table(app: AppTest, files: dict, key: str) -> pd.DataFrame:
@@ -260,7 +271,7 @@ def test_kernel_lab_block_size_changes_results(downloads):
     clean(app)
     table = download_table(app, downloads, "dl_kernels")
     assert (table["block_size"] == 7).all() and {"kernel", "batch", "context", "median_ms", "vs_sdpa"} <= set(table)
-    assert (app.dataframe[0].value["max_rel_err"] < 1e-4).all()
+    assert (app.dataframe[0].value["Max relative error vs the float64 reference"] < 1e-4).all()
 
 
 def test_runtime_page_runs_and_reports_errors(downloads):
@@ -492,7 +503,7 @@ def test_twin_page_calibrates_runs_and_rejects_bad_profiles(downloads):
     app.button(key="calibrate").click().run()
     clean(app)
     fit = app.dataframe[0].value  # the profile's fit, scenario by scenario
-    assert {"scenario", "measured_s", "fitted_s", "rel_error"} <= set(fit.columns) and len(fit) >= 5
+    assert {"Scenario", "Measured (s)", "Fitted (s)", "Relative error"} <= set(fit.columns) and len(fit) >= 5
     app.sidebar.number_input[0].set_value(12)  # requests
     app.number_input(key="twin_max_num_seqs").set_value(5)
     app.button(key="run_twin").click().run()

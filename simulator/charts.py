@@ -8,7 +8,7 @@ import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
 
-from lab.charts import log_ticks
+from lab.charts import facet_names, log_ticks
 from lab.results import human_label, human_number
 from lab.errors import InputError
 from .metrics import CATEGORIES, CATEGORY_LABELS, SUMMARY_FRACTIONS as FRACTION_COLUMNS
@@ -284,8 +284,11 @@ PAPER_LABELS = {"block_size": "block size (tokens)", "normalized_latency_s_per_t
 def paper_figure(figure: str, table: pd.DataFrame) -> go.Figure:
     """The chart of one vLLM-paper figure from its table (``simulator.paper``): the simulator's values with the
     paper's beside them where the paper gives numbers, and the tiny engine's measured values beside the
-    simulator's."""
-    figure = str(figure)
+    simulator's; panels titled by their value (``opt-13b``, not ``model=opt-13b``)."""
+    return facet_names(_paper_figure(str(figure), table))
+
+
+def _paper_figure(figure: str, table: pd.DataFrame) -> go.Figure:
     if figure == "2":
         return _lab_and_paper(table, "system", "token_states_frac", "paper_token_states_frac", None,
                               "Figure 2: share of KV memory holding token states")

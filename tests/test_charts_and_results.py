@@ -72,7 +72,8 @@ def test_runtime_and_kernel_figures():
                           "blocks_in_use": [4, 6]})
     assert len(engine_live_figure(steps).data) == 3
     requests = pd.DataFrame({"ttft_s": [0.1, 0.2], "tpot_s": [0.01, 0.02]})
-    assert len(latency_histograms(requests).data) == 2
+    histograms = latency_histograms(requests)
+    assert len(histograms.data) == 2 and sorted(note.text for note in histograms.layout.annotations) == ["TPOT", "TTFT"]
     kernels = pd.DataFrame({"kernel": ["sdpa-contiguous", "torch"], "batch": [1, 1], "context": [64, 64],
                             "median_ms": [1.0, 1.1], "kv_gb_per_s": [5.0, 4.5]})
     assert len(kernel_time_figure(kernels).data) == 2 and len(kernel_bandwidth_figure(kernels).data) == 2

@@ -26,7 +26,9 @@ def test_each_figure_runs_small_and_has_its_columns(figure):
     table, summary = functions[figure](60 if figure in ("12", "16") else 120, **small)
     assert COLUMNS[figure] <= set(table.columns) and len(table) > 0
     assert summary and all(row["verdict"] in ("reproduced", "partly", "not") for row in summary)
-    assert len(paper_figure(figure, table).data) >= 2  # the lab beside the paper, or the tiny engine beside the model
+    chart = paper_figure(figure, table)
+    assert len(chart.data) >= 2  # the lab beside the paper, or the tiny engine beside the model
+    assert not [note.text for note in chart.layout.annotations if "=" in note.text]  # panels: "opt-13b", not "model=…"
 
 
 def test_the_summary_and_csvs_are_written(tmp_path):

@@ -205,3 +205,18 @@ def test_the_headline_chart_writes_each_figure_clear_of_the_goal_line():
     assert list(labels.text) == list(bars.customdata) and "0 % (goal ≤ 5)" in labels.text
     low, high = figure.layout.xaxis.range
     assert low == 0 and max(labels.x) * 1.5 < high < 20
+
+
+def test_column_names_read_as_words_with_their_units():
+    """A display label for every name an export writes: its own where it has one, else its words and the unit its
+    suffix names; exports keep the names (``human_columns`` renames a copy)."""
+    from lab.results import human_columns, human_label
+
+    assert human_label("ttft_p50_s") == "TTFT p50 (s)" and human_label("logical_block") == "Logical block"
+    assert [human_label(n) for n in ("median_ms", "kv_gb_per_s", "peak_tok_s", "free_frac", "num_free_blocks")] == \
+        ["Median (ms)", "Kv (GB/s)", "Peak (tokens/s)", "Free (fraction)", "Num free blocks"]
+    assert human_label(3) == 3 and human_label("s") == "S"
+    table = pd.DataFrame({"ttft_s": [0.1], "max_rel_err": [1e-7]})
+    shown = human_columns(table, {"max_rel_err": "Max relative error vs float64"})
+    assert list(shown.columns) == ["Time to first token (s)", "Max relative error vs float64"]
+    assert list(table.columns) == ["ttft_s", "max_rel_err"]

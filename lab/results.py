@@ -345,7 +345,7 @@ COLUMN_LABELS = {
     "replay_step_time_median": "Replay: median step time (s)",
     "kv_usage_mean_abs_points": "KV cache usage, mean over the run (%)",
     "prefix_hit_rate": "Prefix-cache hit rate (%)",
-    "part": "Part of the run (fifths)", "first_step": "First step", "last_step": "Last step",
+    "part": "Part of the run", "first_step": "First step", "last_step": "Last step",
     "measured_s": "Measured (s)", "modelled_s": "Modelled (s)", "fitted_s": "Fitted (s)",
     "measured_over_modelled": "Measured / modelled", "scenario": "Scenario", "samples": "Samples",
     # block tables and kernels

@@ -86,11 +86,11 @@ class TwinResult:
         return table
 
     def pricing_through_run(self, parts: int = 5) -> pd.DataFrame:
-        """The real run's steps cut into ``parts`` consecutive stretches, each with its measured and modelled
-        seconds (the replay's prices) and ``measured_over_modelled``. A ratio that climbs through the run shows
-        steps slowing under sustained load (a GPU or CPU clocking down), which a profile of short scenarios does not
-        see (on the first H200 run, decode steps rose from 52 to 72 ms after a second of stepping). Empty when the
-        replay's schedule differed, so no step has a price."""
+        """The real run's steps cut into ``parts`` consecutive stretches (``part`` 1, 2, …), each with its measured
+        and modelled seconds (the replay's prices) and ``measured_over_modelled``. A ratio that climbs through the
+        run shows steps slowing under sustained load (a GPU or CPU clocking down), which a profile of short scenarios
+        does not see (on the first H200 run, decode steps rose from 52 to 72 ms after a second of stepping). Empty
+        when the replay's schedule differed, so no step has a price."""
         table = self.steps_table()
         columns = ["part", "first_step", "last_step", "steps", "measured_s", "modelled_s", "measured_over_modelled"]
         if self.replayed_steps is None or table.empty:
@@ -100,6 +100,7 @@ class TwinResult:
                             "steps": grouped.size(), "measured_s": grouped["real_duration_s"].sum(),
                             "modelled_s": grouped["simulated_duration_s"].sum()})
         out["measured_over_modelled"] = out["measured_s"] / out["modelled_s"]
+        out.index += 1  # the first stretch is part 1
         return out.rename_axis("part").reset_index()[columns]
 
 

@@ -648,6 +648,7 @@ def test_step_pricing_through_the_run_shows_a_slowdown_under_sustained_load():
     result = TwinResult(pd.DataFrame(), real, replayed, "", 0.6, 0.01, replayed_steps=replayed)
     parts = result.pricing_through_run(parts=2)
     assert parts["steps"].tolist() == [5, 5] and parts["first_step"].tolist() == [0, 5]
+    assert parts["part"].tolist() == [1, 2]
     assert parts["measured_over_modelled"].tolist() == pytest.approx([1.0, 1.4])
     assert parts["measured_s"].sum() == pytest.approx(0.6)
     assert len(result.pricing_through_run(parts=50)) == 10  # never more stretches than steps

@@ -2,7 +2,7 @@ import pandas as pd
 import streamlit as st
 
 import simulator
-from lab.results import human_label, settings_of
+from lab.results import settings_of
 from simulator import charts, report
 from simulator.isolated import run_isolated
 from simulator.plan import HOST_PRICE_PER_GIB_HOUR, plan_capacity
@@ -120,11 +120,10 @@ else:
     metrics = [c for c in ("throughput_tok_s", "token_states_frac", "ttft_p90_s", "tpot_p90_s", "preemptions",
                            "internal_fragmentation_frac") if c in table]
     if len(varied) >= 1 and metrics:
-        label = lambda column: report.LABELS.get(column) or human_label(column)  # noqa: E731
-        value = st.selectbox("Value", metrics, format_func=label)
+        value = st.selectbox("Value", metrics, format_func=report.label)
         left, right = st.columns(2)
-        x = left.selectbox("x", varied, index=0, format_func=label)
-        y = right.selectbox("y", varied, index=min(1, len(varied) - 1), format_func=label)
+        x = left.selectbox("x", varied, index=0, format_func=report.label)
+        y = right.selectbox("y", varied, index=min(1, len(varied) - 1), format_func=report.label)
         if x != y:
             chart(charts.sweep_heatmap(table, x, y, value), "sweep_heatmap")
         chart(charts.sweep_lines(table, x, value, y if x != y else None), "sweep_lines")

@@ -9,7 +9,7 @@ import plotly.express as px
 import plotly.graph_objects as go
 
 from lab.charts import facet_names, log_ticks
-from lab.results import human_label, human_number
+from lab.results import human_number
 from lab.errors import InputError
 from .metrics import CATEGORIES, CATEGORY_LABELS, SUMMARY_FRACTIONS as FRACTION_COLUMNS
 
@@ -156,9 +156,9 @@ def _log_axis(values: pd.Series) -> dict:
 
 
 def _label(column: str) -> str:
-    from .report import LABELS
+    from .report import label
 
-    return LABELS.get(column) or human_label(column)
+    return label(column)
 
 
 def _in_percent(table: pd.DataFrame, value: str) -> pd.DataFrame:

@@ -6,7 +6,7 @@ import math
 
 import pandas as pd
 
-from lab.results import COLUMN_LABELS, human_columns, human_number, settings_of
+from lab.results import COLUMN_LABELS, human_columns, human_label, human_number, settings_of
 
 from .engine import SimConfig
 from .workloads import Workload
@@ -101,6 +101,11 @@ def compare_card(row: pd.Series, unit: str) -> tuple[str, str]:
     else:
         comparison = f"{row['Paged / contiguous']:.2f}× {other}"
     return value, comparison
+
+
+def label(column: str) -> str:
+    """A summary column as a person reads it: its ``LABELS`` label, else ``lab.results.human_label``'s words."""
+    return LABELS.get(column) or human_label(column)
 
 
 def readable(summary: pd.DataFrame, columns: list[str]) -> pd.DataFrame:

@@ -6,6 +6,7 @@ import streamlit as st
 
 from lab.charts import facet_names
 from lab.errors import user_errors
+from lab.profile import extrapolation_warning
 from lab.model import PRESETS, checkpoint_dir
 from lab.peer import PeerError, missing_reason
 from lab.results import human_label, settings_of
@@ -142,6 +143,11 @@ def draw(twin: LiveTwin) -> None:
                    f"{calibration.bound_note}. "
                    f"The profile of vLLM's engine ({twin.profile_source}): {len(twin.profile.samples)} step shapes, "
                    f"held-out error median {twin.profile.holdout_median_rel_error:.1%}.")
+        beyond = twin.prediction.summary.get("profile_extrapolation", "") if twin.prediction is not None else ""
+        if beyond:
+            warning = extrapolation_warning(beyond)
+            st.warning(f"{warning[0].upper()}{warning[1:]}. The twin's prediction there leans on the fit of the "
+                       f"profile's grid: read its errors with that in mind.")
     if run is not None:
         exports = {"scores": twin.table, "requests": run.requests, "server-metrics": run.metrics,
                    "kv-events": run.events, "kv-usage": series["kv_usage"], "queues": series["queues"],

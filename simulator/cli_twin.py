@@ -76,7 +76,7 @@ def _vllm_twin(args) -> None:
     import torch
 
     from lab.model import checkpoint_dir
-    from lab.profile import Profile
+    from lab.profile import Profile, extrapolation_warning
 
     from .vllm_twin import WORKLOADS, VLLMTwinConfig, run_vllm_twin, settings_of as twin_settings
 
@@ -110,6 +110,8 @@ def _vllm_twin(args) -> None:
     for (name, repeat), run in result.runs.items():
         if run.problems:
             print(f"{name}, run {repeat + 1}: {'; '.join(run.problems)}", file=sys.stderr)
+    for name, beyond in result.extrapolation().items():
+        print(f"warning: {name}: {extrapolation_warning(beyond)}", file=sys.stderr)
 
 
 def twin_parser() -> argparse.ArgumentParser:

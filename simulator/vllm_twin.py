@@ -261,6 +261,17 @@ class VLLMTwinResult:
         out["met"] = out["error"] <= out["goal"]
         return out
 
+    def extrapolation(self) -> dict[str, str]:
+        """Per workload, where the simulator priced steps beyond what the profile measured
+        (``Profile.beyond_measured``: its prediction leans on the fit there), from the first run that did; the
+        workloads priced within the profile's range are left out."""
+        beyond = {}
+        for (workload, _), simulated in self.simulated.items():
+            note = simulated.summary.get("profile_extrapolation", "")
+            if note and workload not in beyond:
+                beyond[workload] = note
+        return beyond
+
 
 def profile_cache_path(config: VLLMTwinConfig) -> Path:
     """Where the page keeps the profile of vLLM's engine for these settings (beside the peer environment): measured
@@ -406,7 +417,9 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
                 result.runs[(name, repeat)] = run
                 shifts.append(probe_step_overhead(url, model, priced, vocab, config.seed + 500 + len(shifts)))
                 now = calibration.shifted((shifts[-2] + shifts[-1]) / 2)  # probed before and after the run
-                table = score(workload, run, now.applied(simulation, profile), now)
+                priced_run = now.applied(simulation, profile)
+                predicted = result.simulated[(name, repeat)] = simulate_run(workload, run, priced_run, now)
+                table = score(workload, run, priced_run, now, predicted)
                 tables.append(table.assign(workload=name, run=repeat, run_step_overhead_s=now.step_overhead_s))
         result.table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()
         return result

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import pandas as pd
 import pytest
 import zmq
 from aiohttp import web
@@ -297,6 +298,22 @@ def test_the_live_twin_runs_against_a_server_and_draws_both_sides(fake, tmp_path
         assert set(series[name]["source"]) == {"vLLM server", "twin (simulator)"}, name
     assert len(series["latency"]) == 2 * len(twin.workload)
     assert twin.step_overhead_s >= 0  # the calibrated overhead, shifted as probed before and after the run
+    # a profile that measured nothing: every step is priced beyond it, which the page says beside the scores
+    assert "(measured up to 0)" in twin.prediction.summary["profile_extrapolation"]
+
+
+def test_the_vllm_twin_says_which_workloads_it_priced_beyond_the_profile():
+    """Per workload, the first run whose steps went beyond the profile's measured range (what the CLI warns of)."""
+    from types import SimpleNamespace
+
+    from simulator.vllm_twin import VLLMTwinResult
+
+    beyond = "decode_kv_tokens up to 6,144 (measured up to 3,396)"
+    runs = {("all-at-once", 0): "", ("prefix", 0): "", ("prefix", 1): beyond, ("prefix", 2): "other"}
+    result = VLLMTwinResult(pd.DataFrame(), simulated={key: SimpleNamespace(summary={"profile_extrapolation": note})
+                                                       for key, note in runs.items()})
+    assert result.extrapolation() == {"prefix": beyond}
+    assert VLLMTwinResult(pd.DataFrame()).extrapolation() == {}
 
 
 def test_a_probed_step_overhead_shifts_the_calibration_and_never_below_none():

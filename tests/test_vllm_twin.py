@@ -11,6 +11,7 @@ import torch
 
 from lab.model import save_checkpoint
 from lab.peer import missing_reason
+from lab.profile import RANGE_QUANTITIES
 from lab.vllm_server import VLLMServer, check_server, run_server_workload, server_cache_config
 from simulator.vllm_twin import VLLMTwinConfig, make_twin_workload, run_vllm_twin, server_requests
 
@@ -69,6 +70,8 @@ def test_the_twin_predicts_the_server_on_held_out_workloads(checkpoint, server):
     per_run = result.table.groupby(["workload", "run"])["run_step_overhead_s"].nunique()
     assert (per_run == 1).all() and (result.table["run_step_overhead_s"] >= 0).all()
     assert result.summary()["run_step_overhead_s"].notna().all()
+    assert set(result.simulated) == set(result.runs)  # each run's prediction kept: where it extrapolated is said
+    assert all(note.split(" up to ")[0] in RANGE_QUANTITIES for note in result.extrapolation().values())
 
 
 def vllm_processes() -> list[str]:

@@ -352,8 +352,9 @@ COLUMN_LABELS = {
     "logical_block": "Logical block", "physical_block": "Physical block",
     "first_token": "First token (position in the sequence)", "tokens_held": "Tokens held",
     "backend": "Backend", "dtype": "Data type", "block_size": "Block size (tokens)",
-    # configurations
+    # configurations and benchmark runs
     "allocator": "Allocator", "model": "Model", "gpu": "GPU", "replicas": "Replicas", "workload": "Workload",
+    "cpus": "CPUs", "vs_baseline": "Against the baseline (×)", "vs_sdpa": "Against SDPA (×)",
 }
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import streamlit as st
 
 from lab.errors import LabError
+from lab.profile import extrapolation_warning
 from lab.results import ResultStore, export_name, human_columns, human_label, to_csv_bytes, with_settings
 
 
@@ -76,6 +77,13 @@ def show_error(exc: Exception) -> None:
     """The error's message, and for the lab's own errors what to do about it."""
     hint = "" if not isinstance(exc, LabError) else "  \nChange the setting or file it names and the page runs again."
     st.error(f"{exc}{hint}", icon=":material/error:")
+
+
+def extrapolation_note(beyond: str, advice: str) -> None:
+    """A twin's warning that it priced steps beyond its profile (``lab.profile.extrapolation_warning`` of
+    ``beyond``), then what to do about it."""
+    warning = extrapolation_warning(beyond)
+    st.warning(f"{warning[0].upper()}{warning[1:]}. {advice}")
 
 
 def data_table(frame, labels: dict | None = None, percent: tuple[str, ...] = (), formats: dict | None = None) -> None:

@@ -5,11 +5,12 @@ import simulator
 from lab.engine import EngineConfig
 from lab.live import throttled
 from lab.results import human_label, settings_of
-from lab.profile import GRIDS, Profile, extrapolation_warning, profile_engine
+from lab.profile import GRIDS, Profile, profile_engine
 from simulator import charts
 from simulator.twin import TwinConfig, run_twin, twin_workload
 from lab.errors import InputError, user_errors
-from app_pages._ui import chart, csv_download, data_table, results_store, scheduling_radio, show_error
+from app_pages._ui import (chart, csv_download, data_table, extrapolation_note, results_store, scheduling_radio,
+                           show_error)
 
 CALIBRATION_REDRAW_S = 2.0  # a redraw per scenario slowed the steps being measured (lab.live.throttled)
 
@@ -123,9 +124,8 @@ if result.first_difference:
 else:
     st.success("Identical schedules: every step planned the same in the engine and the simulator.")
 if result.extrapolation:
-    warning = extrapolation_warning(result.extrapolation)
-    st.warning(f"{warning[0].upper()}{warning[1:]}. Calibrate on a grid that reaches them, or read the errors with "
-               f"that in mind.")
+    extrapolation_note(result.extrapolation, "Calibrate on a grid that reaches them, or read the errors with that in "
+                                             "mind.")
 data_table(result.table.assign(metric=result.table["metric"].map(human_label)),
            percent=("rel_error", "noise_floor"))
 csv_download(result.table, "twin", st.session_state["twin_settings"], "dl_twin")

@@ -6,11 +6,10 @@ import streamlit as st
 
 from lab.charts import facet_names
 from lab.errors import user_errors
-from lab.profile import extrapolation_warning
 from lab.model import PRESETS, checkpoint_dir
 from lab.peer import PeerError, missing_reason
 from lab.results import human_label, settings_of
-from app_pages._ui import chart, csv_download, show_error
+from app_pages._ui import chart, csv_download, extrapolation_note, show_error
 from simulator.vllm_live import LiveTwin, Phase, live_series
 from simulator.vllm_twin import WORKLOADS, VLLMTwinConfig
 
@@ -145,9 +144,8 @@ def draw(twin: LiveTwin) -> None:
                    f"held-out error median {twin.profile.holdout_median_rel_error:.1%}.")
         beyond = twin.prediction.summary.get("profile_extrapolation", "") if twin.prediction is not None else ""
         if beyond:
-            warning = extrapolation_warning(beyond)
-            st.warning(f"{warning[0].upper()}{warning[1:]}. The twin's prediction there leans on the fit of the "
-                       f"profile's grid: read its errors with that in mind.")
+            extrapolation_note(beyond, "The twin's prediction there leans on the fit of the profile's grid: read its "
+                                       "errors with that in mind.")
     if run is not None:
         exports = {"scores": twin.table, "requests": run.requests, "server-metrics": run.metrics,
                    "kv-events": run.events, "kv-usage": series["kv_usage"], "queues": series["queues"],

@@ -584,3 +584,18 @@ def test_runtime_page_shows_one_engine_chart_after_a_run():
     titles = [json.loads(c.proto.spec)["layout"].get("title", {}).get("text") for c in app.get("plotly_chart")]
     assert titles.count("Engine state over time") == 1
     assert [m.label for m in app.metric].count("Preemptions") == 1
+
+
+def test_a_twin_that_priced_beyond_its_profile_says_so_in_a_sentence():
+    """Both twin pages warn alike (``app_pages._ui.extrapolation_note``): the sentence, then what to do."""
+    def page():
+        from app_pages._ui import extrapolation_note
+
+        extrapolation_note("decode_context up to 1,024 (measured up to 256)", "Read the errors with that in mind.")
+
+    app = AppTest.from_function(page)
+    app.run()
+    assert not app.exception
+    assert [w.value for w in app.warning] == ["Steps beyond what the profile measured, priced by extrapolation: "
+                                              "decode_context up to 1,024 (measured up to 256). Read the errors with "
+                                              "that in mind."]

@@ -12,6 +12,7 @@ from lab.charts import facet_names, log_ticks
 from lab.results import human_number
 from lab.errors import InputError
 from .metrics import CATEGORIES, CATEGORY_LABELS, SUMMARY_FRACTIONS as FRACTION_COLUMNS
+from .report import label as _label
 
 COLOURS = {"token_states": "#16a34a", "reserved": "#facc15", "internal_fragmentation": "#f97316",
            "external_fragmentation": "#dc2626", "free": "#cbd5e1"}
@@ -155,12 +156,6 @@ def _log_axis(values: pd.Series) -> dict:
     return ticks | {"range": [math.log10(bottom), math.log10(top)]}
 
 
-def _label(column: str) -> str:
-    from .report import label
-
-    return label(column)
-
-
 def _in_percent(table: pd.DataFrame, value: str) -> pd.DataFrame:
     """Fractions shown as percentages, as every other table and chart of the app shows them."""
     return table.assign(**{value: table[value] * 100}) if value.endswith("_frac") else table
@@ -276,9 +271,9 @@ def _lab_and_paper(table: pd.DataFrame, x: str, lab: str, paper: str, facet: str
                   labels={"value": _label(lab), **{c: _label(c) for c in keep}})
 
 
-PAPER_LABELS = {"block_size": "block size (tokens)", "normalized_latency_s_per_token":
-                "normalized latency (s per output token)", "preemption_mode": "preemption", "max_rate_req_s":
-                "highest sustainable rate (requests/s)", "system": "system", "prefix_tokens": "shared prefix (tokens)"}
+def _labels(table: pd.DataFrame) -> dict:
+    """Every column of ``table`` as a person reads it (``simulator.report.label``): a plotly express ``labels``."""
+    return {column: _label(column) for column in table.columns}
 
 
 def paper_figure(figure: str, table: pd.DataFrame) -> go.Figure:
@@ -294,7 +289,7 @@ def _paper_figure(figure: str, table: pd.DataFrame) -> go.Figure:
                               "Figure 2: share of KV memory holding token states")
     if figure == "12":
         return px.bar(table, x="system", y="max_rate_req_s", color="workload", barmode="group", facet_col="model",
-                      title="Figure 12: highest sustainable request rate (latency knee)", labels=PAPER_LABELS)
+                      title="Figure 12: highest sustainable request rate (latency knee)", labels=_labels(table))
     if figure == "13":
         return _lab_and_paper(table, "system", "mean_batch_size", "paper_mean_batch_size", "workload",
                               "Figure 13: mean batched requests")
@@ -314,11 +309,11 @@ def _paper_figure(figure: str, table: pd.DataFrame) -> go.Figure:
                       facet_col="what", title="Figure 15: memory saved by sharing", labels={"value": "saving"})
     if figure == "16":
         return px.bar(table, x="prefix_tokens", y="max_rate_req_s", color="system", barmode="group",
-                      title="Figure 16: sustainable rate with a shared few-shot prefix", labels=PAPER_LABELS)
+                      title="Figure 16: sustainable rate with a shared few-shot prefix", labels=_labels(table))
     if figure == "18":
         paper = table[table["normalized_latency_s_per_token"].notna()]
         chart = px.line(paper, x="block_size", y="normalized_latency_s_per_token", color="workload", markers=True,
-                        log_x=True, title="Figure 18b: normalized latency by block size", labels=PAPER_LABELS)
+                        log_x=True, title="Figure 18b: normalized latency by block size", labels=_labels(table))
         tiny = table[table["real_throughput_tok_s"].notna()] if "real_throughput_tok_s" in table else table.iloc[:0]
         for column, name in (("real_throughput_tok_s", "tiny engine, measured tok/s"),
                              ("simulated_throughput_tok_s", "tiny engine, simulated tok/s")):
@@ -330,7 +325,7 @@ def _paper_figure(figure: str, table: pd.DataFrame) -> go.Figure:
         paper = table[table["normalized_latency_s_per_token"].notna()]
         chart = px.line(paper, x="block_size", y="normalized_latency_s_per_token", color="preemption_mode",
                         markers=True, log_x=True, title="Figure 19: recompute vs swap by block size",
-                        labels=PAPER_LABELS)
+                        labels=_labels(table))
         if "measured_swap_over_recompute" in table:
             tiny = table[table["measured_swap_over_recompute"].notna()].drop_duplicates("block_size")
             for column, name in (("measured_swap_over_recompute", "tiny engine swap/recompute, measured"),

@@ -22,6 +22,8 @@ SUMMARY_LABELS = {
     "num_requests_rejected": "Requests rejected", "capacity_tokens": "KV capacity (tokens)",
     "host_capacity_tokens": "Host KV pool (tokens; swap and offload tier)",
     "paper_token_states_frac": "Paper: holding tokens (% of KV)",
+    "normalized_latency_s_per_token": "Normalized latency (s per output token)", "preemption_mode": "Preemption",
+    "max_rate_req_s": "Highest sustainable rate (requests/s)", "prefix_tokens": "Shared prefix (tokens)",
 }
 LABELS = {**COLUMN_LABELS, **SUMMARY_LABELS}
 PERCENT_COLUMNS = tuple(column for column, label in SUMMARY_LABELS.items() if "(%" in label)

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import streamlit as st
 
 from lab.errors import LabError
-from lab.profile import extrapolation_warning
-from lab.results import ResultStore, export_name, human_columns, human_label, to_csv_bytes, with_settings
+from lab.profiling.profile import extrapolation_warning
+from lab.report.results import ResultStore, export_name, human_columns, human_label, to_csv_bytes, with_settings
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +50,7 @@ def results_store() -> ResultStore:
 
 
 def csv_download(table, kind: str, settings: dict, key: str, label: str = "Download CSV") -> None:
-    """A download of ``table`` that says what produced it: the ``settings`` (``lab.results.settings_of``) as leading
+    """A download of ``table`` that says what produced it: the ``settings`` (``lab.report.results.settings_of``) as leading
     columns and in the file name, with a timestamp, so two exports can be told apart."""
     st.download_button(label, lambda: to_csv_bytes(with_settings(table, settings)),  # made when clicked, not per run
                        file_name=export_name(kind, settings), mime="text/csv", key=key,
@@ -62,7 +62,7 @@ SCHEDULING_LABELS = {"prefill-first": "Prefill first (vLLM 0.1, the paper)", "ch
 
 
 def scheduling_radio(default: str, key: str, disabled: bool = False) -> str:
-    """The scheduling policy (``lab.scheduler.SCHEDULING_MODES``), named as people know them."""
+    """The scheduling policy (``lab.sched.scheduler.SCHEDULING_MODES``), named as people know them."""
     modes = list(SCHEDULING_LABELS)
     return st.radio("Scheduling", modes, index=modes.index(default), format_func=SCHEDULING_LABELS.get,
                     horizontal=True, key=key, disabled=disabled,
@@ -80,14 +80,14 @@ def show_error(exc: Exception) -> None:
 
 
 def extrapolation_note(beyond: str, advice: str) -> None:
-    """A twin's warning that it priced steps beyond its profile (``lab.profile.extrapolation_warning`` of
+    """A twin's warning that it priced steps beyond its profile (``lab.profiling.profile.extrapolation_warning`` of
     ``beyond``), then what to do about it."""
     warning = extrapolation_warning(beyond)
     st.warning(f"{warning[0].upper()}{warning[1:]}. {advice}")
 
 
 def data_table(frame, labels: dict | None = None, percent: tuple[str, ...] = (), formats: dict | None = None) -> None:
-    """``frame`` with its columns named for a person (``lab.results.human_columns``; ``labels`` first), the
+    """``frame`` with its columns named for a person (``lab.report.results.human_columns``; ``labels`` first), the
     ``percent`` columns (fractions) shown as percentages, ``formats`` (name: printf format) for others. Only the
     display: an export keeps the names."""
     labels, formats = labels or {}, {**dict.fromkeys(percent, "percent"), **(formats or {})}
@@ -97,9 +97,9 @@ def data_table(frame, labels: dict | None = None, percent: tuple[str, ...] = (),
 
 
 def summary_table(frame, columns: list[str] | None = None) -> None:
-    """Simulator results (``columns`` of them; default all) as a person reads them: ``simulator.report.readable``'s
+    """Simulator results (``columns`` of them; default all) as a person reads them: ``simulator.views.report.readable``'s
     labels, fractions of the KV pool as percentages."""
-    from simulator import report
+    from simulator.views import report
 
     st.dataframe(report.readable(frame, list(frame.columns) if columns is None else columns), hide_index=True,
                  column_config={label: st.column_config.NumberColumn(format="%.1f %%")

@@ -1,7 +1,7 @@
 import streamlit as st
 
-from lab.charts import headline_figure
-from lab.results import headline_results, read_recorded, recorded_results, settings_of
+from lab.report.charts import headline_figure
+from lab.report.results import headline_results, read_recorded, recorded_results, settings_of
 from lab.errors import user_errors
 from app_pages._ui import chart, csv_download, data_table, results_store, show_error
 

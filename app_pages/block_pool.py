@@ -1,9 +1,9 @@
 import streamlit as st
 
-from lab.charts import block_pool_figure, block_pool_frame, block_table_frame, offload_tier_figure
-from lab.live import throttled
-from lab.results import settings_of
-from simulator.pool_frames import PoolRunConfig, busiest_frame, record_pool_frames
+from lab.report.charts import block_pool_figure, block_pool_frame, block_table_frame, offload_tier_figure
+from lab.engine.live import throttled
+from lab.report.results import settings_of
+from simulator.views.pool_frames import PoolRunConfig, busiest_frame, record_pool_frames
 from lab.errors import user_errors
 from app_pages._ui import chart, csv_download, data_table, show_error
 
@@ -100,7 +100,7 @@ def vllm_prefix_cache() -> None:
     """vLLM's own prefix cache, from the KV events of the vLLM twin page's last run."""
     import plotly.express as px
 
-    from lab.vllm_server import prefix_cache_timeline
+    from lab.peer.server import prefix_cache_timeline
 
     st.subheader("vLLM's prefix cache (KV events of the vLLM twin page's last run)")
     twin = st.session_state.get("vllm_twin")

@@ -5,9 +5,9 @@ import torch
 
 import paged_kernels
 from lab.bench.kernels import KernelBenchConfig, check_against_reference, run_kernel_bench
-from lab.charts import kernel_bandwidth_figure, kernel_time_figure
-from lab.live import throttled
-from lab.results import settings_of
+from lab.report.charts import kernel_bandwidth_figure, kernel_time_figure
+from lab.engine.live import throttled
+from lab.report.results import settings_of
 from lab.errors import InputError, user_errors
 from app_pages._ui import chart, csv_download, data_table, results_store, show_error
 

@@ -6,8 +6,8 @@ import pandas as pd
 import streamlit as st
 
 import simulator
-from simulator import charts, report
-from simulator.metrics import rejection_warning
+from simulator.views import charts, report
+from simulator.core.metrics import rejection_warning
 from lab.errors import InputError, user_errors
 from app_pages._ui import (chart, csv_download, data_table, results_store, scheduling_radio, show_error,
                            summary_table)
@@ -17,7 +17,7 @@ DEFAULTS = simulator.APP_DEFAULTS
 BLOCK_SWEEP_REQUESTS = 300
 FINISHED_RUNS_KEPT = 4
 RUNS_KEPT = 48  # single runs (~1 MB each at 1,000 requests)
-WORKERS = os.cpu_count() or 1  # the configurations run side by side (simulator.parallel)
+WORKERS = os.cpu_count() or 1  # the configurations run side by side (simulator.core.parallel)
 HEADLINE_CARDS = (("Allocated KV holding tokens (%)", "Allocated KV holding tokens", " %"),
                   ("Throughput (output tokens/s)", "Throughput", " tok/s"),
                   ("Mean running sequences", "Mean running sequences", ""),
@@ -303,7 +303,7 @@ failed = checks[~checks["holds"]]
 with st.expander(f"Checks against closed forms: {len(checks) - len(failed)} of {len(checks)} hold",
                  expanded=not failed.empty):
     st.caption("Identities every run satisfies and bounds that follow from how each allocator holds memory "
-               "(`simulator.checks`); a row that does not hold is a simulator bug.")
+               "(`simulator.core.checks`); a row that does not hold is a simulator bug.")
     data_table(checks)
     csv_download(checks, "checks", settings, "dl_checks",
                  "Download checks CSV")

@@ -1,8 +1,8 @@
 import streamlit as st
 
-from lab.charts import paging_diagram
+from lab.report.charts import paging_diagram
 from lab.hardware import describe_hardware
-from lab.results import settings_of
+from lab.report.results import settings_of
 from app_pages._ui import PAGES, chart, csv_download
 
 hardware = st.cache_data(describe_hardware)

@@ -1,8 +1,8 @@
 import streamlit as st
 
-from lab.results import settings_of
-from simulator import charts
-from simulator.paper import FIGURES, SAVED_RUN, TINY, compute_figures, load_figures, run_settings
+from lab.report.results import settings_of
+from simulator.views import charts
+from simulator.experiments.paper import FIGURES, SAVED_RUN, TINY, compute_figures, load_figures, run_settings
 from lab.errors import user_errors
 from app_pages._ui import chart, csv_download, results_store, show_error, summary_table
 

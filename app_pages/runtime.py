@@ -4,12 +4,12 @@ import pandas as pd
 import streamlit as st
 
 from lab.bench.e2e import E2EConfig, run_e2e_bench
-from lab.charts import (engine_live_figure, format_bytes, latency_histograms, static_batching_note,
+from lab.report.charts import (engine_live_figure, format_bytes, latency_histograms, static_batching_note,
                         system_comparison_figure)
 from lab.engine import EngineConfig
-from lab.live import RuntimeRunConfig, run_runtime, throttled
-from lab.model import load_hf_model
-from lab.results import settings_of
+from lab.engine.live import RuntimeRunConfig, run_runtime, throttled
+from lab.models.qwen3 import load_hf_model
+from lab.report.results import settings_of
 from lab.errors import user_errors
 from app_pages._ui import chart, csv_download, data_table, results_store, scheduling_radio, show_error
 

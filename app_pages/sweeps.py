@@ -2,11 +2,11 @@ import pandas as pd
 import streamlit as st
 
 import simulator
-from lab.results import settings_of
-from simulator import charts, report
-from simulator.isolated import run_isolated
-from simulator.plan import HOST_PRICE_PER_GIB_HOUR, plan_capacity
-from simulator.sweep import (SIM_FIELDS, WORKLOAD_FIELDS, default_store_path, failed_runs, read_table, run_sweep,
+from lab.report.results import settings_of
+from simulator.views import charts, report
+from simulator.experiments.isolated import run_isolated
+from simulator.experiments.plan import HOST_PRICE_PER_GIB_HOUR, plan_capacity
+from simulator.experiments.sweep import (SIM_FIELDS, WORKLOAD_FIELDS, default_store_path, failed_runs, read_table, run_sweep,
                              runs_failing_checks)
 from lab.errors import user_errors
 from app_pages._ui import chart, csv_download, results_store, show_error, summary_table

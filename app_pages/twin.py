@@ -3,16 +3,16 @@ import streamlit as st
 
 import simulator
 from lab.engine import EngineConfig
-from lab.live import throttled
-from lab.results import human_label, settings_of
-from lab.profile import GRIDS, Profile, profile_engine
-from simulator import charts
-from simulator.twin import TwinConfig, run_twin, twin_workload
+from lab.engine.live import throttled
+from lab.report.results import human_label, settings_of
+from lab.profiling.profile import GRIDS, Profile, profile_engine
+from simulator.views import charts
+from simulator.twins.twin import TwinConfig, run_twin, twin_workload
 from lab.errors import InputError, user_errors
 from app_pages._ui import (chart, csv_download, data_table, extrapolation_note, results_store, scheduling_radio,
                            show_error)
 
-CALIBRATION_REDRAW_S = 2.0  # a redraw per scenario slowed the steps being measured (lab.live.throttled)
+CALIBRATION_REDRAW_S = 2.0  # a redraw per scenario slowed the steps being measured (lab.engine.live.throttled)
 
 st.title("Digital twin")
 st.caption("Measure the real engine once (a profile of its step times), then run one workload through the engine "

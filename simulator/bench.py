@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from lab.cli_args import cli_settings, positive_int
-from lab.results import print_and_save
+from lab.cli.args import cli_settings, positive_int
+from lab.report.results import print_and_save
 
-from .cluster import run_simulation
-from .engine import SimConfig, Simulator
-from .workloads import SyntheticSpec, at_mean_rate, load_trace, synthetic_workload
+from simulator.core.cluster import run_simulation
+from simulator.core.engine import SimConfig, Simulator
+from simulator.core.workloads import SyntheticSpec, at_mean_rate, load_trace, synthetic_workload
 
 TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
 AZURE_CONV = TRACES / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
@@ -118,8 +118,8 @@ def bench_offload(path: Path, num_requests: int) -> list[dict]:
     """The prefix cache's host offload tier on a multi-turn trace: hit rate and TTFT for tiers of 0, 32 and 128 GiB
     and unbounded (Qwen3-8B on an H200, paged B=16), and the replay speed with the largest bounded tier against
     none (one run each, in the same invocation)."""
-    from .checks import unbounded_cache_hit_blocks
-    from . import offload_blocks
+    from simulator.core.checks import unbounded_cache_hit_blocks
+    from simulator.core.runs import offload_blocks
 
     workload = load_trace(path, max_rows=num_requests)
     base = SimConfig(allocator="paged", block_size=16, model="qwen3-8b", gpu="h200", max_model_len=131072)
@@ -175,7 +175,7 @@ def bench_trace_loads(num_rows: int) -> list[dict]:
     return rows
 
 
-# 200 distinct runs (a contiguous allocator's block sizes would share runs: ``simulator.sweep.spec_key``)
+# 200 distinct runs (a contiguous allocator's block sizes would share runs: ``simulator.experiments.sweep.spec_key``)
 SWEEP_GRID = {"allocator": ["paged"], "block_size": [8, 16, 32, 64, 128], "rate": [5.0, 10.0, 20.0, 40.0],
               "seed": list(range(10)), "num_requests": [1500]}
 
@@ -183,7 +183,7 @@ SWEEP_GRID = {"allocator": ["paged"], "block_size": [8, 16, 32, 64, 128], "rate"
 def bench_sweep(num_cpus: int) -> list[dict]:
     """The 200-run ``SWEEP_GRID`` serially (in this process) and on a local Ray of ``num_cpus`` CPUs, each into a
     fresh store; Ray's start-up is timed apart from the sweep."""
-    from .sweep import expand, run_sweep, start_ray
+    from simulator.experiments.sweep import expand, run_sweep, start_ray
 
     runs = len(expand(SWEEP_GRID))
     with tempfile.TemporaryDirectory() as folder:
@@ -208,9 +208,9 @@ def bench_compare(repeats: int) -> list[dict]:
     (every step planned, as before it), alternating in one run, serially, and the page's block-size sweep alike;
     then the comparison as the page runs an arrival-rate change: a new workload each time, two worker processes,
     the runs kept (the slowest configurations first). Checks the two serial paths give the same summaries."""
-    from . import engine
-    from . import BLOCK_SIZES, RunCache, block_size_sweep, block_size_sweep_workloads, compare, default_inputs
-    from .presets import APP_DEFAULTS as d
+    from simulator.core import engine
+    from simulator.core.runs import BLOCK_SIZES, RunCache, block_size_sweep, block_size_sweep_workloads, compare, default_inputs
+    from simulator.core.presets import APP_DEFAULTS as d
 
     workload, configs = default_inputs()
     sweep_workloads = block_size_sweep_workloads(workload, d["max_model_len"], 300)

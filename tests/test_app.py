@@ -171,7 +171,7 @@ def test_memory_simulator_draws_the_chart_chosen_and_builds_each_once():
     import json
     from unittest import mock
 
-    from simulator import charts
+    from simulator.views import charts
 
     def titles(app):
         return [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in app.get("plotly_chart")]
@@ -439,7 +439,7 @@ def test_kernel_lab_extremes_run_cleanly():
 
 
 def test_benchmarks_page_shows_recorded_results_and_adds_them_to_the_session(downloads):
-    from lab.results import LAB_VERSION, RECORDED_RESULTS
+    from lab.report.results import LAB_VERSION, RECORDED_RESULTS
 
     app = open_page("benchmarks")
     clean(app)
@@ -462,7 +462,7 @@ def test_benchmarks_page_bad_csv_shows_an_error(data):
 
 
 def test_sweeps_page_runs_a_sweep_and_a_plan_and_loads_files(downloads):
-    from simulator.sweep import failed_runs
+    from simulator.experiments.sweep import failed_runs
 
     app = open_page("sweeps")
     clean(app)
@@ -555,7 +555,7 @@ def test_the_overview_links_every_page_of_the_navigation():
 
 
 def test_benchmarks_page_opens_on_the_headline_figures_against_their_goals():
-    from lab.results import HEADLINES
+    from lab.report.results import HEADLINES
 
     app = open_page("benchmarks")
     clean(app)
@@ -566,7 +566,7 @@ def test_benchmarks_page_opens_on_the_headline_figures_against_their_goals():
 
 
 def test_runtime_page_explains_when_static_batching_wins():
-    from lab.charts import static_batching_note
+    from lab.report.charts import static_batching_note
 
     table = pd.DataFrame({"system": ["paged-engine", "hf-continuous", "hf-static"], "output_tok_s": [1360, 800, 2294]})
     assert "small load" in static_batching_note(table)

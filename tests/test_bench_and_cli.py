@@ -6,9 +6,9 @@ import pytest
 
 from lab.bench.block_manager import run_block_manager_bench
 from lab.bench.kernels import KernelBenchConfig, run_kernel_bench
-from lab.cli import main
+from lab.cli.main import main
 from lab.hardware import describe_hardware
-from lab.profile import Profile, feature_names
+from lab.profiling.profile import Profile, feature_names
 
 
 def test_kernel_bench_rows_and_accuracy():
@@ -38,7 +38,7 @@ def test_cli_writes_csv(tmp_path, capsys):
 
 
 def test_an_out_folder_gets_a_file_named_from_the_settings(tmp_path):
-    from simulator.cli import main as simulator_main
+    from simulator.cli.main import main as simulator_main
 
     folder = tmp_path / "exports"
     assert simulator_main(["--workload", "sharegpt", "--num-requests", "20", "--rate", "4", "--allocators", "paged",
@@ -184,7 +184,7 @@ def test_bad_files_exit_2_with_one_error_line_and_no_traceback(program, argv, na
 
 
 def test_a_bad_simulator_configuration_fails_before_the_progress_bar_starts(bad_files, capsys):
-    from simulator.cli import main as simulator_main
+    from simulator.cli.main import main as simulator_main
 
     assert simulator_main(["--profile", bad_files["bad_profile"], "--num-blocks", "64"]) == 2
     err = capsys.readouterr().err
@@ -193,7 +193,7 @@ def test_a_bad_simulator_configuration_fails_before_the_progress_bar_starts(bad_
 
 @pytest.mark.parametrize("program,argv,named", BAD_INVOCATIONS, ids=lambda v: " ".join(v) if isinstance(v, list) else v)
 def test_bad_flags_exit_2_with_one_error_line_and_no_traceback(program, argv, named, capsys):
-    from simulator.cli import main as simulator_main
+    from simulator.cli.main import main as simulator_main
 
     entry = main if program == "lab" else simulator_main
     try:
@@ -222,10 +222,10 @@ def _options_without_help(parser, path=()):
 
 
 def test_every_option_of_every_command_says_what_it_does():
-    from lab.cli import build_parser as lab_parser
+    from lab.cli.main import build_parser as lab_parser
     from simulator.bench import bench_parser
-    from simulator.cli import build_parser as simulator_parser
-    from simulator.cli_sweep import paper_parser, plan_parser, sweep_parser
+    from simulator.cli.main import build_parser as simulator_parser
+    from simulator.cli.sweep import paper_parser, plan_parser, sweep_parser
 
     for parser in (lab_parser(), simulator_parser(), sweep_parser(), plan_parser(), paper_parser(), bench_parser()):
         assert _options_without_help(parser) == [], parser.prog

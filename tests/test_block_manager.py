@@ -1,10 +1,11 @@
-"""Unit and state-machine tests of lab.block_manager.KVBlockManager."""
+"""Unit and state-machine tests of lab.kv_cache.block_manager.KVBlockManager."""
 import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from lab.pool_view import block_owners
-from lab.block_manager import (DuplicateSequenceError, KVBlockManager, OutOfBlocksError, UnknownSequenceError)
+from lab.kv_cache.pool_view import block_owners
+from tests.pool_checks import invariants_ok
+from lab.kv_cache.block_manager import (DuplicateSequenceError, KVBlockManager, OutOfBlocksError, UnknownSequenceError)
 
 
 def snapshot(manager: KVBlockManager):
@@ -49,9 +50,9 @@ def test_fork_shares_blocks_and_cow_copies_partial_last_block():
     m.append_token("p")  # parent's block is no longer shared: written in place, no copy
     assert m.get_block_table("p")[1] == partial and m.pending_copies == []
     m.check_invariants()
-    assert m.invariants_ok()
+    assert invariants_ok(m)
     m._ref_counts[full] += 1  # corrupt the stored count: the check must notice
-    assert not m.invariants_ok()
+    assert not invariants_ok(m)
 
 
 def test_exclusive_sequences_hold_implicit_counts_until_shared():
@@ -75,7 +76,7 @@ def test_exclusive_sequences_hold_implicit_counts_until_shared():
     m.check_invariants()
     m.create_sequence("c", num_prompt_tokens=4)
     m._ref_counts[m.get_block_table("c")[0]] = 1  # a stored count on an exclusive block: the check must notice
-    assert not m.invariants_ok()
+    assert not invariants_ok(m)
 
 
 def test_fork_at_block_boundary_needs_no_copy():
@@ -113,7 +114,7 @@ def test_out_of_blocks_leaves_manager_unchanged():
     with pytest.raises(OutOfBlocksError):
         m.append_token("c")
     assert snapshot(m) == before and "d" not in m.sequences
-    assert not m.can_append("c") and m.num_blocks_to_append("c") == 1
+    assert m.num_blocks_to_append("c") == 1 > m.num_free_blocks
 
 
 def test_out_of_blocks_on_cow_leaves_manager_unchanged():
@@ -271,7 +272,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
         table, length, size = self.m.get_block_table(seq), len(self.tokens[seq]), self.m.block_size
         expect_cow = length % size != 0 and self.m.ref_counts[table[-1]] > 1
-        if not self.m.can_append(seq):
+        if not (self.m.num_blocks_to_append(seq) <= self.m.num_free_blocks):
             before = snapshot(self.m)
             with pytest.raises(OutOfBlocksError):
                 self.m.append_token(seq, token)
@@ -289,7 +290,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         """``append_tokens`` with their ids: its blocks come in one pop, then the full ones are hashed."""
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
         length = len(self.tokens[seq])
-        if not self.m.can_append(seq, len(tokens)):
+        if not (self.m.num_blocks_to_append(seq, len(tokens)) <= self.m.num_free_blocks):
             before = snapshot(self.m)
             with pytest.raises(OutOfBlocksError):
                 self.m.append_tokens(seq, len(tokens), tokens)
@@ -374,7 +375,7 @@ def test_move_sequences_keeps_sharing_and_changes_nothing_on_error():
 
 
 def test_bad_token_ids_change_nothing():
-    from lab.block_manager import InvalidTokenError
+    from lab.kv_cache.block_manager import InvalidTokenError
 
     m = KVBlockManager(8, 2, enable_prefix_caching=True)
     m.create_sequence("a", [1, 2, 3])
@@ -395,7 +396,7 @@ def test_bad_token_ids_change_nothing():
 
 
 def test_checked_token_ids_are_taken_as_lists_are():
-    from lab.block_manager import InvalidTokenError, TokenIds
+    from lab.kv_cache.block_manager import InvalidTokenError, TokenIds
 
     with pytest.raises(InvalidTokenError, match="token_ids"):
         TokenIds([1, True])
@@ -489,7 +490,7 @@ def test_invariants_catch_a_block_cached_under_other_tokens():
     m = KVBlockManager(8, 2, enable_prefix_caching=True)
     m.create_sequence("a", [1, 2, 3, 4, 5])
     m.append_token("a", 6)
-    assert m.invariants_ok()
+    assert invariants_ok(m)
     first, second = m.get_block_table("a")[:2]
     cache = m.prefix_cache
     key_first, key_second = cache.block_keys[first], cache.block_keys[second]
@@ -498,7 +499,7 @@ def test_invariants_catch_a_block_cached_under_other_tokens():
     cache.blocks[wrong], cache.block_keys[second] = second, wrong
     with pytest.raises(AssertionError, match="cached under other tokens"):
         m.check_invariants()
-    assert not m.invariants_ok() and key_first is not None
+    assert not invariants_ok(m) and key_first is not None
 
 
 def test_free_blocks_are_reused_as_vllm_0_32_orders_them():

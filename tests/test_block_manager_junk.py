@@ -2,7 +2,7 @@
 
 from hypothesis import given, settings, strategies as st
 
-from lab.block_manager import BlockManagerError, KVBlockManager
+from lab.kv_cache.block_manager import BlockManagerError, KVBlockManager
 
 JUNK = st.one_of(st.integers(-3, 40), st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=2),
                  st.none(), st.booleans(), st.lists(st.integers(-2, 1100), max_size=6), st.just(10**30))

@@ -1,4 +1,4 @@
-"""Decode block tables on the device (``lab.block_tables``): after any sequence of pool operations (appends across
+"""Decode block tables on the device (``lab.worker.block_tables``): after any sequence of pool operations (appends across
 block boundaries, forks and copy-on-write, swaps out and back, releases and new sequences reusing ids) the gathered
 rows equal the pool's tables, and a step uploads only what changed."""
 import random
@@ -6,8 +6,8 @@ import random
 import pytest
 import torch
 
-from lab.block_manager import KVBlockManager
-from lab.block_tables import DeviceBlockTables
+from lab.kv_cache.block_manager import KVBlockManager
+from lab.worker.block_tables import DeviceBlockTables
 
 
 def step(tables: DeviceBlockTables, manager: KVBlockManager, seq_ids: list) -> tuple[torch.Tensor, int]:
@@ -56,7 +56,7 @@ def test_gathered_tables_follow_every_pool_operation(block_size, seed):
             manager.create_sequence(old, num_prompt_tokens=rng.randint(1, 9))  # an id reused: a new table
             live.append(old)
         for seq_id in live:
-            if rng.random() < 0.8 and manager.can_append(seq_id, 1):
+            if rng.random() < 0.8 and manager.num_blocks_to_append(seq_id, 1) <= manager.num_free_blocks:
                 manager.append_token(seq_id)
         batch = rng.sample(live, rng.randint(1, len(live)))
         gathered, _ = step(tables, manager, batch)

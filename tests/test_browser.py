@@ -158,7 +158,7 @@ def test_the_vllm_twin_runs_live_and_feeds_the_block_pool_page(server, browser, 
     """A real vLLM server started from the page (the peer environment), a workload with a shared system prompt, the
     twin drawn beside it and scored; then the Block pool page, in the same session, draws vLLM's prefix cache from
     the run's KV events. The server is gone when the run is."""
-    from lab.peer import missing_reason
+    from lab.peer.client import missing_reason
 
     if missing_reason():
         pytest.skip(missing_reason())

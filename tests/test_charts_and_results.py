@@ -2,14 +2,14 @@
 import pandas as pd
 import pytest
 
-from lab.block_manager import KVBlockManager
-from lab.pool_view import pool_snapshot
-from lab.charts import (block_pool_figure, block_pool_frame, block_table_frame, engine_live_figure,
+from lab.kv_cache.block_manager import KVBlockManager
+from lab.kv_cache.pool_view import pool_snapshot
+from lab.report.charts import (block_pool_figure, block_pool_frame, block_table_frame, engine_live_figure,
                         kernel_bandwidth_figure, kernel_time_figure, latency_histograms, paging_diagram)
 from lab.errors import InputError
-from lab.results import ResultStore, to_csv_bytes
+from lab.report.results import ResultStore, to_csv_bytes
 from simulator import SimConfig, compare
-from simulator.charts import (COMPARISON_VIEWS, comparison_figure, latency_percentiles, over_time, waste_areas,
+from simulator.views.charts import (COMPARISON_VIEWS, comparison_figure, latency_percentiles, over_time, waste_areas,
                               waste_bars)
 
 
@@ -102,7 +102,7 @@ def test_result_store_round_trip():
 
 
 def test_the_twin_s_tokens_per_second_are_counted_in_time_windows():
-    from simulator.charts import twin_steps, windowed_rate
+    from simulator.views.charts import twin_steps, windowed_rate
 
     # steps ending at 0.5, 1, 1.5 and 4 s: a window holds the steps that end in it, empty windows count 0
     rate = windowed_rate(pd.Series([0.5, 1.0, 1.5, 4.0]), pd.Series([1, 2, 3, 4]), 1.0)
@@ -120,7 +120,7 @@ def test_the_twin_s_tokens_per_second_are_counted_in_time_windows():
 
 
 def test_recorded_results_are_listed_with_their_command_and_read_safely(tmp_path):
-    from lab.results import RECORDED_RESULTS, read_recorded, recorded_results
+    from lab.report.results import RECORDED_RESULTS, read_recorded, recorded_results
 
     (tmp_path / "paper").mkdir()
     (tmp_path / "paper" / "figure2.csv").write_text("system,frac\nvLLM,0.96\nOrca,0.2\n")
@@ -145,7 +145,7 @@ def test_recorded_results_are_listed_with_their_command_and_read_safely(tmp_path
 def test_the_block_size_chart_puts_each_figure_in_its_own_panel():
     import pandas as pd
 
-    from simulator.charts import block_size_lines
+    from simulator.views.charts import block_size_lines
 
     table = pd.DataFrame({"workload": ["a"] * 3 + ["b"] * 3, "block_size": [1, 16, 256] * 2,
                           "internal_fragmentation_pct": range(6), "throughput_tok_s": range(10, 16),
@@ -159,8 +159,8 @@ def test_settings_flatten_configs_and_name_the_export():
     import datetime
 
     from lab.engine import EngineConfig
-    from lab.live import RuntimeRunConfig
-    from lab.results import LAB_VERSION, export_name, settings_of, split_settings, with_settings
+    from lab.engine.live import RuntimeRunConfig
+    from lab.report.results import LAB_VERSION, export_name, settings_of, split_settings, with_settings
 
     config = RuntimeRunConfig(model="tiny", num_requests=4, prompt_len_range=(8, 32), max_tokens_range=(2, 9),
                               engine=EngineConfig(block_size=7, seed=3))
@@ -193,7 +193,7 @@ def test_stored_results_keep_their_settings_for_export():
 def test_the_headline_chart_writes_each_figure_clear_of_the_goal_line():
     """Labels start right of their bar and of the goal line (a line through a number made it unreadable); a figure
     infinitely past its goal (a zero where lower is better) is drawn capped, within the axis."""
-    from lab.charts import HEADLINE_RATIO_SHOWN, headline_figure
+    from lab.report.charts import HEADLINE_RATIO_SHOWN, headline_figure
 
     table = pd.DataFrame({"benchmark": ["below", "just above", "far above", "zero cost"],
                           "latest": [0.5, 1.05, 3.0, 0.0], "unit": ["×", "×", "×", "%"], "goal": ["≥ 1"] * 3 + ["≤ 5"],
@@ -210,7 +210,7 @@ def test_the_headline_chart_writes_each_figure_clear_of_the_goal_line():
 def test_column_names_read_as_words_with_their_units():
     """A display label for every name an export writes: its own where it has one, else its words and the unit its
     suffix names; exports keep the names (``human_columns`` renames a copy)."""
-    from lab.results import human_columns, human_label
+    from lab.report.results import human_columns, human_label
 
     assert human_label("ttft_p50_s") == "TTFT p50 (s)" and human_label("logical_block") == "Logical block"
     assert [human_label(n) for n in ("median_ms", "kv_gb_per_s", "peak_tok_s", "free_frac", "num_free_blocks")] == \

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from simulator import SimConfig, Simulator, SyntheticSpec, compare, synthetic_workload
-from simulator.checks import COLUMNS, closed_form_checks
+from simulator.core.checks import COLUMNS, closed_form_checks
 
 CONFIGS = [SimConfig(allocator=allocator, capacity_tokens=6000, max_model_len=2048, **extra)
            for allocator in ("contiguous-max", "contiguous-oracle", "contiguous-pow2", "contiguous-grow")
@@ -79,7 +79,7 @@ def test_the_unbounded_cache_bound_by_hand_and_reached_by_a_pool_that_never_evic
     import numpy as np
 
     from simulator import Workload
-    from simulator.checks import unbounded_cache_hit_blocks
+    from simulator.core.checks import unbounded_cache_hit_blocks
 
     # a 64-token system prompt: the second prompt hits its 4 blocks; the third, 40 tokens of it, 2 full blocks
     shared = Workload("hand", np.zeros(3), np.array([100, 100, 40]), np.array([5, 5, 5]), shared_prefix_tokens=64)

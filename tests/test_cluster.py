@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 
 from simulator import SimConfig, Simulator
-from simulator.cluster import route, run_simulation
-from simulator.workloads import SyntheticSpec, synthetic_workload
+from simulator.core.cluster import route, run_simulation
+from simulator.core.workloads import SyntheticSpec, synthetic_workload
 
 WORKLOAD = synthetic_workload(SyntheticSpec(num_requests=240, rate=30.0, seed=3))
 CONFIG = SimConfig(capacity_tokens=12_000, max_points=100_000)
@@ -21,7 +21,7 @@ def strip(summary):
 @pytest.mark.parametrize("router", ["round-robin", "least-loaded", "random"])
 def test_one_replica_is_the_plain_simulator(router):
     plain = Simulator(WORKLOAD, CONFIG).run()
-    from simulator.cluster import run_cluster
+    from simulator.core.cluster import run_cluster
     cluster = run_cluster(WORKLOAD, dataclasses.replace(CONFIG, router=router))
     for key, value in strip(plain.summary).items():
         assert cluster.summary[key] == pytest.approx(value, nan_ok=True), key
@@ -70,11 +70,11 @@ def test_bad_cluster_settings(settings):
 def test_progress_only_callers_never_copy_a_replica_s_pool(router, monkeypatch):
     """``compare`` asks for progress only; each replica copied its whole pool every 100 steps all the same (10,000
     requests on 8 replicas: 13 s, 12 of them in those copies)."""
-    import lab.kv_policy
+    import lab.sched.kv_policy
     from simulator import compare
 
     copies = []
-    monkeypatch.setattr(lab.kv_policy, "pool_snapshot", lambda manager: copies.append(manager) or pytest.fail("copied"))
+    monkeypatch.setattr(lab.sched.kv_policy, "pool_snapshot", lambda manager: copies.append(manager) or pytest.fail("copied"))
     fractions = []
     summary, _ = compare(synthetic_workload(SyntheticSpec(preset="sharegpt", num_requests=400, rate=50.0)),
                          [SimConfig(allocator="paged", replicas=3, router=router)], progress=fractions.append)

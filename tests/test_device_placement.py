@@ -6,9 +6,9 @@ import copy
 
 import pytest
 
-from lab.beam import BeamSearchParams
+from lab.engine.beam import BeamSearchParams
 from lab.engine import LLMEngine, SamplingParams
-from lab.model_runner import ModelRunner
+from lab.worker.model_runner import ModelRunner
 
 
 class MetaMirror:

@@ -7,11 +7,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import lab.engine
-import lab.model_runner
-import lab.sampler
+import lab.engine.llm_engine
+import lab.worker.model_runner
+import lab.engine.sampler
 from lab.engine import LLMEngine, SamplingParams
-from lab.model import CheckpointError
+from lab.models.qwen3 import CheckpointError
 
 MAX_TOKENS = 10
 
@@ -107,7 +107,7 @@ def test_split_prefill_attention_matches_a_float64_reference(dtype, tolerance, h
     masked causal attention, by relative error against float64."""
     import types
 
-    from lab.model_runner import _FLASH_ATTENTION_CPU, ModelRunner
+    from lab.worker.model_runner import _FLASH_ATTENTION_CPU, ModelRunner
 
     if _FLASH_ATTENTION_CPU is None:
         pytest.skip("this torch has no CPU flash attention with a log-sum-exp; the engine uses the mask")
@@ -126,14 +126,14 @@ def test_split_prefill_attention_matches_a_float64_reference(dtype, tolerance, h
 def test_chunked_prefill_in_split_attention_matches_hf(monkeypatch, prompts, hf_reference):
     """With every cached chunk sent through the two flash passes (where the in-place CPU prefill attention is not
     built), chunked prefill still gives HF's greedy tokens and per-step logits."""
-    import lab.model_runner
+    import lab.worker.model_runner
     import paged_kernels.torch_backend
 
     monkeypatch.setattr(paged_kernels.torch_backend, "IN_PLACE_PREFILL_CPU", False)
-    monkeypatch.setattr(lab.model_runner, "SPLIT_ATTENTION_MIN_TOKENS", 1)
+    monkeypatch.setattr(lab.worker.model_runner, "SPLIT_ATTENTION_MIN_TOKENS", 1)
     calls = []
-    split = lab.model_runner.ModelRunner._split_prefill_attention
-    monkeypatch.setattr(lab.model_runner.ModelRunner, "_split_prefill_attention",
+    split = lab.worker.model_runner.ModelRunner._split_prefill_attention
+    monkeypatch.setattr(lab.worker.model_runner.ModelRunner, "_split_prefill_attention",
                         lambda self, *args: calls.append(1) or split(self, *args))
     engine = LLMEngine("tiny", block_size=3, num_blocks=2048, scheduling="chunked", max_num_batched_tokens=13,
                        record_logits=True)
@@ -438,7 +438,7 @@ def test_a_step_reads_its_tokens_back_once(monkeypatch):
     for prompt, sampling in zip(prompts, params):
         engine.add_request(prompt, sampling)
     reads = []
-    STEP_FILES = {module.__file__ for module in (lab.engine, lab.sampler, lab.model_runner)}
+    STEP_FILES = {module.__file__ for module in (lab.engine.llm_engine, lab.engine.sampler, lab.worker.model_runner)}
 
     def counted(name):
         original = getattr(torch.Tensor, name)

@@ -3,9 +3,9 @@ end."""
 import pytest
 import torch
 
-from lab.beam import BeamRanking, BeamSearchParams
+from lab.engine.beam import BeamRanking, BeamSearchParams
 from lab.engine import LLMEngine
-from lab.sampler import SamplingParams
+from lab.engine.sampler import SamplingParams
 
 PROMPTS = [[5, 17, 300, 2, 9, 41, 8], list(range(100, 119)), [7]]
 
@@ -35,7 +35,7 @@ def test_beams_match_hf_without_eos(block_size, width):
 def test_candidates_are_ranked_on_the_logits_device():
     """The ranking builds its tensors where the logits live: a CPU tensor of beam scores added to a GPU's logits
     raises. The meta device stands in for a GPU here (the same device check, no data)."""
-    from lab.beam import top_candidates
+    from lab.engine.beam import top_candidates
 
     for count in (1, 2):  # one beam: HF's first step pads the rest at -1e9
         values, indices = top_candidates([0.0] * count, torch.empty(count, 50, device="meta"), width=2, count=4)
@@ -79,7 +79,7 @@ def test_bad_beam_search_requests_run_nothing(params, message):
 
 
 def test_beams_report_their_block_sharing():
-    from lab.beam import memory_saving
+    from lab.engine.beam import memory_saving
 
     engine = LLMEngine("tiny", num_blocks=256, block_size=4)
     result = engine.beam_search([list(range(40))], BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True))[0]

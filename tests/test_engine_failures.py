@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from lab.beam import BeamSearchParams
+from lab.engine.beam import BeamSearchParams
 from lab.engine import LLMEngine, SamplingParams
 
 MAX_TOKENS = 8

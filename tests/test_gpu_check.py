@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from lab.bench.e2e import SYSTEMS
-from lab.cli import build_parser
-from lab.model import PRESETS
-from simulator.cli_twin import twin_parser
+from lab.cli.main import build_parser
+from lab.models.qwen3 import PRESETS
+from simulator.cli.twin import twin_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"

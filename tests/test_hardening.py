@@ -14,10 +14,10 @@ import torch
 
 import paged_kernels
 import simulator
-from lab.cli_args import key_values
+from lab.cli.args import key_values
 from lab.engine import LLMEngine, SamplingParams
 from lab.errors import InputError, user_errors
-from simulator.plan import parse_slos, search_max_rate, RateSearch
+from simulator.experiments.plan import parse_slos, search_max_rate, RateSearch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,8 +89,8 @@ def test_a_grid_that_gives_a_key_twice_is_refused(tmp_path):
 
 # 3. a search reports only what it measured, and says where it hit its bound
 def test_an_unmeetable_goal_is_reported_as_such(monkeypatch):
-    from simulator import plan
-    from simulator.workloads import MIN_RATE
+    from simulator.experiments import plan
+    from simulator.core.workloads import MIN_RATE
 
     rates = []
 
@@ -205,7 +205,7 @@ def test_a_grid_of_millions_of_runs_is_refused_before_it_is_expanded(tmp_path):
 
 
 def test_a_profile_that_prices_every_step_at_zero_is_refused():
-    from lab.profile import Profile, ProfileError, feature_names, PROFILE_VERSION
+    from lab.profiling.profile import Profile, ProfileError, feature_names, PROFILE_VERSION
 
     knots = [1, 8]
     data = {"version": PROFILE_VERSION, "model": "tiny", "device": "cpu", "dtype": "float32", "backend": "torch",

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import paged_kernels
 from lab.engine import EngineConfig, LLMEngine, SamplingParams
 from simulator import SimConfig, Simulator
-from simulator.workloads import SyntheticSpec, Workload, load_trace_bytes, synthetic_workload
+from simulator.core.workloads import SyntheticSpec, Workload, load_trace_bytes, synthetic_workload
 
 JUNK = st.one_of(st.integers(-3, 6), st.just(10**30), st.just(-(10**30)), st.floats(allow_nan=True, allow_infinity=True),
                  st.text(max_size=3), st.none(), st.booleans(), st.lists(st.integers(-2, 5), max_size=3),

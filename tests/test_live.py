@@ -1,8 +1,8 @@
-"""``lab.live``: the runtime page's seeded request mix and its run on the engine, without Streamlit."""
+"""``lab.engine.live``: the runtime page's seeded request mix and its run on the engine, without Streamlit."""
 import pytest
 
 from lab.engine import EngineConfig
-from lab.live import RuntimeRunConfig, random_requests, run_runtime, throttled
+from lab.engine.live import RuntimeRunConfig, random_requests, run_runtime, throttled
 
 
 def test_random_requests_are_seeded_share_the_prefix_and_respect_the_ranges():

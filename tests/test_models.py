@@ -2,7 +2,7 @@
 import pandas as pd
 import pytest
 
-from simulator.models import GiB, CostModel, get_gpu, get_model, kv_capacity_tokens, override
+from simulator.core.models import GiB, CostModel, get_gpu, get_model, kv_capacity_tokens, override
 
 
 def test_preset_shapes_give_known_sizes():
@@ -75,15 +75,15 @@ def test_tensor_parallelism_splits_weights_kv_and_work_and_pays_all_reduces():
 
 @pytest.mark.parametrize("setup", ["opt-13b", "opt-66b", "opt-175b"])
 def test_paper_setups_hold_the_kv_slots_of_table_1(setup):
-    from simulator.engine import resolve_capacity
-    from simulator.presets import PAPER_TABLE1_KV_SLOTS, paper_config
+    from simulator.core.engine import resolve_capacity
+    from simulator.core.presets import PAPER_TABLE1_KV_SLOTS, paper_config
 
     capacity, _ = resolve_capacity(paper_config(setup))
     assert capacity == pytest.approx(PAPER_TABLE1_KV_SLOTS[setup], rel=0.10)
 
 
 def test_attention_depends_on_the_block_size_only_for_paged_kv(tmp_path):
-    from simulator.models import CostModel, get_gpu, get_model
+    from simulator.core.models import CostModel, get_gpu, get_model
 
     model, gpu = get_model("opt-13b"), get_gpu("a100-40gb")
     contiguous = CostModel(model, gpu)
@@ -97,7 +97,7 @@ def test_attention_depends_on_the_block_size_only_for_paged_kv(tmp_path):
 
 
 def test_a_kernel_csv_of_several_block_sizes_gives_the_measured_curve(tmp_path):
-    from simulator.models import CostModel, get_gpu, get_model
+    from simulator.core.models import CostModel, get_gpu, get_model
 
     rows = ["kernel,batch,context,kv_gb_per_s,block_size"]
     for block_size, bandwidth in ((1, 10.0), (4, 20.0), (16, 40.0), (64, 40.0)):

@@ -1,4 +1,4 @@
-"""The prefix cache's host offload tier (``lab.offload``): LRU with pinned slots, the engine's tokens unchanged by
+"""The prefix cache's host offload tier (``lab.kv_cache.offload``): LRU with pinned slots, the engine's tokens unchanged by
 tier hits and its host round trip bit-identical, and the simulator's checks (an unbounded tier reaches the
 never-evict bound exactly; a workload that shares nothing loads nothing)."""
 import dataclasses
@@ -9,7 +9,7 @@ import torch
 
 from lab.engine import LLMEngine, SamplingParams
 from lab.errors import LabError
-from lab.offload import OffloadTier
+from lab.kv_cache.offload import OffloadTier
 from simulator import SimConfig, closed_form_checks, compare, make_workload
 from tests.test_shared_scheduler import make_prompts
 
@@ -58,8 +58,8 @@ def test_tier_hits_give_the_engine_s_tokens_and_the_round_trip_is_exact():
 def test_swapped_sequences_and_the_tier_share_one_host_pool():
     """The tier borrows free host blocks; a swap-out takes them back from its least recently used entries; the host
     pool's invariants hold and swapped + tier blocks never exceed it."""
-    from lab.kv_policy import PagedPolicy
-    from lab.scheduler import Sequence, SequenceGroup
+    from lab.sched.kv_policy import PagedPolicy
+    from lab.sched.scheduler import Sequence, SequenceGroup
 
     policy = PagedPolicy(6, 2, True, num_cpu_blocks=2, offload_blocks=3)
     host, tier = policy.cpu_manager, policy.tier
@@ -84,7 +84,7 @@ def test_swapped_sequences_and_the_tier_share_one_host_pool():
 
 
 def test_a_store_into_a_host_block_a_swap_in_frees_in_the_same_step_lands_after_the_read():
-    from lab.scheduler import NOTHING, SchedulerOutput
+    from lab.sched.scheduler import NOTHING, SchedulerOutput
 
     engine = LLMEngine("tiny", block_size=4, num_blocks=14, preemption_mode="swap", num_cpu_blocks=4,
                        kv_offload_blocks=4)
@@ -137,7 +137,7 @@ def test_bad_tier_settings_are_named(settings, message):
 
 
 def test_the_twin_configures_the_simulator_with_the_engine_s_tier():
-    from simulator.twin import sim_config
+    from simulator.twins.twin import sim_config
     from tests.test_profile_twin import fixed_profile
 
     engine = LLMEngine("tiny", block_size=16, num_blocks=64, kv_offload_blocks=12, preemption_mode="swap",
@@ -149,7 +149,7 @@ def test_the_twin_configures_the_simulator_with_the_engine_s_tier():
 def test_the_tier_sweep_shows_what_a_cpu_tier_buys():
     """Shared system prompts on a pool that evicts: hits rise with the tier and never fall; a chart with three panels."""
     from simulator import offload_sweep
-    from simulator.charts import offload_lines
+    from simulator.views.charts import offload_lines
 
     workload = make_workload("sharegpt", num_requests=150, rate=20.0, shared_prefix_tokens=256)
     config = SimConfig(capacity_tokens=3000, max_model_len=2048, max_num_seqs=8)
@@ -163,8 +163,8 @@ def test_the_tier_sweep_shows_what_a_cpu_tier_buys():
 
 
 def test_a_tier_snapshot_ranks_slots_by_recency():
-    from lab.offload import OffloadTier
-    from lab.pool_view import tier_snapshot
+    from lab.kv_cache.offload import OffloadTier
+    from lab.kv_cache.pool_view import tier_snapshot
 
     tier = OffloadTier(4)
     for key in ("a", "b", "c"):

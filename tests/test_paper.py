@@ -2,9 +2,9 @@
 import pandas as pd
 import pytest
 
-from simulator.charts import paper_figure
+from simulator.views.charts import paper_figure
 
-from simulator.paper import (FIGURES, SAVED_RUN, TinyScale, figure2, figure12, figure13, figure15, figure16, figure18,
+from simulator.experiments.paper import (FIGURES, SAVED_RUN, TinyScale, figure2, figure12, figure13, figure15, figure16, figure18,
                              figure19, load_figures, normalized_latency, run_figures)
 
 COLUMNS = {"2": {"system", "token_states_frac", "paper_token_states_frac"},

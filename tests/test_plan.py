@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from simulator.plan import PlanError, RateSearch, meets, parse_slos, plan_specs, run_plan, search_max_rate
-from simulator.sweep import run_one
+from simulator.experiments.plan import PlanError, RateSearch, meets, parse_slos, plan_specs, run_plan, search_max_rate
+from simulator.experiments.sweep import run_one
 
 WORKLOAD = {"workload": "sharegpt", "num_requests": 120}
 SLOS = {"ttft_p90_s": 0.5, "tpot_p90_s": 0.1}

@@ -1,7 +1,7 @@
-"""``simulator.pool_frames``: the block-pool page's frames from the simulator and from the engine, without Streamlit."""
+"""``simulator.views.pool_frames``: the block-pool page's frames from the simulator and from the engine, without Streamlit."""
 import pytest
 
-from simulator.pool_frames import PoolRunConfig, busiest_frame, record_pool_frames
+from simulator.views.pool_frames import PoolRunConfig, busiest_frame, record_pool_frames
 
 
 @pytest.mark.parametrize("source", ["simulator", "engine"])

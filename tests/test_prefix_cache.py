@@ -3,8 +3,8 @@ contents, the last token is never served, stream keys, eviction, disabled caches
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from lab.offload import OffloadTier
-from lab.prefix_cache import ROOT_CONTENT_ID, PrefixCache
+from lab.kv_cache.offload import OffloadTier
+from lab.kv_cache.prefix_cache import ROOT_CONTENT_ID, PrefixCache
 
 
 def filled(cache: PrefixCache, tokens: list[int], table: list[int]) -> int:

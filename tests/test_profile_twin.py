@@ -8,14 +8,14 @@ import pandas as pd
 import pytest
 
 from lab.engine import EngineConfig
-from lab.pool_view import pool_snapshot
-from lab.profile import (DECODE_SEQS, IDLE_FEATURES, IDLE_KNOTS_S, IDLE_S, LINEAR, PREFILL_LOGIT_ROWS,
+from lab.kv_cache.pool_view import pool_snapshot
+from lab.profiling.profile import (DECODE_SEQS, IDLE_FEATURES, IDLE_KNOTS_S, IDLE_S, LINEAR, PREFILL_LOGIT_ROWS,
                          PREFILL_TOKENS, PREVIOUS_PREFILL_TOKENS, PROFILE_VERSION, STEP_FEATURES, Profile,
                          ProfileError, Profiler, _run_scenario, _scenarios, decode_knots, design_row, feature_names,
                          fit, plan_quantities, profile_engine, scatter_free_blocks)
 from simulator import SimConfig, Simulator
-from simulator.twin import TwinCase, TwinConfig, calibrated_twins, replay, run_twin, twin_workload
-from simulator.workloads import SyntheticSpec, Workload, synthetic_workload
+from simulator.twins.twin import TwinCase, TwinConfig, calibrated_twins, replay, run_twin, twin_workload
+from simulator.core.workloads import SyntheticSpec, Workload, synthetic_workload
 
 KNOTS = [1, 4, 8, 32]
 FIXED = {"constant": 2e-3, "prefill_seqs": 1e-4, "prefill_tokens": 2e-5, "prefill_attention_pairs": 1e-8,
@@ -75,7 +75,7 @@ def test_the_idle_time_before_a_step_enters_piecewise_linearly_and_levels_off():
 
 
 def test_plan_quantities_count_the_prompt_chunks_that_sample():
-    from lab.scheduler import PrefillChunk, SchedulerOutput
+    from lab.sched.scheduler import PrefillChunk, SchedulerOutput
 
     out = SchedulerOutput(0)
     out.prefill_chunks = [PrefillChunk("a", 0, 32, samples=["a"]), PrefillChunk("b", 0, 64),
@@ -142,7 +142,7 @@ def test_profiled_engines_start_with_their_free_blocks_scattered():
     gathers scattered K/V 3-4 % slower than a fresh pool's consecutive blocks: the profile measures the former."""
     import random
 
-    from lab.block_manager import KVBlockManager
+    from lab.kv_cache.block_manager import KVBlockManager
 
     manager = KVBlockManager(64, 4)
     scatter_free_blocks(manager, random.Random(0))
@@ -194,7 +194,7 @@ def test_a_quick_profile_of_the_tiny_engine_fits_and_round_trips(tmp_path):
 def test_steps_beyond_the_profile_s_grid_are_named_with_both_ranges():
     """A profile measured decodes of 2 sequences up to 64 tokens and a 128-token prefill; a run that decodes one
     sequence of 1,000 tokens (a total inside the grid's) is priced by extrapolation, and says so."""
-    from lab.profile import RANGE_QUANTITIES
+    from lab.profiling.profile import RANGE_QUANTITIES
 
     profile = fixed_profile()
     decode = [1, 0, 0, 2, 0, 128, 128, 0, 0, 0, 0, 0]  # 2 sequences of 64 tokens
@@ -212,7 +212,7 @@ def test_steps_beyond_the_profile_s_grid_are_named_with_both_ranges():
 
 
 def test_the_measured_range_is_each_range_quantity_s_largest_sample():
-    from lab.profile import RANGE_QUANTITIES, range_quantities
+    from lab.profiling.profile import RANGE_QUANTITIES, range_quantities
 
     rng, profile = np.random.default_rng(), fixed_profile()
     assert profile.measured_range() == [0.0] * len(RANGE_QUANTITIES)  # no samples
@@ -248,7 +248,7 @@ def test_profiling_keeps_freed_memory_for_reuse():
 
     code = """if True:
         import ctypes, json, resource, sys
-        from lab.profile import steady_state_allocator
+        from lab.profiling.profile import steady_state_allocator
         if sys.argv[1] == "steady" and not steady_state_allocator():
             print("null"); sys.exit()
         libc = ctypes.CDLL(None)
@@ -368,7 +368,7 @@ def test_profiling_in_rounds_needs_a_measured_round_and_keeps_the_samples_of_eac
 
 def test_the_timed_engine_starts_with_its_free_blocks_scattered(monkeypatch):
     """As the profile's engines do: a fresh pool would hand the first request consecutive blocks."""
-    import simulator.twin as twin
+    import simulator.twins.twin as twin
 
     tables = []
 
@@ -443,7 +443,7 @@ def test_the_real_run_is_warmed_up_on_its_own_workload_s_first_steps(monkeypatch
     """Before the clock starts, throw-away engines run the workload's first steps (its largest prefill), so the
     timed run's first step does not fault in memory a long-running engine would have mapped; the timed engine's
     log starts with the same first step, untouched by the warm-up."""
-    import simulator.twin as twin
+    import simulator.twins.twin as twin
 
     engines = []
 
@@ -533,7 +533,7 @@ def test_a_profile_of_another_device_dtype_or_backend_is_rejected_before_any_run
     it runs anything."""
     import dataclasses
 
-    import simulator.twin as twin
+    import simulator.twins.twin as twin
 
     monkeypatch.setattr(twin, "run_real", lambda *args: pytest.fail("ran the engine with a mismatched profile"))
     profile = dataclasses.replace(fixed_profile(16), **{field: value})
@@ -594,7 +594,7 @@ def test_the_simulator_s_clock_queues_arrivals_as_the_engine_and_the_replay_do(m
 
 
 def test_the_fidelity_benchmark_reports_every_metric_for_every_load(monkeypatch):
-    from simulator import twin
+    from simulator.twins import twin
 
     monkeypatch.setitem(twin.BENCH_MODELS, "tiny", twin.BenchModel("quick", 6, 16, 6, 64, repeats=2,
                                                                           light_requests=4, chunked_budget=12))
@@ -614,14 +614,14 @@ def test_the_fidelity_benchmark_reports_every_metric_for_every_load(monkeypatch)
 
 
 def test_the_cli_profiles_then_runs_the_twin_and_writes_both_step_times(tmp_path, capsys):
-    from lab.cli import main
-    from simulator.cli import main as simulator_main
+    from lab.cli.main import main
+    from simulator.cli.main import main as simulator_main
 
     profile, table, steps = tmp_path / "p.json", tmp_path / "twin.csv", tmp_path / "steps.csv"
     assert main(["profile", "--grid", "quick", "--repeats", "1", "--block-size", "4", "--out", str(profile)]) == 0
     printed = capsys.readouterr().out
     assert "held-out relative error" in printed and "per scenario" in printed and "prefill 64" in printed
-    from lab.profile import Profile, _scenarios
+    from lab.profiling.profile import Profile, _scenarios
 
     listed = set(Profile.load(profile).scenario_errors()["scenario"])
     assert listed == {name for name, _, _ in _scenarios(4, "quick")}  # every scenario, shared shapes too
@@ -641,7 +641,7 @@ def test_the_cli_profiles_then_runs_the_twin_and_writes_both_step_times(tmp_path
 def test_step_pricing_through_the_run_shows_a_slowdown_under_sustained_load():
     """Measured and modelled step seconds summed over consecutive stretches of the run: a run whose real steps slow
     down halfway while the model prices them alike shows the climb; no stretches where the replay did not match."""
-    from simulator.twin import TwinResult
+    from simulator.twins.twin import TwinResult
 
     real = pd.DataFrame({"step": range(10), "duration_s": [0.05] * 5 + [0.07] * 5})
     replayed = pd.DataFrame({"step": range(10), "duration_s": [0.05] * 10})
@@ -671,7 +671,7 @@ def test_scenario_errors_compare_each_scenario_s_median_with_the_fit():
 
 
 def test_the_twin_workload_honours_rate_lengths_and_trace_times(tmp_path, capsys):
-    from simulator.cli import main
+    from simulator.cli.main import main
 
     assert (twin_workload("alpaca", 20).arrival_s == 0).all()  # no rate: all at t = 0
     timed = twin_workload("alpaca", 20, rate=5.0)

@@ -4,10 +4,10 @@ import math
 
 import pytest
 
-import simulator.engine as engine_module
-from lab.scheduler import Scheduler
+import simulator.core.engine as engine_module
+from lab.sched.scheduler import Scheduler
 from simulator import ALLOCATORS, default_inputs, make_workload, run_simulation
-from simulator.engine import SimConfig
+from simulator.core.engine import SimConfig
 
 
 def run(workload, config, fast: bool, monkeypatch, **options):

@@ -2,7 +2,7 @@
 import re
 from pathlib import Path
 
-from lab.results import headline_markdown
+from lab.report.results import headline_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -34,7 +34,7 @@ def test_the_two_commands_are_the_ones_ci_runs():
 def test_the_readme_s_answer_at_the_defaults_is_what_the_simulator_gives():
     """The figures of 'What paging buys, at the app's defaults', recomputed."""
     import simulator
-    from simulator import report
+    from simulator.views import report
 
     summary, _ = simulator.default_comparison()
     versus = report.paged_vs_best_contiguous(summary).set_index("Figure")

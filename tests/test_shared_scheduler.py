@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from lab.engine import LLMEngine, SamplingParams
-from lab.scheduler import STEP_LOG_COLUMNS, SchedulerError
+from lab.sched.scheduler import STEP_LOG_COLUMNS, SchedulerError
 from simulator import SimConfig, Simulator, Workload
 
 PLAN_COLUMNS = [c for c in STEP_LOG_COLUMNS if c != "duration_s"]
@@ -187,7 +187,7 @@ def test_fuzzed_workloads_plan_identically(case):
 
 def run_with_staggered_arrivals(engine, prompts, params, arrival_steps):
     """Queue request i once the engine has run ``arrival_steps[i]`` steps (or, when it has nothing left to run,
-    at once, as an idle engine takes the next arrival), as ``simulator.twin.run_real`` records its arrivals; returns
+    at once, as an idle engine takes the next arrival), as ``simulator.twins.twin.run_real`` records its arrivals; returns
     the step count at which each request was queued."""
     admitted_after, request = [], 0
     while request < len(prompts) or engine.has_unfinished():
@@ -205,7 +205,7 @@ def test_fuzzed_staggered_arrivals_replay_identically(case):
     """Requests that arrive while others run, are preempted or are swapped out: the twin's replay (each request
     queued into the simulator after as many steps as the engine had run when it queued it) plans the engine's steps
     exactly."""
-    from simulator.twin import replay, sim_config
+    from simulator.twins.twin import replay, sim_config
     from tests.test_profile_twin import fixed_profile
 
     engine = LLMEngine("tiny", **case.engine)
@@ -232,11 +232,11 @@ def test_a_prompt_waiting_for_memory_is_built_once(monkeypatch):
     """A request at the head of the queue is offered every step until memory frees; its prompt ids (O(length) to
     build and check: 100k tokens in a Mooncake trace) were built on every offer, which made a long-context replay
     with prefix caching 60x slower than one without."""
-    import simulator.engine
+    import simulator.core.engine
 
     built = []
-    real_ids = simulator.engine.synthetic_token_ids
-    monkeypatch.setattr(simulator.engine, "synthetic_token_ids",
+    real_ids = simulator.core.engine.synthetic_token_ids
+    monkeypatch.setattr(simulator.core.engine, "synthetic_token_ids",
                         lambda workload, request, length: built.append(request) or real_ids(workload, request, length))
     # the second prompt waits 20 steps for the first request's blocks
     workload = Workload("wait", np.zeros(2), np.array([40, 40]), np.array([20, 2]), shared_prefix_tokens=4)

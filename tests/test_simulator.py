@@ -9,15 +9,15 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis import example, given
 
-from lab.block_manager import KVBlockManager
+from lab.kv_cache.block_manager import KVBlockManager
 import simulator
 from simulator import (ALLOCATORS, CATEGORIES, SimConfig, Simulator, SyntheticSpec, compare, simulate,
                        synthetic_workload)
-from simulator.cli import SUMMARY_COLUMNS, main
-from simulator.checks import closed_form_checks
-from simulator.cluster import run_simulation
-from simulator.metrics import rejection_warning
-from simulator.presets import figure2_experiment
+from simulator.cli.main import SUMMARY_COLUMNS, main
+from simulator.core.checks import closed_form_checks
+from simulator.core.cluster import run_simulation
+from simulator.core.metrics import rejection_warning
+from simulator.core.presets import figure2_experiment
 
 
 def run(workload, **config):
@@ -128,14 +128,14 @@ def _recorded(name):
     return call
 
 
-for _name in ("create_sequence", "fork_sequence", "append_tokens", "release_sequence", "try_reserve_blocks",
+for _name in ("create_sequence", "fork_sequence", "append_tokens", "release_sequence",
               "try_reserve_counted_blocks", "register_blocks"):
     setattr(RecordingManager, _name, _recorded(_name))
 
 
 @pytest.mark.parametrize("sharing", [dict(n=2), dict(beam_width=3)], ids=["samples", "beams"])
 def test_paged_trajectory_equals_driving_the_block_manager_directly(sharing, monkeypatch):
-    monkeypatch.setattr("lab.kv_policy.KVBlockManager", RecordingManager)
+    monkeypatch.setattr("lab.sched.kv_policy.KVBlockManager", RecordingManager)
     workload = small_workload(num_requests=80, shared_prefix_tokens=24, **sharing)
     sim = Simulator(workload, SimConfig(allocator="paged", block_size=8, capacity_tokens=3000))
     result = sim.run()
@@ -151,7 +151,7 @@ def test_paged_trajectory_equals_driving_the_block_manager_directly(sharing, mon
         else:
             getattr(per_token, name)(*args)
         seq_id = args[1] if name == "fork_sequence" else args[0]
-        if name not in ("release_sequence", "try_reserve_blocks", "try_reserve_counted_blocks"):
+        if name not in ("release_sequence", "try_reserve_counted_blocks"):
             assert bulk.get_block_table(seq_id) == per_token.get_block_table(seq_id)
         assert bulk.ref_counts == per_token.ref_counts
     assert bulk.ref_counts == mine.ref_counts and bulk.num_free_blocks == mine.num_physical_blocks
@@ -299,7 +299,7 @@ def test_paper_pow2_rounds_the_output_only_and_buddy_places_it():
     """Orca (Pow2) in the vLLM paper over-reserves outputs by at most 2x: prompt 100 + true output 25 reserves
     100 + 32 slots; rounding the total (``contiguous-pow2-total``) reserves 128; a buddy space then rounds the
     region itself up to a power of two."""
-    from simulator.allocators import ContiguousPolicy
+    from simulator.core.allocators import ContiguousPolicy
 
     final_len = 100 + 25 - 1  # KV holds prompt + output - 1 tokens
     paper = ContiguousPolicy("contiguous-pow2", 4096, 2048)
@@ -356,11 +356,12 @@ def test_compare_reuses_runs_of_the_same_workload_and_config(monkeypatch):
     """With ``reuse``, a configuration already run on this workload is not run again (a page adding a block size
     runs one configuration); the table is the same as a fresh comparison's; another workload runs everything; a
     stopped run is not kept; ``RunCache`` keeps the most recently used."""
-    import simulator.cluster
+    import simulator.core.cluster
+    import simulator.core.runs
 
     ran = []
-    original = simulator.cluster.run_simulation
-    monkeypatch.setattr(simulator, "run_simulation", lambda w, c, **kw: ran.append(c.label) or original(w, c, **kw))
+    original = simulator.core.cluster.run_simulation
+    monkeypatch.setattr(simulator.core.runs, "run_simulation", lambda w, c, **kw: ran.append(c.label) or original(w, c, **kw))
     workload = small_workload(num_requests=40)
     first = [SimConfig(allocator="contiguous-max", capacity_tokens=9_000), SimConfig(capacity_tokens=9_000)]
     more = first + [SimConfig(block_size=4, capacity_tokens=9_000)]
@@ -377,7 +378,7 @@ def test_compare_reuses_runs_of_the_same_workload_and_config(monkeypatch):
     for key, run in reuse.items():  # with workers, the slowest configuration last time goes first
         run.summary["wall_time_s"] = {"contiguous-max": 9.0, "paged-B4": 5.0}.get(run.config.label, 1.0)
     handed = []
-    monkeypatch.setattr(simulator, "_run_all", lambda w, cs, workers, progress: handed.extend(c.label for c in cs)
+    monkeypatch.setattr(simulator.core.runs, "_run_all", lambda w, cs, workers, progress: handed.extend(c.label for c in cs)
                         or [original(w, c) for c in cs])
     compare(dataclasses.replace(workload, arrival_s=workload.arrival_s * 3), more, workers=2, reuse=reuse)
     assert handed == ["contiguous-max", "paged-B4", "paged-B16"]
@@ -429,7 +430,7 @@ def test_skipping_a_blocked_head_s_admission_changes_nothing(allocator, block_si
                        scheduling=scheduling, max_num_batched_tokens=256, enable_prefix_caching=caching)
     skipping = Simulator(workload, config).run().summary
     with monkeypatch.context() as patch:  # the same patch on every example
-        patch.setattr("lab.scheduler.Scheduler._admission_fails", lambda self, group, chunk: False)
+        patch.setattr("lab.sched.scheduler.Scheduler._admission_fails", lambda self, group, chunk: False)
         offering = Simulator(workload, config).run().summary
     assert not _same_summary(skipping, offering)
 
@@ -440,7 +441,7 @@ def test_a_waiting_caller_hears_of_progress_when_runs_finish_not_every_poll():
     import time
 
     import simulator
-    from simulator import parallel
+    from simulator.core import parallel
 
     workload = simulator.make_workload("sharegpt", num_requests=400, rate=20.0, max_model_len=2048)
     configs = simulator.make_configs(["contiguous-max", "paged", "contiguous-oracle"], [16], model="opt-13b",

@@ -5,12 +5,13 @@ import math
 import numpy as np
 import pytest
 
-from lab.beam import BeamSearchParams, memory_saving
+from lab.engine.beam import BeamSearchParams, memory_saving
 from lab.engine import LLMEngine
 from simulator import SimConfig, Simulator, Workload
-from simulator.beams import BeamSurvival
-from simulator.metrics import CATEGORIES
-from simulator.workloads import SyntheticSpec, synthetic_workload
+from simulator.core.beams import BeamSurvival
+from simulator.core.metrics import CATEGORIES
+from simulator.core.workloads import SyntheticSpec, synthetic_workload
+from tests.pool_checks import invariants_ok
 
 
 def beams(width, num_requests=40, rate=50.0, seed=3, **spec):
@@ -54,7 +55,7 @@ def test_beams_fork_and_die_without_leaking_blocks(modes, block_size):
     assert summary["generated_tokens"] == 4 * int(workload.output_tokens.sum())
     assert summary["preemptions"] > 0  # the small pool exercises preemption of beams too
     manager = sim.policy.manager
-    assert manager.invariants_ok() and manager.num_used_blocks == 0
+    assert invariants_ok(manager) and manager.num_used_blocks == 0
     if sim.policy.cpu_manager is not None:
         assert sim.policy.cpu_manager.num_used_blocks == 0
     assert (series[list(CATEGORIES)].sum(axis=1) == summary["capacity_tokens"]).all()

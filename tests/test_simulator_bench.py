@@ -49,6 +49,6 @@ def test_median_seconds_warms_up_then_takes_the_median():
 
 def test_the_sweep_bench_grid_is_200_distinct_runs():
     from simulator.bench import SWEEP_GRID
-    from simulator.sweep import expand, spec_key
+    from simulator.experiments.sweep import expand, spec_key
 
     assert len({spec_key(spec) for spec in expand(SWEEP_GRID)}) == len(expand(SWEEP_GRID)) == 200

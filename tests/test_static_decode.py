@@ -6,7 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lab.engine import LLMEngine, SamplingParams
-from lab.static_decode import StaticDecode
+from lab.worker.static_decode import StaticDecode
 
 
 def _requests(count=24, seed=7):
@@ -67,7 +67,7 @@ def test_steps_the_buffers_cannot_hold_run_the_plain_forward():
     engine = LLMEngine("tiny", num_blocks=256, block_size=4)
     static = StaticDecode(engine.runner, 4, 16, graphs=False)
     assert static.buckets == [1, 2, 4] and static.bucket(3) == 4
-    from lab.model_runner import ModelInput
+    from lab.worker.model_runner import ModelInput
 
     step = ModelInput(decode_seq_ids=[0, 1, 2], max_seq_len=16)
     assert static.takes(step)

@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import simulator
 from lab.errors import LabError
-from simulator.cli_sweep import int_list
-from simulator.engine import SimConfig, SimulationError, Simulator
-from simulator.plan import PlanError, RateSearch, run_plan
-from simulator.sweep import StoreError, run_sweep
-from simulator.workloads import TraceFormatError, Workload, WorkloadError, load_trace
+from simulator.cli.sweep import int_list
+from simulator.core.engine import SimConfig, SimulationError, Simulator
+from simulator.experiments.plan import PlanError, RateSearch, run_plan
+from simulator.experiments.sweep import StoreError, run_sweep
+from simulator.core.workloads import TraceFormatError, Workload, WorkloadError, load_trace
 
 GENERIC_HEADER = "arrival_time_s,prompt_tokens,output_tokens"
 NON_FINITE = [math.nan, math.inf, -math.inf, 1e-320, 1e308, -1.0]
@@ -238,14 +238,14 @@ def test_a_store_corrupt_inside_is_refused_before_any_run(tmp_path, monkeypatch)
     data[4096 * 2:4096 * 2 + 64] = b"\x5a" * 64  # a page of the table, past the file header
     store.write_bytes(bytes(data))
     ran = []
-    monkeypatch.setattr("simulator.sweep.run_one", lambda spec: ran.append(spec))
+    monkeypatch.setattr("simulator.experiments.sweep.run_one", lambda spec: ran.append(spec))
     with pytest.raises(StoreError, match="not a readable results store"):
         run_sweep({**grid, "rate": [16.0]}, store, parallel=False, progress=False)
     assert not ran
 
 
 def test_a_store_failing_mid_sweep_loses_no_computed_run(tmp_path, monkeypatch):
-    from simulator import sweep
+    from simulator.experiments import sweep
 
     def broken_put(self, row):
         raise sqlite3.DatabaseError("database disk image is malformed")
@@ -261,14 +261,14 @@ def test_a_store_failing_mid_sweep_loses_no_computed_run(tmp_path, monkeypatch):
 @pytest.mark.parametrize("args", [(10.7, 4), ("12", 4), (True, 4), (10, 4, "no"), (10, 4, 1), (10, 0), (0, 4),
                                   (10, 2.0), (None, 4)])
 def test_block_manager_arguments_are_not_coerced(args):
-    from lab.block_manager import BlockManagerConfigError, KVBlockManager
+    from lab.kv_cache.block_manager import BlockManagerConfigError, KVBlockManager
 
     with pytest.raises(BlockManagerConfigError):
         KVBlockManager(*args)
 
 
 def test_sequences_do_not_move_between_pools_of_other_block_sizes():
-    from lab.block_manager import KVBlockManager, PoolMismatchError
+    from lab.kv_cache.block_manager import KVBlockManager, PoolMismatchError
 
     source, target = KVBlockManager(8, 4), KVBlockManager(8, 8)
     source.create_sequence("s", [1, 2, 3, 4, 5])
@@ -339,7 +339,7 @@ def test_a_cache_with_a_zero_dimension_is_named(shape, backend):
 # ---- which errors are the user's --------------------------------------------------------------------------------
 def test_user_errors_are_the_lab_s_and_the_kernels_not_python_s(capsys):
     import paged_kernels
-    from lab.cli_args import run_command
+    from lab.cli.args import run_command
     from lab.errors import user_errors
 
     with pytest.raises(paged_kernels.KernelArgumentError, match="backend must be one of"):

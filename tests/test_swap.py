@@ -110,7 +110,7 @@ def test_the_default_host_pool_is_the_device_pool_capped_at_vllm_s_swap_space(mo
     otherwise ask for more pinned host memory than the machine has)."""
     import numpy as np
 
-    import lab.kv_policy as kv_policy
+    import lab.sched.kv_policy as kv_policy
     from lab.engine import LLMEngine
     from simulator import SimConfig, Simulator, Workload
 
@@ -126,7 +126,7 @@ def test_the_default_host_pool_is_the_device_pool_capped_at_vllm_s_swap_space(mo
     assert summary["host_capacity_tokens"] == (4 << 30) // block_bytes * 16
     from dataclasses import replace
     assert Simulator(workload, replace(config, preemption_mode="recompute")).run().summary["host_capacity_tokens"] == 0
-    from simulator.cluster import run_simulation
+    from simulator.core.cluster import run_simulation
     two = run_simulation(workload, replace(config, replicas=2)).summary
     assert two["host_capacity_tokens"] == 2 * summary["host_capacity_tokens"]
     small = LLMEngine("tiny", num_blocks=40, block_size=4, preemption_mode="swap")

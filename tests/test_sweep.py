@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from simulator.sweep import GridError, ResultStore, check_grid, expand, run_sweep, runs_failing_checks, spec_key
+from simulator.experiments.sweep import GridError, ResultStore, check_grid, expand, run_sweep, runs_failing_checks, spec_key
 
 ray = pytest.importorskip("ray")
 
@@ -121,7 +121,7 @@ def test_bad_grids_fail_before_any_work(tmp_path, grid, message):
 
 
 def test_the_cli_runs_a_grid_file_and_reports_bad_ones(tmp_path, capsys, local_ray):
-    from simulator.cli import main
+    from simulator.cli.main import main
 
     (tmp_path / "grid.yaml").write_text("allocator: [paged]\nrate: [10.0]\nnum_requests: [50]\n")
     assert main(["sweep", "--grid", str(tmp_path / "grid.yaml"), "--out", str(tmp_path / "r.parquet"),

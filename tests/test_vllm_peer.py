@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lab.engine import LLMEngine
-from lab.model import save_checkpoint
-from lab.peer import (STEP_FIELDS, PeerError, PeerSettings, VLLMPeer, compare_step_logs, missing_reason,
+from lab.models.qwen3 import save_checkpoint
+from lab.peer.client import (STEP_FIELDS, PeerError, PeerSettings, VLLMPeer, compare_step_logs, missing_reason,
                       our_step_table, serve, vllm_step_table)
 
 needs_peer = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
@@ -143,12 +143,12 @@ def test_the_chunked_policy_takes_a_prompt_s_blocks_up_front(checkpoint, vllm_ru
 @needs_peer
 @pytest.mark.parametrize("case", list(CASES))
 def test_vllm_s_step_quantities_are_our_plans(checkpoint, vllm_runs, case):
-    """What the vLLM profile reads from vLLM's step record (``lab.peer_profile.step_quantities``: prefill tokens and
+    """What the vLLM profile reads from vLLM's step record (``lab.peer.profiling.step_quantities``: prefill tokens and
     chunks, decode batch, KV tokens read, attention pairs, logit rows) equals what our profile reads from our plan of
     the same step (``plan_quantities``), preemptions and prefix hits included; the idle time and the previous step's
     prefill are the caller's, compared apart."""
-    from lab.peer_profile import run_quantities
-    from lab.profile import QUANTITIES
+    from lab.peer.profiling import run_quantities
+    from lab.profiling.profile import QUANTITIES
 
     run, _ = ours(checkpoint, case)
     requests = CASES[case][0][0]

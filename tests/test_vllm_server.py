@@ -1,4 +1,4 @@
-"""The client of a real vLLM server (``lab.vllm_server``) without one: its /metrics and KV-event frames as recorded
+"""The client of a real vLLM server (``lab.peer.server``) without one: its /metrics and KV-event frames as recorded
 from vLLM 0.32's server (``tests/data/vllm_server/``), and a stand-in server (aiohttp) that is not vLLM, dies
 mid-stream, stalls or answers garbage. Every failure must end the run in bounded time with a message naming it and
 keep what was measured. The same client against the real server: ``tests/test_vllm_twin.py``."""
@@ -17,9 +17,9 @@ import pytest
 import zmq
 from aiohttp import web
 
-from lab import vllm_server
-from lab.peer import PeerError, PeerSettings
-from lab.vllm_server import (KVEventListener, ServerRequest, VLLMServer, check_server, decode_frame, parse_metrics,
+from lab.peer import server as vllm_server
+from lab.peer.client import PeerError, PeerSettings
+from lab.peer.server import (KVEventListener, ServerRequest, VLLMServer, check_server, decode_frame, parse_metrics,
                              run_server_workload)
 
 DATA = Path(__file__).parent / "data" / "vllm_server"
@@ -272,18 +272,18 @@ def test_stream_times_count_from_the_send(fake):
 
 def flat_profile():
     """A vLLM profile whose every step takes 2 ms (blocks of 32)."""
-    from lab.profile import Profile, feature_names
+    from lab.profiling.profile import Profile, feature_names
 
     coefficients = dict.fromkeys(feature_names([1]), 0.0) | {"constant": 0.002}
     return Profile("tiny", "cpu", "float32", 32, "vllm", coefficients, [1])
 
 
 def test_the_live_twin_runs_against_a_server_and_draws_both_sides(fake, tmp_path):
-    """``simulator.vllm_live.LiveTwin`` on a URL (the stand-in server, which reports vLLM's recorded pool), a given
+    """``simulator.twins.vllm_live.LiveTwin`` on a URL (the stand-in server, which reports vLLM's recorded pool), a given
     profile and calibration: the prediction is ready, the run is measured, scored, and every live series has both
     sides."""
-    from simulator.vllm_live import LiveTwin, Phase, live_series
-    from simulator.vllm_twin import ServerCalibration, VLLMTwinConfig
+    from simulator.twins.vllm_live import LiveTwin, Phase, live_series
+    from simulator.twins.vllm_twin import ServerCalibration, VLLMTwinConfig
 
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1000}))
     profile = flat_profile()
@@ -306,7 +306,7 @@ def test_the_vllm_twin_says_which_workloads_it_priced_beyond_the_profile():
     """Per workload, the first run whose steps went beyond the profile's measured range (what the CLI warns of)."""
     from types import SimpleNamespace
 
-    from simulator.vllm_twin import VLLMTwinResult
+    from simulator.twins.vllm_twin import VLLMTwinResult
 
     beyond = "decode_kv_tokens up to 6,144 (measured up to 3,396)"
     runs = {("all-at-once", 0): "", ("prefix", 0): "", ("prefix", 1): beyond, ("prefix", 2): "other"}
@@ -317,7 +317,7 @@ def test_the_vllm_twin_says_which_workloads_it_priced_beyond_the_profile():
 
 
 def test_a_probed_step_overhead_shifts_the_calibration_and_never_below_none():
-    from simulator.vllm_twin import ServerCalibration
+    from simulator.twins.vllm_twin import ServerCalibration
 
     calibration = ServerCalibration(0.002, 0.003, 0.001)
     assert calibration.shifted(0.0015).step_overhead_s == pytest.approx(0.0035)
@@ -326,7 +326,7 @@ def test_a_probed_step_overhead_shifts_the_calibration_and_never_below_none():
     assert (shifted.request_overhead_s, shifted.request_interval_s) == (0.003, 0.001)
     profile = flat_profile()
     assert shifted.priced(profile).coefficients["constant"] == pytest.approx(0.002 + 0.003)
-    from simulator.engine import SimConfig
+    from simulator.core.engine import SimConfig
 
     simulation = shifted.applied(SimConfig(block_size=32, max_num_seqs=7), profile)
     assert simulation.max_num_seqs == 7 and simulation.profile.coefficients == shifted.priced(profile).coefficients
@@ -334,8 +334,8 @@ def test_a_probed_step_overhead_shifts_the_calibration_and_never_below_none():
 
 @pytest.mark.parametrize("fake", [("html",)], indirect=True)
 def test_a_live_twin_on_a_url_that_is_not_vllm_fails_with_the_reason(fake, tmp_path):
-    from simulator.vllm_live import LiveTwin, Phase
-    from simulator.vllm_twin import VLLMTwinConfig
+    from simulator.twins.vllm_live import LiveTwin, Phase
+    from simulator.twins.vllm_twin import VLLMTwinConfig
 
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1000}))
     profile = flat_profile()

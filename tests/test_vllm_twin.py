@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lab.model import save_checkpoint
-from lab.peer import missing_reason
-from lab.profile import RANGE_QUANTITIES
-from lab.vllm_server import VLLMServer, check_server, run_server_workload, server_cache_config
-from simulator.vllm_twin import VLLMTwinConfig, make_twin_workload, run_vllm_twin, server_requests
+from lab.models.qwen3 import save_checkpoint
+from lab.peer.client import missing_reason
+from lab.profiling.profile import RANGE_QUANTITIES
+from lab.peer.server import VLLMServer, check_server, run_server_workload, server_cache_config
+from simulator.twins.vllm_twin import VLLMTwinConfig, make_twin_workload, run_vllm_twin, server_requests
 
 pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
 CONFIG = VLLMTwinConfig(workloads=("all-at-once", "prefix"), num_requests=24, profile_repeats=1)
@@ -89,7 +89,7 @@ def test_a_server_whose_lab_process_is_killed_leaves_no_process(checkpoint):
     import time
 
     before = vllm_processes()
-    script = ("import os, signal; from lab.peer import PeerSettings; from lab.vllm_server import VLLMServer; "
+    script = ("import os, signal; from lab.peer.client import PeerSettings; from lab.peer.server import VLLMServer; "
               f"s = VLLMServer(PeerSettings({checkpoint!r}), events=False); print(s.url, flush=True); "
               "os.kill(os.getpid(), signal.SIGKILL)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)

@@ -137,8 +137,8 @@ def test_mooncake_errors(tmp_path):
 
 
 def test_a_trace_replayed_at_another_mean_rate_keeps_its_shape(tmp_path):
-    from simulator.cli import _workload, build_parser
-    from simulator.workloads import at_mean_rate
+    from simulator.cli.main import _workload, build_parser
+    from simulator.core.workloads import at_mean_rate
 
     rng = np.random.default_rng()
     arrivals = np.sort(rng.uniform(0, 100, 50))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from lab.block_manager import KVBlockManager
+from lab.kv_cache.block_manager import KVBlockManager
 from lab.bench.timing import median_seconds
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from ..engine import EngineConfig, LLMEngine, SamplingParams, load_model
-from ..errors import InputError
+from lab.engine.llm_engine import EngineConfig, LLMEngine, SamplingParams, load_model
+from lab.errors import InputError
 from paged_kernels.torch_backend import synchronize
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from ..errors import InputError
+from lab.errors import InputError
 from lab.engine import EngineConfig, LLMEngine, SamplingParams
-from lab.live import random_requests
+from lab.engine.live import random_requests
 
 SYSTEMS = ("paged-engine", "paged-engine-chunked", "hf-static", "hf-continuous")
 

@@ -22,8 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import paged_kernels
 from paged_kernels import cupy_backend
 
-from ..model import load_hf_model
-from ..model_runner import ForwardBatch, ModelRunner
+from lab.models.qwen3 import load_hf_model
+from lab.worker.model_runner import ForwardBatch, ModelRunner
 
 # aten ops that launch nothing on CUDA: views and metadata, and allocations (memory comes from the caching allocator)
 NO_LAUNCH = frozenset({
@@ -152,7 +152,7 @@ def host_time_per_step(model: str = "tiny", num_seqs: int = 64, steps: int = 30)
     ``num_seqs`` sequences; per step, the step's wall time minus its forward's (median over ``steps`` steps). Then
     the same steps with the forward stubbed (it returns fixed logits): the host's work without a CPU forward
     using the cores and their caches in between, as on a GPU, where the forward does not run on the host."""
-    from ..engine import LLMEngine, SamplingParams
+    from lab.engine.llm_engine import LLMEngine, SamplingParams
 
     engine = LLMEngine(model, num_blocks=num_seqs * 8, max_num_seqs=num_seqs)
     for index in range(num_seqs):

@@ -1,7 +1,7 @@
 """Where a step's time goes, in our engine and in vLLM's CPU build, on the same step shapes (``python -m lab bench vllm
 --profile``): prefills of one prompt and decode steps of a batch at a context, timed whole (median wall time) and
 split by op kind with ``torch.profiler`` scopes around each engine's own ops. vLLM's side runs in the peer's process
-(``lab/peer_driver.py``, which wraps vLLM's modules in scopes of the same names); the host path is what is left of
+(``lab/peer/driver.py``, which wraps vLLM's modules in scopes of the same names); the host path is what is left of
 the step: building its tensors, bookkeeping, Python."""
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import paged_kernels
 from lab.engine import LLMEngine
-from lab.model import save_checkpoint
-from lab.peer import PeerSettings, VLLMPeer
-from lab.sampler import SamplingParams
+from lab.models.qwen3 import save_checkpoint
+from lab.peer.client import PeerSettings, VLLMPeer
+from lab.engine.sampler import SamplingParams
 
 # The op kinds of the table, in its order (the peer driver names its scopes alike); "host and other" is the rest.
 KINDS = ("gemm", "attention", "norms, rotary, cache write", "activation", "sampling", "scheduler")

@@ -15,9 +15,9 @@ import torch
 
 from lab.bench.e2e import status_bytes
 from lab.engine import LLMEngine
-from lab.live import random_requests
-from lab.model import PRESETS, save_checkpoint
-from lab.peer import PeerSettings, VLLMPeer, serve
+from lab.engine.live import random_requests
+from lab.models.qwen3 import PRESETS, save_checkpoint
+from lab.peer.client import PeerSettings, VLLMPeer, serve
 
 METRICS = ("output_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s", "steps", "preemptions",
            "peak_memory_bytes")
@@ -27,7 +27,7 @@ METRICS = ("output_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s
 class VLLMBenchConfig:
     """The checkpoint and workload both engines serve, and what they are given alike."""
 
-    model: str = "tiny"  # a preset, saved as a checkpoint both load (lab.model.save_checkpoint)
+    model: str = "tiny"  # a preset, saved as a checkpoint both load (lab.models.qwen3.save_checkpoint)
     dtype: str = "float32"
     num_requests: int = 32
     prompt_range: tuple[int, int] = (100, 400)

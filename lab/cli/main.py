@@ -1,0 +1,355 @@
+"""``python -m lab``: benchmarks and generation from the command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pandas as pd
+
+from lab.errors import InputError
+from lab.cli.args import (cli_settings, device, model_options, non_negative_int, output_csv, output_folder,
+                          positive_int, positive_ints, refuse_ignored, run_command, scheduler_options)
+from lab.models.qwen3 import PRESETS
+from lab.profiling.profile import GRIDS
+from lab.report.results import print_and_save, settings_of
+
+
+def _bench_kernels(args) -> None:
+    import torch
+    from tqdm import tqdm
+
+    from lab.bench.kernels import KernelBenchConfig, run_kernel_bench
+
+    import pandas as pd
+
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    bar = tqdm(total=len(args.block_size) * len(args.batch) * len(args.context), desc="kernel bench",
+               file=sys.stderr)
+    tables = []
+    for block_size in args.block_size:  # several: the simulator reads the slowdown per block size from the CSV
+        config = KernelBenchConfig(device=args.device, dtype=dtypes[args.dtype], batch_sizes=args.batch,
+                                   context_lens=args.context, block_size=block_size,
+                                   backends=tuple(args.backends.split(",")), repeats=args.repeats)
+        tables.append(run_kernel_bench(config, progress=lambda done, total: bar.update(1)))
+    bar.close()
+    print_and_save(pd.concat(tables, ignore_index=True), args.out, settings=cli_settings(args), kind="kernels")
+
+
+def _bench_launches(args) -> None:
+    from lab.bench.launches import LedgerConfig, count_launches, launch_summary
+
+    config = LedgerConfig(model=args.model, batch=args.batch, context=args.context, block_size=args.block_size)
+    ledger = count_launches(config)
+    decode = ledger[(ledger["step"] == "decode") & (ledger["layer"] == 0)]
+    print("decode step, one decoder layer:")
+    print(decode[["kind", "launches"]].to_string(index=False))
+    print_and_save(launch_summary(config, args.host_model), args.out, settings=cli_settings(args), kind="launches")
+
+
+def _bench_decode(args) -> None:
+    from lab.bench.decode import DecodeBenchConfig, run_decode_bench
+
+    config = DecodeBenchConfig(model=args.model, device=args.device, batches=args.batch, contexts=args.context,
+                               block_size=args.block_size, attention_backend=args.backend, steps=args.steps)
+    print_and_save(run_decode_bench(config), args.out, settings=cli_settings(args), kind="decode")
+
+
+def _headlines(args) -> None:
+    from lab.report.results import headline_markdown
+
+    print(headline_markdown())
+
+
+def _bench_block_manager(args) -> None:
+    from lab.bench.block_manager import run_block_manager_bench
+
+    print_and_save(run_block_manager_bench(args.block_size), args.out, settings=cli_settings(args),
+                   kind="block-manager")
+
+
+def _bench_e2e(args) -> None:
+    from tqdm import tqdm
+
+    from lab.bench.e2e import E2EConfig, run_e2e_bench
+
+    config = E2EConfig(model=args.model, num_requests=args.num_requests, device=args.device,
+                       block_size=args.block_size, attention_backend=args.backend,
+                       systems=tuple(args.systems.split(",")), repeats=args.repeats)
+    bar = tqdm(total=len(config.systems), desc="e2e bench", file=sys.stderr)
+    table = run_e2e_bench(config, progress=lambda done, total: bar.update(1))
+    bar.close()
+    print_and_save(table, args.out, settings=settings_of(config), kind="e2e")
+
+
+def vllm_models(text: str) -> list[str]:
+    """``--model`` of ``bench vllm``: presets vLLM's CPU attention takes (head_dim 32 or 128)."""
+    models = [m for m in text.split(",") if m]
+    allowed = ("tiny", "qwen3-0.6b-random-4l")
+    if not models or any(m not in allowed for m in models):
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(allowed)}; got {text!r}")
+    return models
+
+
+VLLM_BENCH_OUT = "benchmarks/results/vllm_cpu.csv"
+
+
+def _bench_vllm(args) -> None:
+    from tqdm import tqdm
+
+    from lab.bench.vllm import VLLMBenchConfig, run_vllm_bench
+
+    if args.profile:
+        _profile_vllm(args)
+        return
+    if len(args.num_requests) != len(args.model):
+        raise InputError(f"--num-requests gives {len(args.num_requests)} counts for {len(args.model)} models")
+    tables = []
+    for model, requests in zip(args.model, args.num_requests):
+        config = VLLMBenchConfig(model=model, dtype=args.dtype, num_requests=requests, num_blocks=args.num_blocks,
+                                 repeats=args.repeats)
+        bar = tqdm(total=2 * config.repeats, desc=f"ours vs vLLM, {model}", file=sys.stderr)
+        tables.append(run_vllm_bench(config, progress=lambda done, total: bar.update(done - bar.n)))
+        bar.close()
+    shared = {k: v for k, v in settings_of(config).items() if k not in ("model", "num_requests")}  # per-row columns
+    print_and_save(pd.concat(tables, ignore_index=True), args.out, settings=shared, kind="vllm")
+
+
+def _profile_vllm(args) -> None:
+    from tqdm import tqdm
+
+    from lab.bench.step_profile import run_step_profile
+
+    tables = []
+    for model in args.model:
+        bar = tqdm(desc=f"step shapes, ours and vLLM, {model}", file=sys.stderr)
+        tables.append(run_step_profile(model, args.dtype, progress=lambda done, total: bar.update(done - bar.n)))
+        bar.close()
+    out = args.out if args.out != VLLM_BENCH_OUT else "benchmarks/results/vllm_profile_cpu.csv"
+    print_and_save(pd.concat(tables, ignore_index=True), out, settings={"dtype": args.dtype}, kind="vllm-profile")
+
+
+def _generate(args) -> None:
+    import torch
+
+    from lab.engine import LLMEngine, SamplingParams
+
+    if args.prompt:
+        refuse_ignored([name for name in ("num_prompts", "prompt_len") if getattr(args, name) is not None],
+                       "they shape random prompts, and --prompt gives them")
+    engine = LLMEngine(args.model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device,
+                       attention_backend=args.backend, enable_prefix_caching=not args.no_prefix_caching,
+                       scheduling=args.scheduling, preemption_mode=args.preemption_mode,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       num_cpu_blocks=args.num_cpu_blocks)
+    if args.prompt:
+        prompts = [p if engine.tokenizer is not None else _token_ids(p) for p in args.prompt]
+    else:
+        generator = torch.Generator().manual_seed(args.seed)
+        vocab = engine.hf_model.config.vocab_size
+        prompts = [torch.randint(0, vocab, (args.prompt_len or 64,), generator=generator).tolist()
+                   for _ in range(args.num_prompts or 8)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, n=args.n)
+    for output in engine.generate(prompts, params, progress=True):
+        samples = output.texts if output.texts is not None else output.outputs
+        for index, sample in enumerate(samples):  # every sample of --n, as [request] or [request.sample]
+            print(f"[{output.request_id}{f'.{index}' if len(samples) > 1 else ''}] {sample}")
+    metrics = pd.DataFrame([engine.run_metrics()])
+    print_and_save(metrics, args.out, settings=cli_settings(args), kind="generate")
+
+
+def _profile(args) -> None:
+    from tqdm import tqdm
+
+    from lab.profiling.profile import profile_engine
+
+    if args.peer == "vllm":
+        return _profile_peer(args)
+    args.block_size = args.block_size or 16
+    bars = []  # the bar starts with the first scenario, once the model has loaded (or failed to, with no bar drawn)
+
+    def step(done, total):
+        if not bars:
+            bars.append(tqdm(total=total, desc="profiling", unit="scenario", file=sys.stderr))
+        bars[0].update(1)
+
+    try:
+        profile = profile_engine(args.model, args.device, args.block_size, args.backend, args.repeats,
+                                 grid=args.grid, progress=step)
+    finally:
+        for bar in bars:
+            bar.close()
+    _report_profile(profile, args.out)
+
+
+def _profile_peer(args) -> None:
+    import tempfile
+
+    import torch
+    from tqdm import tqdm
+
+    from lab.models.qwen3 import checkpoint_dir, checkpoint_vocab_size
+    from lab.peer.client import PeerSettings, VLLMPeer
+    from lab.peer.profiling import profile_vllm
+
+    refuse_ignored([name for name, default in (("device", None), ("backend", "auto"))
+                    if getattr(args, name) != default], "vLLM's CPU build runs on the CPU with its own attention")
+    block_size = args.block_size or 32
+    if block_size % 32:
+        raise InputError(f"--block-size {block_size}: vLLM's CPU attention takes multiples of 32")
+    with tempfile.TemporaryDirectory(prefix="minipaged-profile-") as folder:
+        checkpoint = checkpoint_dir(args.model, folder, torch.float32)
+        settings = PeerSettings(checkpoint, block_size=block_size, num_blocks=args.num_blocks,
+                                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                enable_prefix_caching=True)
+        vocab = checkpoint_vocab_size(checkpoint)
+        with VLLMPeer(settings) as peer, tqdm(desc="profiling vLLM", unit="scenario", file=sys.stderr) as bar:
+            profile = profile_vllm(peer, args.model, vocab, args.grid, args.repeats,
+                                   progress=lambda done, total: (setattr(bar, "total", total), bar.update(1)))
+    _report_profile(profile, args.out)
+
+
+def _report_profile(profile, out: str) -> None:
+    profile.save(out)
+    print(f"{len(profile.samples)} step shapes on {profile.device} ({profile.dtype}, {profile.backend}); held-out "
+          f"relative error median {profile.holdout_median_rel_error:.1%}, max {profile.holdout_max_rel_error:.1%}; "
+          f"wrote {out}")
+    for name, value in profile.coefficients.items():
+        print(f"  {name:<24} {value:.4g}")
+    print(f"  {'add_request_s':<24} {profile.add_request_s:.4g}  (per request, between steps)")
+    print("per scenario (median measured vs fitted step time):")
+    print_and_save(profile.scenario_errors(), None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lab", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser("bench", help="run a benchmark").add_subparsers(dest="bench", required=True)
+
+    k = bench.add_parser("kernels", help="paged decode attention vs SDPA on contiguous K/V")
+    k.add_argument("--device", type=device, default="cpu", help="cpu or cuda[:N]")
+    k.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="of Q, K and V")
+    k.add_argument("--batch", type=positive_ints, default=(1, 8, 32), help="comma list of batch sizes")
+    k.add_argument("--context", type=positive_ints, default=(512, 1024), help="comma list of context lengths")
+    k.add_argument("--block-size", type=positive_ints, default=(16,),
+                   help="comma list of tokens per KV block (several give the simulator its block-size curve)")
+    k.add_argument("--backends", default="torch", help="comma list of torch,cupy,reference")
+    k.add_argument("--repeats", type=positive_int, default=10, help="timed calls per case (median)")
+    k.add_argument("--out", type=output_csv, default="benchmarks/results/kernels_cpu.csv", help="results CSV")
+    k.set_defaults(run=_bench_kernels)
+
+    b = bench.add_parser("block-manager", help="block manager operation rates")
+    b.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    b.add_argument("--out", type=output_csv, default="benchmarks/results/block_manager.csv", help="results CSV")
+    b.set_defaults(run=_bench_block_manager)
+
+    e = bench.add_parser("e2e", help="paged engine vs HF generate vs HF continuous batching")
+    model_options(e, device_default="cpu")
+    e.add_argument("--num-requests", type=positive_int, default=64, help="requests queued at once per run")
+    e.add_argument("--systems", default="paged-engine,paged-engine-chunked,hf-static,hf-continuous",
+                   help="comma list of the systems to run")
+    e.add_argument("--repeats", type=positive_int, default=3, help="runs per system; medians are reported")
+    e.add_argument("--out", type=output_csv, default="benchmarks/results/e2e_cpu.csv", help="results CSV")
+    e.set_defaults(run=_bench_e2e)
+
+    v = bench.add_parser("vllm", help="our engine vs vLLM's CPU build on the same checkpoint, pool and budgets "
+                                      "(runs alternating; needs `bash scripts/vllm_peer.sh`)")
+    v.add_argument("--model", type=vllm_models, default=["tiny", "qwen3-0.6b-random-4l"],
+                   help="comma list of presets, each saved as a checkpoint both engines load")
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines' dtype")
+    v.add_argument("--num-requests", type=positive_ints, default=(32, 16),
+                   help="requests per model, in --model's order (prompts of 100-400 tokens, 80-120 out)")
+    v.add_argument("--num-blocks", type=positive_int, default=512, help="vLLM's KV blocks of 32 tokens (ours: one "
+                                                                          "fewer, vLLM's null block)")
+    v.add_argument("--repeats", type=positive_int, default=3, help="alternating runs of each engine (medians)")
+    v.add_argument("--profile", action="store_true",
+                   help="instead: where a step's time goes in both engines, by op kind, on fixed step shapes "
+                        "(prefills of 32-2,048 tokens, decodes of 1-64 sequences at 128 and 1,024 tokens)")
+    v.add_argument("--out", type=output_csv, default=VLLM_BENCH_OUT,
+                   help="results CSV (with --profile: benchmarks/results/vllm_profile_cpu.csv unless given)")
+    v.set_defaults(run=_bench_vllm)
+
+    n = bench.add_parser("launches", help="kernel launches per layer and step of the CUDA path (counted on the "
+                                          "meta device) and the host's time per step outside the forward")
+    n.add_argument("--model", default="qwen3-0.6b-random", help="preset whose shapes are counted")
+    n.add_argument("--batch", type=positive_int, default=64, help="sequences of the decode step")
+    n.add_argument("--context", type=positive_int, default=512, help="tokens each decode sequence attends to")
+    n.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    n.add_argument("--host-model", default="tiny", help="the model a real CPU engine times the host path with")
+    n.add_argument("--out", type=output_csv, default="benchmarks/results/launches.csv", help="results CSV")
+    n.set_defaults(run=_bench_launches)
+
+    d = bench.add_parser("decode", help="decode step time per batch and context, with and without CUDA graphs")
+    model_options(d, device_default="cpu")
+    d.add_argument("--batch", type=positive_ints, default=(1, 8, 64), help="comma list of decode batch sizes")
+    d.add_argument("--context", type=positive_ints, default=(512, 4096), help="comma list of context lengths")
+    d.add_argument("--steps", type=positive_int, default=20, help="decode steps timed per case (median)")
+    d.add_argument("--out", type=output_csv, default="benchmarks/results/decode_cpu.csv", help="results CSV")
+    d.set_defaults(run=_bench_decode)
+
+    h = commands.add_parser("headlines", help="the headline figures from benchmarks/results/ against their goals "
+                                              "(the README's table, as Markdown)")
+    h.set_defaults(run=_headlines)
+
+    g = commands.add_parser("generate", help="generate with the paged engine")
+    model_options(g)
+    g.add_argument("--prompt", action="append", help="text (with a tokenizer) or comma-separated token ids")
+    g.add_argument("--num-prompts", type=positive_int, default=None,
+                   help="random prompts when --prompt is not given (default 8)")
+    g.add_argument("--prompt-len", type=positive_int, default=None, help="tokens of each random prompt (default 64)")
+    g.add_argument("--max-tokens", type=positive_int, default=32, help="tokens to generate per sample")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-k", type=non_negative_int, default=0, help="0: off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1: off")
+    g.add_argument("--n", type=positive_int, default=1, help="parallel samples per prompt (copy-on-write)")
+    g.add_argument("--seed", type=non_negative_int, default=0, help="seeds the random prompts and the sampling")
+    g.add_argument("--num-blocks", type=positive_int, default=None,
+                   help="KV pool in blocks (default: sized from memory)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="no reuse of cached prompt blocks")
+    scheduler_options(g)
+    g.add_argument("--out", type=output_csv, default=None, help="CSV of the run metrics")
+    g.set_defaults(run=_generate)
+
+    p = commands.add_parser("profile", help="time real engine steps and fit the simulator's step-time model")
+    model_options(p)
+    p.add_argument("--repeats", type=positive_int, default=3, help="measured rounds per scenario (means)")
+    p.add_argument("--grid", choices=GRIDS, default="full",
+                   help="scenarios: full; small (models whose prefills take seconds on a CPU); quick")
+    p.add_argument("--out", type=output_csv, default="profile.json", help="the profile (JSON)")
+    p.add_argument("--peer", choices=["vllm"], default=None,
+                   help="measure vLLM's engine (the peer environment) instead of ours, on the scenarios it runs as "
+                        "they are; its block size defaults to 32 (multiples of 32 only)")
+    p.add_argument("--num-blocks", type=positive_int, default=256, help="--peer vllm: vLLM's KV pool in blocks")
+    p.add_argument("--max-num-seqs", type=positive_int, default=16, help="--peer vllm: vLLM's running cap")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=512, help="--peer vllm: its token budget")
+    p.set_defaults(run=_profile, block_size=None)
+
+    c = commands.add_parser("checkpoint", help="save a preset as a Hugging Face checkpoint directory (weights, config "
+                                               "and a tokenizer built here) that our engine, HF and vLLM all load")
+    c.add_argument("--model", default="tiny", choices=list(PRESETS), help="preset (random weights, seeded)")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
+    c.add_argument("--seed", type=non_negative_int, default=0, help="seeds the random weights (as the engine does)")
+    c.add_argument("--out", type=output_folder, required=True, help="the checkpoint directory")
+    c.set_defaults(run=_checkpoint)
+
+    return parser
+
+
+def _checkpoint(args) -> None:
+    import torch
+
+    from lab.models.qwen3 import save_checkpoint
+
+    print(save_checkpoint(args.model, args.out, getattr(torch, args.dtype), args.seed))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(build_parser(), argv)
+
+
+def _token_ids(text: str) -> list[int]:
+    """``--prompt`` for a model without a tokenizer: comma-separated token ids."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise InputError(f"--prompt {text!r}: this model has no tokenizer; give comma-separated token ids") from None

@@ -1,0 +1,431 @@
+"""Results produced in an app session (simulations, kernel sweeps, runtime runs), kept for side-by-side comparison
+and CSV export."""
+from __future__ import annotations
+
+import datetime
+import enum
+import io
+import math
+import re
+import time
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from lab.errors import InputError
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDED_RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _version() -> str:
+    import tomllib
+
+    try:
+        return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "unknown"
+
+
+LAB_VERSION = _version()
+# which command writes each recorded CSV (the first pattern a file's path relative to the folder matches)
+RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cpu.csv": "python -m lab bench e2e",
+               "kernels_cpu.csv": "python -m lab bench kernels", "twin_cpu*.csv": "python -m simulator twin-bench",
+               "twin_offload*_cpu.csv": "python -m simulator twin --kv-offload-blocks (docs/offload.md)",
+               "simulator.csv": "python -m simulator.bench", "sweep.csv": "python -m simulator.bench --sweep",
+               "compare.csv": "python -m simulator.bench --compare",
+               "paper/*.csv": "python -m simulator paper", "launches.csv": "python -m lab bench launches",
+               "gpu/*.csv": "scripts/gpu_check.sh (on a GPU)", "vllm_cpu.csv": "python -m lab bench vllm",
+               "vllm_cpu_bf16.csv": "python -m lab bench vllm --model tiny --num-requests 32 --dtype bfloat16",
+               "vllm_profile_cpu.csv": "python -m lab bench vllm --profile",
+               "app_flow.csv": "python -m benchmarks.app_flow",
+               "vllm_twin_cpu.csv": "python -m simulator twin --peer vllm --repeats 3"}
+
+
+@dataclass(slots=True)
+class StoredResult:
+    """A named table of one kind (``simulation``, ``kernels``, ``runtime``, ``uploaded``) and the settings that
+    produced it (``settings_of``)."""
+
+    name: str
+    kind: str
+    table: pd.DataFrame
+    settings: dict = field(default_factory=dict)
+    created_s: float = field(default_factory=time.time)
+
+
+class ResultStore:
+    """Ordered results by unique name."""
+
+    def __init__(self):
+        self.results: dict[str, StoredResult] = {}
+
+    def add(self, kind: str, name: str, table: pd.DataFrame, settings: dict | None = None) -> StoredResult:
+        """Store a copy of ``table`` with its ``settings``; a taken name gets a numeric suffix."""
+        unique, index = name, 2
+        while unique in self.results:
+            unique, index = f"{name} ({index})", index + 1
+        result = StoredResult(unique, kind, table.copy(), dict(settings or {}))
+        self.results[unique] = result
+        return result
+
+    def names(self) -> list[str]:
+        return list(self.results)
+
+    def listing(self) -> pd.DataFrame:
+        """One row per stored result: name, kind, rows, columns."""
+        return pd.DataFrame([{"name": r.name, "kind": r.kind, "rows": len(r.table), "columns": len(r.table.columns)}
+                             for r in self.results.values()], columns=["name", "kind", "rows", "columns"])
+
+    def side_by_side(self, names: list[str], settings: bool = False) -> pd.DataFrame:
+        """The chosen tables stacked, tagged by a ``result`` column (columns missing in one table are empty); with
+        ``settings``, each table carries its own settings as columns (an export that says what produced each row)."""
+        missing = [n for n in names if n not in self.results]
+        if missing:
+            raise InputError(f"no stored result named {', '.join(missing)}")
+        frames = [(with_settings(self.results[n].table, self.results[n].settings) if settings
+                   else self.results[n].table).assign(result=n) for n in names]
+        table = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+        return table[["result", *[c for c in table.columns if c != "result"]]] if frames else table
+
+    def load_csv(self, data: bytes, name: str) -> StoredResult:
+        """Read an exported CSV back; raises ``ValueError`` naming the file when it is not a readable table."""
+        table = _read_csv_table(io.BytesIO(data), name)
+        if table.empty:
+            raise InputError(f"{name}: the CSV has no rows")
+        return self.add("uploaded", name, table)
+
+
+def recorded_results(folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
+    """The benchmark CSVs committed under ``folder`` (the README quotes them): ``file`` (relative path), ``rows``,
+    ``command`` (what writes it; empty when unknown). Empty when the folder is missing; ``rows`` is None for a file
+    that is not a readable table."""
+    rows = []
+    for path in sorted(folder.rglob("*.csv")) if folder.is_dir() else []:
+        relative = path.relative_to(folder)
+        command = next((c for pattern, c in RECORDED_BY.items() if relative.match(pattern)), "")
+        rows.append({"file": relative.as_posix(), "rows": _count_rows(path), "command": command})
+    return pd.DataFrame(rows, columns=["file", "rows", "command"])
+
+
+def _read_csv_table(source, name: str) -> pd.DataFrame:
+    """``pd.read_csv(source)``, or ``ValueError`` naming ``name`` when it is not a readable table."""
+    try:
+        return pd.read_csv(source)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise InputError(f"{name}: not a readable CSV ({str(exc).strip()})") from None
+
+
+def _count_rows(path: Path) -> int | None:
+    try:
+        return len(_read_csv_table(path, path.name))
+    except ValueError:
+        return None  # listed all the same: read_recorded names the problem
+
+
+def read_recorded(file: str, folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
+    """One recorded CSV by its ``file`` name from ``recorded_results``; ``ValueError`` naming it when it is not one
+    of them or not a readable table."""
+    path = (folder / file).resolve()
+    if path.suffix != ".csv" or folder.resolve() not in path.parents or not path.is_file():
+        raise InputError(f"{file}: not a recorded result under {folder}")
+    return _read_csv_table(path, file)
+
+
+def save_csv(table: pd.DataFrame, path: str | None, settings: dict | None = None, kind: str = "results") -> None:
+    """Write ``table`` to ``path`` (folders created) and say so; nothing when ``path`` is empty. With ``settings``
+    the file carries them as leading columns, and a folder ``path`` (an existing folder, or one ending in ``/``)
+    gets a file named from them and the time (``export_name``)."""
+    if not path:
+        return
+    target = Path(path)
+    if settings is not None:
+        table = with_settings(table, settings)
+        if target.is_dir() or path.endswith(("/", "\\")):
+            target = target / export_name(kind, settings)
+    write_atomically(target, lambda temporary: table.to_csv(temporary, index=False))
+    print(f"wrote {target}")
+
+
+def write_atomically(path: Path, write) -> None:
+    """``write(temporary_path)``, then rename it to ``path``: a reader (or an interrupted run) never sees a file
+    written half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.partial")
+    try:
+        write(temporary)
+        temporary.replace(path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def print_and_save(table: pd.DataFrame, out: str | None, columns: list[str] | None = None,
+                   settings: dict | None = None, kind: str = "results") -> None:
+    """Print ``table`` (or its ``columns``) for a terminal, then ``save_csv`` the whole table (with its
+    ``settings``) to ``out``."""
+    shown = table[columns] if columns else table
+    with pd.option_context("display.width", 220, "display.max_columns", 40, "display.float_format", "{:.4g}".format):
+        print(shown.to_string(index=False))
+    save_csv(table, out, settings, kind)
+
+
+# ---- settings: what produced a result ---------------------------------------------------------------------------
+def settings_of(*configs, **extra) -> dict:
+    """The settings that produced a result as one flat dict of scalars: each config's fields (a dataclass, or a dict
+    such as ``vars(args)``; nested dataclasses flattened in place, their fields prefixed only where a name is taken),
+    then ``extra``, then the lab's version."""
+    settings: dict = {}
+    for config in configs:
+        _flatten(config, "", settings)
+    _flatten(extra, "", settings)
+    settings["lab_version"] = LAB_VERSION
+    return settings
+
+
+def _flatten(config, prefix: str, settings: dict) -> None:
+    items = [(f.name, getattr(config, f.name)) for f in fields(config)] if is_dataclass(config) else config.items()
+    for name, value in items:
+        key = name if name not in settings else f"{prefix}{name}"
+        if is_dataclass(value):
+            _flatten(value, f"{name}_", settings)
+        elif isinstance(value, dict):
+            settings.update({f"{key}_{k}": _scalar(v) for k, v in value.items()})
+        else:
+            settings[key] = _scalar(value)
+
+
+def _scalar(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return value.name.lower()
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return " ".join(str(_scalar(v)) for v in value)
+    return str(value)
+
+
+def with_settings(table: pd.DataFrame, settings: dict) -> pd.DataFrame:
+    """``table`` with the settings as leading columns (a setting named like one of its columns as
+    ``setting_<name>``), so an exported CSV says what produced it."""
+    extra = {f"setting_{k}" if k in table.columns else k: v for k, v in settings.items()}
+    return pd.concat([pd.DataFrame({k: [v] * len(table) for k, v in extra.items()}, index=table.index), table], axis=1)
+
+
+def split_settings(table: pd.DataFrame, names) -> tuple[pd.DataFrame, dict]:
+    """The reverse of ``with_settings`` for the settings called ``names``: the table without their columns, and
+    their values (from the first row)."""
+    columns = {name: f"setting_{name}" if f"setting_{name}" in table else name for name in names}
+    present = {name: column for name, column in columns.items() if column in table}
+    values = {name: table[column].iloc[0] if len(table) else None for name, column in present.items()}
+    return table.drop(columns=list(present.values())), values
+
+
+def export_name(kind: str, settings: dict, when: datetime.datetime | None = None) -> str:
+    """A file name that tells exports apart: the kind, the settings that name a run (workload, its size and rate,
+    model, GPU or device, block size or the paged block sizes compared) where present, and a timestamp, e.g.
+    ``summary_sharegpt_1000req_5rps_opt-13b_a100-40gb_20261202-201500.csv``."""
+    when = when or datetime.datetime.now()
+    parts = [kind]
+    for key, form in _NAME_PARTS:
+        if settings.get(key) is not None:
+            parts.append(form(settings[key]))
+    parts.append(when.strftime("%Y%m%d-%H%M%S"))
+    return "_".join(re.sub(r"[^A-Za-z0-9.+-]+", "-", str(p)).strip("-") for p in parts) + ".csv"
+
+
+_NAME_PARTS = (("workload", str), ("num_requests", "{}req".format),
+               ("arrival_rate_req_s", lambda rate: "allatonce" if rate == math.inf else f"{rate:g}rps"),
+               ("model", str), ("gpu", str), ("device", str), ("block_size", "B{}".format),
+               ("paged_block_sizes", "B{}".format))
+
+
+def to_csv_bytes(table: pd.DataFrame) -> bytes:
+    """CSV bytes for a download button."""
+    return table.to_csv(index=False).encode()
+
+
+# ---- headline figures ------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Headline:
+    """One headline figure: how to read its latest value from a recorded CSV and the goal it is held to."""
+
+    name: str
+    file: str  # under benchmarks/results/
+    read: object  # table -> float
+    unit: str
+    goal: float | None  # None: no goal, a figure to watch
+    higher_is_better: bool = True
+
+    def met(self, value: float) -> bool | None:
+        if self.goal is None or value != value:
+            return None
+        return value >= self.goal if self.higher_is_better else value <= self.goal
+
+
+def _row_value(column: str, **where):
+    def read(table: pd.DataFrame) -> float:
+        rows = table
+        for key, value in where.items():
+            rows = rows[rows[key] == value]
+        return float(rows[column].iloc[0]) if len(rows) else float("nan")
+    return read
+
+
+def _vllm_twin_worst_p50(table: pd.DataFrame) -> float:
+    """The largest median p50 error (TTFT, TPOT, E2E) of the vLLM twin on its all-at-once and prefix workloads, %."""
+    rows = table[table["workload"].isin(["all-at-once", "prefix"])
+                 & table["metric"].isin(["ttft_p50_s", "tpot_p50_s", "e2e_p50_s"])]
+    return float(rows["error"].max() * 100) if len(rows) else float("nan")
+
+
+def _twin_within(table: pd.DataFrame) -> float:
+    p50 = table[table["metric"].isin(["throughput_tok_s", "ttft_p50_s", "tpot_p50_s"])
+                & ~table["load"].isin(["profile"])]
+    return float((p50["rel_error"].abs() <= 0.10).mean() * 100) if len(p50) else float("nan")
+
+
+HEADLINES = [
+    Headline("Paged engine vs HF continuous batching, output tokens/s (CPU, tiny Qwen3, 64 requests)", "e2e_cpu.csv",
+             _row_value("speedup_vs_hf_continuous", system="paged-engine"), "×", 2.0),
+    Headline("Scheduler's share of the engine's step time (CPU)", "e2e_cpu.csv",
+             lambda t: 100 * _row_value("scheduler_share", system="paged-engine")(t), "%", 5.0, False),
+    Headline("Paged decode kernel time vs SDPA, batch 32 × 1,024 tokens (CPU, torch backend)", "kernels_cpu.csv",
+             _row_value("vs_sdpa", kernel="torch", batch=32, context=1024), "×", 1.2, False),
+    Headline("Simulator speed, paged vs contiguous-oracle, Azure conversation trace", "simulator.csv",
+             _row_value("value", case="paged / contiguous-oracle speed"), "×", 0.8),
+    Headline("Simulator speed, Azure conversation trace (19,366 requests)", "simulator.csv",
+             _row_value("value", case="azure-conv replay, paged"), "requests/s", 20_000),
+    Headline("Sweep of 200 simulations: local Ray on 2 CPUs vs serial", "sweep.csv",
+             _row_value("value", case="Ray / serial sweep speed"), "×", 1.5),
+    Headline("Digital twin: p50s simulated within 10 % of the real engine (CPU)", "twin_cpu.csv", _twin_within, "%",
+             100.0),
+    Headline("vLLM paper Fig. 2: paged KV holding tokens (paper: 96.3 %)", "paper/figure2.csv",
+             lambda t: 100 * _row_value("token_states_frac", allocator="paged")(t), "% of KV", 90.0),
+    Headline("Kernel launches per decoder layer in a decode step (CUDA path, Qwen3-0.6B shapes)", "launches.csv",
+             _row_value("per_layer", step="decode"), "launches", 12, False),
+    Headline("Our engine vs vLLM's CPU build, output tokens/s (tiny Qwen3, fp32, same checkpoint and pool)",
+             "vllm_cpu.csv", _row_value("output_tok_s", system="ours / vllm", model="tiny"), "×", 1.0),
+    Headline("Our engine vs vLLM's CPU build, output tokens/s (Qwen3-0.6B shapes, 4 layers, fp32)", "vllm_cpu.csv",
+             _row_value("output_tok_s", system="ours / vllm", model="qwen3-0.6b-random-4l"), "×", 0.8),
+    Headline("vLLM twin: worst p50 error (TTFT, TPOT, E2E) against a real vLLM server (CPU, all at once, shared prefix)",
+             "vllm_twin_cpu.csv", _vllm_twin_worst_p50, "%", 5.0, False),
+    Headline("Memory simulator in Chromium: an arrival-rate change until the page is current (defaults, 2 cores)",
+             "app_flow.csv", _row_value("median_s", code="this checkout", change="arrival rate (+0.01 requests/s)"),
+             "s", 1.0, False),
+    Headline("Memory simulator's default comparison, 6 configurations (simulator.compare, serially)", "compare.csv",
+             _row_value("value", case="default comparison (6 configs), serial, quiet steps at once"), "s", 0.3, False),
+    Headline("Paged engine vs HF continuous batching on an H200 (Qwen3-0.6B shapes)", "gpu/e2e_gpu.csv",
+             _row_value("speedup_vs_hf_continuous", system="paged-engine"), "×", 5.0),
+]
+
+
+# Column and metric names as a person reads them, with their units: what the app's tables and charts show (exports
+# keep the names). One label per name, wherever it appears; a name without one is shown in words (``human_label``).
+COLUMN_LABELS = {
+    # requests and their latencies (a run's requests; summaries of runs)
+    "request_id": "Request", "prompt_tokens": "Prompt tokens", "output_tokens": "Output tokens",
+    "ttft_s": "Time to first token (s)", "tpot_s": "Time per output token (s)", "e2e_s": "End-to-end latency (s)",
+    "ttft_p50_s": "TTFT p50 (s)", "ttft_p90_s": "TTFT p90 (s)", "tpot_p50_s": "TPOT p50 (s)",
+    "tpot_p90_s": "TPOT p90 (s)", "e2e_p50_s": "End-to-end p50 (s)", "e2e_p90_s": "End-to-end p90 (s)",
+    "ttft_median_s": "TTFT median (s)", "tpot_median_s": "TPOT median (s)",
+    "throughput_tok_s": "Throughput (output tokens/s)", "output_tok_s": "Throughput (output tokens/s)",
+    "makespan_s": "Makespan (s)", "wall_s": "Wall time (s)", "wall_time_s": "Wall time (s)",
+    "preemptions": "Preemptions", "peak_blocks_in_use": "Peak KV blocks in use", "steps": "Steps",
+    "num_requests": "Requests", "rate": "Arrival rate (requests/s)",
+    # serving systems compared (python -m lab bench e2e)
+    "system": "System", "scheduler_share": "Scheduler's share of step time", "peak_memory_mib": "Peak memory (MiB)",
+    "same_tokens_as_engine": "Same tokens as the paged engine", "repeats": "Runs (median taken)",
+    "speedup_vs_hf_continuous": "Speed-up vs HF continuous batching (×)",
+    # a twin against its engine
+    "metric": "Metric", "real": "Real engine", "simulated": "Simulated",
+    "rel_error": "Relative error", "noise_floor": "Noise floor (the runs' largest distance from their median)",
+    "schedule_identical": "Same schedule as the engine (1 = yes)",
+    "replay_schedule_identical": "Replay: same schedule as the engine (1 = yes)",
+    "replay_step_time_median": "Replay: median step time (s)",
+    "kv_usage_mean_abs_points": "KV cache usage, mean over the run (%)",
+    "prefix_hit_rate": "Prefix-cache hit rate (%)",
+    "part": "Part of the run", "first_step": "First step", "last_step": "Last step",
+    "measured_s": "Measured (s)", "modelled_s": "Modelled (s)", "fitted_s": "Fitted (s)",
+    "measured_over_modelled": "Measured / modelled", "scenario": "Scenario", "samples": "Samples",
+    # block tables and kernels
+    "logical_block": "Logical block", "physical_block": "Physical block",
+    "first_token": "First token (position in the sequence)", "tokens_held": "Tokens held",
+    "backend": "Backend", "dtype": "Data type", "block_size": "Block size (tokens)",
+    # configurations and benchmark runs
+    "allocator": "Allocator", "model": "Model", "gpu": "GPU", "replicas": "Replicas", "workload": "Workload",
+    "cpus": "CPUs", "vs_baseline": "Against the baseline (×)", "vs_sdpa": "Against SDPA (×)",
+}
+
+
+# a name's unit by its suffix, for names without a label (the lab's exports keep to these suffixes)
+UNIT_SUFFIXES = (("_tok_s", "tokens/s"), ("_gb_per_s", "GB/s"), ("_ms", "ms"), ("_s", "s"), ("_mib", "MiB"),
+                 ("_bytes", "bytes"), ("_pct", "%"), ("_frac", "fraction"))
+
+
+def human_label(name):
+    """``name`` as a person reads it: its ``COLUMN_LABELS`` label, else its words with the unit its suffix names
+    (``median_ms``: ``Median (ms)``, ``num_free_blocks``: ``Num free blocks``). Anything but a string as it is."""
+    if not isinstance(name, str):
+        return name
+    if name in COLUMN_LABELS:
+        return COLUMN_LABELS[name]
+    for suffix, unit in UNIT_SUFFIXES:
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return f"{_words(name[:-len(suffix)])} ({unit})"
+    return _words(name)
+
+
+def _words(name: str) -> str:
+    words = name.replace("_", " ")
+    return words[:1].upper() + words[1:]
+
+
+def human_columns(table: pd.DataFrame, labels: dict | None = None) -> pd.DataFrame:
+    """``table`` with its columns named for a person: ``labels`` first (a name that means something more particular
+    in this table, or a layer's own labels), then ``human_label``. For display: exports keep the names."""
+    labels = labels or {}
+    return table.rename(columns=lambda name: labels.get(name) or human_label(name))
+
+
+def human_number(value: float) -> str:
+    """A number as a person reads it, 3 significant digits, thousands separated: ``4.23``, ``0.921``, ``26,916``;
+    ``—`` for NaN, ``∞`` for infinity."""
+    if value != value:
+        return "—"
+    if abs(value) == float("inf"):
+        return "∞" if value > 0 else "−∞"
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+
+
+def headline_results(folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
+    """The latest value of every headline figure from the recorded CSVs, beside its goal: ``benchmark``,
+    ``latest``, ``unit``, ``goal`` (text), ``met`` (True, False, or None when there is no goal or no value),
+    ``latest_over_goal`` (the figure as a multiple of its goal, inverted where lower is better: >= 1 means met),
+    ``file`` and the ``command`` that reruns it."""
+    rows = []
+    for headline in HEADLINES:
+        path = folder / headline.file
+        try:
+            value = headline.read(_read_csv_table(path, headline.file)) if path.is_file() else float("nan")
+        except (KeyError, IndexError, ValueError):
+            value = float("nan")
+        goal = "" if headline.goal is None else \
+            f"{'≥' if headline.higher_is_better else '≤'} {human_number(headline.goal)}"
+        ratio = float("nan") if headline.goal is None or value != value else \
+            (value / headline.goal if headline.higher_is_better else headline.goal / value if value else float("inf"))
+        command = next((c for pattern, c in RECORDED_BY.items() if Path(headline.file).match(pattern)), "")
+        rows.append({"benchmark": headline.name, "latest": value, "unit": headline.unit, "goal": goal,
+                     "met": headline.met(value), "latest_over_goal": ratio, "file": headline.file,
+                     "command": command})
+    return pd.DataFrame(rows)
+
+
+def headline_markdown(folder: Path = RECORDED_RESULTS) -> str:
+    """``headline_results`` as the README's Markdown table."""
+    lines = ["| figure | latest | goal | command |", "|---|---|---|---|"]
+    for row in headline_results(folder).itertuples():
+        mark = "" if row.met is None else " ✓" if row.met else " ✗"
+        value = "not measured" if row.latest != row.latest else f"**{human_number(row.latest)} {row.unit}**{mark}"
+        lines.append(f"| {row.benchmark} | {value} | {row.goal} {row.unit if row.goal else ''} | `{row.command}` |")
+    return "\n".join(lines)

@@ -1,0 +1,196 @@
+"""KV memory categories over time, their time-weighted means, and request latency percentiles.
+
+Every sample splits the whole KV capacity (token slots) into five categories that sum to it:
+``token_states`` (slots holding a token's KV now), ``reserved`` (allocated slots the owner will fill later),
+``internal_fragmentation`` (allocated slots the owner will never fill), ``external_fragmentation`` (free slots
+outside the largest free contiguous region; zero for paged) and ``free`` (the largest free region; for paged, all
+free blocks).
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+from operator import attrgetter
+
+import numpy as np
+import pandas as pd
+
+from lab.sched.scheduler import MemorySample, StepStats
+
+CATEGORIES = ("token_states", "reserved", "internal_fragmentation", "external_fragmentation", "free")
+# A timeseries row is the step's ``StepStats`` (what the engine reports too), then the memory categories and the
+# running totals of preemptions and prefix-cache hits.
+STEP_FIELDS = tuple(f.name for f in fields(StepStats))
+COLUMNS = (*STEP_FIELDS, *CATEGORIES, "preemptions", "prefix_cache_hits")
+_step_fields = attrgetter(*STEP_FIELDS)
+SUMMARY_FRACTIONS = {name: f"{name}_frac" for name in CATEGORIES}  # the summary's time-weighted mean of each
+CATEGORY_LABELS = {"token_states": "Holding tokens", "reserved": "Reserved (filled later)",
+                   "internal_fragmentation": "Internal fragmentation", "external_fragmentation": "External fragmentation",
+                   "free": "Free"}
+
+
+class MetricsRecorder:
+    """Accumulates time-weighted category totals every iteration (``accumulate``) and keeps at most
+    ``2 * max_points`` timeseries rows (``record`` when ``due``), halving them (every other row) and doubling the
+    stride when full."""
+
+    def __init__(self, capacity: int, max_points: int):
+        self.capacity = capacity
+        self.max_points = max_points
+        self.stride = 1
+        self.rows: list[tuple] = []
+        self.weighted = [0.0] * len(CATEGORIES)
+        self.total_time = 0.0
+        self.batch_time = 0.0
+        self.peak_batch = 0
+        self.peak_allocated = 0
+        self.allocated_time = self.unshared_time = 0.0
+
+    def accumulate(self, values: MemorySample, batch: int, duration: float) -> None:
+        """Weight ``values`` (a policy's ``memory_sample``: the categories, then the slots the sequences would hold
+        without sharing) and the batch size (the running sequences, partly prefilled ones included) held during an
+        iteration by its duration."""
+        weighted = self.weighted
+        weighted[0] += values.token_states * duration
+        weighted[1] += values.reserved * duration
+        weighted[2] += values.internal_fragmentation * duration
+        weighted[3] += values.external_fragmentation * duration
+        weighted[4] += values.free * duration
+        self.total_time += duration
+        self.batch_time += batch * duration
+        if batch > self.peak_batch:
+            self.peak_batch = batch
+        allocated = self.capacity - values.external_fragmentation - values.free
+        self.allocated_time += allocated * duration
+        self.unshared_time += values.table_slots * duration
+        if allocated > self.peak_allocated:
+            self.peak_allocated = allocated
+
+    def accumulate_run(self, first: MemorySample, grow: int, batch: int, durations: list[float]) -> None:
+        """``accumulate`` over consecutive steps of one batch that takes and frees no memory (the simulator's quiet
+        steps), in the same order and with the same arithmetic as one call per step: step ``i``'s sample is
+        ``first`` with ``i * grow`` more token states and as many fewer reserved slots (each sequence holds one
+        more token)."""
+        w0, w1, w2, w3, w4 = self.weighted
+        tokens, reserved, internal = first.token_states, first.reserved, first.internal_fragmentation
+        external, free, table = first.external_fragmentation, first.free, first.table_slots
+        allocated = self.capacity - external - free
+        total, batch_time, allocated_time, unshared_time = (self.total_time, self.batch_time, self.allocated_time,
+                                                            self.unshared_time)
+        for duration in durations:
+            w0 += tokens * duration
+            w1 += reserved * duration
+            w2 += internal * duration
+            w3 += external * duration
+            w4 += free * duration
+            total += duration
+            batch_time += batch * duration
+            allocated_time += allocated * duration
+            unshared_time += table * duration
+            tokens += grow
+            reserved -= grow
+        self.weighted[:] = w0, w1, w2, w3, w4
+        self.total_time, self.batch_time, self.allocated_time, self.unshared_time = (total, batch_time,
+                                                                                     allocated_time, unshared_time)
+        if durations:
+            self.peak_batch = max(self.peak_batch, batch)
+            self.peak_allocated = max(self.peak_allocated, allocated)
+
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` gets a timeseries row."""
+        return step % self.stride == 0
+
+    def record(self, stats: StepStats, categories: tuple, preemptions: int, prefix_cache_hits: int) -> None:
+        """Append the row of a step (its ``StepStats`` and the categories after it, ``MemorySample.categories``)."""
+        self.append(row(stats, categories, preemptions, prefix_cache_hits))
+
+    def append(self, values: tuple) -> None:
+        """Append a row (``COLUMNS``), halving the rows and doubling the stride when full."""
+        self.rows.append(values)
+        if len(self.rows) >= 2 * self.max_points:
+            self.rows = self.rows[::2]
+            self.stride *= 2
+
+    def summary(self) -> dict:
+        """Time-weighted mean fraction of capacity of each category, mean and peak batch size."""
+        total = self.total_time or 1.0
+        out = {SUMMARY_FRACTIONS[name]: self.weighted[i] / total / self.capacity for i, name in enumerate(CATEGORIES)}
+        if self.total_time == 0:  # nothing ever ran (e.g. every request rejected): the pool stayed free
+            out["free_frac"] = 1.0
+        out.update(mean_batch_size=self.batch_time / total, peak_batch_size=self.peak_batch,
+                   peak_allocated_frac=self.peak_allocated / self.capacity,
+                   sharing_saving_frac=1 - self.allocated_time / self.unshared_time if self.unshared_time else 0.0)
+        return out
+
+    def timeseries(self) -> pd.DataFrame:
+        """The kept rows (``COLUMNS``) and each category's fraction of the capacity (``<category>_frac``)."""
+        if not self.rows:
+            return pd.DataFrame(columns=[*COLUMNS, *(f"{name}_frac" for name in CATEGORIES)])
+        columns = dict(zip(COLUMNS, map(np.array, zip(*self.rows))))
+        for name in CATEGORIES:
+            columns[f"{name}_frac"] = columns[name] / self.capacity
+        return pd.DataFrame(columns)
+
+
+def row(stats: StepStats, categories: tuple, preemptions: int, prefix_cache_hits: int) -> tuple:
+    """A timeseries row (``COLUMNS``)."""
+    return (*_step_fields(stats), *categories, preemptions, prefix_cache_hits)
+
+
+_STEP, _DURATION, _ELAPSED, _GENERATED = map(STEP_FIELDS.index, ("step", "duration_s", "elapsed_s", "generated_tokens"))
+_CATEGORY_COLUMNS = slice(len(STEP_FIELDS), len(STEP_FIELDS) + len(CATEGORIES))
+
+
+def quiet_row(first: tuple, ahead: int, duration_s: float, elapsed_s: float, generated_tokens: int,
+              categories: tuple) -> tuple:
+    """The row of the ``ahead``-th (from 0) of a run of quiet steps from the row of the first (``first``): the same
+    but for the step, its duration, the clock, the tokens so far and the categories (a quiet step changes nothing
+    else; a row edited, not a ``StepStats`` built per row)."""
+    values = list(first)
+    values[_STEP] += ahead
+    values[_DURATION], values[_ELAPSED], values[_GENERATED] = duration_s, elapsed_s, generated_tokens
+    values[_CATEGORY_COLUMNS] = categories
+    return tuple(values)
+
+
+REJECTION_REASONS = {"max_model_len": "longer than max_model_len (prompt + output)",
+                     "capacity": "larger than the whole KV pool", "n": "more samples than max_num_seqs"}
+REJECTION_REMEDIES = {"max_model_len": "raise max_model_len", "capacity": "give the KV pool more memory",
+                      "n": "raise max_num_seqs"}
+
+
+def format_rejections(counts: dict[str, int]) -> str:
+    """A summary's ``rejection_reasons``: ``reason=count`` joined by ``;``, reasons sorted (``""``: none)."""
+    return ";".join(f"{reason}={count}" for reason, count in sorted(counts.items()))
+
+
+def parse_rejections(text: str) -> dict[str, int]:
+    """``format_rejections`` read back."""
+    return {reason: int(count) for reason, count in (part.split("=") for part in filter(None, text.split(";")))}
+
+
+def rejection_warning(row) -> str:
+    """The sentence a CLI or page shows for a summary row (``allocator``, ``num_requests``, ``num_requests_rejected``,
+    ``rejection_reasons``) with rejected requests."""
+    counts = parse_rejections(row.rejection_reasons).items()
+    why = ", ".join(f"{count} {REJECTION_REASONS.get(reason, reason)}" for reason, count in counts)
+    remedies = " or ".join(REJECTION_REMEDIES[reason] for reason, _ in counts if reason in REJECTION_REMEDIES)
+    return (f"{row.allocator}: {row.num_requests_rejected} of {row.num_requests} requests were rejected ({why}): they "
+            f"can never run in this configuration" + (f"; to run them, {remedies}" if remedies else ""))
+
+
+def latency_summary(requests: pd.DataFrame, n: int = 1) -> dict:
+    """TTFT, TPOT and end-to-end latency p50/p90/p99 (seconds) over completed requests, and the normalized
+    latency (mean seconds per output token)."""
+    arrival, first, finish, outputs = (requests[c].to_numpy(dtype=np.float64)
+                                       for c in ("arrival_s", "first_token_s", "finish_s", "output_tokens"))
+    done = ~np.isnan(finish)
+    arrival, first, finish, outputs = arrival[done], first[done], finish[done], outputs[done]
+    e2e = finish - arrival
+    out = {}
+    for name, values in (("ttft", first - arrival), ("tpot", (finish - first) / np.maximum(outputs - 1, 1)),
+                         ("e2e", e2e)):
+        quantiles = np.percentile(values, (50, 90, 99)) if len(values) else (np.nan,) * 3
+        out.update({f"{name}_p{q}_s": float(v) for q, v in zip((50, 90, 99), quantiles)})
+    # the vLLM paper's normalized latency: mean over requests of end-to-end latency / output tokens
+    out["normalized_latency_s"] = float(np.mean(e2e / np.maximum(outputs, 1))) if len(e2e) else np.nan
+    return out

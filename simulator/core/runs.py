@@ -1,0 +1,200 @@
+"""Runs of the simulator, the calls a user makes: ``simulate`` one configuration, ``compare`` several on one workload
+(side by side in worker processes, reusing finished runs), the app's default inputs and the block-size and offload
+sweeps. ``simulator`` re-exports them."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections import OrderedDict
+from pathlib import Path
+from typing import Callable, MutableMapping
+
+import pandas as pd
+
+from lab.errors import InputError
+from .allocators import ALLOCATORS
+from .cluster import run_simulation
+from .engine import SimConfig, SimResult, Snapshot, offload_blocks
+from .presets import APP_DEFAULTS, make_configs
+from .workloads import SYNTHETIC_PRESETS, SyntheticSpec, Workload, at_mean_rate, load_trace, synthetic_workload
+
+
+def make_workload(workload: str | Path | Workload, num_requests: int | None = None, seed: int = 0,
+                  time_scale: float = 1.0, **synthetic) -> Workload:
+    """A ``Workload`` from a preset name (with ``SyntheticSpec`` fields as keywords), a trace path (its first
+    ``num_requests`` rows, arrival offsets multiplied by ``time_scale`` or, given a finite ``rate``, rescaled to that
+    mean rate: ``at_mean_rate``), or itself. A keyword the source would ignore is a ``ValueError``."""
+    if isinstance(workload, Workload):
+        return workload
+    if not isinstance(workload, (str, Path)):
+        raise InputError(f"workload must be a preset name ({', '.join(SYNTHETIC_PRESETS)}), a trace path or a "
+                         f"Workload; got {type(workload).__name__} {workload!r:.60}")
+    if str(workload) in SYNTHETIC_PRESETS:
+        if time_scale != 1.0:
+            raise InputError(f"a time scale applies to a trace's arrivals; the {workload} preset's come from its rate")
+        spec = SyntheticSpec(preset=str(workload), seed=seed, **synthetic)
+        if num_requests is not None:
+            spec.num_requests = num_requests
+        return synthetic_workload(spec)
+    if not Path(workload).exists():
+        raise InputError(f"workload {str(workload)!r} is neither a preset ({', '.join(SYNTHETIC_PRESETS)}) nor an "
+                         f"existing trace file")
+    rate = synthetic.pop("rate", math.inf)
+    if synthetic:
+        raise InputError(f"{', '.join(sorted(synthetic))}: for a synthetic preset; the trace {workload} brings its own "
+                         f"lengths and one sample per request")
+    if rate != math.inf and time_scale != 1.0:
+        raise InputError(f"give the trace {workload} a rate or a time scale, not both: the rate sets its mean arrival "
+                         f"rate whatever the scale")
+    return at_mean_rate(load_trace(workload, time_scale=time_scale, max_rows=num_requests), rate)
+
+
+def simulate(workload, config: SimConfig | None = None, on_snapshot: Callable[[Snapshot], bool | None] | None = None,
+             snapshot_every: int = 50, **workload_options) -> SimResult:
+    """Run one allocator over a workload. ``on_snapshot`` receives a ``Snapshot`` every ``snapshot_every``
+    iterations (block pool included) and may return False to stop the run early."""
+    return run_simulation(make_workload(workload, **workload_options), config or SimConfig(), on_snapshot,
+                          snapshot_every)
+
+
+def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool | None] | None = None,
+            workers: int = 1, reuse: MutableMapping | None = None,
+            **workload_options) -> tuple[pd.DataFrame, dict[str, SimResult]]:
+    """Run several configs on the same workload: a summary table (one row per config) and the results by label.
+    ``progress(fraction)`` is called as runs proceed; returning False stops the remaining work. ``workers > 1``
+    runs the configs side by side in that many processes (``parallel.run_in_processes``: the same results, each
+    run being deterministic; progress then moves as runs finish). ``reuse``: complete runs by (workload
+    fingerprint, config), read and added to: a configuration this workload already ran with is not run again (a
+    page that reruns keeps one; bounding it is the caller's)."""
+    if not isinstance(configs, (list, tuple)) or not configs or not all(isinstance(c, SimConfig) for c in configs):
+        raise InputError(f"configs must be a non-empty list of SimConfig (see make_configs); got {configs!r:.80}")
+    workload = make_workload(workload, **workload_options)
+    labels = []
+    for index, config in enumerate(configs):
+        labels.append(config.label if config.label not in labels else f"{config.label} #{index + 1}")
+    keys = [(workload.fingerprint(), repr(config)) for config in configs] if reuse is not None else []
+    kept = {}
+    for index, key in enumerate(keys):
+        with contextlib.suppress(KeyError):  # not kept, or gone since (another page's run may evict it)
+            kept[index] = reuse[key]
+    missing = [index for index in range(len(configs)) if index not in kept]
+    if workers > 1 and reuse:  # the slowest first (by their last run on any workload): the workers finish together
+        seconds = {config: run.summary["wall_time_s"] for (_, config), run in list(reuse.items())}
+        missing.sort(key=lambda index: -seconds.get(keys[index][1], 0.0))
+    fresh = dict(zip(missing, _run_all(workload, [configs[index] for index in missing], workers, progress)))
+    results = {}
+    for index, label in enumerate(labels):
+        run = kept[index] if index in kept else fresh[index]
+        if run is None:
+            continue
+        results[label] = run
+        if reuse is not None and index in fresh and not run.summary["stopped_early"]:
+            reuse[keys[index]] = run
+    table = pd.DataFrame([{"label": label, **r.summary} for label, r in results.items()])
+    return table, results
+
+
+class RunCache(OrderedDict):
+    """A ``compare(..., reuse=)`` mapping that keeps the ``max_runs`` most recently used runs."""
+
+    def __init__(self, max_runs: int):
+        super().__init__()
+        self.max_runs = max_runs
+
+    def __getitem__(self, key):
+        self.move_to_end(key)
+        return super().__getitem__(key)
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.max_runs:
+            self.popitem(last=False)
+
+
+def _run_all(workload: Workload, configs: list[SimConfig], workers: int,
+             progress: Callable[[float], bool | None] | None) -> list[SimResult | None]:
+    """Each config's run (None for those a stop left unrun), in processes or one after another."""
+    if workers > 1 and len(configs) > 1:
+        from .parallel import run_in_processes
+
+        return run_in_processes(workload, configs, workers, progress)
+    runs: list[SimResult | None] = [None] * len(configs)
+    for index, config in enumerate(configs):
+        def on_snapshot(snapshot, index=index):
+            return None if progress is None else progress((index + snapshot.progress) / len(configs))
+
+        runs[index] = run_simulation(workload, config, on_snapshot=on_snapshot, snapshot_every=100,
+                                     snapshot_pool=False)
+        if runs[index].summary["stopped_early"]:
+            break
+    return runs
+
+
+def default_inputs(num_requests: int = APP_DEFAULTS["num_requests"], rate: float = APP_DEFAULTS["rate"]):
+    """The page's opening workload (``APP_DEFAULTS``, at ``rate``) and configurations: every allocator, paged at
+    the default block size."""
+    d = APP_DEFAULTS
+    workload = make_workload(d["preset"], num_requests=num_requests, rate=rate, max_model_len=d["max_model_len"])
+    configs = make_configs(list(ALLOCATORS), [d["block_size"]], model=d["model"], gpu=d["gpu"],
+                           max_model_len=d["max_model_len"])
+    return workload, configs
+
+
+def default_comparison(num_requests: int = APP_DEFAULTS["num_requests"]):
+    """The page's opening comparison (``default_inputs``)."""
+    return compare(*default_inputs(num_requests))
+
+
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def block_size_sweep_workloads(workload: Workload, max_model_len: int, num_requests: int = 300) -> dict:
+    """What a block-size sweep beside a comparison runs on: the workload's first ``num_requests`` requests and the
+    other synthetic preset (Alpaca's short requests beside ShareGPT's long ones) at the same arrival rate."""
+    spec = workload.meta.get("spec")
+    other = "alpaca" if workload.name != "alpaca" else "sharegpt"
+    return {workload.name: workload.subset(range(min(len(workload), num_requests))),
+            other: make_workload(other, num_requests=num_requests, rate=getattr(spec, "rate", math.inf),
+                                 max_model_len=max_model_len)}
+
+
+def block_size_sweep(workloads: dict[str, Workload], config: SimConfig,
+                     block_sizes: tuple[int, ...] = BLOCK_SIZES) -> pd.DataFrame:
+    """The paged allocator at each block size on each workload (``config`` otherwise): internal fragmentation,
+    throughput and mean running sequences, one row per (workload, block size). Small blocks waste less of their
+    last block but slow the attention kernel (``CostModel.block_slowdown``); large ones the reverse."""
+    rows = []
+    if config.capacity_tokens is not None:  # a pool must hold at least one block
+        block_sizes = tuple(b for b in block_sizes if b <= config.capacity_tokens)
+    for name, workload in workloads.items():
+        for block_size in block_sizes:
+            run = dataclasses.replace(config, allocator="paged", block_size=block_size, record_steps=False)
+            summary = run_simulation(workload, run, snapshot_pool=False).summary
+            rows.append({"workload": name, "block_size": block_size,
+                         "internal_fragmentation_pct": 100 * summary["internal_fragmentation_frac"],
+                         "throughput_tok_s": summary["throughput_tok_s"],
+                         "mean_batch_size": summary["mean_batch_size"]})
+    return pd.DataFrame(rows)
+
+
+OFFLOAD_TIERS_GIB = (0.0, 8.0, 32.0, 128.0, math.inf)
+
+
+def offload_sweep(workload: Workload, config: SimConfig,
+                  tiers_gib: tuple[float, ...] = OFFLOAD_TIERS_GIB) -> pd.DataFrame:
+    """What a CPU tier buys: the paged allocator (``config`` otherwise, prefix caching on) with a host offload tier
+    of each size: prefix-cache hit rate (GPU + tier, %), the share the tier served (%), TTFT p50/p90 and
+    throughput, one row per tier size."""
+    base = dataclasses.replace(config, allocator="paged", enable_prefix_caching=True, record_steps=False)
+    rows = []
+    for gib in tiers_gib:
+        summary = run_simulation(workload, dataclasses.replace(base, kv_offload_blocks=offload_blocks(base, gib)),
+                                 snapshot_pool=False).summary
+        rows.append({"tier_gib": gib, "tier": "unbounded" if gib == math.inf else f"{gib:g} GiB",
+                     "prefix_cache_hit_pct": 100 * summary["prefix_cache_hit_rate"],
+                     "offload_hit_pct": 100 * summary.get("offload_hit_rate", 0.0),
+                     "ttft_p50_s": summary["ttft_p50_s"], "ttft_p90_s": summary["ttft_p90_s"],
+                     "throughput_tok_s": summary["throughput_tok_s"], "preemptions": summary["preemptions"]})
+    return pd.DataFrame(rows)

@@ -1,0 +1,432 @@
+"""A twin of a real vLLM server: the simulator, running the vLLM V1 policy of our scheduler on a step-time profile
+measured on vLLM itself (``lab.peer.profiling``), predicts what a vLLM server does with a workload, and the server
+(``lab.peer.server``) is measured doing it.
+
+The profile is calibrated on the profile's own scenarios (single prefills, decode batches, a cached prefix, idle
+pauses), served by vLLM's offline engine in the peer: never on a workload that is scored. Each scored workload is
+then sent to the server at its arrival times; the simulator gets the same requests at the times they were sent, the
+server's pool (``vllm:cache_config_info``), block size and budgets, and its prediction is scored per metric.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+
+from lab.errors import InputError
+from lab.peer.client import PeerError, PeerSettings, VLLMPeer
+from lab.profiling.profile import Profile
+from lab.models.qwen3 import checkpoint_vocab_size
+from lab.peer.server import (ServerRequest, ServerRun, VLLMServer, check_server, reset_prefix_cache,
+                              run_server_workload, server_cache_config)
+
+from simulator.core.engine import SimConfig, Simulator
+from simulator.core.metrics import latency_summary
+from .twin import real_prompt_ids
+from simulator.core.workloads import SyntheticSpec, Workload, at_mean_rate, load_trace, synthetic_workload
+
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+AZURE_CONV = TRACES / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+WORKLOADS = ("all-at-once", "prefix", "poisson", "gamma", "azure")
+GAMMA_BURSTINESS = 0.5  # gamma shape of the bursty workload (coefficient of variation sqrt(2))
+SHARED_PREFIX_TOKENS = 256  # the prefix-sharing workload's system prompt
+WARM_UP_REQUESTS = 8  # sent before the first scored run: the server's first steps build its kernels
+# metric -> (goal, how its error is measured): relative error for latencies, points for fractions, counts
+GOALS = {"ttft_p50_s": (0.05, "relative"), "tpot_p50_s": (0.05, "relative"), "e2e_p50_s": (0.05, "relative"),
+         "ttft_p90_s": (0.10, "relative"), "tpot_p90_s": (0.10, "relative"), "e2e_p90_s": (0.10, "relative"),
+         "kv_usage_mean_abs_points": (5.0, "points"), "prefix_hit_rate": (1.0, "points"),
+         "preemptions": (0.0, "count")}
+
+
+@dataclass(slots=True)
+class VLLMTwinConfig:
+    """The server both sides are given (its pool, block size, budgets; a checkpoint of ``model``), the profile's
+    grid and rounds, and the scored workloads: ``num_requests`` each, ShareGPT-like lengths times ``length_scale``,
+    arrivals at ``rate`` requests/s (all at once and prefix: at t = 0)."""
+
+    model: str = "tiny"
+    dtype: str = "float32"
+    block_size: int = 32
+    num_blocks: int = 256
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    workloads: tuple = ("all-at-once", "prefix", "poisson")
+    num_requests: int = 48
+    rate: float = 20.0
+    length_scale: float = 0.25
+    repeats: int = 1  # real runs per workload (3: the spread)
+    grid: str = "small"
+    profile_repeats: int = 2
+    seed: int = 0
+    poll_s: float = 0.25
+    url: str | None = None  # a server already running (nothing else is contacted); None: start one
+
+    def peer_settings(self, checkpoint: str) -> PeerSettings:
+        return PeerSettings(checkpoint, self.dtype, self.block_size, self.num_blocks, self.max_num_seqs,
+                            self.max_num_batched_tokens, self.max_model_len, enable_prefix_caching=True)
+
+
+def _scaled(workload: Workload, scale: float) -> Workload:
+    prompts = np.maximum(1, np.round(workload.prompt_tokens * scale)).astype(np.int64)
+    outputs = np.maximum(1, np.round(workload.output_tokens * scale)).astype(np.int64)
+    return replace(workload, prompt_tokens=prompts, output_tokens=outputs,
+                   meta={**workload.meta, "length_scale": scale}).check()
+
+
+def make_twin_workload(name: str, config: VLLMTwinConfig, seed: int) -> Workload:
+    """One of ``WORKLOADS``: ShareGPT-like lengths times ``length_scale`` all at t = 0 (``all-at-once``), the same
+    behind a shared system prompt (``prefix``), at a Poisson or gamma (``GAMMA_BURSTINESS``) ``rate``, or the
+    Azure 2023 conversation trace's first requests, lengths scaled alike, at a mean of ``rate`` (``azure``; the
+    shared traces must be present)."""
+    if name == "azure":
+        if not AZURE_CONV.exists():
+            raise InputError(f"the azure workload reads the shared trace {AZURE_CONV}, which is not there")
+        trace = at_mean_rate(load_trace(AZURE_CONV, max_rows=config.num_requests), config.rate)
+        workload = _scaled(trace, config.length_scale)
+    elif name in WORKLOADS:
+        rate = math.inf if name in ("all-at-once", "prefix") else config.rate
+        spec = SyntheticSpec("sharegpt", config.num_requests, rate, GAMMA_BURSTINESS if name == "gamma" else 1.0,
+                             seed=seed)
+        workload = _scaled(synthetic_workload(spec), config.length_scale)
+        if name == "prefix":
+            workload = replace(workload, prompt_tokens=workload.prompt_tokens + SHARED_PREFIX_TOKENS,
+                               shared_prefix_tokens=SHARED_PREFIX_TOKENS)
+    else:
+        raise InputError(f"workload must be one of {', '.join(WORKLOADS)}; got {name!r}")
+    longest = int((workload.prompt_tokens + workload.output_tokens).max())
+    if longest > config.max_model_len:
+        raise InputError(f"the {name} workload has a request of {longest} tokens, beyond max_model_len "
+                         f"{config.max_model_len}: lower length_scale")
+    return replace(workload, name=name)
+
+
+def server_requests(workload: Workload, vocab_size: int, seed: int) -> list[ServerRequest]:
+    """The workload's requests as the server gets them: random prompts (equal where the workload shares a prefix,
+    as ``simulator.twins.twin.real_prompt_ids`` makes them), greedy, at their arrival offsets."""
+    prompts = real_prompt_ids(workload, vocab_size, seed)
+    return [ServerRequest(prompt, int(out), float(at))
+            for prompt, out, at in zip(prompts, workload.output_tokens, workload.arrival_s)]
+
+
+def sim_config(config: VLLMTwinConfig, cache: dict, profile: Profile) -> SimConfig:
+    """The simulator as the server is: vLLM V1's policy, its usable blocks (one fewer than its count: block 0 is
+    vLLM's null block), block size, budgets and prefix caching, steps priced by ``profile``."""
+    return SimConfig(allocator="paged", block_size=cache["block_size"],
+                     capacity_tokens=(cache["num_gpu_blocks"] - 1) * cache["block_size"],
+                     max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+                     max_num_batched_tokens=config.max_num_batched_tokens, scheduling="vllm",
+                     enable_prefix_caching=cache["enable_prefix_caching"], profile=profile, max_points=100_000)
+
+
+def _requests_frame(workload: Workload, run: ServerRun) -> pd.DataFrame:
+    frame = run.requests.rename(columns={"sent_s": "arrival_s"})
+    frame["output_tokens"] = workload.output_tokens
+    return frame
+
+
+@dataclass(slots=True)
+class ServerCalibration:
+    """What the server adds to its engine's steps, measured on calibration requests (never a scored workload):
+    ``step_overhead_s``, seconds the server's steps take beyond the offline profile's (the engine core hands each
+    step to its worker process and its outputs to the API process, on two cores shared with that process and the
+    load generator; flat in the batch size, where a ratio was not; it drifts while a server runs, see
+    ``probe_step_overhead``), ``request_overhead_s``, the seconds between a request's send and its first token
+    that no engine step accounts for (HTTP, the API process, the hand-over to the engine and back), and
+    ``request_interval_s``, the API process's time per request: requests sent together reach the engine one such
+    interval apart. ``table``: the calibration runs."""
+
+    step_overhead_s: float = 0.0
+    request_overhead_s: float = 0.0
+    request_interval_s: float = 0.0
+    table: pd.DataFrame = field(default_factory=pd.DataFrame)
+    interval_at_bound: bool = False  # the request interval's search ended at its largest value (INTERVALS_S)
+
+    @property
+    def bound_note(self) -> str:
+        """What to say after the request interval when its search ended at its bound ("" otherwise)."""
+        return " (the largest value searched: the fit may want more)" if self.interval_at_bound else ""
+
+    def priced(self, profile: Profile) -> Profile:
+        """``profile`` with every step ``step_overhead_s`` longer (its constant term)."""
+        coefficients = dict(profile.coefficients)
+        coefficients["constant"] = coefficients.get("constant", 0.0) + self.step_overhead_s
+        return replace(profile, coefficients=coefficients)
+
+    def applied(self, simulation: SimConfig, profile: Profile) -> SimConfig:
+        """``simulation`` with its steps priced by ``profile`` plus the step overhead (``priced``)."""
+        return replace(simulation, profile=self.priced(profile))
+
+    def shifted(self, seconds: float) -> "ServerCalibration":
+        """The step overhead ``seconds`` longer (``probe_step_overhead``), never below none: the server's steps do
+        not run faster than its engine's alone."""
+        return replace(self, step_overhead_s=max(0.0, self.step_overhead_s + seconds))
+
+
+def engine_arrivals(sent: np.ndarray, overhead_s: float = 0.0, interval_s: float = 0.0) -> np.ndarray:
+    """When requests sent at ``sent`` (sorted) reach the engine: ``overhead_s`` later, through a frontend that takes
+    ``interval_s`` per request in order (``a[i] = max(sent[i] + overhead, a[i - 1] + interval)``)."""
+    steps = np.arange(len(sent)) * interval_s
+    return np.maximum.accumulate(sent + overhead_s - steps) + steps
+
+
+def simulate_run(workload: Workload, run: ServerRun, config: SimConfig, calibration: ServerCalibration | None = None):
+    """The simulator on the workload's requests at the times the run sent them, reaching the engine as
+    ``calibration`` says (the requests it never sent dropped); its result's ``requests`` and summary latencies count
+    from the send."""
+    calibration = calibration or ServerCalibration()
+    sent = run.requests["sent_s"].to_numpy()
+    keep = ~np.isnan(sent)
+    sent = np.maximum.accumulate(sent[keep])  # sends of one instant may leave microseconds out of order
+    arrivals = engine_arrivals(sent, calibration.request_overhead_s, calibration.request_interval_s)
+    index = np.flatnonzero(keep)
+    subset = replace(workload, arrival_s=arrivals, prompt_tokens=workload.prompt_tokens[index],
+                     output_tokens=workload.output_tokens[index],
+                     prompt_block_ids=None if workload.prompt_block_ids is None
+                     else [workload.prompt_block_ids[i] for i in index]).check()
+    result = Simulator(subset, config).run()
+    result.requests["arrival_s"] = sent
+    result.summary.update(latency_summary(result.requests))
+    return result
+
+
+def _usage_error(run: ServerRun, timeseries: pd.DataFrame, usable_blocks: int) -> tuple[float, float, float]:
+    """KV usage, real and simulated, averaged over the run's /metrics readings, and their mean absolute difference
+    (points): at each reading, the simulator's usage after its last step that ended by then."""
+    readings = run.metrics.dropna(subset=["kv_usage"])
+    readings = readings[readings["t_s"] <= run.requests["finish_s"].max()]
+    if readings.empty or timeseries.empty:
+        return math.nan, math.nan, math.nan
+    ends = timeseries["elapsed_s"].to_numpy()
+    usage = timeseries["blocks_in_use"].to_numpy() / usable_blocks
+    at = np.searchsorted(ends, readings["t_s"].to_numpy(), side="right") - 1
+    simulated = np.where(at >= 0, usage[np.maximum(at, 0)], 0.0)
+    real = readings["kv_usage"].to_numpy()
+    return float(real.mean() * 100), float(simulated.mean() * 100), float(np.abs(real - simulated).mean() * 100)
+
+
+def score(workload: Workload, run: ServerRun, config: SimConfig,
+          calibration: ServerCalibration | None = None, result=None) -> pd.DataFrame:
+    """One row per metric of ``GOALS``: the server's value, the simulator's, the error (relative, points or a
+    count, per ``GOALS``), the goal and whether it is met. ``result``: ``simulate_run``'s, when already made."""
+    if result is None:
+        result = simulate_run(workload, run, config, calibration)
+    real = latency_summary(_requests_frame(workload, run))
+    simulated = result.summary
+    rows = []
+    for name in ("ttft_p50_s", "tpot_p50_s", "e2e_p50_s", "ttft_p90_s", "tpot_p90_s", "e2e_p90_s"):
+        rows.append((name, real[name], simulated[name], abs(simulated[name] - real[name]) / real[name]))
+    usable = int(config.capacity_tokens // config.block_size)
+    real_usage, simulated_usage, difference = _usage_error(run, result.timeseries, usable)
+    rows.append(("kv_usage_mean_abs_points", real_usage, simulated_usage, difference))
+    queries, hits = run.counter("prefix_queries"), run.counter("prefix_hits")
+    real_rate = 100 * hits / queries if queries else math.nan
+    hit_blocks = simulated.get("prefix_cache_hit_blocks", math.nan)
+    simulated_rate = 100 * hit_blocks * config.block_size / float(workload.prompt_tokens.sum())
+    rows.append(("prefix_hit_rate", real_rate, simulated_rate, abs(simulated_rate - real_rate)))
+    real_preemptions = run.counter("preemptions")
+    rows.append(("preemptions", real_preemptions, float(simulated["preemptions"]),
+                 abs(simulated["preemptions"] - real_preemptions)))
+    table = pd.DataFrame(rows, columns=["metric", "real", "simulated", "error"])
+    table["goal"] = [GOALS[name][0] for name in table["metric"]]
+    table["unit"] = [GOALS[name][1] for name in table["metric"]]
+    table["met"] = table["error"] <= table["goal"]
+    return table
+
+
+@dataclass(slots=True)
+class VLLMTwinResult:
+    """Per workload and run: the score table, the server's run and the simulator's result."""
+
+    table: pd.DataFrame  # workload, run, metric, real, simulated, error, goal, unit, met, run_step_overhead_s
+    runs: dict = field(default_factory=dict)  # (workload, run) -> ServerRun
+    simulated: dict = field(default_factory=dict)  # (workload, run) -> SimResult
+    profile: Profile | None = None
+    server_start_s: float = math.nan
+    calibration: ServerCalibration | None = None
+
+    def summary(self) -> pd.DataFrame:
+        """Per workload and metric: the median error over the runs, its range, the goal and whether the median
+        meets it."""
+        grouped = self.table.groupby(["workload", "metric"], sort=False)
+        out = grouped.agg(real=("real", "median"), simulated=("simulated", "median"), error=("error", "median"),
+                          error_min=("error", "min"), error_max=("error", "max"), goal=("goal", "first"),
+                          unit=("unit", "first"), runs=("run", "count"),
+                          run_step_overhead_s=("run_step_overhead_s", "median")).reset_index()
+        out["met"] = out["error"] <= out["goal"]
+        return out
+
+    def extrapolation(self) -> dict[str, str]:
+        """Per workload, where the simulator priced steps beyond what the profile measured
+        (``Profile.beyond_measured``: its prediction leans on the fit there), from the first run that did; the
+        workloads priced within the profile's range are left out."""
+        beyond = {}
+        for (workload, _), simulated in self.simulated.items():
+            note = simulated.summary.get("profile_extrapolation", "")
+            if note and workload not in beyond:
+                beyond[workload] = note
+        return beyond
+
+
+def profile_cache_path(config: VLLMTwinConfig) -> Path:
+    """Where the page keeps the profile of vLLM's engine for these settings (beside the peer environment): measured
+    once on a quiet machine it is reused, instead of re-measured while the browser and the app share the cores."""
+    from lab.peer.client import VLLM_VERSION, peer_venv
+
+    name = (f"{Path(config.model).name}-{config.dtype}-B{config.block_size}-{config.num_blocks}blocks-"
+            f"{config.max_num_seqs}seqs-{config.max_num_batched_tokens}tokens-{config.grid}-vllm{VLLM_VERSION}.json")
+    return peer_venv().parent / "vllm-profiles" / name
+
+
+def calibrate(config: VLLMTwinConfig, checkpoint: str, progress: Callable[[str], None] = print) -> Profile:
+    """The step-time profile of vLLM's engine on the checkpoint (``lab.peer.profiling.profile_vllm``), measured in
+    the peer's offline engine with the server's pool and budgets."""
+    from lab.peer.profiling import profile_vllm
+
+    progress(f"calibrating on vLLM's engine ({config.grid} grid, {config.profile_repeats} rounds)")
+    with VLLMPeer(config.peer_settings(checkpoint)) as peer:
+        return profile_vllm(peer, config.model, checkpoint_vocab_size(checkpoint), config.grid, config.profile_repeats,
+                            config.seed)
+
+
+CALIBRATION_BATCHES = (1, 4, 8, 16, 32)  # sent together: their TPOT gives the step overhead, their TTFT the interval
+CALIBRATION_PROMPTS = (32, 128, 384)  # single prompts on an idle server: the request overhead
+CALIBRATION_REPEATS = 3  # of each calibration run: a two-core machine's step times vary by 10-30 % run to run
+INTERVALS_S = tuple(np.arange(0.0, 0.01201, 0.00025))  # the API process's time per request: the values tried
+PROBE = (4, 96, 48)  # the step-overhead probe: requests sent together, prompt and output tokens each (not scored)
+
+
+def _fixed(count: int, prompt: int, output: int) -> Workload:
+    return Workload("calibration", np.zeros(count), np.full(count, prompt, dtype=np.int64),
+                    np.full(count, output, dtype=np.int64)).check()
+
+
+def _measured(url: str, model: str, workload: Workload, simulation: SimConfig, vocab: int, seed: int):
+    """A calibration workload served (random prompts from ``seed``) and simulated: the run, the server's latency
+    summary and the simulator's (``simulation``, no frontend)."""
+    run = run_server_workload(url, server_requests(workload, vocab, seed), model, poll_s=60.0)
+    return run, latency_summary(_requests_frame(workload, run)), simulate_run(workload, run, simulation).summary
+
+
+def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, seed: int = 0) -> ServerCalibration:
+    """Measure ``ServerCalibration`` on the server, each run ``CALIBRATION_REPEATS`` times: decode batches of
+    ``CALIBRATION_BATCHES`` requests sent together (96-token prompts, 64 tokens each; the median of the server's TPOT
+    p50 less the simulator's is the step overhead), then single prompts of ``CALIBRATION_PROMPTS`` tokens sent one
+    at a time (the median of the server's TTFT less the simulator's, steps priced with the overhead, is the request
+    overhead); the request interval is the one of ``INTERVALS_S`` whose simulated TTFT p50 of the batches is
+    closest to the server's (least squares, relative)."""
+    rows, batches = [], []
+    for repeat in range(CALIBRATION_REPEATS):
+        for batch in CALIBRATION_BATCHES:
+            workload = _fixed(batch, 96, 64)
+            run, real, simulated = _measured(url, model, workload, simulation, vocab, seed + 10 * repeat + batch)
+            batches.append((workload, run, real))
+            rows.append(("decode tpot", batch, real["tpot_p50_s"], simulated["tpot_p50_s"]))
+    step = ServerCalibration(float(np.median([real - simulated for _, _, real, simulated in rows])))
+    priced = step.applied(simulation, simulation.profile)
+    for repeat in range(CALIBRATION_REPEATS):
+        for length in CALIBRATION_PROMPTS:
+            _, real, simulated = _measured(url, model, _fixed(1, length, 2), priced, vocab,
+                                           seed + 100 * repeat + length)
+            rows.append(("single ttft", length, real["ttft_p50_s"], simulated["ttft_p50_s"]))
+    overhead = max(0.0, float(np.median([real - sim for kind, _, real, sim in rows if kind == "single ttft"])))
+
+    def misfit(interval: float) -> float:
+        calibration = replace(step, request_overhead_s=overhead, request_interval_s=interval)
+        return sum((simulate_run(w, run, priced, calibration).summary["ttft_p50_s"] / real["ttft_p50_s"] - 1) ** 2
+                   for w, run, real in batches if len(w) > 1)
+
+    interval = float(min(INTERVALS_S, key=misfit))
+    calibration = replace(step, request_overhead_s=overhead, request_interval_s=interval,
+                          interval_at_bound=interval == INTERVALS_S[-1])
+    for workload, run, real in batches:
+        simulated = simulate_run(workload, run, priced, calibration)
+        rows.append(("batch ttft", len(workload), real["ttft_p50_s"], simulated.summary["ttft_p50_s"]))
+    calibration.table = pd.DataFrame(rows, columns=["kind", "size", "real_s", "simulated_s"])
+    return calibration
+
+
+def probe_step_overhead(url: str, model: str, simulation: SimConfig, vocab: int, seed: int) -> float:
+    """How much longer the server's steps are now than ``simulation`` (priced as calibrated) says: its TPOT p50 on
+    ``PROBE`` less the simulator's, in seconds a step. What the server adds to its engine's steps (the engine core's
+    hand-overs, the API process) drifts on this VM while a server runs, by more than the twin's goals; the engine's
+    own compute, the profile's terms, drifts far less. So a run is priced with the overhead probed around it
+    (docs/vllm_twin.md)."""
+    run, real, simulated = _measured(url, model, _fixed(*PROBE), simulation, vocab, seed)
+    if run.problems:
+        raise PeerError(f"the step-overhead probe failed: {'; '.join(run.problems[:3])}")
+    real, simulated = real["tpot_p50_s"], simulated["tpot_p50_s"]
+    if not (math.isfinite(real) and math.isfinite(simulated)):
+        raise PeerError(f"the step-overhead probe measured a TPOT of {real!r} s against {simulated!r} s simulated")
+    return real - simulated
+
+
+def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | None = None,
+                  progress: Callable[[str], None] = print, stop: threading.Event | None = None) -> VLLMTwinResult:
+    """Calibrate (unless ``profile`` is given), start the server (or use ``config.url``), warm it up, then run
+    each workload ``config.repeats`` times against it and score the simulator's prediction of each run, priced with
+    the step overhead probed before and after it (``probe_step_overhead``)."""
+    if config.url is not None:
+        check_server(config.url)  # a URL with no vLLM behind it fails now, not after the calibration
+    profile = profile or calibrate(config, checkpoint, progress)
+    profile.check_matches(block_size=config.block_size)
+    result = VLLMTwinResult(pd.DataFrame(), profile=profile)
+    vocab = checkpoint_vocab_size(checkpoint)
+    server = None
+    try:
+        if config.url is None:
+            progress("starting vLLM's server")
+            server = VLLMServer(config.peer_settings(checkpoint))
+            url, result.server_start_s = server.url, server.start_s
+        else:
+            url = config.url
+        model = check_server(url)
+        cache = server_cache_config(url)
+        if cache["block_size"] != profile.block_size:
+            raise PeerError(f"the server at {url} uses blocks of {cache['block_size']} tokens, the profile "
+                            f"{profile.block_size}")
+        simulation = sim_config(config, cache, profile)
+        warm = make_twin_workload("all-at-once", replace(config, num_requests=WARM_UP_REQUESTS), config.seed + 999)
+        run_server_workload(url, server_requests(warm, vocab, config.seed + 999), model)
+        progress("calibrating on the server (decode batches, single prompts)")
+        calibration = result.calibration = calibrate_server(url, model, simulation, vocab, config.seed + 7)
+        progress(f"server steps +{calibration.step_overhead_s * 1e3:.2f} ms over the engine's; request overhead "
+                 f"{calibration.request_overhead_s * 1e3:.1f} ms, {calibration.request_interval_s * 1e3:.2f} ms per "
+                 f"request in the API process{calibration.bound_note}")
+        priced = calibration.applied(simulation, profile)
+        shifts = [probe_step_overhead(url, model, priced, vocab, config.seed + 500)]
+        tables = []
+        for name in config.workloads:
+            workload = make_twin_workload(name, config, config.seed)
+            for repeat in range(config.repeats):
+                if stop is not None and stop.is_set():
+                    break
+                reset_prefix_cache(url)
+                progress(f"{name}, run {repeat + 1} of {config.repeats}: {len(workload)} requests")
+                # fresh prompts per run: a server whose cache cannot be reset still starts each run cold
+                run = run_server_workload(url, server_requests(workload, vocab, config.seed + 1 + repeat), model,
+                                          events=server.events if server else None, poll_s=config.poll_s,
+                                          stop=stop)
+                if run.problems:
+                    progress(f"{name}: {'; '.join(run.problems[:3])}")
+                result.runs[(name, repeat)] = run
+                shifts.append(probe_step_overhead(url, model, priced, vocab, config.seed + 500 + len(shifts)))
+                now = calibration.shifted((shifts[-2] + shifts[-1]) / 2)  # probed before and after the run
+                priced_run = now.applied(simulation, profile)
+                predicted = result.simulated[(name, repeat)] = simulate_run(workload, run, priced_run, now)
+                table = score(workload, run, priced_run, now, predicted)
+                tables.append(table.assign(workload=name, run=repeat, run_step_overhead_s=now.step_overhead_s))
+        result.table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()
+        return result
+    finally:
+        if server is not None:
+            server.close()
+
+
+def settings_of(config: VLLMTwinConfig) -> dict:
+    return {f"twin_{key}": value for key, value in asdict(config).items()}

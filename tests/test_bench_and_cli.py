@@ -264,7 +264,7 @@ def test_a_baseline_that_gets_faster_with_context_is_refused(monkeypatch):
     monkeypatch.setattr(bench, "warm_up", lambda config: None)
     retimed = []
     monkeypatch.setattr(bench, "retime_baseline", lambda table, config: retimed.append(len(table)))
-    def timed(fn, repeats=10, warmup=2, cuda=False):
+    def timed(fn, repeats=10, warmup=2, cuda=False, back_to_back=1):
         fn()
         seconds = next(times)
         return bench.Timing(seconds, seconds, seconds)

@@ -88,11 +88,19 @@ def test_the_worker_does_not_know_the_block_pool():
 
 
 def test_the_engine_step_reads_like_nano_vllm_s():
-    """schedule -> run -> postprocess, as nano-vllm's ``LLMEngine.step``."""
+    """schedule -> run -> postprocess, as nano-vllm's ``LLMEngine.step``: a few statements (recovery and the step
+    callback live in helpers of their own)."""
+    import ast
+    import textwrap
+
     from lab.engine import LLMEngine
 
-    body = [line for line in inspect.getsource(LLMEngine._step).splitlines()[1:] if line.strip()]
-    assert len(body) <= 12, body
+    def statements(function) -> list:
+        body = ast.parse(textwrap.dedent(inspect.getsource(function))).body[0].body
+        return [node for node in body if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
+
+    assert len(statements(LLMEngine.step)) <= 4
+    assert len(statements(LLMEngine._step)) <= 7
     assert "self.scheduler.postprocess(" in inspect.getsource(LLMEngine._postprocess)
 
 

@@ -76,17 +76,70 @@ def test_steps_the_buffers_cannot_hold_run_the_plain_forward():
     assert not static.takes(ModelInput(prefill_seq_ids=[3], decode_seq_ids=[0], max_seq_len=8))  # a prefill
 
 
+@pytest.fixture
+def liveness_checked(monkeypatch):
+    """torch's own check (where it has one) that every input of a capture outlives it."""
+    monkeypatch.setattr(StaticDecode, "check_liveness", True)
+
+
+def _cuda_engine(model, graphs: bool, dtype=torch.float32, hf_model=None, **settings) -> LLMEngine:
+    return LLMEngine(hf_model or model, **{"block_size": 16, "num_blocks": 2048, "device": "cuda", "dtype": dtype,
+                                           "cuda_graphs": graphs, "attention_backend": "cupy", **settings})
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["qwen3-0.6b-random-4l"])
-def test_graph_replays_equal_eager_and_hf_on_cuda(model):
+def test_graph_replays_give_the_eager_engine_s_and_hf_s_greedy_tokens_on_cuda(model, liveness_checked):
+    """fp32. Not wrapped in inference mode: steps that grow tables in a graph step and eager steps after them must
+    both work as a user calls them."""
     prompts, params = _requests(20)
-    eager = LLMEngine(model, block_size=16, num_blocks=2048, device="cuda", dtype=torch.float32, cuda_graphs=False,
-                      attention_backend="cupy")
+    eager = _cuda_engine(model, graphs=False)
     expected = [o.token_ids for o in eager.generate(prompts, params)]
-    graphs = LLMEngine(eager.hf_model, block_size=16, num_blocks=2048, attention_backend="cupy")
-    assert graphs.runner.static_decode is not None
-    with torch.inference_mode():
-        outputs = [o.token_ids for o in graphs.generate(prompts, params)]
-    assert graphs.runner.static_decode.use_graphs, "the self-check turned the graphs off"
-    assert len(graphs.runner.static_decode.graphs) >= 3  # the buckets the shrinking batch passed through
+    hf = [eager.hf_model.generate(torch.tensor([p], device="cuda"), max_new_tokens=s.max_tokens,
+                                  min_new_tokens=s.max_tokens, do_sample=False)[0, len(p):].tolist()
+          for p, s in zip(prompts[-4:], params[-4:])]
+    graphs = _cuda_engine(model, graphs=True, hf_model=eager.hf_model)
+    static = graphs.runner.static_decode
+    assert static is not None and len(static.graphs) == len(static.buckets)  # all captured with the engine
+    outputs = [o.token_ids for o in graphs.generate(prompts, params)]
+    assert static.use_graphs, "the self-check turned the graphs off"
     assert outputs == expected
+    assert outputs[-4:] == hf
+
+
+@pytest.mark.gpu
+def test_bf16_graph_replays_give_the_eager_engine_s_tokens_on_cuda(liveness_checked):
+    prompts, params = _requests(12)
+    eager = _cuda_engine("qwen3-0.6b-random-4l", graphs=False, dtype=torch.bfloat16)
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
+    graphs = _cuda_engine(None, graphs=True, dtype=torch.bfloat16, hf_model=eager.hf_model)
+    assert [o.token_ids for o in graphs.generate(prompts, params)] == expected
+    assert graphs.runner.static_decode.use_graphs
+
+
+def _long_run(engine: LLMEngine, prompts: list, late: list) -> list:
+    """80 long prompts decoding (tables past 64 rows and 64 columns grow inside graph steps), then a late request
+    whose chunked prefill runs eagerly beside the decodes (writing the tables outside inference mode) between graph
+    steps."""
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=24, ignore_eos=True))
+    for _ in range(12):
+        engine.step()
+    engine.add_request(late, SamplingParams(max_tokens=8, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    return sorted((o.request_id, o.token_ids) for o in outputs)
+
+
+@pytest.mark.gpu
+def test_graph_steps_past_64_sequences_and_1024_tokens_then_an_eager_step_on_cuda(liveness_checked):
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 1024, (1100 + i,), generator=generator).tolist() for i in range(80)]
+    late = torch.randint(0, 1024, (300,), generator=generator).tolist()
+    settings = dict(num_blocks=80 * 72 + 64, max_num_seqs=96, max_num_batched_tokens=1 << 17, scheduling="chunked")
+    eager = _cuda_engine("tiny-hd64", graphs=False, **settings)
+    expected = _long_run(eager, prompts, late)
+    graphs = _cuda_engine(None, graphs=True, hf_model=eager.hf_model, **settings)
+    assert _long_run(graphs, prompts, late) == expected
+    assert graphs.runner.static_decode.use_graphs and graphs.runner.block_tables.tables.shape[1] > 64

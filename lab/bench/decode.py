@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import pandas as pd
 import torch
@@ -29,9 +30,12 @@ class DecodeBenchConfig:
     steps: int = 20  # decode steps timed per case (median)
 
 
-def run_decode_bench(config: DecodeBenchConfig) -> pd.DataFrame:
+def run_decode_bench(config: DecodeBenchConfig, on_row: Callable[[pd.DataFrame], None] | None = None) -> pd.DataFrame:
     """One row per (batch, context, graphs): the median decode step in ms, the spread, and on CUDA the kernels
-    launched by one decode step."""
+    launched by one decode step. The engine is the one e2e, the twin and the app run (its default
+    ``max_model_len``, so graphs partition attention as theirs do); ``cuda_graphs`` says whether its decode steps
+    replayed graphs (the self-check may have turned them off). ``on_row(rows so far)`` after each row, so that a
+    crash later loses nothing measured."""
     if not config.batches or not config.contexts:
         raise InputError("give at least one batch size and one context length")
     base = EngineConfig(block_size=config.block_size, device=config.device,
@@ -43,11 +47,13 @@ def run_decode_bench(config: DecodeBenchConfig) -> pd.DataFrame:
         for batch in config.batches:
             blocks = batch * (-(-(context + config.steps + 2) // config.block_size)) + 1
             for graphs in ((True, False) if on_gpu else (False,)):
-                engine = LLMEngine(hf_model, base, tokenizer=tokenizer, num_blocks=blocks, cuda_graphs=graphs,
-                                   max_model_len=context + config.steps + 2)
+                engine = LLMEngine(hf_model, base, tokenizer=tokenizer, num_blocks=blocks, cuda_graphs=graphs)
+                timed = _time_decode(engine, batch, context, config.steps, on_gpu)
+                static = engine.runner.static_decode
                 rows.append({"model": config.model, "device": config.device, "batch": batch, "context": context,
-                             "cuda_graphs": graphs and engine.runner.static_decode is not None,
-                             **_time_decode(engine, batch, context, config.steps, on_gpu)})
+                             "cuda_graphs": bool(graphs and static is not None and static.use_graphs), **timed})
+                if on_row is not None:
+                    on_row(pd.DataFrame(rows))
     return pd.DataFrame(rows)
 
 
@@ -58,7 +64,7 @@ def _time_decode(engine: LLMEngine, batch: int, context: int, steps: int, on_gpu
         engine.add_request(torch.randint(0, vocab, (context,), generator=generator).tolist(),
                            SamplingParams(max_tokens=steps + 2, ignore_eos=True))
     while engine.scheduler.waiting or engine.scheduler.prefilling:
-        engine.step()  # the prefills (and the graphs' capture, at the first decode step below)
+        engine.step()  # the prefills
     engine.step()
     times = []
     for _ in range(steps - 1):

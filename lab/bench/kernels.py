@@ -32,6 +32,11 @@ class KernelBenchConfig:
     block_size: int = 16
     backends: tuple[str, ...] = ("torch",)
     repeats: int = 10
+    shapes: tuple[tuple[int, int], ...] = ()  # (batch, context) pairs; empty: every batch size x context length
+    back_to_back: int = 1  # calls per timed sample (a GPU's time per call without the host's launch gaps)
+
+    def shape_list(self) -> list[tuple[int, int]]:
+        return list(self.shapes) or [(b, c) for b in self.batch_sizes for c in self.context_lens]
 
 
 def make_paged_inputs(batch: int, context: int, config: KernelBenchConfig, seed: int = 0):
@@ -76,12 +81,13 @@ def bench_one(batch: int, context: int, config: KernelBenchConfig) -> list[dict]
     query, key_cache, value_cache, block_tables, seq_lens, (keys, values) = make_paged_inputs(batch, context, config)
     cuda = config.device != "cpu"
     kv_bytes = 2 * batch * context * config.num_kv_heads * config.head_dim * key_cache.element_size()
-    sdpa = time_calls(lambda: sdpa_decode(query, keys, values), config.repeats, cuda=cuda)
+    sdpa = time_calls(lambda: sdpa_decode(query, keys, values), config.repeats, cuda=cuda,
+                      back_to_back=config.back_to_back)
     rows = [_row("sdpa-contiguous", batch, context, sdpa, sdpa.median, kv_bytes, 0.0)]
     expected = sdpa_decode(query, keys, values).view_as(query).float()
     for backend in config.backends:
         for variant, call in _variants(backend, query, key_cache, value_cache, block_tables, seq_lens):
-            timing = time_calls(call, config.repeats, cuda=cuda)
+            timing = time_calls(call, config.repeats, cuda=cuda, back_to_back=config.back_to_back)
             error = float(((call().float() - expected).abs().max() / expected.abs().max()).item())
             rows.append(_row(variant, batch, context, timing, sdpa.median, kv_bytes, error))
     return rows
@@ -121,7 +127,7 @@ WARM_UP_S = 0.5  # per call kind, at most: the first calls of a process pay for 
 def warm_up(config: KernelBenchConfig, max_seconds: float = WARM_UP_S) -> None:
     """Run SDPA and every backend on the sweep's first shape until their times settle (two medians of 5 calls
     within 10 % of each other) or ``max_seconds`` pass, so the first timed shape is not the one paying for them."""
-    batch, context = config.batch_sizes[0], config.context_lens[0]
+    batch, context = config.shape_list()[0]
     query, key_cache, value_cache, block_tables, seq_lens, (keys, values) = make_paged_inputs(batch, context, config)
     calls = [lambda: sdpa_decode(query, keys, values)]
     for backend in config.backends:
@@ -180,16 +186,18 @@ def retime_baseline(table: pd.DataFrame, config: KernelBenchConfig, rounds: int 
         table.at[index, "vs_sdpa"] = table.at[index, "median_ms"] / table.loc[same[0], "median_ms"]
 
 
-def run_kernel_bench(config: KernelBenchConfig, progress=None) -> pd.DataFrame:
+def run_kernel_bench(config: KernelBenchConfig, progress=None, on_rows=None) -> pd.DataFrame:
     """Warm up, run the sweep and check its baseline (``check_baseline``); ``progress(done, total)`` is called
-    after each shape."""
-    shapes = [(b, c) for b in config.batch_sizes for c in config.context_lens]
+    after each shape, ``on_rows(rows so far)`` too (unchecked: a crash later keeps what was measured)."""
+    shapes = config.shape_list()
     warm_up(config)
     rows = []
     for done, (batch, context) in enumerate(shapes, 1):
         rows += bench_one(batch, context, config)
         if progress:
             progress(done, len(shapes))
+        if on_rows:
+            on_rows(pd.DataFrame(rows))
     table = pd.DataFrame(rows)
     try:
         check_baseline(table)

@@ -24,6 +24,7 @@ from paged_kernels import cupy_backend
 
 from lab.models.qwen3 import load_hf_model
 from lab.worker.model_runner import ForwardBatch, ModelRunner
+from lab.worker.static_decode import MAX_GRAPH_CONTEXT, StaticDecode
 
 # aten ops that launch nothing on CUDA: views and metadata, and allocations (memory comes from the caching allocator)
 NO_LAUNCH = frozenset({
@@ -46,6 +47,13 @@ class LedgerConfig:
     prompt_len: int = 128  # tokens of the prefill step (one prompt, nothing cached)
     block_size: int = 16
     dtype: torch.dtype = torch.bfloat16
+    cuda_graphs: bool = True  # the engine's default: decode steps replay graphs captured for the graph context
+
+
+def graph_context(runner: ModelRunner) -> int:
+    """The context a decode graph is captured for: the engine's default ``max_model_len`` (the model's), at most
+    ``MAX_GRAPH_CONTEXT``."""
+    return min(getattr(runner.hf.config, "max_position_embeddings", MAX_GRAPH_CONTEXT), MAX_GRAPH_CONTEXT)
 
 
 class _Counter(TorchDispatchMode):
@@ -91,13 +99,14 @@ def _meta_runner(config: LedgerConfig, num_blocks: int) -> ModelRunner:
     return runner
 
 
-def _decode_batch(config: LedgerConfig) -> ForwardBatch:
-    blocks = -(-config.context // config.block_size)
-    meta = dict(device="meta", dtype=torch.long)
-    return ForwardBatch(torch.empty(config.batch, **meta), torch.empty(config.batch, **meta),
-                        torch.empty(config.batch, **meta), [], [], [],
-                        torch.empty(config.batch, blocks, device="meta", dtype=torch.int32),
-                        torch.empty(config.batch, device="meta", dtype=torch.int32), config.context)
+def _decode_batch(config: LedgerConfig, runner: ModelRunner) -> ForwardBatch:
+    """The decode step as the engine feeds it: through the static decode buffers (``StaticDecode.graph_inputs``:
+    int64 ids, positions and slots, int32 lengths, block tables as wide as the graph context), attention partitioned
+    for the graph context with graphs on, for the batch's own context without."""
+    context = graph_context(runner)
+    static = StaticDecode(runner, config.batch, context, graphs=False)
+    batch, _ = static.graph_inputs(config.batch, context if config.cuda_graphs else config.context)
+    return batch
 
 
 def _prefill_batch(config: LedgerConfig) -> ForwardBatch:
@@ -116,7 +125,7 @@ def count_launches(config: LedgerConfig | None = None) -> pd.DataFrame:
     runner = _meta_runner(config, blocks_needed)
     rows = []
     for step, batch, tokens, context in (("prefill", _prefill_batch(config), config.prompt_len, 0),
-                                         ("decode", _decode_batch(config), config.batch, config.context)):
+                                         ("decode", _decode_batch(config, runner), config.batch, config.context)):
         counter = _Counter()
         layer_of = runner._layer
 

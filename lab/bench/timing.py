@@ -16,11 +16,20 @@ class Timing:
     high: float
 
 
-def time_calls(fn: Callable[[], object], repeats: int = 10, warmup: int = 2, cuda: bool = False) -> Timing:
-    """Median, fastest and slowest of ``repeats`` calls of ``fn`` after ``warmup`` calls."""
+def time_calls(fn: Callable[[], object], repeats: int = 10, warmup: int = 2, cuda: bool = False,
+               back_to_back: int = 1) -> Timing:
+    """Median, fastest and slowest of ``repeats`` samples of ``fn`` after ``warmup`` calls; a sample is
+    ``back_to_back`` calls in a row between two clock reads (CUDA events on a GPU), divided by their number: the
+    device's time per call without the host's gap between launches."""
     for _ in range(warmup):
         fn()
-    times = _cuda_times(fn, repeats) if cuda else _cpu_times(fn, repeats)
+
+    def burst():
+        for _ in range(back_to_back):
+            fn()
+
+    times = _cuda_times(burst, repeats) if cuda else _cpu_times(burst, repeats)
+    times = [t / back_to_back for t in times]
     return Timing(statistics.median(times), min(times), max(times))
 
 

@@ -40,6 +40,19 @@ def positive_ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def batch_contexts(text: str) -> tuple[tuple[int, int], ...]:
+    """A comma-separated list of ``BATCHxCONTEXT`` pairs of integers >= 1 (``64x512,8x32768``)."""
+    pairs = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        batch, sep, context = part.lower().partition("x")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected BATCHxCONTEXT pairs such as 64x512, got {part!r}")
+        pairs.append((positive_int(batch), positive_int(context)))
+    if not pairs:
+        raise argparse.ArgumentTypeError(f"expected comma-separated BATCHxCONTEXT pairs, got {text!r}")
+    return tuple(pairs)
+
+
 def device(text: str) -> str:
     """``cpu`` or ``cuda[:N]`` for a GPU this machine has."""
     from lab.hardware import check_device

@@ -7,11 +7,11 @@ import sys
 import pandas as pd
 
 from lab.errors import InputError
-from lab.cli.args import (cli_settings, device, model_options, non_negative_int, output_csv, output_folder,
+from lab.cli.args import (batch_contexts, cli_settings, device, model_options, non_negative_int, output_csv, output_folder,
                           positive_int, positive_ints, refuse_ignored, run_command, scheduler_options)
 from lab.models.qwen3 import PRESETS
 from lab.profiling.profile import GRIDS
-from lab.report.results import print_and_save, settings_of
+from lab.report.results import csv_target, print_and_save, save_csv, settings_of
 
 
 def _bench_kernels(args) -> None:
@@ -23,16 +23,21 @@ def _bench_kernels(args) -> None:
     import pandas as pd
 
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    bar = tqdm(total=len(args.block_size) * len(args.batch) * len(args.context), desc="kernel bench",
+    settings = cli_settings(args)
+    out = str(csv_target(args.out, settings, "kernels")) if args.out else None  # rows saved as measured
+    shapes = len(args.shapes) or len(args.batch) * len(args.context)
+    bar = tqdm(total=len(args.block_size) * shapes, desc="kernel bench",
                file=sys.stderr)
     tables = []
     for block_size in args.block_size:  # several: the simulator reads the slowdown per block size from the CSV
         config = KernelBenchConfig(device=args.device, dtype=dtypes[args.dtype], batch_sizes=args.batch,
                                    context_lens=args.context, block_size=block_size,
-                                   backends=tuple(args.backends.split(",")), repeats=args.repeats)
-        tables.append(run_kernel_bench(config, progress=lambda done, total: bar.update(1)))
+                                   backends=tuple(args.backends.split(",")), repeats=args.repeats,
+                                   shapes=args.shapes, back_to_back=args.back_to_back)
+        tables.append(run_kernel_bench(config, progress=lambda done, total: bar.update(1),
+                                       on_rows=lambda rows: save_csv(pd.concat([*tables, rows]), out, settings)))
     bar.close()
-    print_and_save(pd.concat(tables, ignore_index=True), args.out, settings=cli_settings(args), kind="kernels")
+    print_and_save(pd.concat(tables, ignore_index=True), out, settings=settings, kind="kernels")
 
 
 def _bench_launches(args) -> None:
@@ -51,7 +56,22 @@ def _bench_decode(args) -> None:
 
     config = DecodeBenchConfig(model=args.model, device=args.device, batches=args.batch, contexts=args.context,
                                block_size=args.block_size, attention_backend=args.backend, steps=args.steps)
-    print_and_save(run_decode_bench(config), args.out, settings=cli_settings(args), kind="decode")
+    settings = cli_settings(args)
+    out = str(csv_target(args.out, settings, "decode")) if args.out else None  # one file, however many rows
+    # each row is saved as it is measured: a case that crashes the process loses only itself
+    table = run_decode_bench(config, on_row=lambda rows: save_csv(rows, out, settings, "decode"))
+    print_and_save(table, out, settings=settings, kind="decode")
+
+
+def _bench_parity(args) -> None:
+    from lab.bench.parity import ParityConfig, run_parity
+
+    config = ParityConfig(model=args.model, device=args.device, attention_backend=args.backend,
+                          num_prompts=args.num_prompts, max_tokens=args.max_tokens)
+    settings = cli_settings(args)
+    out = str(csv_target(args.out, settings, "parity")) if args.out else None
+    table = run_parity(config, on_row=lambda rows: save_csv(rows, out, settings, "parity"))
+    print_and_save(table, out, settings=settings, kind="parity")
 
 
 def _headlines(args) -> None:
@@ -234,7 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--block-size", type=positive_ints, default=(16,),
                    help="comma list of tokens per KV block (several give the simulator its block-size curve)")
     k.add_argument("--backends", default="torch", help="comma list of torch,cupy,reference")
-    k.add_argument("--repeats", type=positive_int, default=10, help="timed calls per case (median)")
+    k.add_argument("--repeats", type=positive_int, default=10, help="timed samples per case (median)")
+    k.add_argument("--shapes", type=batch_contexts, default=(),
+                   help="comma list of BATCHxCONTEXT pairs (e.g. 64x512,8x32768) instead of every --batch x --context")
+    k.add_argument("--back-to-back", type=positive_int, default=1,
+                   help="calls per timed sample, between two clock reads (CUDA events on a GPU)")
     k.add_argument("--out", type=output_csv, default="benchmarks/results/kernels_cpu.csv", help="results CSV")
     k.set_defaults(run=_bench_kernels)
 
@@ -278,6 +302,14 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--host-model", default="tiny", help="the model a real CPU engine times the host path with")
     n.add_argument("--out", type=output_csv, default="benchmarks/results/launches.csv", help="results CSV")
     n.set_defaults(run=_bench_launches)
+
+    q = bench.add_parser("parity", help="the engine against HF on one device: fp32 greedy tokens with CUDA graphs "
+                                        "off and on, bf16 first-step logits")
+    model_options(q, device_default="cpu")
+    q.add_argument("--num-prompts", type=positive_int, default=8, help="prompts of 16-96 random tokens")
+    q.add_argument("--max-tokens", type=positive_int, default=32, help="greedy tokens per prompt")
+    q.add_argument("--out", type=output_csv, default="benchmarks/results/parity.csv", help="results CSV")
+    q.set_defaults(run=_bench_parity)
 
     d = bench.add_parser("decode", help="decode step time per batch and context, with and without CUDA graphs")
     model_options(d, device_default="cpu")

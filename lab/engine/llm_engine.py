@@ -208,6 +208,7 @@ class LLMEngine:
         if config.cuda_graphs and self.device.type == "cuda" and self.runner.attention_backend == "cupy":
             self.runner.static_decode = StaticDecode(self.runner, config.max_num_seqs,
                                                      min(self.max_model_len, MAX_GRAPH_CONTEXT), graphs=True)
+            self.runner.static_decode.capture_all()  # now, before any step (and any clock) starts
         self.scheduler = Scheduler(SchedulerConfig.of(config, max_model_len=self.max_model_len, sync_every_step=True),
                                    self.policy)
         self.scheduler.step_rows = []

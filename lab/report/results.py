@@ -133,17 +133,23 @@ def read_recorded(file: str, folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
     return _read_csv_table(path, file)
 
 
+def csv_target(path: str, settings: dict | None = None, kind: str = "results") -> Path:
+    """The file ``save_csv`` writes for ``path``: itself, or in a folder (with ``settings``) a name made from them."""
+    target = Path(path)
+    if settings is not None and (target.is_dir() or path.endswith(("/", "\\"))):
+        target = target / export_name(kind, settings)
+    return target
+
+
 def save_csv(table: pd.DataFrame, path: str | None, settings: dict | None = None, kind: str = "results") -> None:
     """Write ``table`` to ``path`` (folders created) and say so; nothing when ``path`` is empty. With ``settings``
     the file carries them as leading columns, and a folder ``path`` (an existing folder, or one ending in ``/``)
     gets a file named from them and the time (``export_name``)."""
     if not path:
         return
-    target = Path(path)
+    target = csv_target(path, settings, kind)
     if settings is not None:
         table = with_settings(table, settings)
-        if target.is_dir() or path.endswith(("/", "\\")):
-            target = target / export_name(kind, settings)
     write_atomically(target, lambda temporary: table.to_csv(temporary, index=False))
     print(f"wrote {target}")
 
@@ -302,8 +308,8 @@ HEADLINES = [
              100.0),
     Headline("vLLM paper Fig. 2: paged KV holding tokens (paper: 96.3 %)", "paper/figure2.csv",
              lambda t: 100 * _row_value("token_states_frac", allocator="paged")(t), "% of KV", 90.0),
-    Headline("Kernel launches per decoder layer in a decode step (CUDA path, Qwen3-0.6B shapes)", "launches.csv",
-             _row_value("per_layer", step="decode"), "launches", 12, False),
+    Headline("Kernel launches per decoder layer in a decode step as the engine replays it (CUDA graphs, Qwen3-0.6B "
+             "shapes)", "launches.csv", _row_value("per_layer", step="decode"), "launches", 12, False),
     Headline("Our engine vs vLLM's CPU build, output tokens/s (tiny Qwen3, fp32, same checkpoint and pool)",
              "vllm_cpu.csv", _row_value("output_tok_s", system="ours / vllm", model="tiny"), "×", 1.0),
     Headline("Our engine vs vLLM's CPU build, output tokens/s (Qwen3-0.6B shapes, 4 layers, fp32)", "vllm_cpu.csv",

@@ -20,7 +20,8 @@ class DeviceBlockTables:
 
     def __init__(self, device: torch.device, num_rows: int = 64, num_cols: int = 64):
         self.device = device
-        self.tables = torch.zeros((num_rows, num_cols), dtype=torch.int32, device=device)
+        with torch.inference_mode(False):
+            self.tables = torch.zeros((num_rows, num_cols), dtype=torch.int32, device=device)
         self.entries: dict = {}  # seq_id -> [row, table object, entries uploaded, last uploaded block id]
         self.free_rows = list(range(num_rows - 1, -1, -1))
 
@@ -76,6 +77,9 @@ class DeviceBlockTables:
         return entry
 
     def _grow(self, num_rows: int, num_cols: int) -> None:
-        tables = torch.zeros((num_rows, num_cols), dtype=torch.int32, device=self.device)
-        tables[:self.tables.shape[0], :self.tables.shape[1]] = self.tables
+        # a plain tensor even when a step in inference mode (a CUDA graph's decode) grows it: an inference tensor
+        # could not be written by the next eager step outside it
+        with torch.inference_mode(False):
+            tables = torch.zeros((num_rows, num_cols), dtype=torch.int32, device=self.device)
+            tables[:self.tables.shape[0], :self.tables.shape[1]] = self.tables
         self.tables = tables

@@ -15,11 +15,20 @@ def headlines():
     table = headline_results()
     met = table["met"].dropna()
     st.subheader(f"Headline figures: {int(met.sum())} of {len(met)} goals met")
+    stale = table[table["current"].eq(False)]
+    if len(stale):
+        st.warning(f"{len(stale)} of {len(table)} figures were measured on code that has changed since (or name no "
+                   "commit): they may no longer hold. Rerun each one's command to measure this checkout.")
     chart(headline_figure(table), "headlines")
     st.dataframe(table.drop(columns=["latest_over_goal"]), hide_index=True, column_config={
         "latest": st.column_config.NumberColumn("latest", format="localized"),
         "met": st.column_config.CheckboxColumn("goal met"),
-        "benchmark": st.column_config.TextColumn("benchmark", width="large")})
+        "benchmark": st.column_config.TextColumn("benchmark", width="large"),
+        "measured_on": st.column_config.TextColumn("measured on (commit)"),
+        "commit_of": st.column_config.TextColumn("commit of (figure or file)"),
+        "current": st.column_config.CheckboxColumn("code unchanged since"),
+        "currency": st.column_config.TextColumn("currency"),
+        "code": st.column_config.TextColumn("code it measures")})
     st.caption("Read from the CSVs in `benchmarks/results/` (each `command` writes its file), so they survive the "
                "browser session; `benchmarks/results/HISTORY.md` says what moved each figure.")
     csv_download(table, "headline-figures", settings_of(), "dl_headlines", "Download the headline figures (CSV)")

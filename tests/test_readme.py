@@ -15,7 +15,8 @@ def test_the_readme_fits_a_page():
 
 
 def test_the_readme_s_headline_table_is_the_recorded_one():
-    """`python -m lab headlines` prints the table from benchmarks/results/; rerun it after a benchmark."""
+    """`python -m lab headlines` prints the table from benchmarks/results/; rerun it after a benchmark, and after a
+    change to code a figure measures (its "measured on" cell then turns stale: the README cannot claim it holds)."""
     assert headline_markdown() in README
 
 

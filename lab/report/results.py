@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import datetime
 import enum
+import functools
 import io
 import math
 import re
+import subprocess
 import time
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -29,6 +31,59 @@ def _version() -> str:
 
 
 LAB_VERSION = _version()
+
+
+def _git(*args: str) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+@functools.cache
+def lab_commit() -> str:
+    """The commit this checkout runs (``git describe --always --dirty``: ``-dirty`` when its files differ from it),
+    "unknown" without git or a repository. Every result records it (``settings_of``), so a figure can be told
+    apart from one measured on other code."""
+    done = _git("describe", "--always", "--dirty", "--abbrev=12")
+    return done.stdout.strip() if done is not None and done.returncode == 0 and done.stdout.strip() else "unknown"
+
+
+# the code each recorded figure depends on (the first pattern its file matches; else the whole lab): a change there
+# since the figure's commit makes it stale
+CODE_OF = {"simulator.csv": ("simulator", "lab/kv_cache", "lab/sched", "lab/profiling"),
+           "compare.csv": ("simulator", "lab/kv_cache", "lab/sched", "lab/profiling"),
+           "sweep.csv": ("simulator", "lab/kv_cache", "lab/sched", "lab/profiling"),
+           "paper/*.csv": ("simulator", "lab/kv_cache", "lab/sched", "lab/profiling"),
+           "kernels_cpu.csv": ("paged_kernels", "lab/bench/kernels.py", "lab/bench/timing.py"),
+           "app_flow.csv": ("app.py", "app_pages", "simulator", "lab", "benchmarks/app_flow.py")}
+ALL_CODE = ("lab", "simulator", "paged_kernels")
+
+
+def code_of(file: str) -> tuple[str, ...]:
+    """The folders and files a recorded figure's value depends on (``CODE_OF``)."""
+    return next((code for pattern, code in CODE_OF.items() if Path(file).match(pattern)), ALL_CODE)
+
+
+def recorded_in(path: Path) -> str | None:
+    """The last commit that changed ``path``: when a figure does not record its own commit, the code it measured
+    was at most that commit's (None without git or history)."""
+    done = _git("log", "-1", "--format=%h", "--abbrev=12", "--", str(path))
+    return done.stdout.strip() or None if done is not None and done.returncode == 0 else None
+
+
+def currency(commit: str | None, file: str) -> tuple[bool | None, str]:
+    """Whether a figure recorded on ``commit`` still describes this checkout's code (``CODE_OF``): (True,
+    "current"), (False, why) or (None, why not known)."""
+    if not commit or commit == "unknown":
+        return False, "no commit recorded"
+    base = commit.removesuffix("-dirty")
+    done = _git("diff", "--quiet", base, "--", *code_of(file))
+    if done is None or done.returncode not in (0, 1):
+        return None, "cannot compare here"
+    if done.returncode == 1:
+        return False, "stale: its code changed since"
+    return (False, "measured on uncommitted changes") if commit.endswith("-dirty") else (True, "current")
 # which command writes each recorded CSV (the first pattern a file's path relative to the folder matches)
 RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cpu.csv": "python -m lab bench e2e",
                "kernels_cpu.csv": "python -m lab bench kernels", "twin_cpu*.csv": "python -m simulator twin-bench",
@@ -186,6 +241,7 @@ def settings_of(*configs, **extra) -> dict:
         _flatten(config, "", settings)
     _flatten(extra, "", settings)
     settings["lab_version"] = LAB_VERSION
+    settings["lab_commit"] = lab_commit()
     return settings
 
 
@@ -408,14 +464,24 @@ def headline_results(folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
     """The latest value of every headline figure from the recorded CSVs, beside its goal: ``benchmark``,
     ``latest``, ``unit``, ``goal`` (text), ``met`` (True, False, or None when there is no goal or no value),
     ``latest_over_goal`` (the figure as a multiple of its goal, inverted where lower is better: >= 1 means met),
-    ``file`` and the ``command`` that reruns it."""
+    ``file``, the ``command`` that reruns it, the commit it was measured on (``measured_on``: the figure's own, or
+    for one recorded before figures carried it the last commit of its file, ``commit_of``) and whether that code is
+    still this checkout's (``current``; ``currency`` says why not: ``currency()``)."""
     rows = []
     for headline in HEADLINES:
         path = folder / headline.file
+        commit = None
         try:
-            value = headline.read(_read_csv_table(path, headline.file)) if path.is_file() else float("nan")
+            table = _read_csv_table(path, headline.file) if path.is_file() else None
+            value = headline.read(table) if table is not None else float("nan")
+            if table is not None and "lab_commit" in table and len(table):
+                commit = str(table["lab_commit"].iloc[-1])
         except (KeyError, IndexError, ValueError):
             value = float("nan")
+        filed = commit is None and value == value
+        if filed:  # recorded before figures carried their commit: the commit that recorded the file bounds it
+            commit = recorded_in(path)
+        current, why = currency(commit, headline.file) if value == value else (None, "not measured")
         goal = "" if headline.goal is None else \
             f"{'≥' if headline.higher_is_better else '≤'} {human_number(headline.goal)}"
         ratio = float("nan") if headline.goal is None or value != value else \
@@ -423,15 +489,23 @@ def headline_results(folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
         command = next((c for pattern, c in RECORDED_BY.items() if Path(headline.file).match(pattern)), "")
         rows.append({"benchmark": headline.name, "latest": value, "unit": headline.unit, "goal": goal,
                      "met": headline.met(value), "latest_over_goal": ratio, "file": headline.file,
-                     "command": command})
+                     "command": command, "measured_on": commit or "", "commit_of": "file" if filed else "figure",
+                     "current": current, "currency": why, "code": ", ".join(code_of(headline.file))})
     return pd.DataFrame(rows)
 
 
-def headline_markdown(folder: Path = RECORDED_RESULTS) -> str:
-    """``headline_results`` as the README's Markdown table."""
-    lines = ["| figure | latest | goal | command |", "|---|---|---|---|"]
+def headline_markdown(folder: Path = RECORDED_RESULTS, currency: bool = True) -> str:
+    """``headline_results`` as the README's Markdown table; with ``currency``, a column saying on which commit each
+    figure was measured and whether the code it measures changed since (as of now: a later change makes it stale)."""
+    lines = ["| figure | latest | goal | command |" + (" measured on |" if currency else ""),
+             "|---|---|---|---|" + ("---|" if currency else "")]
     for row in headline_results(folder).itertuples():
         mark = "" if row.met is None else " ✓" if row.met else " ✗"
         value = "not measured" if row.latest != row.latest else f"**{human_number(row.latest)} {row.unit}**{mark}"
-        lines.append(f"| {row.benchmark} | {value} | {row.goal} {row.unit if row.goal else ''} | `{row.command}` |")
+        line = f"| {row.benchmark} | {value} | {row.goal} {row.unit if row.goal else ''} | `{row.command}` |"
+        if currency:
+            where = f"`{row.measured_on[:9]}`{' (its file)' if row.commit_of == 'file' else ''} " \
+                if row.measured_on else ""
+            line += f" {where}{'✓' if row.current else '⚠'} {row.currency} |"
+        lines.append(line)
     return "\n".join(lines)

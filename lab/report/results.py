@@ -33,6 +33,9 @@ def _version() -> str:
 LAB_VERSION = _version()
 
 
+ALL_CODE = ("lab", "simulator", "paged_kernels")
+
+
 def _git(*args: str) -> subprocess.CompletedProcess | None:
     try:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
@@ -42,11 +45,14 @@ def _git(*args: str) -> subprocess.CompletedProcess | None:
 
 @functools.cache
 def lab_commit() -> str:
-    """The commit this checkout runs (``git describe --always --dirty``: ``-dirty`` when its files differ from it),
-    "unknown" without git or a repository. Every result records it (``settings_of``), so a figure can be told
-    apart from one measured on other code."""
-    done = _git("describe", "--always", "--dirty", "--abbrev=12")
-    return done.stdout.strip() if done is not None and done.returncode == 0 and done.stdout.strip() else "unknown"
+    """The commit this checkout runs, with ``-dirty`` when its code (``ALL_CODE``, the app; not recorded results)
+    differs from it; "unknown" without git or a repository. Every result records it (``settings_of``), so a figure
+    can be told apart from one measured on other code."""
+    head = _git("rev-parse", "--short=12", "HEAD")
+    if head is None or head.returncode != 0 or not head.stdout.strip():
+        return "unknown"
+    changed = _git("diff", "--quiet", "HEAD", "--", *ALL_CODE, "app.py", "app_pages")
+    return head.stdout.strip() + ("-dirty" if changed is not None and changed.returncode == 1 else "")
 
 
 # the code each recorded figure depends on (the first pattern its file matches; else the whole lab): a change there
@@ -57,7 +63,6 @@ CODE_OF = {"simulator.csv": ("simulator", "lab/kv_cache", "lab/sched", "lab/prof
            "paper/*.csv": ("simulator", "lab/kv_cache", "lab/sched", "lab/profiling"),
            "kernels_cpu.csv": ("paged_kernels", "lab/bench/kernels.py", "lab/bench/timing.py"),
            "app_flow.csv": ("app.py", "app_pages", "simulator", "lab", "benchmarks/app_flow.py")}
-ALL_CODE = ("lab", "simulator", "paged_kernels")
 
 
 def code_of(file: str) -> tuple[str, ...]:

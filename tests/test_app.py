@@ -439,15 +439,17 @@ def test_kernel_lab_extremes_run_cleanly():
 
 
 def test_benchmarks_page_shows_recorded_results_and_adds_them_to_the_session(downloads):
-    from lab.report.results import LAB_VERSION, RECORDED_RESULTS
+    from lab.report.results import LAB_VERSION, RECORDED_RESULTS, lab_commit, split_settings
 
     app = open_page("benchmarks")
     clean(app)
     app.selectbox(key="recorded_file").set_value("simulator.csv").run()
     clean(app)
     shown = download_table(app, downloads, "dl_recorded")
-    assert shown[["source", "lab_version"]].iloc[0].tolist() == ["simulator.csv", LAB_VERSION]  # where it came from
-    assert shown.drop(columns=["source", "lab_version"]).equals(pd.read_csv(RECORDED_RESULTS / "simulator.csv"))
+    table, settings = split_settings(shown, ["source", "lab_version", "lab_commit"])
+    assert settings["source"] == "simulator.csv" and settings["lab_version"] == LAB_VERSION  # where it came from
+    assert settings["lab_commit"] == lab_commit()
+    assert table.equals(pd.read_csv(RECORDED_RESULTS / "simulator.csv"))
     app.button(key="add_recorded").click().run()
     clean(app)
     assert app.session_state["results"].names() == ["recorded: simulator.csv"]
@@ -539,8 +541,8 @@ def test_paper_page_runs_figures_and_exports(downloads):
     app.button(key="run_paper").click().run()
     clean(app)
     summary = download_table(app, downloads, "dl_paper")
-    assert list(summary.columns) == ["figures", "num_requests", "tiny_engine", "lab_version", "figure", "quantity",
-                                     "paper", "lab", "verdict"]
+    assert list(summary.columns) == ["figures", "num_requests", "tiny_engine", "lab_version", "lab_commit", "figure",
+                                     "quantity", "paper", "lab", "verdict"]
     assert summary[["figures", "num_requests"]].iloc[0].tolist() == ["2 19", 100]
     assert set(summary["figure"].astype(str)) == {"2", "19"} and app.get("plotly_chart")
 

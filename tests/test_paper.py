@@ -36,7 +36,8 @@ def test_the_summary_and_csvs_are_written(tmp_path):
     assert list(summary.columns) == ["figure", "quantity", "paper", "lab", "verdict"]
     assert (tmp_path / "figure2.csv").exists() and (tmp_path / "figure13.csv").exists()
     written = pd.read_csv(tmp_path / "summary.csv")
-    assert list(written.columns) == ["figures", "num_requests", "tiny_engine", "lab_version", *summary.columns]
+    assert list(written.columns) == ["figures", "num_requests", "tiny_engine", "lab_version", "lab_commit",
+                                     *summary.columns]
     assert written["num_requests"].eq(100).all() and written["figures"].eq("2 13").all()  # says what produced it
     with pytest.raises(ValueError, match="not available"):
         run_figures(["14"], tmp_path)

@@ -129,7 +129,7 @@ def _recorded(name):
 
 
 for _name in ("create_sequence", "fork_sequence", "append_tokens", "release_sequence",
-              "try_reserve_counted_blocks", "register_blocks"):
+              "try_reserve_counted_blocks", "register_blocks", "extend_stream"):
     setattr(RecordingManager, _name, _recorded(_name))
 
 

@@ -84,6 +84,7 @@ class SequenceBlocks:
     stream_key: object = None  # content known as (stream key, position) for its first stream_blocks full blocks
     stream_blocks: int = 0
     stream_registered: int = 0  # leading blocks already registered in the prefix cache
+    stream_deferred: bool = False  # its stream's registration waits for register_blocks or an ending release
     untracked_from: int = -1  # the first block left unhashed when tokens were appended without ids (-1: none)
 
 
@@ -92,8 +93,9 @@ class FreeBlockQueue:
     (``BlockPool.free_blocks``, vllm/v1/core/block_pool.py): a block without a cache key goes to the head (reused
     first, last freed first), a cached one to the tail (cached blocks are evicted least recently released first).
     Allocation takes the head. A list with a moving head, so bulk allocation and release are list slices; a cached
-    free block taken back by a prefix hit leaves a stale entry that allocation skips (only cached blocks can be taken
-    from the middle, so only their entry positions are tracked)."""
+    free block taken back by a prefix hit leaves its entry as a tombstone (-1) that allocation skips (only cached
+    blocks that a lookup can find are taken from the middle, so only their entry positions are tracked: an ended
+    stream's blocks are queued without one)."""
 
     def __init__(self, num_blocks: int, ref_counts: list[int], block_keys: list):
         self.entries = array(BLOCK_ID, np.arange(num_blocks, dtype=np.intc).tobytes())  # from one buffer, not element by element
@@ -119,6 +121,12 @@ class FreeBlockQueue:
         self.head = head
         self.num_free += count
 
+    def push_ended(self, blocks: array) -> None:
+        """Queue an ended stream's blocks (keyed, found by no lookup, so never taken) at the tail, in order."""
+        self.entries.extend(blocks)
+        self.num_keyed += len(blocks)
+        self.num_free += len(blocks)
+
     def push(self, block: int) -> None:
         if self.block_keys[block] is not None:
             self.position[block] = self.base + len(self.entries)
@@ -127,7 +135,8 @@ class FreeBlockQueue:
         self.num_free += 1
 
     def take(self, block: int) -> None:
-        """A prefix hit takes a queued cached block: its entry goes stale."""
+        """A prefix hit takes a queued cached block: its entry becomes a tombstone."""
+        self.entries[self.position[block] - self.base] = -1
         self.num_free -= 1
         self.num_stale += 1
         self.num_keyed -= 1
@@ -139,10 +148,10 @@ class FreeBlockQueue:
             taken = entries[head:head + count]
             head += count
         else:
-            taken, refs, keys, position = array(BLOCK_ID), self.ref_counts, self.block_keys, self.position
+            taken = array(BLOCK_ID)
             while len(taken) < count:
                 block = entries[head]
-                if refs[block] == 0 and (keys[block] is None or position[block] == self.base + head):
+                if block >= 0:
                     taken.append(block)
                 else:
                     self.num_stale -= 1
@@ -166,9 +175,7 @@ class FreeBlockQueue:
 
     def queued(self) -> list[int]:
         """The queued blocks in order, stale entries left out (O(queue); for checks and views)."""
-        refs, keys, position = self.ref_counts, self.block_keys, self.position
-        return [block for index, block in enumerate(self.entries[self.head:], self.base + self.head)
-                if refs[block] == 0 and (keys[block] is None or position[block] == index)]
+        return [block for block in self.entries[self.head:] if block >= 0]
 
 
 class KVBlockManager:
@@ -310,8 +317,11 @@ class KVBlockManager:
             if hits or tier:  # GPU and tier hits alike: the prefill skips both
                 stats.hit_blocks += len(hits) + len(tier)
                 stats.hit_tokens += (len(hits) + len(tier)) * size
-        if register_stream and stream_key is not None:
-            self.register_blocks(seq_id)
+        if stream_key is not None:
+            if register_stream:
+                self.register_blocks(seq_id)
+            else:
+                seq.stream_deferred = True
         return (len(hits) + len(tier)) * size
 
     def _create_from_cache(self, hits: list[int], num_tokens: int, token_ids: list[int] | None,
@@ -360,6 +370,7 @@ class KVBlockManager:
         seq = self._seq(seq_id)
         self._flush_reserve()
         if seq.stream_key is not None:
+            seq.stream_deferred = False
             prompt_blocks = seq.stream_blocks  # its prompt's (the tier keeps prompt blocks only, as the engine's)
             if sampled:
                 seq.stream_blocks = max(seq.stream_blocks, seq.num_tokens // self.block_size)
@@ -381,6 +392,16 @@ class KVBlockManager:
                                                  token_ids[index * size:(index + 1) * size])
             seq.untracked_from = full
 
+    def extend_stream(self, seq_id) -> None:
+        """A stream sequence's prompt grew by a chunk: its full blocks join its stream, registered now unless its
+        registration was left for later (``create_sequence(register_stream=False)``: ``register_blocks`` or
+        ``release_sequence(end_stream=True)`` then takes them)."""
+        seq = self._seq(seq_id)
+        if seq.stream_deferred:
+            seq.stream_blocks = max(seq.stream_blocks, seq.num_tokens // self.block_size)
+        elif seq.stream_key is not None:
+            self.register_blocks(seq_id, sampled=True)
+
     def fork_sequence(self, parent_id, child_id) -> None:
         """Make ``child_id`` share every block of ``parent_id`` (reference counts go up; nothing is copied)."""
         parent = self._seq(parent_id)
@@ -395,11 +416,13 @@ class KVBlockManager:
         self.sequences[child_id] = SequenceBlocks(parent.block_table[:], parent.num_tokens, partial, known,
                                                   parent.parent_content_id)
 
-    def release_sequence(self, seq_id, num_reserved: int = 0) -> None:
+    def release_sequence(self, seq_id, num_reserved: int = 0, end_stream: bool = False) -> None:
         """Drop a sequence; blocks whose count reaches zero become free (cached ones stay reusable, LRU). With
         ``num_reserved``, the last that many reserved blocks (ones it would have taken with ``from_reserved``
         appends) are freed with it, as if appended first. Uncached blocks are reused first, cached ones last
-        (``FreeBlockQueue``)."""
+        (``FreeBlockQueue``). With ``end_stream``, the stream ends with the sequence (a finished request of one
+        sample): its stream blocks not registered yet are freed as cached blocks (``PrefixCache.end_stream``), as
+        registering them at admission would have freed them, without the entries no lookup could find."""
         seq = self._seq(seq_id)
         if num_reserved:
             if type(num_reserved) is not int or num_reserved < 0:
@@ -417,10 +440,18 @@ class KVBlockManager:
             self._flush_reserve()
         # vLLM frees a request's blocks tail first: the newest reserved blocks (as if appended), then the table's
         unkeyed = self._take_reserved(num_reserved) if num_reserved else array(BLOCK_ID)
-        if seq.exclusive:  # every block has one holder (stored as 0) and no cache key: free them in bulk
+        ended = seq.stream_blocks - seq.stream_registered if end_stream and seq.stream_deferred else 0
+        if ended > 0:
+            self.prefix_cache.end_stream(table[seq.stream_registered:seq.stream_blocks])
+        if seq.exclusive:  # every block has one holder (stored as 0), only ended ones a cache key: free in bulk
+            keyed = table[:max(ended, 0)]  # an exclusive sequence registered nothing: its ended blocks lead
+            del table[:len(keyed)]
             table.reverse()  # the table dies with the sequence: reverse it in place
             unkeyed.extend(table)
             free.prepend_unkeyed(unkeyed)
+            if keyed:
+                keyed.reverse()  # the tail's first to go is the stream's last block, as freeing tail first gives
+                free.push_ended(keyed)
             return
         keys = self.prefix_cache.block_keys
         for block in reversed(table):
@@ -768,12 +799,11 @@ class KVBlockManager:
         free = self.free_block_queue
         taken = free.pop(count)
         if free.num_keyed:
-            cache = self.prefix_cache
-            keys = cache.block_keys
-            for block in taken:
-                if keys[block] is not None:
-                    free.num_keyed -= 1
-                    cache.evict(block)  # reused: a prompt block's contents go to the offload tier
+            keys = self.prefix_cache.block_keys
+            keyed = [block for block in taken if keys[block] is not None]
+            if keyed:
+                free.num_keyed -= len(keyed)
+                self.prefix_cache.evict_all(keyed)  # reused: a prompt block's contents go to the offload tier
         return taken
 
     def _held_by(self, seq: SequenceBlocks, blocks: array) -> array:

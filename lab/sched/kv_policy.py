@@ -85,8 +85,14 @@ class PagedPolicy:
             return False
         # A stream's prompt blocks are cached as it is admitted, as the engine caches a prompt's: a cached block is
         # freed to the back of the free queue, an uncached one to the front, so both executors must cache the same.
+        # A request of one sample whose stream is new here may leave it for later, block by block the same: only its
+        # own later prefill can look its stream up, so its blocks are registered when it is preempted and, when it
+        # finishes, freed as cached ones (release(end_stream=True)). Its admission and release then cost no work
+        # per block (a sibling's recompute may ask at any time, a tier stores what is evicted: those register now).
+        register = len(first.group.seqs) > 1 or self.tier is not None or \
+            (stream is not None and manager.prefix_cache.has_stream(stream))
         try:
-            first.cached_tokens = manager.create_sequence(first.seq_id, ids, count, stream, True, chunk)
+            first.cached_tokens = manager.create_sequence(first.seq_id, ids, count, stream, register, chunk)
         except OutOfBlocksError:  # only with a chunk: the check above has made sure of the rest
             return False
         first.synced_len = manager.sequences[first.seq_id].num_tokens
@@ -133,7 +139,7 @@ class PagedPolicy:
         self._append(seq, kv_len, False, token_ids(seq, kv_len)[seq.synced_len:kv_len]
                      if prompt_chunk and token_ids is not None else None)  # known tokens: hashed as they are added
         if prompt_chunk and token_ids is None:  # a stream's, by position
-            manager.register_blocks(seq.seq_id, sampled=True)
+            manager.extend_stream(seq.seq_id)
         if len(table) * size >= seq.final_len and not seq.final_block_counted:
             self._count_final_block(seq, len(table))
         return True
@@ -167,7 +173,7 @@ class PagedPolicy:
             else:
                 owed = -(-kv_len // self.block_size) - -(-seq.synced_len // self.block_size)
         self._forget(seq)
-        self.manager.release_sequence(seq.seq_id, owed)
+        self.manager.release_sequence(seq.seq_id, owed, True)  # the stream ends unless preempt registered it
 
     def preempt(self, seq: Sequence, kv_len: int) -> None:
         """Release a sequence that will be prefilled again: its full blocks stay findable in the prefix cache, for a

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numbers
 from array import array
+from collections import deque
 from itertools import chain
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -103,6 +104,7 @@ class FreeBlockQueue:
         self.base = 0  # entries dropped by compaction (positions are absolute)
         self.num_free, self.num_stale, self.num_keyed = num_blocks, 0, 0
         self.position = [-1] * num_blocks  # absolute entry index of each queued block that has a cache key
+        self.ended: deque[tuple[int, int]] = deque()  # absolute entry ranges of ended streams' blocks, oldest first
         self.ref_counts, self.block_keys = ref_counts, block_keys
 
     def __len__(self) -> int:
@@ -122,10 +124,28 @@ class FreeBlockQueue:
         self.num_free += count
 
     def push_ended(self, blocks: array) -> None:
-        """Queue an ended stream's blocks (keyed, found by no lookup, so never taken) at the tail, in order."""
+        """Queue an ended stream's blocks at the tail, in order, as cached blocks are queued (``push``): they are
+        cached in effect, but no lookup can find them, so they need neither a cache entry nor an entry position, and
+        reusing one evicts nothing. Only their entry ranges are kept, for views (``ended_blocks``)."""
+        start = self.base + len(self.entries)
         self.entries.extend(blocks)
-        self.num_keyed += len(blocks)
+        self.ended.append((start, start + len(blocks)))
         self.num_free += len(blocks)
+
+    def push_ended_one(self, block: int) -> None:
+        """``push_ended`` of one block (joining the last range when it ends here)."""
+        end = self.base + len(self.entries)
+        self.entries.append(block)
+        if self.ended and self.ended[-1][1] == end:
+            self.ended[-1] = (self.ended[-1][0], end + 1)
+        else:
+            self.ended.append((end, end + 1))
+        self.num_free += 1
+
+    def ended_blocks(self) -> set[int]:
+        """The queued blocks of ended streams (O(their entries); for views and checks)."""
+        base = self.base
+        return {block for start, end in self.ended for block in self.entries[start - base:end - base] if block >= 0}
 
     def push(self, block: int) -> None:
         if self.block_keys[block] is not None:
@@ -157,6 +177,8 @@ class FreeBlockQueue:
                     self.num_stale -= 1
                 head += 1
         self.num_free -= count
+        if self.ended:
+            self._trim_ended(self.base + head)
         if head > 4096 and 2 * head > len(entries):  # compact: drop the consumed prefix
             del entries[:head]
             self.base += head
@@ -171,7 +193,17 @@ class FreeBlockQueue:
         block = self.entries[self.head]
         self.head += 1
         self.num_free -= 1
+        if self.ended:
+            self._trim_ended(self.base + self.head)
         return block
+
+    def _trim_ended(self, first: int) -> None:
+        """Ended ranges start at the head or later: entries below it are consumed, and a later prepend writes there."""
+        ended = self.ended
+        while ended and ended[0][1] <= first:
+            ended.popleft()
+        if ended and ended[0][0] < first:
+            ended[0] = (first, ended[0][1])
 
     def queued(self) -> list[int]:
         """The queued blocks in order, stale entries left out (O(queue); for checks and views)."""
@@ -233,9 +265,10 @@ class KVBlockManager:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Full blocks currently registered in the prefix cache (referenced or evictable)."""
+        """Full blocks currently registered in the prefix cache (referenced or evictable), ended streams' free blocks
+        included."""
         self._flush_reserve()
-        return len(self.prefix_cache)
+        return len(self.prefix_cache) + len(self.free_block_queue.ended_blocks())
 
     @property
     def reserved_blocks(self) -> list[int]:
@@ -421,7 +454,7 @@ class KVBlockManager:
         ``num_reserved``, the last that many reserved blocks (ones it would have taken with ``from_reserved``
         appends) are freed with it, as if appended first. Uncached blocks are reused first, cached ones last
         (``FreeBlockQueue``). With ``end_stream``, the stream ends with the sequence (a finished request of one
-        sample): its stream blocks not registered yet are freed as cached blocks (``PrefixCache.end_stream``), as
+        sample): its stream blocks not registered yet are freed as cached blocks (``FreeBlockQueue.push_ended``), as
         registering them at admission would have freed them, without the entries no lookup could find."""
         seq = self._seq(seq_id)
         if num_reserved:
@@ -441,8 +474,6 @@ class KVBlockManager:
         # vLLM frees a request's blocks tail first: the newest reserved blocks (as if appended), then the table's
         unkeyed = self._take_reserved(num_reserved) if num_reserved else array(BLOCK_ID)
         ended = seq.stream_blocks - seq.stream_registered if end_stream and seq.stream_deferred else 0
-        if ended > 0:
-            self.prefix_cache.end_stream(table[seq.stream_registered:seq.stream_blocks])
         if seq.exclusive:  # every block has one holder (stored as 0), only ended ones a cache key: free in bulk
             keyed = table[:max(ended, 0)]  # an exclusive sequence registered nothing: its ended blocks lead
             del table[:len(keyed)]
@@ -454,14 +485,18 @@ class KVBlockManager:
                 free.push_ended(keyed)
             return
         keys = self.prefix_cache.block_keys
-        for block in reversed(table):
+        first_ended, end_ended = (seq.stream_registered, seq.stream_blocks) if ended > 0 else (0, 0)
+        for index in range(len(table) - 1, -1, -1):
+            block = table[index]
             count = ref_counts[block] - 1
             ref_counts[block] = count
             if count == 0:
-                if keys[block] is None:
-                    unkeyed.append(block)
-                else:
+                if keys[block] is not None:
                     free.push(block)
+                elif first_ended <= index < end_ended:
+                    free.push_ended_one(block)
+                else:
+                    unkeyed.append(block)
         if unkeyed:
             free.prepend_unkeyed(unkeyed)
 
@@ -651,9 +686,16 @@ class KVBlockManager:
                 for seq_id, position in zip(seq_ids, positions)]
 
     def is_cached(self, block: int) -> bool:
-        """Whether a physical block is registered in the prefix cache."""
+        """Whether a physical block is registered in the prefix cache, or a free block of an ended stream (cached in
+        effect: ``release_sequence(end_stream=True)``). O(queue): views ask ``cached_blocks``."""
         self._flush_reserve()
-        return self.prefix_cache.is_cached(block)
+        return self.prefix_cache.is_cached(block) or block in self.free_block_queue.ended_blocks()
+
+    def cached_blocks(self) -> list[bool]:
+        """``is_cached`` of every physical block, in one pass."""
+        self._flush_reserve()
+        ended, keys = self.free_block_queue.ended_blocks(), self.prefix_cache.block_keys
+        return [keys[block] is not None or block in ended for block in range(self.num_physical_blocks)]
 
     # ---- invariants ---------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -674,6 +716,9 @@ class KVBlockManager:
         queued = self.free_block_queue.queued()
         assert len(queued) == len(set(queued)) == self.num_free_blocks, "free queue holds a block twice"
         assert set(queued) == {b for b, count in enumerate(counts) if count == 0}, "free queue vs counts"
+        free = self.free_block_queue
+        assert all(start >= free.base + free.head for start, _ in free.ended), "an ended range reaches below the head"
+        assert not any(self.prefix_cache.block_keys[b] is not None for b in free.ended_blocks()), "ended block keyed"
         self.prefix_cache.check()
         for seq_id, seq in self.sequences.items():
             if seq.known_tokens is not None:
@@ -799,11 +844,12 @@ class KVBlockManager:
         free = self.free_block_queue
         taken = free.pop(count)
         if free.num_keyed:
-            keys = self.prefix_cache.block_keys
-            keyed = [block for block in taken if keys[block] is not None]
-            if keyed:
-                free.num_keyed -= len(keyed)
-                self.prefix_cache.evict_all(keyed)  # reused: a prompt block's contents go to the offload tier
+            cache = self.prefix_cache
+            keys = cache.block_keys
+            for block in taken:
+                if keys[block] is not None:
+                    free.num_keyed -= 1
+                    cache.evict(block)  # reused: a prompt block's contents go to the offload tier
         return taken
 
     def _held_by(self, seq: SequenceBlocks, blocks: array) -> array:

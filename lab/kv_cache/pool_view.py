@@ -63,5 +63,5 @@ def pool_snapshot(manager: KVBlockManager) -> PoolSnapshot:
     return PoolSnapshot(manager.block_size, ref_counts, block_owners(manager),
                         {seq_id: manager.get_block_table(seq_id) for seq_id in manager.sequences},
                         {seq_id: manager.get_sequence_length(seq_id) for seq_id in manager.sequences},
-                        [manager.is_cached(block) for block in range(manager.num_physical_blocks)],
+                        manager.cached_blocks(),
                         manager.num_free_blocks)

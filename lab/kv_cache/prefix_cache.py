@@ -17,16 +17,12 @@ fresh GPU blocks they are loaded into (a load copy queued). ``take_tier_copies``
 """
 from __future__ import annotations
 
-from collections import deque
-from itertools import repeat
-
 from dataclasses import dataclass
 
 from .offload import OffloadCopies, OffloadTier
 
 ROOT_CONTENT_ID = -1  # the content id "before" a sequence's first block
 STREAM = object()  # marks a block key made from a stream key instead of token ids
-ENDED_STREAM = (ROOT_CONTENT_ID, STREAM, None, -1)  # the key of a block of an ended stream: no lookup makes it
 
 
 @dataclass(slots=True)
@@ -47,7 +43,7 @@ class PrefixCache:
     lookups find nothing and token registrations keep nothing (stream keys are the caller's to withhold)."""
 
     __slots__ = ("block_size", "enabled", "blocks", "block_keys", "content_ids", "next_content_id", "stats",
-                 "prompt_blocks", "tier", "tier_stores", "tier_loads", "num_ended")
+                 "prompt_blocks", "tier", "tier_stores", "tier_loads")
 
     def __init__(self, num_blocks: int, block_size: int, enabled: bool, tier: OffloadTier | None = None):
         self.block_size, self.enabled = block_size, enabled
@@ -62,10 +58,9 @@ class PrefixCache:
         self.tier = tier
         self.tier_stores: list[tuple[int, int]] = []  # (device block, host slot) copies queued this step
         self.tier_loads: list[tuple[int, int]] = []  # (host slot, device block)
-        self.num_ended = 0  # blocks keyed ENDED_STREAM (end_stream)
 
     def __len__(self) -> int:
-        return len(self.blocks) + self.num_ended
+        return len(self.blocks)
 
     def is_cached(self, block: int) -> bool:
         return self.block_keys[block] is not None
@@ -175,33 +170,9 @@ class PrefixCache:
             self.next_content_id += 1
         return self.content_ids[cached]
 
-    def end_stream(self, blocks) -> None:
-        """Mark ``blocks`` (fresh blocks of a stream that ends with its sequence: a finished request of one sample)
-        as cached, under ``ENDED_STREAM``: nothing can find them again, so they need no entry, but they are freed as
-        the cached blocks that registering them would have made (to the free queue's tail, evicted when reused)."""
-        deque(map(self.block_keys.__setitem__, blocks, repeat(ENDED_STREAM, len(blocks))), maxlen=0)
-        self.num_ended += len(blocks)
-
-    def evict_all(self, blocks: list[int]) -> None:
-        """``evict`` each of ``blocks`` (all cached), in order; an ended stream's in one go."""
-        keys = self.block_keys
-        ended = [block for block in blocks if keys[block] is ENDED_STREAM]
-        if ended:
-            deque(map(keys.__setitem__, ended, repeat(None, len(ended))), maxlen=0)
-            self.num_ended -= len(ended)
-            if len(ended) == len(blocks):
-                return
-        for block in blocks:
-            if keys[block] is not None:
-                self.evict(block)
-
     def evict(self, block: int) -> None:
         """Forget ``block``'s content (it is being reused); a prompt block's contents go to the tier first."""
         key = self.block_keys[block]
-        if key is ENDED_STREAM:
-            self.block_keys[block] = None
-            self.num_ended -= 1
-            return
         if self.tier is not None and self.prompt_blocks[block]:
             slot = self.tier.store(key, self.content_ids[block])
             if slot is not None:
@@ -215,7 +186,6 @@ class PrefixCache:
         """Raise ``AssertionError`` when a cache entry and its block's key disagree."""
         for key, block in self.blocks.items():
             assert self.block_keys[block] == key, f"cache entry of block {block} disagrees with its key"
-        assert sum(key is ENDED_STREAM for key in self.block_keys) == self.num_ended, "ended-stream count"
 
     def check_tokens(self, name, table, known_tokens: list[int]) -> None:
         """Raise ``AssertionError`` unless every cached full block of ``table`` whose tokens are ``known_tokens`` is

@@ -6,9 +6,11 @@ import pandas as pd
 import pytest
 
 from lab.report import results
-from lab.report.results import currency, headline_markdown, headline_results, lab_commit, settings_of
+from lab.report.results import (currency, headline_markdown, headline_results, history_known, lab_commit,
+                                settings_of)
 
-pytestmark = pytest.mark.skipif(lab_commit() == "unknown", reason="needs this checkout's git history")
+pytestmark = pytest.mark.skipif(lab_commit() == "unknown" or not history_known(),
+                                reason="needs this checkout's git history (no git, or a shallow clone)")
 
 
 def _head() -> str:

@@ -2,7 +2,7 @@
 import re
 from pathlib import Path
 
-from lab.report.results import headline_markdown
+from lab.report.results import headline_markdown, history_known
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -17,7 +17,10 @@ def test_the_readme_fits_a_page():
 def test_the_readme_s_headline_table_is_the_recorded_one():
     """`python -m lab headlines` prints the table from benchmarks/results/; rerun it after a benchmark, and after a
     change to code a figure measures (its "measured on" cell then turns stale: the README cannot claim it holds)."""
-    assert headline_markdown() in README
+    if history_known():
+        assert headline_markdown() in README
+    else:  # a shallow clone cannot tell which figures are stale: the figures themselves still must match
+        assert all(line.rsplit("|", 2)[0] in README for line in headline_markdown().splitlines()[2:])
 
 
 def test_every_link_into_docs_resolves():

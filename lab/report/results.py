@@ -65,6 +65,12 @@ CODE_OF = {"simulator.csv": ("simulator", "lab/kv_cache", "lab/sched", "lab/prof
            "app_flow.csv": ("app.py", "app_pages", "simulator", "lab", "benchmarks/app_flow.py")}
 
 
+def history_known() -> bool:
+    """Whether this checkout has the history that figures' commits are compared against (git, not shallow)."""
+    done = _git("rev-parse", "--is-shallow-repository")
+    return done is not None and done.returncode == 0 and done.stdout.strip() == "false"
+
+
 def code_of(file: str) -> tuple[str, ...]:
     """The folders and files a recorded figure's value depends on (``CODE_OF``)."""
     return next((code for pattern, code in CODE_OF.items() if Path(file).match(pattern)), ALL_CODE)

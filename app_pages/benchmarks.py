@@ -20,7 +20,9 @@ def headlines():
         st.warning(f"{len(stale)} of {len(table)} figures were measured on code that has changed since (or name no "
                    "commit): they may no longer hold. Rerun each one's command to measure this checkout.")
     chart(headline_figure(table), "headlines")
-    st.dataframe(table.drop(columns=["latest_over_goal"]), hide_index=True, column_config={
+    shown = table[["benchmark", "latest", "unit", "goal", "met", "current", "measured_on", "currency", "command", "file",
+                   "commit_of", "code"]]  # whether a figure still holds, before where it came from
+    st.dataframe(shown, hide_index=True, column_config={
         "latest": st.column_config.NumberColumn("latest", format="localized"),
         "met": st.column_config.CheckboxColumn("goal met"),
         "benchmark": st.column_config.TextColumn("benchmark", width="large"),

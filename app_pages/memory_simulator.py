@@ -256,7 +256,9 @@ with st.expander("Which block size? The paged allocator at every block size from
     sweep = st.session_state.get("sim_block_sweep")
     if sweep is not None:
         chart(charts.block_size_lines(sweep), "block_size_sweep")
-        csv_download(sweep, "block-size-sweep", settings, "dl_block_sweep", "Download the block-size sweep (CSV)")
+        # what the sweep ran, not the comparison's request count: its own first requests of each workload
+        swept = {**settings, "num_requests": BLOCK_SWEEP_REQUESTS, "workloads": " ".join(sweep["workload"].unique())}
+        csv_download(sweep, "block-size-sweep", swept, "dl_block_sweep", "Download the block-size sweep (CSV)")
 with st.expander("What a CPU tier buys: the prefix cache with a host offload tier of 0 to unbounded GiB"):
     st.caption("The first paged configuration, prefix caching on, with a host tier of each size: blocks the GPU pool "
                "reuses are kept in host memory and loaded back when a later prompt shares them. Traffic whose "

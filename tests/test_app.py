@@ -165,6 +165,17 @@ def test_memory_simulator_reacts_and_exports(downloads):
     assert download_table(app, downloads, "dl_summary")["prefix_cache_hit_rate"].isna().all()
 
 
+def test_the_block_size_sweep_s_export_states_the_requests_it_ran(downloads):
+    """The sweep runs the first requests of two workloads: its CSV says so, not the comparison's 1,000."""
+    app = open_page("memory_simulator")
+    clean(app)
+    app.button(key="run_block_sweep").click().run()
+    clean(app)
+    sweep = download_table(app, downloads, "dl_block_sweep")
+    assert (sweep["num_requests"] == 300).all() and len(set(sweep["workload"])) == 2
+    assert set(sweep["workloads"].iloc[0].split()) == set(sweep["workload"])
+
+
 def test_memory_simulator_draws_the_chart_chosen_and_builds_each_once():
     """Two charts at a time (where the memory goes, and the view chosen), each built when first shown and kept with
     the run: a return to a view shows the same figure without building it again."""

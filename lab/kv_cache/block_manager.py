@@ -98,14 +98,14 @@ class FreeBlockQueue:
     blocks that a lookup can find are taken from the middle, so only their entry positions are tracked: an ended
     stream's blocks are queued without one)."""
 
-    def __init__(self, num_blocks: int, ref_counts: list[int], block_keys: list):
+    def __init__(self, num_blocks: int, block_keys: list):
         self.entries = array(BLOCK_ID, np.arange(num_blocks, dtype=np.intc).tobytes())  # from one buffer, not element by element
         self.head = 0  # entries[head:] are queued
         self.base = 0  # entries dropped by compaction (positions are absolute)
         self.num_free, self.num_stale, self.num_keyed = num_blocks, 0, 0
         self.position = [-1] * num_blocks  # absolute entry index of each queued block that has a cache key
         self.ended: deque[tuple[int, int]] = deque()  # absolute entry ranges of ended streams' blocks, oldest first
-        self.ref_counts, self.block_keys = ref_counts, block_keys
+        self.block_keys = block_keys
 
     def __len__(self) -> int:
         return self.num_free
@@ -241,8 +241,7 @@ class KVBlockManager:
             if enable_prefix_caching and offload_blocks != 0 else None
         self.prefix_cache = PrefixCache(self.num_physical_blocks, self.block_size, enable_prefix_caching, self.offload)
         self._prompt_registration = False
-        self.free_block_queue = FreeBlockQueue(self.num_physical_blocks, self._ref_counts,
-                                               self.prefix_cache.block_keys)
+        self.free_block_queue = FreeBlockQueue(self.num_physical_blocks, self.prefix_cache.block_keys)
         self.sequences: dict[object, SequenceBlocks] = {}
         self.pending_copies: list[tuple[int, int]] = []
         self._reserved = array(BLOCK_ID)  # taken from the pool for appends announced in bulk (reserve_blocks)

@@ -57,14 +57,14 @@ def lab_commit() -> str:
 
 # the code each recorded figure depends on (the first pattern its file matches; else the whole lab): a change there
 # since the figure's commit makes it stale
-CODE_OF = {"simulator.csv": ("simulator", "lab/kv_cache", "lab/sched", "lab/profiling"),
-           "compare.csv": ("simulator", "lab/kv_cache", "lab/sched", "lab/profiling"),
-           "sweep.csv": ("simulator", "lab/kv_cache", "lab/sched", "lab/profiling"),
-           "paper/*.csv": ("simulator", "lab/kv_cache", "lab/sched", "lab/profiling"),
+SIMULATION_CODE = ("simulator", "lab/kv_cache", "lab/sched", "lab/profiling")
+CODE_OF = {"simulator.csv": SIMULATION_CODE, "compare.csv": SIMULATION_CODE, "sweep.csv": SIMULATION_CODE,
+           "paper/*.csv": SIMULATION_CODE,
            "kernels_cpu.csv": ("paged_kernels", "lab/bench/kernels.py", "lab/bench/timing.py"),
            "app_flow.csv": ("app.py", "app_pages", "simulator", "lab", "benchmarks/app_flow.py")}
 
 
+@functools.cache
 def history_known() -> bool:
     """Whether this checkout has the history that figures' commits are compared against (git, not shallow)."""
     done = _git("rev-parse", "--is-shallow-repository")
@@ -76,6 +76,7 @@ def code_of(file: str) -> tuple[str, ...]:
     return next((code for pattern, code in CODE_OF.items() if Path(file).match(pattern)), ALL_CODE)
 
 
+@functools.cache
 def recorded_in(path: Path) -> str | None:
     """The last commit that changed ``path``: when a figure does not record its own commit, the code it measured
     was at most that commit's (None without git or history)."""
@@ -83,9 +84,10 @@ def recorded_in(path: Path) -> str | None:
     return done.stdout.strip() or None if done is not None and done.returncode == 0 else None
 
 
+@functools.cache
 def currency(commit: str | None, file: str) -> tuple[bool | None, str]:
     """Whether a figure recorded on ``commit`` still describes this checkout's code (``CODE_OF``): (True,
-    "current"), (False, why) or (None, why not known)."""
+    "current"), (False, why) or (None, why not known). Asked once per process (the page reruns often)."""
     if not commit or commit == "unknown":
         return False, "no commit recorded"
     base = commit.removesuffix("-dirty")

@@ -309,3 +309,36 @@ def test_the_browser_flow_bench_compares_with_a_baseline_run_beside_it(capsys):
     assert table["this checkout"]["median_s"] == 1.0 and table["baseline"]["median_s"] == 3.0
     assert table["this checkout"]["vs_baseline"] == pytest.approx(1 / 3) and table["baseline"]["vs_baseline"] == 1.0
     assert "vs_baseline" not in summarize(rows[::2])[0]  # no baseline, no ratio
+
+
+def test_every_scheduling_flag_reaches_the_run(tmp_path, monkeypatch):
+    """``--long-prefill-token-threshold`` was built by every command and read by none (issue 70): each command that
+    offers the ``SchedulingSettings`` flags passes them all on (``scheduling_settings``), and the threshold changes a
+    chunked simulation."""
+    from dataclasses import fields
+
+    import lab.engine
+    import simulator.cli.main
+    from lab.sched.scheduler import SchedulingSettings
+
+    runs = {}
+    for threshold in (0, 16):
+        out = tmp_path / f"t{threshold}.csv"
+        assert simulator.cli.main.main(["--scheduling", "chunked", "--long-prefill-token-threshold", str(threshold),
+                                        "--num-requests", "40", "--allocators", "paged", "--out", str(out)]) == 0
+        runs[threshold] = pd.read_csv(out, comment="#")
+    assert not runs[0]["throughput_tok_s"].equals(runs[16]["throughput_tok_s"])
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, model, **kwargs):
+            seen.update(kwargs)
+            raise SystemExit(0)
+
+    monkeypatch.setattr(lab.engine, "LLMEngine", Recorder)
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", "tiny", "--scheduling", "vllm", "--long-prefill-token-threshold", "8",
+              "--no-scheduler-reserve-full-isl"])
+    assert {f.name for f in fields(SchedulingSettings)} <= set(seen)
+    assert seen["long_prefill_token_threshold"] == 8 and seen["scheduler_reserve_full_isl"] is False

@@ -34,8 +34,25 @@ def test_a_block_is_found_only_after_the_same_prefix():
 def test_registering_known_content_chains_on_the_cached_block():
     cache = PrefixCache(8, 2, True)
     first = filled(cache, [1, 2, 3, 4], [0, 1])
-    again = filled(cache, [1, 2, 3, 4], [5, 6])  # a second copy of the same content is not cached
-    assert first == again and len(cache) == 2 and not cache.is_cached(5)
+    again = filled(cache, [1, 2, 3, 4], [5, 6])  # a second copy of the same content: cached, chained on the first
+    assert first == again and len(cache) == 4 and cache.is_cached(5)
+    assert cache.lookup([1, 2, 3, 4, 9]) == [0, 1]
+    cache.check()
+
+
+def test_a_copy_of_an_evicted_block_takes_its_place():
+    """Two requests computed the same prompt at once: reusing the first copy leaves the second findable (vLLM keeps
+    every block of a hash: a preempted request hit only its first block here, vLLM all of them)."""
+    cache = PrefixCache(8, 2, True)
+    filled(cache, [1, 2, 3, 4], [0, 1])
+    filled(cache, [1, 2, 3, 4], [5, 6])
+    cache.evict(1)
+    assert cache.lookup([1, 2, 3, 4, 9]) == [0, 6]
+    cache.evict(6)
+    assert cache.lookup([1, 2, 3, 4, 9]) == [0] and not cache.is_cached(6)
+    cache.evict(5)
+    assert cache.lookup([1, 2, 3, 4, 9]) == [0] and len(cache) == 1
+    cache.check()
 
 
 def test_eviction_forgets_a_block_and_what_chains_on_it_misses():

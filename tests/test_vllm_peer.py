@@ -3,14 +3,17 @@ vLLM V1's own step log (recorded from its scheduler) against our scheduler's, st
 per test session (one pool; prefix caching on); without the peer (``bash scripts/vllm_peer.sh``) the vLLM tests skip with that command
 as the reason."""
 import random
+from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
 from lab.engine import LLMEngine
 from lab.models.qwen3 import save_checkpoint
-from lab.peer.client import (STEP_FIELDS, PeerError, PeerSettings, VLLMPeer, compare_step_logs, missing_reason,
-                      our_step_table, serve, vllm_step_table)
+from lab.peer.client import (STEP_FIELDS, PeerError, PeerSettings, VLLMPeer, compare_step_logs, count_requests,
+                             first_divergence, missing_reason, our_step_table, serve, vllm_step_table)
+from lab.peer.fuzz import Differential, load_cases, random_workload
 
 needs_peer = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
 BLOCK_SIZE, BUDGET, MAX_SEQS = 32, 512, 16
@@ -120,9 +123,9 @@ def test_vllm_s_step_log_is_ours_step_for_step(checkpoint, vllm_runs, case):
     _, table = ours(checkpoint, case)
     table = compare_step_logs(table, vllm_step_table(vllm_runs[case]["steps"], NUM_BLOCKS))
     print(f"{case}: {table['same'].sum()} of {len(table)} steps identical, "
-          f"{table['preempted_ours'].sum()} preemptions")
-    assert table["same"].all(), table[~table["same"]].head().to_string()
-    assert (table["preempted_ours"].sum() > 0) == (case == "preempting")
+          f"{count_requests(table['preempted_ours'])} preemptions")
+    assert table["same"].all(), first_divergence(table)
+    assert (count_requests(table["preempted_ours"]) > 0) == (case == "preempting")
 
 
 @needs_peer
@@ -162,3 +165,50 @@ def test_vllm_s_step_quantities_are_our_plans(checkpoint, vllm_runs, case):
             [q for i, q in enumerate(expected) if i not in skip], f"step {index + 1}"
     previous = [q[QUANTITIES.index("previous_prefill_tokens")] for q, _ in theirs]
     assert previous[1:] == [q[QUANTITIES.index("prefill_tokens")] for q, _ in theirs][:-1] and previous[0] == 0
+
+
+PRESSURE_CASES = load_cases(Path(__file__).parent / "data" / "vllm_pressure_cases.json")
+PRESSURE_SHAPE = next(iter(PRESSURE_CASES.values()))[0]  # one pool shape: one more vLLM start
+CI_FUZZ_RUNS = 8  # seeded random workloads per test session (``python -m lab peer fuzz --runs N`` for more)
+
+
+@pytest.fixture(scope="module")
+def pressure(checkpoint):
+    """Both engines on a short pool (23 usable blocks of 32: a 700-token prompt fills a third of it)."""
+    with Differential(str(checkpoint), PRESSURE_SHAPE) as differential:
+        yield differential
+
+
+@needs_peer
+@pytest.mark.parametrize("case", list(PRESSURE_CASES))
+def test_a_named_case_under_pressure_is_vllm_s_step_for_step(pressure, case):
+    """Each difference the differential fuzz found, shrunk to the fewest requests and tokens that differed (its
+    ``why`` in tests/data/vllm_pressure_cases.json): now every step is vLLM's, which requests were admitted,
+    preempted and finished included, and every greedy token."""
+    shape, workload = PRESSURE_CASES[case]
+    assert shape == PRESSURE_SHAPE
+    verdict = pressure.run(workload)
+    assert verdict.same, verdict.first_difference
+
+
+@needs_peer
+def test_random_workloads_under_pressure_are_vllm_s_step_for_step(pressure):
+    """Seeded random workloads on the short pool (``lab.peer.fuzz.random_workload``): every step identical, and
+    the family does press the pool (preemptions happen)."""
+    verdicts = [pressure.run(random_workload(PRESSURE_SHAPE, seed)) for seed in range(CI_FUZZ_RUNS)]
+    differing = [(seed, v.first_difference) for seed, v in enumerate(verdicts) if not v.same]
+    print(f"{len(verdicts)} workloads, {sum(v.steps for v in verdicts)} steps, "
+          f"{sum(v.preemptions for v in verdicts)} preemptions")
+    assert not differing, differing
+    assert sum(v.preemptions for v in verdicts) > 0
+
+
+def test_the_step_comparison_names_the_first_differing_field():
+    ours = pd.DataFrame({"step": [1, 2], "scheduled_tokens": [5, 1], "per_request": ["0:5", "0:1"],
+                         "running": [1, 1], "waiting": [0, 0], "admitted": ["0", ""], "preempted": ["", "0"],
+                         "finished": ["", ""], "blocks_in_use": [1, 1]})
+    theirs = ours.assign(preempted=["", "1"])
+    table = compare_step_logs(ours, theirs)
+    assert list(table["same"]) == [True, False] and table.loc[1, "first_difference"] == "preempted"
+    assert first_divergence(table) == "step 2: preempted differs (ours '0', vLLM '1')"
+    assert first_divergence(compare_step_logs(ours, ours)) is None

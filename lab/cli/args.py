@@ -187,11 +187,25 @@ def scheduler_options(parser: argparse.ArgumentParser) -> None:
     from lab.sched.scheduler import SchedulingSettings
 
     for f in fields(SchedulingSettings):
+        if isinstance(f.default, bool):  # --name / --no-name
+            parser.add_argument(f"--{f.name.replace('_', '-')}", action=argparse.BooleanOptionalAction,
+                                default=f.default, help=f"{f.metadata['help']} (default: %(default)s)")
+            continue
         choices = f.metadata.get("choices")
         kind = None if choices else non_negative_int if f.default == 0 else positive_int
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, choices=choices,
                             default=None if f.default is MISSING else f.default,
                             help=f"{f.metadata['help']} (default: %(default)s)")
+
+
+def scheduling_settings(args: argparse.Namespace) -> dict:
+    """Every ``SchedulingSettings`` field as ``scheduler_options`` parsed it: what a command passes on whole, so that
+    no flag it offers is dropped on the way."""
+    from dataclasses import fields
+
+    from lab.sched.scheduler import SchedulingSettings
+
+    return {f.name: getattr(args, f.name) for f in fields(SchedulingSettings)}
 
 
 def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
@@ -201,8 +215,8 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
 
     args = parser.parse_args(argv)
     try:
-        args.run(args)
+        status = args.run(args)
     except user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    return status or 0  # a command may answer 1 (a check that found a difference)

@@ -7,8 +7,9 @@ import sys
 import pandas as pd
 
 from lab.errors import InputError
-from lab.cli.args import (batch_contexts, cli_settings, device, model_options, non_negative_int, output_csv, output_folder,
-                          positive_int, positive_ints, refuse_ignored, run_command, scheduler_options)
+from lab.cli.args import (batch_contexts, cli_settings, device, model_options, non_negative_int, output_csv, output_file,
+                          output_folder, positive_int, positive_ints, refuse_ignored, run_command, scheduler_options,
+                          scheduling_settings)
 from lab.models.qwen3 import PRESETS
 from lab.profiling.profile import GRIDS
 from lab.report.results import csv_target, print_and_save, save_csv, settings_of
@@ -158,9 +159,7 @@ def _generate(args) -> None:
                        "they shape random prompts, and --prompt gives them")
     engine = LLMEngine(args.model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device,
                        attention_backend=args.backend, enable_prefix_caching=not args.no_prefix_caching,
-                       scheduling=args.scheduling, preemption_mode=args.preemption_mode,
-                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       num_cpu_blocks=args.num_cpu_blocks)
+                       **scheduling_settings(args))
     if args.prompt:
         prompts = [p if engine.tokenizer is not None else _token_ids(p) for p in args.prompt]
     else:
@@ -364,7 +363,51 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", type=output_folder, required=True, help="the checkpoint directory")
     c.set_defaults(run=_checkpoint)
 
+    f = commands.add_parser("peer", help="the vLLM peer (needs `bash scripts/vllm_peer.sh`)").add_subparsers(
+        dest="peer", required=True).add_parser(
+        "fuzz", help="differential testing of the vllm policy against vLLM on seeded random workloads under pool "
+                     "pressure; every difference shrunk (exit status 1 when any differs)")
+    f.add_argument("--runs", type=positive_int, default=200, help="workloads, spread over six pool shapes")
+    f.add_argument("--seed", type=non_negative_int, default=0, help="seeds the workloads")
+    f.add_argument("--shrink-budget", type=positive_int, default=40, help="most runs spent shrinking one difference")
+    f.add_argument("--out", type=output_file, default=None, help="JSON of the shrunk differing cases")
+    f.set_defaults(run=_peer_fuzz)
+
     return parser
+
+
+def _peer_fuzz(args) -> int:
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from tqdm import tqdm
+
+    from lab.models.qwen3 import save_checkpoint
+    from lab.peer.client import PeerError, missing_reason
+    from lab.peer.fuzz import fuzz, save_cases
+
+    if missing_reason() is not None:
+        raise PeerError(missing_reason())
+    with tempfile.TemporaryDirectory() as folder:
+        checkpoint = save_checkpoint("tiny", Path(folder) / "checkpoint", torch.float32)
+        bar = tqdm(total=args.runs, desc="workloads, vLLM and ours", file=sys.stderr)
+        report = fuzz(str(checkpoint), args.runs, args.seed, shrink_budget=args.shrink_budget,
+                      progress=lambda done, total: bar.update(done - bar.n))
+        bar.close()
+    print(f"{report.workloads} workloads, {report.steps:,} steps, {report.preemptions:,} preemptions (vLLM's): "
+          f"{len(report.differing)} differ")
+    for case in report.differing:
+        sizes = [len(prompt) for prompt in case["workload"]["prompts"]]
+        print(f"- {case['name']} ({case['shape']}): {case['found_as']}; shrunk to {len(sizes)} requests "
+              f"(prompts {sizes}, outputs {case['workload']['max_tokens']}): {case['difference']}")
+    if report.shrinks_bounded:
+        print(f"{report.shrinks_bounded} shrinks stopped at their bound of {args.shrink_budget} runs: those cases "
+              f"may not be minimal")
+    if args.out and report.differing:
+        save_cases(report, args.out)
+        print(f"saved the shrunk cases to {args.out}")
+    return 1 if report.differing else 0
 
 
 def _checkpoint(args) -> None:

@@ -391,15 +391,21 @@ class KVBlockManager:
         """The tier's copies queued since the last call."""
         return self.prefix_cache.take_tier_copies()
 
-    def register_blocks(self, seq_id, token_ids=None, sampled: bool = False) -> None:
+    def register_blocks(self, seq_id, token_ids=None, sampled: bool = False, ending: bool = False) -> None:
         """Register a sequence's full blocks in the prefix cache (if not done yet): a stream sequence's prompt
         blocks, with ``sampled`` its later ones too (the stream of a request of one sample is that sample's own);
         given ``token_ids`` (its tokens, at least as many as it holds), every full block of a sequence whose
         later tokens were appended without ids, sampled tokens' included, as vLLM V1 caches a request's blocks while
         they fill (``KVCacheManager.allocate_slots`` → ``cache_blocks``, vllm/v1/core/kv_cache_manager.py), so that
         a preempted request hits its own blocks when it is prefilled again. Any time before a block's release gives
-        the same later hits as when it filled: what the free queue goes by is whether it is cached when it is freed."""
+        the same later hits as when it filled: what the free queue goes by is whether it is cached when it is freed.
+        ``ending`` (the sequence is released next, its stream ending with it): a stream whose registration was
+        deferred takes its sampled blocks into the stream's count only, to be freed as cached ones
+        (``release_sequence(end_stream=True)``)."""
         seq = self._seq(seq_id)
+        if ending and seq.stream_deferred:
+            seq.stream_blocks = max(seq.stream_blocks, seq.num_tokens // self.block_size)
+            return
         self._flush_reserve()
         if seq.stream_key is not None:
             seq.stream_deferred = False

@@ -42,12 +42,16 @@ class PrefixCache:
     """Full blocks of ``block_size`` tokens of a pool of ``num_blocks``, by content. ``enabled`` False: token
     lookups find nothing and token registrations keep nothing (stream keys are the caller's to withhold)."""
 
-    __slots__ = ("block_size", "enabled", "blocks", "block_keys", "content_ids", "next_content_id", "stats",
+    __slots__ = ("block_size", "enabled", "blocks", "copies", "block_keys", "content_ids", "next_content_id", "stats",
                  "prompt_blocks", "tier", "tier_stores", "tier_loads")
 
     def __init__(self, num_blocks: int, block_size: int, enabled: bool, tier: OffloadTier | None = None):
         self.block_size, self.enabled = block_size, enabled
-        self.blocks: dict[tuple, int] = {}  # key -> block id
+        self.blocks: dict[tuple, int] = {}  # key -> block id (the one a lookup hits)
+        # key -> later blocks filled with the same content (two requests computed it at once): still cached, so when
+        # the first is reused the next takes its place, as vLLM keeps every block of a hash (BlockHashToBlockMap,
+        # vllm/v1/core/block_pool.py) and hits the first inserted that is left
+        self.copies: dict[tuple, list[int]] = {}
         self.block_keys: list[tuple | None] = [None] * num_blocks  # block id -> its key, None when not cached
         self.content_ids: list[int] = [ROOT_CONTENT_ID] * num_blocks  # block id -> content id of its prefix
         self.next_content_id = 0
@@ -60,7 +64,8 @@ class PrefixCache:
         self.tier_loads: list[tuple[int, int]] = []  # (host slot, device block)
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        """Blocks cached (copies of one content included)."""
+        return len(self.blocks) + sum(map(len, self.copies.values()))
 
     def is_cached(self, block: int) -> bool:
         return self.block_keys[block] is not None
@@ -168,16 +173,31 @@ class PrefixCache:
             self.content_ids[block] = self.next_content_id
             self.prompt_blocks[block] = prompt
             self.next_content_id += 1
+        elif cached != block and self.block_keys[block] is None:
+            self.copies.setdefault(key, []).append(block)
+            self.block_keys[block] = key
+            self.content_ids[block] = self.content_ids[cached]
+            self.prompt_blocks[block] = prompt
         return self.content_ids[cached]
 
     def evict(self, block: int) -> None:
-        """Forget ``block``'s content (it is being reused); a prompt block's contents go to the tier first."""
+        """Forget ``block``'s content (it is being reused): another copy of it takes its place, or else a prompt
+        block's contents go to the tier first."""
         key = self.block_keys[block]
-        if self.tier is not None and self.prompt_blocks[block]:
-            slot = self.tier.store(key, self.content_ids[block])
-            if slot is not None:
-                self.tier_stores.append((block, slot))
-        del self.blocks[key]
+        copies = self.copies.get(key)
+        if copies is not None:
+            if self.blocks[key] == block:
+                self.blocks[key] = copies.pop(0)
+            else:
+                copies.remove(block)
+            if not copies:
+                del self.copies[key]
+        else:
+            if self.tier is not None and self.prompt_blocks[block]:
+                slot = self.tier.store(key, self.content_ids[block])
+                if slot is not None:
+                    self.tier_stores.append((block, slot))
+            del self.blocks[key]
         self.block_keys[block] = None
         self.content_ids[block] = ROOT_CONTENT_ID
         self.prompt_blocks[block] = False
@@ -186,6 +206,10 @@ class PrefixCache:
         """Raise ``AssertionError`` when a cache entry and its block's key disagree."""
         for key, block in self.blocks.items():
             assert self.block_keys[block] == key, f"cache entry of block {block} disagrees with its key"
+        for key, blocks in self.copies.items():
+            assert key in self.blocks and blocks, f"copies of a content that is not cached: {blocks}"
+            for block in blocks:
+                assert self.block_keys[block] == key and block != self.blocks[key], f"copy {block} disagrees"
 
     def check_tokens(self, name, table, known_tokens: list[int]) -> None:
         """Raise ``AssertionError`` unless every cached full block of ``table`` whose tokens are ``known_tokens`` is

@@ -109,13 +109,15 @@ class VLLMPeer:
         return answer
 
     def run(self, prompts: list[list[int]], max_tokens: list[int], arrival_steps: list[int] | None = None,
-            long_prefill_token_threshold: int | None = None, idle_s: float = 0.0) -> dict:
+            long_prefill_token_threshold: int | None = None, idle_s: float = 0.0,
+            scheduler_reserve_full_isl: bool | None = None) -> dict:
         """Serve ``prompts`` greedily (request i joins before engine step ``arrival_steps[i]``; the scheduler's
-        long-prefill threshold set for this run when given; ``idle_s`` slept before the first step): each request's
+        long-prefill threshold and whole-prompt admission set for this run when given; ``idle_s`` slept before the first step): each request's
         ``outputs``, ``arrival_s``, ``first_token_s``, ``finish_s``, the run's ``elapsed_s`` and vLLM's ``steps``
         (``lab/peer/driver.py`` says what a step records)."""
         job = {"prompts": prompts, "max_tokens": max_tokens, "arrival_steps": arrival_steps,
-               "long_prefill_token_threshold": long_prefill_token_threshold, "idle_s": idle_s}
+               "long_prefill_token_threshold": long_prefill_token_threshold, "idle_s": idle_s,
+               "scheduler_reserve_full_isl": scheduler_reserve_full_isl}
         return self._ask({"run": job}, RUN_TIMEOUT_S)
 
     def profile(self, shapes: list[dict], steps: int) -> dict:
@@ -160,6 +162,7 @@ def serve(engine, prompts: list[list[int]], max_tokens: list[int], arrival_steps
     schedule = scheduler.schedule
 
     def recorded():
+        waiting = {group.request_id for group in scheduler.waiting}
         plan = schedule()
         scheduled: dict[str, int] = {}
         for chunk in plan.prefill_chunks or ():
@@ -168,8 +171,12 @@ def serve(engine, prompts: list[list[int]], max_tokens: list[int], arrival_steps
         for seq in plan.decode_seqs or ():
             key = str(ids[seq.group.request_id])
             scheduled[key] = scheduled.get(key, 0) + 1
+        admitted = {chunk.seq.group.request_id for chunk in plan.prefill_chunks or ()} & waiting
         steps[plan.step] = {"scheduled": scheduled, "blocks_in_use": scheduler.policy.blocks_in_use(),
-                            "quantities": plan_quantities(plan, block_size)}
+                            "quantities": plan_quantities(plan, block_size),
+                            "admitted": sorted(ids[r] for r in admitted),
+                            "preempted": sorted(ids[seq.group.request_id] for seq in plan.preempted or ()),
+                            "finished": []}
         return plan
 
     if record_steps:
@@ -183,6 +190,8 @@ def serve(engine, prompts: list[list[int]], max_tokens: list[int], arrival_steps
                 next_request += 1
             for output in engine.step():
                 outputs[ids[output.request_id]] = output.outputs[0]
+                if record_steps:
+                    steps[scheduler.num_steps]["finished"].append(ids[output.request_id])
             step += 1
     finally:
         if record_steps:
@@ -191,7 +200,8 @@ def serve(engine, prompts: list[list[int]], max_tokens: list[int], arrival_steps
             "steps": steps}
 
 
-STEP_FIELDS = ("scheduled_tokens", "per_request", "running", "waiting", "finished", "preempted", "blocks_in_use")
+STEP_FIELDS = ("scheduled_tokens", "per_request", "running", "waiting", "admitted", "preempted", "finished",
+               "blocks_in_use")
 
 
 def _per_request(scheduled: dict[str, int]) -> str:
@@ -199,38 +209,67 @@ def _per_request(scheduled: dict[str, int]) -> str:
     return " ".join(f"{key}:{scheduled[key]}" for key in sorted(scheduled, key=int))
 
 
+def _requests(indices) -> str:
+    """A set of requests as one comparable cell: their indices, sorted, space-separated."""
+    return " ".join(str(i) for i in sorted(indices))
+
+
 def vllm_step_table(steps: list[dict], num_blocks: int) -> pd.DataFrame:
-    """vLLM's recorded steps (``VLLMPeer.run``'s ``steps``) as one row per step: the tokens scheduled (in all and
-    per request), running and waiting requests after scheduling, requests finished and preempted, and the blocks in
-    use then (``STEP_FIELDS``): vLLM's KV usage times its ``num_blocks - 1`` usable blocks (``BlockPool.get_usage``,
-    vllm/v1/core/block_pool.py)."""
+    """vLLM's recorded steps (``VLLMPeer.run``'s ``steps``) as one row per step that ran tokens: the tokens scheduled
+    (in all and per request), running and waiting requests after scheduling, which requests were admitted (new or
+    resumed), preempted and finished (in the step that ran their last token: vLLM's scheduler reports a finish in
+    its next step, which may run nothing, after an idle gap), and the blocks in use then (``STEP_FIELDS``): vLLM's KV
+    usage times its ``num_blocks - 1`` usable blocks (``BlockPool.get_usage``, vllm/v1/core/block_pool.py)."""
+    ran = [step for step in steps if step["scheduled"]]
     return pd.DataFrame([{"step": index + 1, "scheduled_tokens": sum(step["scheduled"].values()),
                           "per_request": _per_request(step["scheduled"]), "running": step["running"],
-                          "waiting": step["waiting"], "finished": len(step["finished"]),
-                          "preempted": len(step["preempted"]),
+                          "waiting": step["waiting"], "admitted": _requests(step["admitted"]),
+                          "preempted": _requests(step["preempted"]),
+                          "finished": _requests(step.get("finished_here", ())),
                           "blocks_in_use": round(step["kv_usage"] * (num_blocks - 1))}
-                         for index, step in enumerate(steps)])
+                         for index, step in enumerate(ran)], columns=["step", *STEP_FIELDS])
 
 
 def our_step_table(step_log: pd.DataFrame, steps: dict[int, dict]) -> pd.DataFrame:
     """Our engine's ``step_log()`` and ``serve``'s per-step record in ``vllm_step_table``'s columns. vLLM counts its
-    queues right after scheduling and reports a request's finish in the next step (``finished_req_ids`` of the next
-    ``schedule``); our log counts them at the end of the step. So a request that finished in a step is still
-    running in vLLM's row of that step, and its finish shows one step later."""
-    finished = step_log["num_finished"].shift(1, fill_value=0).astype(int)
+    queues right after scheduling; our log counts them at the end of the step. So a request that finished in a step
+    is still running in vLLM's row of that step."""
     record = [steps[step] for step in step_log["step"]]
+    finished = [_requests(r["finished"]) for r in record]
     return pd.DataFrame({"step": step_log["step"], "scheduled_tokens": step_log["num_prefill_tokens"]
                          + step_log["num_decode_seqs"], "per_request": [_per_request(r["scheduled"]) for r in record],
                          "running": step_log["num_running"] + step_log["num_finished"],
-                         "waiting": step_log["num_waiting"], "finished": finished,
-                         "preempted": step_log["num_preempted"], "blocks_in_use": [r["blocks_in_use"] for r in record]})
+                         "waiting": step_log["num_waiting"], "admitted": [_requests(r["admitted"]) for r in record],
+                         "preempted": [_requests(r["preempted"]) for r in record], "finished": finished,
+                         "blocks_in_use": [r["blocks_in_use"] for r in record]})
 
 
 def compare_step_logs(ours: pd.DataFrame, theirs: pd.DataFrame) -> pd.DataFrame:
     """The two step tables side by side, step by step (``<field>_ours``, ``<field>_vllm``), with ``same``: every
-    ``STEP_FIELDS`` value equal (a step only one engine ran compares unequal)."""
+    ``STEP_FIELDS`` value equal (a step only one engine ran compares unequal), and ``first_difference``: the first
+    field of ``STEP_FIELDS`` that differs in the step ("" when none)."""
     table = ours.merge(theirs, on="step", how="outer", suffixes=("_ours", "_vllm")).sort_values("step")
-    table["same"] = True
-    for field in STEP_FIELDS:
-        table["same"] &= table[f"{field}_ours"] == table[f"{field}_vllm"]
-    return table.reset_index(drop=True)
+    table = table.reset_index(drop=True)
+    table["first_difference"] = ""
+    for field in reversed(STEP_FIELDS):
+        differs = table[f"{field}_ours"].ne(table[f"{field}_vllm"])
+        table.loc[differs, "first_difference"] = field
+    table["same"] = table["first_difference"] == ""
+    return table
+
+
+def count_requests(cells: pd.Series) -> int:
+    """How many requests a column of ``_requests`` cells names in all (preemptions or finishes of a run)."""
+    return sum(len(cell.split()) for cell in cells.fillna(""))
+
+
+def first_divergence(table: pd.DataFrame) -> str | None:
+    """``compare_step_logs``'s first differing step in words (step, field, both values), None when every step is
+    the same."""
+    differing = table[~table["same"]]
+    if differing.empty:
+        return None
+    row = differing.iloc[0]
+    field = row["first_difference"]
+    return (f"step {int(row['step'])}: {field} differs (ours {row[f'{field}_ours']!r}, "
+            f"vLLM {row[f'{field}_vllm']!r})")

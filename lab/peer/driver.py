@@ -7,10 +7,11 @@ enable_prefix_caching}}`` builds vLLM's offline engine (in this process: ``VLLM_
 "idle_s": s}}`` serves the requests greedily on a cold prefix cache, adding request i before engine step
 ``arrival_steps[i]`` (``s``: seconds slept before the first step; ``t``,
 when given, is the scheduler's long-prefill threshold for this run: ``Scheduler.schedule`` reads it from its config
-every step), and answers with each request's tokens and times and vLLM's
+every step; ``"scheduler_reserve_full_isl": b`` likewise), and answers with each request's tokens and times and vLLM's
 step log: per scheduler step (``Scheduler.schedule`` in ``vllm/v1/core/sched/scheduler.py``) the tokens scheduled
-per request, each one's tokens computed before the step and tokens known (prompt and outputs), the new, preempted and
-finished requests, running / waiting counts, the KV usage and the wall time of the ``engine.step()`` call;
+per request, each one's tokens computed before the step and tokens known (prompt and outputs), the new, admitted (new
+or resumed), preempted and finished requests (by index; ``finished`` as the scheduler reports them, in its next
+step, ``finished_here`` in the step that ran their last token), running / waiting counts, the KV usage and the wall time of the ``engine.step()`` call;
 ``{"profile": {"shapes": [[kind, ...]], "steps": n}}`` times each step shape (a prefill of one prompt, a decode
 step of a batch at a context; ``lab.bench.step_profile``) and splits it by op kind with ``torch.profiler`` scopes
 around vLLM's own modules; ``{"quit": true}`` ends it. Imports nothing of the lab's: the peer's environment has vLLM, not the lab.
@@ -37,6 +38,7 @@ def load(settings: dict):
     schedule = scheduler.schedule
 
     def recorded(*args, **kwargs):
+        waiting = {request.request_id for request in scheduler.waiting}
         out = schedule(*args, **kwargs)
         if out.total_num_scheduled_tokens or out.finished_req_ids:
             requests, scheduled = scheduler.requests, out.num_scheduled_tokens
@@ -44,6 +46,8 @@ def load(settings: dict):
                         "computed": {r: requests[r].num_computed_tokens - n for r, n in scheduled.items()},
                         "tokens": {r: requests[r].num_tokens for r in scheduled},
                         "new": [r.req_id for r in out.scheduled_new_reqs],
+                        # new or resumed after a preemption: in the running queue now, waiting before this step
+                        "admitted": [r.request_id for r in scheduler.running if r.request_id in waiting],
                         "preempted": sorted(getattr(out, "preempted_req_ids", None) or ()),
                         "finished": sorted(out.finished_req_ids), "running": len(scheduler.running),
                         "waiting": len(scheduler.waiting), "kv_usage": scheduler.kv_cache_manager.usage})
@@ -56,14 +60,17 @@ def load(settings: dict):
 def run(llm, log: list, job: dict) -> dict:
     llm.reset_prefix_cache()  # each run starts cold, as a fresh engine of ours does
     engine, log[:] = llm.llm_engine, []
-    config = engine.engine_core.engine_core.scheduler.scheduler_config
-    threshold = config.long_prefill_token_threshold
+    scheduler = engine.engine_core.engine_core.scheduler
+    config = scheduler.scheduler_config
+    threshold, full_isl = config.long_prefill_token_threshold, scheduler.scheduler_reserve_full_isl
     if job.get("long_prefill_token_threshold") is not None:
         config.long_prefill_token_threshold = job["long_prefill_token_threshold"]
+    if job.get("scheduler_reserve_full_isl") is not None:  # read by the waiting loop of every schedule
+        scheduler.scheduler_reserve_full_isl = job["scheduler_reserve_full_isl"]
     try:
         return _serve(engine, log, job)
     finally:
-        config.long_prefill_token_threshold = threshold
+        config.long_prefill_token_threshold, scheduler.scheduler_reserve_full_isl = threshold, full_isl
 
 
 def _serve(engine, log: list, job: dict) -> dict:
@@ -95,18 +102,25 @@ def _serve(engine, log: list, job: dict) -> dict:
                 first_token_s[i] = now
             if output.finished:
                 outputs[i], finish_s[i] = list(output.outputs[0].token_ids), now
+                log[-1].setdefault("finished_here", []).append(i)  # the step that ran its last token
         step += 1
     elapsed = time.perf_counter() - started
     for step in log:  # the last run's final finish is reported by this run's first schedule: not this run's
         step["finished"] = [r for r in step["finished"] if r.startswith(run_id)]
-        # by request index: the scheduler's ids are ours with a suffix vLLM adds ("<run_id><index>-<random>")
         for key in ("scheduled", "computed", "tokens"):
-            step[key] = {r.removeprefix(run_id).split("-")[0]: n for r, n in step[key].items()}
+            step[key] = {_index(r, run_id): n for r, n in step[key].items()}
+        for key in ("new", "admitted", "preempted", "finished"):
+            step[key] = sorted(int(_index(r, run_id)) for r in step[key])
     log[:] = [step for step in log if step["scheduled"] or step["finished"]]
     return {"outputs": [outputs[i] for i in range(len(prompts))], "elapsed_s": elapsed,
             "arrival_s": [added_s[i] for i in range(len(prompts))],
             "first_token_s": [first_token_s.get(i, finish_s[i]) for i in range(len(prompts))],
             "finish_s": [finish_s[i] for i in range(len(prompts))], "steps": list(log)}
+
+
+def _index(request_id: str, run_id: str) -> str:
+    """The request's index in the run from vLLM's id of it (ours with a suffix vLLM adds: "<run_id><index>-<random>")."""
+    return request_id.removeprefix(run_id).split("-")[0]
 
 
 # vLLM's modules by the op kind their time counts as (the names of ``lab.bench.step_profile.KINDS``)

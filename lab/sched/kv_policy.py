@@ -64,12 +64,14 @@ class PagedPolicy:
         return count * -(-final_len // self.block_size) <= self.manager.num_physical_blocks
 
     def admit(self, seqs: list[Sequence], token_ids: list[int] | None, first_decode: bool = True,
-              chunk: int | None = None) -> bool:
+              chunk: int | None = None, whole_must_fit: bool = False) -> bool:
         """Allocate a group's prompt (the first sequence; the others fork it), if the prompt and, with
         ``first_decode``, the group's first decode step fit. All or nothing. vLLM V1 admits without the first decode's
         block and allocates for the tokens it schedules only (``KVCacheManager.allocate_slots``): with ``chunk`` (a
         group of one), only the cache hits and the next ``chunk`` prompt tokens get blocks now, ``grow`` gives a later
-        chunk its own."""
+        chunk its own; ``whole_must_fit`` admits it only if the whole prompt's blocks are free now (vLLM's
+        ``scheduler_reserve_full_isl``: ``allocate_slots(full_sequence_must_fit=True)``, hits counted as it counts
+        them)."""
         first, manager = seqs[0], self.manager
         if chunk is not None and (self.tier is not None or len(first.group.seqs) > 1):
             chunk = None  # the whole prompt now: a tier stores whole prompts, a sample's stream is not its own
@@ -80,7 +82,7 @@ class PagedPolicy:
         stream = first.group.stream_key if ids is None else None
         blocks = -(-prompt_len // self.block_size)  # its table: cache hits plus fresh blocks
         # Enough free blocks for the whole prompt is sufficient (hits only lower the need): skip the lookup.
-        if chunk is None and blocks + extra > self.free_queue.num_free and \
+        if (chunk is None or whole_must_fit) and blocks + extra > self.free_queue.num_free and \
                 not manager.can_allocate(ids, count, extra, stream):
             return False
         # A stream's prompt blocks are cached as it is admitted, as the engine caches a prompt's: a cached block is
@@ -165,7 +167,18 @@ class PagedPolicy:
         seq.synced_len = kv_len
 
     def release(self, seq: Sequence, kv_len: int) -> None:
-        """Free ``seq``'s blocks, with those reserved for its tokens up to ``kv_len`` (never handed to it)."""
+        """``seq`` finished: free its blocks, with those reserved for its tokens up to ``kv_len`` (never handed to
+        it). A request of one sample frees its full blocks as cached ones, sampled tokens' included, as vLLM V1 caches
+        a request's blocks as they fill (``KVCacheManager.allocate_slots`` → ``cache_blocks``): they are reused after
+        the uncached ones (``FreeBlockQueue``), and a later prompt that repeats them hits them."""
+        group = seq.group
+        if len(group.seqs) == 1 and group.beam is None:
+            self.sync(seq, kv_len)
+            ids = group.token_ids(seq, kv_len) if group.token_ids is not None else None
+            self.manager.register_blocks(seq.seq_id, ids, sampled=True, ending=True)
+        self._free(seq, kv_len)
+
+    def _free(self, seq: Sequence, kv_len: int) -> None:
         owed = 0
         if kv_len > seq.synced_len:
             if seq.shared_block >= 0:
@@ -186,7 +199,7 @@ class PagedPolicy:
             self.manager.register_blocks(seq.seq_id, ids, sampled=True)
         else:
             self.manager.register_blocks(seq.seq_id)
-        self.release(seq, kv_len)
+        self._free(seq, kv_len)
 
     def take_copies(self) -> list[tuple[int, int]]:
         return self.manager.take_pending_copies()

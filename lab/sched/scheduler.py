@@ -70,6 +70,9 @@ class SchedulingSettings:
     long_prefill_token_threshold: int = field(default=0, metadata={
         "help": "chunked and vllm: most prompt tokens one request takes per step while other requests run or wait "
                 "(0: no cap; vLLM V1's long_prefill_token_threshold)"})
+    scheduler_reserve_full_isl: bool = field(default=True, metadata={
+        "help": "vllm: admit a request only when its whole prompt's blocks are free, not just its first chunk's "
+                "(vLLM's scheduler_reserve_full_isl, on by default)"})
     preemption_mode: str = field(default="recompute", metadata={
         "help": "swap: preempted sequences move to a host pool (paged)", "choices": PREEMPTION_MODES})
     num_cpu_blocks: int = field(default=0, metadata={
@@ -105,6 +108,11 @@ class SchedulerConfig(SchedulingSettings):
         if threshold and self.scheduling == "prefill-first":
             raise SchedulerError("long_prefill_token_threshold caps prompt chunks: it applies to chunked and vllm "
                                  "scheduling, not prefill-first (which prefills whole prompts)")
+        if not isinstance(self.scheduler_reserve_full_isl, bool):
+            raise SchedulerError(f"scheduler_reserve_full_isl must be True or False, got {self.scheduler_reserve_full_isl!r}")
+        if not self.scheduler_reserve_full_isl and self.scheduling != "vllm":
+            raise SchedulerError("scheduler_reserve_full_isl=False applies to vllm scheduling only (prefill-first and "
+                                 "chunked always take a whole prompt's blocks when they admit it)")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise SchedulerError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; "
                                  f"got {self.preemption_mode!r}")
@@ -219,6 +227,10 @@ class SchedulerOutput:
         return not (self.num_prefill_tokens or self.num_decode_seqs or self.prefill_done)
 
 
+def _admission_order(seq: Sequence) -> int:
+    return seq.admitted
+
+
 def _extended(items: list | tuple, more) -> list:
     """A plan's list field with ``more`` appended (in place once it is a list)."""
     if items is NOTHING:
@@ -296,7 +308,7 @@ class KVPolicy(Protocol):
 
     def can_ever_fit(self, final_len: int, count: int = 1) -> bool: ...  # count sequences at once, sharing nothing
     def admit(self, seqs: list[Sequence], token_ids: list[int] | None, first_decode: bool = True,
-              chunk: int | None = None) -> bool: ...
+              chunk: int | None = None, whole_must_fit: bool = False) -> bool: ...
     def memory_needs(self, seq: Sequence) -> MemoryNeeds: ...
     def reserve(self, count: int) -> bool: ...
     def final_block_reserved(self, seq: Sequence) -> None: ...
@@ -646,10 +658,12 @@ class Scheduler:
 
     def _newest(self) -> Sequence:
         """The preemption victim: the newest running sequence; in vllm scheduling the newest admitted of the
-        running and the partly prefilled ones (vLLM V1 preempts ``self.running[-1]``, which holds both)."""
-        newest = self.running[next(reversed(self.running))] if self.running else None
-        if self.config.scheduling == "vllm" and self.prefilling and (
-                newest is None or self.prefilling[-1].admitted > newest.admitted):
+        running and the partly prefilled ones (vLLM V1 preempts ``self.running[-1]``: its running queue holds both
+        in the order they were admitted, where ours holds decoding sequences in the order their prefill ended)."""
+        if self.config.scheduling != "vllm":
+            return self.running[next(reversed(self.running))]
+        newest = max(reversed(self.running.values()), key=_admission_order, default=None)  # ties: the last
+        if self.prefilling and (newest is None or self.prefilling[-1].admitted > newest.admitted):
             return self.prefilling[-1]
         return newest
 
@@ -800,7 +814,7 @@ class Scheduler:
             if self._admission_fails(group, chunk):
                 break
             ids = self._prompt_token_ids(group, prompt) if group.token_ids is not None else None
-            if not self.policy.admit(seqs, ids, not vllm, chunk):
+            if not self.policy.admit(seqs, ids, not vllm, chunk, vllm and self.config.scheduler_reserve_full_isl):
                 self._blocked_head = (group, chunk, self.policy.num_free_blocks())
                 break
             self.waiting.popleft()

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from lab.errors import InputError, user_errors
 from lab.cli.args import (non_negative_int, output_csv, positive_float, positive_int, positive_ints, refuse_ignored,
-                           refuse_shared_outputs, scheduler_options)
+                           refuse_shared_outputs, scheduler_options, scheduling_settings)
 from lab.profiling.profile import extrapolation_warning
 from lab.report.results import print_and_save, save_csv
 
@@ -154,16 +154,12 @@ def _configs(args) -> list[SimConfig]:
         if capacity is None:
             raise InputError("--profile needs the engine's pool: --num-blocks (or --capacity-tokens)")
         return make_configs(["paged"], args.block_size, profile=profile, capacity_tokens=capacity,
-                            max_model_len=args.max_model_len, scheduling=args.scheduling,
-                            preemption_mode=args.preemption_mode, num_cpu_blocks=args.num_cpu_blocks,
-                            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                            max_model_len=args.max_model_len, **scheduling_settings(args),
                             enable_prefix_caching=not args.no_prefix_caching, max_points=args.max_points,
                             replicas=args.replicas, router=args.router, kv_offload_gib=args.kv_offload_gib)
     return make_configs(args.allocators, args.block_size, model=args.model, gpu=args.gpu,
                         max_model_len=args.max_model_len, capacity_tokens=capacity,
-                        scheduling=args.scheduling, address_space=args.address_space,
-                        preemption_mode=args.preemption_mode, num_cpu_blocks=args.num_cpu_blocks,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                        address_space=args.address_space, **scheduling_settings(args),
                         enable_prefix_caching=not args.no_prefix_caching, kernel_csv=args.kernel_csv,
                         max_points=args.max_points, replicas=args.replicas, router=args.router,
                         kv_offload_gib=args.kv_offload_gib)

@@ -7,7 +7,7 @@ import sys
 
 from lab.cli.args import (DEVICE_HELP, cli_settings, device, model_options, non_negative_int, output_csv,
                           positive_float, positive_int, refuse_ignored, refuse_shared_outputs, run_command,
-                          scheduler_options)
+                          scheduler_options, scheduling_settings)
 from lab.errors import InputError
 from lab.report.results import print_and_save, save_csv, settings_of
 
@@ -47,9 +47,7 @@ def _twin(args) -> None:
     profile = Profile.load(args.profile)
     workload = twin_workload(args.workload, args.num_requests, args.rate, time_scale=args.time_scale, seed=args.seed,
                              **lengths)  # twin_workload's defaults for the lengths not given
-    engine = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, scheduling=args.scheduling,
-                          preemption_mode=args.preemption_mode, num_cpu_blocks=args.num_cpu_blocks,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+    engine = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, **scheduling_settings(args),
                           device=args.device, attention_backend=args.backend, seed=args.seed,
                           kv_offload_blocks=args.kv_offload_blocks)
     config = TwinConfig(args.model, engine)

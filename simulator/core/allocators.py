@@ -196,9 +196,10 @@ class ContiguousPolicy:
         size = max(self.space.rounded(self.initial_size(final_len, final_len)), final_len)
         return count * size <= self.space.max_region()
 
-    def admit(self, seqs: list, token_ids=None, first_decode: bool = True, chunk: int | None = None) -> bool:
-        """Reserve a region for every sequence of a group, or none of them (``token_ids``, ``first_decode`` and
-        ``chunk`` are not used: a region holds the whole prompt and its first decode)."""
+    def admit(self, seqs: list, token_ids=None, first_decode: bool = True, chunk: int | None = None,
+              whole_must_fit: bool = False) -> bool:
+        """Reserve a region for every sequence of a group, or none of them (``token_ids``, ``first_decode``,
+        ``chunk`` and ``whole_must_fit`` are not used: a region holds the whole prompt and its first decode)."""
         placed = []
         for seq in seqs:
             region = self.space.allocate(self.initial_size(seq.prompt_len, seq.final_len))

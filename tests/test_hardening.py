@@ -282,7 +282,8 @@ def test_valid_runs_are_unchanged():
     prefix caching took vLLM 0.32's rules — a preempted request's sampled blocks stay cached, uncached free blocks are
     reused first — which raised the paged run's hit rate from 15.8 % to 16.6 %; and again when a finished request's
     full blocks, sampled tokens' included, were freed as cached ones as vLLM caches them — the differential fuzz
-    against vLLM found it —, 669 to 667 hit blocks): nothing valid is refused or changed."""
+    against vLLM found it —, 669 to 667 hit blocks; and once more for a new column, ``kv_cache_dtype``, every value
+    else equal): nothing valid is refused or changed."""
     summary, _ = simulator.default_comparison(200)
     recorded = pd.read_csv(ROOT / "tests" / "data" / "default_comparison_200.csv")
     now = pd.read_csv(__import__("io").StringIO(summary.drop(columns="wall_time_s").to_csv(index=False)))

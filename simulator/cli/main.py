@@ -12,6 +12,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from lab.errors import InputError, user_errors
+from lab.kv_cache.precision import KV_CACHE_DTYPES
 from lab.cli.args import (non_negative_int, output_csv, positive_float, positive_int, positive_ints, refuse_ignored,
                            refuse_shared_outputs, scheduler_options, scheduling_settings)
 from lab.profiling.profile import extrapolation_warning
@@ -63,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-prefix", type=non_negative_int, default=0,
                    help="system-prompt tokens shared by all (synthetic)")
     p.add_argument("--time-scale", type=positive_float, default=1.0, help="multiply trace arrival offsets by this")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="the KV cache's element type: auto (the model's dtype) or fp8 (one byte per element, twice the "
+                        "tokens per GiB; vLLM's --kv-cache-dtype)")
     p.add_argument("--capacity-tokens", type=positive_int, default=None, help="override the KV capacity")
     p.add_argument("--num-blocks", type=positive_int, default=None,
                    help="the KV pool in blocks (capacity = blocks x the one --block-size), as the engine's")
@@ -155,11 +159,13 @@ def _configs(args) -> list[SimConfig]:
             raise InputError("--profile needs the engine's pool: --num-blocks (or --capacity-tokens)")
         return make_configs(["paged"], args.block_size, profile=profile, capacity_tokens=capacity,
                             max_model_len=args.max_model_len, **scheduling_settings(args),
+                            kv_cache_dtype=args.kv_cache_dtype,
                             enable_prefix_caching=not args.no_prefix_caching, max_points=args.max_points,
                             replicas=args.replicas, router=args.router, kv_offload_gib=args.kv_offload_gib)
     return make_configs(args.allocators, args.block_size, model=args.model, gpu=args.gpu,
                         max_model_len=args.max_model_len, capacity_tokens=capacity,
                         address_space=args.address_space, **scheduling_settings(args),
+                        kv_cache_dtype=args.kv_cache_dtype,
                         enable_prefix_caching=not args.no_prefix_caching, kernel_csv=args.kernel_csv,
                         max_points=args.max_points, replicas=args.replicas, router=args.router,
                         kv_offload_gib=args.kv_offload_gib)

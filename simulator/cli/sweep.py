@@ -105,6 +105,17 @@ def gib_list(text: str) -> list[float]:
     return values
 
 
+def kv_dtype_list(text: str) -> list[str]:
+    """``auto,fp8``: KV cache element types (``lab.kv_cache.precision.KV_CACHE_DTYPES``)."""
+    from lab.kv_cache.precision import KV_CACHE_DTYPES
+
+    values = name_list(text)
+    unknown = [v for v in values if v not in KV_CACHE_DTYPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown KV cache dtype {unknown[0]!r:.40}; expected {', '.join(KV_CACHE_DTYPES)}")
+    return values
+
+
 def name_list(text: str) -> list[str]:
     values = [part.strip() for part in text.split(",") if part.strip()]
     if not values:
@@ -157,6 +168,9 @@ def plan_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-rate", type=positive_float, default=None, help="req/s the chosen configuration must "
                                                                           "sustain")
     p.add_argument("--gpu-price", type=prices, default={}, help="override prices: gpu=USD per GPU-hour,...")
+    p.add_argument("--kv-cache-dtype", type=kv_dtype_list, default=["auto"],
+                   help="comma list of KV cache element types to try: auto (the model's dtype), fp8 (one byte, "
+                        "twice the tokens per GiB: vLLM's --kv-cache-dtype)")
     p.add_argument("--kv-offload-gib", type=gib_list, default=[0.0],
                    help="comma list of host offload tier sizes per replica to try, GiB (paged allocators)")
     p.add_argument("--host-price", type=positive_float, default=HOST_PRICE_PER_GIB_HOUR,
@@ -182,7 +196,8 @@ def plan_main(argv: list[str]) -> int:
                                args.gpu_price, RateSearch(args.rate_start, args.tolerance), parallel=not args.serial,
                                address=args.address, num_cpus=args.num_cpus, progress=not args.no_progress,
                                offload_gib=args.kv_offload_gib, host_price_per_gib_hour=args.host_price,
-                               block_size=args.block_size, router=args.router, max_model_len=args.max_model_len)
+                               block_size=args.block_size, router=args.router, max_model_len=args.max_model_len,
+                               kv_cache_dtypes=args.kv_cache_dtype)
     except user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -78,8 +78,8 @@ def combine(results: list[SimResult], config: SimConfig, n: int, wall_time_s: fl
     requests = pd.concat([r.requests.assign(replica=i) for i, r in enumerate(results)]).sort_index()
     makespan = max(s["simulated_time_s"] for s in summaries)
     busy = [s["simulated_time_s"] for s in summaries]
-    summary = {"allocator": config.allocator, "block_size": summaries[0]["block_size"], "replicas": config.replicas,
-               "router": config.router}
+    summary = {"allocator": config.allocator, "block_size": summaries[0]["block_size"],
+               "kv_cache_dtype": config.kv_cache_dtype, "replicas": config.replicas, "router": config.router}
     for key in summaries[0]:
         if key.endswith("_frac") or key == "mean_batch_size":  # time-weighted over the replicas' busy time
             summary[key] = float(np.average([s[key] for s in summaries], weights=busy)) if sum(busy) else \

@@ -9,6 +9,7 @@ with the same arithmetic step by step: the results are the same to the last bit.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import time
@@ -22,6 +23,7 @@ import pandas as pd
 
 from lab.checks import check_bool, check_choice, check_int, check_real
 from lab.errors import InputError, LabError
+from lab.kv_cache.precision import check_kv_cache_dtype, kv_element_bytes
 from lab.sched.kv_policy import PagedPolicy, default_num_cpu_blocks, host_pool_blocks
 from lab.profiling.profile import RANGE_QUANTITIES, Profile
 from lab.sched.scheduler import (PREEMPTION_MODES, SCHEDULING_MODES, RequestRejectedError, Scheduler,
@@ -80,6 +82,7 @@ class SimConfig(SchedulingSettings):
     replicas: int = 1  # copies of this configuration behind a request router (simulator.core.cluster)
     router: str = "round-robin"  # round-robin | least-loaded (fewest outstanding requests) | random
     seed: int = 0  # seeds the beam-survival model (simulator.core.beams)
+    kv_cache_dtype: str = "auto"  # the KV cache's element type, vLLM's names (lab.kv_cache.precision; fp8: 1 byte)
 
     @property
     def label(self) -> str:
@@ -158,6 +161,7 @@ def offload_blocks(config: SimConfig, gib: float) -> int | None:
 def resolve_capacity(config: SimConfig) -> tuple[int, CostModel]:
     """KV capacity in tokens and the cost model for a config."""
     model = override(get_model(config.model), **config.model_overrides)
+    model = dataclasses.replace(model, kv_dtype_bytes=kv_element_bytes(config.kv_cache_dtype, model.dtype_bytes))
     gpu = override(get_gpu(config.gpu), **config.gpu_overrides)
     cost = CostModel(model, gpu, config.flops_efficiency, config.bandwidth_efficiency, config.step_overhead_s,
                      tp=config.tp, block_size=config.block_size if config.allocator == "paged" else None)
@@ -205,6 +209,10 @@ def check_config(config: SimConfig) -> None:
     check_real(owner, "step_overhead_s", config.step_overhead_s, 0.0, 1e6)
     if config.profile is not None and not isinstance(config.profile, (str, Path, Profile)):
         raise InputError(f"SimConfig.profile={config.profile!r}: expected None, a profile path or a lab.profiling.profile.Profile")
+    check_kv_cache_dtype(owner, config.kv_cache_dtype)
+    if config.profile is not None and config.kv_cache_dtype != "auto":
+        raise InputError(f"SimConfig.kv_cache_dtype={config.kv_cache_dtype!r} with a profile: a profile prices the "
+                         f"engine it measured, whose KV cache held the model's dtype; use the roofline (no profile)")
     if config.profile is not None and config.capacity_tokens is None:
         raise InputError("SimConfig.profile needs capacity_tokens: the engine's pool (num_blocks x block_size)")
     for name in ("model_overrides", "gpu_overrides"):
@@ -590,7 +598,8 @@ class Simulator:
         if len(self.owned) != self.num_requests:  # a replica: its own requests (index = request id)
             requests = requests.iloc[self.owned]
         summary = {"allocator": self.config.allocator, "block_size": self.config.block_size
-                   if self.config.allocator == "paged" else np.nan, "capacity_tokens": self.policy.capacity,
+                   if self.config.allocator == "paged" else np.nan, "kv_cache_dtype": self.config.kv_cache_dtype,
+                   "capacity_tokens": self.policy.capacity,
                    "host_capacity_tokens": self.policy.host_capacity_tokens(),
                    **self.metrics.summary(), **latency_summary(requests, self.workload.n),
                    "num_requests": len(self.owned), "num_requests_completed": self.num_finished,

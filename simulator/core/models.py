@@ -27,11 +27,12 @@ class ModelSpec:
     dtype_bytes: int = 2
     tied_embeddings: bool = False
     mlp_matrices: int = 3  # 3 for gated SwiGLU (Qwen3, Llama), 2 for OPT's fc1/fc2
+    kv_dtype_bytes: int = 0  # bytes of one cached K or V element (0: the model's dtype; 1: an FP8 KV cache)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """K and V of one token across all layers, in the KV cache's element type."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * (self.kv_dtype_bytes or self.dtype_bytes)
 
     @property
     def layer_params(self) -> int:

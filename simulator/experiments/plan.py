@@ -126,18 +126,22 @@ def search_max_rate(spec: dict, slos: dict[str, float], search: RateSearch) -> d
 
 
 def plan_specs(workload: dict, models: list, gpus: list, tps: list[int], replicas: list[int], allocators: list[str],
-               offload_gib: list[float] = (0.0,), **common) -> list[dict]:
+               offload_gib: list[float] = (0.0,), kv_cache_dtypes: list[str] = ("auto",), **common) -> list[dict]:
     """One spec per configuration (checked before any run). ``offload_gib``: host offload tier sizes per replica
-    (GiB; paged allocators only, a contiguous one has no prefix cache to offload)."""
+    (GiB; paged allocators only, a contiguous one has no prefix cache to offload); ``kv_cache_dtypes``: the KV
+    cache's element types to try (``auto``, ``fp8``...: ``lab.kv_cache.precision``)."""
     for gib in offload_gib:
         if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 <= gib < math.inf:
             raise PlanError(f"an offload tier in a plan must be a finite size >= 0 GiB (it has a price), got {gib!r}")
     specs = []
-    for model, gpu, tp, count, allocator in itertools.product(models, gpus, tps, replicas, allocators):
+    for model, gpu, tp, count, allocator, kv_dtype in itertools.product(models, gpus, tps, replicas, allocators,
+                                                                        kv_cache_dtypes):
         for gib in (offload_gib if allocator == "paged" else (0.0,)):
-            specs.append(_plan_spec(workload, model, gpu, tp, count, allocator, float(gib), common))
+            specs.append(_plan_spec(workload, model, gpu, tp, count, allocator, float(gib),
+                                    {**common, "kv_cache_dtype": kv_dtype}))
     if not specs:
-        raise PlanError("the plan has no configuration (an empty list of models, GPUs, tp, replicas or allocators)")
+        raise PlanError("the plan has no configuration (an empty list of models, GPUs, tp, replicas, allocators or "
+                        "KV cache dtypes)")
     return specs
 
 
@@ -218,7 +222,7 @@ def price_table(rows: list[dict], slos: dict[str, float], prices: dict[str, floa
     if not feasible.empty:
         table.loc[feasible.sort_values(["cost_per_hour", "max_rate_req_s"], ascending=[True, False]).index[0],
                   "chosen"] = True
-    columns = ["model", "gpu", "tp", "replicas", "allocator", OFFLOAD_GIB, "gpus", "max_rate_req_s",
+    columns = ["model", "gpu", "tp", "replicas", "allocator", "kv_cache_dtype", OFFLOAD_GIB, "gpus", "max_rate_req_s",
                "first_failing_rate_req_s", "search_bound", "cost_per_hour", "host_cost_per_hour",
                "cost_per_million_requests", "meets_target", "chosen", *slos, "throughput_tok_s",
                "simulations", "error"]
@@ -230,9 +234,10 @@ def plan_capacity(workload: dict, slos: str, models: list, gpus: list, tps: list
                   search: RateSearch | None = None, parallel: bool = True, address: str | None = None,
                   num_cpus: int | None = None, progress: bool = True,
                   on_progress: Callable[[int, int], None] | None = None, offload_gib: list[float] = (0.0,),
-                  host_price_per_gib_hour: float = HOST_PRICE_PER_GIB_HOUR, **common) -> PlanResult:
+                  host_price_per_gib_hour: float = HOST_PRICE_PER_GIB_HOUR, kv_cache_dtypes: list[str] = ("auto",),
+                  **common) -> PlanResult:
     """Parse the SLOs (``ttft_p90=2,tpot_p90=0.2``), check every configuration (``offload_gib``: host offload
     tier sizes per replica to try, GiB), then ``run_plan`` them."""
-    specs = plan_specs(workload, models, gpus, tps, replicas, allocators, offload_gib, **common)
+    specs = plan_specs(workload, models, gpus, tps, replicas, allocators, offload_gib, kv_cache_dtypes, **common)
     return run_plan(specs, parse_slos(slos), search, target_rate, prices, parallel, address, num_cpus, progress,
                     on_progress, host_price_per_gib_hour)

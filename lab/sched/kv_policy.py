@@ -63,6 +63,20 @@ class PagedPolicy:
     def can_ever_fit(self, final_len: int, count: int = 1) -> bool:
         return count * -(-final_len // self.block_size) <= self.manager.num_physical_blocks
 
+    def can_ever_admit(self, prompt_len: int, final_len: int, count: int, first_decode: bool) -> bool:
+        """Whether ``admit`` could take a group of ``count`` samples into an empty pool: its prompt's blocks and
+        what its samples take at once (``_admission_extra``)."""
+        blocks = -(-prompt_len // self.block_size) + self._admission_extra(prompt_len, final_len, count, first_decode)
+        return blocks <= self.manager.num_physical_blocks
+
+    def _admission_extra(self, prompt_len: int, final_len: int, count: int, first_decode: bool) -> int:
+        """Blocks a group's admission takes besides its prompt's: with ``first_decode``, each sample's first decode
+        block when the prompt ends on a block boundary, else a copy of the shared last block for each sample but
+        one (copy-on-write); nothing when no sample decodes (``final_len == prompt_len``: one output token)."""
+        if final_len <= prompt_len:
+            return 0
+        return count if first_decode and prompt_len % self.block_size == 0 else count - 1
+
     def admit(self, seqs: list[Sequence], token_ids: list[int] | None, first_decode: bool = True,
               chunk: int | None = None, whole_must_fit: bool = False) -> bool:
         """Allocate a group's prompt (the first sequence; the others fork it), if the prompt and, with
@@ -76,7 +90,7 @@ class PagedPolicy:
         if chunk is not None and (self.tier is not None or len(first.group.seqs) > 1):
             chunk = None  # the whole prompt now: a tier stores whole prompts, a sample's stream is not its own
         prompt_len = first.prompt_len
-        extra = len(seqs) if first_decode and prompt_len % self.block_size == 0 else len(seqs) - 1
+        extra = self._admission_extra(prompt_len, first.final_len, len(seqs), first_decode)
         ids = token_ids if token_ids is not None and len(token_ids) == prompt_len else None
         count = None if ids is not None else prompt_len
         stream = first.group.stream_key if ids is None else None

@@ -307,6 +307,7 @@ class KVPolicy(Protocol):
     pending_offload: bool  # the offload tier has copies queued (take_offload_copies)
 
     def can_ever_fit(self, final_len: int, count: int = 1) -> bool: ...  # count sequences at once, sharing nothing
+    def can_ever_admit(self, prompt_len: int, final_len: int, count: int, first_decode: bool) -> bool: ...
     def admit(self, seqs: list[Sequence], token_ids: list[int] | None, first_decode: bool = True,
               chunk: int | None = None, whole_must_fit: bool = False) -> bool: ...
     def memory_needs(self, seq: Sequence) -> MemoryNeeds: ...
@@ -384,6 +385,10 @@ class Scheduler:
         if not self.policy.can_ever_fit(total - 1):
             raise RequestRejectedError(f"a sequence of {total - 1} KV tokens does not fit the KV pool of "
                                        f"{self.policy.capacity} token slots", "capacity")
+        if not beams and not self.policy.can_ever_admit(prompt_len, total - 1, n, self.config.scheduling != "vllm"):
+            raise RequestRejectedError(f"its {n} samples of a {prompt_len}-token prompt cannot be admitted together "
+                                       f"into the KV pool of {self.policy.capacity} token slots (a request's samples "
+                                       f"start at once)", "capacity")
         if beams and not self.policy.can_ever_fit(total - 1, n):
             raise RequestRejectedError(f"{n} beams of {total - 1} KV tokens may not fit the KV pool of "
                                        f"{self.policy.capacity} token slots together (a preempted beam search "

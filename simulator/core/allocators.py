@@ -196,6 +196,11 @@ class ContiguousPolicy:
         size = max(self.space.rounded(self.initial_size(final_len, final_len)), final_len)
         return count * size <= self.space.max_region()
 
+    def can_ever_admit(self, prompt_len: int, final_len: int, count: int, first_decode: bool) -> bool:
+        """Whether ``admit`` could place a group of ``count`` samples into an empty space (a region each, at once)."""
+        size = max(self.space.rounded(self.initial_size(prompt_len, final_len)), prompt_len)
+        return count * size <= self.space.max_region()
+
     def admit(self, seqs: list, token_ids=None, first_decode: bool = True, chunk: int | None = None,
               whole_must_fit: bool = False) -> bool:
         """Reserve a region for every sequence of a group, or none of them (``token_ids``, ``first_decode``,

@@ -86,7 +86,7 @@ def lines(text: str) -> Iterator[tuple[int, str]]:
 
 
 # ---- JSON -------------------------------------------------------------------------------------------------------
-class _Refused(Exception):
+class _Refused(UserFileError):
     """Raised inside ``json.loads`` by its hooks; turned into the caller's error with the line."""
 
     def __init__(self, problem: str, position: int | None = None):

@@ -7,6 +7,7 @@ import math
 import numbers
 
 from .errors import InputError
+from .user_files import shown
 
 
 def check_int(owner: str, name: str, value, low: int, high: int | None = None, optional: bool = False,
@@ -17,7 +18,7 @@ def check_int(owner: str, name: str, value, low: int, high: int | None = None, o
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low or \
             (high is not None and value > high):
         allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-        raise error(f"{owner}.{name}={value!r}: expected {allowed}" + (" or None" if optional else ""))
+        raise error(f"{owner}.{name}={shown(value)}: expected {allowed}" + (" or None" if optional else ""))
 
 
 def check_real(owner: str, name: str, value, low: float, high: float = math.inf, low_open: bool = False,
@@ -27,15 +28,15 @@ def check_real(owner: str, name: str, value, low: float, high: float = math.inf,
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or \
             (math.isinf(value) and not allow_inf) or value < low or value > high or (low_open and value == low):
         interval = f"{'(' if low_open else '['}{low}, {high}]"
-        raise error(f"{owner}.{name}={value!r}: expected a{'' if allow_inf else ' finite'} number in {interval}")
+        raise error(f"{owner}.{name}={shown(value)}: expected a{'' if allow_inf else ' finite'} number in {interval}")
 
 
 def check_choice(owner: str, name: str, value, choices, error: type[ValueError] = InputError) -> None:
     """One of ``choices`` (compared only when ``value`` is a string)."""
     if not isinstance(value, str) or value not in choices:
-        raise error(f"{owner}.{name}={value!r}: expected one of {', '.join(map(str, choices))}")
+        raise error(f"{owner}.{name}={shown(value)}: expected one of {', '.join(map(str, choices))}")
 
 
 def check_bool(owner: str, name: str, value, error: type[ValueError] = InputError) -> None:
     if not isinstance(value, bool):
-        raise error(f"{owner}.{name}={value!r}: expected True or False")
+        raise error(f"{owner}.{name}={shown(value)}: expected True or False")

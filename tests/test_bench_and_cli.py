@@ -110,7 +110,7 @@ BAD_INVOCATIONS = [
     ("simulator", ["plan", "--slo", "ttft_p90=1", "--replicas", "0..4"], "--replicas"),
     ("simulator", ["plan", "--slo", "ttft_p90=1", "--gpu-price", "l4=free"], "--gpu-price"),
     ("simulator", ["plan", "--slo", "ttft_p90=1", "--models", "gpt5", "--serial"], "unknown model"),
-    ("simulator", ["sweep", "--grid", "/no/such.yaml", "--out", "r.csv"], "cannot read grid"),
+    ("simulator", ["sweep", "--grid", "/no/such.yaml", "--out", "r.csv"], "cannot read"),
     ("simulator", ["sweep", "--grid", "g.yaml", "--out", "r.txt"], ".parquet or .csv"),
     ("simulator", ["--rate", "nan"], "rate"),
     ("simulator", ["--time-scale", "-1"], "--time-scale"),

@@ -133,7 +133,7 @@ def test_recorded_results_are_listed_with_their_command_and_read_safely(tmp_path
         "python -m simulator paper"
     assert listing.loc["mystery.csv", "command"] == "" and pd.isna(listing.loc["broken.csv", "rows"])
     assert read_recorded("paper/figure2.csv", tmp_path)["frac"].tolist() == [0.96, 0.2]
-    for bad, message in (("broken.csv", "not a readable CSV"), ("notes.txt", "not a recorded result"),
+    for bad, message in (("broken.csv", "broken.csv: the file is UTF-16"), ("notes.txt", "not a recorded result"),
                          ("../outside.csv", "not a recorded result"), ("none.csv", "not a recorded result")):
         with pytest.raises(ValueError, match=message):
             read_recorded(bad, tmp_path)

@@ -471,7 +471,7 @@ def test_the_real_run_is_warmed_up_on_its_own_workload_s_first_steps(monkeypatch
 
 
 BAD_PROFILES = [
-    (b"not json", "not a JSON profile"),
+    (b"not json", "not valid JSON"),
     (b"[1, 2]", "expected a JSON object"),
     (json.dumps({"version": 99}).encode(), "version"),
     (json.dumps({"version": PROFILE_VERSION, "model": "tiny", "device": "cpu", "dtype": "f", "backend": "torch",

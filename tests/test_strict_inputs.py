@@ -95,7 +95,7 @@ def test_azure_timestamps_in_the_trace_s_format_read(tmp_path):
     (b"arrival_time_s,prompt_tokens,output_tokens\n0,1,1\n\n1,2,2\n", "line 3 is blank"),
     (b"arrival_time_s,prompt_tokens,output_tokens\n", "no rows"),
     (b"", "empty"),
-    (b'{"timestamp": 0, "input_length": 5, "output_length": 2, "input_length": 6}\n', "more than once"),
+    (b'{"timestamp": 0, "input_length": 5, "output_length": 2, "input_length": 6}\n', "given twice"),
     (b'\xef\xbb\xbf{"timestamp": 0, "input_length": 5, "output_length": 2}\n', "byte-order mark"),
     (b'{"timestamp": 0, "input_length": 5, "output_length": 2}\n{"timestamp": 1, "input_length": \xc3\x28}\n',
      "line 2: byte 0xc3"),

@@ -115,7 +115,7 @@ def test_mooncake_lines_without_hash_ids_share_nothing(tmp_path):
 def test_mooncake_errors(tmp_path):
     ok = json.dumps({"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]})
     cases = [
-        ("{not json", "row 2: not valid JSON"),
+        ("{not json", "line 2: not valid JSON"),
         (json.dumps({"timestamp": 5, "input_length": -1, "output_length": 5, "hash_ids": []}), "row 2, column input_length"),
         (json.dumps({"timestamp": 5, "input_length": 10, "output_length": 5, "hash_ids": [1, 2]}), "row 2, column hash_ids"),
         (json.dumps({"timestamp": 5, "output_length": 5, "hash_ids": [1]}), "row 2, column input_length"),

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from lab import user_files
+from lab.checks import check_int
 from lab.errors import InputError, LabError
 
 PRESETS = {
@@ -22,6 +24,14 @@ PRESETS = {
 
 class CheckpointError(LabError):
     """A local checkpoint is missing, incomplete or not a Qwen3 model."""
+
+
+# The sizes a checkpoint's config.json may give (the largest Qwen3 has 94 layers, hidden size 4096 and a 151,936
+# token vocabulary): past these a config is junk, and building its model would exhaust memory before failing.
+CONFIG_BOUNDS = {"num_hidden_layers": 1024, "hidden_size": 65536, "intermediate_size": 262144,
+                 "num_attention_heads": 1024, "num_key_value_heads": 1024, "head_dim": 4096, "vocab_size": 2**22,
+                 "max_position_embeddings": 2**24}
+MAX_CONFIG_PARAMETERS = 10**12  # a trillion weights: four times the largest Qwen3
 
 
 def preset_config(name: str):
@@ -67,9 +77,7 @@ def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, seed: in
 def checkpoint_vocab_size(checkpoint: str | Path) -> int:
     """The vocabulary size of a checkpoint directory (its ``config.json``): the range a separate process's random
     prompts are drawn from."""
-    import json
-
-    return int(json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"])
+    return int(read_config(Path(checkpoint)).get("vocab_size", 151936))  # Qwen3Config's default
 
 
 def checkpoint_dir(model: str, folder: str | Path, dtype: torch.dtype = torch.float32) -> str:
@@ -105,20 +113,32 @@ def save_checkpoint(preset: str, out: str | Path, dtype: torch.dtype = torch.flo
     return out
 
 
-def _check_checkpoint(path: Path) -> None:
-    import json
-
+def read_config(path: Path) -> dict:
+    """A checkpoint directory's ``config.json``, read by ``lab.user_files`` and checked: a Qwen3 config whose sizes
+    are integers within ``CONFIG_BOUNDS`` (those it gives; Hugging Face fills in the rest)."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path}: no config.json (expected a Hugging Face Qwen3 checkpoint directory)")
-    try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{config_file}: not valid JSON ({exc})") from None
+    config = user_files.read_json(config_file, CheckpointError)
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
     if config.get("model_type") != "qwen3":
-        raise CheckpointError(f"{config_file}: model_type is {config.get('model_type')!r}, expected 'qwen3'")
+        raise CheckpointError(f"{config_file}: model_type is {user_files.shown(config.get('model_type'))}, expected "
+                              f"'qwen3'")
+    for name, high in CONFIG_BOUNDS.items():
+        check_int(str(config_file), name, config.get(name), 1, high, optional=True, error=CheckpointError)
+    sizes = {name: config.get(name) or 1 for name in CONFIG_BOUNDS}
+    parameters = sizes["num_hidden_layers"] * sizes["hidden_size"] * (4 * sizes["hidden_size"] +
+                                                                       3 * sizes["intermediate_size"]) \
+        + sizes["vocab_size"] * sizes["hidden_size"]
+    if parameters > MAX_CONFIG_PARAMETERS:
+        raise CheckpointError(f"{config_file}: its sizes make about {parameters:.2g} weights; at most "
+                              f"{MAX_CONFIG_PARAMETERS:.0e} are loaded")
+    return config
+
+
+def _check_checkpoint(path: Path) -> None:
+    read_config(path)
     if not list(path.glob("*.safetensors")) and not list(path.glob("*.bin")):
         raise CheckpointError(f"{path}: no weights (*.safetensors or *.bin)")
 

@@ -13,7 +13,8 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lab.errors import LabError
+from lab import user_files
+from lab.errors import InputError, LabError
 from lab.peer.client import (
     PeerSettings,
     VLLMPeer,
@@ -239,4 +240,4 @@ def save_cases(report: FuzzReport, path: str | Path) -> None:
 def load_cases(path: str | Path) -> dict[str, tuple[PoolShape, Workload]]:
     """Named cases (``save_cases``'s JSON: a list of ``name``, ``shape``, ``workload``) by name."""
     return {case["name"]: (PoolShape(**case["shape"]), Workload(**case["workload"]))
-            for case in json.loads(Path(path).read_text())}
+            for case in user_files.read_json(path, InputError)}

@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
+from lab import user_files
 from lab.errors import LabError
 
 QUANTITIES = ("constant", "prefill_seqs", "prefill_tokens", "decode_seqs", "prefill_attention_pairs",
@@ -245,21 +246,15 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
-        """Read and check a profile file; ``ProfileError`` names what is wrong."""
-        try:
-            data = Path(path).read_bytes()
-        except OSError as exc:
-            raise ProfileError(f"cannot read profile {path}: {exc.strerror}") from None
-        return cls.from_bytes(data, str(path))
+        """Read and check a profile file (through ``lab.user_files``); ``ProfileError`` names what is wrong."""
+        return cls.from_bytes(user_files.read_bytes(path, ProfileError, user_files.MAX_SETTINGS_BYTES), str(path))
 
     @classmethod
     def from_bytes(cls, data: bytes, name: str) -> "Profile":
-        """A profile from a file's bytes (an upload); ``ProfileError`` names ``name`` and what is wrong."""
-        try:
-            parsed = json.loads(data.decode("utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ProfileError(f"{name}: not a JSON profile ({exc})") from None
-        return cls.from_dict(parsed, name)
+        """A profile from a file's bytes (an upload), read strictly by ``lab.user_files``; ``ProfileError`` names
+        ``name`` and what is wrong."""
+        text = user_files.decode(data, name, ProfileError, user_files.MAX_SETTINGS_BYTES)
+        return cls.from_dict(user_files.loads_json(text, name, ProfileError), name)
 
     @classmethod
     def from_dict(cls, data, name: str = "profile") -> "Profile":

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import enum
 import functools
-import io
 import math
 import re
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from lab import user_files
 from lab.errors import InputError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -159,7 +159,7 @@ class ResultStore:
 
     def load_csv(self, data: bytes, name: str) -> StoredResult:
         """Read an exported CSV back; raises ``ValueError`` naming the file when it is not a readable table."""
-        table = _read_csv_table(io.BytesIO(data), name)
+        table = _read_csv_table(data, name)
         if table.empty:
             raise InputError(f"{name}: the CSV has no rows")
         return self.add("uploaded", name, table)
@@ -177,12 +177,11 @@ def recorded_results(folder: Path = RECORDED_RESULTS) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["file", "rows", "command"])
 
 
-def _read_csv_table(source, name: str) -> pd.DataFrame:
-    """``pd.read_csv(source)``, or ``ValueError`` naming ``name`` when it is not a readable table."""
-    try:
-        return pd.read_csv(source)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
-        raise InputError(f"{name}: not a readable CSV ({str(exc).strip()})") from None
+def _read_csv_table(source: bytes | Path, name: str) -> pd.DataFrame:
+    """A CSV (its bytes, or a path) read strictly by ``lab.user_files`` and typed by ``pandas``; ``InputError``
+    naming ``name`` (and the line) when it is not a well-formed table."""
+    data = user_files.read_bytes(source, InputError) if isinstance(source, Path) else source
+    return user_files.csv_table(user_files.decode(data, name, InputError), name, InputError)
 
 
 def _count_rows(path: Path) -> int | None:

@@ -7,6 +7,7 @@ import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
+from lab import user_files
 from lab.errors import InputError
 
 GiB = 1 << 30
@@ -166,6 +167,43 @@ def kv_capacity_tokens(model: ModelSpec, gpu: GPUSpec, gpu_memory_utilization: f
 DEFAULT_BLOCK_OVERHEAD_TOKENS = 2.0
 
 
+KERNEL_CSV_COLUMNS = ("kernel", "batch", "context", "kv_gb_per_s")
+
+
+def read_kernel_csv(path: str | Path):
+    """A ``python -m lab bench kernels`` CSV, read strictly by ``lab.user_files`` (distinct column names, every row
+    as many fields as the header) and checked: ``batch``, ``context`` (and ``block_size`` where given) whole numbers
+    >= 1, every paged kernel's ``kv_gb_per_s`` a bandwidth in (0, 1e6) GB/s, at least one paged row. The numeric
+    columns come back as numbers; ``InputError`` names the file, line and column of the first bad field."""
+    import numpy as np
+    import pandas as pd
+
+    name = str(path)
+    frame = user_files.csv_frame(user_files.read_text(path, InputError, user_files.MAX_SETTINGS_BYTES), name,
+                                 InputError, KERNEL_CSV_COLUMNS)
+    frame["kernel"] = frame["kernel"].str.strip()
+    for column in ("batch", "context", "block_size"):
+        if column in frame:
+            values = user_files.numeric_column(frame, column, name, InputError)
+            bad = (values < 1) | (values != np.floor(values)) | (values > 2**31)
+            if bad.any():
+                row = int(np.argmax(bad))
+                raise InputError(f"{name}: line {frame.index[row]}, column {column}: "
+                                 f"{user_files.shown(frame[column].iloc[row])} is not a whole number in [1, 2^31]")
+            frame[column] = values.astype(np.int64)
+    paged = frame["kernel"] != "sdpa-contiguous"
+    if not paged.any():
+        raise InputError(f"{name}: no paged-kernel rows")
+    rates = user_files.numeric_column(frame[paged], "kv_gb_per_s", name, InputError)
+    bad = ~((rates > 0) & (rates < 1e6))
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise InputError(f"{name}: line {frame.index[paged.to_numpy()][row]}, column kv_gb_per_s: "
+                         f"{user_files.shown(frame['kv_gb_per_s'][paged].iloc[row])} is not a bandwidth in (0, 1e6) GB/s")
+    frame["kv_gb_per_s"] = pd.to_numeric(frame["kv_gb_per_s"].str.strip(), errors="coerce")  # only paged rows count
+    return frame
+
+
 def block_slowdown_curve(table) -> dict[int, float]:
     """Measured slowdown per block size from a kernel benchmark table with several block sizes: the best achieved
     KV bandwidth over each block size's (median over the paged kernels' rows at the table's largest shape)."""
@@ -270,25 +308,8 @@ class CostModel:
         """Set the attention bandwidth from a ``python -m lab bench kernels`` CSV: the median achieved KV GB/s of
         the paged kernels at the CSV's largest shape; a CSV of several block sizes also gives the measured slowdown
         per block size (``block_slowdown_curve``). Returns the bandwidth in bytes/s."""
-        import numpy as np
-        import pandas as pd
-
-        try:
-            table = pd.read_csv(path)
-        except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
-            raise InputError(f"{path}: not a readable kernel benchmark CSV ({str(exc).strip()[:200]})") from None
-        needed = {"kernel", "batch", "context", "kv_gb_per_s"}
-        if not needed <= set(table.columns):
-            raise InputError(f"{path}: not a kernel benchmark CSV (needs columns {', '.join(sorted(needed))})")
-        paged = table[table["kernel"] != "sdpa-contiguous"]
-        if paged.empty:
-            raise InputError(f"{path}: no paged-kernel rows")
-        rates = pd.to_numeric(paged["kv_gb_per_s"], errors="coerce")
-        bad = ~(np.isfinite(rates) & (rates > 0) & (rates < 1e6))
-        if bad.any():
-            row = int(np.argmax(bad.to_numpy()))
-            raise InputError(f"{path}: row {paged.index[row] + 2}, column kv_gb_per_s: {paged['kv_gb_per_s'].iloc[row]!r}"
-                             f" is not a bandwidth in (0, 1e6) GB/s")
+        paged = read_kernel_csv(path)
+        paged = paged[paged["kernel"] != "sdpa-contiguous"]
         if "block_size" in paged and paged["block_size"].nunique() > 1:
             self.block_slowdowns = block_slowdown_curve(paged)
         size = paged["batch"] * paged["context"]

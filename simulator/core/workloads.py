@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,8 +13,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from lab import user_files
 from lab.checks import check_choice, check_int, check_real
 from lab.errors import InputError, LabError
+from lab.user_files import shown
 
 MOONCAKE_BLOCK_TOKENS = 512
 MAX_TRACE_TOKENS = 2**31 - 1  # a length in a trace must fit int32
@@ -313,72 +314,25 @@ def detect_format(path: Path) -> str:
 
 
 def _check_start(path: Path, head: bytes) -> None:
-    """Name what is wrong with a trace's first line instead of misreading it."""
+    """Name an empty file or a blank first line instead of misreading it (its encoding is ``user_files``')."""
     if not head:
         raise TraceFormatError(f"{path}: the file is empty")
-    if head.startswith(b"\xef\xbb\xbf"):
-        raise TraceFormatError(f"{path}: the file starts with a UTF-8 byte-order mark (BOM); save it as UTF-8 "
-                               f"without one")
-    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
-        raise TraceFormatError(f"{path}: the file is UTF-16; save it as UTF-8")
-    if not head.strip():
+    if not head.strip() and not head.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise TraceFormatError(f"{path}: line 1 is blank; the header (CSV) or the first record (JSONL) must be on "
                                f"line 1")
 
 
-def _shown(value, limit: int = 60) -> str:
-    """``repr(value)`` cut to ``limit`` characters: an error message never echoes a huge field."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + f"… ({len(text)} characters)"
-
-
 def _read_text(path: Path) -> str:
-    data = path.read_bytes()
-    _check_start(path, data[:4096].split(b"\n", 1)[0] if data else b"")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise TraceFormatError(f"{path}: line {line}: byte {data[exc.start]:#04x} at offset {exc.start} is not "
-                               f"valid UTF-8") from None
+    """The trace's text, read by the one reader of user files (strict UTF-8, bounded size)."""
+    text = user_files.read_text(path, TraceFormatError)
+    _check_start(path, text.split("\n", 1)[0].encode())
+    return text
 
 
 def _read_csv(path: Path, columns: list[str], max_rows: int | None) -> pd.DataFrame:
-    """The CSV's rows as strings, read strictly: a header of distinct names (spaces around them ignored) holding
-    ``columns``, and every row with exactly as many fields as the header (no row shifted into another column)."""
-    import csv
-    import io
-
-    reader = csv.reader(io.StringIO(_read_text(path), newline=""), strict=True)
-    try:
-        header = [name.strip() for name in next(reader)]
-        duplicates = sorted({name for name in header if header.count(name) > 1})
-        if duplicates:
-            raise TraceFormatError(f"{path}: the header names column(s) {', '.join(map(_shown, duplicates))} more "
-                                   f"than once")
-        missing = [c for c in columns if c not in header]
-        if missing:
-            raise TraceFormatError(f"{path}: missing column(s) {', '.join(missing)}; found "
-                                   f"{_shown(', '.join(header), 200)}")
-        rows, blank_at = [], 0
-        for row in reader:
-            if max_rows is not None and len(rows) >= max_rows:
-                break
-            if not row:
-                blank_at = blank_at or reader.line_num
-                continue
-            if blank_at:
-                raise TraceFormatError(f"{path}: line {blank_at} is blank (only the end of the file may be)")
-            if len(row) != len(header):
-                raise TraceFormatError(f"{path}: line {reader.line_num} has {len(row)} fields but the header has "
-                                       f"{len(header)}")
-            rows.append(row)
-    except csv.Error as exc:
-        raise TraceFormatError(f"{path}: line {reader.line_num}: not a readable CSV ({exc})") from None
-    if not rows:
-        raise TraceFormatError(f"{path}: the file has a header but no rows")
-    frame = pd.DataFrame(rows, columns=header)
-    return frame[columns]
+    """The CSV's rows as strings, read strictly by ``lab.user_files.csv_frame`` (distinct column names holding
+    ``columns``, every row as many fields as the header), indexed by file line."""
+    return user_files.csv_frame(_read_text(path), str(path), TraceFormatError, tuple(columns), max_rows)[columns]
 
 
 def _numeric_column(path: Path, frame: pd.DataFrame, column: str, positive: bool, first_row: int = 2) -> np.ndarray:
@@ -388,7 +342,7 @@ def _numeric_column(path: Path, frame: pd.DataFrame, column: str, positive: bool
     if bad.any():
         row = int(np.argmax(bad))
         raise TraceFormatError(f"{path}: row {row + first_row}, column {column}: "
-                               f"{_shown(frame[column].iloc[row])} is not a finite number")
+                               f"{shown(frame[column].iloc[row])} is not a finite number")
     bad = values <= 0 if positive else values < 0
     if bad.any():
         row = int(np.argmax(bad))
@@ -427,7 +381,7 @@ def _load_azure(path: Path, max_rows: int | None) -> Workload:
     malformed = ~frame["TIMESTAMP"].str.strip().str.fullmatch(AZURE_TIMESTAMP)
     if malformed.any():
         row = int(np.argmax(malformed.to_numpy()))
-        raise TraceFormatError(f"{path}: row {row + 2}, column TIMESTAMP: {_shown(frame['TIMESTAMP'].iloc[row])} is "
+        raise TraceFormatError(f"{path}: row {row + 2}, column TIMESTAMP: {shown(frame['TIMESTAMP'].iloc[row])} is "
                                f"not a date and time like 2023-11-16 18:15:46.6805900")
     try:
         stamps = pd.to_datetime(frame["TIMESTAMP"].str.strip(), errors="coerce", format="ISO8601")
@@ -435,13 +389,27 @@ def _load_azure(path: Path, max_rows: int | None) -> Workload:
         raise TraceFormatError(f"{path}: column TIMESTAMP: {exc}") from None
     if stamps.isna().any():
         row = int(np.argmax(stamps.isna().to_numpy()))
-        raise TraceFormatError(f"{path}: row {row + 2}, column TIMESTAMP: {_shown(frame['TIMESTAMP'].iloc[row])} "
+        raise TraceFormatError(f"{path}: row {row + 2}, column TIMESTAMP: {shown(frame['TIMESTAMP'].iloc[row])} "
                                f"is not a valid date and time")
+    _check_span(path, frame, stamps)
     times = (stamps - stamps.iloc[0]).dt.total_seconds().to_numpy()
     _check_sorted(path, times, "TIMESTAMP")
     prompts = _integer_lengths(path, _numeric_column(path, frame, "ContextTokens", True), "ContextTokens")
     outputs = _integer_lengths(path, _numeric_column(path, frame, "GeneratedTokens", True), "GeneratedTokens")
     return Workload(path.stem, times, prompts, outputs, source=str(path))
+
+
+def _check_span(path: Path, frame: pd.DataFrame, stamps: pd.Series) -> None:
+    """Refuse a timestamp centuries from the first before subtracting them (past ~292 years the nanosecond
+    difference overflows int64); ``Workload.check`` holds arrivals to the exact bound (``MAX_ARRIVAL_S``)."""
+    years = stamps.dt.year.to_numpy()
+    far = np.abs(years - years[0]) > MAX_ARRIVAL_S / YEAR_S + 1
+    if far.any():
+        row = int(np.argmax(far))
+        raise TraceFormatError(f"{path}: row {row + 2}, column TIMESTAMP: {shown(frame['TIMESTAMP'].iloc[row])} is "
+                               f"{abs(int(years[row]) - int(years[0]))} years from the first request "
+                               f"({shown(frame['TIMESTAMP'].iloc[0])}); arrivals must lie within "
+                               f"{MAX_ARRIVAL_S / YEAR_S:.0f} years of it")
 
 
 def _load_generic(path: Path, max_rows: int | None) -> Workload:
@@ -455,7 +423,7 @@ def _load_generic(path: Path, max_rows: int | None) -> Workload:
 
 def _load_mooncake(path: Path, max_rows: int | None) -> Workload:
     times, prompts, outputs, block_ids, first_line = [], [], [], [], 0
-    for line_no, line in enumerate(_read_text(path).splitlines(), 1):
+    for line_no, line in user_files.lines(_read_text(path)):
         if max_rows is not None and len(times) >= max_rows:
             break
         if not line.strip():
@@ -485,34 +453,17 @@ def _dense_ids(block_ids: list[list[int]]) -> list[list[int]]:
     return [[rank.setdefault(h, len(rank)) for h in ids] for ids in block_ids]
 
 
-class _DuplicateKeyError(WorkloadError):
-    """A JSON record names a key more than once (raised inside ``json.loads``, reported as a ``TraceFormatError``)."""
-
-
-def _unique_keys(pairs: list) -> dict:
-    keys = [key for key, _ in pairs]
-    repeated = sorted({key for key in keys if keys.count(key) > 1})
-    if repeated:
-        raise _DuplicateKeyError(", ".join(map(_shown, repeated)))
-    return dict(pairs)
-
-
 def _mooncake_record(path: Path, line_no: int, line: str):
-    try:
-        record = json.loads(line, object_pairs_hook=_unique_keys)
-    except json.JSONDecodeError as exc:
-        raise TraceFormatError(f"{path}: row {line_no}: not valid JSON ({exc.msg})") from None
-    except _DuplicateKeyError as exc:
-        raise TraceFormatError(f"{path}: row {line_no}: key(s) {exc} given more than once") from None
+    record = user_files.loads_json(line, str(path), TraceFormatError, line=line_no)
     if not isinstance(record, dict):
         raise TraceFormatError(f"{path}: row {line_no}: expected a JSON object")
     values = []
     for column, positive in (("timestamp", False), ("input_length", True), ("output_length", True)):
         value = record.get(column)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise TraceFormatError(f"{path}: row {line_no}, column {column}: {_shown(value)} is not a finite number")
+            raise TraceFormatError(f"{path}: row {line_no}, column {column}: {shown(value)} is not a finite number")
         if value < 0 or (positive and value == 0) or (column != "timestamp" and value != int(value)):
-            raise TraceFormatError(f"{path}: row {line_no}, column {column}: {_shown(value)} must be a "
+            raise TraceFormatError(f"{path}: row {line_no}, column {column}: {shown(value)} must be a "
                                    f"{'positive whole number' if positive else 'number >= 0'}")
         if column != "timestamp" and value > MAX_TRACE_TOKENS:
             raise TraceFormatError(f"{path}: row {line_no}, column {column}: {value!r} tokens is more than "

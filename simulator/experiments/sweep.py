@@ -22,12 +22,13 @@ from typing import Callable
 
 import pandas as pd
 
+from lab import user_files
 from lab.errors import InputError, LabError
 from lab.report.results import write_atomically
 from simulator.core.checks import closed_form_checks
 from simulator.core.cluster import run_simulation
-from simulator.core.engine import SimConfig, check_config, offload_blocks
-from simulator.core.models import get_gpu, get_model
+from simulator.core.engine import Profile, SimConfig, check_config, offload_blocks
+from simulator.core.models import get_gpu, get_model, read_kernel_csv
 from simulator.core.workloads import (SYNTHETIC_PRESETS, at_mean_rate, SyntheticSpec, Workload, check_synthetic_spec, load_trace,
                         synthetic_workload)
 
@@ -68,37 +69,11 @@ class SweepResult:
     store_error: str = ""  # the store failed part-way: the table holds this invocation's runs from memory
 
 
-# ---- the grid ---------------------------------------------------------------------------------------------------
-def _unique_key_loader():
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        """YAML's safe loader, refusing a mapping that gives a key twice (plain YAML keeps the last silently)."""
-
-        def construct_mapping(self, node, deep=False):
-            seen = set()
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
-                                                            key_node.start_mark)
-                seen.add(key)
-            return super().construct_mapping(node, deep)
-
-    return Loader
-
-
+# ---- the grid ----------------------------------------------------------------------------------------------------
 def load_grid(path: str | Path) -> dict[str, list]:
-    """A grid from YAML (or JSON): a mapping from field name to a non-empty list of values."""
-    import yaml
-
-    try:
-        grid = yaml.load(Path(path).read_text(), Loader=_unique_key_loader())
-    except OSError as exc:
-        raise GridError(f"cannot read grid {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise GridError(f"{path}: not valid YAML ({exc})") from None
-    return check_grid(grid, str(path))
+    """A grid from YAML (or JSON), read strictly by ``lab.user_files`` (no repeated key, alias or deep nesting): a
+    mapping from field name to a non-empty list of values."""
+    return check_grid(user_files.read_yaml(path, GridError), str(path))
 
 
 def check_grid(grid, name: str = "grid") -> dict[str, list]:
@@ -132,7 +107,21 @@ def check_grid(grid, name: str = "grid") -> dict[str, list]:
             check_spec(spec)
         except ValueError as exc:
             raise GridError(f"{name}: {exc}") from None
+    _read_files(grid, name)
     return grid
+
+
+def _read_files(grid: dict[str, list], name: str) -> None:
+    """Read each file the grid names for its runs' settings (a kernel CSV, a profile) once, now: a missing or
+    malformed one would otherwise fail every run that uses it, after the others ran."""
+    readers = {"kernel_csv": read_kernel_csv, "profile": Profile.load}
+    for field, read in readers.items():
+        paths = [value for value in grid.get(field, []) if isinstance(value, (str, Path))]
+        for path in dict.fromkeys(map(str, paths)):
+            try:
+                read(path)
+            except LabError as exc:
+                raise GridError(f"{name}: {field} {user_files.shown(path)}: {exc}") from None
 
 
 def expand(grid: dict[str, list]) -> list[dict]:
@@ -260,7 +249,7 @@ class ResultStore:
             if problems != ["ok"]:
                 raise sqlite3.DatabaseError("; ".join(problems[:3]))
             for key, text in self.db.execute("SELECT run_key, row FROM runs"):
-                json.loads(text)
+                _stored_row(key, text)
         except (sqlite3.DatabaseError, ValueError) as exc:
             raise StoreError(f"{self.path}: not a readable results store ({exc}); delete it or choose another "
                              f"--store") from None
@@ -276,7 +265,8 @@ class ResultStore:
         """Stored run keys; without the runs that failed when ``failed`` is False."""
         if failed:
             return {key for (key,) in self.db.execute("SELECT run_key FROM runs")}
-        return {key for key, text in self.db.execute("SELECT run_key, row FROM runs") if not json.loads(text)["error"]}
+        return {key for key, text in self.db.execute("SELECT run_key, row FROM runs")
+                if not _stored_row(key, text)["error"]}
 
     def put(self, row: dict) -> None:
         text = json.dumps({k: _plain(v) for k, v in row.items()})
@@ -286,7 +276,19 @@ class ResultStore:
         """One row per (``keys[i]``, ``specs[i]``) whose run is stored, in that order: the stored row with the spec's
         own values (runs shared by several grid points appear once per point)."""
         rows = dict(self.db.execute("SELECT run_key, row FROM runs"))
-        return pd.DataFrame([{**json.loads(rows[key]), **spec} for key, spec in zip(keys, specs) if key in rows])
+        return pd.DataFrame([{**_stored_row(key, rows[key]), **spec} for key, spec in zip(keys, specs) if key in rows])
+
+
+def _stored_row(key, text) -> dict:
+    """A stored run's row, read by ``lab.user_files`` (the store is a file the user can hand over) and checked to be
+    a run: a JSON object whose ``error`` is a string (empty when the run succeeded)."""
+    name = f"run {user_files.shown(key)}"
+    if not isinstance(text, str):
+        raise StoreError(f"{name}: the row is {type(text).__name__}, not JSON text")
+    row = user_files.loads_json(text, name, StoreError)
+    if not isinstance(row, dict) or not isinstance(row.get("error"), str):
+        raise StoreError(f"{name}: {user_files.shown(text)} is not a run's row (a JSON object with an 'error' string)")
+    return row
 
 
 def _plain(value):
@@ -448,7 +450,12 @@ def read_table(data: bytes, name: str) -> pd.DataFrame:
     import io
 
     try:
-        table = pd.read_parquet(io.BytesIO(data)) if name.endswith(".parquet") else pd.read_csv(io.BytesIO(data))
+        if not name.endswith(".parquet"):  # text: the one reader of user files
+            table = user_files.csv_table(user_files.decode(data, name, InputError), name, InputError)
+        else:
+            table = pd.read_parquet(io.BytesIO(data))
+    except InputError:
+        raise
     except Exception as exc:  # noqa: BLE001 - pandas and pyarrow raise many types for a bad file
         raise InputError(f"{name}: not a readable {'Parquet' if name.endswith('.parquet') else 'CSV'} table "
                          f"({type(exc).__name__}: {exc})") from None

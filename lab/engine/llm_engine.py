@@ -346,7 +346,12 @@ class LLMEngine:
                  params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
                  progress: bool = False) -> list[RequestOutput]:
         """Run prompts to completion; one ``RequestOutput`` per prompt, in order. Every prompt is checked before
-        any is queued."""
+        any is queued.
+
+        Requests queued before with ``add_request`` run alongside (they share the steps) but are not returned here:
+        ``generate`` returns only its own prompts' outputs, and stops once they are done. Another request that
+        finished meanwhile is returned by the next ``step()``, one still running goes on in the next steps, as if
+        ``generate`` had not been called."""
         if isinstance(prompts, (str, bytes, dict, set)) or not isinstance(prompts, abc.Sequence):
             raise PromptError(f"prompts must be a list of prompts, got {prompts!r:.80}")
         if not (params is None or isinstance(params, (SamplingParams, BeamSearchParams, list, tuple))):
@@ -359,21 +364,26 @@ class LLMEngine:
         for request in requests:
             self._queue(request)
         ids = [r.request_id for r in requests]
-        bar = None
+        mine, bar = set(ids), None
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=len(ids), desc="generate")
         done: dict[int, RequestOutput] = {}
+        others: list[RequestOutput] = []  # add_request's requests that finished here: the next step() returns them
         try:
-            while self.has_unfinished():
+            while len(done) < len(ids) and self.has_unfinished():
                 for output in self.step():
-                    done[output.request_id] = output
-                    if bar:
-                        bar.update(1)
+                    if output.request_id in mine:
+                        done[output.request_id] = output
+                        if bar:
+                            bar.update(1)
+                    else:
+                        others.append(output)
         except BaseException:
             self._recover(abort=set(ids) - set(done))  # the caller sees the error; its requests leave no trace
             raise
         finally:
+            self._undelivered[:0] = others
             if bar:
                 bar.close()
         return [done[i] for i in ids]

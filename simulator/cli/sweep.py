@@ -11,7 +11,8 @@ from lab.cli.args import (cli_settings, key_values, output_csv, output_file, out
 from lab.errors import user_errors
 from lab.report.results import print_and_save, with_settings
 
-from simulator.experiments.sweep import failed_runs, load_grid, run_sweep, runs_failing_checks, save_table
+from simulator.experiments.sweep import (SweepInterrupted, failed_runs, load_grid, run_sweep, runs_failing_checks,
+                                         save_table)
 
 
 def output_table(text: str) -> str:
@@ -56,6 +57,15 @@ def sweep_main(argv: list[str]) -> int:
     except user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except SweepInterrupted as stop:  # Ctrl-C: the runs done so far are written, and stored for the next time
+        save_table(with_settings(stop.result.table, cli_settings(args, "store")), args.out)
+        print(f"interrupted after {stop.result.ran} of {stop.total} runs; wrote {args.out} ({len(stop.result.table)} "
+              f"rows); run the same command again to run the {stop.total - stop.result.ran} missing ones "
+              f"(finished runs are kept in {store})", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # before any run (reading the grid, opening the store)
+        print(f"interrupted before any run; {args.out} not written", file=sys.stderr)
+        return 130
     table = result.table
     save_table(with_settings(table, cli_settings(args, "store")), args.out)
     if result.store_error:

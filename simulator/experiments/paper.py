@@ -16,7 +16,8 @@ import numpy as np
 import pandas as pd
 
 from lab.errors import InputError
-from lab.report.results import settings_of, split_settings, with_settings, write_atomically
+from lab.files import write_atomically
+from lab.report.results import settings_of, split_settings, with_settings
 from simulator.core.engine import Simulator
 from .plan import RateSearch, search_max_rate
 from simulator.core.presets import PAPER_FIGURE2_TOKEN_STATES, PAPER_MEMORY, PAPER_SETUPS, figure2_experiment, paper_config

@@ -23,7 +23,7 @@ from typing import Callable
 import pandas as pd
 
 from lab.errors import InputError, LabError
-from lab.report.results import write_atomically
+from lab.files import write_atomically
 from simulator.core.checks import closed_form_checks
 from simulator.core.cluster import run_simulation
 from simulator.core.engine import SimConfig, check_config, offload_blocks
@@ -66,6 +66,16 @@ class SweepResult:
     ran: int
     ray_init_s: float = 0.0
     store_error: str = ""  # the store failed part-way: the table holds this invocation's runs from memory
+
+
+class SweepInterrupted(KeyboardInterrupt):
+    """Ctrl-C during ``run_sweep``: still an interrupt for whoever does not handle it, carrying ``result``, the table
+    of the grid's runs finished so far (stored ones included; ``result.ran`` those of this invocation), so a caller
+    can write it. The store keeps every finished run: the same sweep again runs exactly the missing ones."""
+
+    def __init__(self, result: SweepResult, total: int):
+        super().__init__(f"interrupted after {result.ran} of {total} runs")
+        self.result, self.total = result, total
 
 
 # ---- the grid ---------------------------------------------------------------------------------------------------
@@ -373,16 +383,19 @@ def run_sweep(grid: dict[str, list], store: str | Path, parallel: bool = True, a
             except sqlite3.Error as exc:
                 store_error.append(f"{results.path}: {exc}")
 
-    ray_init_s = 0.0
-    if parallel and todo:
-        ray_init_s = start_ray(address, num_cpus)
-        _run_on_ray(todo, keep, bar, should_stop)
-    else:
-        for done, (key, spec) in enumerate(todo, 1):
-            keep(key, run_one(spec))
-            bar.update(1)
-            if should_stop is not None and should_stop(done, len(todo)):
-                break
+    ray_init_s, interrupted = 0.0, False
+    try:
+        if parallel and todo:
+            ray_init_s = start_ray(address, num_cpus)
+            _run_on_ray(todo, keep, bar, should_stop)
+        else:
+            for done, (key, spec) in enumerate(todo, 1):
+                keep(key, run_one(spec))
+                bar.update(1)
+                if should_stop is not None and should_stop(done, len(todo)):
+                    break
+    except KeyboardInterrupt:
+        interrupted = True  # the runs done so far are stored; the table below is theirs
     bar.close()
     if not store_error:
         try:
@@ -392,7 +405,11 @@ def run_sweep(grid: dict[str, list], store: str | Path, parallel: bool = True, a
             store_error.append(f"{results.path}: {exc}")
     if store_error:
         table = pd.DataFrame([{**fresh[key], **spec} for key, spec in zip(keys, specs) if key in fresh])
-    return SweepResult(tidy(table, list(grid)), len(todo), ray_init_s, "".join(store_error))
+    result = SweepResult(tidy(table, list(grid)), len(fresh) if interrupted else len(todo), ray_init_s,
+                         "".join(store_error))
+    if interrupted:
+        raise SweepInterrupted(result, len(todo))
+    return result
 
 
 def _run_on_ray(todo: list[tuple[str, dict]], keep: Callable[[str, dict], None], bar, should_stop) -> None:
@@ -400,6 +417,19 @@ def _run_on_ray(todo: list[tuple[str, dict]], keep: Callable[[str, dict], None],
 
     remote = ray.remote(max_retries=MAX_RETRIES)(run_one)
     pending = {remote.remote(spec): (key, spec) for key, spec in todo}
+    try:
+        _collect(pending, keep, bar, should_stop)
+    except KeyboardInterrupt:
+        for ref in pending:  # the runs not finished stop with this process's sweep
+            ray.cancel(ref, force=True)
+        raise
+
+
+def _collect(pending: dict, keep: Callable[[str, dict], None], bar, should_stop) -> None:
+    """Keep each of the ``pending`` Ray tasks' rows as it finishes (removing it from ``pending``), until none is
+    left or ``should_stop`` says so (the rest are then cancelled)."""
+    import ray
+
     done = 0
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.2)  # whatever finished

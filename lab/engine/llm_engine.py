@@ -26,7 +26,7 @@ import paged_kernels
 
 from .beam import BeamRanking, BeamSearchError, BeamSearchOutput, BeamSearchParams
 from lab.errors import InputError, LabError
-from lab.checks import check_bool, check_choice, check_int, check_real
+from lab.checks import check_bool, check_choice, check_int, check_real, entry_point
 from lab.hardware import check_device
 from lab.sched.kv_policy import PagedPolicy, default_num_cpu_blocks
 from lab.models.qwen3 import load_hf_model
@@ -70,6 +70,7 @@ class RequestOutput:
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+@entry_point
 @dataclass(slots=True)
 class EngineConfig(SchedulingSettings):
     """Everything an ``LLMEngine`` is built from (one place for the runtime page, the CLI and the benchmarks).
@@ -154,6 +155,7 @@ class _SeqState:
         return self.request.prompt + self.output
 
 
+@entry_point
 def load_model(model: str, config: EngineConfig):
     """``(hf_model, tokenizer_or_None)`` for a preset or checkpoint directory on ``config``'s device and dtype
     (default: CUDA in bf16 when there is one, else the CPU in fp32): what ``LLMEngine(model, config)`` loads, for
@@ -163,6 +165,7 @@ def load_model(model: str, config: EngineConfig):
     return load_hf_model(model, dtype, device, config.seed)
 
 
+@entry_point(forwards=EngineConfig)
 class LLMEngine:
     """A small serving engine: ``generate()`` for batch use, ``add_request()``/``step()`` for incremental use.
 
@@ -175,11 +178,7 @@ class LLMEngine:
 
     def __init__(self, model="tiny", config: EngineConfig | None = None, *, on_step: Callable[[StepStats], None] |
                  None = None, tokenizer=None, **overrides):
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(EngineConfig)}
-        if unknown:
-            raise EngineConfigError(f"unknown LLMEngine setting(s): {', '.join(sorted(unknown))}")
-        if config is not None and not isinstance(config, EngineConfig):
-            raise EngineConfigError(f"config must be an EngineConfig (or None), got {type(config).__name__}")
+        # the keywords and the types of config and on_step are checked by entry_point
         config = dataclasses.replace(config or EngineConfig(), **overrides)
         config.check()
         self.config = config

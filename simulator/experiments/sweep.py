@@ -66,16 +66,7 @@ class SweepResult:
     ran: int
     ray_init_s: float = 0.0
     store_error: str = ""  # the store failed part-way: the table holds this invocation's runs from memory
-
-
-class SweepInterrupted(KeyboardInterrupt):
-    """Ctrl-C during ``run_sweep``: still an interrupt for whoever does not handle it, carrying ``result``, the table
-    of the grid's runs finished so far (stored ones included; ``result.ran`` those of this invocation), so a caller
-    can write it. The store keeps every finished run: the same sweep again runs exactly the missing ones."""
-
-    def __init__(self, result: SweepResult, total: int):
-        super().__init__(f"interrupted after {result.ran} of {total} runs")
-        self.result, self.total = result, total
+    interrupted: int = 0  # Ctrl-C ended the sweep (``run_sweep(..., keep_on_interrupt=True)``): the runs it had to do
 
 
 # ---- the grid ---------------------------------------------------------------------------------------------------
@@ -358,12 +349,16 @@ def _warm_up() -> int:
 
 def run_sweep(grid: dict[str, list], store: str | Path, parallel: bool = True, address: str | None = None,
               num_cpus: int | None = None, progress: bool = True,
-              should_stop: Callable[[int, int], bool] | None = None, retry_failed: bool = True) -> SweepResult:
+              should_stop: Callable[[int, int], bool] | None = None, retry_failed: bool = True,
+              keep_on_interrupt: bool = False) -> SweepResult:
     """Run every combination of ``grid`` not already in ``store`` (a run that failed is tried again unless
     ``retry_failed`` is False); returns the whole grid's table. ``should_stop`` (called with done, total after each
     run) ends the sweep early when it returns True (pending tasks are cancelled; what finished is stored). The store
     is checked before any run; should it fail later, the runs of this invocation are still returned (from memory)
-    and ``store_error`` says what happened."""
+    and ``store_error`` says what happened. A ``KeyboardInterrupt`` stops the runs (what finished is stored); with
+    ``keep_on_interrupt`` the sweep then returns the table of the runs done so far, ``ran`` those of this invocation
+    and ``interrupted`` how many it had to do (the same sweep again runs exactly the missing ones), else the
+    interrupt goes on to the caller."""
     grid = check_grid(grid)
     specs = expand(grid)
     results = ResultStore(store)
@@ -395,6 +390,8 @@ def run_sweep(grid: dict[str, list], store: str | Path, parallel: bool = True, a
                 if should_stop is not None and should_stop(done, len(todo)):
                     break
     except KeyboardInterrupt:
+        if not keep_on_interrupt:
+            raise
         interrupted = True  # the runs done so far are stored; the table below is theirs
     bar.close()
     if not store_error:
@@ -405,11 +402,8 @@ def run_sweep(grid: dict[str, list], store: str | Path, parallel: bool = True, a
             store_error.append(f"{results.path}: {exc}")
     if store_error:
         table = pd.DataFrame([{**fresh[key], **spec} for key, spec in zip(keys, specs) if key in fresh])
-    result = SweepResult(tidy(table, list(grid)), len(fresh) if interrupted else len(todo), ray_init_s,
-                         "".join(store_error))
-    if interrupted:
-        raise SweepInterrupted(result, len(todo))
-    return result
+    return SweepResult(tidy(table, list(grid)), len(fresh) if interrupted else len(todo), ray_init_s,
+                       "".join(store_error), len(todo) if interrupted else 0)
 
 
 def _run_on_ray(todo: list[tuple[str, dict]], keep: Callable[[str, dict], None], bar, should_stop) -> None:

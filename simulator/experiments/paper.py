@@ -432,7 +432,7 @@ def run_figures(figures: list[str], out_dir: str | Path, num_requests: int = 100
     out.mkdir(parents=True, exist_ok=True)
     for name, table in [*((f"figure{figure}", table) for figure, table in tables.items()), ("summary", summary)]:
         write_atomically(out / f"{name}.csv",
-                         lambda path, table=table: with_settings(table, settings).to_csv(path, index=False))
+                         lambda temporary, table=table: with_settings(table, settings).to_csv(temporary, index=False))
     return summary
 
 

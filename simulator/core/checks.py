@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from lab.checks import entry_point
+
 from .engine import SimConfig, SimResult, synthetic_token_ids
 from .workloads import Workload
 

@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from lab.checks import entry_point
+
 from .engine import SimConfig, SimResult, Simulator, check_config
 from .metrics import format_rejections, latency_summary, parse_rejections
 from .workloads import Workload

@@ -11,6 +11,12 @@ class InputError(LabError):
     """A field or argument has a wrong type or is out of range (``lab.checks``)."""
 
 
+class ArgumentError(InputError):
+    """A call to a public entry point (``lab.checks.entry_point``) with an argument of the wrong type, an unknown
+    keyword, too many positional arguments or a required one missing; the message names the function and the
+    argument."""
+
+
 def user_errors() -> tuple[type[Exception], ...]:
     """What the app and the CLIs show as a message instead of a traceback (``except user_errors() as exc``): the
     lab's errors, the kernels' argument errors (``paged_kernels`` depends on nothing of ours, so it has its own base)

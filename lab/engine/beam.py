@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 import torch
 
 from lab.errors import LabError
-from lab.checks import check_bool, check_int, check_real
+from lab.checks import check_bool, check_int, check_real, entry_point
 
 
 class BeamSearchError(LabError):
     """A ``BeamSearchParams`` field has a wrong type or value, or a prompt cannot be searched; nothing ran."""
 
 
+@entry_point
 @dataclass(slots=True)
 class BeamSearchParams:
     """vLLM's shape: ``beam_width`` beams, up to ``max_tokens`` new tokens each."""

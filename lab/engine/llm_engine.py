@@ -26,7 +26,7 @@ import paged_kernels
 
 from .beam import BeamRanking, BeamSearchError, BeamSearchOutput, BeamSearchParams
 from lab.errors import InputError, LabError
-from lab.checks import check_bool, check_choice, check_int, check_real
+from lab.checks import check_bool, check_choice, check_int, check_real, entry_point
 from lab.hardware import check_device
 from lab.sched.kv_policy import PagedPolicy, default_num_cpu_blocks
 from lab.models.qwen3 import load_hf_model
@@ -70,6 +70,7 @@ class RequestOutput:
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+@entry_point
 @dataclass(slots=True)
 class EngineConfig(SchedulingSettings):
     """Everything an ``LLMEngine`` is built from (one place for the runtime page, the CLI and the benchmarks).
@@ -154,6 +155,7 @@ class _SeqState:
         return self.request.prompt + self.output
 
 
+@entry_point
 def load_model(model: str, config: EngineConfig):
     """``(hf_model, tokenizer_or_None)`` for a preset or checkpoint directory on ``config``'s device and dtype
     (default: CUDA in bf16 when there is one, else the CPU in fp32): what ``LLMEngine(model, config)`` loads, for
@@ -163,6 +165,7 @@ def load_model(model: str, config: EngineConfig):
     return load_hf_model(model, dtype, device, config.seed)
 
 
+@entry_point(forwards=EngineConfig)
 class LLMEngine:
     """A small serving engine: ``generate()`` for batch use, ``add_request()``/``step()`` for incremental use.
 
@@ -175,11 +178,7 @@ class LLMEngine:
 
     def __init__(self, model="tiny", config: EngineConfig | None = None, *, on_step: Callable[[StepStats], None] |
                  None = None, tokenizer=None, **overrides):
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(EngineConfig)}
-        if unknown:
-            raise EngineConfigError(f"unknown LLMEngine setting(s): {', '.join(sorted(unknown))}")
-        if config is not None and not isinstance(config, EngineConfig):
-            raise EngineConfigError(f"config must be an EngineConfig (or None), got {type(config).__name__}")
+        # the keywords and the types of config and on_step are checked by entry_point
         config = dataclasses.replace(config or EngineConfig(), **overrides)
         config.check()
         self.config = config
@@ -346,7 +345,12 @@ class LLMEngine:
                  params: SamplingParams | abc.Sequence[SamplingParams] | None = None,
                  progress: bool = False) -> list[RequestOutput]:
         """Run prompts to completion; one ``RequestOutput`` per prompt, in order. Every prompt is checked before
-        any is queued."""
+        any is queued.
+
+        Requests queued before with ``add_request`` run alongside (they share the steps) but are not returned here:
+        ``generate`` returns only its own prompts' outputs, and stops once they are done. Another request that
+        finished meanwhile is returned by the next ``step()``, one still running goes on in the next steps, as if
+        ``generate`` had not been called."""
         if isinstance(prompts, (str, bytes, dict, set)) or not isinstance(prompts, abc.Sequence):
             raise PromptError(f"prompts must be a list of prompts, got {prompts!r:.80}")
         if not (params is None or isinstance(params, (SamplingParams, BeamSearchParams, list, tuple))):
@@ -359,21 +363,26 @@ class LLMEngine:
         for request in requests:
             self._queue(request)
         ids = [r.request_id for r in requests]
-        bar = None
+        mine, bar = set(ids), None
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=len(ids), desc="generate")
         done: dict[int, RequestOutput] = {}
+        others: list[RequestOutput] = []  # add_request's requests that finished here: the next step() returns them
         try:
-            while self.has_unfinished():
+            while len(done) < len(ids) and self.has_unfinished():
                 for output in self.step():
-                    done[output.request_id] = output
-                    if bar:
-                        bar.update(1)
+                    if output.request_id in mine:
+                        done[output.request_id] = output
+                        if bar:
+                            bar.update(1)
+                    else:
+                        others.append(output)
         except BaseException:
             self._recover(abort=set(ids) - set(done))  # the caller sees the error; its requests leave no trace
             raise
         finally:
+            self._undelivered[:0] = others
             if bar:
                 bar.close()
         return [done[i] for i in ids]

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lab.checks import check_bool, check_int, check_real
+from lab.checks import check_bool, check_int, check_real, entry_point
 from lab.errors import LabError
 
 MAX_TEMPERATURE = 1e4  # past this every token is equally likely to within float precision
@@ -16,6 +16,7 @@ MAX_TEMPERATURE = 1e4  # past this every token is equally likely to within float
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
+@entry_point
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens: greedy when ``temperature == 0``; else temperature, then top-k / top-p filtering."""

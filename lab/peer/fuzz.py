@@ -15,6 +15,7 @@ from pathlib import Path
 
 from lab import user_files
 from lab.errors import InputError, LabError
+from lab.files import write_text_atomically
 from lab.peer.client import (
     PeerSettings,
     VLLMPeer,
@@ -234,7 +235,7 @@ def fuzz(checkpoint: str, runs: int, seed: int = 0, shapes: tuple[PoolShape, ...
 
 def save_cases(report: FuzzReport, path: str | Path) -> None:
     """The shrunk differing workloads as JSON, in ``load_cases``'s form (what a named regression test loads)."""
-    Path(path).write_text(json.dumps(report.differing, indent=1))
+    write_text_atomically(path, json.dumps(report.differing, indent=1))
 
 
 def load_cases(path: str | Path) -> dict[str, tuple[PoolShape, Workload]]:

@@ -28,6 +28,7 @@ import pandas as pd
 
 from lab import user_files
 from lab.errors import LabError
+from lab.files import write_text_atomically
 
 QUANTITIES = ("constant", "prefill_seqs", "prefill_tokens", "decode_seqs", "prefill_attention_pairs",
               "decode_kv_tokens", "decode_padded_kv_tokens", "copied_blocks", "swapped_blocks", "idle_s",
@@ -240,9 +241,7 @@ class Profile:
 
     def save(self, path: str | Path) -> None:
         """Write the profile as JSON to ``path``, creating its folders (``--out`` checked that they can be)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=1))
+        write_text_atomically(path, json.dumps(asdict(self), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":

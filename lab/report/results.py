@@ -16,6 +16,7 @@ import pandas as pd
 
 from lab import user_files
 from lab.errors import InputError
+from lab.files import write_atomically
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDED_RESULTS = ROOT / "benchmarks" / "results"
@@ -219,18 +220,6 @@ def save_csv(table: pd.DataFrame, path: str | None, settings: dict | None = None
         table = with_settings(table, settings)
     write_atomically(target, lambda temporary: table.to_csv(temporary, index=False))
     print(f"wrote {target}")
-
-
-def write_atomically(path: Path, write) -> None:
-    """``write(temporary_path)``, then rename it to ``path``: a reader (or an interrupted run) never sees a file
-    written half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.partial")
-    try:
-        write(temporary)
-        temporary.replace(path)
-    finally:
-        temporary.unlink(missing_ok=True)
 
 
 def print_and_save(table: pd.DataFrame, out: str | None, columns: list[str] | None = None,

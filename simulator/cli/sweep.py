@@ -52,12 +52,21 @@ def sweep_main(argv: list[str]) -> int:
         refuse_shared_outputs(args, "out", "store")
         grid = load_grid(args.grid)
         result = run_sweep(grid, store, parallel=not args.serial, address=args.address, num_cpus=args.num_cpus,
-                           progress=not args.no_progress, retry_failed=not args.no_retry_failed)
+                           progress=not args.no_progress, retry_failed=not args.no_retry_failed,
+                           keep_on_interrupt=True)
     except user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before any run (reading the grid, opening the store)
+        print(f"interrupted before any run; {args.out} not written", file=sys.stderr)
+        return 130
     table = result.table
     save_table(with_settings(table, cli_settings(args, "store")), args.out)
+    if result.interrupted:  # Ctrl-C: the runs done so far are written, and stored for the next time
+        print(f"interrupted after {result.ran} of {result.interrupted} runs; wrote {args.out} ({len(table)} rows); "
+              f"run the same command again to run the {result.interrupted - result.ran} missing ones (finished runs "
+              f"are kept in {store})", file=sys.stderr)
+        return 130
     if result.store_error:
         print(f"warning: the store failed ({result.store_error}); {args.out} holds this invocation's runs",
               file=sys.stderr)

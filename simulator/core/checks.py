@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from lab.checks import entry_point
+
 from .engine import SimConfig, SimResult, synthetic_token_ids
 from .workloads import Workload
 
@@ -24,6 +26,7 @@ COLUMNS = ("label", "check", "simulated", "relation", "closed_form", "holds")
 RELATIVE_TOLERANCE = 1e-9  # equalities: float sums over thousands of steps
 
 
+@entry_point
 def closed_form_checks(workload: Workload, results: dict[str, SimResult]) -> pd.DataFrame:
     """One row per (run, check) that applies to it (``COLUMNS``): what the run reports, ``=`` or ``<=``, what the
     closed form gives, and whether it holds. ``results`` maps a label (e.g. ``simulator.compare``'s) to a run of

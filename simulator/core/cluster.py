@@ -14,6 +14,8 @@ from collections import Counter
 import numpy as np
 import pandas as pd
 
+from lab.checks import entry_point
+
 from .engine import SimConfig, SimResult, Simulator, check_config
 from .metrics import format_rejections, latency_summary, parse_rejections
 from .workloads import Workload
@@ -36,6 +38,7 @@ def route(num_requests: int, replicas: int, router: str) -> list[list[int]]:
     return [np.flatnonzero(choice == r).tolist() for r in range(replicas)]
 
 
+@entry_point
 def run_simulation(workload: Workload, config: SimConfig, on_snapshot=None, snapshot_every: int = 50,
                    snapshot_pool: bool = True) -> SimResult:
     """One run of ``config`` on ``workload``: a ``Simulator`` for one replica, ``run_cluster`` for several."""

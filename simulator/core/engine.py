@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from lab.checks import check_bool, check_choice, check_int, check_real
+from lab.checks import check_bool, check_choice, check_int, check_real, entry_point
 from lab.errors import InputError, LabError
 from lab.kv_cache.precision import check_kv_cache_dtype, kv_element_bytes
 from lab.sched.kv_policy import PagedPolicy, default_num_cpu_blocks, host_pool_blocks
@@ -52,6 +52,7 @@ class SimulationError(LabError):
     """A run cannot go on truthfully (a step priced at a non-finite or absurd duration)."""
 
 
+@entry_point
 @dataclass(slots=True)
 class SimConfig(SchedulingSettings):
     """Everything one simulation run needs besides the workload."""
@@ -241,6 +242,7 @@ def synthetic_token_ids(workload: Workload, request: int, length: int) -> list[i
     return prompt + list(range(generated_base + len(prompt), generated_base + length))
 
 
+@entry_point
 class Simulator:
     """One replica's run of one workload against one allocation policy; call ``run()``. A cluster of replicas
     (``config.replicas > 1``) is ``simulator.core.cluster.run_simulation``'s: it builds one of these per replica."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lab import user_files
+from lab.checks import entry_point
 from lab.errors import InputError
 
 GiB = 1 << 30
@@ -96,11 +97,13 @@ GPUS = {g.name: g for g in [
 ]}
 
 
+@entry_point
 def get_model(name_or_spec) -> ModelSpec:
     """A model preset by name (case-insensitive), or the spec itself."""
     return _preset(name_or_spec, ModelSpec, MODELS, "model")
 
 
+@entry_point
 def get_gpu(name_or_spec) -> GPUSpec:
     """A GPU preset by name (case-insensitive), or the spec itself."""
     return _preset(name_or_spec, GPUSpec, GPUS, "GPU")
@@ -147,6 +150,7 @@ def _check_field(owner: str, name: str, kind: type, value) -> None:
         raise InputError(f"{owner}.{name}={value!r}: expected {allowed} > 0")
 
 
+@entry_point
 def kv_capacity_tokens(model: ModelSpec, gpu: GPUSpec, gpu_memory_utilization: float = 0.9,
                        activation_reserve_bytes: float = 1 * GiB, tp: int = 1) -> int:
     """Tokens of KV that fit: per GPU, memory x utilization - its share of the weights - activation reserve, over
@@ -214,6 +218,7 @@ def block_slowdown_curve(table) -> dict[int, float]:
     return {int(b): float(bandwidth.max() / value) for b, value in bandwidth.items()}
 
 
+@entry_point
 @dataclass(slots=True)
 class CostModel:
     """Roofline time of one iteration: max(FLOPs / achievable FLOP/s, weight bytes / achievable bandwidth + KV bytes /

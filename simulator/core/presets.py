@@ -1,6 +1,7 @@
 """Ready-made experiments."""
 from __future__ import annotations
 
+from lab.checks import entry_point
 from lab.errors import InputError
 from .engine import SimConfig
 from .workloads import SyntheticSpec
@@ -33,6 +34,7 @@ def paper_config(setup: str, **fields) -> SimConfig:
     return SimConfig(**{**PAPER_SETUPS[setup], **PAPER_MEMORY, **fields})
 
 
+@entry_point
 def figure2_experiment(num_requests: int = 1000, seed: int = 0) -> tuple[SyntheticSpec, list[SimConfig]]:
     """The vLLM paper's Figure 2 setup: OPT-13B on one A100-40GB, ShareGPT-like lengths, max length 2048, all
     requests at t=0 (saturating load); contiguous baselines on a buddy allocator, paged with blocks of 16."""
@@ -57,6 +59,7 @@ ALLOCATOR_SETTINGS = {
 }
 
 
+@entry_point(forwards=SimConfig, sets=("allocator", "block_size"))
 def make_configs(allocators: list[str], block_sizes: list[int], preemption_mode: str = "recompute",
                  kv_offload_gib: float = 0.0, **common) -> list[SimConfig]:
     """One config per contiguous allocator and one per (paged, block size); ``common`` holds the other fields.

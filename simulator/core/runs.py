@@ -12,6 +12,7 @@ from typing import Callable, MutableMapping
 
 import pandas as pd
 
+from lab.checks import entry_point
 from lab.errors import InputError
 from .allocators import ALLOCATORS
 from .cluster import run_simulation
@@ -20,6 +21,7 @@ from .presets import APP_DEFAULTS, make_configs
 from .workloads import SYNTHETIC_PRESETS, SyntheticSpec, Workload, at_mean_rate, load_trace, synthetic_workload
 
 
+@entry_point(forwards=SyntheticSpec, sets=("preset",))
 def make_workload(workload: str | Path | Workload, num_requests: int | None = None, seed: int = 0,
                   time_scale: float = 1.0, **synthetic) -> Workload:
     """A ``Workload`` from a preset name (with ``SyntheticSpec`` fields as keywords), a trace path (its first
@@ -50,6 +52,7 @@ def make_workload(workload: str | Path | Workload, num_requests: int | None = No
     return at_mean_rate(load_trace(workload, time_scale=time_scale, max_rows=num_requests), rate)
 
 
+@entry_point(forwards=make_workload)
 def simulate(workload, config: SimConfig | None = None, on_snapshot: Callable[[Snapshot], bool | None] | None = None,
              snapshot_every: int = 50, **workload_options) -> SimResult:
     """Run one allocator over a workload. ``on_snapshot`` receives a ``Snapshot`` every ``snapshot_every``
@@ -58,6 +61,7 @@ def simulate(workload, config: SimConfig | None = None, on_snapshot: Callable[[S
                           snapshot_every)
 
 
+@entry_point(forwards=make_workload)
 def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool | None] | None = None,
             workers: int = 1, reuse: MutableMapping | None = None,
             **workload_options) -> tuple[pd.DataFrame, dict[str, SimResult]]:
@@ -95,6 +99,7 @@ def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool
     return table, results
 
 
+@entry_point
 class RunCache(OrderedDict):
     """A ``compare(..., reuse=)`` mapping that keeps the ``max_runs`` most recently used runs."""
 
@@ -132,6 +137,7 @@ def _run_all(workload: Workload, configs: list[SimConfig], workers: int,
     return runs
 
 
+@entry_point
 def default_inputs(num_requests: int = APP_DEFAULTS["num_requests"], rate: float = APP_DEFAULTS["rate"]):
     """The page's opening workload (``APP_DEFAULTS``, at ``rate``) and configurations: every allocator, paged at
     the default block size."""
@@ -142,6 +148,7 @@ def default_inputs(num_requests: int = APP_DEFAULTS["num_requests"], rate: float
     return workload, configs
 
 
+@entry_point
 def default_comparison(num_requests: int = APP_DEFAULTS["num_requests"]):
     """The page's opening comparison (``default_inputs``)."""
     return compare(*default_inputs(num_requests))
@@ -150,6 +157,7 @@ def default_comparison(num_requests: int = APP_DEFAULTS["num_requests"]):
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+@entry_point
 def block_size_sweep_workloads(workload: Workload, max_model_len: int, num_requests: int = 300) -> dict:
     """What a block-size sweep beside a comparison runs on: the workload's first ``num_requests`` requests and the
     other synthetic preset (Alpaca's short requests beside ShareGPT's long ones) at the same arrival rate."""
@@ -160,6 +168,7 @@ def block_size_sweep_workloads(workload: Workload, max_model_len: int, num_reque
                                  max_model_len=max_model_len)}
 
 
+@entry_point
 def block_size_sweep(workloads: dict[str, Workload], config: SimConfig,
                      block_sizes: tuple[int, ...] = BLOCK_SIZES) -> pd.DataFrame:
     """The paged allocator at each block size on each workload (``config`` otherwise): internal fragmentation,
@@ -182,6 +191,7 @@ def block_size_sweep(workloads: dict[str, Workload], config: SimConfig,
 OFFLOAD_TIERS_GIB = (0.0, 8.0, 32.0, 128.0, math.inf)
 
 
+@entry_point
 def offload_sweep(workload: Workload, config: SimConfig,
                   tiers_gib: tuple[float, ...] = OFFLOAD_TIERS_GIB) -> pd.DataFrame:
     """What a CPU tier buys: the paged allocator (``config`` otherwise, prefix caching on) with a host offload tier

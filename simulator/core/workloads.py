@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from lab import user_files
-from lab.checks import check_choice, check_int, check_real
+from lab.checks import check_choice, check_int, check_real, entry_point
 from lab.errors import InputError, LabError
 from lab.user_files import shown
 
@@ -35,6 +35,7 @@ class TraceFormatError(WorkloadError):
     """A trace file is malformed; the message names the file, the row and the column."""
 
 
+@entry_point
 @dataclass(slots=True)
 class Workload:
     """Requests sorted by arrival. ``prompt_block_ids`` (Mooncake) gives per-512-token prompt block ids, so equal
@@ -157,6 +158,7 @@ class Workload:
                 "duration_s": duration, "rate_req_s": (len(self) - 1) / duration if duration > 0 else math.inf}
 
 
+@entry_point
 @dataclass(slots=True)
 class SyntheticSpec:
     """Parameters of a synthetic workload (see ``synthetic_workload``)."""
@@ -175,6 +177,7 @@ class SyntheticSpec:
     seed: int = 0
 
 
+@entry_point
 def synthetic_workload(spec: SyntheticSpec) -> Workload:
     """Draw a synthetic workload: ``sharegpt`` (mean prompt/output ~161/338, heavy-tailed, prompt <= 1024,
     prompt + output <= 2048), ``alpaca`` (~19/58), ``random`` (vLLM bench style) or ``fixed``."""
@@ -254,6 +257,7 @@ def _spec_dict(spec: SyntheticSpec) -> dict:
 
 
 # ---- traces ---------------------------------------------------------------------------------------------------------
+@entry_point
 def load_trace(path: str | Path, time_scale: float = 1.0, max_rows: int | None = None, fmt: str | None = None) -> Workload:
     """Load a trace file: Azure LLM CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``), Mooncake JSONL
     (``timestamp`` ms, ``input_length``, ``output_length``, and ``hash_ids`` in every row or none: without them no
@@ -276,6 +280,7 @@ def load_trace(path: str | Path, time_scale: float = 1.0, max_rows: int | None =
     return workload.check()
 
 
+@entry_point
 def at_mean_rate(workload: Workload, rate: float) -> Workload:
     """``workload`` with its arrival offsets scaled so that requests arrive ``rate`` per second on average (a trace
     replayed at another load, its burstiness kept); ``inf``, or no two distinct arrival times, leaves it as it is."""
@@ -287,6 +292,7 @@ def at_mean_rate(workload: Workload, rate: float) -> Workload:
     return dataclasses.replace(workload, arrival_s=workload.arrival_s[0] + offsets * (natural / rate)).check()
 
 
+@entry_point
 def load_trace_bytes(data: bytes, name: str, time_scale: float = 1.0, max_rows: int | None = None) -> Workload:
     """Load an uploaded trace (its bytes and file name); errors name the file as uploaded."""
     import tempfile

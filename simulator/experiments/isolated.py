@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from lab.errors import LabError
+from lab.files import write_bytes_atomically
 
 JOBS = ("sweep", "plan")
 
@@ -107,9 +108,7 @@ def _child(folder: Path) -> int:
             import ray
 
             ray.shutdown()
-    temporary = folder / "result.partial"
-    temporary.write_bytes(pickle.dumps(result))
-    temporary.rename(folder / "result.pickle")  # whole or not at all
+    write_bytes_atomically(folder / "result.pickle", pickle.dumps(result))  # whole or not at all
     return 0
 
 

@@ -16,7 +16,8 @@ import numpy as np
 import pandas as pd
 
 from lab.errors import InputError
-from lab.report.results import settings_of, split_settings, with_settings, write_atomically
+from lab.files import write_atomically
+from lab.report.results import settings_of, split_settings, with_settings
 from simulator.core.engine import Simulator
 from .plan import RateSearch, search_max_rate
 from simulator.core.presets import PAPER_FIGURE2_TOKEN_STATES, PAPER_MEMORY, PAPER_SETUPS, figure2_experiment, paper_config
@@ -431,7 +432,7 @@ def run_figures(figures: list[str], out_dir: str | Path, num_requests: int = 100
     out.mkdir(parents=True, exist_ok=True)
     for name, table in [*((f"figure{figure}", table) for figure, table in tables.items()), ("summary", summary)]:
         write_atomically(out / f"{name}.csv",
-                         lambda path, table=table: with_settings(table, settings).to_csv(path, index=False))
+                         lambda temporary, table=table: with_settings(table, settings).to_csv(temporary, index=False))
     return summary
 
 

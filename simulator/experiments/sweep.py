@@ -24,7 +24,7 @@ import pandas as pd
 
 from lab import user_files
 from lab.errors import InputError, LabError
-from lab.report.results import write_atomically
+from lab.files import write_atomically
 from simulator.core.checks import closed_form_checks
 from simulator.core.cluster import run_simulation
 from simulator.core.engine import Profile, SimConfig, check_config, offload_blocks
@@ -67,6 +67,7 @@ class SweepResult:
     ran: int
     ray_init_s: float = 0.0
     store_error: str = ""  # the store failed part-way: the table holds this invocation's runs from memory
+    interrupted: int = 0  # Ctrl-C ended the sweep (``run_sweep(..., keep_on_interrupt=True)``): the runs it had to do
 
 
 # ---- the grid ----------------------------------------------------------------------------------------------------
@@ -350,12 +351,16 @@ def _warm_up() -> int:
 
 def run_sweep(grid: dict[str, list], store: str | Path, parallel: bool = True, address: str | None = None,
               num_cpus: int | None = None, progress: bool = True,
-              should_stop: Callable[[int, int], bool] | None = None, retry_failed: bool = True) -> SweepResult:
+              should_stop: Callable[[int, int], bool] | None = None, retry_failed: bool = True,
+              keep_on_interrupt: bool = False) -> SweepResult:
     """Run every combination of ``grid`` not already in ``store`` (a run that failed is tried again unless
     ``retry_failed`` is False); returns the whole grid's table. ``should_stop`` (called with done, total after each
     run) ends the sweep early when it returns True (pending tasks are cancelled; what finished is stored). The store
     is checked before any run; should it fail later, the runs of this invocation are still returned (from memory)
-    and ``store_error`` says what happened."""
+    and ``store_error`` says what happened. A ``KeyboardInterrupt`` stops the runs (what finished is stored); with
+    ``keep_on_interrupt`` the sweep then returns the table of the runs done so far, ``ran`` those of this invocation
+    and ``interrupted`` how many it had to do (the same sweep again runs exactly the missing ones), else the
+    interrupt goes on to the caller."""
     grid = check_grid(grid)
     specs = expand(grid)
     results = ResultStore(store)
@@ -375,16 +380,21 @@ def run_sweep(grid: dict[str, list], store: str | Path, parallel: bool = True, a
             except sqlite3.Error as exc:
                 store_error.append(f"{results.path}: {exc}")
 
-    ray_init_s = 0.0
-    if parallel and todo:
-        ray_init_s = start_ray(address, num_cpus)
-        _run_on_ray(todo, keep, bar, should_stop)
-    else:
-        for done, (key, spec) in enumerate(todo, 1):
-            keep(key, run_one(spec))
-            bar.update(1)
-            if should_stop is not None and should_stop(done, len(todo)):
-                break
+    ray_init_s, interrupted = 0.0, False
+    try:
+        if parallel and todo:
+            ray_init_s = start_ray(address, num_cpus)
+            _run_on_ray(todo, keep, bar, should_stop)
+        else:
+            for done, (key, spec) in enumerate(todo, 1):
+                keep(key, run_one(spec))
+                bar.update(1)
+                if should_stop is not None and should_stop(done, len(todo)):
+                    break
+    except KeyboardInterrupt:
+        if not keep_on_interrupt:
+            raise
+        interrupted = True  # the runs done so far are stored; the table below is theirs
     bar.close()
     if not store_error:
         try:
@@ -394,7 +404,8 @@ def run_sweep(grid: dict[str, list], store: str | Path, parallel: bool = True, a
             store_error.append(f"{results.path}: {exc}")
     if store_error:
         table = pd.DataFrame([{**fresh[key], **spec} for key, spec in zip(keys, specs) if key in fresh])
-    return SweepResult(tidy(table, list(grid)), len(todo), ray_init_s, "".join(store_error))
+    return SweepResult(tidy(table, list(grid)), len(fresh) if interrupted else len(todo), ray_init_s,
+                       "".join(store_error), len(todo) if interrupted else 0)
 
 
 def _run_on_ray(todo: list[tuple[str, dict]], keep: Callable[[str, dict], None], bar, should_stop) -> None:
@@ -402,6 +413,19 @@ def _run_on_ray(todo: list[tuple[str, dict]], keep: Callable[[str, dict], None],
 
     remote = ray.remote(max_retries=MAX_RETRIES)(run_one)
     pending = {remote.remote(spec): (key, spec) for key, spec in todo}
+    try:
+        _collect(pending, keep, bar, should_stop)
+    except KeyboardInterrupt:
+        for ref in pending:  # the runs not finished stop with this process's sweep
+            ray.cancel(ref, force=True)
+        raise
+
+
+def _collect(pending: dict, keep: Callable[[str, dict], None], bar, should_stop) -> None:
+    """Keep each of the ``pending`` Ray tasks' rows as it finishes (removing it from ``pending``), until none is
+    left or ``should_stop`` says so (the rest are then cancelled)."""
+    import ray
+
     done = 0
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.2)  # whatever finished

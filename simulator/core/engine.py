@@ -51,6 +51,9 @@ class SimulationError(LabError):
     """A run cannot go on truthfully (a step priced at a non-finite or absurd duration)."""
 
 
+FILE_FIELDS = ("profile", "kernel_csv")  # SimConfig fields that may name a file: a run reads its content
+
+
 @dataclass(slots=True)
 class SimConfig(SchedulingSettings):
     """Everything one simulation run needs besides the workload."""

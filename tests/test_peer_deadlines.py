@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-import lab.peer.server as server
+from lab.peer import server
 from lab.peer.server import ServerRequest, check_server, run_server_workload
 from lab.peer.waits import Deadline, PeerError, http
 

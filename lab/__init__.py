@@ -4,7 +4,8 @@ Rooms, each a package answering one question (docs/architecture.md draws the arr
 checks them):
 
 - the package itself: ``errors`` (the one error root), ``checks`` (field and argument checks), ``files`` (atomic
-  writes), ``hardware`` (this machine);
+  writes, a file's identity by content), ``hardware`` (this machine), ``latency`` (the per-request latency metrics,
+  defined once);
 - ``kv_cache/``: the block pool: block manager, prefix cache, host offload tier, snapshots of the pool;
 - ``sched/``: the one scheduler and the paged policy it allocates through;
 - ``models/``: Qwen3 presets and checkpoints; ``worker/``: the model runner, its device block tables, CUDA graphs;

@@ -2,12 +2,15 @@
 atomically. The content goes to a temporary file of a unique name in the target's folder, is flushed and synced to
 disk, then renamed over the target (``os.replace``). A reader, a full disk or an interrupted run never sees a file
 written half, and two writers of one path each leave one whole file: the last rename wins. The temporary file is
-removed on any failure."""
+removed on any failure. And a file's identity by its content (``file_digest``): what keys runs that read a file (a
+trace, a kernel CSV, a profile), so that a rewritten file is a new run, never the stale one kept under its path."""
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 
 _UMASK = os.umask(0o022)
@@ -70,3 +73,18 @@ def _sync_folder(folder: Path) -> None:
         pass
     finally:
         os.close(handle)
+
+
+def file_digest(path: str | Path) -> str:
+    """SHA-256 of a file's bytes (cached while its inode, size and modification and change times stay the same)."""
+    stat = Path(path).stat()
+    return _digest(str(Path(path).resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
+@lru_cache(maxsize=64)
+def _digest(path: str, inode: int, size: int, mtime_ns: int, ctime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -54,5 +54,6 @@ def test_the_committed_full_run_loads():
 
 
 def test_normalized_latency_is_mean_latency_per_output_token():
-    requests = pd.DataFrame({"arrival_s": [0.0, 1.0], "finish_s": [2.0, 5.0], "output_tokens": [4, 8]})
+    requests = pd.DataFrame({"arrival_s": [0.0, 1.0], "first_token_s": [0.5, 1.5], "finish_s": [2.0, 5.0],
+                             "output_tokens": [4, 8]})
     assert normalized_latency(requests) == pytest.approx((0.5 + 0.5) / 2)

@@ -16,6 +16,7 @@ import torch
 from lab.bench.e2e import status_bytes
 from lab.engine import LLMEngine
 from lab.engine.live import random_requests
+from lab.latency import counted_tokens, request_latencies
 from lab.models.qwen3 import PRESETS, save_checkpoint
 from lab.peer.client import PeerSettings, VLLMPeer, serve
 
@@ -44,11 +45,12 @@ def _percentile(values, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
-def _latencies(arrival, first, finish, outputs) -> dict:
-    ttft = [f - a for a, f in zip(arrival, first)]
-    tpot = [(e - f) / (len(o) - 1) for f, e, o in zip(first, finish, outputs) if len(o) > 1]
-    return {"ttft_p50_s": _percentile(ttft, 50), "ttft_p90_s": _percentile(ttft, 90),
-            "tpot_p50_s": _percentile(tpot, 50), "tpot_p90_s": _percentile(tpot, 90)}
+def _latencies(arrival, first, finish, tokens) -> dict:
+    """TTFT and TPOT p50/p90 of requests (``lab.latency``'s definitions; ``tokens``: each request's counted output
+    tokens)."""
+    table = request_latencies(arrival, first, finish, tokens)
+    return {"ttft_p50_s": _percentile(table["ttft_s"], 50), "ttft_p90_s": _percentile(table["ttft_s"], 90),
+            "tpot_p50_s": _percentile(table["tpot_s"], 50), "tpot_p90_s": _percentile(table["tpot_s"], 90)}
 
 
 def _ours(engine: LLMEngine, prompts, max_tokens) -> dict:
@@ -60,7 +62,8 @@ def _ours(engine: LLMEngine, prompts, max_tokens) -> dict:
     log = engine.step_log()
     return {"output_tok_s": sum(map(len, run["outputs"])) / run["elapsed_s"],
             **_latencies([o.arrival_s - started for o in done], [o.first_token_s - started for o in done],
-                         [o.finish_s - started for o in done], [o.outputs[0] for o in done]),
+                         [o.finish_s - started for o in done],
+                         counted_tokens([[len(s) for s in o.outputs] for o in done])),
             "steps": len(log) - steps_before, "preemptions": int(log["num_preempted"].sum() - preempted_before),
             "peak_memory_bytes": status_bytes("VmHWM"), "outputs": run["outputs"]}
 
@@ -68,7 +71,7 @@ def _ours(engine: LLMEngine, prompts, max_tokens) -> dict:
 def _theirs(peer: VLLMPeer, prompts, max_tokens) -> dict:
     run = peer.run(prompts, max_tokens)
     return {"output_tok_s": sum(map(len, run["outputs"])) / run["elapsed_s"],
-            **_latencies(run["arrival_s"], run["first_token_s"], run["finish_s"], run["outputs"]),
+            **_latencies(run["arrival_s"], run["first_token_s"], run["finish_s"], [len(o) for o in run["outputs"]]),
             "steps": len(run["steps"]), "preemptions": sum(len(s["preempted"]) for s in run["steps"]),
             "peak_memory_bytes": status_bytes("VmHWM", peer.process.pid), "outputs": run["outputs"]}
 

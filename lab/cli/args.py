@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 from lab.errors import InputError, user_errors
@@ -37,6 +38,20 @@ def positive_ints(text: str) -> tuple[int, ...]:
     values = tuple(positive_int(part) for part in text.split(",") if part.strip())
     if not values:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+TOKEN_IDS = re.compile(r"\s*\d+\s*(,\s*\d+\s*)+")  # what a text prompt that was meant as token ids looks like
+
+
+def token_ids(text: str) -> list[int]:
+    """A comma-separated list of token ids (integers >= 0), at least one: ``--prompt-ids 1,2,3``."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids (integers >= 0), got {text!r}")
     return values
 
 

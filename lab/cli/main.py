@@ -9,7 +9,7 @@ import pandas as pd
 from lab.errors import InputError
 from lab.cli.args import (batch_contexts, cli_settings, device, model_options, non_negative_int, output_csv, output_file,
                           output_folder, positive_int, positive_ints, refuse_ignored, run_command, scheduler_options,
-                          scheduling_settings)
+                          scheduling_settings, token_ids, TOKEN_IDS)
 from lab.models.qwen3 import PRESETS
 from lab.profiling.profile import GRIDS
 from lab.report.results import csv_target, print_and_save, save_csv, settings_of
@@ -154,14 +154,15 @@ def _generate(args) -> None:
 
     from lab.engine import LLMEngine, SamplingParams
 
-    if args.prompt:
+    given = (args.prompt or []) + (args.prompt_ids or [])
+    if given:
         refuse_ignored([name for name in ("num_prompts", "prompt_len") if getattr(args, name) is not None],
-                       "they shape random prompts, and --prompt gives them")
+                       "they shape random prompts, and --prompt or --prompt-ids gives them")
     engine = LLMEngine(args.model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device,
                        attention_backend=args.backend, enable_prefix_caching=not args.no_prefix_caching,
                        **scheduling_settings(args))
-    if args.prompt:
-        prompts = [p if engine.tokenizer is not None else _token_ids(p) for p in args.prompt]
+    if given:
+        prompts = [_text_prompt(p, engine.tokenizer is not None) for p in args.prompt or []] + (args.prompt_ids or [])
     else:
         generator = torch.Generator().manual_seed(args.seed)
         vocab = engine.hf_model.config.vocab_size
@@ -324,7 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = commands.add_parser("generate", help="generate with the paged engine")
     model_options(g)
-    g.add_argument("--prompt", action="append", help="text (with a tokenizer) or comma-separated token ids")
+    g.add_argument("--prompt", action="append",
+                   help="text (with a tokenizer; ids look-alikes are read as text, with a note) or, for a model "
+                        "without one, comma-separated token ids")
+    g.add_argument("--prompt-ids", action="append", type=token_ids,
+                   help="comma-separated token ids, with or without a tokenizer (after the --prompt ones)")
     g.add_argument("--num-prompts", type=positive_int, default=None,
                    help="random prompts when --prompt is not given (default 8)")
     g.add_argument("--prompt-len", type=positive_int, default=None, help="tokens of each random prompt (default 64)")
@@ -422,9 +427,16 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(build_parser(), argv)
 
 
-def _token_ids(text: str) -> list[int]:
-    """``--prompt`` for a model without a tokenizer: comma-separated token ids."""
+def _text_prompt(text: str, has_tokenizer: bool) -> str | list[int]:
+    """``--prompt``: text for a model with a tokenizer (a note on stderr when it looks like token ids, which it is
+    not read as), comma-separated token ids for one without."""
+    if has_tokenizer:
+        if TOKEN_IDS.fullmatch(text):
+            print(f"note: --prompt {text!r} is read as text (this model has a tokenizer); to pass token ids, use "
+                  f"--prompt-ids {text.replace(' ', '')}", file=sys.stderr)
+        return text
     try:
-        return [int(part) for part in text.split(",")]
-    except ValueError:
-        raise InputError(f"--prompt {text!r}: this model has no tokenizer; give comma-separated token ids") from None
+        return token_ids(text)
+    except argparse.ArgumentTypeError:
+        raise InputError(f"--prompt {text!r}: this model has no tokenizer; give comma-separated token ids (or use "
+                         f"--prompt-ids)") from None

@@ -28,6 +28,7 @@ from .beam import BeamRanking, BeamSearchError, BeamSearchOutput, BeamSearchPara
 from lab.errors import InputError, LabError
 from lab.checks import check_bool, check_choice, check_int, check_real, entry_point
 from lab.hardware import check_device
+from lab.latency import counted_tokens, request_latencies
 from lab.sched.kv_policy import PagedPolicy, default_num_cpu_blocks
 from lab.models.qwen3 import load_hf_model
 from lab.worker.model_runner import ModelInput, ModelRunner
@@ -627,16 +628,8 @@ class LLMEngine:
 
     # ---- metrics ------------------------------------------------------------------------------------------------
     def request_metrics(self) -> pd.DataFrame:
-        """One row per finished request: prompt/output tokens, TTFT, TPOT and end-to-end latency (seconds)."""
-        rows = []
-        for out in self.finished:
-            generated = max(len(o) for o in out.outputs)
-            rows.append({"request_id": out.request_id, "prompt_tokens": len(out.prompt_token_ids),
-                         "output_tokens": sum(len(o) for o in out.outputs),
-                         "ttft_s": out.first_token_s - out.arrival_s,
-                         "tpot_s": (out.finish_s - out.first_token_s) / max(generated - 1, 1),
-                         "e2e_s": out.finish_s - out.arrival_s})
-        return pd.DataFrame(rows)
+        """One row per finished request (``request_table``)."""
+        return request_table(self.finished)
 
     def run_metrics(self) -> dict:
         """Totals for the run so far."""
@@ -652,6 +645,20 @@ class LLMEngine:
                 "peak_kv_blocks": self.peak_used_blocks, "num_kv_blocks": self.block_manager.num_physical_blocks,
                 "prefix_hit_rate": stats.hit_rate, "cow_copies": self.block_manager.num_cow_copies,
                 "peak_memory_bytes": peak_memory_bytes(self.device)}
+
+
+def request_table(outputs: list[RequestOutput]) -> pd.DataFrame:
+    """One row per request of ``outputs``: prompt tokens, output tokens (every sample's), TTFT, TPOT and end-to-end
+    latency (seconds), as ``lab.latency`` defines them (for ``n > 1``: the longest sample's tokens count)."""
+    if not outputs:
+        return pd.DataFrame(columns=["request_id", "prompt_tokens", "output_tokens", "ttft_s", "tpot_s", "e2e_s"])
+    times = request_latencies([o.arrival_s for o in outputs], [o.first_token_s for o in outputs],
+                              [o.finish_s for o in outputs], counted_tokens([[len(s) for s in o.outputs]
+                                                                            for o in outputs]))
+    return pd.DataFrame({"request_id": [o.request_id for o in outputs],
+                         "prompt_tokens": [len(o.prompt_token_ids) for o in outputs],
+                         "output_tokens": [sum(len(s) for s in o.outputs) for o in outputs],
+                         **{name: times[name].to_numpy() for name in ("ttft_s", "tpot_s", "e2e_s")}})
 
 
 def num_sequences(params: SamplingParams | BeamSearchParams) -> int:

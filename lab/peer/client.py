@@ -13,17 +13,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from lab.errors import LabError
+from .waits import Deadline, PeerError
 
 VLLM_VERSION = "0.32.0"
 SETUP_COMMAND = "bash scripts/vllm_peer.sh"
 DRIVER = Path(__file__).with_name("driver.py")
 LOAD_TIMEOUT_S = 600.0  # vLLM's start on 2 cores takes ~10-50 s; a hung start is named, not waited on forever
 RUN_TIMEOUT_S = 1800.0
-
-
-class PeerError(LabError):
-    """The vLLM peer is missing, failed to start, answered with an error or did not answer in time."""
 
 
 def peer_venv() -> Path:
@@ -94,15 +90,19 @@ class VLLMPeer:
         self._answers.put(None)  # the process ended
 
     def _ask(self, message: dict, timeout_s: float) -> dict:
+        deadline = Deadline(timeout_s, f"the vLLM peer ({peer_python()})")
         try:
             self.process.stdin.write(json.dumps(message) + "\n")
             self.process.stdin.flush()
-            line = self._answers.get(timeout=timeout_s)
-        except (BrokenPipeError, queue.Empty):
+            line = deadline.get(self._answers)
+        except BrokenPipeError:
             line = None
+        except PeerError:
+            self.close()
+            raise
         if line is None:
             self.close()
-            raise PeerError(f"the vLLM peer ({peer_python()}) stopped or did not answer within {timeout_s:g} s")
+            raise PeerError(f"the vLLM peer ({peer_python()}) stopped before answering")
         answer = json.loads(line)
         if "error" in answer:
             raise PeerError(f"vLLM: {answer['error']}")

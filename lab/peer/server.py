@@ -25,14 +25,19 @@ from typing import Callable
 
 import aiohttp
 import msgspec
-import requests
 import pandas as pd
 
 from .client import PeerError, PeerSettings, _die_with_parent, missing_reason, peer_python
+from .waits import Deadline, http
 
 START_TIMEOUT_S = 600.0  # a server's start on 2 cores: ~20-50 s
 STOP_TIMEOUT_S = 20.0
 CONNECT_TIMEOUT_S = 5.0
+# Overall deadlines (lab.peer.waits): the whole answer, headers and body, however slowly it trickles in
+HTTP_DEADLINE_S = 10.0  # a model list, /metrics
+HEALTH_DEADLINE_S = 2.0  # one /health probe while the server starts
+RESET_DEADLINE_S = 10.0  # a prefix-cache reset
+STREAM_DEADLINE_S = 1800.0  # one streamed completion, from its send to its last token
 READ_TIMEOUT_S = 60.0  # the longest a stream may go without a token before the request is called stalled
 POLL_S = 0.1  # /metrics while a workload runs
 
@@ -113,9 +118,9 @@ class VLLMServer:
                 raise PeerError(f"vLLM's server exited with code {self.process.returncode} while starting; the end "
                                 f"of its log ({self.log.name}):\n{self.log_tail()}")
             try:
-                if requests.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                if http("GET", f"{self.url}/health", min(HEALTH_DEADLINE_S, deadline - time.monotonic())).status == 200:
                     return
-            except requests.RequestException:
+            except PeerError:  # not up yet
                 pass
             time.sleep(0.5)
         raise PeerError(f"vLLM's server did not answer /health within {timeout_s:g} s; the end of its log "
@@ -244,11 +249,13 @@ def parse_metrics(text: str) -> dict[str, float]:
     return values
 
 
-def server_cache_config(url: str, timeout_s: float = CONNECT_TIMEOUT_S) -> dict:
-    """The server's ``block_size``, ``num_gpu_blocks`` and ``enable_prefix_caching`` (``vllm:cache_config_info``)."""
+def server_cache_config(url: str, timeout_s: float | None = None) -> dict:
+    """The server's ``block_size``, ``num_gpu_blocks`` and ``enable_prefix_caching`` (``vllm:cache_config_info``);
+    ``timeout_s``: the overall deadline (``HTTP_DEADLINE_S``)."""
+    timeout_s = HTTP_DEADLINE_S if timeout_s is None else timeout_s
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = requests.get(f"{url}/metrics", timeout=timeout_s).text
+    text = http("GET", f"{url}/metrics", timeout_s).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "vllm:cache_config_info":
@@ -265,29 +272,25 @@ def reset_prefix_cache(url: str) -> bool:
     """Empty the server's prefix cache (a server in vLLM's dev mode, as ``VLLMServer`` starts it); False where the
     server does not offer it."""
     try:
-        return requests.post(f"{url}/reset_prefix_cache", timeout=10.0).status_code == 200
-    except requests.RequestException:
+        return http("POST", f"{url}/reset_prefix_cache", RESET_DEADLINE_S).status == 200
+    except PeerError:
         return False
 
 
-def check_server(url: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str:
-    """The model a vLLM server at ``url`` serves; a ``PeerError`` naming the problem when nothing answers there,
-    the answer is not an OpenAI model list, or its ``/metrics`` is not vLLM's."""
+def check_server(url: str, timeout_s: float | None = None) -> str:
+    """The model a vLLM server at ``url`` serves; a ``PeerError`` naming the problem when nothing answers there
+    (or no whole answer comes within ``timeout_s``, the overall deadline of each request: ``HTTP_DEADLINE_S``), the
+    answer is not an OpenAI model list, or its ``/metrics`` is not vLLM's."""
+    timeout_s = HTTP_DEADLINE_S if timeout_s is None else timeout_s
+    models = http("GET", f"{url}/v1/models", timeout_s)
+    metrics = http("GET", f"{url}/metrics", timeout_s)
     try:
-        models = requests.get(f"{url}/v1/models", timeout=timeout_s)
-        metrics = requests.get(f"{url}/metrics", timeout=timeout_s)
-    except requests.Timeout as exc:
-        raise PeerError(f"no server answers at {url} within {timeout_s:g} s") from exc
-    except requests.RequestException as exc:
-        reason = "connection refused: nothing listens there" if "refused" in str(exc) else type(exc).__name__
-        raise PeerError(f"no server answers at {url} ({reason})") from exc
-    try:
-        model = models.json()["data"][0]["id"]
+        model = json.loads(models.text)["data"][0]["id"]
     except (ValueError, KeyError, IndexError, TypeError) as exc:
-        raise PeerError(f"{url} is not a vLLM server: /v1/models answered HTTP {models.status_code} "
+        raise PeerError(f"{url} is not a vLLM server: /v1/models answered HTTP {models.status} "
                         f"{models.text[:120]!r}") from exc
-    if metrics.status_code != 200:
-        raise PeerError(f"{url} serves {model!r} but its /metrics answered HTTP {metrics.status_code}")
+    if metrics.status != 200:
+        raise PeerError(f"{url} serves {model!r} but its /metrics answered HTTP {metrics.status}")
     parse_metrics(metrics.text)
     return model
 
@@ -505,7 +508,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, model: str, request:
 
 
 async def _send(session, url, model, index: int, request: ServerRequest, state: _Recorder, started: float,
-                stop: threading.Event) -> None:
+                stop: threading.Event, deadline_s: float) -> None:
     delay = request.arrival_s - (time.perf_counter() - started)
     while delay > 0 and not stop.is_set():
         await asyncio.sleep(min(delay, 0.05))
@@ -515,7 +518,8 @@ async def _send(session, url, model, index: int, request: ServerRequest, state: 
         return
     record = state.requests[index]
     try:
-        await _stream(session, url, model, request, record, started)
+        await Deadline(deadline_s, f"POST {url}/v1/completions (request {index})").within(
+            _stream(session, url, model, request, record, started))
         state.finished += 1
     except (aiohttp.ClientError, asyncio.TimeoutError, PeerError) as exc:
         kind = "stalled (no token within the read timeout)" if isinstance(exc, asyncio.TimeoutError) \
@@ -525,8 +529,11 @@ async def _send(session, url, model, index: int, request: ServerRequest, state: 
 
 
 async def _read_metrics(session: aiohttp.ClientSession, url: str, timeout_s: float) -> dict[str, float]:
-    async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s)) as answer:
-        return parse_metrics(await answer.text())
+    async def read() -> dict[str, float]:
+        async with session.get(f"{url}/metrics") as answer:
+            return parse_metrics(await answer.text())
+
+    return await Deadline(timeout_s, f"GET {url}/metrics").within(read())
 
 
 async def _poll(session, url: str, state: _Recorder, started: float, done: asyncio.Event, poll_s: float) -> None:
@@ -548,7 +555,8 @@ async def _poll(session, url: str, state: _Recorder, started: float, done: async
             state.problem(f"/metrics at {now:.1f} s: {type(exc).__name__}: {exc}")
 
 
-async def _run(url, model, requests, state, started, stop, poll_s, read_timeout_s, progress) -> None:
+async def _run(url, model, requests, state, started, stop, poll_s, read_timeout_s, stream_deadline_s,
+               progress) -> None:
     # aiohttp: httpx's async pool delivered 16 concurrent streams' tokens seconds late in bursts on this machine
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=read_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -558,7 +566,7 @@ async def _run(url, model, requests, state, started, stop, poll_s, read_timeout_
             state.problem(f"/metrics before the run: {type(exc).__name__}: {exc}")
         done = asyncio.Event()
         poller = asyncio.create_task(_poll(session, url, state, started, done, poll_s))
-        senders = [asyncio.create_task(_send(session, url, model, i, r, state, started, stop))
+        senders = [asyncio.create_task(_send(session, url, model, i, r, state, started, stop, stream_deadline_s))
                    for i, r in enumerate(requests)]
         pending = set(senders)
         while pending:
@@ -585,11 +593,13 @@ async def _run(url, model, requests, state, started, stop, poll_s, read_timeout_
 def run_server_workload(url: str, requests: list[ServerRequest], model: str | None = None,
                         events: KVEventListener | None = None, stop: threading.Event | None = None,
                         poll_s: float = POLL_S, read_timeout_s: float = READ_TIMEOUT_S,
-                        progress: Callable[[ServerRun], None] | None = None) -> ServerRun:
+                        progress: Callable[[ServerRun], None] | None = None,
+                        stream_deadline_s: float = STREAM_DEADLINE_S) -> ServerRun:
     """Send ``requests`` to the vLLM server at ``url`` at their arrival offsets (greedy, token ids, streamed), poll
     its ``/metrics`` every ``poll_s`` and keep ``events``' KV events; return what was measured, also when requests
     fail, the server dies or ``stop`` is set (then unsent requests are not sent and open streams are closed).
-    ``progress(run)`` is called every 0.2 s with the run so far."""
+    ``progress(run)`` is called every 0.2 s with the run so far. Each stream has an overall deadline of
+    ``stream_deadline_s`` from its send (``lab.peer.waits``), besides ``read_timeout_s`` between tokens."""
     model = model or check_server(url)
     stop = stop or threading.Event()
     state, started, wall = _Recorder(len(requests)), time.perf_counter(), time.time()
@@ -607,7 +617,7 @@ def run_server_workload(url: str, requests: list[ServerRequest], model: str | No
                          time.perf_counter() - started, wall, problems, stop.is_set())
 
     report = None if progress is None else (lambda _: progress(snapshot()))
-    asyncio.run(_run(url, model, requests, state, started, stop, poll_s, read_timeout_s, report))
+    asyncio.run(_run(url, model, requests, state, started, stop, poll_s, read_timeout_s, stream_deadline_s, report))
     return snapshot()
 
 

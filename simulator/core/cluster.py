@@ -15,18 +15,13 @@ import numpy as np
 import pandas as pd
 
 from lab.checks import entry_point
+from lab.latency import latency_summary
 
-from .engine import SimConfig, SimResult, Simulator, check_config
-from .metrics import format_rejections, latency_summary, parse_rejections
+from .engine import SimConfig, SimResult, SimulationError, Simulator, check_config
+from .metrics import CLUSTER_RULES, combine_figure, format_rejections, parse_rejections
 from .workloads import Workload
 
 ROUTER_SEED = 1234  # the random router's stream (a run is deterministic)
-SUM_COLUMNS = ("num_requests", "num_requests_completed", "num_requests_rejected", "preemptions", "swap_outs",
-               "blocks_swapped", "generated_tokens", "iterations", "bytes_copied", "capacity_tokens",
-               "host_capacity_tokens", "kv_capacity_gib",
-               "prefix_cache_hit_blocks", "offload_loaded_blocks", "offload_stored_blocks")
-MAX_COLUMNS = ("peak_batch_size", "host_tier_peak_blocks")  # per replica
-MEAN_COLUMNS = ("prefix_cache_hit_rate", "offload_hit_rate")  # rates, one per replica
 
 
 def route(num_requests: int, replicas: int, router: str) -> list[list[int]]:
@@ -76,32 +71,34 @@ def _finish(sim: Simulator, started: float) -> SimResult:
 
 
 def combine(results: list[SimResult], config: SimConfig, n: int, wall_time_s: float) -> SimResult:
-    """One cluster result from its replicas' results."""
-    summaries = [r.summary for r in results]
+    """One cluster result from its replicas' results: each summary figure combined by its rule in
+    ``simulator.core.metrics.CLUSTER_RULES`` (sums, maxima, busy-time-weighted means, ratios of summed totals,
+    latencies from the pooled requests); ``n``: the samples per request (kept for callers)."""
+    summaries, totals = [r.summary for r in results], [r.totals for r in results]
+    unruled = [key for key in summaries[0] if key not in CLUSTER_RULES]
+    if unruled:
+        raise SimulationError(f"summary figures {', '.join(unruled)} have no rule for combining replicas "
+                              f"(simulator.core.metrics.CLUSTER_RULES)")
     requests = pd.concat([r.requests.assign(replica=i) for i, r in enumerate(results)]).sort_index()
-    makespan = max(s["simulated_time_s"] for s in summaries)
-    busy = [s["simulated_time_s"] for s in summaries]
     summary = {"allocator": config.allocator, "block_size": summaries[0]["block_size"],
                "kv_cache_dtype": config.kv_cache_dtype, "replicas": config.replicas, "router": config.router}
     for key in summaries[0]:
-        if key.endswith("_frac") or key == "mean_batch_size":  # time-weighted over the replicas' busy time
-            summary[key] = float(np.average([s[key] for s in summaries], weights=busy)) if sum(busy) else \
-                summaries[0][key]
-    summary.update({key: sum(s.get(key, 0) for s in summaries) for key in SUM_COLUMNS if key in summaries[0]})
-    summary.update({key: max(s[key] for s in summaries) for key in MAX_COLUMNS if key in summaries[0]})
-    summary.update(latency_summary(requests, n))
+        value = combine_figure(key, summaries, totals)
+        if value is not None:
+            summary[key] = value
+    summary.update(latency_summary(requests))
     summary["rejection_reasons"] = format_rejections(sum((Counter(parse_rejections(s["rejection_reasons"]))
                                                           for s in summaries), Counter()))
-    summary.update(simulated_time_s=makespan, stopped_early=any(s["stopped_early"] for s in summaries),
-                   throughput_tok_s=summary["generated_tokens"] / makespan if makespan > 0 else 0.0,
+    makespan = summary["simulated_time_s"]
+    summary.update(throughput_tok_s=summary["generated_tokens"] / makespan if makespan > 0 else 0.0,
                    throughput_req_s=summary["num_requests_completed"] / makespan if makespan > 0 else 0.0,
                    wall_time_s=wall_time_s)
     if "profile_extrapolation" in summaries[0]:
         summary["profile_extrapolation"] = "; ".join(dict.fromkeys(s["profile_extrapolation"] for s in summaries
                                                                   if s["profile_extrapolation"]))
-    summary.update({key: float(np.mean([s[key] for s in summaries])) for key in MEAN_COLUMNS if key in summaries[0]})
     timeseries = pd.concat([r.timeseries.assign(replica=i) for i, r in enumerate(results)], ignore_index=True)
     steps = None
     if results[0].steps is not None:
         steps = pd.concat([r.steps.assign(replica=i) for i, r in enumerate(results)], ignore_index=True)
-    return SimResult(summary, timeseries, requests, config, steps)
+    combined = {key: sum(total.get(key, 0) for total in totals) for key in totals[0]}
+    return SimResult(summary, timeseries, requests, config, steps, combined)

@@ -24,6 +24,7 @@ import pandas as pd
 from lab.checks import check_bool, check_choice, check_int, check_real, entry_point
 from lab.errors import InputError, LabError
 from lab.kv_cache.precision import check_kv_cache_dtype, kv_element_bytes
+from lab.latency import counted_tokens, latency_summary
 from lab.sched.kv_policy import PagedPolicy, default_num_cpu_blocks, host_pool_blocks
 from lab.profiling.profile import RANGE_QUANTITIES, Profile
 from lab.sched.scheduler import (PREEMPTION_MODES, SCHEDULING_MODES, RequestRejectedError, Scheduler,
@@ -31,7 +32,7 @@ from lab.sched.scheduler import (PREEMPTION_MODES, SCHEDULING_MODES, RequestReje
 
 from .allocators import ADDRESS_SPACES, ALLOCATORS, ContiguousPolicy
 from .beams import BeamSurvival
-from .metrics import COLUMNS, MetricsRecorder, format_rejections, latency_summary, quiet_row, row
+from .metrics import COLUMNS, MetricsRecorder, format_rejections, quiet_row, row
 from .models import CostModel, GiB, get_gpu, get_model, kv_capacity_tokens, override
 from .workloads import Workload, WorkloadError
 
@@ -50,6 +51,9 @@ QUIET_STEPS_MIN, QUIET_STEPS_MAX = 2, 1 << 20
 
 class SimulationError(LabError):
     """A run cannot go on truthfully (a step priced at a non-finite or absurd duration)."""
+
+
+FILE_FIELDS = ("profile", "kernel_csv")  # SimConfig fields that may name a file: a run reads its content
 
 
 @entry_point
@@ -95,13 +99,16 @@ class SimConfig(SchedulingSettings):
 class SimResult:
     """``summary`` (one dict), ``timeseries`` (DataFrame, one row per sampled iteration), ``requests`` (per-request
     latencies), the ``config`` that produced them and, when ``config.record_steps``, ``steps`` (the step log, the
-    same columns as ``LLMEngine.step_log()``)."""
+    same columns as ``LLMEngine.step_log()``), and ``totals``: the additive quantities behind the summary's means and
+    ratios (``MetricsRecorder.totals``, the prefix cache's and the offload tier's block counts), which a cluster sums
+    over its replicas (``simulator.core.metrics.CLUSTER_RULES``)."""
 
     summary: dict
     timeseries: pd.DataFrame
     requests: pd.DataFrame
     config: SimConfig
     steps: pd.DataFrame | None = None
+    totals: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -593,7 +600,9 @@ class Simulator:
 
     def _result(self) -> SimResult:
         requests = pd.DataFrame({"arrival_s": self.workload.arrival_s, "prompt_tokens": self.workload.prompt_tokens,
-                                 "output_tokens": self.workload.output_tokens,
+                                 "output_tokens": counted_tokens(self.workload.sample_output_tokens
+                                                                 if self.workload.sample_output_tokens is not None
+                                                                 else self.workload.output_tokens),
                                  "rejected": np.array(self.rejected, dtype=bool),
                                  "first_token_s": np.array(self.first_token_time, dtype=np.float64),
                                  "finish_s": np.array(self.finish_time, dtype=np.float64)})
@@ -603,7 +612,7 @@ class Simulator:
                    if self.config.allocator == "paged" else np.nan, "kv_cache_dtype": self.config.kv_cache_dtype,
                    "capacity_tokens": self.policy.capacity,
                    "host_capacity_tokens": self.policy.host_capacity_tokens(),
-                   **self.metrics.summary(), **latency_summary(requests, self.workload.n),
+                   **self.metrics.summary(), **latency_summary(requests),
                    "num_requests": len(self.owned), "num_requests_completed": self.num_finished,
                    "num_requests_rejected": self.num_rejected,
                    "rejection_reasons": format_rejections(self.rejection_reasons),
@@ -617,16 +626,19 @@ class Simulator:
         summary["throughput_req_s"] = self.num_finished / self.time if self.time > 0 else 0.0
         if self.profile is not None:  # where the step prices left the profile's measured range ("" if nowhere)
             summary["profile_extrapolation"] = self.profile.beyond_measured(self.profile_highest)
+        totals = self.metrics.totals()
         tier = self.policy.offload_stats()
         if tier is not None:
+            totals["offload_hit_blocks"] = tier.hit_blocks
             queried = self.policy.prefix_cache_stats().queried_blocks
             summary.update(offload_hit_rate=tier.hit_blocks / queried if queried else 0.0,
                            offload_loaded_blocks=tier.loaded_blocks, offload_stored_blocks=tier.stored_blocks,
                            host_tier_peak_blocks=tier.peak_blocks)
         stats = self.policy.prefix_cache_stats()
         if stats is not None:
+            totals.update(prefix_cache_hit_blocks=stats.hit_blocks, prefix_cache_queried_blocks=stats.queried_blocks)
             caching = self.config.enable_prefix_caching  # off: no rate to report (NaN, as for contiguous runs)
             summary["prefix_cache_hit_rate"] = stats.hit_rate if caching else math.nan
             summary["prefix_cache_hit_blocks"] = stats.hit_blocks if caching else math.nan
         steps = self.scheduler.step_log_frame() if self.config.record_steps else None
-        return SimResult(summary, self.metrics.timeseries(), requests, self.config, steps)
+        return SimResult(summary, self.metrics.timeseries(), requests, self.config, steps, totals)

@@ -1,4 +1,5 @@
-"""KV memory categories over time, their time-weighted means, and request latency percentiles.
+"""KV memory categories over time, their time-weighted means, and request latency percentiles (``latency_summary``:
+the one definition in ``lab.latency``, which the engine's run metrics call too).
 
 Every sample splits the whole KV capacity (token slots) into five categories that sum to it:
 ``token_states`` (slots holding a token's KV now), ``reserved`` (allocated slots the owner will fill later),
@@ -8,12 +9,14 @@ free blocks).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from operator import attrgetter
 
 import numpy as np
 import pandas as pd
 
+from lab.latency import PERCENTILES, SUMMARIZED
 from lab.sched.scheduler import MemorySample, StepStats
 
 CATEGORIES = ("token_states", "reserved", "internal_fragmentation", "external_fragmentation", "free")
@@ -121,6 +124,12 @@ class MetricsRecorder:
                    sharing_saving_frac=1 - self.allocated_time / self.unshared_time if self.unshared_time else 0.0)
         return out
 
+    def totals(self) -> dict:
+        """The additive quantities behind ``summary``'s means and ratios (``RATIOS``, ``BUSY_MEAN``): what a cluster
+        sums over its replicas before dividing."""
+        return {"busy_s": self.total_time, "unshared_token_s": self.unshared_time,
+                "shared_saved_token_s": self.unshared_time - self.allocated_time}
+
     def timeseries(self) -> pd.DataFrame:
         """The kept rows (``COLUMNS``) and each category's fraction of the capacity (``<category>_frac``)."""
         if not self.rows:
@@ -178,19 +187,54 @@ def rejection_warning(row) -> str:
             f"can never run in this configuration" + (f"; to run them, {remedies}" if remedies else ""))
 
 
-def latency_summary(requests: pd.DataFrame, n: int = 1) -> dict:
-    """TTFT, TPOT and end-to-end latency p50/p90/p99 (seconds) over completed requests, and the normalized
-    latency (mean seconds per output token)."""
-    arrival, first, finish, outputs = (requests[c].to_numpy(dtype=np.float64)
-                                       for c in ("arrival_s", "first_token_s", "finish_s", "output_tokens"))
-    done = ~np.isnan(finish)
-    arrival, first, finish, outputs = arrival[done], first[done], finish[done], outputs[done]
-    e2e = finish - arrival
-    out = {}
-    for name, values in (("ttft", first - arrival), ("tpot", (finish - first) / np.maximum(outputs - 1, 1)),
-                         ("e2e", e2e)):
-        quantiles = np.percentile(values, (50, 90, 99)) if len(values) else (np.nan,) * 3
-        out.update({f"{name}_p{q}_s": float(v) for q, v in zip((50, 90, 99), quantiles)})
-    # the vLLM paper's normalized latency: mean over requests of end-to-end latency / output tokens
-    out["normalized_latency_s"] = float(np.mean(e2e / np.maximum(outputs, 1))) if len(e2e) else np.nan
-    return out
+# How each figure of one replica's summary becomes a cluster's (``simulator.core.cluster.combine``): the one table
+# it reads. A figure missing here stops the combination (``SimulationError``), so a new figure must say how it adds
+# up across replicas instead of falling into an average that is wrong by definition.
+SAME, SUM, MAX, ANY = "same", "sum", "max", "any"
+BUSY_MEAN = "busy-time-weighted mean"  # a time-weighted mean: weighted by each replica's busy time (totals' busy_s)
+RATIO = "ratio of totals"  # sum of the numerators over sum of the denominators (``RATIOS``), never a mean of rates
+POOLED = "from the pooled requests"  # percentiles and means over every replica's requests together (lab.latency)
+OWN = "the cluster's own"  # computed from the combined figures (throughputs, the makespan's), merged (rejections)
+RATIOS = {"prefix_cache_hit_rate": ("prefix_cache_hit_blocks", "prefix_cache_queried_blocks"),
+          "offload_hit_rate": ("offload_hit_blocks", "prefix_cache_queried_blocks"),
+          "sharing_saving_frac": ("shared_saved_token_s", "unshared_token_s")}
+CLUSTER_RULES = {
+    "allocator": SAME, "block_size": SAME, "kv_cache_dtype": SAME, "replicas": OWN, "router": OWN,
+    **{fraction: BUSY_MEAN for fraction in SUMMARY_FRACTIONS.values()}, "mean_batch_size": BUSY_MEAN,
+    "peak_batch_size": MAX, "peak_allocated_frac": MAX, "host_tier_peak_blocks": MAX, "simulated_time_s": MAX,
+    "sharing_saving_frac": RATIO, "prefix_cache_hit_rate": RATIO, "offload_hit_rate": RATIO,
+    **{f"{name}_p{q}_s": POOLED for name in SUMMARIZED for q in PERCENTILES},
+    "normalized_latency_s": POOLED,
+    **{count: SUM for count in ("capacity_tokens", "host_capacity_tokens", "kv_capacity_gib", "num_requests",
+                                "num_requests_completed", "num_requests_rejected", "preemptions", "swap_outs",
+                                "blocks_swapped", "generated_tokens", "iterations", "bytes_copied",
+                                "prefix_cache_hit_blocks", "offload_loaded_blocks", "offload_stored_blocks")},
+    "stopped_early": ANY,
+    "rejection_reasons": OWN, "throughput_tok_s": OWN, "throughput_req_s": OWN, "wall_time_s": OWN,
+    "profile_extrapolation": OWN,
+}
+
+
+def combine_figure(key: str, summaries: list[dict], totals: list[dict]) -> object:
+    """The cluster's value of summary figure ``key`` from its replicas' ``summaries`` and ``totals`` by its rule in
+    ``CLUSTER_RULES`` (``POOLED`` and ``OWN`` figures: None, the caller computes them)."""
+    rule = CLUSTER_RULES[key]
+    values = [summary[key] for summary in summaries]
+    if rule == SAME:
+        return values[0]
+    if rule == SUM:
+        return sum(values)
+    if rule == MAX:
+        return max(values)
+    if rule == ANY:
+        return any(values)
+    if rule == BUSY_MEAN:
+        busy = [total["busy_s"] for total in totals]
+        return float(np.average(values, weights=busy)) if sum(busy) else values[0]
+    if rule == RATIO:
+        if any(math.isnan(value) for value in values):  # not measured (prefix caching off)
+            return math.nan
+        numerator, denominator = RATIOS[key]
+        below = sum(total[denominator] for total in totals)
+        return sum(total[numerator] for total in totals) / below if below else 0.0
+    return None

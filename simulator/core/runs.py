@@ -14,9 +14,10 @@ import pandas as pd
 
 from lab.checks import entry_point
 from lab.errors import InputError
+from lab.files import file_digest
 from .allocators import ALLOCATORS
 from .cluster import run_simulation
-from .engine import SimConfig, SimResult, Snapshot, offload_blocks
+from .engine import FILE_FIELDS, SimConfig, SimResult, Snapshot, offload_blocks
 from .presets import APP_DEFAULTS, make_configs
 from .workloads import SYNTHETIC_PRESETS, SyntheticSpec, Workload, at_mean_rate, load_trace, synthetic_workload
 
@@ -77,7 +78,7 @@ def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool
     labels = []
     for index, config in enumerate(configs):
         labels.append(config.label if config.label not in labels else f"{config.label} #{index + 1}")
-    keys = [(workload.fingerprint(), repr(config)) for config in configs] if reuse is not None else []
+    keys = [(workload.fingerprint(), config_key(config)) for config in configs] if reuse is not None else []
     kept = {}
     for index, key in enumerate(keys):
         with contextlib.suppress(KeyError):  # not kept, or gone since (another page's run may evict it)
@@ -97,6 +98,14 @@ def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool
             reuse[keys[index]] = run
     table = pd.DataFrame([{"label": label, **r.summary} for label, r in results.items()])
     return table, results
+
+
+def config_key(config: SimConfig) -> str:
+    """A configuration's identity for reusing its runs: its ``repr``, and the content (SHA-256) of each file it reads
+    (``FILE_FIELDS``: a kernel CSV, a profile JSON), so that a rewritten file is run again."""
+    digests = {name: file_digest(value) for name in FILE_FIELDS
+               if isinstance(value := getattr(config, name), (str, Path)) and Path(value).is_file()}
+    return repr(config) + (f" files={digests}" if digests else "")
 
 
 @entry_point

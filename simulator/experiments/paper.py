@@ -17,6 +17,7 @@ import pandas as pd
 
 from lab.errors import InputError
 from lab.files import write_atomically
+from lab.latency import latency_summary
 from lab.report.results import settings_of, split_settings, with_settings
 from simulator.core.engine import Simulator
 from .plan import RateSearch, search_max_rate
@@ -37,9 +38,9 @@ SAVED_RUN = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "pa
 
 
 def normalized_latency(requests: pd.DataFrame) -> float:
-    """The paper's metric: the mean over requests of end-to-end latency / output tokens (s/token)."""
-    done = requests[requests["finish_s"].notna()]
-    return float(((done["finish_s"] - done["arrival_s"]) / done["output_tokens"]).mean())
+    """The paper's metric: the mean over finished requests of end-to-end latency / output tokens (s/token;
+    ``lab.latency``'s definition)."""
+    return latency_summary(requests)["normalized_latency_s"]
 
 
 KNEE_FACTOR = 5.0  # the latency knee: normalized latency this many times its value at a light load

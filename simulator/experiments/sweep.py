@@ -24,10 +24,10 @@ import pandas as pd
 
 from lab import user_files
 from lab.errors import InputError, LabError
-from lab.files import write_atomically
+from lab.files import file_digest, write_atomically
 from simulator.core.checks import closed_form_checks
 from simulator.core.cluster import run_simulation
-from simulator.core.engine import Profile, SimConfig, check_config, offload_blocks
+from simulator.core.engine import FILE_FIELDS, Profile, SimConfig, check_config, offload_blocks
 from simulator.core.models import get_gpu, get_model, read_kernel_csv
 from simulator.core.workloads import (SYNTHETIC_PRESETS, at_mean_rate, SyntheticSpec, Workload, check_synthetic_spec, load_trace,
                         synthetic_workload)
@@ -154,27 +154,12 @@ def spec_key(spec: dict) -> str:
         fields.pop("block_size", None)
     if fields.get("allocator", SIM_DEFAULTS["allocator"]) != "paged":
         fields.pop(OFFLOAD_GIB, None)
-    for name in ("workload", "profile", "kernel_csv"):  # a file's content, not its path: a rewritten file reruns
+    for name in ("workload", *FILE_FIELDS):  # a file's content, not its path: a rewritten file reruns
         value = fields.get(name)
         if isinstance(value, (str, Path)) and str(value) not in SYNTHETIC_PRESETS and Path(value).is_file():
             fields[f"{name}_sha256"] = file_digest(Path(value))
     text = json.dumps({"version": SPEC_VERSION, **fields}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-def file_digest(path: Path) -> str:
-    """SHA-256 of a file's bytes (cached while its size and modification time stay the same)."""
-    stat = path.stat()
-    return _digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-
-
-@lru_cache(maxsize=64)
-def _digest(path: str, size: int, mtime_ns: int) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def default_store_path() -> Path:

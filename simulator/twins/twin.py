@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 
 from lab.errors import InputError
+from lab.latency import counted_tokens, latencies_of, latency_summary
 from lab.engine import EngineConfig, LLMEngine, SamplingParams, load_model
 from lab.worker.model_runner import ModelRunner
 from lab.profiling.profile import Profile, scatter_free_blocks, steady_state_allocator
@@ -29,7 +30,6 @@ from lab.sched.scheduler import STEP_LOG_COLUMNS
 
 from simulator.core.runs import make_workload
 from simulator.core.engine import SimConfig, Simulator
-from simulator.core.metrics import latency_summary
 from simulator.core.workloads import SyntheticSpec, Workload, synthetic_workload
 
 MAX_REPLAY_S = 3600.0  # the real engine replays arrivals in real time: longer is a typo in the rate
@@ -130,12 +130,9 @@ def sim_config(engine: LLMEngine, profile: Profile) -> SimConfig:
 
 
 def request_latencies(requests: pd.DataFrame) -> pd.DataFrame:
-    """``ttft_s``, ``tpot_s``, ``e2e_s`` per finished request from arrival / first token / finish times."""
-    done = requests[requests["finish_s"].notna()]
-    steps = (done["output_tokens"] - 1).clip(lower=1)
-    return pd.DataFrame({"ttft_s": done["first_token_s"] - done["arrival_s"],
-                         "tpot_s": (done["finish_s"] - done["first_token_s"]) / steps,
-                         "e2e_s": done["finish_s"] - done["arrival_s"]}).reset_index(drop=True)
+    """``ttft_s``, ``tpot_s``, ``e2e_s`` per finished request from arrival / first token / finish times and the
+    counted output tokens (``lab.latency``: the longest sample's)."""
+    return latencies_of(requests)[["ttft_s", "tpot_s", "e2e_s"]]
 
 
 def run_real(workload: Workload, config: TwinConfig, hf_model=None) -> RealRun:
@@ -233,9 +230,9 @@ def _real_metrics(engine: LLMEngine, started: float, peak_blocks: int) -> dict:
     requests = pd.DataFrame({"arrival_s": [o.arrival_s - started for o in outputs],
                              "first_token_s": [o.first_token_s - started for o in outputs],
                              "finish_s": [o.finish_s - started for o in outputs],
-                             "output_tokens": [len(o.outputs[0]) for o in outputs]})
+                             "output_tokens": counted_tokens([[len(s) for s in o.outputs] for o in outputs])})
     makespan = float(requests["finish_s"].max())
-    generated = int(requests["output_tokens"].sum())
+    generated = sum(len(s) for o in outputs for s in o.outputs)
     return {"throughput_tok_s": generated / makespan, **latency_summary(requests), "makespan_s": makespan,
             "peak_blocks_in_use": peak_blocks, "preemptions": engine.num_preemptions,
             "requests": request_latencies(requests)}

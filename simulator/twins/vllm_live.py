@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pandas as pd
 
+from lab.latency import request_latencies
 from lab.models.qwen3 import checkpoint_vocab_size
 from lab.profiling.profile import Profile, ProfileError
 from lab.peer.server import (ServerRun, VLLMServer, check_server, reset_prefix_cache, run_server_workload,
@@ -170,17 +171,17 @@ def live_series(twin: LiveTwin) -> dict[str, pd.DataFrame]:
     latency = []
     if run is not None:
         done = run.requests[run.requests["finish_s"].notna()]
-        latency.append(pd.DataFrame({"request": done.index, "ttft_ms": (done["first_token_s"] - done["sent_s"]) * 1e3,
-                                     "itl_ms": (done["finish_s"] - done["first_token_s"])
-                                     / (done["output_tokens"] - 1).clip(lower=1) * 1e3, "source": "vLLM server"}))
+        latency.append(_latency_rows(done.index, done.rename(columns={"sent_s": "arrival_s"}), "vLLM server"))
     if prediction is not None:
-        requests = prediction.requests
-        latency.append(pd.DataFrame({"request": np.arange(len(requests)),
-                                     "ttft_ms": (requests["first_token_s"] - requests["arrival_s"]).to_numpy() * 1e3,
-                                     "itl_ms": ((requests["finish_s"] - requests["first_token_s"])
-                                                / (requests["output_tokens"] - 1).clip(lower=1)).to_numpy() * 1e3,
-                                     "source": "twin (simulator)"}))
+        latency.append(_latency_rows(np.arange(len(prediction.requests)), prediction.requests, "twin (simulator)"))
     frames["latency"] = pd.concat(latency, ignore_index=True) if latency else pd.DataFrame(
         columns=["request", "ttft_ms", "itl_ms", "source"])
     return frames
 
+
+def _latency_rows(index, requests: pd.DataFrame, source: str) -> pd.DataFrame:
+    """The latency frame's rows of ``requests`` (``lab.latency``'s TTFT and ITL, ms); unfinished ones NaN."""
+    table = request_latencies(requests["arrival_s"], requests["first_token_s"], requests["finish_s"],
+                              requests["output_tokens"])
+    return pd.DataFrame({"request": index, "ttft_ms": table["ttft_s"].to_numpy() * 1e3,
+                         "itl_ms": table["itl_s"].to_numpy() * 1e3, "source": source})

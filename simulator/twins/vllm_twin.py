@@ -26,7 +26,7 @@ from lab.peer.server import (ServerRequest, ServerRun, VLLMServer, check_server,
                               run_server_workload, server_cache_config)
 
 from simulator.core.engine import SimConfig, Simulator
-from simulator.core.metrics import latency_summary
+from lab.latency import latency_summary
 from .twin import real_prompt_ids
 from simulator.core.workloads import SyntheticSpec, Workload, at_mean_rate, load_trace, synthetic_workload
 

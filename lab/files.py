@@ -22,6 +22,8 @@ def write_atomically(path: str | Path, write: Callable[[Path], object]) -> None:
     then sync it and rename it to ``path``. On any failure (``write`` raising, a full disk, an interrupt) ``path``
     keeps its old content and the temporary file is removed."""
     path = Path(path)
+    if path.is_symlink():  # write through a link to the file it names, as a plain write would
+        path = path.resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     os.close(handle)

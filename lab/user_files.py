@@ -48,7 +48,11 @@ def read_bytes(path: str | Path, error: type[ValueError] = UserFileError, max_by
         size = path.stat().st_size
         if size > max_bytes:
             raise error(f"{path}: the file holds {size:,} bytes; at most {max_bytes:,} are read")
-        return path.read_bytes()
+        with open(path, "rb") as handle:  # a device or a pipe reports no size: read one byte past the bound at most
+            data = handle.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            raise error(f"{path}: more than {max_bytes:,} bytes; at most {max_bytes:,} are read")
+        return data
     except OSError as exc:
         raise error(f"{path}: cannot read the file ({exc.strerror or exc})") from None
 

@@ -146,10 +146,11 @@ def fuzz_cases(draw):
     gaps = draw(st.lists(st.integers(0, 5), min_size=len(lengths), max_size=len(lengths)))
     n, block_size = draw(st.integers(1, 3)), draw(st.sampled_from([1, 3, 4, 16]))
     longest = max(p + o for p, o in zip(lengths, outputs))
+    preemption = draw(st.sampled_from(["recompute", "swap"]))
     engine = dict(block_size=block_size, num_blocks=-(-longest // block_size) + n + draw(st.integers(0, 20)),
-                  num_cpu_blocks=draw(st.integers(0, 12)), enable_prefix_caching=draw(st.booleans()),
-                  scheduling=draw(st.sampled_from(["prefill-first", "chunked", "vllm"])),
-                  preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
+                  num_cpu_blocks=draw(st.integers(0, 12)) if preemption == "swap" else 0,  # moot with recompute
+                  enable_prefix_caching=draw(st.booleans()),
+                  scheduling=draw(st.sampled_from(["prefill-first", "chunked", "vllm"])), preemption_mode=preemption,
                   max_num_batched_tokens=draw(st.integers(4, 64)), max_num_seqs=n + draw(st.integers(0, 6)),
                   kv_offload_blocks=draw(st.sampled_from([0, 0, 2, 16])))
     return FuzzCase(lengths, outputs, n, draw(st.integers(0, min(lengths))), draw(st.integers(0, 10_000)),
@@ -268,7 +269,8 @@ def test_a_group_that_could_never_come_back_is_recomputed_not_parked(scheduling)
 def test_the_plan_s_longest_decode_sequence_is_the_longest_one_decoding(modes):
     """``decode_max_kv_len`` (kept in a lazily pruned heap, so the simulator need not visit sequences) equals the
     longest KV length in the decode batch, through preemption, swapping and chunked prefill."""
-    engine = LLMEngine("tiny", block_size=3, num_blocks=18, num_cpu_blocks=40, **modes)
+    engine = LLMEngine("tiny", block_size=3, num_blocks=18,
+                       num_cpu_blocks=40 if modes["preemption_mode"] == "swap" else 0, **modes)
     prompts = make_prompts([9, 23, 5, 17, 30, 12, 2], seed=7)
     for prompt, output in zip(prompts, [7, 12, 9, 5, 10, 8, 14]):
         engine.add_request(prompt, SamplingParams(max_tokens=output, ignore_eos=True))

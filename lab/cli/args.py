@@ -102,9 +102,20 @@ def output_file(text: str) -> str:
     return text
 
 
-def refuse_shared_outputs(args: argparse.Namespace, *names: str) -> None:
-    """Raise ``InputError`` when two of the output options ``names`` (argparse dests) name the same file: the
-    second write would replace the first's result (or a store)."""
+def refuse_shared_outputs(args: argparse.Namespace, *names: str, inputs: list[tuple[str, object]] = ()) -> None:
+    """Raise ``InputError`` when two of the output options ``names`` (argparse dests) name the same file (the second
+    write would replace the first's result, or a store), or when an output names a file the command reads
+    (``inputs``: (what it is, its path) pairs, such as ``("the trace", args.workload)``; symbolic and hard links
+    followed): the write would replace the input."""
+    outputs = [(name, getattr(args, name, None)) for name in names]
+    for what, value in inputs:
+        if not value or not Path(str(value)).is_file():
+            continue
+        for name, output in outputs:
+            if output and (Path(output).resolve() == Path(str(value)).resolve()
+                           or Path(output).exists() and _same_file(Path(output), Path(str(value)))):
+                raise InputError(f"--{name.replace('_', '-')} {output} would overwrite {what} {value}, which this "
+                                 f"command reads; give the output another file")
     seen: dict[Path, str] = {}
     for name in names:
         value = getattr(args, name, None)
@@ -115,6 +126,13 @@ def refuse_shared_outputs(args: argparse.Namespace, *names: str) -> None:
             raise InputError(f"--{seen[path].replace('_', '-')} and --{name.replace('_', '-')} both write {value}; "
                              f"give each output its own file")
         seen[path] = name
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def output_folder(text: str) -> str:

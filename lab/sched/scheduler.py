@@ -69,14 +69,34 @@ class SchedulingSettings:
         "choices": SCHEDULING_MODES})
     long_prefill_token_threshold: int = field(default=0, metadata={
         "help": "chunked and vllm: most prompt tokens one request takes per step while other requests run or wait "
-                "(0: no cap; vLLM V1's long_prefill_token_threshold)"})
+                "(0: no cap; vLLM V1's long_prefill_token_threshold)",
+        "applies": (lambda s: s.scheduling != "prefill-first",
+                    "it caps prompt chunks: chunked and vllm scheduling, not prefill-first, which prefills whole "
+                    "prompts")})
     scheduler_reserve_full_isl: bool = field(default=True, metadata={
         "help": "vllm: admit a request only when its whole prompt's blocks are free, not just its first chunk's "
-                "(vLLM's scheduler_reserve_full_isl, on by default)"})
+                "(vLLM's scheduler_reserve_full_isl, on by default)",
+        "applies": (lambda s: s.scheduling == "vllm",
+                    "prefill-first and chunked always take a whole prompt's blocks when they admit it")})
     preemption_mode: str = field(default="recompute", metadata={
         "help": "swap: preempted sequences move to a host pool (paged)", "choices": PREEMPTION_MODES})
     num_cpu_blocks: int = field(default=0, metadata={
-        "help": "host pool for swap (0: as large as the device pool, at most vLLM's default 4 GiB of swap space)"})
+        "help": "host pool for swap (0: as large as the device pool, at most vLLM's default 4 GiB of swap space)",
+        "applies": (lambda s: s.preemption_mode == "swap",
+                    "it is the host pool swapped sequences go to, and recompute preemption swaps nothing")})
+
+
+def moot_settings(settings) -> list[str]:
+    """The fields of ``settings`` (any dataclass whose fields may declare ``metadata["applies"]``: a predicate on the
+    settings and why) set away from their defaults where the other fields make them moot, each as ``name=value
+    (why)``: what a config refuses instead of ignoring. One declaration per field serves every command and the API."""
+    moot = []
+    for f in fields(settings):
+        applies = f.metadata.get("applies")
+        value = getattr(settings, f.name)
+        if applies is not None and value != f.default and not applies[0](settings):
+            moot.append(f"{f.name}={value!r} ({applies[1]})")
+    return moot
 
 
 @dataclass(slots=True)
@@ -105,17 +125,15 @@ class SchedulerConfig(SchedulingSettings):
         threshold = self.long_prefill_token_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
             raise SchedulerError(f"long_prefill_token_threshold must be an integer >= 0, got {threshold!r}")
-        if threshold and self.scheduling == "prefill-first":
-            raise SchedulerError("long_prefill_token_threshold caps prompt chunks: it applies to chunked and vllm "
-                                 "scheduling, not prefill-first (which prefills whole prompts)")
+
         if not isinstance(self.scheduler_reserve_full_isl, bool):
             raise SchedulerError(f"scheduler_reserve_full_isl must be True or False, got {self.scheduler_reserve_full_isl!r}")
-        if not self.scheduler_reserve_full_isl and self.scheduling != "vllm":
-            raise SchedulerError("scheduler_reserve_full_isl=False applies to vllm scheduling only (prefill-first and "
-                                 "chunked always take a whole prompt's blocks when they admit it)")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise SchedulerError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; "
                                  f"got {self.preemption_mode!r}")
+        moot = moot_settings(self)
+        if moot:
+            raise SchedulerError(f"{moot[0]} would be ignored")
 
 
 class SequenceStatus(Enum):

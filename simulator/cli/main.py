@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         return twin_main(argv)
     args = build_parser().parse_args(argv)
     try:
-        refuse_shared_outputs(args, "out", "timeseries", "checks")
+        refuse_shared_outputs(args, "out", "timeseries", "checks", inputs=[
+            ("the trace", args.workload), ("the profile", args.profile), ("the kernel CSV", args.kernel_csv)])
         summary, timeseries, checks, settings = run(args)
     except user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)

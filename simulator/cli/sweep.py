@@ -49,8 +49,10 @@ def sweep_main(argv: list[str]) -> int:
     args.store = args.store or str(Path(args.out).with_suffix("")) + ".store.sqlite"
     store = args.store
     try:
-        refuse_shared_outputs(args, "out", "store")
         grid = load_grid(args.grid)
+        read = [(f"the grid's {name} file", value) for name in ("workload", "kernel_csv", "profile")
+                for value in grid.get(name, ()) if isinstance(value, str)]
+        refuse_shared_outputs(args, "out", "store", inputs=[("the grid", args.grid), *read])
         result = run_sweep(grid, store, parallel=not args.serial, address=args.address, num_cpus=args.num_cpus,
                            progress=not args.no_progress, retry_failed=not args.no_retry_failed,
                            keep_on_interrupt=True)
@@ -196,6 +198,7 @@ def plan_main(argv: list[str]) -> int:
 
     args = plan_parser().parse_args(argv)
     try:
+        refuse_shared_outputs(args, "out", inputs=[("the trace", args.workload)])
         if max(args.replicas) == 1:
             refuse_ignored(["router"] if args.router != plan_parser().get_default("router") else [],
                            "--router shares requests among --replicas (more than 1)")
@@ -211,7 +214,8 @@ def plan_main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     table = result.table
-    print_and_save(table, None, [c for c in ("model", "gpu", "tp", "replicas", "allocator", "kv_offload_gib",
+    print_and_save(table, None, [c for c in ("model", "gpu", "tp", "replicas", "allocator", "kv_cache_dtype",
+                                             "kv_offload_gib",
                                              "max_rate_req_s", "search_bound",
                                              "cost_per_hour", "cost_per_million_requests", "chosen", *slos)])
     if args.out:
@@ -233,7 +237,8 @@ def plan_main(argv: list[str]) -> int:
         return 1
     best = chosen.iloc[0]
     print(f"chosen: {best['model']} on {best['tp']} x {best['gpu']} x {best['replicas']} replicas, "
-          f"{best['allocator']}: up to {best['max_rate_req_s']:.2f} req/s for ${best['cost_per_hour']:.2f}/h",
+          f"{best['allocator']}, KV cache {best.get('kv_cache_dtype', 'auto')}: up to {best['max_rate_req_s']:.2f} "
+          f"req/s for ${best['cost_per_hour']:.2f}/h",
           file=sys.stderr)
     return 0
 

@@ -39,7 +39,7 @@ def _twin(args) -> None:
     for name, value in ENGINE_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    refuse_shared_outputs(args, "out", "steps_out")
+    refuse_shared_outputs(args, "out", "steps_out", inputs=[("the profile", args.profile), ("the trace", args.workload)])
     lengths = {name: getattr(args, name) for name in ("input_len", "output_len") if getattr(args, name) is not None}
     if args.workload not in ("random", "fixed"):
         refuse_ignored(list(lengths), f"only the random and fixed presets take lengths ({args.workload} brings its "

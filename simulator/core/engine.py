@@ -33,7 +33,7 @@ from lab.sched.scheduler import (PREEMPTION_MODES, SCHEDULING_MODES, RequestReje
 from .allocators import ADDRESS_SPACES, ALLOCATORS, ContiguousPolicy
 from .beams import BeamSurvival
 from .metrics import COLUMNS, MetricsRecorder, format_rejections, quiet_row, row
-from .models import CostModel, GiB, get_gpu, get_model, kv_capacity_tokens, override
+from .models import CostModel, GiB, check_tensor_parallel, get_gpu, get_model, kv_capacity_tokens, override
 from .workloads import Workload, WorkloadError
 
 
@@ -170,6 +170,7 @@ def resolve_capacity(config: SimConfig) -> tuple[int, CostModel]:
     """KV capacity in tokens and the cost model for a config."""
     model = override(get_model(config.model), **config.model_overrides)
     model = dataclasses.replace(model, kv_dtype_bytes=kv_element_bytes(config.kv_cache_dtype, model.dtype_bytes))
+    check_tensor_parallel(model, config.tp)
     gpu = override(get_gpu(config.gpu), **config.gpu_overrides)
     cost = CostModel(model, gpu, config.flops_efficiency, config.bandwidth_efficiency, config.step_overhead_s,
                      tp=config.tp, block_size=config.block_size if config.allocator == "paged" else None)
@@ -226,6 +227,15 @@ def check_config(config: SimConfig) -> None:
     for name in ("model_overrides", "gpu_overrides"):
         if not isinstance(getattr(config, name), dict):
             raise InputError(f"SimConfig.{name}={getattr(config, name)!r}: expected a dict of spec fields")
+    scheduler_config(config).check()  # a scheduler setting the others make moot is refused (moot_settings)
+    if config.kv_offload_blocks != 0 and (config.allocator != "paged" or not config.enable_prefix_caching):
+        raise InputError(f"SimConfig.kv_offload_blocks={config.kv_offload_blocks!r} would be ignored: the offload tier "
+                         f"keeps the paged prefix cache's blocks (allocator='paged' with prefix caching on)")
+    if config.preemption_mode == "swap" and config.allocator != "paged":
+        raise InputError("preemption_mode='swap' needs allocator='paged' (contiguous baselines recompute)")
+    if "kv_dtype_bytes" in config.model_overrides:
+        raise InputError("model_overrides may not set kv_dtype_bytes: the KV cache's element type is "
+                         "SimConfig.kv_cache_dtype (auto, fp8, fp8_e4m3, fp8_e5m2)")
 
 
 def scheduler_config(config: SimConfig) -> SchedulerConfig:

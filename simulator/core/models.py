@@ -150,6 +150,16 @@ def _check_field(owner: str, name: str, kind: type, value) -> None:
         raise InputError(f"{owner}.{name}={value!r}: expected {allowed} > 0")
 
 
+def check_tensor_parallel(model: ModelSpec, tp: int) -> None:
+    """Refuse a tensor-parallel degree that does not split ``model``'s heads evenly, as vLLM refuses it (attention
+    heads divisible by ``tp``; KV heads divisible by it, or replicated when ``tp`` is a multiple of them:
+    ``ModelConfig.verify_with_parallel_config`` and ``get_num_kv_heads``, vllm/config/model.py)."""
+    kv = model.num_kv_heads
+    if model.num_q_heads % tp or (kv % tp if tp <= kv else tp % kv):
+        raise InputError(f"tp={tp} does not divide {model.name}'s {model.num_q_heads} attention heads and "
+                         f"{kv} KV heads evenly (vLLM refuses it); try a divisor of {model.num_q_heads}")
+
+
 @entry_point
 def kv_capacity_tokens(model: ModelSpec, gpu: GPUSpec, gpu_memory_utilization: float = 0.9,
                        activation_reserve_bytes: float = 1 * GiB, tp: int = 1) -> int:

@@ -56,6 +56,8 @@ ALLOCATOR_SETTINGS = {
     "kv_offload_gib": (0.0, "paged", "the offload tier keeps the paged prefix cache's blocks"),
     "address_space": ("first-fit", "contiguous", "how contiguous regions are placed; paged blocks have no address "
                                                  "space to place"),
+    "enable_prefix_caching": (True, "paged", "the prefix cache shares paged blocks; contiguous regions share nothing"),
+    "block_size": (16, "paged", "tokens per paged block; a contiguous region holds a sequence whole"),
 }
 
 
@@ -68,7 +70,7 @@ def make_configs(allocators: list[str], block_sizes: list[int], preemption_mode:
     refused when no allocator of that kind is chosen. ``kv_offload_gib``: the prefix cache's host tier (GiB, inf:
     unbounded), which needs prefix caching."""
     from .allocators import ALLOCATORS
-    from .engine import offload_blocks
+    from .engine import check_config, offload_blocks
 
     if not isinstance(allocators, (list, tuple)) or not all(isinstance(a, str) for a in allocators):
         raise InputError(f"allocators must be a list of names ({', '.join(ALLOCATORS)}); got {allocators!r:.80}")
@@ -83,24 +85,28 @@ def make_configs(allocators: list[str], block_sizes: list[int], preemption_mode:
     if not block_sizes or min(block_sizes) < 1:
         raise InputError(f"block sizes must be >= 1, got {block_sizes}")
     given = {"preemption_mode": preemption_mode, "kv_offload_gib": kv_offload_gib,
-             **{name: common.pop(name) for name in ("num_cpu_blocks", "address_space") if name in common}}
+             **{name: common.pop(name) for name in ("num_cpu_blocks", "address_space", "enable_prefix_caching")
+                if name in common}}
+    if list(block_sizes) != [ALLOCATOR_SETTINGS["block_size"][0]]:
+        given["block_size"] = block_sizes
     kinds = {"paged" if a == "paged" else "contiguous" for a in allocators}
     for name, value in given.items():
         default, kind, what = ALLOCATOR_SETTINGS[name]
-        if value != default and kind not in kinds:
+        if value not in (default, [default]) and kind not in kinds:
             raise InputError(f"{name} = {value!r} would be ignored: it applies to {kind} allocators only ({what}), "
                              f"and none is chosen ({', '.join(allocators)})")
-    if kv_offload_gib and not common.get("enable_prefix_caching", True):
+    if kv_offload_gib and not given.get("enable_prefix_caching", True):
         raise InputError(f"kv_offload_gib = {kv_offload_gib!r} would be ignored: the offload tier keeps prefix-cache "
                          f"blocks, and prefix caching is off")
     configs = []
     for allocator in allocators:
         kind = "paged" if allocator == "paged" else "contiguous"
         own = {name: value if ALLOCATOR_SETTINGS[name][1] == kind else ALLOCATOR_SETTINGS[name][0]
-               for name, value in given.items() if name != "kv_offload_gib"}
-        for size in block_sizes if kind == "paged" else [block_sizes[0]]:
+               for name, value in given.items() if name not in ("kv_offload_gib", "block_size")}
+        for size in block_sizes if kind == "paged" else [ALLOCATOR_SETTINGS["block_size"][0]]:
             config = SimConfig(allocator=allocator, block_size=size, **own, **common)
             if kind == "paged" and kv_offload_gib:
                 config.kv_offload_blocks = offload_blocks(config, kv_offload_gib)
+            check_config(config)  # before any run (a setting the others make moot included)
             configs.append(config)
     return configs

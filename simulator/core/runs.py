@@ -44,6 +44,8 @@ def make_workload(workload: str | Path | Workload, num_requests: int | None = No
         raise InputError(f"workload {str(workload)!r} is neither a preset ({', '.join(SYNTHETIC_PRESETS)}) nor an "
                          f"existing trace file")
     rate = synthetic.pop("rate", math.inf)
+    if seed != 0:
+        synthetic["seed"] = seed
     if synthetic:
         raise InputError(f"{', '.join(sorted(synthetic))}: for a synthetic preset; the trace {workload} brings its own "
                          f"lengths and one sample per request")

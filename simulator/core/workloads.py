@@ -225,6 +225,9 @@ def check_synthetic_spec(spec: SyntheticSpec) -> None:
     check_int(owner, "max_model_len", spec.max_model_len, 2, 2**31, optional=True)
     check_real(owner, "rate", spec.rate, MIN_RATE, allow_inf=True, error=WorkloadError)
     check_real(owner, "burstiness", spec.burstiness, MIN_BURSTINESS, 1e6, error=WorkloadError)
+    if spec.burstiness != 1.0 and math.isinf(spec.rate):
+        raise WorkloadError(f"{owner}: burstiness={spec.burstiness:g} would be ignored: it shapes the gaps between "
+                            f"arrivals, and an infinite rate has every request arrive at once (give a rate)")
     check_real(owner, "range_ratio", spec.range_ratio, 0.0, 0.999)
     if spec.n > 1 and spec.beam_width > 1:
         raise InputError(f"SyntheticSpec: n={spec.n} and beam_width={spec.beam_width}: a request samples or beam-"
@@ -285,8 +288,12 @@ def at_mean_rate(workload: Workload, rate: float) -> Workload:
     """``workload`` with its arrival offsets scaled so that requests arrive ``rate`` per second on average (a trace
     replayed at another load, its burstiness kept); ``inf``, or no two distinct arrival times, leaves it as it is."""
     check_real("at_mean_rate", "rate", rate, MIN_RATE, allow_inf=True, error=WorkloadError)
-    if math.isinf(rate) or len(workload) < 2 or workload.arrival_s[-1] <= workload.arrival_s[0]:
+    if math.isinf(rate):
         return workload
+    if len(workload) < 2 or workload.arrival_s[-1] <= workload.arrival_s[0]:
+        raise WorkloadError(f"a rate of {rate:g} requests/s would be ignored: {workload.name!r} has "
+                            f"{'one request' if len(workload) < 2 else 'every arrival at one time'}, so there is no "
+                            f"mean rate to rescale (give it arrivals, or no rate)")
     natural = (len(workload) - 1) / float(workload.arrival_s[-1] - workload.arrival_s[0])
     offsets = workload.arrival_s - workload.arrival_s[0]
     return dataclasses.replace(workload, arrival_s=workload.arrival_s[0] + offsets * (natural / rate)).check()

@@ -133,6 +133,13 @@ def plan_specs(workload: dict, models: list, gpus: list, tps: list[int], replica
     for gib in offload_gib:
         if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 <= gib < math.inf:
             raise PlanError(f"an offload tier in a plan must be a finite size >= 0 GiB (it has a price), got {gib!r}")
+    if "paged" not in allocators:
+        ignored = [f"{name}={value!r}" for name, value, default in (
+            ("kv_offload_gib", list(offload_gib), [0.0]), ("block_size", common.get("block_size", 16), 16))
+            if value != default]
+        if ignored:
+            raise PlanError(f"{ignored[0]} would be ignored: it applies to the paged allocator, and the plan has "
+                            f"none ({', '.join(allocators)})")
     specs = []
     for model, gpu, tp, count, allocator, kv_dtype in itertools.product(models, gpus, tps, replicas, allocators,
                                                                         kv_cache_dtypes):
@@ -239,5 +246,8 @@ def plan_capacity(workload: dict, slos: str, models: list, gpus: list, tps: list
     """Parse the SLOs (``ttft_p90=2,tpot_p90=0.2``), check every configuration (``offload_gib``: host offload
     tier sizes per replica to try, GiB), then ``run_plan`` them."""
     specs = plan_specs(workload, models, gpus, tps, replicas, allocators, offload_gib, kv_cache_dtypes, **common)
+    if host_price_per_gib_hour != HOST_PRICE_PER_GIB_HOUR and not any(spec[OFFLOAD_GIB] for spec in specs):
+        raise PlanError(f"a host price of {host_price_per_gib_hour:g} USD per GiB-hour would be ignored: it prices "
+                        f"the offload tier, and no configuration has one (--kv-offload-gib)")
     return run_plan(specs, parse_slos(slos), search, target_rate, prices, parallel, address, num_cpus, progress,
                     on_progress, host_price_per_gib_hour)

@@ -23,14 +23,15 @@ from typing import Callable
 import pandas as pd
 
 from lab import user_files
+from lab.checks import check_int, check_real
 from lab.errors import InputError, LabError
 from lab.files import file_digest, write_atomically
 from simulator.core.checks import closed_form_checks
 from simulator.core.cluster import run_simulation
 from simulator.core.engine import FILE_FIELDS, Profile, SimConfig, check_config, offload_blocks
-from simulator.core.models import get_gpu, get_model, read_kernel_csv
+from simulator.core.models import check_tensor_parallel, get_gpu, get_model, read_kernel_csv
 from simulator.core.workloads import (SYNTHETIC_PRESETS, at_mean_rate, SyntheticSpec, Workload, check_synthetic_spec, load_trace,
-                        synthetic_workload)
+                        synthetic_workload, MIN_RATE)
 
 WORKLOAD_FIELDS = ("workload", "num_requests", "rate", "burstiness", "n", "beam_width", "shared_prefix_tokens",
                    "seed")
@@ -101,13 +102,13 @@ def check_grid(grid, name: str = "grid") -> dict[str, list]:
         if ignored:
             raise GridError(f"{name}: {', '.join(ignored)} would be ignored: every workload of the grid is a trace, "
                             f"which keeps its own lengths and one sample per request (its rate can be set)")
-    if max(grid.get("replicas", [1])) == 1 and "router" in grid:
-        raise GridError(f"{name}: router would be ignored: it shares requests among replicas (more than 1)")
     for spec in expand(grid):
         try:
             check_spec(spec)
         except ValueError as exc:
             raise GridError(f"{name}: {exc}") from None
+    if max(grid.get("replicas", [1])) == 1 and "router" in grid:  # the values are checked integers by now
+        raise GridError(f"{name}: router would be ignored: it shares requests among replicas (more than 1)")
     _read_files(grid, name)
     return grid
 
@@ -135,7 +136,8 @@ def check_spec(spec: dict) -> None:
     """Raise ``ValueError`` when the spec's config or workload parameters are invalid (without running it)."""
     config = sim_config(spec)
     check_config(config)
-    get_model(config.model), get_gpu(config.gpu)  # names known (whether the model fits is the run's business)
+    get_gpu(config.gpu)  # names known (whether the model fits is the run's business)
+    check_tensor_parallel(get_model(config.model), config.tp)  # a split vLLM refuses
     workload = spec["workload"]
     if not isinstance(workload, str):
         raise InputError(f"workload={workload!r}: expected a preset ({', '.join(SYNTHETIC_PRESETS)}) or a trace path")
@@ -143,6 +145,12 @@ def check_spec(spec: dict) -> None:
         check_synthetic_spec(_synthetic_spec(spec))
     elif not Path(workload).is_file():
         raise InputError(f"workload {workload!r} is neither a preset ({', '.join(SYNTHETIC_PRESETS)}) nor a file")
+    else:  # a trace: its rows and rate, as the run will read them
+        check_int("spec", "num_requests", spec.get("num_requests"), 1, 1 << 31, optional=True)
+        check_real("spec", "rate", spec.get("rate", math.inf), MIN_RATE, allow_inf=True)
+    if spec.get(OFFLOAD_GIB) and (config.allocator != "paged" or not config.enable_prefix_caching):
+        raise InputError(f"{OFFLOAD_GIB}={spec[OFFLOAD_GIB]!r} would be ignored: the offload tier keeps the paged "
+                         f"prefix cache's blocks (allocator paged with prefix caching on)")
 
 
 def spec_key(spec: dict) -> str:

@@ -2,12 +2,14 @@
 settings of a comparison."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pandas as pd
 
 from lab.report.results import COLUMN_LABELS, human_columns, human_label, human_number, settings_of
 
+from lab.sched.scheduler import SchedulingSettings
 from simulator.core.engine import SimConfig
 from simulator.core.workloads import Workload
 
@@ -141,9 +143,10 @@ def run_settings(workload: Workload, configs: SimConfig | list[SimConfig]) -> di
                 "arrival_rate_req_s": getattr(spec, "rate", workload.summary()["rate_req_s"]),
                 "burstiness": getattr(spec, "burstiness", math.nan), "n": workload.n, "beam_width": workload.beam_width,
                 "shared_prefix_tokens": workload.shared_prefix_tokens, "workload_seed": getattr(spec, "seed", math.nan)}
-    for field in ("model", "gpu", "tp", "max_model_len", "capacity_tokens", "gpu_memory_utilization", "max_num_seqs",
-                  "max_num_batched_tokens", "scheduling", "preemption_mode", "enable_prefix_caching", "address_space",
-                  "kernel_csv", "kv_offload_blocks", "seed"):
+    scheduling = [f.name for f in dataclasses.fields(SchedulingSettings)]  # every scheduler setting, as it grows
+    for field in ("model", "gpu", "tp", "max_model_len", "capacity_tokens", "gpu_memory_utilization", *scheduling,
+                  "enable_prefix_caching", "address_space", "kernel_csv", "profile", "kv_offload_blocks",
+                  "kv_cache_dtype", "seed"):
         value = getattr(config, field)
         settings[field] = value if isinstance(value, (int, float, str, bool)) or value is None else \
             getattr(value, "name", str(value))

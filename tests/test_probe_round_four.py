@@ -1,0 +1,96 @@
+"""What a probe of the fixed tree found where the mechanisms ended, each now refused by the mechanism it belongs to
+(issue 70): an output naming an input, a link written through, a device read to its bound, grid values checked
+before they are compared, a tier or a seed that would be ignored, settings an export must record."""
+import os
+
+import pandas as pd
+import pytest
+
+import simulator
+import simulator.cli.main as simulator_cli
+from lab.errors import InputError
+from lab.files import write_text_atomically
+from lab.user_files import read_bytes
+from simulator.core.engine import SimConfig
+from simulator.experiments.sweep import GridError, check_grid
+
+TRACE = "arrival_time_s,prompt_tokens,output_tokens\n0,10,10\n1,12,5\n"
+
+
+@pytest.mark.parametrize("output", ["--out", "--timeseries", "--checks"])
+def test_an_output_never_overwrites_the_trace_it_reads(tmp_path, output, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text(TRACE)
+    link = tmp_path / "link.csv"
+    link.symlink_to(trace)
+    for target in (trace, link):
+        assert simulator_cli.main(["--workload", str(trace), "--allocators", "paged", "--no-progress", output,
+                                   str(target)]) == 2
+        assert "would overwrite the trace" in capsys.readouterr().err and trace.read_text() == TRACE
+
+
+def test_a_sweep_never_overwrites_a_file_its_grid_reads(tmp_path, capsys):
+    trace = tmp_path / "t.csv"
+    trace.write_text(TRACE)
+    grid = tmp_path / "g.yaml"
+    grid.write_text(f"workload: [{trace}]\nallocator: [paged]\n")
+    assert simulator_cli.main(["sweep", "--grid", str(grid), "--out", str(trace), "--serial", "--no-progress"]) == 2
+    assert "would overwrite the grid's workload file" in capsys.readouterr().err and trace.read_text() == TRACE
+
+
+def test_a_write_through_a_link_reaches_the_file_it_names(tmp_path):
+    (tmp_path / "real").mkdir()
+    target = tmp_path / "real" / "res.csv"
+    target.write_text("old")
+    link = tmp_path / "link.csv"
+    link.symlink_to(target)
+    write_text_atomically(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+
+
+def test_a_file_that_reports_no_size_is_read_to_its_bound_only():
+    with pytest.raises(InputError, match="more than 1,000 bytes"):
+        read_bytes("/dev/zero", InputError, max_bytes=1000)
+
+
+@pytest.mark.parametrize("grid, named", [
+    ({"workload": ["sharegpt"], "num_requests": [20], "replicas": [1, "two"], "router": ["random"]}, "replicas"),
+    ({"workload": ["sharegpt"], "num_requests": [20], "replicas": [1, None], "router": ["random"]}, "replicas"),
+    ({"workload": ["sharegpt"], "kv_offload_gib": [1], "enable_prefix_caching": [False]}, "would be ignored"),
+    ({"workload": ["sharegpt"], "kv_offload_gib": [1], "allocator": ["contiguous-max"]}, "would be ignored"),
+    ({"workload": ["sharegpt"], "preemption_mode": ["swap"], "allocator": ["paged", "contiguous-max"]}, "swap"),
+])
+def test_a_grid_is_refused_before_any_run(grid, named):
+    with pytest.raises(GridError, match=named):
+        check_grid(grid)
+
+
+def test_a_grid_of_a_trace_checks_its_rows_and_rate(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text(TRACE)
+    for bad in ({"num_requests": [0]}, {"rate": [-1]}):
+        with pytest.raises(GridError):
+            check_grid({"workload": [str(trace)], **bad})
+
+
+def test_settings_the_api_would_ignore_are_refused(tmp_path):
+    workload = simulator.make_workload("sharegpt", num_requests=5)
+    with pytest.raises(InputError, match="would be ignored"):
+        simulator.simulate(workload, SimConfig(kv_offload_blocks=100, enable_prefix_caching=False))
+    with pytest.raises(InputError, match="kv_cache_dtype"):
+        simulator.simulate(workload, SimConfig(model_overrides={"kv_dtype_bytes": 1}))
+    trace = tmp_path / "t.csv"
+    trace.write_text(TRACE)
+    with pytest.raises(InputError, match="seed"):
+        simulator.make_workload(str(trace), seed=5)
+
+
+def test_an_export_records_every_scheduler_setting_and_the_kv_cache_dtype(tmp_path):
+    out = tmp_path / "s.csv"
+    assert simulator_cli.main(["--num-requests", "10", "--allocators", "paged", "--scheduling", "vllm",
+                               "--long-prefill-token-threshold", "64", "--no-scheduler-reserve-full-isl",
+                               "--kv-cache-dtype", "fp8", "--no-progress", "--out", str(out)]) == 0
+    text = out.read_text()
+    for setting in ("long_prefill_token_threshold", "scheduler_reserve_full_isl", "kv_cache_dtype"):
+        assert setting in text, setting
+    assert os.path.getsize(out) > 0 and len(pd.read_csv(out, comment="#")) == 1

@@ -285,7 +285,7 @@ def test_the_live_twin_runs_against_a_server_and_draws_both_sides(fake, tmp_path
     from simulator.twins.vllm_live import LiveTwin, Phase, live_series
     from simulator.twins.vllm_twin import ServerCalibration, VLLMTwinConfig
 
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 1000}))
     profile = flat_profile()
     config = VLLMTwinConfig(url=fake.url, num_requests=6, length_scale=0.05, poll_s=0.02)
     twin = LiveTwin(config, str(tmp_path), "all-at-once", profile, ServerCalibration(0.0005, 0.001, 0.0)).start()
@@ -337,7 +337,7 @@ def test_a_live_twin_on_a_url_that_is_not_vllm_fails_with_the_reason(fake, tmp_p
     from simulator.twins.vllm_live import LiveTwin, Phase
     from simulator.twins.vllm_twin import VLLMTwinConfig
 
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 1000}))
     profile = flat_profile()
     twin = LiveTwin(VLLMTwinConfig(url=fake.url, num_requests=3), str(tmp_path), "poisson", profile).start()
     twin.join(30)

@@ -12,7 +12,6 @@ import pandas as pd
 from tqdm import tqdm
 
 from lab.errors import InputError, user_errors
-from lab.kv_cache.precision import KV_CACHE_DTYPES
 from lab.cli.args import (non_negative_int, output_csv, positive_float, positive_int, positive_ints, refuse_ignored,
                            refuse_shared_outputs, scheduler_options, scheduling_settings)
 from lab.profiling.profile import extrapolation_warning
@@ -21,7 +20,7 @@ from lab.report.results import print_and_save, save_csv
 from simulator.core.allocators import ALLOCATORS
 from simulator.core.runs import compare, make_workload
 from simulator.core.checks import closed_form_checks
-from simulator.core.engine import SimConfig
+from simulator.core.engine import KV_CACHE_DTYPES, SimConfig
 from simulator.core.metrics import rejection_warning
 from simulator.core.models import GPUS, MODELS
 from simulator.core.presets import PAPER_FIGURE2_TOKEN_STATES, figure2_experiment, make_configs

@@ -118,7 +118,7 @@ def gib_list(text: str) -> list[float]:
 
 def kv_dtype_list(text: str) -> list[str]:
     """``auto,fp8``: KV cache element types (``lab.kv_cache.precision.KV_CACHE_DTYPES``)."""
-    from lab.kv_cache.precision import KV_CACHE_DTYPES
+    from simulator.core.engine import KV_CACHE_DTYPES
 
     values = name_list(text)
     unknown = [v for v in values if v not in KV_CACHE_DTYPES]

@@ -23,7 +23,7 @@ import pandas as pd
 
 from lab.checks import check_bool, check_choice, check_int, check_real, entry_point
 from lab.errors import InputError, LabError
-from lab.kv_cache.precision import check_kv_cache_dtype, kv_element_bytes
+from lab.kv_cache.precision import KV_CACHE_DTYPES, check_kv_cache_dtype, kv_element_bytes
 from lab.latency import counted_tokens, latency_summary
 from lab.sched.kv_policy import PagedPolicy, default_num_cpu_blocks, host_pool_blocks
 from lab.profiling.profile import RANGE_QUANTITIES, Profile

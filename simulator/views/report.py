@@ -9,8 +9,7 @@ import pandas as pd
 
 from lab.report.results import COLUMN_LABELS, human_columns, human_label, human_number, settings_of
 
-from lab.sched.scheduler import SchedulingSettings
-from simulator.core.engine import SimConfig
+from simulator.core.engine import SchedulingSettings, SimConfig
 from simulator.core.workloads import Workload
 
 # Summary columns as a person reads them (percentages are of the whole KV pool unless a label says otherwise): the

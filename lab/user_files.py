@@ -221,9 +221,26 @@ def _yaml_loader(name: str, error: type[ValueError]):
             digits = sum(c.isalnum() for c in node.value)  # hex and octal too
             if digits > MAX_INT_DIGITS:
                 raise error(f"{where(node.start_mark)}: an integer of {digits} digits (at most {MAX_INT_DIGITS})")
+            if ":" in node.value:  # YAML 1.1's base 60 (1:30 is 90): a time or a ratio misread as a number
+                raise error(f"{where(node.start_mark)}: {shown(node.value)} reads as a base-60 number in YAML 1.1; "
+                            f"quote it, or give the number itself")
             return super().construct_yaml_int(node)
 
+        def construct_yaml_float(self, node):
+            if ":" in node.value:
+                raise error(f"{where(node.start_mark)}: {shown(node.value)} reads as a base-60 number in YAML 1.1; "
+                            f"quote it, or give the number itself")
+            return super().construct_yaml_float(node)
+
+        def construct_yaml_bool(self, node):
+            if node.value.lower() not in ("true", "false"):  # YAML 1.1 also reads yes/no/on/off (and y/n) as booleans
+                raise error(f"{where(node.start_mark)}: {shown(node.value)} reads as a boolean in YAML 1.1; write "
+                            f"true or false (or quote it for text)")
+            return super().construct_yaml_bool(node)
+
     StrictLoader.add_constructor("tag:yaml.org,2002:int", StrictLoader.construct_yaml_int)
+    StrictLoader.add_constructor("tag:yaml.org,2002:float", StrictLoader.construct_yaml_float)
+    StrictLoader.add_constructor("tag:yaml.org,2002:bool", StrictLoader.construct_yaml_bool)
     return StrictLoader
 
 

@@ -94,3 +94,50 @@ def test_an_export_records_every_scheduler_setting_and_the_kv_cache_dtype(tmp_pa
     for setting in ("long_prefill_token_threshold", "scheduler_reserve_full_isl", "kv_cache_dtype"):
         assert setting in text, setting
     assert os.path.getsize(out) > 0 and len(pd.read_csv(out, comment="#")) == 1
+
+
+def test_another_program_s_database_is_not_taken_as_a_store(tmp_path):
+    import sqlite3
+
+    from simulator.experiments.sweep import ResultStore, StoreError
+
+    path = tmp_path / "app.db"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE users (name TEXT)")
+    with pytest.raises(StoreError, match="other tables"):
+        ResultStore(path)
+    with sqlite3.connect(path) as db:  # untouched: no table added, the journal mode kept
+        assert [n for (n,) in db.execute("SELECT name FROM sqlite_master")] == ["users"]
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] != "wal"
+
+
+def test_absolute_arrival_times_that_floats_cannot_tell_apart_are_refused(tmp_path):
+    from simulator.core.workloads import TraceFormatError
+
+    trace = tmp_path / "big.csv"
+    trace.write_text("arrival_time_s,prompt_tokens,output_tokens\n" +
+                     "".join(f"{1e14 + 0.001 * i},10,10\n" for i in range(4)))
+    with pytest.raises(TraceFormatError, match="merge"):
+        simulator.make_workload(str(trace))
+    trace.write_text("arrival_time_s,prompt_tokens,output_tokens\n" +
+                     "".join(f"{1.7e9 + 0.001 * i},10,10\n" for i in range(4)))  # Unix seconds keep milliseconds
+    assert simulator.make_workload(str(trace)).arrival_s[1] == pytest.approx(0.001, abs=1e-6)
+
+
+@pytest.mark.parametrize("text, named", [("rate: [1:30]", "base-60"), ("enable_prefix_caching: [yes]", "boolean"),
+                                         ("enable_prefix_caching: [on]", "boolean")])
+def test_yaml_1_1_s_surprises_are_named(text, named):
+    from lab.user_files import UserFileError, loads_yaml
+
+    with pytest.raises(UserFileError, match=named):
+        loads_yaml(text, "grid.yaml")
+    assert loads_yaml("x: [true, '1:30']", "grid.yaml") == {"x": [True, "1:30"]}
+
+
+def test_the_kernel_csv_s_baseline_is_known_in_any_case(tmp_path):
+    from simulator.core.models import read_kernel_csv
+
+    path = tmp_path / "k.csv"
+    path.write_text("kernel,batch,context,kv_gb_per_s\nSDPA-contiguous,1,512,900\npaged-torch,1,512,100\n")
+    frame = read_kernel_csv(path)
+    assert sorted(frame["kernel"]) == ["paged-torch", "sdpa-contiguous"]

@@ -195,7 +195,7 @@ def read_kernel_csv(path: str | Path):
     name = str(path)
     frame = user_files.csv_frame(user_files.read_text(path, InputError, user_files.MAX_SETTINGS_BYTES), name,
                                  InputError, KERNEL_CSV_COLUMNS)
-    frame["kernel"] = frame["kernel"].str.strip()
+    frame["kernel"] = frame["kernel"].str.strip().str.lower()  # SDPA-contiguous is the baseline too
     for column in ("batch", "context", "block_size"):
         if column in frame:
             values = user_files.numeric_column(frame, column, name, InputError)

@@ -23,6 +23,7 @@ MAX_TRACE_TOKENS = 2**31 - 1  # a length in a trace must fit int32
 SYNTHETIC_PRESETS = ("sharegpt", "alpaca", "random", "fixed")
 YEAR_S = 365.25 * 24 * 3600
 MAX_ARRIVAL_S = 2.0**32  # ~136 years: float64 seconds keep microseconds below 2**33
+ARRIVAL_RESOLUTION_S = 1e-6  # a trace's absolute arrival times must keep microseconds (float64 keeps them to ~2^33 s)
 MIN_RATE = 1e-6  # requests/s: one request in 11.6 days; below it arrival times leave float range
 MIN_BURSTINESS = 1e-3  # gamma shape; below it the gaps underflow to 0 and overflow to inf
 
@@ -278,6 +279,11 @@ def load_trace(path: str | Path, time_scale: float = 1.0, max_rows: int | None =
     if fmt not in loaders:
         raise InputError(f"trace format must be one of {', '.join(loaders)}; got {fmt!r}")
     workload = loaders[fmt](path, max_rows)
+    largest = float(np.abs(workload.arrival_s).max())
+    if math.isfinite(largest) and np.spacing(largest) > ARRIVAL_RESOLUTION_S:
+        raise TraceFormatError(f"{path}: arrival times as large as {largest:.6g} s are stored to "
+                               f"{np.spacing(largest):.2g} s only (floating point), so nearby arrivals would merge; "
+                               f"give the times as offsets from an origin closer to them")
     with np.errstate(over="ignore"):  # an overflow to inf is named by check()
         workload.arrival_s = (workload.arrival_s - workload.arrival_s[0]) * time_scale
     return workload.check()

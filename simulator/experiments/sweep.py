@@ -236,6 +236,12 @@ class ResultStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self.db = sqlite3.connect(self.path, isolation_level=None)
+            foreign = [name for (name,) in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+                       if name != "runs"]
+            if foreign:  # another program's database: adding a table and WAL mode to it would change it for good
+                self.db.close()
+                raise StoreError(f"{self.path} is a database of other tables ({', '.join(foreign[:3])}), not a sweep "
+                                 f"store; give --store a file of its own")
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("CREATE TABLE IF NOT EXISTS runs (run_key TEXT PRIMARY KEY, row TEXT NOT NULL)")
             # the whole file, before any work: a store damaged inside would fail only after the runs

@@ -141,3 +141,53 @@ def test_the_kernel_csv_s_baseline_is_known_in_any_case(tmp_path):
     path.write_text("kernel,batch,context,kv_gb_per_s\nSDPA-contiguous,1,512,900\npaged-torch,1,512,100\n")
     frame = read_kernel_csv(path)
     assert sorted(frame["kernel"]) == ["paged-torch", "sdpa-contiguous"]
+
+
+def test_a_trace_across_a_daylight_saving_change_is_read_in_utc(tmp_path):
+    from simulator.core.workloads import TraceFormatError
+
+    trace = tmp_path / "tz.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-05 01:59:00+02:00,10,10\n"
+                     "2023-11-05 01:00:00+01:00,12,5\n")
+    assert list(simulator.make_workload(str(trace)).arrival_s) == [0.0, 60.0]
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-05 01:59:00,10,10\n2023-11-05 02:00:00Z,12,5\n")
+    with pytest.raises(TraceFormatError, match="row 3.*time zone"):
+        simulator.make_workload(str(trace))
+
+
+def test_a_pipe_given_as_a_trace_is_named_as_such(tmp_path):
+    from simulator.core.workloads import TraceFormatError
+
+    fifo = tmp_path / "pipe.csv"
+    os.mkfifo(fifo)
+    with pytest.raises(TraceFormatError, match="not a regular file"):
+        simulator.make_workload(str(fifo))
+
+
+def test_an_endless_answer_is_cut_at_its_size_bound(monkeypatch):
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import lab.peer.waits as waits
+
+    class Endless(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            try:
+                while True:
+                    self.wfile.write(b"x" * 65536)
+            except OSError:
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Endless)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(waits, "MAX_ANSWER_BYTES", 1 << 20)
+    try:
+        with pytest.raises(waits.PeerError, match="more than 1,048,576 bytes"):
+            waits.http("GET", f"http://127.0.0.1:{server.server_address[1]}/metrics", 10.0)
+    finally:
+        server.shutdown()

@@ -56,6 +56,9 @@ class Deadline:
             raise self.error() from None
 
 
+MAX_ANSWER_BYTES = 64 << 20  # a server's answer to one request (vLLM's /metrics is kilobytes)
+
+
 @dataclass(frozen=True, slots=True)
 class Answer:
     """An HTTP answer read whole: its status and body."""
@@ -71,7 +74,11 @@ def http(method: str, url: str, deadline_s: float, json: dict | None = None) -> 
 
     async def ask() -> Answer:
         async with aiohttp.ClientSession() as session, session.request(method, url, json=json) as answer:
-            return Answer(answer.status, await answer.text(errors="replace"))
+            body = await answer.content.read(MAX_ANSWER_BYTES + 1)  # a bound on size, as the deadline is on time
+            if len(body) > MAX_ANSWER_BYTES:
+                raise PeerError(f"{method} {url}: the answer holds more than {MAX_ANSWER_BYTES:,} bytes (at most "
+                                f"{MAX_ANSWER_BYTES:,} are read): not the server expected")
+            return Answer(answer.status, body.decode(answer.charset or "utf-8", errors="replace"))
 
     try:
         return asyncio.run(deadline.within(ask()))

@@ -270,6 +270,9 @@ def load_trace(path: str | Path, time_scale: float = 1.0, max_rows: int | None =
     path = Path(path)
     if path.is_dir():  # a FileNotFoundError as a missing file is: callers catch one type
         raise FileNotFoundError(f"{path} is a folder, not a trace file (CSV or JSONL)")
+    if path.exists() and not path.is_file():
+        raise TraceFormatError(f"{path}: not a regular file (a pipe or a device: a trace is read more than once); "
+                               f"save it to a file first")
     if not path.is_file():
         raise FileNotFoundError(f"trace file not found: {path}")
     check_real("load_trace", "time_scale", time_scale, 0.0, 1e9, low_open=True)
@@ -402,9 +405,16 @@ def _load_azure(path: Path, max_rows: int | None) -> Workload:
         row = int(np.argmax(malformed.to_numpy()))
         raise TraceFormatError(f"{path}: row {row + 2}, column TIMESTAMP: {shown(frame['TIMESTAMP'].iloc[row])} is "
                                f"not a date and time like 2023-11-16 18:15:46.6805900")
-    try:
-        stamps = pd.to_datetime(frame["TIMESTAMP"].str.strip(), errors="coerce", format="ISO8601")
-    except ValueError as exc:  # e.g. time zones given in some rows only
+    text = frame["TIMESTAMP"].str.strip()
+    zoned = text.str.contains(r"(?:Z|[+-]\d\d:?\d\d)$", regex=True)
+    if zoned.any() and not zoned.all():
+        row = int(np.argmax((zoned != zoned.iloc[0]).to_numpy()))
+        raise TraceFormatError(f"{path}: row {row + 2}, column TIMESTAMP: {shown(text.iloc[row])} "
+                               f"{'gives' if zoned.iloc[row] else 'lacks'} a time zone where row 2 "
+                               f"{'does not' if zoned.iloc[row] else 'does'}: give every row one, or none")
+    try:  # times with zones (a trace across a daylight-saving change) are compared in UTC
+        stamps = pd.to_datetime(text, errors="coerce", format="ISO8601", utc=bool(zoned.all()))
+    except ValueError as exc:
         raise TraceFormatError(f"{path}: column TIMESTAMP: {exc}") from None
     if stamps.isna().any():
         row = int(np.argmax(stamps.isna().to_numpy()))

@@ -168,7 +168,7 @@ def test_an_endless_answer_is_cut_at_its_size_bound(monkeypatch):
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    import lab.peer.waits as waits
+    from lab.peer import waits
 
     class Endless(BaseHTTPRequestHandler):
         def do_GET(self):

@@ -74,11 +74,13 @@ def http(method: str, url: str, deadline_s: float, json: dict | None = None) -> 
 
     async def ask() -> Answer:
         async with aiohttp.ClientSession() as session, session.request(method, url, json=json) as answer:
-            body = await answer.content.read(MAX_ANSWER_BYTES + 1)  # a bound on size, as the deadline is on time
-            if len(body) > MAX_ANSWER_BYTES:
-                raise PeerError(f"{method} {url}: the answer holds more than {MAX_ANSWER_BYTES:,} bytes (at most "
-                                f"{MAX_ANSWER_BYTES:,} are read): not the server expected")
-            return Answer(answer.status, body.decode(answer.charset or "utf-8", errors="replace"))
+            body = bytearray()
+            async for chunk in answer.content.iter_chunked(1 << 16):  # a bound on size, as the deadline is on time
+                body += chunk
+                if len(body) > MAX_ANSWER_BYTES:
+                    raise PeerError(f"{method} {url}: the answer holds more than {MAX_ANSWER_BYTES:,} bytes (at "
+                                    f"most {MAX_ANSWER_BYTES:,} are read): not the server expected")
+            return Answer(answer.status, bytes(body).decode(answer.charset or "utf-8", errors="replace"))
 
     try:
         return asyncio.run(deadline.within(ask()))

@@ -77,3 +77,69 @@ def test_an_option_the_workload_makes_moot_is_refused(tmp_path, argv, capsys):
         argv = [a if a != "x.csv" else str(trace) for a in argv]
     assert simulator_cli.main(["--num-requests", "10", "--no-progress", *argv]) == 2
     assert "would be ignored" in capsys.readouterr().err
+
+
+GENERATE_BASE = ["generate", "--model", "tiny", "--num-prompts", "2", "--prompt-len", "8", "--max-tokens", "3"]
+# option -> arguments that give it a value other than its default (what that value needs with it)
+GENERATE_ALTERNATIVES = {
+    "--model": ["--model", "qwen3-0.6b-random-4l"], "--device": ["--device", "cpu"], "--block-size": ["--block-size", "4"],
+    "--backend": ["--backend", "reference"], "--prompt": ["--prompt", "1,2,3"], "--prompt-ids": ["--prompt-ids", "1,2,3"],
+    "--num-prompts": ["--num-prompts", "3"], "--prompt-len": ["--prompt-len", "5"], "--max-tokens": ["--max-tokens", "4"],
+    "--temperature": ["--temperature", "0.7"], "--top-k": ["--top-k", "5"], "--top-p": ["--top-p", "0.5"],
+    "--n": ["--n", "2", "--temperature", "1.0"], "--seed": ["--seed", "3"], "--num-blocks": ["--num-blocks", "40"],
+    "--no-prefix-caching": ["--no-prefix-caching"], "--max-num-seqs": ["--max-num-seqs", "1"],
+    "--max-num-batched-tokens": ["--max-num-batched-tokens", "64"], "--scheduling": ["--scheduling", "vllm"],
+    "--long-prefill-token-threshold": ["--long-prefill-token-threshold", "4"],
+    "--scheduler-reserve-full-isl": ["--no-scheduler-reserve-full-isl"], "--preemption-mode": ["--preemption-mode", "swap"],
+    "--num-cpu-blocks": ["--num-cpu-blocks", "8"],
+}
+GENERATE_EXEMPT = {"--out": "where the metrics go", "--help": "help"}
+
+
+def _generate_options() -> set[str]:
+    import lab.cli.main as lab_cli
+
+    parser = lab_cli.build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    generate = commands.choices["generate"]
+    return {option for action in generate._actions for option in action.option_strings
+            if option.startswith("--") and not option.startswith("--no-scheduler")}
+
+
+def test_every_generate_option_is_enumerated():
+    assert _generate_options() == set(GENERATE_ALTERNATIVES) | set(GENERATE_EXEMPT)
+
+
+@pytest.mark.parametrize("option", sorted(GENERATE_ALTERNATIVES))
+def test_a_generate_option_reaches_the_engine_or_is_refused(option, monkeypatch, capsys):
+    """``lab generate`` with an engine that records what it was given (the model, its config, the prompts and the
+    sampling parameters): an option changes what the engine gets, or the command refuses it."""
+    import lab.cli.main as lab_cli
+    import lab.engine
+
+    class Recorder:
+        tokenizer = None
+
+        class hf_model:  # noqa: N801 - the attribute the command reads
+            class config:  # noqa: N801
+                vocab_size = 1000
+
+        def __init__(self, model, **config):
+            self.seen = {"model": model, **config}
+
+        def generate(self, prompts, params, progress=False):
+            self.seen.update(prompts=prompts, params=repr(params))
+            seen.append(self.seen)
+            return []
+
+        def run_metrics(self):
+            return {}
+
+    seen = []
+    monkeypatch.setattr(lab.engine, "LLMEngine", Recorder)
+    assert lab_cli.main(GENERATE_BASE) == 0
+    status = lab_cli.main([*GENERATE_BASE, *GENERATE_ALTERNATIVES[option]])
+    if status != 0:
+        assert status == 2 and "error:" in capsys.readouterr().err
+        return
+    assert seen[1] != seen[0], f"{' '.join(GENERATE_ALTERNATIVES[option])} reached nothing"

@@ -158,6 +158,11 @@ def _generate(args) -> None:
     if given:
         refuse_ignored([name for name in ("num_prompts", "prompt_len") if getattr(args, name) is not None],
                        "they shape random prompts, and --prompt or --prompt-ids gives them")
+    if args.temperature == 0:
+        refuse_ignored([name for name, default in (("top_k", 0), ("top_p", 1.0)) if getattr(args, name) != default]
+                       + (["seed"] if given and args.seed != 0 else []),
+                       "greedy decoding (--temperature 0) takes the most likely token: they shape sampling (and "
+                       "--seed the random prompts, which --prompt replaces)")
     engine = LLMEngine(args.model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device,
                        attention_backend=args.backend, enable_prefix_caching=not args.no_prefix_caching,
                        **scheduling_settings(args))

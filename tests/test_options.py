@@ -120,8 +120,8 @@ def test_a_generate_option_reaches_the_engine_or_is_refused(option, monkeypatch,
     class Recorder:
         tokenizer = None
 
-        class hf_model:  # noqa: N801 - the attribute the command reads
-            class config:  # noqa: N801
+        class hf_model:
+            class config:
                 vocab_size = 1000
 
         def __init__(self, model, **config):

@@ -143,3 +143,53 @@ def test_a_generate_option_reaches_the_engine_or_is_refused(option, monkeypatch,
         assert status == 2 and "error:" in capsys.readouterr().err
         return
     assert seen[1] != seen[0], f"{' '.join(GENERATE_ALTERNATIVES[option])} reached nothing"
+
+
+PLAN_BASE = ["plan", "--slo", "ttft_p90=2", "--num-requests", "20", "--serial", "--no-progress"]
+PLAN_ALTERNATIVES = {
+    "--workload": ["--workload", "alpaca"], "--num-requests": ["--num-requests", "30"], "--slo": ["--slo", "ttft_p90=1"],
+    "--models": ["--models", "qwen3-0.6b"], "--gpus": ["--gpus", "l4"], "--tp": ["--tp", "2"],
+    "--replicas": ["--replicas", "2"], "--allocators": ["--allocators", "paged"], "--block-size": ["--block-size", "32"],
+    "--router": ["--router", "random"], "--max-model-len": ["--max-model-len", "1024"],
+    "--target-rate": ["--target-rate", "3"], "--gpu-price": ["--gpu-price", "a100-80gb=5"],
+    "--kv-cache-dtype": ["--kv-cache-dtype", "fp8"], "--kv-offload-gib": ["--kv-offload-gib", "4"],
+    "--host-price": ["--host-price", "0.5"], "--rate-start": ["--rate-start", "2"], "--tolerance": ["--tolerance", "0.1"],
+    "--address": ["--address", "127.0.0.1:1"], "--num-cpus": ["--num-cpus", "1"],
+}
+PLAN_EXEMPT = {"--out": "where the table goes", "--serial": "how runs are spread (the same plan)",
+               "--no-progress": "how progress is shown", "--help": "help"}
+
+
+def _plan_options() -> set[str]:
+    from simulator.cli.sweep import plan_parser
+
+    return {option for action in plan_parser()._actions for option in action.option_strings if option.startswith("--")}
+
+
+def test_every_plan_option_is_enumerated():
+    assert _plan_options() == set(PLAN_ALTERNATIVES) | set(PLAN_EXEMPT)
+
+
+@pytest.mark.parametrize("option", sorted(PLAN_ALTERNATIVES))
+def test_a_plan_option_reaches_the_plan_or_is_refused(option, monkeypatch, capsys):
+    """``simulator plan`` up to its runs (``run_plan`` records what it was given and stops): an option changes the
+    configurations, SLOs, search, target, prices or where it runs, or the command refuses it."""
+    import simulator.experiments.plan as plan
+
+    seen = []
+
+    def recorded(*args, **kwargs):
+        seen.append(repr((args, kwargs)))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(plan, "run_plan", recorded)
+    with pytest.raises(SystemExit):
+        simulator_cli.main(PLAN_BASE)
+    try:
+        status = simulator_cli.main([*PLAN_BASE, *PLAN_ALTERNATIVES[option]])
+    except SystemExit:
+        status = 0
+    if status != 0:
+        assert status == 2 and "error:" in capsys.readouterr().err
+        return
+    assert seen[1] != seen[0], f"{' '.join(PLAN_ALTERNATIVES[option])} reached nothing"

@@ -29,6 +29,13 @@ def _ray_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def refuse_ray_options_when_serial(args: argparse.Namespace) -> None:
+    """``--address`` and ``--num-cpus`` place Ray's workers; ``--serial`` runs without Ray: refused together."""
+    if args.serial:
+        refuse_ignored([name for name in ("address", "num_cpus") if getattr(args, name) is not None],
+                       "--serial runs in this process, without Ray")
+
+
 def sweep_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m simulator sweep",
                                 description="Run every combination of a grid of SimConfig fields and workload "
@@ -49,6 +56,7 @@ def sweep_main(argv: list[str]) -> int:
     args.store = args.store or str(Path(args.out).with_suffix("")) + ".store.sqlite"
     store = args.store
     try:
+        refuse_ray_options_when_serial(args)
         grid = load_grid(args.grid)
         read = [(f"the grid's {name} file", value) for name in ("workload", "kernel_csv", "profile")
                 for value in grid.get(name, ()) if isinstance(value, str)]
@@ -199,6 +207,7 @@ def plan_main(argv: list[str]) -> int:
     args = plan_parser().parse_args(argv)
     try:
         refuse_shared_outputs(args, "out", inputs=[("the trace", args.workload)])
+        refuse_ray_options_when_serial(args)
         if max(args.replicas) == 1:
             refuse_ignored(["router"] if args.router != plan_parser().get_default("router") else [],
                            "--router shares requests among --replicas (more than 1)")

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
+from .errors import InputError
+
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read once, at import (os.umask can only be read by setting it, which is not thread-safe)
 
@@ -24,6 +26,8 @@ def write_atomically(path: str | Path, write: Callable[[Path], object]) -> None:
     path = Path(path)
     if path.is_symlink():  # write through a link to the file it names, as a plain write would
         path = path.resolve()
+    if path.exists() and not path.is_file():  # a device or a pipe would be replaced by a file
+        raise InputError(f"{path} is not a regular file (a device or a pipe); write results to a file")
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     os.close(handle)

@@ -8,7 +8,7 @@ import pytest
 
 import simulator
 import simulator.cli.main as simulator_cli
-from lab.errors import InputError
+from lab.errors import InputError, LabError
 from lab.files import write_text_atomically
 from lab.user_files import read_bytes
 from simulator.core.engine import SimConfig
@@ -191,3 +191,89 @@ def test_an_endless_answer_is_cut_at_its_size_bound(monkeypatch):
             waits.http("GET", f"http://127.0.0.1:{server.server_address[1]}/metrics", 10.0)
     finally:
         server.shutdown()
+
+
+# ---- a second probe of the fixed tree -----------------------------------------------------------------------------
+def test_no_output_lands_inside_the_checkpoint_a_command_reads(tmp_path, capsys):
+    import lab.cli.main as lab_cli
+    from lab.models.qwen3 import save_checkpoint
+
+    checkpoint = save_checkpoint("tiny", tmp_path / "ck")
+    config = (checkpoint / "config.json").read_text()
+    assert lab_cli.main(["generate", "--model", str(checkpoint), "--prompt-ids", "1,2", "--max-tokens", "2",
+                         "--out", str(checkpoint / "config.json")]) == 2
+    assert "inside the checkpoint" in capsys.readouterr().err and (checkpoint / "config.json").read_text() == config
+
+
+def test_a_device_or_pipe_is_no_output(tmp_path):
+    fifo = tmp_path / "out.csv"
+    os.mkfifo(fifo)
+    with pytest.raises(SystemExit):
+        simulator_cli.main(["--num-requests", "5", "--allocators", "paged", "--no-progress", "--out", str(fifo)])
+    with pytest.raises(InputError, match="not a regular file"):
+        write_text_atomically(fifo, "x")
+    assert fifo.exists() and not fifo.is_file()
+
+
+@pytest.mark.parametrize("argv", [
+    ["--allocators", "paged,paged"], ["--max-points", "3"],
+])
+def test_a_repeated_or_moot_simulator_option_is_refused(argv, capsys):
+    assert simulator_cli.main(["--num-requests", "5", "--no-progress", *argv]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["profile", "--model", "tiny", "--num-blocks", "50"],
+    ["bench", "kernels", "--shapes", "1x32", "--batch", "1,2"],
+    ["checkpoint", "--model", "tiny", "--out", ""],
+])
+def test_a_lab_option_that_cannot_apply_is_refused(argv, capsys):
+    import lab.cli.main as lab_cli
+
+    try:
+        status = lab_cli.main(argv)
+    except SystemExit as exit_:  # argparse's own refusal
+        status = exit_.code
+    assert status == 2 and "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("settings, named", [
+    (dict(num_blocks=32, kv_offload_blocks=8, enable_prefix_caching=False), "kv_offload_blocks"),
+    (dict(num_blocks=32, swap_space_bytes=1 << 20), "swap_space_bytes"),
+    (dict(num_blocks=32, kv_memory_bytes=1 << 20), "kv_memory_bytes"),
+    (dict(num_blocks=32, max_model_len=10**9), "max_position_embeddings"),
+])
+def test_an_engine_setting_that_cannot_apply_is_refused(settings, named):
+    from lab.engine import LLMEngine
+
+    with pytest.raises(LabError, match=named):
+        LLMEngine("tiny", **settings)
+
+
+def test_api_keywords_that_would_be_ignored_are_refused():
+    from lab.engine import LLMEngine, SamplingParams
+
+    workload = simulator.make_workload("fixed", num_requests=10)
+    for keywords in (dict(num_requests=5), dict(seed=3), dict(rate=2.0), dict(time_scale=2.0)):
+        with pytest.raises(InputError, match="would be ignored"):
+            simulator.make_workload(workload, **keywords)
+    with pytest.raises(InputError):
+        simulator.simulate(workload, SimConfig(), snapshot_every=0)
+    with pytest.raises(InputError):
+        simulator.compare(workload, [SimConfig()], workers=0)
+    with pytest.raises(InputError, match="prefix caching off"):
+        simulator.offload_sweep(workload, SimConfig(enable_prefix_caching=False), tiers_gib=(0.0, 1.0))
+    with pytest.raises(InputError, match="larger than the pool"):
+        simulator.block_size_sweep({"a": workload}, SimConfig(capacity_tokens=10), block_sizes=(8, 16))
+    with pytest.raises(InputError, match="at least one"):
+        simulator.block_size_sweep({}, SimConfig())
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLMEngine("tiny", num_blocks=32).generate([[1, 2, 3]], SamplingParams(max_tokens=3, stop_token_ids=(10**12,)))
+
+
+def test_a_grid_mixing_traces_and_presets_refuses_synthetic_axes(tmp_path):
+    trace = tmp_path / "t.csv"
+    trace.write_text(TRACE)
+    with pytest.raises(GridError, match="would be ignored for the grid's trace"):
+        check_grid({"workload": ["random", str(trace)], "num_requests": [5], "n": [1, 2]})

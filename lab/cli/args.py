@@ -94,8 +94,12 @@ def output_csv(text: str) -> str:
 def output_file(text: str) -> str:
     """A file path that can be written (any extension), checked before any run."""
     path = Path(text)
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path; give a file")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file")
+    if path.exists() and not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regular file (a device or a pipe); give a file")
     _check_creatable(path.parent, text)
     if path.exists() and not os.access(path, os.W_OK):
         raise argparse.ArgumentTypeError(f"{text!r} exists and is not writable")
@@ -109,7 +113,15 @@ def refuse_shared_outputs(args: argparse.Namespace, *names: str, inputs: list[tu
     followed): the write would replace the input."""
     outputs = [(name, getattr(args, name, None)) for name in names]
     for what, value in inputs:
-        if not value or not Path(str(value)).is_file():
+        if not value:
+            continue
+        if Path(str(value)).is_dir():  # a checkpoint: every file in it is read
+            for name, output in outputs:
+                if output and Path(str(value)).resolve() in Path(output).resolve().parents:
+                    raise InputError(f"--{name.replace('_', '-')} {output} is inside {what} {value}, which this "
+                                     f"command reads; write the output elsewhere")
+            continue
+        if not Path(str(value)).is_file():
             continue
         for name, output in outputs:
             if output and (Path(output).resolve() == Path(str(value)).resolve()
@@ -137,6 +149,8 @@ def _same_file(a: Path, b: Path) -> bool:
 
 def output_folder(text: str) -> str:
     """A folder that exists and is writable, or can be created (checked before any run)."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path; give a folder")
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file; give a folder")

@@ -8,7 +8,7 @@ import pandas as pd
 
 from lab.errors import InputError
 from lab.cli.args import (batch_contexts, cli_settings, device, model_options, non_negative_int, output_csv, output_file,
-                          output_folder, positive_int, positive_ints, refuse_ignored, run_command, scheduler_options,
+                          output_folder, positive_int, positive_ints, refuse_ignored, refuse_shared_outputs, run_command, scheduler_options,
                           scheduling_settings, token_ids, TOKEN_IDS)
 from lab.models.qwen3 import PRESETS
 from lab.profiling.profile import GRIDS
@@ -24,6 +24,9 @@ def _bench_kernels(args) -> None:
     import pandas as pd
 
     dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if args.shapes:
+        refuse_ignored([name for name, default in (("batch", (1, 8, 32)), ("context", (512, 1024)))
+                        if tuple(getattr(args, name)) != default], "--shapes gives the batch x context pairs")
     settings = cli_settings(args)
     out = str(csv_target(args.out, settings, "kernels")) if args.out else None  # rows saved as measured
     shapes = len(args.shapes) or len(args.batch) * len(args.context)
@@ -158,6 +161,7 @@ def _generate(args) -> None:
     if given:
         refuse_ignored([name for name in ("num_prompts", "prompt_len") if getattr(args, name) is not None],
                        "they shape random prompts, and --prompt or --prompt-ids gives them")
+    refuse_shared_outputs(args, "out", inputs=[("the checkpoint", args.model)])
     if args.temperature == 0:
         refuse_ignored([name for name, default in (("top_k", 0), ("top_p", 1.0)) if getattr(args, name) != default]
                        + (["seed"] if given and args.seed != 0 else []),
@@ -188,8 +192,12 @@ def _profile(args) -> None:
 
     from lab.profiling.profile import profile_engine
 
+    refuse_shared_outputs(args, "out", inputs=[("the checkpoint", args.model)])
     if args.peer == "vllm":
         return _profile_peer(args)
+    refuse_ignored([name for name, default in (("num_blocks", 256), ("max_num_seqs", 16),
+                                               ("max_num_batched_tokens", 512)) if getattr(args, name) != default],
+                   "they size vLLM's engine, for --peer vllm; the engine profiled here takes its own")
     args.block_size = args.block_size or 16
     bars = []  # the bar starts with the first scenario, once the model has loaded (or failed to, with no bar drawn)
 

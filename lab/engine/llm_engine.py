@@ -71,6 +71,9 @@ class RequestOutput:
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+KV_MEMORY_BYTES = 256 << 20  # a CPU engine's default KV pool without num_blocks
+
+
 @entry_point
 @dataclass(slots=True)
 class EngineConfig(SchedulingSettings):
@@ -90,7 +93,7 @@ class EngineConfig(SchedulingSettings):
     max_model_len: int | None = None
     dtype: torch.dtype | None = None
     device: str | None = None
-    kv_memory_bytes: int = 256 << 20
+    kv_memory_bytes: int = KV_MEMORY_BYTES
     gpu_memory_utilization: float = 0.5
     seed: int = 0
     record_logits: bool = False
@@ -120,6 +123,15 @@ class EngineConfig(SchedulingSettings):
             except ValueError as exc:
                 raise EngineConfigError(f"EngineConfig.device: {exc}") from None
         SchedulerConfig.of(self).check()
+        if self.kv_offload_blocks and not self.enable_prefix_caching:
+            raise EngineConfigError(f"EngineConfig.kv_offload_blocks={self.kv_offload_blocks} would be ignored: the "
+                                    f"offload tier keeps the prefix cache's blocks, and prefix caching is off")
+        if self.swap_space_bytes and (self.preemption_mode != "swap" or self.num_cpu_blocks):
+            raise EngineConfigError(f"EngineConfig.swap_space_bytes={self.swap_space_bytes} would be ignored: it sizes "
+                                    f"the host pool of swap preemption when num_cpu_blocks does not")
+        if self.num_blocks is not None and self.kv_memory_bytes != KV_MEMORY_BYTES:
+            raise EngineConfigError(f"EngineConfig.kv_memory_bytes={self.kv_memory_bytes} would be ignored: "
+                                    f"num_blocks={self.num_blocks} sizes the pool")
 
 
 class EngineConfigError(LabError):
@@ -204,7 +216,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.hf_model, num_blocks, config.block_size, config.attention_backend,
                                  self.policy.num_host_blocks)
         self.block_manager = self.policy.manager
-        self.max_model_len = config.max_model_len or getattr(hf_config, "max_position_embeddings", 1 << 30)
+        positions = getattr(hf_config, "max_position_embeddings", 1 << 30)
+        if config.max_model_len is not None and config.max_model_len > positions:
+            raise EngineConfigError(f"EngineConfig.max_model_len={config.max_model_len} exceeds the model's "
+                                    f"max_position_embeddings ({positions}); vLLM refuses it too")
+        self.max_model_len = config.max_model_len or positions
         if config.cuda_graphs and self.device.type == "cuda" and self.runner.attention_backend == "cupy":
             self.runner.static_decode = StaticDecode(self.runner, config.max_num_seqs,
                                                      min(self.max_model_len, MAX_GRAPH_CONTEXT), graphs=True)
@@ -286,6 +302,11 @@ class LLMEngine:
             raise SamplingParamsError(f"params must be a SamplingParams or BeamSearchParams (or None), got "
                                       f"{params!r}")
         params.check()
+        stops = getattr(params, "stop_token_ids", ())
+        vocab = self.hf_model.config.vocab_size
+        if stops and (min(stops) < 0 or max(stops) >= vocab):
+            raise SamplingParamsError(f"SamplingParams.stop_token_ids={tuple(stops)!r:.60}: a stop token outside the "
+                                      f"vocabulary [0, {vocab}) can never be sampled")
         prompt_ids = self._encode(prompt)
         if isinstance(params, BeamSearchParams):
             self.scheduler.check_request(len(prompt_ids), params.max_tokens, params.beam_width, beams=True)

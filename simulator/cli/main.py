@@ -126,6 +126,8 @@ def check_options(args) -> None:
                        "--profile prices the paged engine it measured, in place of the model and GPU roofline")
     if args.replicas == 1:
         refuse_ignored(given(["router"]), "--router shares requests among --replicas (more than 1)")
+    if args.timeseries is None:
+        refuse_ignored(given(["max_points"]), "it thins the timeseries, and no --timeseries is written")
 
 
 def _workload(args):

@@ -272,6 +272,8 @@ def paper_main(argv: list[str]) -> int:
 
     args = paper_parser().parse_args(argv)
     try:
+        if args.no_tiny and args.figure not in ("all", "18", "19"):
+            refuse_ignored(["no_tiny"], "it drops the tiny model from figures 18 and 19 only")
         summary = run_figures(list(FIGURES) if args.figure == "all" else [args.figure], args.out, args.num_requests,
                               None if args.no_tiny else TINY)
     except user_errors() as exc:

@@ -39,7 +39,8 @@ def _twin(args) -> None:
     for name, value in ENGINE_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    refuse_shared_outputs(args, "out", "steps_out", inputs=[("the profile", args.profile), ("the trace", args.workload)])
+    refuse_shared_outputs(args, "out", "steps_out", inputs=[("the profile", args.profile), ("the trace", args.workload),
+                                                             ("the checkpoint", args.model)])
     lengths = {name: getattr(args, name) for name in ("input_len", "output_len") if getattr(args, name) is not None}
     if args.workload not in ("random", "fixed"):
         refuse_ignored(list(lengths), f"only the random and fixed presets take lengths ({args.workload} brings its "
@@ -117,8 +118,9 @@ def twin_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     t = commands.add_parser("twin", help="one workload through the engine and the simulator on its profile")
     model_options(t)
-    t.add_argument("--profile", default=None, help="from python -m lab profile (with --peer vllm: from python -m lab "
-                                                    "profile --peer vllm; default: measured first)")
+    t.add_argument("--profile", default=None, help="from python -m lab profile: required for the engine's twin; "
+                                                    "with --peer vllm, from python -m lab profile --peer vllm, or "
+                                                    "measured first when not given")
     t.add_argument("--peer", choices=["vllm"], default=None,
                    help="predict a real vLLM server instead of our engine: calibrate on vLLM's engine, start its "
                         "server on 127.0.0.1 (or use --url), score the simulator on --workloads; block size, pool and "

@@ -84,6 +84,10 @@ def make_configs(allocators: list[str], block_sizes: list[int], preemption_mode:
         raise InputError("choose at least one allocator")
     if not block_sizes or min(block_sizes) < 1:
         raise InputError(f"block sizes must be >= 1, got {block_sizes}")
+    for name, values in (("allocator", allocators), ("block size", block_sizes)):
+        repeated = [value for index, value in enumerate(values) if value in values[:index]]
+        if repeated:
+            raise InputError(f"{name} {repeated[0]!r} is given twice: it would run twice, as two identical rows")
     given = {"preemption_mode": preemption_mode, "kv_offload_gib": kv_offload_gib,
              **{name: common.pop(name) for name in ("num_cpu_blocks", "address_space", "enable_prefix_caching")
                 if name in common}}

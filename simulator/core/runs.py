@@ -12,7 +12,7 @@ from typing import Callable, MutableMapping
 
 import pandas as pd
 
-from lab.checks import entry_point
+from lab.checks import check_int, entry_point
 from lab.errors import InputError
 from lab.files import file_digest
 from .allocators import ALLOCATORS
@@ -29,6 +29,11 @@ def make_workload(workload: str | Path | Workload, num_requests: int | None = No
     ``num_requests`` rows, arrival offsets multiplied by ``time_scale`` or, given a finite ``rate``, rescaled to that
     mean rate: ``at_mean_rate``), or itself. A keyword the source would ignore is a ``ValueError``."""
     if isinstance(workload, Workload):
+        given = [name for name, value, default in (("num_requests", num_requests, None), ("seed", seed, 0),
+                                                    ("time_scale", time_scale, 1.0)) if value != default]
+        if given or synthetic:
+            raise InputError(f"{', '.join(given + sorted(synthetic))} would be ignored: the workload {workload.name!r} "
+                             f"is built already (make a new one, or take its subset)")
         return workload
     if not isinstance(workload, (str, Path)):
         raise InputError(f"workload must be a preset name ({', '.join(SYNTHETIC_PRESETS)}), a trace path or a "
@@ -60,6 +65,7 @@ def simulate(workload, config: SimConfig | None = None, on_snapshot: Callable[[S
              snapshot_every: int = 50, **workload_options) -> SimResult:
     """Run one allocator over a workload. ``on_snapshot`` receives a ``Snapshot`` every ``snapshot_every``
     iterations (block pool included) and may return False to stop the run early."""
+    check_int("simulate", "snapshot_every", snapshot_every, 1, 1 << 31)
     return run_simulation(make_workload(workload, **workload_options), config or SimConfig(), on_snapshot,
                           snapshot_every)
 
@@ -76,6 +82,7 @@ def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool
     page that reruns keeps one; bounding it is the caller's)."""
     if not isinstance(configs, (list, tuple)) or not configs or not all(isinstance(c, SimConfig) for c in configs):
         raise InputError(f"configs must be a non-empty list of SimConfig (see make_configs); got {configs!r:.80}")
+    check_int("compare", "workers", workers, 1, 1024)
     workload = make_workload(workload, **workload_options)
     labels = []
     for index, config in enumerate(configs):
@@ -115,6 +122,7 @@ class RunCache(OrderedDict):
     """A ``compare(..., reuse=)`` mapping that keeps the ``max_runs`` most recently used runs."""
 
     def __init__(self, max_runs: int):
+        check_int("RunCache", "max_runs", max_runs, 1, 1 << 20)
         super().__init__()
         self.max_runs = max_runs
 
@@ -186,8 +194,11 @@ def block_size_sweep(workloads: dict[str, Workload], config: SimConfig,
     throughput and mean running sequences, one row per (workload, block size). Small blocks waste less of their
     last block but slow the attention kernel (``CostModel.block_slowdown``); large ones the reverse."""
     rows = []
-    if config.capacity_tokens is not None:  # a pool must hold at least one block
-        block_sizes = tuple(b for b in block_sizes if b <= config.capacity_tokens)
+    if not workloads or not block_sizes:
+        raise InputError("block_size_sweep needs at least one workload and one block size")
+    too_large = [b for b in block_sizes if config.capacity_tokens is not None and b > config.capacity_tokens]
+    if too_large:  # a pool must hold at least one block
+        raise InputError(f"block size {too_large[0]} is larger than the pool's {config.capacity_tokens} token slots")
     for name, workload in workloads.items():
         for block_size in block_sizes:
             run = dataclasses.replace(config, allocator="paged", block_size=block_size, record_steps=False)
@@ -208,7 +219,12 @@ def offload_sweep(workload: Workload, config: SimConfig,
     """What a CPU tier buys: the paged allocator (``config`` otherwise, prefix caching on) with a host offload tier
     of each size: prefix-cache hit rate (GPU + tier, %), the share the tier served (%), TTFT p50/p90 and
     throughput, one row per tier size."""
-    base = dataclasses.replace(config, allocator="paged", enable_prefix_caching=True, record_steps=False)
+    if not config.enable_prefix_caching:
+        raise InputError("offload_sweep: the offload tier keeps the prefix cache's blocks, and this configuration "
+                         "has prefix caching off")
+    if not tiers_gib:
+        raise InputError("offload_sweep needs at least one tier size")
+    base = dataclasses.replace(config, allocator="paged", record_steps=False)
     rows = []
     for gib in tiers_gib:
         summary = run_simulation(workload, dataclasses.replace(base, kv_offload_blocks=offload_blocks(base, gib)),

@@ -133,6 +133,12 @@ def plan_specs(workload: dict, models: list, gpus: list, tps: list[int], replica
     for gib in offload_gib:
         if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 <= gib < math.inf:
             raise PlanError(f"an offload tier in a plan must be a finite size >= 0 GiB (it has a price), got {gib!r}")
+    for name, values in (("model", models), ("GPU", gpus), ("tp", tps), ("replicas", replicas),
+                         ("allocator", allocators), ("offload tier", offload_gib), ("KV cache dtype", kv_cache_dtypes)):
+        values = list(values)
+        repeated = [value for index, value in enumerate(values) if value in values[:index]]
+        if repeated:
+            raise PlanError(f"{name} {repeated[0]!r} is given twice: the plan would run it twice, as identical rows")
     if "paged" not in allocators:
         ignored = [f"{name}={value!r}" for name, value, default in (
             ("kv_offload_gib", list(offload_gib), [0.0]), ("block_size", common.get("block_size", 16), 16))

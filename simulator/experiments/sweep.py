@@ -97,11 +97,13 @@ def check_grid(grid, name: str = "grid") -> dict[str, list]:
         sizes = " x ".join(f"{len(values)} {field}" for field, values in grid.items())
         raise GridError(f"{name}: {sizes} make {runs:,} runs; a grid may hold at most {MAX_GRID_RUNS:,}")
     workloads = [str(w) for w in grid.get("workload", [WORKLOAD_DEFAULTS["workload"]])]
-    if all(w not in SYNTHETIC_PRESETS for w in workloads):  # traces only: their arrivals and lengths are their own
+    traces = [w for w in workloads if w not in SYNTHETIC_PRESETS]
+    if traces:  # a trace's arrivals and lengths are its own: an axis of synthetic settings would label copies of it
         ignored = [f for f in SYNTHETIC_ONLY if f in grid]
         if ignored:
-            raise GridError(f"{name}: {', '.join(ignored)} would be ignored: every workload of the grid is a trace, "
-                            f"which keeps its own lengths and one sample per request (its rate can be set)")
+            raise GridError(f"{name}: {', '.join(ignored)} would be ignored for the grid's trace "
+                            f"{user_files.shown(traces[0])}, which keeps its own lengths and one sample per request "
+                            f"(its rate can be set); sweep traces in a grid of their own")
     for spec in expand(grid):
         try:
             check_spec(spec)

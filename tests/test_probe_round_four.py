@@ -243,6 +243,8 @@ def test_a_lab_option_that_cannot_apply_is_refused(argv, capsys):
     (dict(num_blocks=32, swap_space_bytes=1 << 20), "swap_space_bytes"),
     (dict(num_blocks=32, kv_memory_bytes=1 << 20), "kv_memory_bytes"),
     (dict(num_blocks=32, max_model_len=10**9), "max_position_embeddings"),
+    (dict(gpu_memory_utilization=0.9), "gpu_memory_utilization"),  # a CPU engine's pool is kv_memory_bytes
+    (dict(kv_memory_bytes=1), "holds no block"),
 ])
 def test_an_engine_setting_that_cannot_apply_is_refused(settings, named):
     from lab.engine import LLMEngine

@@ -249,10 +249,18 @@ class LLMEngine:
     def _default_num_blocks(self, hf_config, config: EngineConfig, dtype) -> int:
         per_block = ModelRunner.kv_bytes_per_block(hf_config, config.block_size, dtype)
         budget = config.kv_memory_bytes
-        if self.device.type == "cuda":
+        on_gpu = self.device.type == "cuda"
+        moot = ("gpu_memory_utilization", 0.5, "it sizes a GPU's pool") if not on_gpu else \
+            ("kv_memory_bytes", KV_MEMORY_BYTES, "a GPU's pool is sized by gpu_memory_utilization")
+        if getattr(config, moot[0]) != moot[1]:
+            raise EngineConfigError(f"EngineConfig.{moot[0]}={getattr(config, moot[0])} would be ignored on "
+                                    f"{self.device}: {moot[2]}")
+        if on_gpu:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * config.gpu_memory_utilization)
-        return max(1, budget // per_block)
+        if budget < per_block:
+            raise EngineConfigError(f"a KV budget of {budget:,} bytes holds no block of {per_block:,} bytes")
+        return budget // per_block
 
     @staticmethod
     def _num_cpu_blocks(hf_config, config: EngineConfig, dtype, num_blocks: int) -> int:

@@ -279,3 +279,11 @@ def test_a_grid_mixing_traces_and_presets_refuses_synthetic_axes(tmp_path):
     trace.write_text(TRACE)
     with pytest.raises(GridError, match="would be ignored for the grid's trace"):
         check_grid({"workload": ["random", str(trace)], "num_requests": [5], "n": [1, 2]})
+
+
+@pytest.mark.parametrize("preset, keywords", [("sharegpt", {"input_len": 10}), ("alpaca", {"output_len": 10}),
+                                              ("fixed", {"range_ratio": 0.5})])
+def test_a_length_a_preset_does_not_read_is_refused(preset, keywords):
+    with pytest.raises(LabError, match="would be ignored"):
+        simulator.make_workload(preset, num_requests=5, **keywords)
+    assert len(simulator.make_workload("random", num_requests=5, input_len=10, range_ratio=0.5)) == 5

@@ -98,7 +98,7 @@ def test_azure_errors(tmp_path):
         load_trace(write(tmp_path, "c.csv", header + "2023-11-16 18:15:46.6805900,374,x\n"))
     workload = load_trace(write(tmp_path, "d.csv", header + good + "2023-11-16 18:15:47.1805900,3,4\n"))
     assert workload.arrival_s[1] == pytest.approx(0.5)
-    with pytest.raises(TraceFormatError, match=r"e.csv: column TIMESTAMP: .*timezone"):  # not pandas' bare error
+    with pytest.raises(TraceFormatError, match=r"e.csv: row 3, column TIMESTAMP: .*time zone"):  # not pandas' bare error
         load_trace(write(tmp_path, "e.csv", header + good + "2023-11-16 18:15:47+02:00,3,4\n"))
 
 

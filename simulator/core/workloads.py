@@ -178,6 +178,10 @@ class SyntheticSpec:
     seed: int = 0
 
 
+SYNTHETIC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SyntheticSpec)}
+LENGTH_FIELDS = {"input_len": ("random", "fixed"), "output_len": ("random", "fixed"), "range_ratio": ("random",)}
+
+
 @entry_point
 def synthetic_workload(spec: SyntheticSpec) -> Workload:
     """Draw a synthetic workload: ``sharegpt`` (mean prompt/output ~161/338, heavy-tailed, prompt <= 1024,
@@ -230,6 +234,12 @@ def check_synthetic_spec(spec: SyntheticSpec) -> None:
         raise WorkloadError(f"{owner}: burstiness={spec.burstiness:g} would be ignored: it shapes the gaps between "
                             f"arrivals, and an infinite rate has every request arrive at once (give a rate)")
     check_real(owner, "range_ratio", spec.range_ratio, 0.0, 0.999)
+    ignored = [name for name, presets in LENGTH_FIELDS.items()
+               if spec.preset not in presets and getattr(spec, name) != SYNTHETIC_DEFAULTS[name]]
+    if ignored:
+        raise WorkloadError(f"{owner}: {', '.join(ignored)} would be ignored: the {spec.preset} preset does not read "
+                            f"{'it' if len(ignored) == 1 else 'them'} (they shape the "
+                            f"{' and '.join(sorted(set().union(*(LENGTH_FIELDS[n] for n in ignored))))} presets' lengths)")
     if spec.n > 1 and spec.beam_width > 1:
         raise InputError(f"SyntheticSpec: n={spec.n} and beam_width={spec.beam_width}: a request samples or beam-"
                          f"searches, not both")

@@ -110,8 +110,9 @@ def twin_workload(source: str, num_requests: int, rate: float | None = None, inp
     ``output_len``, ``random`` ±50 %), or a trace file's first ``num_requests`` rows at their own arrival times
     multiplied by ``time_scale``, or rescaled to a mean of ``rate`` requests/s (``simulator.core.workloads.at_mean_rate``;
     a time scale beside a rate, or other than 1 with a preset, is an error)."""
-    lengths = dict(input_len=input_len, output_len=output_len, range_ratio=0.5) if source in ("random", "fixed") \
-        else {}
+    lengths = dict(input_len=input_len, output_len=output_len) if source in ("random", "fixed") else {}
+    if source == "random":
+        lengths["range_ratio"] = 0.5
     return make_workload(source, num_requests=num_requests, seed=seed, time_scale=time_scale,
                          rate=math.inf if rate is None else rate, **lengths)
 

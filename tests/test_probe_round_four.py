@@ -287,3 +287,12 @@ def test_a_length_a_preset_does_not_read_is_refused(preset, keywords):
     with pytest.raises(LabError, match="would be ignored"):
         simulator.make_workload(preset, num_requests=5, **keywords)
     assert len(simulator.make_workload("random", num_requests=5, input_len=10, range_ratio=0.5)) == 5
+
+
+def test_a_seed_that_draws_nothing_is_refused():
+    """``fixed`` (or ``random`` without a spread) at an infinite rate, one sample each: nothing is drawn at random."""
+    for preset, keywords in (("fixed", {}), ("random", {})):
+        with pytest.raises(LabError, match="seed=3 would be ignored"):
+            simulator.make_workload(preset, num_requests=5, seed=3, **keywords)
+    for preset, keywords in (("random", {"range_ratio": 0.3}), ("fixed", {"rate": 2.0}), ("fixed", {"n": 2})):
+        assert len(simulator.make_workload(preset, num_requests=5, seed=3, **keywords)) == 5

@@ -240,6 +240,11 @@ def check_synthetic_spec(spec: SyntheticSpec) -> None:
         raise WorkloadError(f"{owner}: {', '.join(ignored)} would be ignored: the {spec.preset} preset does not read "
                             f"{'it' if len(ignored) == 1 else 'them'} (they shape the "
                             f"{' and '.join(sorted(set().union(*(LENGTH_FIELDS[n] for n in ignored))))} presets' lengths)")
+    draws = spec.preset in ("sharegpt", "alpaca") or spec.preset == "random" and spec.range_ratio > 0 \
+        or not math.isinf(spec.rate) or spec.n > 1
+    if spec.seed != 0 and not draws:
+        raise WorkloadError(f"{owner}: seed={spec.seed} would be ignored: this {spec.preset} workload draws nothing at "
+                            f"random (fixed lengths, every request at t = 0, one sample each)")
     if spec.n > 1 and spec.beam_width > 1:
         raise InputError(f"SyntheticSpec: n={spec.n} and beam_width={spec.beam_width}: a request samples or beam-"
                          f"searches, not both")

@@ -113,6 +113,8 @@ def twin_workload(source: str, num_requests: int, rate: float | None = None, inp
     lengths = dict(input_len=input_len, output_len=output_len) if source in ("random", "fixed") else {}
     if source == "random":
         lengths["range_ratio"] = 0.5
+    if source == "fixed" and rate is None:
+        seed = 0  # nothing is drawn: the seed seeds the engine's sampling only
     return make_workload(source, num_requests=num_requests, seed=seed, time_scale=time_scale,
                          rate=math.inf if rate is None else rate, **lengths)
 

@@ -264,7 +264,8 @@ def _uniform_around(rng, length: int, ratio: float, count: int) -> np.ndarray:
 
 def _resample_outputs(rng, spec: SyntheticSpec, outputs: np.ndarray, prompts: np.ndarray) -> np.ndarray:
     """Independent output lengths for samples 2..n of each request, from the same distribution."""
-    extra = synthetic_workload(SyntheticSpec(**{**_spec_dict(spec), "n": 1, "seed": spec.seed + 7919,
+    fixed = spec.preset == "fixed" or spec.preset == "random" and spec.range_ratio == 0  # the same lengths again
+    extra = synthetic_workload(SyntheticSpec(**{**_spec_dict(spec), "n": 1, "seed": 0 if fixed else spec.seed + 7919,
                                                 "num_requests": len(outputs) * (spec.n - 1),
                                                 "shared_prefix_tokens": 0})).output_tokens
     limit = (spec.max_model_len or 1 << 62) - prompts

@@ -127,7 +127,7 @@ def test_a_workload_that_shares_nothing_loads_nothing():
 
 
 @pytest.mark.parametrize("settings,message", [
-    (dict(allocator="contiguous-max", kv_offload_blocks=8), "needs allocator='paged'"),
+    (dict(allocator="contiguous-max", kv_offload_blocks=8), "allocator='paged'"),
     (dict(kv_offload_blocks=-1), "kv_offload_blocks"),
 ])
 def test_bad_tier_settings_are_named(settings, message):

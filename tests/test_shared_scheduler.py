@@ -153,6 +153,8 @@ def fuzz_cases(draw):
                   scheduling=draw(st.sampled_from(["prefill-first", "chunked", "vllm"])), preemption_mode=preemption,
                   max_num_batched_tokens=draw(st.integers(4, 64)), max_num_seqs=n + draw(st.integers(0, 6)),
                   kv_offload_blocks=draw(st.sampled_from([0, 0, 2, 16])))
+    if not engine["enable_prefix_caching"]:
+        engine["kv_offload_blocks"] = 0  # the tier keeps prefix-cache blocks: refused without them
     return FuzzCase(lengths, outputs, n, draw(st.integers(0, min(lengths))), draw(st.integers(0, 10_000)),
                     list(itertools.accumulate(gaps)), engine)
 

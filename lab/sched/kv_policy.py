@@ -48,6 +48,7 @@ class PagedPolicy:
         # reserve(count): take blocks for the sequences crossing a block boundary in this step, if that many are
         # free (the scheduler's per-step call with a bucket's size, bound to the manager without a wrapper)
         self.reserve = self.manager.try_reserve_counted_blocks
+        self.reserves_by_count = self.tier is None  # a tier's reservation takes blocks now (stores evicted ones)
         self.num_swap_blocks = num_cpu_blocks
         self.supports_swap = num_cpu_blocks > 0
         self.caches_prefixes = enable_prefix_caching

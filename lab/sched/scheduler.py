@@ -330,6 +330,7 @@ class KVPolicy(Protocol):
               chunk: int | None = None, whole_must_fit: bool = False) -> bool: ...
     def memory_needs(self, seq: Sequence) -> MemoryNeeds: ...
     def reserve(self, count: int) -> bool: ...
+    reserves_by_count: bool  # reserve(a + b) does what reserve(a) then reserve(b) does (no other effect)
     def final_block_reserved(self, seq: Sequence) -> None: ...
     def grow(self, seq: Sequence, kv_len: int, alone: bool) -> bool: ...
     def sync(self, seq: Sequence, kv_len: int) -> None: ...
@@ -374,6 +375,8 @@ class Scheduler:
         self.memory_calendar: dict[int, list] = {}
         self.period = policy.block_period
         self.phase_buckets: list[dict] = [{} for _ in range(self.period)]  # step % period -> {seq_id: seq}
+        self.bucket_sizes = [0] * self.period  # len of each phase bucket
+        self.bucket_total = 0  # blocks the buckets take per period
         self.len_offset = 0  # sum over running of (kv_len_base - step_base)
         self.len_offset_heap: list[tuple] = []  # (-(kv_len_base - step_base), tie, epoch, seq); stale ones lazily
         self._heap_ties = itertools.count()
@@ -504,21 +507,47 @@ class Scheduler:
     # ---- quiet steps (the simulator's fast path) ----------------------------------------------------------------
     def quiet_decode_steps(self, limit: int) -> int:
         """How many of the next steps (at most ``limit``) are quiet: every running sequence decodes a token and
-        nothing else happens (no prompt, admission, swap, beam step, memory event or block reservation, no copy
-        pending, no step log). ``skip_quiet_steps`` then counts them without planning each."""
+        nothing else happens (no prompt, admission, swap, beam step, memory event, no copy pending, no step log)
+        but block reservations that are sure to succeed and only count (``KVPolicy.reserves_by_count``: the blocks
+        of every sequence crossing a boundary fit the free ones). ``skip_quiet_steps`` then counts them without
+        planning each."""
         step, period = self.step, self.period
         if (not self.running or self.prefilling or self.swapped or self.beam_groups or self.step_rows is not None
-                or period and self.phase_buckets[(step + 1) % period] or self.config.sync_every_step
-                or self.policy.pending_copies or self.policy.pending_offload
+                or self.config.sync_every_step or self.policy.pending_copies or self.policy.pending_offload
                 or self.waiting and not self._admits_nothing()):
             return 0
         steps = min(limit, min(self.memory_calendar) - step - 1) if self.memory_calendar else limit
-        if period:  # the buckets come round every period steps: none in the next period, none at all
-            buckets = self.phase_buckets
-            for ahead in range(2, min(steps, period) + 1):
-                if buckets[(step + ahead) % period]:
-                    return ahead - 1
+        if period and steps > 0:
+            steps = self._steps_reservable(steps)
         return max(steps, 0)
+
+    def _steps_reservable(self, steps: int) -> int:
+        """How many of the next ``steps`` steps get their phase buckets' blocks for sure: all of them while the
+        blocks fit the free ones (a bucket recurs every period steps), else up to the first bucket that may not."""
+        per_period, period = self.bucket_total, self.period
+        if per_period == 0:
+            return steps
+        if not self.policy.reserves_by_count:
+            sizes = self.quiet_bucket_sizes()
+            return min(next((ahead for ahead, size in enumerate(sizes) if size), steps), steps)
+        free = self.policy.num_free_blocks()
+        if free >= (steps // period + 1) * per_period:
+            return steps
+        periods = min(free // per_period, steps // period)
+        free -= periods * per_period
+        ahead = periods * period
+        for size in self.quiet_bucket_sizes():
+            if ahead == steps or size > free:
+                break
+            free -= size
+            ahead += 1
+        return ahead
+
+    def quiet_bucket_sizes(self) -> list[int]:
+        """Blocks reserved by each of the next ``period`` steps if they are quiet (``[k]``: the step ``k + 1``
+        ahead); the cycle repeats."""
+        sizes, start = self.bucket_sizes, (self.step + 1) % self.period
+        return sizes[start:] + sizes[:start]
 
     def _admits_nothing(self) -> bool:
         """With nothing prefilling or swapped: whether the next step admits nothing from ``waiting`` (the batch is
@@ -541,7 +570,13 @@ class Scheduler:
 
     def skip_quiet_steps(self, steps: int) -> None:
         """Count ``steps`` quiet steps (``quiet_decode_steps``) as run: each running sequence is ``steps`` tokens
-        longer (``kv_len``)."""
+        longer (``kv_len``), the blocks their phase buckets take in those steps reserved at once (as many as one
+        reservation per step takes)."""
+        if self.bucket_total:
+            count = steps // self.period * self.bucket_total + sum(self.quiet_bucket_sizes()[:steps % self.period])
+            if count and not self.policy.reserve(count):
+                raise RuntimeError(f"{steps} quiet steps need {count} blocks, {self.policy.num_free_blocks()} free "
+                                   f"(quiet_decode_steps allowed more steps than the pool serves)")
         self.step += steps
         self.num_steps += steps
 
@@ -932,6 +967,8 @@ class Scheduler:
             self._materialize(seq)
         if seq.phase >= 0:
             del self.phase_buckets[seq.phase][seq.seq_id]
+            self.bucket_sizes[seq.phase] -= 1
+            self.bucket_total -= 1
             seq.phase = -1
         seq.periodic_first = seq.periodic_last = -1
         seq.boundary_pending = False
@@ -958,6 +995,8 @@ class Scheduler:
         last = first + (seq.final_len - start) // self.period * self.period
         seq.periodic_first, seq.periodic_last, seq.phase = first, last, first % self.period
         self.phase_buckets[seq.phase][seq.seq_id] = seq
+        self.bucket_sizes[seq.phase] += 1
+        self.bucket_total += 1
         events = self.memory_calendar.get(last)
         if events is None:
             self.memory_calendar[last] = [(seq, PERIODIC_END)]

@@ -227,8 +227,9 @@ class ContiguousPolicy:
     def reserve(self, count: int) -> bool:
         return False
 
-    def final_block_reserved(self, seq) -> None:
+    def final_block_reserved(self, seq) -> int:
         """Never called: contiguous policies have no periodic needs."""
+        return 0
 
     def grow(self, seq, kv_len: int, alone: bool = False) -> bool:
         """Grow by copying into a region twice as large (capped by the largest region the space can hold); False

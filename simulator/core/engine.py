@@ -523,9 +523,13 @@ class Simulator:
             return False
         batch, metrics, iteration_time = len(scheduler.running), self.metrics, self.cost.iteration_time
         first = self.policy.memory_sample(scheduler.held_tokens() + batch)  # before the first step's reservation
-        period, block_size = scheduler.period, getattr(self.policy, "block_size", 0)
-        sizes = scheduler.quiet_bucket_sizes() if scheduler.bucket_total else None  # blocks each step reserves
-        taken, blocks = ([] if sizes else None), 0  # per step: slots reserved since ``first``
+        # Paged: per step, the slots reserved since ``first`` (``sizes``: blocks each step reserves, cycling) and
+        # those settled as never filled (sequences whose last block it reserves)
+        period, start, ends = scheduler.period, scheduler.step, scheduler.periodic_ends
+        block_size = self.policy.block_size if period else 0
+        sizes = scheduler.quiet_bucket_sizes() if scheduler.bucket_total else None
+        taken, settled = ([], []) if period else (None, None)
+        blocks = never_filled = 0
         kv_tokens = scheduler.len_offset + batch * scheduler.step
         time, generated, durations = self.time, self.generated_tokens, []
         first_row = None  # the first quiet step's timeseries row, which the others' are spliced from
@@ -540,21 +544,25 @@ class Simulator:
             time += duration
             generated += batch
             durations.append(duration)
-            if sizes:
-                blocks += sizes[(ahead - 1) % period]
+            if period:
+                if sizes:
+                    blocks += sizes[(ahead - 1) % period]
+                if start + ahead in ends:
+                    never_filled += scheduler.settle_periodic_ends(start + ahead)
                 taken.append(blocks * block_size)
+                settled.append(never_filled)
             if metrics.due(self.iteration + ahead):
                 if first_row is None:
                     first_row = row(scheduler.quiet_step_stats(), first.categories(),
                                     self.num_preemptions, self._prefix_cache_hits())
                 shift, slots = (ahead - 1) * batch, blocks * block_size
                 metrics.append(quiet_row(first_row, ahead - 1, duration, time, generated,
-                                         (first.token_states + shift, first.reserved - shift + slots,
-                                          first.internal_fragmentation, first.external_fragmentation,
-                                          first.free - slots), blocks))
+                                         (first.token_states + shift, first.reserved - shift + slots - never_filled,
+                                          first.internal_fragmentation + never_filled,
+                                          first.external_fragmentation, first.free - slots), blocks))
         if not durations:
             return False
-        metrics.accumulate_run(first, batch, batch, durations, taken)
+        metrics.accumulate_run(first, batch, batch, durations, taken, settled)
         scheduler.skip_quiet_steps(len(durations))
         self.iteration += len(durations)
         self.time, self.generated_tokens, self.idle_s = time, generated, 0.0

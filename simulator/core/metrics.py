@@ -69,24 +69,25 @@ class MetricsRecorder:
             self.peak_allocated = allocated
 
     def accumulate_run(self, first: MemorySample, grow: int, batch: int, durations: list[float],
-                       taken: list[int] | None = None) -> None:
+                       taken: list[int] | None = None, settled: list[int] | None = None) -> None:
         """``accumulate`` over consecutive steps of one batch that frees no memory (the simulator's quiet steps), in
         the same order and with the same arithmetic as one call per step: step ``i``'s sample is ``first`` with
         ``i * grow`` more token states and as many fewer reserved slots (each sequence holds one more token) and,
-        with ``taken``, ``taken[i]`` slots moved from free to reserved (blocks reserved since ``first``)."""
+        with ``taken`` and ``settled`` (paged), ``taken[i]`` slots moved from free to reserved (blocks reserved
+        since ``first``) and ``settled[i]`` from reserved to internal fragmentation (never filled)."""
         w0, w1, w2, w3, w4 = self.weighted
         tokens, reserved, internal = first.token_states, first.reserved, first.internal_fragmentation
         external, free, table = first.external_fragmentation, first.free, first.table_slots
         allocated = self.capacity - external - free
         total, batch_time, allocated_time, unshared_time = (self.total_time, self.batch_time, self.allocated_time,
                                                             self.unshared_time)
-        extra = 0
+        extra = never = 0
         for i, duration in enumerate(durations):
             if taken is not None:
-                extra = taken[i]
+                extra, never = taken[i], settled[i]
             w0 += tokens * duration
-            w1 += (reserved + extra) * duration
-            w2 += internal * duration
+            w1 += (reserved + extra - never) * duration
+            w2 += (internal + never) * duration
             w3 += external * duration
             w4 += (free - extra) * duration
             total += duration

@@ -105,6 +105,19 @@ def _bench_e2e(args) -> None:
     print_and_save(table, args.out, settings=settings_of(config), kind="e2e")
 
 
+def _bench_contention(args) -> None:
+    from tqdm import tqdm
+
+    from lab.bench.contention import ContentionConfig, run_contention_bench
+
+    config = ContentionConfig(model=args.model, num_requests=args.num_requests, repeats=args.repeats)
+    bar = tqdm(total=1, desc="contention bench", file=sys.stderr)
+    table = run_contention_bench(config, progress=lambda done, total: (setattr(bar, "total", total),
+                                                                       bar.update(done - bar.n)))
+    bar.close()
+    print_and_save(table, args.out, settings=settings_of(config), kind="contention")
+
+
 def vllm_models(text: str) -> list[str]:
     """``--model`` of ``bench vllm``: presets vLLM's CPU attention takes (head_dim 32 or 128)."""
     models = [m for m in text.split(",") if m]
@@ -288,6 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--repeats", type=positive_int, default=3, help="runs per system; medians are reported")
     e.add_argument("--out", type=output_csv, default="benchmarks/results/e2e_cpu.csv", help="results CSV")
     e.set_defaults(run=_bench_e2e)
+
+    c = bench.add_parser("contention", help="the paged engine (each thread policy) and HF continuous batching, quiet "
+                                            "and with one core kept busy, alternating: slowdowns and ratios")
+    c.add_argument("--model", default="tiny", help="preset or local Qwen3 checkpoint directory")
+    c.add_argument("--num-requests", type=positive_int, default=32, help="requests queued at once per run")
+    c.add_argument("--repeats", type=positive_int, default=3, help="runs per system and load; medians are reported")
+    c.add_argument("--out", type=output_csv, default="benchmarks/results/contention_cpu.csv", help="results CSV")
+    c.set_defaults(run=_bench_contention)
 
     v = bench.add_parser("vllm", help="our engine vs vLLM's CPU build on the same checkpoint, pool and budgets "
                                       "(runs alternating; needs `bash scripts/vllm_peer.sh`)")

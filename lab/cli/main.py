@@ -136,8 +136,15 @@ def _bench_vllm(args) -> None:
     from lab.bench.vllm import VLLMBenchConfig, run_vllm_bench
 
     if args.profile:
+        if args.workload == "random" or args.seed is not None or args.family is not None:
+            raise InputError("--profile times fixed step shapes: --workload random, --seed and --family do not apply")
         _profile_vllm(args)
         return
+    if args.workload == "random":
+        _bench_vllm_family(args)
+        return
+    if args.seed is not None or args.family is not None:
+        raise InputError("--seed and --family draw a family of workloads: they go with --workload random")
     if len(args.num_requests) != len(args.model):
         raise InputError(f"--num-requests gives {len(args.num_requests)} counts for {len(args.model)} models")
     tables = []
@@ -149,6 +156,27 @@ def _bench_vllm(args) -> None:
         bar.close()
     shared = {k: v for k, v in settings_of(config).items() if k not in ("model", "num_requests")}  # per-row columns
     print_and_save(pd.concat(tables, ignore_index=True), args.out, settings=shared, kind="vllm")
+
+
+def _bench_vllm_family(args) -> None:
+    from tqdm import tqdm
+
+    from lab.bench.vllm_family import run_family_bench
+
+    if args.num_requests != (32, 16) or args.num_blocks != 512:
+        raise InputError("--num-requests and --num-blocks size the fixed workload; a random family draws its own "
+                         "(the pool is 16,384 tokens at every block size)")
+    seed, count = args.seed if args.seed is not None else 0, args.family or 8
+    tables = []
+    for model in args.model:
+        bar = tqdm(total=1, desc=f"ours vs vLLM, {model}, random family", file=sys.stderr)
+        tables.append(run_family_bench(model, (args.dtype,), seed, count, args.repeats,
+                                       progress=lambda done, total: (setattr(bar, "total", total),
+                                                                     bar.update(done - bar.n))))
+        bar.close()
+    out = args.out if args.out != VLLM_BENCH_OUT else f"benchmarks/results/vllm_family_{args.dtype}_cpu.csv"
+    print_and_save(pd.concat(tables, ignore_index=True), out,
+                   settings={"dtype": args.dtype, "family_seed": seed, "family_size": count}, kind="vllm-family")
 
 
 def _profile_vllm(args) -> None:
@@ -320,6 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--num-blocks", type=positive_int, default=512, help="vLLM's KV blocks of 32 tokens (ours: one "
                                                                           "fewer, vLLM's null block)")
     v.add_argument("--repeats", type=positive_int, default=3, help="alternating runs of each engine (medians)")
+    v.add_argument("--workload", choices=["fixed", "random"], default="fixed",
+                   help="fixed: the bench's workload; random: a seeded family of workloads it did not choose "
+                        "(8-64 requests, prompts 16-1,000, outputs 16-256, staggered or not, block 32/64/128, "
+                        "prefix caching on or off), with the family's median and worst ratio")
+    v.add_argument("--seed", type=non_negative_int, default=None, help="the random family's seed (default 0)")
+    v.add_argument("--family", type=positive_int, default=None, help="workloads in the random family (default 8)")
     v.add_argument("--profile", action="store_true",
                    help="instead: where a step's time goes in both engines, by op kind, on fixed step shapes "
                         "(prefills of 32-2,048 tokens, decodes of 1-64 sequences at 128 and 1,024 tokens)")

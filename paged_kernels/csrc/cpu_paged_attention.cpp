@@ -11,18 +11,33 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
-template <typename scalar_t>
+// A cache element as a float: the model's dtype converted, or (FP8 caches: uint8 codes) a lookup in a 256-entry
+// table that holds each code's value times the cache's scale (k_scale or v_scale), dequantized on load.
+template <typename cache_t>
+struct Dequant {
+  const float* lut;  // unused
+  inline float operator()(cache_t x) const { return static_cast<float>(x); }
+};
+template <>
+struct Dequant<uint8_t> {
+  const float* lut;
+  inline float operator()(uint8_t x) const { return lut[x]; }
+};
+
+template <typename scalar_t, typename cache_t>
 static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                    const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                   const torch::Tensor& seq_lens, double scale) {
+                   const torch::Tensor& seq_lens, double scale, const float* k_lut, const float* v_lut) {
   const int64_t num_seqs = query.size(0), num_q_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
   const int64_t group = num_q_heads / num_kv_heads, max_blocks = block_tables.size(1);
   const scalar_t* q_base = query.data_ptr<scalar_t>();
-  const scalar_t* k_base = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v_base = value_cache.data_ptr<scalar_t>();
+  const cache_t* k_base = key_cache.data_ptr<cache_t>();
+  const cache_t* v_base = value_cache.data_ptr<cache_t>();
+  const Dequant<cache_t> k_load{k_lut}, v_load{v_lut};
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* out_base = out.data_ptr<scalar_t>();
@@ -50,19 +65,19 @@ static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::
       std::fill(maxima.begin(), maxima.end(), std::numeric_limits<float>::lowest());  // finite: built fast-math
       // each of the sequence's tokens t, with its row in ``cache`` (this kv head's), block by block
       const int64_t* table = tables + seq * max_blocks;
-      auto each_token = [&](const scalar_t* cache, auto&& visit) {
+      auto each_token = [&](const cache_t* cache, auto&& visit) {
         for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-          const scalar_t* rows = cache + table[t0 / block_size] * block_stride + kv_head * head_stride;
+          const cache_t* rows = cache + table[t0 / block_size] * block_stride + kv_head * head_stride;
           const int64_t count = std::min(block_size, len - t0);
           for (int64_t j = 0; j < count; ++j) visit(t0 + j, rows + j * head_dim);
         }
       };
-      each_token(k_base, [&](int64_t t, const scalar_t* key) {  // the scores
+      each_token(k_base, [&](int64_t t, const cache_t* key) {  // the scores
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = q.data() + g * head_dim;
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(key[d]);
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k_load(key[d]);
           scores[g * len + t] = dot;
           maxima[g] = std::max(maxima[g], dot);
         }
@@ -78,12 +93,12 @@ static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::
         }
         sums[g] = sum;
       }
-      each_token(v_base, [&](int64_t t, const scalar_t* value) {  // the weighted values
+      each_token(v_base, [&](int64_t t, const cache_t* value) {  // the weighted values
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * len + t];
           float* a = acc.data() + g * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(value[d]);
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v_load(value[d]);
         }
       });
       for (int64_t g = 0; g < group; ++g) {
@@ -95,18 +110,35 @@ static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::
   });
 }
 
+// The 256-entry dequantization tables of an FP8 cache pair (empty tensors: the caches hold the query's dtype).
+static void check_luts(const char* op, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                       const torch::Tensor& k_lut, const torch::Tensor& v_lut) {
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), op, ": key and value caches must share a dtype");
+  if (key_cache.scalar_type() != at::kByte) return;
+  TORCH_CHECK(k_lut.scalar_type() == at::kFloat && v_lut.scalar_type() == at::kFloat && k_lut.numel() == 256 &&
+              v_lut.numel() == 256 && k_lut.is_contiguous() && v_lut.is_contiguous(),
+              op, ": FP8 (uint8) caches need 256-entry contiguous float32 k_lut and v_lut");
+}
+
 void paged_attention_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                             torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
-                            double scale) {
+                            double scale, torch::Tensor k_lut, torch::Tensor v_lut) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
               out.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous(),
               "paged_attention_decode (cpu): tensors must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "paged_attention_decode (cpu): block_tables and seq_lens must be int64");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "paged_attention_decode (cpu): query, caches and out must share a dtype");
+  TORCH_CHECK((query.scalar_type() == key_cache.scalar_type() || key_cache.scalar_type() == at::kByte) &&
+              out.scalar_type() == query.scalar_type(),
+              "paged_attention_decode (cpu): query, caches (unless FP8 codes, uint8) and out must share a dtype");
+  check_luts("paged_attention_decode (cpu)", key_cache, value_cache, k_lut, v_lut);
+  const bool fp8 = key_cache.scalar_type() == at::kByte;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_decode", [&] {
-    decode<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+    if (fp8)
+      decode<scalar_t, uint8_t>(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                k_lut.data_ptr<float>(), v_lut.data_ptr<float>());
+    else
+      decode<scalar_t, scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens, scale, nullptr, nullptr);
   });
 }
 
@@ -136,10 +168,12 @@ static inline void in_register(Vec& v) {
 #endif
 }
 
-template <typename scalar_t, int64_t D>
+template <typename scalar_t, int64_t D, typename cache_t = scalar_t>
 struct PrefillTask {
   static_assert(D % D_CHUNK == 0, "head sizes are multiples of D_CHUNK");
-  const scalar_t *q, *kc, *vc;
+  const scalar_t* q;
+  const cache_t *kc, *vc;
+  Dequant<cache_t> k_load, v_load;
   scalar_t* out;
   const int64_t* table;
   int64_t q_heads, group, block_size, block_stride, head_stride;
@@ -234,8 +268,8 @@ struct PrefillTask {
       const int64_t pos = k0 + j;
       const int64_t at = table[pos / block_size] * block_stride + h * head_stride + (pos % block_size) * D;
       for (int64_t d = 0; d < D; ++d) {
-        keys_t[d * KEY_TILE + j] = static_cast<float>(kc[at + d]);
-        values[j * D + d] = static_cast<float>(vc[at + d]);
+        keys_t[d * KEY_TILE + j] = k_load(kc[at + d]);
+        values[j * D + d] = v_load(vc[at + d]);
       }
     }
   }
@@ -258,10 +292,11 @@ struct PrefillTask {
   }
 };
 
-template <typename scalar_t, int64_t D>
+template <typename scalar_t, int64_t D, typename cache_t>
 static void prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                     const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                    const torch::Tensor& query_start_loc, const torch::Tensor& context_lens, double scale) {
+                    const torch::Tensor& query_start_loc, const torch::Tensor& context_lens, double scale,
+                    const float* k_lut, const float* v_lut) {
   const int64_t num_seqs = context_lens.size(0), q_heads = query.size(1), kv_heads = key_cache.size(1);
   const int64_t block_size = key_cache.size(2), max_blocks = block_tables.size(1);
   const int64_t *starts = query_start_loc.data_ptr<int64_t>(), *cached = context_lens.data_ptr<int64_t>();
@@ -284,13 +319,13 @@ static void prefill(torch::Tensor& out, const torch::Tensor& query, const torch:
     dealt[least].push_back(w);
     load[least] += work[w].cost;
   }
-  PrefillTask<scalar_t, D> task{query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
-                                value_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), nullptr, q_heads,
+  PrefillTask<scalar_t, D, cache_t> task{query.data_ptr<scalar_t>(), key_cache.data_ptr<cache_t>(),
+                                value_cache.data_ptr<cache_t>(), {k_lut}, {v_lut}, out.data_ptr<scalar_t>(), nullptr, q_heads,
                                 q_heads / kv_heads, block_size, kv_heads * block_size * D, block_size * D,
                                 static_cast<float>(scale)};
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer;
-    PrefillTask<scalar_t, D> mine = task;
+    PrefillTask<scalar_t, D, cache_t> mine = task;
     for (int64_t thread = begin; thread < end; ++thread)
       for (int64_t w : dealt[thread]) {
         const Work& item = work[w];
@@ -302,27 +337,38 @@ static void prefill(torch::Tensor& out, const torch::Tensor& query, const torch:
 
 bool paged_attention_prefill(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                              torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor query_start_loc,
-                             torch::Tensor context_lens, double scale) {
+                             torch::Tensor context_lens, double scale, torch::Tensor k_lut, torch::Tensor v_lut) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
               out.is_contiguous() && block_tables.is_contiguous() && query_start_loc.is_contiguous() &&
               context_lens.is_contiguous(), "paged_attention_prefill (cpu): tensors must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start_loc.scalar_type() == at::kLong &&
               context_lens.scalar_type() == at::kLong,
               "paged_attention_prefill (cpu): block_tables, query_start_loc and context_lens must be int64");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type() &&
-              value_cache.scalar_type() == query.scalar_type(),
-              "paged_attention_prefill (cpu): query, caches and out must share a dtype");
+  TORCH_CHECK((query.scalar_type() == key_cache.scalar_type() || key_cache.scalar_type() == at::kByte) &&
+              out.scalar_type() == query.scalar_type(),
+              "paged_attention_prefill (cpu): query, caches (unless FP8 codes, uint8) and out must share a dtype");
+  check_luts("paged_attention_prefill (cpu)", key_cache, value_cache, k_lut, v_lut);
+  const bool fp8 = key_cache.scalar_type() == at::kByte;
+  const float* k_table = fp8 ? k_lut.data_ptr<float>() : nullptr;
+  const float* v_table = fp8 ? v_lut.data_ptr<float>() : nullptr;
   TORCH_CHECK(query_start_loc.numel() == context_lens.numel() + 1 && block_tables.size(0) == context_lens.numel(),
               "paged_attention_prefill (cpu): one start per sequence and one more, one table per sequence");
   bool done = false;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_prefill", [&] {
-    switch (query.size(2)) {  // the head size a compile-time constant: each row's accumulator stays in registers
-      case 32: prefill<scalar_t, 32>(out, query, key_cache, value_cache, block_tables, query_start_loc,
-                                     context_lens, scale); done = true; break;
-      case 64: prefill<scalar_t, 64>(out, query, key_cache, value_cache, block_tables, query_start_loc,
-                                     context_lens, scale); done = true; break;
-      case 128: prefill<scalar_t, 128>(out, query, key_cache, value_cache, block_tables, query_start_loc,
-                                       context_lens, scale); done = true; break;
+    auto run = [&](auto head_size) {  // the head size a compile-time constant: row accumulators stay in registers
+      constexpr int64_t D = decltype(head_size)::value;
+      if (fp8)
+        prefill<scalar_t, D, uint8_t>(out, query, key_cache, value_cache, block_tables, query_start_loc,
+                                      context_lens, scale, k_table, v_table);
+      else
+        prefill<scalar_t, D, scalar_t>(out, query, key_cache, value_cache, block_tables, query_start_loc,
+                                       context_lens, scale, nullptr, nullptr);
+      done = true;
+    };
+    switch (query.size(2)) {
+      case 32: run(std::integral_constant<int64_t, 32>{}); break;
+      case 64: run(std::integral_constant<int64_t, 64>{}); break;
+      case 128: run(std::integral_constant<int64_t, 128>{}); break;
       default: break;
     }
   });

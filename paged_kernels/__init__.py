@@ -205,12 +205,14 @@ def qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positions, ke
     ``k``/``v [T, Hk, D]`` (views of the merged qkv projection may be passed), ``cos_sin_cache [max_position, 2 D]``
     (cos then sin, HF's layout: ``rotate_half`` pairs element ``i`` with ``i + D / 2``), ``positions [T]``. The
     rotated keys and ``v`` go to the caches at ``slot_mapping`` (negative: padding, skipped); returns the rotated
-    ``(q, k)`` (prefill attends over its own keys too). ``check`` reads the slots and positions (a device sync)."""
+    ``(q, k)`` (prefill attends over its own keys too). ``check`` reads the slots and positions (a device sync).
+    An FP8 ``kv_cache_dtype`` quantizes what it writes, as ``write_kv_cache`` does; the returned ``(q, k)`` are not."""
+    kv_cache_dtype, k_scale, v_scale = _check_precision(kv_cache_dtype, k_scale, v_scale)
     validate.check_qk_norm_rope_write_args(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache,
-                                           value_cache, slot_mapping)
+                                           value_cache, slot_mapping, kv_cache_dtype)
     eps = validate.check_eps(eps)
     if check:
-        validate.check_write_args(k, v, key_cache, value_cache, slot_mapping)
+        validate.check_write_args(k, v, key_cache, value_cache, slot_mapping, kv_cache_dtype)
         validate.check_positions(positions, validate.shape_of(cos_sin_cache)[0])
     name = resolve_backend(backend, key_cache, caches=(key_cache, value_cache))
     slot_mapping = validate.index_like(slot_mapping, key_cache)

@@ -67,6 +67,19 @@ def _bench_decode(args) -> None:
     print_and_save(table, out, settings=settings, kind="decode")
 
 
+def _bench_kv_precision(args) -> None:
+    from lab.bench.kv_precision import KVPrecisionBenchConfig, run_kv_precision_bench
+
+    config = KVPrecisionBenchConfig(models=tuple(args.model), dtype=args.dtype,
+                                    kv_cache_dtypes=tuple(args.kv_cache_dtype), num_prompts=args.num_prompts,
+                                    prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+                                    tie_margin=args.tie_margin)
+    settings = {k: v for k, v in settings_of(config).items() if k not in ("models", "kv_cache_dtypes")}
+    out = str(csv_target(args.out, settings, "kv_precision")) if args.out else None
+    table = run_kv_precision_bench(config, on_row=lambda rows: save_csv(rows, out, settings, "kv_precision"))
+    print_and_save(table, out, settings=settings, kind="kv_precision")
+
+
 def _bench_parity(args) -> None:
     from lab.bench.parity import ParityConfig, run_parity
 
@@ -103,6 +116,13 @@ def _bench_e2e(args) -> None:
     table = run_e2e_bench(config, progress=lambda done, total: bar.update(1))
     bar.close()
     print_and_save(table, args.out, settings=settings_of(config), kind="e2e")
+
+
+def _comma_list(text: str) -> list[str]:
+    values = [v for v in text.split(",") if v]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected a comma list, got {text!r}")
+    return values
 
 
 def vllm_models(text: str) -> list[str]:
@@ -323,6 +343,21 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-tokens", type=positive_int, default=32, help="greedy tokens per prompt")
     q.add_argument("--out", type=output_csv, default="benchmarks/results/parity.csv", help="results CSV")
     q.set_defaults(run=_bench_parity)
+
+    p = bench.add_parser("kv-precision", help="FP8 KV cache against a full-precision one, teacher-forced: attention "
+                                              "output and logits relative error, top-1 agreement (docs/fp8.md)")
+    p.add_argument("--model", type=_comma_list, default=["tiny", "qwen3-0.6b-random"], help="comma list of presets")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the model's and the baseline cache's dtype")
+    p.add_argument("--kv-cache-dtype", type=_comma_list, default=["fp8_e4m3", "fp8_e5m2"],
+                   help="comma list of FP8 formats (each with scale 1.0 and calculated scales)")
+    p.add_argument("--num-prompts", type=positive_int, default=4, help="prompts of random tokens")
+    p.add_argument("--prompt-len", type=positive_int, default=48, help="tokens per prompt")
+    p.add_argument("--max-tokens", type=positive_int, default=16, help="greedy tokens per prompt")
+    p.add_argument("--tie-margin", type=float, default=0.1,
+                   help="baseline top-2 logit margin below which a position counts as a near tie")
+    p.add_argument("--out", type=output_csv, default="benchmarks/results/kv_precision_cpu.csv", help="results CSV")
+    p.set_defaults(run=_bench_kv_precision)
 
     d = bench.add_parser("decode", help="decode step time per batch and context, with and without CUDA graphs")
     model_options(d, device_default="cpu")

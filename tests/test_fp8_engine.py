@@ -5,7 +5,7 @@ import torch
 
 from lab.engine.llm_engine import EngineConfigError, LLMEngine
 from lab.engine.sampler import SamplingParams
-from lab.kv_cache.precision import K_SCALE_CONSTANT, V_SCALE_CONSTANT
+from lab.worker.model_runner import K_SCALE_CONSTANT, V_SCALE_CONSTANT
 from paged_kernels import fp8
 from tests.test_shared_scheduler import make_prompts
 

@@ -232,3 +232,12 @@ def test_cupy_declines_fp8_caches():
         patch.setattr(cupy_backend, "is_cuda", lambda tensor: True)
         reason = cupy_backend.unsupported_reason(torch.zeros(1, dtype=torch.float16), 64, 1, caches)
     assert "FP8" in reason
+
+
+def test_the_lab_s_kv_cache_dtypes_are_the_kernels():
+    """``lab.kv_cache.precision`` restates the kernels' names (it may not load torch): they must stay equal."""
+    from lab.kv_cache.precision import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, kv_element_bytes
+
+    assert KV_CACHE_DTYPES == fp8.KV_CACHE_DTYPES == paged_kernels.KV_CACHE_DTYPES
+    assert set(FP8_KV_CACHE_DTYPES) == set(fp8.FP8_FORMATS)
+    assert all(kv_element_bytes(d, 2) == 1 for d in FP8_KV_CACHE_DTYPES) and kv_element_bytes("auto", 2) == 2

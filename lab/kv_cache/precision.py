@@ -8,13 +8,12 @@ planner: what an element costs in bytes.
 from __future__ import annotations
 
 from lab.errors import InputError
-from paged_kernels.fp8 import KV_CACHE_DTYPES
+
+# paged_kernels.fp8.KV_CACHE_DTYPES, restated: importing paged_kernels loads torch, which the simulator's commands
+# and pages must not (tests/test_import_direction.py); tests/test_fp8_kv.py holds the two equal
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 FP8_KV_CACHE_DTYPES = KV_CACHE_DTYPES[1:]
-# calculate_kv_scales: the first prefill's amax(|K|) maps to 200 and amax(|V|) to 100 in FP8 units, vLLM's
-# K_SCALE_CONSTANT and V_SCALE_CONSTANT (vllm/envs.py, v0.6 to v0.10, read by Attention.calc_kv_scales)
-K_SCALE_CONSTANT = 200.0
-V_SCALE_CONSTANT = 100.0
 
 
 def check_kv_cache_dtype(owner: str, value) -> str:

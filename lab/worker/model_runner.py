@@ -17,7 +17,6 @@ from typing import Protocol
 import torch
 
 import paged_kernels
-from lab.kv_cache.precision import K_SCALE_CONSTANT, V_SCALE_CONSTANT, kv_element_bytes
 from paged_kernels.torch_backend import dequantize, gather_kv, paged_attention_prefill, quantize, synchronize
 
 from .block_tables import DeviceBlockTables
@@ -176,7 +175,8 @@ class ModelRunner:
     def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
         """Bytes of one block's K and V over every layer: the model's dtype's elements, or one byte each (FP8)."""
         head_dim = head_dim_of(config)
-        element = kv_element_bytes(kv_cache_dtype, torch.empty(0, dtype=dtype).element_size())
+        # one byte for FP8 (lab.kv_cache.precision.kv_element_bytes, which this room does not import)
+        element = 1 if paged_kernels.fp8.is_fp8(kv_cache_dtype) else torch.empty(0, dtype=dtype).element_size()
         return 2 * config.num_hidden_layers * config.num_key_value_heads * block_size * head_dim * element
 
     def precision(self, layer: int) -> dict:
@@ -448,6 +448,12 @@ class ModelRunner:
         out = (prefix_out.float() * (prefix_lse - lse).exp()[..., None]
                + own_out.float() * (own_lse - lse).exp()[..., None])
         return out.to(q.dtype)[0].transpose(0, 1)
+
+
+# calculate_kv_scales: the first prefill's amax(|K|) maps to 200 and amax(|V|) to 100 in FP8 units, vLLM's
+# K_SCALE_CONSTANT and V_SCALE_CONSTANT (vllm/envs.py, v0.6 to v0.10, read by Attention.calc_kv_scales)
+K_SCALE_CONSTANT = 200.0
+V_SCALE_CONSTANT = 100.0
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 
 from lab.bench.e2e import status_bytes
-from lab.engine import LLMEngine
+from lab.engine import LLMEngine, SamplingParams
 from lab.engine.live import random_requests
 from lab.latency import counted_tokens, request_latencies
 from lab.models.qwen3 import PRESETS, save_checkpoint
@@ -39,6 +39,8 @@ class VLLMBenchConfig:
     max_num_batched_tokens: int = 2048
     repeats: int = 3
     seed: int = 0
+    kv_cache_dtype: str = "auto"  # both engines' KV cache (vLLM's names); FP8: with vLLM's default scales of 1.0
+    tie_margin: float = 0.5  # FP8: first tokens whose top-2 logit margin (ours, full-precision cache) is below it
 
 
 def _percentile(values, q: float) -> float:
@@ -89,11 +91,14 @@ def run_vllm_bench(config: VLLMBenchConfig, progress=None) -> pd.DataFrame:
                                               PRESETS[config.model][6], config.seed)
         settings = PeerSettings(str(checkpoint), config.dtype, config.block_size, config.num_blocks,
                                 config.max_num_seqs, config.max_num_batched_tokens,
-                                max_model_len=config.prompt_range[1] + config.output_range[1])
-        engine = LLMEngine(str(checkpoint), block_size=config.block_size, num_blocks=config.num_blocks - 1,
-                           max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                           scheduling="vllm", enable_prefix_caching=False,
-                           dtype=getattr(torch, config.dtype))
+                                max_model_len=config.prompt_range[1] + config.output_range[1],
+                                kv_cache_dtype=config.kv_cache_dtype)
+        common = dict(block_size=config.block_size, num_blocks=config.num_blocks - 1, max_num_seqs=config.max_num_seqs,
+                      max_num_batched_tokens=config.max_num_batched_tokens, scheduling="vllm",
+                      enable_prefix_caching=False, dtype=getattr(torch, config.dtype))
+        engine = LLMEngine(str(checkpoint), kv_cache_dtype=config.kv_cache_dtype, **common)
+        margins = _first_token_margins(LLMEngine(str(checkpoint), record_logits=True, **common), prompts) \
+            if config.kv_cache_dtype != "auto" else None
         rows = []
         with VLLMPeer(settings) as peer:
             warm = prompts[:4], [8] * 4
@@ -118,5 +123,23 @@ def run_vllm_bench(config: VLLMBenchConfig, progress=None) -> pd.DataFrame:
     table = pd.concat([table, pd.DataFrame(medians + [ratio])], ignore_index=True)
     table["greedy_agreement"] = agree / total if total else float("nan")
     table["first_token_agreement"] = first  # a sequence that parts once (a near-tie) differs from there on
+    if margins is not None:
+        clear = [m >= config.tie_margin for m in margins]
+        same = [x[:1] == y[:1] for x, y in zip(our_tokens, their_tokens)]
+        table["tie_margin"], table["clear_prompts"] = config.tie_margin, sum(clear)
+        table["first_token_agreement_clear"] = sum(s for s, c in zip(same, clear) if c) / sum(clear) \
+            if any(clear) else float("nan")
     table["model"], table["dtype"], table["num_requests"] = config.model, config.dtype, config.num_requests
+    table["kv_cache_dtype"] = config.kv_cache_dtype
     return table
+
+
+def _first_token_margins(engine: LLMEngine, prompts) -> list[float]:
+    """Each prompt's first-token top-2 logit margin on ``engine`` (ours, full-precision cache): a prompt below the
+    tie margin is a near tie, which FP8's perturbation (ours or vLLM's) may flip either way."""
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
+    margins = []
+    for output in outputs:
+        top = engine.recorded_logits[output.request_id][0][0].float().topk(2).values
+        margins.append(float(top[0] - top[1]))
+    return margins

@@ -150,12 +150,15 @@ def _bench_vllm(args) -> None:
     tables = []
     for model, requests in zip(args.model, args.num_requests):
         config = VLLMBenchConfig(model=model, dtype=args.dtype, num_requests=requests, num_blocks=args.num_blocks,
-                                 repeats=args.repeats)
+                                 repeats=args.repeats, kv_cache_dtype=args.kv_cache_dtype,
+                                 tie_margin=args.tie_margin)
         bar = tqdm(total=2 * config.repeats, desc=f"ours vs vLLM, {model}", file=sys.stderr)
         tables.append(run_vllm_bench(config, progress=lambda done, total: bar.update(done - bar.n)))
         bar.close()
     shared = {k: v for k, v in settings_of(config).items() if k not in ("model", "num_requests")}  # per-row columns
-    print_and_save(pd.concat(tables, ignore_index=True), args.out, settings=shared, kind="vllm")
+    out = "benchmarks/results/vllm_fp8_cpu.csv" if args.out == VLLM_BENCH_OUT and args.kv_cache_dtype != "auto" \
+        else args.out  # the full-precision figures stay where they are
+    print_and_save(pd.concat(tables, ignore_index=True), out, settings=shared, kind="vllm")
 
 
 def _profile_vllm(args) -> None:
@@ -319,11 +322,17 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--num-blocks", type=positive_int, default=512, help="vLLM's KV blocks of 32 tokens (ours: one "
                                                                           "fewer, vLLM's null block)")
     v.add_argument("--repeats", type=positive_int, default=3, help="alternating runs of each engine (medians)")
+    v.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="both engines' KV cache (vLLM's CPU build stores fp8_e4m3 only, as uint8, with AVX-512)")
+    v.add_argument("--tie-margin", type=float, default=0.5,
+                   help="with FP8: first tokens whose top-2 logit margin on our full-precision cache is below this "
+                        "are near ties, left out of first_token_agreement_clear")
     v.add_argument("--profile", action="store_true",
                    help="instead: where a step's time goes in both engines, by op kind, on fixed step shapes "
                         "(prefills of 32-2,048 tokens, decodes of 1-64 sequences at 128 and 1,024 tokens)")
     v.add_argument("--out", type=output_csv, default=VLLM_BENCH_OUT,
-                   help="results CSV (with --profile: benchmarks/results/vllm_profile_cpu.csv unless given)")
+                   help="results CSV (with --profile: benchmarks/results/vllm_profile_cpu.csv, with an FP8 "
+                        "--kv-cache-dtype: benchmarks/results/vllm_fp8_cpu.csv, unless given)")
     v.set_defaults(run=_bench_vllm)
 
     n = bench.add_parser("launches", help="kernel launches per layer and step of the CUDA path (counted on the "

@@ -102,4 +102,4 @@ if "kernel_precision" in st.session_state:
                formats={"context": "localized", "median_ms": "%.3f", "vs_auto": "%.2f×", "kv_gb_per_s": "%.1f",
                         "kernel_rel_err": "%.1e", "rel_err_vs_fp64": "%.1e"})
     csv_download(precision_table, "kv-precision-kernels", st.session_state["kernel_precision_settings"],
-                 "dl_kernel_precision")
+                 "dl_kernel_precision", "Download the KV precision table (CSV)")

@@ -169,4 +169,4 @@ if "runtime_precision" in st.session_state:
                                  "first_token_agreement": "First tokens agreeing with auto"},
                percent=("token_agreement", "first_token_agreement"), formats={"output_tok_s": "%.0f"})
     csv_download(precision_table, "kv-precision", st.session_state["runtime_precision_settings"],
-                 "dl_runtime_precision")
+                 "dl_runtime_precision", "Download the KV precision comparison (CSV)")

@@ -208,14 +208,21 @@ def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_s
 FUSED_CPU = True  # q/k norm, rotary and cache write in one C++ pass on the CPU when the extension builds (False: A/B)
 
 
+_FP8_FORMAT_CODES = {"e4m3": 1, "e5m2": 2}  # the extension's fp8_format (0: the caches hold q's dtype)
+
+
 def _fused_qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache, value_cache,
-                              slot_mapping, eps: float):
+                              slot_mapping, eps: float, kv_cache_dtype: str = "auto", k_scale: float = 1.0,
+                              v_scale: float = 1.0):
     """``qk_norm_rope_write`` by ``cpu_extension``: one pass over the tokens instead of ~30 torch ops per layer (on
     the tiny model a prefill or decode step spent ~1 ms of its 2-9 ms in them); None where it does not apply."""
     from .cpu_extension import extension
 
-    tensors = (k, v, q_weight, k_weight, cos_sin_cache, key_cache, value_cache)
+    quantized = fp8.is_fp8(kv_cache_dtype)
+    tensors = (k, v, q_weight, k_weight, cos_sin_cache) + (() if quantized else (key_cache, value_cache))
     if any(t.dtype != q.dtype or not t.is_cpu for t in tensors) or q.dim() != 3 or q.shape[-1] % 2:
+        return None
+    if quantized and not (key_cache.is_cpu and key_cache.dtype == value_cache.dtype == torch.uint8):
         return None
     module = extension()
     if module is None:
@@ -229,7 +236,9 @@ def _fused_qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positi
     q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=q.dtype)
     module.qk_norm_rope_write(q_out, k_out, q, k, v, inverse_rms(q), inverse_rms(k), q_weight.contiguous(),
                               k_weight.contiguous(), cos_sin_cache.contiguous(), positions.to(torch.long).contiguous(),
-                              key_cache, value_cache, slot_mapping.to(torch.long).contiguous())
+                              key_cache, value_cache, slot_mapping.to(torch.long).contiguous(),
+                              _FP8_FORMAT_CODES[fp8.fp8_format(kv_cache_dtype)] if quantized else 0, float(k_scale),
+                              float(v_scale))
     return q_out, k_out
 
 
@@ -319,7 +328,7 @@ def qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positions, ke
     ``paged_kernels.qk_norm_rope_write``); the arithmetic of HF's ``apply_rotary_pos_emb``."""
     if q.is_cpu and FUSED_CPU:
         fused = _fused_qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache,
-                                          value_cache, slot_mapping, eps)
+                                          value_cache, slot_mapping, eps, kv_cache_dtype, k_scale, v_scale)
         if fused is not None:
             return fused
     head_dim = q.shape[-1]

@@ -241,3 +241,46 @@ def test_the_lab_s_kv_cache_dtypes_are_the_kernels():
     assert KV_CACHE_DTYPES == fp8.KV_CACHE_DTYPES == paged_kernels.KV_CACHE_DTYPES
     assert set(FP8_KV_CACHE_DTYPES) == set(fp8.FP8_FORMATS)
     assert all(kv_element_bytes(d, 2) == 1 for d in FP8_KV_CACHE_DTYPES) and kv_element_bytes("auto", 2) == 2
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_rope_write_quantizes_as_the_torch_op(kv_cache_dtype, dtype, monkeypatch):
+    """The C++ q/k norm + rotary + cache write with FP8 caches stores the codes the torch op stores (which are the
+    NumPy contract's, ``test_numpy_and_torch_quantize_agree_and_saturate``), saturating included, and skips padding."""
+    if not in_place_built():
+        pytest.skip("the CPU extension cannot be built here")
+    tokens, q_heads, kv_heads, head_dim, block_size, blocks = 9, 4, 2, 64, 4, 5
+    q = torch.randn(tokens, q_heads, head_dim).to(dtype)
+    k = torch.randn(tokens, kv_heads, head_dim).to(dtype)
+    v = (torch.randn(tokens, kv_heads, head_dim) * 300).to(dtype)  # some past e4m3's 448 at v_scale 0.5
+    weights = torch.rand(head_dim).to(dtype) + 0.5, torch.rand(head_dim).to(dtype) + 0.5
+    angles = torch.arange(32)[:, None] * torch.rand(head_dim // 2)[None]
+    cos_sin = torch.cat([angles.cos(), angles.cos(), angles.sin(), angles.sin()], dim=-1).to(dtype)
+    positions = torch.randint(0, 32, (tokens,))
+    slots = torch.randperm(blocks * block_size)[:tokens]
+    slots[3] = -1
+    from paged_kernels import torch_backend
+
+    served = []
+    inner = torch_backend._fused_qk_norm_rope_write
+    monkeypatch.setattr(torch_backend, "_fused_qk_norm_rope_write",
+                        lambda *args: served.append(inner(*args)) or served[-1])
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr("paged_kernels.torch_backend.FUSED_CPU", fused)
+        caches = [torch.full((blocks, kv_heads, block_size, head_dim), 0xAB, dtype=torch.uint8) for _ in range(2)]
+        q_out, k_out = paged_kernels.qk_norm_rope_write(q, k, v, *weights, cos_sin, positions, *caches, slots,
+                                                        backend="torch", kv_cache_dtype=kv_cache_dtype,
+                                                        k_scale=0.03, v_scale=0.5)
+        results.append((q_out, k_out, caches))
+    assert len(served) == 1 and served[0] is not None  # the C++ pass wrote the first time
+    (q_fused, k_fused, fused_caches), (q_torch, k_torch, torch_caches) = results
+    assert torch.equal(q_fused, q_torch) and torch.equal(k_fused, k_torch)
+    for ours, theirs in zip(fused_caches, torch_caches):
+        assert torch.equal(ours, theirs)
+    assert (fused_caches[0][slots[0] // block_size, :, slots[0] % block_size] != 0xAB).all()
+    limit = fp8.max_finite(kv_cache_dtype)
+    assert np.isfinite(fp8.dequantize(fused_caches[1].numpy(), 1.0, kv_cache_dtype)).all()
+    assert kv_cache_dtype != "fp8_e4m3" or (abs(fp8.dequantize(fused_caches[1].numpy(), 1.0, kv_cache_dtype))
+                                            == limit).any()

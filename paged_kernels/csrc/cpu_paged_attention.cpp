@@ -7,6 +7,8 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
 #include <cmath>
@@ -399,13 +401,37 @@ static void norm_rope_head(scalar_t* dst, const scalar_t* src, float inverse, co
   }
 }
 
-template <typename scalar_t>
+// The FP8 code of x / scale (paged_kernels.fp8's contract): divided in float32 (not a reciprocal's multiply, hence
+// no fast-math here), clamped to the format's finite range (vLLM saturates; c10's conversion alone gives NaN or inf
+// past it), rounded to nearest even by c10's conversion, as torch's .to(float8) rounds.
+template <typename fp8_t>
+__attribute__((optimize("no-fast-math")))
+static uint8_t encode_fp8(float x, float scale) {
+  const float limit = static_cast<float>(std::numeric_limits<fp8_t>::max());
+  const float y = x / scale;
+  return fp8_t(y < -limit ? -limit : (y > limit ? limit : y)).x;  // NaN stays NaN (both comparisons false)
+}
+
+// A row of K or V into its cache slot: copied (the model's dtype) or quantized (fp8_format 1: e4m3, 2: e5m2).
+template <typename scalar_t, typename cache_t>
+static inline void store_row(cache_t* dst, const scalar_t* src, int64_t n, int fp8_format, float scale) {
+  if constexpr (std::is_same<cache_t, uint8_t>::value) {
+    for (int64_t d = 0; d < n; ++d)
+      dst[d] = fp8_format == 1 ? encode_fp8<c10::Float8_e4m3fn>(static_cast<float>(src[d]), scale)
+                               : encode_fp8<c10::Float8_e5m2>(static_cast<float>(src[d]), scale);
+  } else {
+    std::copy(src, src + n, dst);
+  }
+}
+
+template <typename scalar_t, typename cache_t = scalar_t>
 static void qk_norm_rope_write_impl(torch::Tensor& q_out, torch::Tensor& k_out, const torch::Tensor& q,
                                     const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& q_inv,
                                     const torch::Tensor& k_inv, const torch::Tensor& q_weight,
                                     const torch::Tensor& k_weight, const torch::Tensor& cos_sin,
                                     const torch::Tensor& positions, torch::Tensor& key_cache,
-                                    torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
+                                    torch::Tensor& value_cache, const torch::Tensor& slot_mapping,
+                                    int fp8_format = 0, float k_scale = 1.0f, float v_scale = 1.0f) {
   const int64_t tokens = q.size(0), q_heads = q.size(1), head_dim = q.size(2), kv_heads = k.size(1);
   const int64_t block_size = key_cache.size(2);
   const int64_t q_row = q.stride(0), q_head = q.stride(1), k_row = k.stride(0), k_head = k.stride(1);
@@ -416,7 +442,7 @@ static void qk_norm_rope_write_impl(torch::Tensor& q_out, torch::Tensor& k_out, 
   const scalar_t* table = cos_sin.data_ptr<scalar_t>();
   const int64_t *pos = positions.data_ptr<int64_t>(), *slots = slot_mapping.data_ptr<int64_t>();
   scalar_t *q_dst = q_out.data_ptr<scalar_t>(), *k_dst = k_out.data_ptr<scalar_t>();
-  scalar_t *kc = key_cache.data_ptr<scalar_t>(), *vc = value_cache.data_ptr<scalar_t>();
+  cache_t *kc = key_cache.data_ptr<cache_t>(), *vc = value_cache.data_ptr<cache_t>();
   const float *qi = q_inv.data_ptr<float>(), *ki = k_inv.data_ptr<float>();
 
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
@@ -433,8 +459,8 @@ static void qk_norm_rope_write_impl(torch::Tensor& q_out, torch::Tensor& k_out, 
         norm_rope_head(key, k_base + t * k_row + h * k_head, ki[t * kv_heads + h], kw, cos, sin, head_dim, normed);
         if (slot < 0) continue;
         const int64_t at = (slot / block_size) * block_stride + h * cache_head + (slot % block_size) * head_dim;
-        std::copy(key, key + head_dim, kc + at);
-        std::copy(v_base + t * v_row + h * v_head, v_base + t * v_row + h * v_head + head_dim, vc + at);
+        store_row(kc + at, key, head_dim, fp8_format, k_scale);
+        store_row(vc + at, v_base + t * v_row + h * v_head, head_dim, fp8_format, v_scale);
       }
     }
   });
@@ -443,7 +469,8 @@ static void qk_norm_rope_write_impl(torch::Tensor& q_out, torch::Tensor& k_out, 
 void qk_norm_rope_write(torch::Tensor q_out, torch::Tensor k_out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
                         torch::Tensor q_inv, torch::Tensor k_inv, torch::Tensor q_weight, torch::Tensor k_weight,
                         torch::Tensor cos_sin, torch::Tensor positions, torch::Tensor key_cache,
-                        torch::Tensor value_cache, torch::Tensor slot_mapping) {
+                        torch::Tensor value_cache, torch::Tensor slot_mapping, int64_t fp8_format, double k_scale,
+                        double v_scale) {
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
               "qk_norm_rope_write (cpu): the head dimension of q, k and v must be contiguous");
   TORCH_CHECK(q_out.is_contiguous() && k_out.is_contiguous() && key_cache.is_contiguous() &&
@@ -456,11 +483,22 @@ void qk_norm_rope_write(torch::Tensor q_out, torch::Tensor k_out, torch::Tensor 
               k_inv.is_contiguous() && q_inv.numel() == q.size(0) * q.size(1) &&
               k_inv.numel() == k.size(0) * k.size(1),
               "qk_norm_rope_write (cpu): q_inv and k_inv must be contiguous float32, one per token and head");
-  for (const auto* t : {&k, &v, &q_weight, &k_weight, &cos_sin, &key_cache, &value_cache, &q_out, &k_out})
+  for (const auto* t : {&k, &v, &q_weight, &k_weight, &cos_sin, &q_out, &k_out})
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), "qk_norm_rope_write (cpu): every float tensor must share a dtype");
+  TORCH_CHECK(fp8_format == 0 || fp8_format == 1 || fp8_format == 2, "qk_norm_rope_write (cpu): fp8_format is 0, 1 or 2");
+  const bool fp8 = fp8_format != 0;
+  for (const auto* t : {&key_cache, &value_cache})
+    TORCH_CHECK(t->scalar_type() == (fp8 ? at::kByte : q.scalar_type()),
+                "qk_norm_rope_write (cpu): caches hold q's dtype, or FP8 codes (uint8) with an fp8_format");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "qk_norm_rope_write", [&] {
-    qk_norm_rope_write_impl<scalar_t>(q_out, k_out, q, k, v, q_inv, k_inv, q_weight, k_weight, cos_sin, positions,
-                                      key_cache, value_cache, slot_mapping);
+    if (fp8)
+      qk_norm_rope_write_impl<scalar_t, uint8_t>(q_out, k_out, q, k, v, q_inv, k_inv, q_weight, k_weight, cos_sin,
+                                                 positions, key_cache, value_cache, slot_mapping,
+                                                 static_cast<int>(fp8_format), static_cast<float>(k_scale),
+                                                 static_cast<float>(v_scale));
+    else
+      qk_norm_rope_write_impl<scalar_t>(q_out, k_out, q, k, v, q_inv, k_inv, q_weight, k_weight, cos_sin, positions,
+                                        key_cache, value_cache, slot_mapping);
   });
 }
 

@@ -41,6 +41,7 @@ class VLLMBenchConfig:
     seed: int = 0
     kv_cache_dtype: str = "auto"  # both engines' KV cache (vLLM's names); FP8: with vLLM's default scales of 1.0
     tie_margin: float = 0.5  # FP8: first tokens whose top-2 logit margin (ours, full-precision cache) is below it
+    # are near ties, left out of the *_clear agreements (and, in the *_clear_2x ones, those below twice it)
 
 
 def _percentile(values, q: float) -> float:
@@ -97,7 +98,7 @@ def run_vllm_bench(config: VLLMBenchConfig, progress=None) -> pd.DataFrame:
                       max_num_batched_tokens=config.max_num_batched_tokens, scheduling="vllm",
                       enable_prefix_caching=False, dtype=getattr(torch, config.dtype))
         engine = LLMEngine(str(checkpoint), kv_cache_dtype=config.kv_cache_dtype, **common)
-        margins = _first_token_margins(LLMEngine(str(checkpoint), record_logits=True, **common), prompts) \
+        full = _first_tokens(LLMEngine(str(checkpoint), record_logits=True, **common), prompts) \
             if config.kv_cache_dtype != "auto" else None
         rows = []
         with VLLMPeer(settings) as peer:
@@ -123,23 +124,28 @@ def run_vllm_bench(config: VLLMBenchConfig, progress=None) -> pd.DataFrame:
     table = pd.concat([table, pd.DataFrame(medians + [ratio])], ignore_index=True)
     table["greedy_agreement"] = agree / total if total else float("nan")
     table["first_token_agreement"] = first  # a sequence that parts once (a near-tie) differs from there on
-    if margins is not None:
-        clear = [m >= config.tie_margin for m in margins]
-        same = [x[:1] == y[:1] for x, y in zip(our_tokens, their_tokens)]
-        table["tie_margin"], table["clear_prompts"] = config.tie_margin, sum(clear)
-        table["first_token_agreement_clear"] = sum(s for s, c in zip(same, clear) if c) / sum(clear) \
-            if any(clear) else float("nan")
+    if full is not None:
+        tokens, margins = full
+        table["tie_margin"] = config.tie_margin
+        for name, threshold in (("", config.tie_margin), ("_2x", 2 * config.tie_margin)):
+            clear = [m >= threshold for m in margins]
+            table[f"clear_prompts{name}"] = sum(clear)
+            for column, a, b in ((f"first_token_agreement_clear{name}", our_tokens, their_tokens),
+                                 (f"ours_vs_full_precision_clear{name}", our_tokens, tokens),
+                                 (f"vllm_vs_full_precision_clear{name}", their_tokens, tokens)):
+                same = [x[:1] == y[:1] for x, y, c in zip(a, b, clear) if c]
+                table[column] = sum(same) / len(same) if same else float("nan")
     table["model"], table["dtype"], table["num_requests"] = config.model, config.dtype, config.num_requests
     table["kv_cache_dtype"] = config.kv_cache_dtype
     return table
 
 
-def _first_token_margins(engine: LLMEngine, prompts) -> list[float]:
-    """Each prompt's first-token top-2 logit margin on ``engine`` (ours, full-precision cache): a prompt below the
-    tie margin is a near tie, which FP8's perturbation (ours or vLLM's) may flip either way."""
+def _first_tokens(engine: LLMEngine, prompts) -> tuple[list[list[int]], list[float]]:
+    """Each prompt's first token on ``engine`` (ours, full-precision cache) and its top-2 logit margin: a prompt
+    below the tie margin is a near tie, which FP8's perturbation (ours or vLLM's) may flip either way."""
     outputs = engine.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
     margins = []
     for output in outputs:
         top = engine.recorded_logits[output.request_id][0][0].float().topk(2).values
         margins.append(float(top[0] - top[1]))
-    return margins
+    return [output.token_ids for output in outputs], margins

@@ -47,7 +47,7 @@ static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim), acc(group * head_dim), scores, maxima(group), sums(group);
+    std::vector<float> q(group * head_dim), acc(group * head_dim), scores, maxima(group), sums(group), row(head_dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t len = std::min<int64_t>(lens[seq], max_blocks * block_size);
@@ -74,14 +74,33 @@ static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::
           for (int64_t j = 0; j < count; ++j) visit(t0 + j, rows + j * head_dim);
         }
       };
-      each_token(k_base, [&](int64_t t, const cache_t* key) {  // the scores
+      auto score = [&](int64_t t, const auto* key, auto load) {
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = q.data() + g * head_dim;
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k_load(key[d]);
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * load(key[d]);
           scores[g * len + t] = dot;
           maxima[g] = std::max(maxima[g], dot);
+        }
+      };
+      auto weigh = [&](int64_t t, const auto* value, auto load) {
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + t];
+          float* a = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * load(value[d]);
+        }
+      };
+      // FP8 rows are dequantized once into a float row (one table lookup an element), which every query head of
+      // the group then reads with vector loads; a lookup inside the group's loops would be repeated and scalar
+      const auto as_is = [](float x) { return x; };
+      each_token(k_base, [&](int64_t t, const cache_t* key) {  // the scores
+        if constexpr (std::is_same<cache_t, uint8_t>::value) {
+          for (int64_t d = 0; d < head_dim; ++d) row[d] = k_load(key[d]);
+          score(t, row.data(), as_is);
+        } else {
+          score(t, key, k_load);
         }
       });
       for (int64_t g = 0; g < group; ++g) {  // softmax numerators and their sums
@@ -96,11 +115,11 @@ static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::
         sums[g] = sum;
       }
       each_token(v_base, [&](int64_t t, const cache_t* value) {  // the weighted values
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + t];
-          float* a = acc.data() + g * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v_load(value[d]);
+        if constexpr (std::is_same<cache_t, uint8_t>::value) {
+          for (int64_t d = 0; d < head_dim; ++d) row[d] = v_load(value[d]);
+          weigh(t, row.data(), as_is);
+        } else {
+          weigh(t, value, v_load);
         }
       });
       for (int64_t g = 0; g < group; ++g) {

@@ -95,7 +95,8 @@ if st.button("Compare KV precision", key="run_precision"):
         show_error(exc)
 if "kernel_precision" in st.session_state:
     precision_table = st.session_state["kernel_precision"]
-    data_table(precision_table, {"kv_cache_dtype": "KV cache", "median_ms": "Median (ms)", "vs_auto": "Median vs auto's",
+    data_table(precision_table, {"kv_cache_dtype": "KV cache", "median_ms": "Median (ms)",
+                                 "vs_auto": "Median vs auto's",
                                  "kv_bytes": "K/V bytes read", "kv_gb_per_s": "K/V read (GB/s)",
                                  "kernel_rel_err": "Error vs float64 of the stored K/V",
                                  "rel_err_vs_fp64": "Error vs float64 of the original K/V"},

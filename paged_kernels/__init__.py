@@ -25,7 +25,8 @@ BACKENDS = ("reference", "torch", "cupy")
 
 KV_CACHE_DTYPES = fp8.KV_CACHE_DTYPES
 
-__all__ = ["KV_CACHE_DTYPES", "write_kv_cache", "paged_attention_decode", "copy_blocks", "swap_blocks", "rms_norm", "silu_and_mul",
+__all__ = ["KV_CACHE_DTYPES",
+           "write_kv_cache", "paged_attention_decode", "copy_blocks", "swap_blocks", "rms_norm", "silu_and_mul",
            "qk_norm_rope_write", "available_backends", "BACKENDS", "cupy_status", "resolve_backend",
            "KernelArgumentError", "BackendUnavailableError"]
 

@@ -27,7 +27,8 @@ def extension():
 
                     _ninja_on_path()
 
-                    _module = load(_build_name(), [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                    _module = load(_build_name(), [str(SOURCE)],
+                                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                                    extra_ldflags=["-fopenmp"], verbose=False)
                 except Exception as exc:  # no compiler, no headers: the gathering path serves
                     _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"

@@ -30,4 +30,5 @@ __all__ = ["simulate", "compare", "run_simulation", "closed_form_checks", "make_
            "SYNTHETIC_PRESETS", "load_trace", "load_trace_bytes", "synthetic_workload", "at_mean_rate", "make_configs",
            "figure2_experiment", "PAPER_FIGURE2_TOKEN_STATES", "CostModel", "get_model", "get_gpu",
            "kv_capacity_tokens", "RunCache", "block_size_sweep", "block_size_sweep_workloads", "BLOCK_SIZES",
-           "OFFLOAD_TIERS_GIB", "offload_sweep", "precision_gains", "APP_DEFAULTS", "default_inputs", "default_comparison"]
+           "OFFLOAD_TIERS_GIB", "offload_sweep", "precision_gains",
+           "APP_DEFAULTS", "default_inputs", "default_comparison"]

@@ -9,8 +9,8 @@ import pytest
 from benchmarks.app_flow import CHROMIUM, launch, runs_started, settle
 from tests.test_browser import no_exception, streamlit_server
 
-pytestmark = [pytest.mark.browser,
-              pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)")]
+pytestmark = [pytest.mark.browser, pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed "
+                                                                                 "(apt-get install chromium)")]
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 """Where FP8 KV caches show (issue 71): the kernel precision table, the runtime comparison, the simulator's
 precision gains, the accuracy benchmark; each reached without Streamlit."""
 import pytest
-import torch
 
 import simulator
 from lab.bench.kernels import KernelBenchConfig, run_precision_bench

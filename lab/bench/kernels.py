@@ -268,9 +268,8 @@ def run_precision_bench(config: KernelBenchConfig, kv_cache_dtypes: tuple[str, .
         keys, values, precision = stored(key_cache.to(config.dtype), value_cache.to(config.dtype), kv_cache_dtype)
         out = paged_kernels.paged_attention_decode(query.to(config.dtype), keys, values, block_tables, seq_lens,
                                                    backend="torch", **precision)
-        held = paged_kernels.paged_attention_decode(query.double().cpu().numpy(), keys.cpu().numpy() if precision
-                                                    else keys.double().cpu().numpy(),
-                                                    values.cpu().numpy() if precision else values.double().cpu().numpy(),
+        as_stored = (lambda t: t.cpu().numpy()) if precision else (lambda t: t.double().cpu().numpy())
+        held = paged_kernels.paged_attention_decode(query.double().cpu().numpy(), as_stored(keys), as_stored(values),
                                                     block_tables.cpu().numpy(), seq_lens.cpu().numpy(),
                                                     backend="reference", **precision)
         got = out.double().cpu().numpy()

@@ -147,7 +147,8 @@ def run_kv_precision_bench(config: KVPrecisionBenchConfig,
         baseline = _run(hf_model, base, prompts, params, num_blocks=blocks)
         forced = {i: tokens for i, tokens in enumerate(baseline["tokens"])}
         common = {"model": model, "dtype": config.dtype, "blocks": blocks}
-        rows.append({**common, "kv_cache_dtype": "auto", "scales": "-", **compare(baseline, baseline, config.tie_margin),
+        rows.append({**common, "kv_cache_dtype": "auto", "scales": "-",
+                     **compare(baseline, baseline, config.tie_margin),
                      "k_scale_mean": float("nan"), "v_scale_mean": float("nan")})
         if on_row is not None:
             on_row(pd.DataFrame(rows))

@@ -4,7 +4,7 @@ import streamlit as st
 import torch
 
 import paged_kernels
-from lab.bench.kernels import KernelBenchConfig, check_against_reference, run_kernel_bench
+from lab.bench.kernels import KernelBenchConfig, check_against_reference, run_kernel_bench, run_precision_bench
 from lab.report.charts import kernel_bandwidth_figure, kernel_time_figure
 from lab.engine.live import throttled
 from lab.report.results import settings_of
@@ -74,3 +74,33 @@ data_table(table, {"kernel": "Kernel", "batch": "Batch", "context": "Context (to
                     "vs_sdpa": "%.2f×", "kv_gb_per_s": "%.1f", "max_rel_err": "%.1e"})
 st.caption(f"Each time is the median of {config.repeats} calls; fastest and slowest call give its spread.")
 csv_download(table, "kernels", settings, "dl_kernels")
+
+# ---- KV precision (issue 71): the decode kernel over FP8 caches against the full-precision one -------------------
+st.subheader("KV precision: FP8 against the model's dtype")
+st.caption(f"The torch backend's decode attention over a {dtype} cache (`auto`) and over FP8 caches (one byte an "
+           "element, scale 1.0, dequantized as the kernel loads them), on the sweep's shapes; the errors on a small "
+           "shape against the float64 reference: over what the cache holds (the kernel's own arithmetic) and over "
+           "the keys and values before they were stored (what the precision costs).")
+if st.button("Compare KV precision", key="run_precision"):
+    try:
+        if not batches or not contexts:
+            raise InputError("choose at least one batch size and one context length")
+        with st.spinner("timing the decode kernel per KV precision…"):
+            precision_table = run_precision_bench(dataclasses.replace(config, backends=("torch",)))
+        st.session_state.update(kernel_precision=precision_table,
+                                kernel_precision_settings=settings_of(config, shape=shape, backend="torch"))
+        results_store().add("kernels", f"KV precision: {shape}, {dtype}, B={block_size}", precision_table,
+                            st.session_state["kernel_precision_settings"])
+    except user_errors() as exc:
+        show_error(exc)
+if "kernel_precision" in st.session_state:
+    precision_table = st.session_state["kernel_precision"]
+    data_table(precision_table, {"kv_cache_dtype": "KV cache", "median_ms": "Median (ms)",
+                                 "vs_auto": "Median vs auto's",
+                                 "kv_bytes": "K/V bytes read", "kv_gb_per_s": "K/V read (GB/s)",
+                                 "kernel_rel_err": "Error vs float64 of the stored K/V",
+                                 "rel_err_vs_fp64": "Error vs float64 of the original K/V"},
+               formats={"context": "localized", "median_ms": "%.3f", "vs_auto": "%.2f×", "kv_gb_per_s": "%.1f",
+                        "kernel_rel_err": "%.1e", "rel_err_vs_fp64": "%.1e"})
+    csv_download(precision_table, "kv-precision-kernels", st.session_state["kernel_precision_settings"],
+                 "dl_kernel_precision", "Download the KV precision table (CSV)")

@@ -241,6 +241,33 @@ if not versus.empty:
             "Paged": st.column_config.NumberColumn(format="%.2f"),
             "Best contiguous": st.column_config.NumberColumn(format="%.2f"),
             "Paged / contiguous": st.column_config.NumberColumn(format="%.2f×")})
+# ---- KV precision (issue 71): what FP8 adds next to paging, on the two runs the cards compare ----------------------
+if not versus.empty:
+    precision = st.segmented_control("KV cache precision", ["auto", "fp8_e4m3", "fp8_e5m2"], default="auto",
+                                     key="sim_kv_precision", help="auto: the model's dtype; FP8 (vLLM's "
+                                     "kv_cache_dtype): one byte an element, twice the tokens in the same memory")
+    if precision and precision != "auto":
+        precision_key = (st.session_state["sim_key"], precision)
+        if st.session_state.get("sim_precision_key") != precision_key:
+            try:
+                by_label = {c.label: c for c in st.session_state["sim_configs"]}
+                with st.spinner("simulating both runs with an FP8 KV cache…"):
+                    gains = simulator.precision_gains(st.session_state["sim_workload_obj"],
+                                                      by_label[versus.iloc[0]["Paged run"]],
+                                                      by_label[versus.iloc[0]["Contiguous run"]], precision)
+                st.session_state.update(sim_precision=gains, sim_precision_key=precision_key)
+            except user_errors() as exc:
+                show_error(exc)
+        if st.session_state.get("sim_precision_key") == precision_key:
+            gains = st.session_state["sim_precision"]
+            left, right = st.columns(2)
+            for card, (column, label) in zip((left, right), (("mean_batch_size", "Mean running sequences"),
+                                                             ("throughput_tok_s", "Throughput"))):
+                card.metric(f"{label} · {precision} against {versus.iloc[0]['Contiguous run']} (auto)",
+                            report.precision_card(gains, column), border=True,
+                            help="each factor against the contiguous run with the model's dtype in the KV cache")
+            csv_download(gains, "kv-precision", {**settings, "kv_cache_dtype": precision}, "dl_precision",
+                         "Download the KV precision comparison (CSV)")
 with st.expander("Glossary: what these words and numbers mean"):
     st.markdown("\n".join(f"- **{term}**: {text}" for term, text in report.GLOSSARY.items()))
 

@@ -7,7 +7,7 @@ from lab.bench.e2e import E2EConfig, run_e2e_bench
 from lab.report.charts import (engine_live_figure, format_bytes, latency_histograms, static_batching_note,
                         system_comparison_figure)
 from lab.engine import EngineConfig
-from lab.engine.live import RuntimeRunConfig, run_runtime, throttled
+from lab.engine.live import RuntimeRunConfig, compare_kv_precision, run_runtime, throttled
 from lab.models.qwen3 import load_hf_model
 from lab.report.results import settings_of
 from lab.errors import user_errors
@@ -140,3 +140,33 @@ if "runtime_compare" in st.session_state:
         st.info(note)
     data_table(table)
     csv_download(table, "serving-comparison", st.session_state["runtime_compare_settings"], "dl_compare")
+
+# ---- KV precision (issue 71): the page's request mix with an FP8 KV cache against the model's dtype ---------------
+st.subheader("KV precision")
+st.caption("The page's request mix and engine settings served greedily twice, on the same pool: with the model's "
+           "dtype in the KV cache (`auto`) and with an FP8 cache (one byte an element, vLLM's `kv_cache_dtype`).")
+precision_cols = st.columns(2)
+kv_precision = precision_cols[0].selectbox("KV cache dtype", ["fp8_e4m3", "fp8_e5m2"], key="runtime_kv_precision")
+kv_scales = precision_cols[1].radio("Scales", ["1.0 (vLLM's default)", "calculated from the first prefill"],
+                                    key="runtime_kv_scales", horizontal=True)
+if st.button("Compare KV precision", key="compare_precision"):
+    try:
+        hf_model, tokenizer = cached_model(model)
+        with st.spinner("serving the mix with both caches…"):
+            precision_table = compare_kv_precision(config, kv_precision, kv_scales.startswith("calculated"),
+                                                   hf_model=hf_model, tokenizer=tokenizer)
+        precision_settings = settings_of(config, kv_cache_dtype=kv_precision, kv_scales=kv_scales)
+        st.session_state.update(runtime_precision=precision_table, runtime_precision_settings=precision_settings)
+        results_store().add("runtime", f"KV precision: {model}, {kv_precision}", precision_table, precision_settings)
+    except user_errors() as exc:
+        show_error(exc)
+if "runtime_precision" in st.session_state:
+    precision_table = st.session_state["runtime_precision"]
+    data_table(precision_table, {"kv_cache_dtype": "KV cache", "scales": "Scales", "output_tok_s": "Output tokens/s",
+                                 "peak_kv_blocks": "Peak blocks in use", "num_kv_blocks": "Pool (blocks)",
+                                 "kv_bytes_per_block": "Bytes a block", "peak_kv_bytes": "Peak KV bytes",
+                                 "preemptions": "Preemptions", "token_agreement": "Tokens agreeing with auto",
+                                 "first_token_agreement": "First tokens agreeing with auto"},
+               percent=("token_agreement", "first_token_agreement"), formats={"output_tok_s": "%.0f"})
+    csv_download(precision_table, "kv-precision", st.session_state["runtime_precision_settings"],
+                 "dl_runtime_precision", "Download the KV precision comparison (CSV)")

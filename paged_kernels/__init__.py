@@ -4,6 +4,10 @@
 picks ``cupy`` for CUDA tensors when CuPy can run that call (dtype, head_dim, GQA group, alignment), else ``torch``
 (``reference`` for NumPy arrays).
 
+KV precision (``kv_cache_dtype``, vLLM's names and meaning): ``auto`` caches hold the model's dtype; ``fp8`` /
+``fp8_e4m3`` / ``fp8_e5m2`` caches are ``uint8`` tensors of FP8 codes with per-tensor ``k_scale`` / ``v_scale``: the
+cache writes quantize (saturating), attention dequantizes on load; ``paged_kernels.fp8`` defines both.
+
 Contracts shared by every backend: negative slots in ``slot_mapping`` are padding and are skipped, non-negative
 slots must be distinct; block-table entries past a sequence's blocks are padding (any value, -1 by convention); a
 sequence of length 0 attends to nothing and gets zeros; ``copy_blocks`` pairs take effect in order.
@@ -12,14 +16,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import reference, validate
+from . import fp8, reference, validate
 from . import cupy_backend as _cupy
 from .cupy_backend import cupy_status
 from .validate import BackendUnavailableError, KernelArgumentError
 
 BACKENDS = ("reference", "torch", "cupy")
 
-__all__ = ["write_kv_cache", "paged_attention_decode", "copy_blocks", "swap_blocks", "rms_norm", "silu_and_mul",
+KV_CACHE_DTYPES = fp8.KV_CACHE_DTYPES
+
+__all__ = ["KV_CACHE_DTYPES",
+           "write_kv_cache", "paged_attention_decode", "copy_blocks", "swap_blocks", "rms_norm", "silu_and_mul",
            "qk_norm_rope_write", "available_backends", "BACKENDS", "cupy_status", "resolve_backend",
            "KernelArgumentError", "BackendUnavailableError"]
 
@@ -64,22 +71,34 @@ def resolve_backend(backend: str, tensor, head_dim: int | None = None, group: in
     return backend
 
 
-def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend: str = "auto", check: bool = True):
+def _check_precision(kv_cache_dtype, k_scale, v_scale) -> tuple[str, float, float]:
+    return (fp8.check_kv_cache_dtype(kv_cache_dtype), fp8.check_kv_scale("k_scale", k_scale),
+            fp8.check_kv_scale("v_scale", v_scale))
+
+
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend: str = "auto", check: bool = True,
+                   kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0):
     """Write K/V ``[num_tokens, num_kv_heads, head_dim]`` into the paged caches at ``slot_mapping`` (in place;
-    negative slots are skipped)."""
+    negative slots are skipped). An FP8 ``kv_cache_dtype`` quantizes: ``K / k_scale`` and ``V / v_scale`` as FP8
+    codes into ``uint8`` caches (``paged_kernels.fp8.quantize``)."""
+    kv_cache_dtype, k_scale, v_scale = _check_precision(kv_cache_dtype, k_scale, v_scale)
     if check:
-        validate.check_write_args(key, value, key_cache, value_cache, slot_mapping)
+        validate.check_write_args(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype)
     else:
-        validate.check_write_shapes(key, value, key_cache, value_cache, slot_mapping)
-    name = resolve_backend(backend, key_cache)
+        validate.check_write_shapes(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype)
+    name = resolve_backend(backend, key_cache, caches=(key_cache, value_cache))
     slot_mapping = validate.index_like(slot_mapping, key_cache)
-    _backend_module(name).write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    module = _backend_module(name)
+    if fp8.is_fp8(kv_cache_dtype):
+        module.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    else:
+        module.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def copy_blocks(key_cache, value_cache, block_mapping, backend: str = "auto", check: bool = True):
     """Copy whole blocks for each ``(src, dst)`` pair (copy-on-write), in order: a pair may read a block an earlier
     pair wrote. The mapping is host data and is always checked (``check`` is accepted for symmetry)."""
-    num_blocks = validate.check_cache_pair(key_cache, value_cache)[0]
+    num_blocks = validate.check_cache_pair(key_cache, value_cache, None)[0]
     mapping = validate.check_block_mapping(block_mapping, num_blocks)
     name = resolve_backend(backend, key_cache)
     module = _backend_module(name)
@@ -113,33 +132,40 @@ def swap_blocks(src_key_cache, src_value_cache, dst_key_cache, dst_value_cache, 
 
 
 def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float | None = None,
-                           backend: str = "auto", check: bool = True, out=None, max_seq_len: int | None = None):
+                           backend: str = "auto", check: bool = True, out=None, max_seq_len: int | None = None,
+                           kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0):
     """One decode step of attention: ``query [num_seqs, num_q_heads, head_dim]`` against each sequence's first
     ``seq_lens[s]`` cached tokens, found through ``block_tables``. GQA maps q head ``h`` to kv head
     ``h // (num_q_heads // num_kv_heads)``; ``scale`` defaults to ``head_dim ** -0.5``. Returns ``out`` like query
     (written into ``out`` when given). ``max_seq_len``: ``max(seq_lens)`` when the caller knows it on the host (a
     runner calls this once per layer with the same lengths): with CUDA tensors, reading it from ``seq_lens`` waits
-    for the GPU to finish the work queued so far, every call."""
+    for the GPU to finish the work queued so far, every call. An FP8 ``kv_cache_dtype``: the ``uint8`` caches'
+    codes are read as ``value * k_scale`` / ``value * v_scale`` (float32 in the kernels, float64 in the reference)."""
+    kv_cache_dtype, k_scale, v_scale = _check_precision(kv_cache_dtype, k_scale, v_scale)
     if check:
-        validate.check_attention_args(query, key_cache, value_cache, block_tables, seq_lens)
+        validate.check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, kv_cache_dtype)
         validate.check_max_seq_len(max_seq_len, seq_lens)
     else:
-        validate.check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens)
+        validate.check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens, kv_cache_dtype)
         validate.check_max_seq_len(max_seq_len)
     if out is not None:
         validate.check_out(out, query)
     scale = validate.check_scale(query.shape[-1] ** -0.5 if scale is None else scale)
     name = resolve_backend(backend, query, query.shape[-1], query.shape[1] // key_cache.shape[1],
                            (key_cache, value_cache))
+    quantized = fp8.is_fp8(kv_cache_dtype)
     if name == "reference":
-        result = reference.paged_attention_decode(validate.to_numpy_float(query), validate.to_numpy_float(key_cache),
-                                                  validate.to_numpy_float(value_cache),
-                                                  validate.to_numpy(block_tables), validate.to_numpy(seq_lens), scale)
+        caches = (validate.to_numpy(key_cache), validate.to_numpy(value_cache)) if quantized else \
+            (validate.to_numpy_float(key_cache), validate.to_numpy_float(value_cache))
+        result = reference.paged_attention_decode(validate.to_numpy_float(query), *caches,
+                                                  validate.to_numpy(block_tables), validate.to_numpy(seq_lens), scale,
+                                                  kv_cache_dtype, k_scale, v_scale)
         result = result if isinstance(query, np.ndarray) else _like(result, query)
     else:
         block_tables, seq_lens = validate.index_like(block_tables, key_cache), validate.index_like(seq_lens, key_cache)
+        precision = dict(kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale) if quantized else {}
         result = _backend_module(name).paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens,
-                                                              scale, out=out, max_seq_len=max_seq_len)
+                                                              scale, out=out, max_seq_len=max_seq_len, **precision)
     if out is not None and result is not out:
         out[...] = result
         return out
@@ -174,20 +200,24 @@ def silu_and_mul(x, backend: str = "auto"):
 
 
 def qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache, value_cache, slot_mapping,
-                       eps: float = 1e-6, backend: str = "auto", check: bool = True):
+                       eps: float = 1e-6, backend: str = "auto", check: bool = True, kv_cache_dtype: str = "auto",
+                       k_scale: float = 1.0, v_scale: float = 1.0):
     """Qwen3's per-head q/k RMSNorm, rotary embedding and the paged cache write, in one op: ``q [T, Hq, D]``,
     ``k``/``v [T, Hk, D]`` (views of the merged qkv projection may be passed), ``cos_sin_cache [max_position, 2 D]``
     (cos then sin, HF's layout: ``rotate_half`` pairs element ``i`` with ``i + D / 2``), ``positions [T]``. The
     rotated keys and ``v`` go to the caches at ``slot_mapping`` (negative: padding, skipped); returns the rotated
-    ``(q, k)`` (prefill attends over its own keys too). ``check`` reads the slots and positions (a device sync)."""
+    ``(q, k)`` (prefill attends over its own keys too). ``check`` reads the slots and positions (a device sync).
+    An FP8 ``kv_cache_dtype`` quantizes what it writes, as ``write_kv_cache`` does; the returned ``(q, k)`` are not."""
+    kv_cache_dtype, k_scale, v_scale = _check_precision(kv_cache_dtype, k_scale, v_scale)
     validate.check_qk_norm_rope_write_args(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache,
-                                           value_cache, slot_mapping)
+                                           value_cache, slot_mapping, kv_cache_dtype)
     eps = validate.check_eps(eps)
     if check:
-        validate.check_write_args(k, v, key_cache, value_cache, slot_mapping)
+        validate.check_write_args(k, v, key_cache, value_cache, slot_mapping, kv_cache_dtype)
         validate.check_positions(positions, validate.shape_of(cos_sin_cache)[0])
-    name = resolve_backend(backend, key_cache)
+    name = resolve_backend(backend, key_cache, caches=(key_cache, value_cache))
     slot_mapping = validate.index_like(slot_mapping, key_cache)
+    precision = (kv_cache_dtype, k_scale, v_scale) if fp8.is_fp8(kv_cache_dtype) else ()
     if name == "reference":
         if not isinstance(key_cache, np.ndarray):
             _require_cpu_float(key_cache)
@@ -195,11 +225,11 @@ def qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positions, ke
             (key_cache.numpy(), value_cache.numpy())
         q_out, k_out = reference.qk_norm_rope_write(
             *(validate.to_numpy_float(t) for t in (q, k, v, q_weight, k_weight, cos_sin_cache)),
-            validate.to_numpy(positions), *caches, validate.to_numpy(slot_mapping), eps)
+            validate.to_numpy(positions), *caches, validate.to_numpy(slot_mapping), eps, *precision)
         return (q_out, k_out) if isinstance(q, np.ndarray) else (_like(q_out, q), _like(k_out, k))
     positions = validate.index_like(positions, key_cache)
     return _backend_module(name).qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache,
-                                                    value_cache, slot_mapping, eps)
+                                                    value_cache, slot_mapping, eps, *precision)
 
 
 def _like(array: np.ndarray, tensor):
@@ -222,12 +252,14 @@ class _ReferenceOnTensors:
     """Runs the NumPy reference on torch CPU tensors in place (their NumPy views share memory)."""
 
     @staticmethod
-    def write_kv_cache(key, value, key_cache, value_cache, slot_mapping):
+    def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, *precision):
         if isinstance(key_cache, np.ndarray):
-            return reference.write_kv_cache(key, value, key_cache, value_cache, validate.to_numpy(slot_mapping))
+            return reference.write_kv_cache(key, value, key_cache, value_cache, validate.to_numpy(slot_mapping),
+                                            *precision)
         _require_cpu_float(key_cache)
-        reference.write_kv_cache(validate.to_numpy(key), validate.to_numpy(value), key_cache.numpy(),
-                                 value_cache.numpy(), validate.to_numpy(slot_mapping))
+        convert = validate.to_numpy_float if precision else validate.to_numpy
+        reference.write_kv_cache(convert(key), convert(value), key_cache.numpy(), value_cache.numpy(),
+                                 validate.to_numpy(slot_mapping), *precision)
 
     @staticmethod
     def copy_blocks(key_cache, value_cache, mapping):
@@ -239,11 +271,11 @@ class _ReferenceOnTensors:
 
 def _require_cpu_float(tensor) -> None:
     if tensor.is_cuda or tensor.dtype not in _numpy_viewable():
-        raise KernelArgumentError(f"backend 'reference' writes in place only into CPU float32/float64 caches, "
+        raise KernelArgumentError(f"backend 'reference' writes in place only into CPU float32/float64/uint8 caches, "
                          f"got {tensor.dtype} on {tensor.device}")
 
 
 def _numpy_viewable():
     import torch
 
-    return (torch.float32, torch.float64)
+    return (torch.float32, torch.float64, torch.uint8)  # uint8: FP8 codes

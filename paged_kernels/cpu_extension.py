@@ -27,13 +27,23 @@ def extension():
 
                     _ninja_on_path()
 
-                    _module = load("minipaged_cpu_attention", [str(SOURCE)], extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                    _module = load(_build_name(), [str(SOURCE)],
+                                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                                    extra_ldflags=["-fopenmp"], verbose=False)
                 except Exception as exc:  # no compiler, no headers: the gathering path serves
                     _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
                     warnings.warn(f"the in-place CPU attention could not be built ({_error}); attention on the "
                                   f"CPU gathers the blocks instead", RuntimeWarning, stacklevel=2)
     return _module
+
+
+def _build_name() -> str:
+    """The extension's name with a hash of its source: checkouts of different sources on one machine (worktrees,
+    branches) each keep their own build under ``~/.cache/torch_extensions`` instead of rebuilding over each other's
+    and loading a module whose functions take other arguments."""
+    import hashlib
+
+    return f"minipaged_cpu_attention_{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]}"
 
 
 def _ninja_on_path() -> None:

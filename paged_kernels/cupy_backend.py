@@ -53,6 +53,8 @@ def unsupported_reason(tensor, head_dim: int | None = None, group: int = 1, cach
         return f"the cupy backend supports float32/float16/bfloat16, got dtype {tensor.dtype}"
     if not is_cuda(tensor):
         return "the cupy backend needs CUDA tensors; got a tensor on the CPU"
+    if any(c.dtype == torch.uint8 for c in caches):
+        return "the cupy kernels do not read or write FP8 (uint8) caches; the torch backend does"
     if head_dim is None:
         return None
     if head_dim not in SUPPORTED_HEAD_DIMS:

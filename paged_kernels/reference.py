@@ -3,11 +3,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import fp8
 
-def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype: str = "auto",
+                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Store token ``t``'s K/V at slot ``slot_mapping[t]`` (block ``slot // block_size``, offset ``slot % block_size``);
-    negative slots are padding and are skipped."""
+    negative slots are padding and are skipped. An FP8 ``kv_cache_dtype`` stores ``fp8.quantize(K, k_scale)`` and
+    ``fp8.quantize(V, v_scale)`` (the caches hold the byte codes)."""
     block_size = key_cache.shape[2]
+    if fp8.is_fp8(kv_cache_dtype):
+        key, value = fp8.quantize(key, k_scale, kv_cache_dtype), fp8.quantize(value, v_scale, kv_cache_dtype)
     for token, slot in enumerate(np.asarray(slot_mapping).tolist()):
         if slot < 0:
             continue
@@ -22,11 +28,20 @@ def copy_blocks(key_cache, value_cache, block_mapping) -> None:
         value_cache[dst] = value_cache[src]
 
 
-def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float) -> np.ndarray:
-    """One query token per sequence attends to all ``seq_lens[s]`` cached positions of that sequence (GQA)."""
+def dequantized(cache, kv_cache_dtype: str = "auto", cache_scale: float = 1.0) -> np.ndarray:
+    """A cache's elements as float64: FP8 codes times their scale, the model's dtype as it is."""
+    if fp8.is_fp8(kv_cache_dtype):
+        return fp8.dequantize(cache, cache_scale, kv_cache_dtype)
+    return np.asarray(cache, dtype=np.float64)
+
+
+def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float,
+                           kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0) -> np.ndarray:
+    """One query token per sequence attends to all ``seq_lens[s]`` cached positions of that sequence (GQA), over
+    the dequantized K/V in float64 (``dequantized``)."""
     query = np.asarray(query, dtype=np.float64)
-    key_cache = np.asarray(key_cache, dtype=np.float64)
-    value_cache = np.asarray(value_cache, dtype=np.float64)
+    key_cache = dequantized(key_cache, kv_cache_dtype, k_scale)
+    value_cache = dequantized(value_cache, kv_cache_dtype, v_scale)
     num_seqs, num_q_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[1], key_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -75,7 +90,8 @@ def silu_and_mul(x) -> np.ndarray:
 
 
 def qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache, value_cache, slot_mapping,
-                       eps: float) -> tuple[np.ndarray, np.ndarray]:
+                       eps: float, kv_cache_dtype: str = "auto", k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """Per head: RMSNorm over ``head_dim`` (``q_weight`` / ``k_weight``), then rotary at each token's position
     (``cos_sin_cache [max_position, 2 * head_dim]``: cos, then sin, each over the whole head as HF lays them out;
     ``rotate_half`` pairs element ``i`` with ``i + head_dim / 2``); the rotated keys and ``v`` are written to the
@@ -91,6 +107,10 @@ def qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positions, ke
         return x * cos + rotated * sin
 
     q_out, k_out = rotate(q, q_weight), rotate(k, k_weight)
-    write_kv_cache(k_out.astype(key_cache.dtype), np.asarray(v, dtype=value_cache.dtype), key_cache, value_cache,
-                   slot_mapping)
+    if fp8.is_fp8(kv_cache_dtype):
+        write_kv_cache(k_out, np.asarray(v, dtype=np.float64), key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                       k_scale, v_scale)
+    else:
+        write_kv_cache(k_out.astype(key_cache.dtype), np.asarray(v, dtype=value_cache.dtype), key_cache, value_cache,
+                       slot_mapping)
     return q_out, k_out

@@ -5,6 +5,7 @@ import threading
 
 import torch
 
+from . import fp8
 from .validate import is_cuda
 
 # Sequences are processed in chunks whose gathered K/V stay about this size, so the gather copy is still in cache
@@ -12,8 +13,57 @@ from .validate import is_cuda
 GATHER_CHUNK_BYTES = 8 << 20
 
 
-def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """Scatter K/V rows to their slots; negative slots (padding) are skipped."""
+FP8_TORCH_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _fp8_dtype(kv_cache_dtype: str) -> torch.dtype:
+    return FP8_TORCH_DTYPES[fp8.fp8_format(kv_cache_dtype)]
+
+
+def quantize(x: torch.Tensor, cache_scale: float, kv_cache_dtype: str) -> torch.Tensor:
+    """FP8 codes (``uint8``) of ``x / cache_scale``: divided in float32, clamped to the format's finite range (vLLM
+    saturates; torch's own conversion would give NaN past e4m3's 448, inf past e5m2's 57344), rounded to nearest
+    even (``paged_kernels.fp8.quantize``'s contract)."""
+    limit = fp8.max_finite(kv_cache_dtype)
+    y = x.to(torch.float32) / cache_scale
+    return y.clamp_(-limit, limit).to(_fp8_dtype(kv_cache_dtype)).view(torch.uint8)
+
+
+def dequantize(codes: torch.Tensor, cache_scale: float, kv_cache_dtype: str,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """float32 (or ``dtype``) values of FP8 codes: ``value(code) * cache_scale``."""
+    return (codes.view(_fp8_dtype(kv_cache_dtype)).to(torch.float32) * cache_scale).to(dtype)
+
+
+def dequantization_table(kv_cache_dtype: str, cache_scale: float) -> torch.Tensor:
+    """The 256 codes' values times ``cache_scale``, float32: what the C++ kernels dequantize with (one lookup per
+    element)."""
+    key = (kv_cache_dtype, float(cache_scale))
+    table = _tables.get(key)
+    if table is None:
+        table = dequantize(torch.arange(256, dtype=torch.uint8), cache_scale, kv_cache_dtype).contiguous()
+        if len(_tables) > 256:
+            _tables.clear()
+        _tables[key] = table
+    return table
+
+
+_tables: dict = {}
+_NO_TABLE = torch.empty(0, dtype=torch.float32)
+
+
+def _luts(kv_cache_dtype: str, k_scale: float, v_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if not fp8.is_fp8(kv_cache_dtype):
+        return _NO_TABLE, _NO_TABLE
+    return dequantization_table(kv_cache_dtype, k_scale), dequantization_table(kv_cache_dtype, v_scale)
+
+
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype: str = "auto",
+                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Scatter K/V rows to their slots; negative slots (padding) are skipped. An FP8 ``kv_cache_dtype`` quantizes
+    first (``quantize``)."""
+    if fp8.is_fp8(kv_cache_dtype):
+        key, value = quantize(key, k_scale, kv_cache_dtype), quantize(value, v_scale, kv_cache_dtype)
     block_size = key_cache.shape[2]
     slot_mapping = slot_mapping.to(device=key_cache.device, dtype=torch.long)
     padding = drop_padding if key_cache.is_cpu else redirect_padding
@@ -80,15 +130,19 @@ def synchronize(device) -> None:
 
 
 def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale: float,
-                           out: torch.Tensor | None = None, max_seq_len: int | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, max_seq_len: int | None = None,
+                           kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """GQA decode attention over paged K/V, computed block-wise straight from the gathered blocks (no re-layout).
 
     Softmax statistics are float32; on CPU half types are computed in float32 throughout. ``max_seq_len``: the
-    longest of ``seq_lens`` if known (else read from them: a device sync on CUDA).
+    longest of ``seq_lens`` if known (else read from them: a device sync on CUDA). FP8 caches are dequantized as
+    they are loaded (``dequantize``; the C++ kernel through ``dequantization_table``).
     """
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device) if out is None else out
     seq_lens = seq_lens.to(device=key_cache.device, dtype=torch.long)
-    if query.is_cpu and IN_PLACE_CPU and _in_place(query, key_cache, value_cache, block_tables, seq_lens, scale, out):
+    precision = (kv_cache_dtype, k_scale, v_scale)
+    if query.is_cpu and IN_PLACE_CPU and _in_place(query, key_cache, value_cache, block_tables, seq_lens, scale, out,
+                                                   precision):
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if len(seq_lens) else 0
@@ -104,14 +158,14 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
     for start in range(0, query.shape[0], step):
         end = min(start + step, query.shape[0])
         out[start:end] = _attend_chunk(query[start:end], key_cache, value_cache, block_tables[start:end],
-                                       seq_lens[start:end], scale, buffers)
+                                       seq_lens[start:end], scale, buffers, precision)
     return out
 
 
 IN_PLACE_CPU = True  # CPU decode attention reads the pool in place when the extension builds (False: gather, as A/B)
 
 
-def _in_place(query, key_cache, value_cache, block_tables, seq_lens, scale, out) -> bool:
+def _in_place(query, key_cache, value_cache, block_tables, seq_lens, scale, out, precision=("auto", 1.0, 1.0)) -> bool:
     """Decode attention by ``cpu_extension`` (no gathered copy); False when it is not built here."""
     from .cpu_extension import extension
 
@@ -121,7 +175,7 @@ def _in_place(query, key_cache, value_cache, block_tables, seq_lens, scale, out)
     tables = block_tables.to(torch.long).contiguous()
     target = out if out.is_contiguous() else torch.empty_like(query)
     module.paged_attention_decode(target, query.contiguous(), key_cache.contiguous(), value_cache.contiguous(),
-                                  tables, seq_lens.contiguous(), float(scale))
+                                  tables, seq_lens.contiguous(), float(scale), *_luts(*precision))
     if target is not out:
         out.copy_(target)
     return True
@@ -131,13 +185,14 @@ IN_PLACE_PREFILL_CPU = True  # CPU prefill attention reads the pool in place whe
 
 
 def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale: float,
-                            out) -> bool:
+                            out, kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0) -> bool:
     """Causal attention of a step's prompt chunks on a CPU, by ``cpu_extension``, reading the block pool in place
     (each chunk's own keys and values written there first): chunk ``s`` is rows ``query_start_loc[s]`` to
     ``query_start_loc[s + 1]`` of ``query [tokens, num_q_heads, head_dim]``, its first token at position
     ``context_lens[s]`` (the tokens before it are cached), and sees its sequence's tokens up to each row's position
     through ``block_tables[s]``. Writes ``out`` (like ``query``, contiguous). False where it does not serve (not a
-    CPU float tensor, a head size it is not built for, the extension not built): the caller attends another way."""
+    CPU float tensor, a head size it is not built for, the extension not built): the caller attends another way.
+    FP8 caches (``kv_cache_dtype``) are dequantized on load."""
     if not (IN_PLACE_PREFILL_CPU and query.is_cpu and query.is_contiguous() and out.is_contiguous()):
         return False
     from .cpu_extension import extension
@@ -146,20 +201,28 @@ def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_s
     if module is None:
         return False
     return module.paged_attention_prefill(out, query, key_cache.contiguous(), value_cache.contiguous(),
-                                          block_tables.contiguous(), query_start_loc, context_lens, float(scale))
+                                          block_tables.contiguous(), query_start_loc, context_lens, float(scale),
+                                          *_luts(kv_cache_dtype, k_scale, v_scale))
 
 
 FUSED_CPU = True  # q/k norm, rotary and cache write in one C++ pass on the CPU when the extension builds (False: A/B)
 
 
+_FP8_FORMAT_CODES = {"e4m3": 1, "e5m2": 2}  # the extension's fp8_format (0: the caches hold q's dtype)
+
+
 def _fused_qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache, value_cache,
-                              slot_mapping, eps: float):
+                              slot_mapping, eps: float, kv_cache_dtype: str = "auto", k_scale: float = 1.0,
+                              v_scale: float = 1.0):
     """``qk_norm_rope_write`` by ``cpu_extension``: one pass over the tokens instead of ~30 torch ops per layer (on
     the tiny model a prefill or decode step spent ~1 ms of its 2-9 ms in them); None where it does not apply."""
     from .cpu_extension import extension
 
-    tensors = (k, v, q_weight, k_weight, cos_sin_cache, key_cache, value_cache)
+    quantized = fp8.is_fp8(kv_cache_dtype)
+    tensors = (k, v, q_weight, k_weight, cos_sin_cache) + (() if quantized else (key_cache, value_cache))
     if any(t.dtype != q.dtype or not t.is_cpu for t in tensors) or q.dim() != 3 or q.shape[-1] % 2:
+        return None
+    if quantized and not (key_cache.is_cpu and key_cache.dtype == value_cache.dtype == torch.uint8):
         return None
     module = extension()
     if module is None:
@@ -173,7 +236,9 @@ def _fused_qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positi
     q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=q.dtype)
     module.qk_norm_rope_write(q_out, k_out, q, k, v, inverse_rms(q), inverse_rms(k), q_weight.contiguous(),
                               k_weight.contiguous(), cos_sin_cache.contiguous(), positions.to(torch.long).contiguous(),
-                              key_cache, value_cache, slot_mapping.to(torch.long).contiguous())
+                              key_cache, value_cache, slot_mapping.to(torch.long).contiguous(),
+                              _FP8_FORMAT_CODES[fp8.fp8_format(kv_cache_dtype)] if quantized else 0, float(k_scale),
+                              float(v_scale))
     return q_out, k_out
 
 
@@ -186,7 +251,7 @@ def gather_kv(cache, block_tables, num_blocks_used: int):
     return rows.transpose(1, 2).reshape(num_seqs, num_kv_heads, num_blocks_used * block_size, head_dim)
 
 
-def _attend_chunk(query, key_cache, value_cache, block_tables, seq_lens, scale, buffers):
+def _attend_chunk(query, key_cache, value_cache, block_tables, seq_lens, scale, buffers, precision=("auto", 1.0, 1.0)):
     """Scores as ``[seqs, blocks, kv_heads, group, block_size]`` so the gathered blocks are used as they lie."""
     num_seqs, num_q_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
@@ -196,6 +261,10 @@ def _attend_chunk(query, key_cache, value_cache, block_tables, seq_lens, scale, 
     keys = torch.index_select(key_cache, 0, index, out=buffers[0][: len(index)]).view(shape)
     values = torch.index_select(value_cache, 0, index, out=buffers[1][: len(index)]).view(shape)
     compute = torch.float32 if query.is_cpu else query.dtype
+    kv_cache_dtype, k_scale, v_scale = precision
+    if fp8.is_fp8(kv_cache_dtype):
+        keys, values = dequantize(keys, k_scale, kv_cache_dtype, compute), dequantize(values, v_scale, kv_cache_dtype,
+                                                                                       compute)
     q = query.view(num_seqs, 1, num_kv_heads, group, head_dim).to(compute)
     scores = torch.matmul(q, keys.to(compute).transpose(-1, -2)).float().mul_(scale)
     positions = torch.arange(num_blocks_used * block_size, device=query.device).view(num_blocks_used, 1, 1, block_size)
@@ -254,12 +323,12 @@ def silu_and_mul(x):
 
 
 def qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache, value_cache, slot_mapping,
-                       eps: float):
+                       eps: float, kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0):
     """Per-head RMSNorm, rotary from the table, and the cache write of the rotated keys and ``v`` (see
     ``paged_kernels.qk_norm_rope_write``); the arithmetic of HF's ``apply_rotary_pos_emb``."""
     if q.is_cpu and FUSED_CPU:
         fused = _fused_qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache,
-                                          value_cache, slot_mapping, eps)
+                                          value_cache, slot_mapping, eps, kv_cache_dtype, k_scale, v_scale)
         if fused is not None:
             return fused
     head_dim = q.shape[-1]
@@ -272,5 +341,5 @@ def qk_norm_rope_write(q, k, v, q_weight, k_weight, cos_sin_cache, positions, ke
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
     q_out, k_out = rotate(q, q_weight), rotate(k, k_weight)
-    write_kv_cache(k_out, v, key_cache, value_cache, slot_mapping)
+    write_kv_cache(k_out, v, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
     return q_out, k_out

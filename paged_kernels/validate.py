@@ -56,11 +56,17 @@ def check_float(name: str, x) -> None:
                                   f"{dtype}")
 
 
-def check_cache_pair(key_cache, value_cache) -> tuple[int, int, int, int]:
+def check_cache_pair(key_cache, value_cache, kv_cache_dtype: str | None = "auto") -> tuple[int, int, int, int]:
     """Return ``(num_blocks, num_kv_heads, block_size, head_dim)`` after checking both caches agree and hold
-    floating-point numbers."""
+    floating-point numbers (``kv_cache_dtype`` ``auto``) or FP8 bytes (``uint8``, an FP8 ``kv_cache_dtype``); None:
+    either (block copies move bytes whatever they mean)."""
     shape, value_shape = check_rank("key_cache", key_cache, 4), check_rank("value_cache", value_cache, 4)
-    check_float("key_cache", key_cache)
+    stores_bytes = str(key_cache.dtype).replace("torch.", "") == "uint8"
+    if kv_cache_dtype is None and not stores_bytes or kv_cache_dtype == "auto":
+        check_float("key_cache", key_cache)
+    elif not stores_bytes:
+        raise KernelArgumentError(f"key_cache must hold FP8 bytes (uint8) for kv_cache_dtype={kv_cache_dtype!r}, "
+                                  f"got dtype {str(key_cache.dtype).replace('torch.', '')}")
     if shape != value_shape:
         raise KernelArgumentError(f"value_cache shape {value_shape} differs from key_cache {shape}")
     if min(shape) < 1:
@@ -79,6 +85,18 @@ def check_same_kind(name: str, x, ref_name: str, ref) -> None:
         raise KernelArgumentError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
 
 
+def check_against_cache(name: str, x, key_cache, kv_cache_dtype: str) -> None:
+    """``x`` (K/V, a query, a weight) goes with ``key_cache``: the same dtype when the cache stores the model's
+    dtype (``auto``); floating-point, on the same device, when it stores FP8 bytes."""
+    if kv_cache_dtype == "auto":
+        return check_same_kind(name, x, "key_cache", key_cache)
+    check_float(name, x)
+    if _is_numpy(x) != _is_numpy(key_cache):
+        raise KernelArgumentError(f"{name} is a {type(x).__name__} but key_cache is a {type(key_cache).__name__}")
+    if getattr(x, "device", None) != getattr(key_cache, "device", None):
+        raise KernelArgumentError(f"{name} is on {x.device} but key_cache is on {key_cache.device}")
+
+
 def check_integer(name: str, x) -> None:
     if _dtype_kind(x.dtype) not in "iu":
         raise KernelArgumentError(f"{name} must hold integers, got dtype {x.dtype}")
@@ -93,10 +111,11 @@ def _dtype_kind(dtype) -> str:
         return "?"
 
 
-def check_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:
+def check_write_args(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype: str = "auto") -> None:
     """Shapes, then the slots' values: in range and, where non-negative, distinct (a slot written twice in one call
     has no defined winner on a GPU)."""
-    num_blocks, _, block_size, _ = check_write_shapes(key, value, key_cache, value_cache, slot_mapping)
+    num_blocks, _, block_size, _ = check_write_shapes(key, value, key_cache, value_cache, slot_mapping,
+                                                      kv_cache_dtype)
     slots = to_numpy(slot_mapping)
     if slots.size and slots.max() >= num_blocks * block_size:
         raise KernelArgumentError(f"slot_mapping holds slot {int(slots.max())} beyond the cache's "
@@ -108,16 +127,18 @@ def check_write_args(key, value, key_cache, value_cache, slot_mapping) -> None:
                          f"must be distinct")
 
 
-def check_write_shapes(key, value, key_cache, value_cache, slot_mapping) -> tuple[int, int, int, int]:
+def check_write_shapes(key, value, key_cache, value_cache, slot_mapping,
+                       kv_cache_dtype: str = "auto") -> tuple[int, int, int, int]:
     """Everything about a cache write that needs no look at the data (no device sync); returns the cache shape."""
-    num_blocks, num_kv_heads, block_size, head_dim = check_cache_pair(key_cache, value_cache)
+    num_blocks, num_kv_heads, block_size, head_dim = check_cache_pair(key_cache, value_cache, kv_cache_dtype)
     key_shape, value_shape = check_rank("key", key, 3), check_rank("value", value, 3)
     if key_shape != value_shape:
         raise KernelArgumentError(f"value shape {value_shape} differs from key shape {key_shape}")
     if key_shape[1:] != (num_kv_heads, head_dim):
         raise KernelArgumentError(f"key must be [num_tokens, {num_kv_heads}, {head_dim}] to match key_cache, got {key_shape}")
-    check_same_kind("key", key, "key_cache", key_cache)
-    check_same_kind("value", value, "key_cache", key_cache)
+    check_against_cache("key", key, key_cache, kv_cache_dtype)
+    check_against_cache("value", value, key_cache, kv_cache_dtype)
+    check_same_kind("value", value, "key", key)
     num_slots = check_rank("slot_mapping", slot_mapping, 1)[0]
     check_integer("slot_mapping", slot_mapping)
     if num_slots != key_shape[0]:
@@ -126,21 +147,23 @@ def check_write_shapes(key, value, key_cache, value_cache, slot_mapping) -> tupl
     return num_blocks, num_kv_heads, block_size, head_dim
 
 
-def check_attention_args(query, key_cache, value_cache, block_tables, seq_lens) -> None:
+def check_attention_args(query, key_cache, value_cache, block_tables, seq_lens, kv_cache_dtype: str = "auto") -> None:
     """Shapes, then the values: every block a sequence reads exists."""
-    num_blocks, _, block_size, _ = check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens)
+    num_blocks, _, block_size, _ = check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens,
+                                                          kv_cache_dtype)
     check_used_blocks(to_numpy(block_tables), to_numpy(seq_lens), block_size, num_blocks)
 
 
-def check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens) -> tuple[int, int, int, int]:
+def check_attention_shapes(query, key_cache, value_cache, block_tables, seq_lens,
+                           kv_cache_dtype: str = "auto") -> tuple[int, int, int, int]:
     """Everything about a decode call that needs no look at the data (no device sync); returns the cache shape."""
-    num_blocks, num_kv_heads, block_size, head_dim = check_cache_pair(key_cache, value_cache)
+    num_blocks, num_kv_heads, block_size, head_dim = check_cache_pair(key_cache, value_cache, kv_cache_dtype)
     num_seqs, num_q_heads, q_head_dim = check_rank("query", query, 3)
     if q_head_dim != head_dim:
         raise KernelArgumentError(f"query head_dim {q_head_dim} differs from key_cache head_dim {head_dim}")
     if num_q_heads % num_kv_heads:
         raise KernelArgumentError(f"query's {num_q_heads} heads are not divisible by key_cache's {num_kv_heads} kv heads")
-    check_same_kind("query", query, "key_cache", key_cache)
+    check_against_cache("query", query, key_cache, kv_cache_dtype)
     table_rows = check_rank("block_tables", block_tables, 2)[0]
     check_integer("block_tables", block_tables)
     num_lens = check_rank("seq_lens", seq_lens, 1)[0]
@@ -214,8 +237,8 @@ def check_block_mapping(block_mapping, num_blocks: int) -> np.ndarray:
 def check_swap_args(src_key_cache, src_value_cache, dst_key_cache, dst_value_cache, block_mapping) -> np.ndarray:
     """Both cache pairs agree in block shape and dtype; the ``(src, dst)`` pairs are in range and the destinations
     distinct. Returns the mapping as int64 NumPy ``[n, 2]``."""
-    src_shape = check_cache_pair(src_key_cache, src_value_cache)
-    dst_shape = check_cache_pair(dst_key_cache, dst_value_cache)
+    src_shape = check_cache_pair(src_key_cache, src_value_cache, None)
+    dst_shape = check_cache_pair(dst_key_cache, dst_value_cache, None)
     if src_shape[1:] != dst_shape[1:]:
         raise KernelArgumentError(f"source blocks {src_shape[1:]} and destination blocks {dst_shape[1:]} differ in shape")
     if src_key_cache.dtype != dst_key_cache.dtype:
@@ -315,27 +338,27 @@ def check_silu_and_mul_args(x) -> None:
 
 
 def check_qk_norm_rope_write_args(q, k, v, q_weight, k_weight, cos_sin_cache, positions, key_cache, value_cache,
-                                  slot_mapping) -> None:
+                                  slot_mapping, kv_cache_dtype: str = "auto") -> None:
     """Shapes, dtypes and devices (no look at the data): ``q [T, Hq, D]``, ``k``/``v [T, Hk, D]`` as the caches,
     weights ``[D]``, ``cos_sin_cache [P, 2 D]``, ``positions [T]``, ``slot_mapping [T]``; ``D`` even."""
     num_tokens, num_q_heads, head_dim = check_rank("q", q, 3)
     check_float("q", q)
-    check_write_shapes(k, v, key_cache, value_cache, slot_mapping)
+    check_write_shapes(k, v, key_cache, value_cache, slot_mapping, kv_cache_dtype)
     if shape_of(k)[0] != num_tokens or shape_of(k)[2] != head_dim:
         raise KernelArgumentError(f"k shape {shape_of(k)} does not match q {shape_of(q)} (tokens and head_dim)")
     if head_dim % 2:
         raise KernelArgumentError(f"rotary needs an even head_dim, got {head_dim}")
     if num_q_heads % shape_of(k)[1]:
         raise KernelArgumentError(f"q's {num_q_heads} heads are not a multiple of k's {shape_of(k)[1]}")
-    check_same_kind("q", q, "key_cache", key_cache)
+    check_same_kind("q", q, "k", k)
     for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
         if check_rank(name, weight, 1) != (head_dim,):
             raise KernelArgumentError(f"{name} must be [{head_dim}], got {shape_of(weight)}")
-        check_same_kind(name, weight, "key_cache", key_cache)
+        check_same_kind(name, weight, "k", k)
     table = check_rank("cos_sin_cache", cos_sin_cache, 2)
     if table[1] != 2 * head_dim:
         raise KernelArgumentError(f"cos_sin_cache must be [max_position, {2 * head_dim}] (cos, then sin), got {table}")
-    check_same_kind("cos_sin_cache", cos_sin_cache, "key_cache", key_cache)
+    check_same_kind("cos_sin_cache", cos_sin_cache, "k", k)
     if check_rank("positions", positions, 1)[0] != num_tokens:
         raise KernelArgumentError(f"positions has {shape_of(positions)[0]} entries for {num_tokens} tokens")
     check_integer("positions", positions)

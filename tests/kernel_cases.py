@@ -66,3 +66,17 @@ def relative_error(out, expected) -> float:
     if not np.isfinite(out).all():
         return float("inf")
     return float(np.abs(out - expected).max() / np.abs(expected).max())
+
+
+def make_fp8_decode_case(seq_lens, block_size, num_kv_heads, group, head_dim, kv_cache_dtype, k_scale=1.0,
+                         v_scale=1.0, dtype=torch.float32, spread=1.0):
+    """``make_decode_case`` with its caches stored as FP8 codes (``uint8``): K and V drawn at ``spread`` times a
+    standard normal, quantized by the NumPy contract; unused slots hold the format's NaN code (the NaN float's)."""
+    from paged_kernels import fp8
+
+    case = make_decode_case(seq_lens, block_size, num_kv_heads, group, head_dim)
+    for name, cache_scale in (("key_cache", k_scale), ("value_cache", v_scale)):
+        codes = fp8.quantize(getattr(case, name).numpy() * spread, cache_scale, kv_cache_dtype)
+        setattr(case, name, torch.from_numpy(codes))
+    case.query = case.query.to(dtype)
+    return case

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from dataclasses import replace as dataclass_replace
 
 import pandas as pd
 import torch
@@ -230,3 +231,65 @@ def check_against_reference(config: KernelBenchConfig, context: int = 300, batch
         error = float(abs(out.double().cpu().numpy() - expected).max() / abs(expected).max())
         rows.append({"backend": backend, "dtype": str(config.dtype).replace("torch.", ""), "max_rel_err": error})
     return pd.DataFrame(rows)
+
+
+PRECISION_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+
+
+def run_precision_bench(config: KernelBenchConfig, kv_cache_dtypes: tuple[str, ...] = PRECISION_DTYPES,
+                        context: int = 300, batch: int = 3) -> pd.DataFrame:
+    """The decode kernel over a full-precision cache (``auto``: the config's dtype) and FP8 caches (scale 1.0), on
+    the torch backend: per cache precision and sweep shape the median time and the K/V bytes read; and on a small
+    shape (``batch`` x ``context``, the config's heads and block size) two errors against the float64 reference:
+    ``kernel_rel_err`` over what the cache holds (the dequantized K/V: the kernel's own arithmetic) and
+    ``rel_err_vs_fp64`` over the K/V before they were stored (what the precision costs, the kernel's error with it).
+    Errors are max |out - expected| / max |expected|."""
+    from paged_kernels import reference
+    from paged_kernels.torch_backend import quantize
+
+    cuda = config.device != "cpu"
+
+    def stored(key_cache, value_cache, kv_cache_dtype):
+        if kv_cache_dtype == "auto":
+            return key_cache, value_cache, {}
+        return (quantize(key_cache, 1.0, kv_cache_dtype), quantize(value_cache, 1.0, kv_cache_dtype),
+                dict(kv_cache_dtype=kv_cache_dtype, k_scale=1.0, v_scale=1.0))
+
+    rows = []
+    full = dataclass_replace(config, dtype=torch.float64 if not cuda else config.dtype)
+    query, key_cache, value_cache, block_tables, seq_lens, _ = make_paged_inputs(batch, context, full, seed=2)
+    seq_lens = torch.tensor([context, context // 2 + 1, 1][:batch] + [context] * max(0, batch - 3),
+                            dtype=torch.int32, device=config.device)
+    truth = reference.paged_attention_decode(*(t.double().cpu().numpy() for t in (query, key_cache, value_cache)),
+                                             block_tables.cpu().numpy(), seq_lens.cpu().numpy(),
+                                             config.head_dim ** -0.5)
+    errors = {}
+    for kv_cache_dtype in kv_cache_dtypes:
+        keys, values, precision = stored(key_cache.to(config.dtype), value_cache.to(config.dtype), kv_cache_dtype)
+        out = paged_kernels.paged_attention_decode(query.to(config.dtype), keys, values, block_tables, seq_lens,
+                                                   backend="torch", **precision)
+        as_stored = (lambda t: t.cpu().numpy()) if precision else (lambda t: t.double().cpu().numpy())
+        held = paged_kernels.paged_attention_decode(query.double().cpu().numpy(), as_stored(keys), as_stored(values),
+                                                    block_tables.cpu().numpy(), seq_lens.cpu().numpy(),
+                                                    backend="reference", **precision)
+        got = out.double().cpu().numpy()
+        errors[kv_cache_dtype] = (float(abs(got - held).max() / abs(held).max()),
+                                  float(abs(got - truth).max() / abs(truth).max()))
+    for batch_size, context_len in config.shape_list():
+        query, key_cache, value_cache, block_tables, seq_lens, _ = make_paged_inputs(batch_size, context_len, config)
+        for kv_cache_dtype in kv_cache_dtypes:
+            keys, values, precision = stored(key_cache, value_cache, kv_cache_dtype)
+            call = lambda: paged_kernels.paged_attention_decode(query, keys, values, block_tables, seq_lens,  # noqa: E731
+                                                                backend="torch", check=False,
+                                                                max_seq_len=context_len, **precision)
+            median_seconds(call, repeats=3, cuda=cuda)  # warm (first calls build tables, fault pages in)
+            timing = time_calls(call, config.repeats, cuda=cuda)
+            kv_bytes = 2 * batch_size * context_len * config.num_kv_heads * config.head_dim * keys.element_size()
+            rows.append({"kv_cache_dtype": kv_cache_dtype, "dtype": str(config.dtype).replace("torch.", ""),
+                         "batch": batch_size, "context": context_len, "median_ms": timing.median * 1e3,
+                         "kv_bytes": kv_bytes, "kv_gb_per_s": kv_bytes / timing.median / 1e9,
+                         "kernel_rel_err": errors[kv_cache_dtype][0], "rel_err_vs_fp64": errors[kv_cache_dtype][1]})
+    table = pd.DataFrame(rows)
+    auto = table[table["kv_cache_dtype"] == "auto"].set_index(["batch", "context"])["median_ms"]
+    table["vs_auto"] = [row.median_ms / auto.get((row.batch, row.context), float("nan")) for row in table.itertuples()]
+    return table

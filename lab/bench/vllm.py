@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 
 from lab.bench.e2e import status_bytes
-from lab.engine import LLMEngine
+from lab.engine import LLMEngine, SamplingParams
 from lab.engine.live import random_requests
 from lab.latency import counted_tokens, request_latencies
 from lab.models.qwen3 import PRESETS, save_checkpoint
@@ -39,6 +39,9 @@ class VLLMBenchConfig:
     max_num_batched_tokens: int = 2048
     repeats: int = 3
     seed: int = 0
+    kv_cache_dtype: str = "auto"  # both engines' KV cache (vLLM's names); FP8: with vLLM's default scales of 1.0
+    tie_margin: float = 0.5  # FP8: first tokens whose top-2 logit margin (ours, full-precision cache) is below it
+    # are near ties, left out of the *_clear agreements (and, in the *_clear_2x ones, those below twice it)
 
 
 def _percentile(values, q: float) -> float:
@@ -89,11 +92,14 @@ def run_vllm_bench(config: VLLMBenchConfig, progress=None) -> pd.DataFrame:
                                               PRESETS[config.model][6], config.seed)
         settings = PeerSettings(str(checkpoint), config.dtype, config.block_size, config.num_blocks,
                                 config.max_num_seqs, config.max_num_batched_tokens,
-                                max_model_len=config.prompt_range[1] + config.output_range[1])
-        engine = LLMEngine(str(checkpoint), block_size=config.block_size, num_blocks=config.num_blocks - 1,
-                           max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                           scheduling="vllm", enable_prefix_caching=False,
-                           dtype=getattr(torch, config.dtype))
+                                max_model_len=config.prompt_range[1] + config.output_range[1],
+                                kv_cache_dtype=config.kv_cache_dtype)
+        common = dict(block_size=config.block_size, num_blocks=config.num_blocks - 1, max_num_seqs=config.max_num_seqs,
+                      max_num_batched_tokens=config.max_num_batched_tokens, scheduling="vllm",
+                      enable_prefix_caching=False, dtype=getattr(torch, config.dtype))
+        engine = LLMEngine(str(checkpoint), kv_cache_dtype=config.kv_cache_dtype, **common)
+        full = _first_tokens(LLMEngine(str(checkpoint), record_logits=True, **common), prompts) \
+            if config.kv_cache_dtype != "auto" else None
         rows = []
         with VLLMPeer(settings) as peer:
             warm = prompts[:4], [8] * 4
@@ -118,5 +124,28 @@ def run_vllm_bench(config: VLLMBenchConfig, progress=None) -> pd.DataFrame:
     table = pd.concat([table, pd.DataFrame(medians + [ratio])], ignore_index=True)
     table["greedy_agreement"] = agree / total if total else float("nan")
     table["first_token_agreement"] = first  # a sequence that parts once (a near-tie) differs from there on
+    if full is not None:
+        tokens, margins = full
+        table["tie_margin"] = config.tie_margin
+        for name, threshold in (("", config.tie_margin), ("_2x", 2 * config.tie_margin)):
+            clear = [m >= threshold for m in margins]
+            table[f"clear_prompts{name}"] = sum(clear)
+            for column, a, b in ((f"first_token_agreement_clear{name}", our_tokens, their_tokens),
+                                 (f"ours_vs_full_precision_clear{name}", our_tokens, tokens),
+                                 (f"vllm_vs_full_precision_clear{name}", their_tokens, tokens)):
+                same = [x[:1] == y[:1] for x, y, c in zip(a, b, clear) if c]
+                table[column] = sum(same) / len(same) if same else float("nan")
     table["model"], table["dtype"], table["num_requests"] = config.model, config.dtype, config.num_requests
+    table["kv_cache_dtype"] = config.kv_cache_dtype
     return table
+
+
+def _first_tokens(engine: LLMEngine, prompts) -> tuple[list[list[int]], list[float]]:
+    """Each prompt's first token on ``engine`` (ours, full-precision cache) and its top-2 logit margin: a prompt
+    below the tie margin is a near tie, which FP8's perturbation (ours or vLLM's) may flip either way."""
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
+    margins = []
+    for output in outputs:
+        top = engine.recorded_logits[output.request_id][0][0].float().topk(2).values
+        margins.append(float(top[0] - top[1]))
+    return [output.token_ids for output in outputs], margins

@@ -67,6 +67,19 @@ def _bench_decode(args) -> None:
     print_and_save(table, out, settings=settings, kind="decode")
 
 
+def _bench_kv_precision(args) -> None:
+    from lab.bench.kv_precision import KVPrecisionBenchConfig, run_kv_precision_bench
+
+    config = KVPrecisionBenchConfig(models=tuple(args.model), dtype=args.dtype,
+                                    kv_cache_dtypes=tuple(args.kv_cache_dtype), num_prompts=args.num_prompts,
+                                    prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+                                    tie_margin=args.tie_margin)
+    settings = {k: v for k, v in settings_of(config).items() if k not in ("models", "kv_cache_dtypes")}
+    out = str(csv_target(args.out, settings, "kv_precision")) if args.out else None
+    table = run_kv_precision_bench(config, on_row=lambda rows: save_csv(rows, out, settings, "kv_precision"))
+    print_and_save(table, out, settings=settings, kind="kv_precision")
+
+
 def _bench_parity(args) -> None:
     from lab.bench.parity import ParityConfig, run_parity
 
@@ -118,6 +131,13 @@ def _bench_contention(args) -> None:
     print_and_save(table, args.out, settings=settings_of(config), kind="contention")
 
 
+def _comma_list(text: str) -> list[str]:
+    values = [v for v in text.split(",") if v]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected a comma list, got {text!r}")
+    return values
+
+
 def vllm_models(text: str) -> list[str]:
     """``--model`` of ``bench vllm``: presets vLLM's CPU attention takes (head_dim 32 or 128)."""
     models = [m for m in text.split(",") if m]
@@ -150,12 +170,15 @@ def _bench_vllm(args) -> None:
     tables = []
     for model, requests in zip(args.model, args.num_requests):
         config = VLLMBenchConfig(model=model, dtype=args.dtype, num_requests=requests, num_blocks=args.num_blocks,
-                                 repeats=args.repeats)
+                                 repeats=args.repeats, kv_cache_dtype=args.kv_cache_dtype,
+                                 tie_margin=args.tie_margin)
         bar = tqdm(total=2 * config.repeats, desc=f"ours vs vLLM, {model}", file=sys.stderr)
         tables.append(run_vllm_bench(config, progress=lambda done, total: bar.update(done - bar.n)))
         bar.close()
     shared = {k: v for k, v in settings_of(config).items() if k not in ("model", "num_requests")}  # per-row columns
-    print_and_save(pd.concat(tables, ignore_index=True), args.out, settings=shared, kind="vllm")
+    out = "benchmarks/results/vllm_fp8_cpu.csv" if args.out == VLLM_BENCH_OUT and args.kv_cache_dtype != "auto" \
+        else args.out  # the full-precision figures stay where they are
+    print_and_save(pd.concat(tables, ignore_index=True), out, settings=shared, kind="vllm")
 
 
 def _bench_vllm_family(args) -> None:
@@ -166,6 +189,9 @@ def _bench_vllm_family(args) -> None:
     if args.num_requests != (32, 16) or args.num_blocks != 512:
         raise InputError("--num-requests and --num-blocks size the fixed workload; a random family draws its own "
                          "(the pool is 16,384 tokens at every block size)")
+    if args.kv_cache_dtype != "auto":
+        raise InputError("--kv-cache-dtype with --workload random: the family compares full-precision caches; run "
+                         "the fixed workload for FP8")
     seed, count = args.seed if args.seed is not None else 0, args.family or 8
     tables = []
     for model in args.model:
@@ -354,11 +380,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "prefix caching on or off), with the family's median and worst ratio")
     v.add_argument("--seed", type=non_negative_int, default=None, help="the random family's seed (default 0)")
     v.add_argument("--family", type=positive_int, default=None, help="workloads in the random family (default 8)")
+    v.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="both engines' KV cache (vLLM's CPU build stores fp8_e4m3 only, as uint8, with AVX-512)")
+    v.add_argument("--tie-margin", type=float, default=0.5,
+                   help="with FP8: first tokens whose top-2 logit margin on our full-precision cache is below this "
+                        "are near ties, left out of first_token_agreement_clear")
     v.add_argument("--profile", action="store_true",
                    help="instead: where a step's time goes in both engines, by op kind, on fixed step shapes "
                         "(prefills of 32-2,048 tokens, decodes of 1-64 sequences at 128 and 1,024 tokens)")
     v.add_argument("--out", type=output_csv, default=VLLM_BENCH_OUT,
-                   help="results CSV (with --profile: benchmarks/results/vllm_profile_cpu.csv unless given)")
+                   help="results CSV (with --profile: benchmarks/results/vllm_profile_cpu.csv, with an FP8 "
+                        "--kv-cache-dtype: benchmarks/results/vllm_fp8_cpu.csv, unless given)")
     v.set_defaults(run=_bench_vllm)
 
     n = bench.add_parser("launches", help="kernel launches per layer and step of the CUDA path (counted on the "
@@ -378,6 +410,21 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-tokens", type=positive_int, default=32, help="greedy tokens per prompt")
     q.add_argument("--out", type=output_csv, default="benchmarks/results/parity.csv", help="results CSV")
     q.set_defaults(run=_bench_parity)
+
+    p = bench.add_parser("kv-precision", help="FP8 KV cache against a full-precision one, teacher-forced: attention "
+                                              "output and logits relative error, top-1 agreement (docs/fp8.md)")
+    p.add_argument("--model", type=_comma_list, default=["tiny", "qwen3-0.6b-random"], help="comma list of presets")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the model's and the baseline cache's dtype")
+    p.add_argument("--kv-cache-dtype", type=_comma_list, default=["fp8_e4m3", "fp8_e5m2"],
+                   help="comma list of FP8 formats (each with scale 1.0 and calculated scales)")
+    p.add_argument("--num-prompts", type=positive_int, default=4, help="prompts of random tokens")
+    p.add_argument("--prompt-len", type=positive_int, default=48, help="tokens per prompt")
+    p.add_argument("--max-tokens", type=positive_int, default=16, help="greedy tokens per prompt")
+    p.add_argument("--tie-margin", type=float, default=0.1,
+                   help="baseline top-2 logit margin below which a position counts as a near tie")
+    p.add_argument("--out", type=output_csv, default="benchmarks/results/kv_precision_cpu.csv", help="results CSV")
+    p.set_defaults(run=_bench_kv_precision)
 
     d = bench.add_parser("decode", help="decode step time per batch and context, with and without CUDA graphs")
     model_options(d, device_default="cpu")

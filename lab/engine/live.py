@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from dataclasses import replace as dataclasses_replace
 from typing import Callable
 
 import pandas as pd
@@ -104,3 +105,41 @@ def run_runtime(config: RuntimeRunConfig,
     step_table = pd.DataFrame([asdict(s) for s in steps])
     return RuntimeRun(engine.request_metrics(), engine.run_metrics(), step_table, frames, stopped)
 
+
+
+def compare_kv_precision(config: RuntimeRunConfig, kv_cache_dtype: str = "fp8_e4m3",
+                         calculate_kv_scales: bool = False, hf_model=None, tokenizer=None) -> pd.DataFrame:
+    """The request mix served greedily twice on the same engine settings and pool: with the model's dtype in the KV
+    cache (``auto``) and with ``kv_cache_dtype``. One row each: output tokens/s, peak blocks in use of the pool, the
+    bytes a block holds and the peak KV bytes, and the agreement with the ``auto`` run: ``token_agreement`` (output
+    tokens equal position by position: a sequence that parts at a near tie differs from there on) and
+    ``first_token_agreement``. Sampling is greedy whatever ``config.temperature`` says (agreement of draws means
+    nothing)."""
+    if kv_cache_dtype == "auto":
+        raise InputError("compare_kv_precision: choose an FP8 kv_cache_dtype to compare with 'auto'")
+    runs = {}
+    for dtype, calculated in (("auto", False), (kv_cache_dtype, calculate_kv_scales)):
+        engine_config = dataclasses_replace(config.engine, kv_cache_dtype=dtype, calculate_kv_scales=calculated)
+        engine = LLMEngine(hf_model if hf_model is not None else config.model, engine_config, tokenizer=tokenizer)
+        prompts, max_tokens = random_requests(config.num_requests, config.prompt_len_range, config.max_tokens_range,
+                                              engine.hf_model.config.vocab_size, config.seed,
+                                              config.shared_prefix_tokens)
+        outputs = engine.generate(prompts, [SamplingParams(max_tokens=m, n=config.n, ignore_eos=True)
+                                            for m in max_tokens])
+        metrics = engine.run_metrics()
+        runner = engine.runner
+        per_block = runner.kv_bytes_per_block(engine.hf_model.config, engine.block_size, runner.dtype, dtype)
+        runs[dtype] = ([sample for o in outputs for sample in o.outputs],
+                       {"kv_cache_dtype": dtype, "scales": "calculated" if calculated else
+                        ("-" if dtype == "auto" else "1.0"), "output_tok_s": metrics["output_tok_s"],
+                        "peak_kv_blocks": metrics["peak_kv_blocks"], "num_kv_blocks": metrics["num_kv_blocks"],
+                        "kv_bytes_per_block": per_block, "peak_kv_bytes": per_block * metrics["peak_kv_blocks"],
+                        "preemptions": metrics["preemptions"]})
+    base = runs["auto"][0]
+    rows = []
+    for samples, row in runs.values():
+        same = sum(a == b for x, y in zip(base, samples) for a, b in zip(x, y))
+        total = sum(len(x) for x in base)
+        rows.append({**row, "token_agreement": same / total if total else float("nan"),
+                     "first_token_agreement": sum(x[:1] == y[:1] for x, y in zip(base, samples)) / len(base)})
+    return pd.DataFrame(rows)

@@ -28,6 +28,7 @@ from .beam import BeamRanking, BeamSearchError, BeamSearchOutput, BeamSearchPara
 from lab.errors import InputError, LabError
 from lab.checks import check_bool, check_choice, check_int, check_real, entry_point
 from lab.hardware import check_device
+from lab.kv_cache.precision import KV_CACHE_DTYPES
 from lab.latency import counted_tokens, request_latencies
 from lab.sched.kv_policy import PagedPolicy, default_num_cpu_blocks
 from lab.models.qwen3 import load_hf_model
@@ -101,6 +102,11 @@ class EngineConfig(SchedulingSettings):
     cuda_graphs: bool = True  # on CUDA with the CuPy attention kernel: decode-only steps replay captured graphs
     kv_offload_blocks: int = 0  # host slots of the prefix cache's offload tier (lab.kv_cache.offload; 0: none)
     cpu_threads: int | None = None  # torch threads of CPU steps; None: the cores other processes leave idle
+    # KV precision, vLLM's names: "auto" stores the model's dtype; "fp8"/"fp8_e4m3"/"fp8_e5m2" one byte an element
+    # with a per-layer k_scale/v_scale, 1.0 (vLLM's default without checkpoint scales) unless calculate_kv_scales
+    # derives them from the first prefill (lab.worker.model_runner.ModelRunner.calibrate_kv_scales)
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
 
     def check(self) -> None:
         """Raise ``EngineConfigError`` or ``SchedulerError`` (both ``ValueError``) naming the first field of a wrong
@@ -114,9 +120,16 @@ class EngineConfig(SchedulingSettings):
                                           ("seed", 0, 2**63 - 1, False)):
             check_int(owner, name, getattr(self, name), low, high, optional, error)
         check_real(owner, "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True, error=error)
-        for name in ("enable_prefix_caching", "record_logits", "cuda_graphs"):
+        for name in ("enable_prefix_caching", "record_logits", "cuda_graphs", "calculate_kv_scales"):
             check_bool(owner, name, getattr(self, name), error)
         check_choice(owner, "attention_backend", self.attention_backend, ("auto", *paged_kernels.BACKENDS), error)
+        check_choice(owner, "kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES, error)
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise EngineConfigError("EngineConfig.calculate_kv_scales=True would be ignored: kv_cache_dtype='auto' "
+                                    "stores the model's dtype, unscaled")
+        if self.kv_cache_dtype != "auto" and self.attention_backend == "cupy":
+            raise EngineConfigError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r} with attention_backend="
+                                    f"'cupy': the CUDA kernels do not read FP8 caches; use 'auto' or 'torch'")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise EngineConfigError(f"EngineConfig.dtype={self.dtype!r}: expected None or one of "
                                     f"{', '.join(map(str, DTYPES))}")
@@ -217,7 +230,8 @@ class LLMEngine:
         self.policy = PagedPolicy(num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks,
                                   config.kv_offload_blocks)
         self.runner = ModelRunner(self.hf_model, num_blocks, config.block_size, config.attention_backend,
-                                 self.policy.num_host_blocks)
+                                 self.policy.num_host_blocks, kv_cache_dtype=config.kv_cache_dtype,
+                                 calculate_kv_scales=config.calculate_kv_scales)
         self.block_manager = self.policy.manager
         positions = getattr(hf_config, "max_position_embeddings", 1 << 30)
         if config.max_model_len is not None and config.max_model_len > positions:
@@ -251,7 +265,7 @@ class LLMEngine:
         self.started_s = time.perf_counter()
 
     def _default_num_blocks(self, hf_config, config: EngineConfig, dtype) -> int:
-        per_block = ModelRunner.kv_bytes_per_block(hf_config, config.block_size, dtype)
+        per_block = ModelRunner.kv_bytes_per_block(hf_config, config.block_size, dtype, config.kv_cache_dtype)
         budget = config.kv_memory_bytes
         on_gpu = self.device.type == "cuda"
         moot = ("gpu_memory_utilization", 0.5, "it sizes a GPU's pool") if not on_gpu else \
@@ -274,8 +288,9 @@ class LLMEngine:
             return config.num_cpu_blocks
         if config.swap_space_bytes:
             return max(1, config.swap_space_bytes // ModelRunner.kv_bytes_per_block(hf_config, config.block_size,
-                                                                                    dtype))
-        return default_num_cpu_blocks(num_blocks, ModelRunner.kv_bytes_per_block(hf_config, config.block_size, dtype))
+                                                                                    dtype, config.kv_cache_dtype))
+        return default_num_cpu_blocks(num_blocks, ModelRunner.kv_bytes_per_block(hf_config, config.block_size, dtype,
+                                                                                 config.kv_cache_dtype))
 
     # ---- compatibility views -----------------------------------------------------------------------------------
     @property
@@ -461,8 +476,6 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         """schedule -> run -> sample -> postprocess, as nano-vllm's step."""
         started, finished_before = time.perf_counter(), len(self.finished)
-        if self.threads is not None:
-            self.threads.apply()
         plan = self._schedule()
         if plan is None:
             return []
@@ -472,7 +485,10 @@ class LLMEngine:
         return self.finished[finished_before:]
 
     def _run(self, plan) -> tuple[ModelInput, torch.Tensor | None]:
-        """The plan's copies and swaps, then the model on its tokens: the step's input and its sampling rows' logits."""
+        """The plan's copies and swaps, then the model on its tokens: the step's input and its sampling rows' logits
+        (with the thread count the policy picks now, on the CPU)."""
+        if self.threads is not None:
+            self.threads.apply()
         self.runner.execute_copies(plan)
         step = ModelInput.from_plan(plan, self.scheduler.kv_len)
         eager = self.record_logits or bool(self.scheduler.beam_groups)

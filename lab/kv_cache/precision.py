@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from lab.errors import InputError
 
+# paged_kernels.fp8.KV_CACHE_DTYPES, restated: importing paged_kernels loads torch, which the simulator's commands
+# and pages must not (tests/test_import_direction.py); tests/test_fp8_kv.py holds the two equal
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
 FP8_KV_CACHE_DTYPES = KV_CACHE_DTYPES[1:]
 
 

@@ -53,6 +53,7 @@ class PeerSettings:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     enable_prefix_caching: bool = False
+    kv_cache_dtype: str = "auto"  # vLLM's CacheConfig.cache_dtype; its CPU build stores fp8_e4m3 as uint8
 
 
 def _die_with_parent() -> None:

@@ -2,7 +2,7 @@
 
 Reads one JSON object per line on stdin and answers one per line on stdout:
 ``{"load": {checkpoint, dtype, block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len,
-enable_prefix_caching}}`` builds vLLM's offline engine (in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
+enable_prefix_caching, kv_cache_dtype}}`` builds vLLM's offline engine (in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
 ``{"run": {"prompts": [[ids]], "max_tokens": [n], "arrival_steps": [k], "long_prefill_token_threshold": t,
 "idle_s": s}}`` serves the requests greedily on a cold prefix cache, adding request i before engine step
 ``arrival_steps[i]`` (``s``: seconds slept before the first step; ``t``,
@@ -32,6 +32,7 @@ def load(settings: dict):
               block_size=settings["block_size"], num_gpu_blocks_override=settings["num_blocks"],
               max_num_seqs=settings["max_num_seqs"], max_num_batched_tokens=settings["max_num_batched_tokens"],
               max_model_len=settings["max_model_len"], enable_prefix_caching=settings["enable_prefix_caching"],
+              kv_cache_dtype=settings.get("kv_cache_dtype", "auto"),
               skip_tokenizer_init=True, enforce_eager=True, seed=0)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     log: list[dict] = []

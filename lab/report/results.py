@@ -109,7 +109,9 @@ RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cp
                "vllm_cpu_bf16.csv": "python -m lab bench vllm --model tiny --num-requests 32 --dtype bfloat16",
                "vllm_profile_cpu.csv": "python -m lab bench vllm --profile",
                "app_flow.csv": "python -m benchmarks.app_flow",
-               "vllm_twin_cpu.csv": "python -m simulator twin --peer vllm --repeats 3"}
+               "vllm_twin_cpu.csv": "python -m simulator twin --peer vllm --repeats 3",
+               "kv_precision_cpu.csv": "python -m lab bench kv-precision",
+               "vllm_fp8_cpu.csv": "python -m lab bench vllm --kv-cache-dtype fp8_e4m3"}
 
 
 @dataclass(slots=True)

@@ -10,13 +10,14 @@ nothing of how blocks are managed.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 import paged_kernels
-from paged_kernels.torch_backend import gather_kv, paged_attention_prefill, synchronize
+from paged_kernels.torch_backend import dequantize, gather_kv, paged_attention_prefill, quantize, synchronize
 
 from .block_tables import DeviceBlockTables
 from lab.models.qwen3 import head_dim_of
@@ -118,7 +119,7 @@ class ModelRunner:
     ``run`` (``prepare`` the tensors of a ``ModelInput``, ``forward``)."""
 
     def __init__(self, hf_model, num_blocks: int, block_size: int, attention_backend: str = "auto",
-                 num_host_blocks: int = 0):
+                 num_host_blocks: int = 0, kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False):
         config = hf_model.config
         self.hf = hf_model
         self.config = config
@@ -130,15 +131,22 @@ class ModelRunner:
         self.dtype = next(hf_model.parameters()).dtype
         probe = torch.empty(0, device=self.device, dtype=self.dtype)
         # auto may pick cupy for the cache ops but torch for attention (e.g. the tiny preset's head_dim 32).
-        self.attention_backend = self.resolve_attention_backend(hf_model, attention_backend)
-        self.cache_backend = "torch" if attention_backend == "reference" else paged_kernels.resolve_backend(
-            attention_backend, probe)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.quantized = paged_kernels.fp8.is_fp8(kv_cache_dtype)
+        self.attention_backend = self.resolve_attention_backend(hf_model, attention_backend, kv_cache_dtype)
+        self.cache_backend = "torch" if attention_backend == "reference" or self.quantized else \
+            paged_kernels.resolve_backend(attention_backend, probe)
+        # FP8 caches hold the codes as bytes (vLLM's uint8 storage); their per-layer scales: 1.0 until calibrated
+        cache_dtype = torch.uint8 if self.quantized else self.dtype
+        self.k_scales, self.v_scales = [1.0] * self.num_layers, [1.0] * self.num_layers
+        self.calculate_kv_scales = calculate_kv_scales and self.quantized  # pending until the first prefill
         shape = (num_blocks, self.num_kv_heads, block_size, self.head_dim)
-        self.key_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.value_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.key_caches = [torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in range(self.num_layers)]
+        self.value_caches = [torch.zeros(shape, dtype=cache_dtype, device=self.device)
+                             for _ in range(self.num_layers)]
         # The host pool (pinned on CUDA, so device<->host copies are asynchronous): swapped-out sequences' blocks
-        # and the offload tier's slots (lab.kv_cache.offload), one budget.
-        host = dict(dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        # and the offload tier's slots (lab.kv_cache.offload), one budget; FP8 blocks travel as their bytes.
+        host = dict(dtype=cache_dtype, pin_memory=self.device.type == "cuda")
         host_shape, host_layers = (num_host_blocks, *shape[1:]), self.num_layers if num_host_blocks else 0
         self.cpu_key_caches = [torch.zeros(host_shape, **host) for _ in range(host_layers)]
         self.cpu_value_caches = [torch.zeros(host_shape, **host) for _ in range(host_layers)]
@@ -152,20 +160,41 @@ class ModelRunner:
         self.block_tables = DeviceBlockTables(self.device)  # decode block tables, updated incrementally
 
     @staticmethod
-    def resolve_attention_backend(hf_model, attention_backend: str) -> str:
+    def resolve_attention_backend(hf_model, attention_backend: str, kv_cache_dtype: str = "auto") -> str:
         """The backend ``attention_backend`` (``auto`` included) runs this model's decode attention with, on the
-        model's device and dtype."""
+        model's device and dtype, over caches of ``kv_cache_dtype`` (FP8 caches: never the CuPy kernels)."""
         config, parameter = hf_model.config, next(hf_model.parameters())
         head_dim = head_dim_of(config)
         probe = torch.empty(0, device=parameter.device, dtype=parameter.dtype)
+        caches = (torch.empty(0, device=parameter.device, dtype=torch.uint8),) \
+            if paged_kernels.fp8.is_fp8(kv_cache_dtype) else ()
         return paged_kernels.resolve_backend(attention_backend, probe, head_dim,
-                                       config.num_attention_heads // config.num_key_value_heads)
+                                             config.num_attention_heads // config.num_key_value_heads, caches)
 
     @staticmethod
-    def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(config, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        """Bytes of one block's K and V over every layer: the model's dtype's elements, or one byte each (FP8)."""
         head_dim = head_dim_of(config)
-        element = torch.empty(0, dtype=dtype).element_size()
+        # one byte for FP8 (lab.kv_cache.precision.kv_element_bytes, which this room does not import)
+        element = 1 if paged_kernels.fp8.is_fp8(kv_cache_dtype) else torch.empty(0, dtype=dtype).element_size()
         return 2 * config.num_hidden_layers * config.num_key_value_heads * block_size * head_dim * element
+
+    def precision(self, layer: int) -> dict:
+        """The keyword arguments of a ``paged_kernels`` call on layer ``layer``'s caches (none for ``auto``)."""
+        if not self.quantized:
+            return {}
+        return dict(kv_cache_dtype=self.kv_cache_dtype, k_scale=self.k_scales[layer], v_scale=self.v_scales[layer])
+
+    def calibrate_kv_scales(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer ``layer``'s ``k_scale`` / ``v_scale`` from the K/V of the first prefill, as vLLM's
+        ``calculate_kv_scales`` did (``Attention.calc_kv_scales`` in vllm/attention/layer.py up to v0.10:
+        ``amax(|K|) / K_SCALE_CONSTANT``, ``amax(|V|) / V_SCALE_CONSTANT``, 200 and 100 in vllm/envs.py): the largest
+        key lands at 200 (of e4m3's 448), the largest value at 100, leaving headroom for later tokens. An all-zero
+        tensor keeps 1.0."""
+        for scales, x, constant in ((self.k_scales, k, K_SCALE_CONSTANT), (self.v_scales, v, V_SCALE_CONSTANT)):
+            amax = float(x.abs().max()) if x.numel() else 0.0
+            if amax > 0 and math.isfinite(amax):
+                scales[layer] = amax / constant
 
     def copy_blocks(self, block_mapping: list[tuple[int, int]]) -> None:
         """Execute copy-on-write copies in every layer."""
@@ -325,12 +354,20 @@ class ModelRunner:
         normed, residual = paged_kernels.rms_norm(hidden, layer.input_norm, self.eps, residual, backend=backend)
         qkv = self.linear(normed, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split(layer.qkv_sizes, dim=-1)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         q, k = paged_kernels.qk_norm_rope_write(
             q.view(tokens, self.num_q_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
-            v.view(tokens, self.num_kv_heads, self.head_dim), layer.q_norm, layer.k_norm, self.cos_sin_cache,
+            v, layer.q_norm, layer.k_norm, self.cos_sin_cache,
             batch.positions, self.key_caches[index], self.value_caches[index], batch.slot_mapping, self.eps,
-            backend=backend, check=False)
-        attn = self._attention(index, q, k, v.view(tokens, self.num_kv_heads, self.head_dim), batch)
+            backend=backend, check=False, **self.precision(index))
+        if self.calculate_kv_scales and batch.prefill_lens:
+            # the scales come from this first prefill's rotated keys and values, which are rewritten with them
+            self.calibrate_kv_scales(index, k, v)
+            paged_kernels.write_kv_cache(k, v, self.key_caches[index], self.value_caches[index], batch.slot_mapping,
+                                         backend=backend, check=False, **self.precision(index))
+            if index == self.num_layers - 1:
+                self.calculate_kv_scales = False
+        attn = self._attention(index, q, k, v, batch)
         hidden = self.linear(attn.reshape(tokens, -1), layer.o_proj)
         normed, residual = paged_kernels.rms_norm(hidden, layer.post_norm, self.eps, residual, backend=backend)
         gate_up = self.linear(normed, layer.gate_up)
@@ -342,7 +379,8 @@ class ModelRunner:
         start = sum(batch.prefill_lens)
         if start and not paged_attention_prefill(
                 q[:start], self.key_caches[layer], self.value_caches[layer], batch.prefill_block_tables,
-                batch.prefill_start_loc, batch.prefill_context_lens, self.scale, out[:start]):
+                batch.prefill_start_loc, batch.prefill_context_lens, self.scale, out[:start],
+                **self.precision(layer)):
             start = 0
             for length, cached, table in zip(batch.prefill_lens, batch.prefill_cached, batch.prefill_block_tables):
                 end = start + length
@@ -353,7 +391,8 @@ class ModelRunner:
             paged_kernels.paged_attention_decode(q[start:], self.key_caches[layer], self.value_caches[layer],
                                            batch.block_tables, batch.seq_lens, self.scale,
                                            backend=self.attention_backend, check=False, out=out[start:],
-                                           max_seq_len=batch.max_seq_len)  # written in place: no copy per layer
+                                           max_seq_len=batch.max_seq_len,  # written in place: no copy per layer
+                                           **self.precision(layer))
         return out
 
     def _prefill_attention(self, layer: int, q, k, v, cached: int, block_table) -> torch.Tensor:
@@ -367,11 +406,17 @@ class ModelRunner:
         (``_split_prefill_attention``)."""
         length = q.shape[0]
         mask = None
+        if self.quantized and not cached:  # attend over what the cache holds: the FP8 round trip of k and v
+            k, v = (self._dequantized(quantize(x, scale, self.kv_cache_dtype), scale).to(q.dtype)
+                    for x, scale in ((k, self.k_scales[layer]), (v, self.v_scales[layer])))
         if cached:
             num_blocks = -(-(cached + length) // self.key_caches[layer].shape[2])
             table = block_table[None, :num_blocks]
             k = gather_kv(self.key_caches[layer], table, num_blocks)[0, :, : cached + length].transpose(0, 1)
             v = gather_kv(self.value_caches[layer], table, num_blocks)[0, :, : cached + length].transpose(0, 1)
+            if self.quantized:
+                k = self._dequantized(k, self.k_scales[layer]).to(q.dtype)
+                v = self._dequantized(v, self.v_scales[layer]).to(q.dtype)
             if cached < length:
                 q = torch.cat([q.new_zeros(cached, *q.shape[1:]), q])
             elif length >= SPLIT_ATTENTION_MIN_TOKENS and q.device.type == "cpu" and _FLASH_ATTENTION_CPU is not None:
@@ -383,6 +428,9 @@ class ModelRunner:
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
             is_causal=mask is None, scale=self.scale, enable_gqa=True)
         return out[0].transpose(0, 1)[-length:]
+
+    def _dequantized(self, codes: torch.Tensor, scale: float) -> torch.Tensor:
+        return dequantize(codes, scale, self.kv_cache_dtype)
 
     def _split_prefill_attention(self, q, k, v, cached: int) -> torch.Tensor:
         """``_prefill_attention`` for a long chunk after a longer cached prefix, on a CPU: flash attention over the
@@ -400,6 +448,12 @@ class ModelRunner:
         out = (prefix_out.float() * (prefix_lse - lse).exp()[..., None]
                + own_out.float() * (own_lse - lse).exp()[..., None])
         return out.to(q.dtype)[0].transpose(0, 1)
+
+
+# calculate_kv_scales: the first prefill's amax(|K|) maps to 200 and amax(|V|) to 100 in FP8 units, vLLM's
+# K_SCALE_CONSTANT and V_SCALE_CONSTANT (vllm/envs.py, v0.6 to v0.10, read by Attention.calc_kv_scales)
+K_SCALE_CONSTANT = 200.0
+V_SCALE_CONSTANT = 100.0
 
 
 @dataclass(slots=True)

@@ -7,22 +7,39 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
-template <typename scalar_t>
+// A cache element as a float: the model's dtype converted, or (FP8 caches: uint8 codes) a lookup in a 256-entry
+// table that holds each code's value times the cache's scale (k_scale or v_scale), dequantized on load.
+template <typename cache_t>
+struct Dequant {
+  const float* lut;  // unused
+  inline float operator()(cache_t x) const { return static_cast<float>(x); }
+};
+template <>
+struct Dequant<uint8_t> {
+  const float* lut;
+  inline float operator()(uint8_t x) const { return lut[x]; }
+};
+
+template <typename scalar_t, typename cache_t>
 static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                    const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                   const torch::Tensor& seq_lens, double scale) {
+                   const torch::Tensor& seq_lens, double scale, const float* k_lut, const float* v_lut) {
   const int64_t num_seqs = query.size(0), num_q_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_kv_heads = key_cache.size(1), block_size = key_cache.size(2);
   const int64_t group = num_q_heads / num_kv_heads, max_blocks = block_tables.size(1);
   const scalar_t* q_base = query.data_ptr<scalar_t>();
-  const scalar_t* k_base = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v_base = value_cache.data_ptr<scalar_t>();
+  const cache_t* k_base = key_cache.data_ptr<cache_t>();
+  const cache_t* v_base = value_cache.data_ptr<cache_t>();
+  const Dequant<cache_t> k_load{k_lut}, v_load{v_lut};
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* out_base = out.data_ptr<scalar_t>();
@@ -30,7 +47,7 @@ static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim), acc(group * head_dim), scores, maxima(group), sums(group);
+    std::vector<float> q(group * head_dim), acc(group * head_dim), scores, maxima(group), sums(group), row(head_dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t len = std::min<int64_t>(lens[seq], max_blocks * block_size);
@@ -50,21 +67,40 @@ static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::
       std::fill(maxima.begin(), maxima.end(), std::numeric_limits<float>::lowest());  // finite: built fast-math
       // each of the sequence's tokens t, with its row in ``cache`` (this kv head's), block by block
       const int64_t* table = tables + seq * max_blocks;
-      auto each_token = [&](const scalar_t* cache, auto&& visit) {
+      auto each_token = [&](const cache_t* cache, auto&& visit) {
         for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-          const scalar_t* rows = cache + table[t0 / block_size] * block_stride + kv_head * head_stride;
+          const cache_t* rows = cache + table[t0 / block_size] * block_stride + kv_head * head_stride;
           const int64_t count = std::min(block_size, len - t0);
           for (int64_t j = 0; j < count; ++j) visit(t0 + j, rows + j * head_dim);
         }
       };
-      each_token(k_base, [&](int64_t t, const scalar_t* key) {  // the scores
+      auto score = [&](int64_t t, const auto* key, auto load) {
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = q.data() + g * head_dim;
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(key[d]);
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * load(key[d]);
           scores[g * len + t] = dot;
           maxima[g] = std::max(maxima[g], dot);
+        }
+      };
+      auto weigh = [&](int64_t t, const auto* value, auto load) {
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + t];
+          float* a = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * load(value[d]);
+        }
+      };
+      // FP8 rows are dequantized once into a float row (one table lookup an element), which every query head of
+      // the group then reads with vector loads; a lookup inside the group's loops would be repeated and scalar
+      const auto as_is = [](float x) { return x; };
+      each_token(k_base, [&](int64_t t, const cache_t* key) {  // the scores
+        if constexpr (std::is_same<cache_t, uint8_t>::value) {
+          for (int64_t d = 0; d < head_dim; ++d) row[d] = k_load(key[d]);
+          score(t, row.data(), as_is);
+        } else {
+          score(t, key, k_load);
         }
       });
       for (int64_t g = 0; g < group; ++g) {  // softmax numerators and their sums
@@ -78,12 +114,12 @@ static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::
         }
         sums[g] = sum;
       }
-      each_token(v_base, [&](int64_t t, const scalar_t* value) {  // the weighted values
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * len + t];
-          float* a = acc.data() + g * head_dim;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(value[d]);
+      each_token(v_base, [&](int64_t t, const cache_t* value) {  // the weighted values
+        if constexpr (std::is_same<cache_t, uint8_t>::value) {
+          for (int64_t d = 0; d < head_dim; ++d) row[d] = v_load(value[d]);
+          weigh(t, row.data(), as_is);
+        } else {
+          weigh(t, value, v_load);
         }
       });
       for (int64_t g = 0; g < group; ++g) {
@@ -95,18 +131,35 @@ static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::
   });
 }
 
+// The 256-entry dequantization tables of an FP8 cache pair (empty tensors: the caches hold the query's dtype).
+static void check_luts(const char* op, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+                       const torch::Tensor& k_lut, const torch::Tensor& v_lut) {
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), op, ": key and value caches must share a dtype");
+  if (key_cache.scalar_type() != at::kByte) return;
+  TORCH_CHECK(k_lut.scalar_type() == at::kFloat && v_lut.scalar_type() == at::kFloat && k_lut.numel() == 256 &&
+              v_lut.numel() == 256 && k_lut.is_contiguous() && v_lut.is_contiguous(),
+              op, ": FP8 (uint8) caches need 256-entry contiguous float32 k_lut and v_lut");
+}
+
 void paged_attention_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                             torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
-                            double scale) {
+                            double scale, torch::Tensor k_lut, torch::Tensor v_lut) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
               out.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous(),
               "paged_attention_decode (cpu): tensors must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "paged_attention_decode (cpu): block_tables and seq_lens must be int64");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "paged_attention_decode (cpu): query, caches and out must share a dtype");
+  TORCH_CHECK((query.scalar_type() == key_cache.scalar_type() || key_cache.scalar_type() == at::kByte) &&
+              out.scalar_type() == query.scalar_type(),
+              "paged_attention_decode (cpu): query, caches (unless FP8 codes, uint8) and out must share a dtype");
+  check_luts("paged_attention_decode (cpu)", key_cache, value_cache, k_lut, v_lut);
+  const bool fp8 = key_cache.scalar_type() == at::kByte;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_decode", [&] {
-    decode<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens, scale);
+    if (fp8)
+      decode<scalar_t, uint8_t>(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                k_lut.data_ptr<float>(), v_lut.data_ptr<float>());
+    else
+      decode<scalar_t, scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens, scale, nullptr, nullptr);
   });
 }
 
@@ -136,10 +189,12 @@ static inline void in_register(Vec& v) {
 #endif
 }
 
-template <typename scalar_t, int64_t D>
+template <typename scalar_t, int64_t D, typename cache_t = scalar_t>
 struct PrefillTask {
   static_assert(D % D_CHUNK == 0, "head sizes are multiples of D_CHUNK");
-  const scalar_t *q, *kc, *vc;
+  const scalar_t* q;
+  const cache_t *kc, *vc;
+  Dequant<cache_t> k_load, v_load;
   scalar_t* out;
   const int64_t* table;
   int64_t q_heads, group, block_size, block_stride, head_stride;
@@ -234,8 +289,8 @@ struct PrefillTask {
       const int64_t pos = k0 + j;
       const int64_t at = table[pos / block_size] * block_stride + h * head_stride + (pos % block_size) * D;
       for (int64_t d = 0; d < D; ++d) {
-        keys_t[d * KEY_TILE + j] = static_cast<float>(kc[at + d]);
-        values[j * D + d] = static_cast<float>(vc[at + d]);
+        keys_t[d * KEY_TILE + j] = k_load(kc[at + d]);
+        values[j * D + d] = v_load(vc[at + d]);
       }
     }
   }
@@ -258,10 +313,11 @@ struct PrefillTask {
   }
 };
 
-template <typename scalar_t, int64_t D>
+template <typename scalar_t, int64_t D, typename cache_t>
 static void prefill(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                     const torch::Tensor& value_cache, const torch::Tensor& block_tables,
-                    const torch::Tensor& query_start_loc, const torch::Tensor& context_lens, double scale) {
+                    const torch::Tensor& query_start_loc, const torch::Tensor& context_lens, double scale,
+                    const float* k_lut, const float* v_lut) {
   const int64_t num_seqs = context_lens.size(0), q_heads = query.size(1), kv_heads = key_cache.size(1);
   const int64_t block_size = key_cache.size(2), max_blocks = block_tables.size(1);
   const int64_t *starts = query_start_loc.data_ptr<int64_t>(), *cached = context_lens.data_ptr<int64_t>();
@@ -284,13 +340,13 @@ static void prefill(torch::Tensor& out, const torch::Tensor& query, const torch:
     dealt[least].push_back(w);
     load[least] += work[w].cost;
   }
-  PrefillTask<scalar_t, D> task{query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
-                                value_cache.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), nullptr, q_heads,
+  PrefillTask<scalar_t, D, cache_t> task{query.data_ptr<scalar_t>(), key_cache.data_ptr<cache_t>(),
+                                value_cache.data_ptr<cache_t>(), {k_lut}, {v_lut}, out.data_ptr<scalar_t>(), nullptr, q_heads,
                                 q_heads / kv_heads, block_size, kv_heads * block_size * D, block_size * D,
                                 static_cast<float>(scale)};
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer;
-    PrefillTask<scalar_t, D> mine = task;
+    PrefillTask<scalar_t, D, cache_t> mine = task;
     for (int64_t thread = begin; thread < end; ++thread)
       for (int64_t w : dealt[thread]) {
         const Work& item = work[w];
@@ -302,27 +358,38 @@ static void prefill(torch::Tensor& out, const torch::Tensor& query, const torch:
 
 bool paged_attention_prefill(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                              torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor query_start_loc,
-                             torch::Tensor context_lens, double scale) {
+                             torch::Tensor context_lens, double scale, torch::Tensor k_lut, torch::Tensor v_lut) {
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
               out.is_contiguous() && block_tables.is_contiguous() && query_start_loc.is_contiguous() &&
               context_lens.is_contiguous(), "paged_attention_prefill (cpu): tensors must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && query_start_loc.scalar_type() == at::kLong &&
               context_lens.scalar_type() == at::kLong,
               "paged_attention_prefill (cpu): block_tables, query_start_loc and context_lens must be int64");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type() &&
-              value_cache.scalar_type() == query.scalar_type(),
-              "paged_attention_prefill (cpu): query, caches and out must share a dtype");
+  TORCH_CHECK((query.scalar_type() == key_cache.scalar_type() || key_cache.scalar_type() == at::kByte) &&
+              out.scalar_type() == query.scalar_type(),
+              "paged_attention_prefill (cpu): query, caches (unless FP8 codes, uint8) and out must share a dtype");
+  check_luts("paged_attention_prefill (cpu)", key_cache, value_cache, k_lut, v_lut);
+  const bool fp8 = key_cache.scalar_type() == at::kByte;
+  const float* k_table = fp8 ? k_lut.data_ptr<float>() : nullptr;
+  const float* v_table = fp8 ? v_lut.data_ptr<float>() : nullptr;
   TORCH_CHECK(query_start_loc.numel() == context_lens.numel() + 1 && block_tables.size(0) == context_lens.numel(),
               "paged_attention_prefill (cpu): one start per sequence and one more, one table per sequence");
   bool done = false;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_prefill", [&] {
-    switch (query.size(2)) {  // the head size a compile-time constant: each row's accumulator stays in registers
-      case 32: prefill<scalar_t, 32>(out, query, key_cache, value_cache, block_tables, query_start_loc,
-                                     context_lens, scale); done = true; break;
-      case 64: prefill<scalar_t, 64>(out, query, key_cache, value_cache, block_tables, query_start_loc,
-                                     context_lens, scale); done = true; break;
-      case 128: prefill<scalar_t, 128>(out, query, key_cache, value_cache, block_tables, query_start_loc,
-                                       context_lens, scale); done = true; break;
+    auto run = [&](auto head_size) {  // the head size a compile-time constant: row accumulators stay in registers
+      constexpr int64_t D = decltype(head_size)::value;
+      if (fp8)
+        prefill<scalar_t, D, uint8_t>(out, query, key_cache, value_cache, block_tables, query_start_loc,
+                                      context_lens, scale, k_table, v_table);
+      else
+        prefill<scalar_t, D, scalar_t>(out, query, key_cache, value_cache, block_tables, query_start_loc,
+                                       context_lens, scale, nullptr, nullptr);
+      done = true;
+    };
+    switch (query.size(2)) {
+      case 32: run(std::integral_constant<int64_t, 32>{}); break;
+      case 64: run(std::integral_constant<int64_t, 64>{}); break;
+      case 128: run(std::integral_constant<int64_t, 128>{}); break;
       default: break;
     }
   });
@@ -353,13 +420,37 @@ static void norm_rope_head(scalar_t* dst, const scalar_t* src, float inverse, co
   }
 }
 
-template <typename scalar_t>
+// The FP8 code of x / scale (paged_kernels.fp8's contract): divided in float32 (not a reciprocal's multiply, hence
+// no fast-math here), clamped to the format's finite range (vLLM saturates; c10's conversion alone gives NaN or inf
+// past it), rounded to nearest even by c10's conversion, as torch's .to(float8) rounds.
+template <typename fp8_t>
+__attribute__((optimize("no-fast-math")))
+static uint8_t encode_fp8(float x, float scale) {
+  const float limit = static_cast<float>(std::numeric_limits<fp8_t>::max());
+  const float y = x / scale;
+  return fp8_t(y < -limit ? -limit : (y > limit ? limit : y)).x;  // NaN stays NaN (both comparisons false)
+}
+
+// A row of K or V into its cache slot: copied (the model's dtype) or quantized (fp8_format 1: e4m3, 2: e5m2).
+template <typename scalar_t, typename cache_t>
+static inline void store_row(cache_t* dst, const scalar_t* src, int64_t n, int fp8_format, float scale) {
+  if constexpr (std::is_same<cache_t, uint8_t>::value) {
+    for (int64_t d = 0; d < n; ++d)
+      dst[d] = fp8_format == 1 ? encode_fp8<c10::Float8_e4m3fn>(static_cast<float>(src[d]), scale)
+                               : encode_fp8<c10::Float8_e5m2>(static_cast<float>(src[d]), scale);
+  } else {
+    std::copy(src, src + n, dst);
+  }
+}
+
+template <typename scalar_t, typename cache_t = scalar_t>
 static void qk_norm_rope_write_impl(torch::Tensor& q_out, torch::Tensor& k_out, const torch::Tensor& q,
                                     const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& q_inv,
                                     const torch::Tensor& k_inv, const torch::Tensor& q_weight,
                                     const torch::Tensor& k_weight, const torch::Tensor& cos_sin,
                                     const torch::Tensor& positions, torch::Tensor& key_cache,
-                                    torch::Tensor& value_cache, const torch::Tensor& slot_mapping) {
+                                    torch::Tensor& value_cache, const torch::Tensor& slot_mapping,
+                                    int fp8_format = 0, float k_scale = 1.0f, float v_scale = 1.0f) {
   const int64_t tokens = q.size(0), q_heads = q.size(1), head_dim = q.size(2), kv_heads = k.size(1);
   const int64_t block_size = key_cache.size(2);
   const int64_t q_row = q.stride(0), q_head = q.stride(1), k_row = k.stride(0), k_head = k.stride(1);
@@ -370,7 +461,7 @@ static void qk_norm_rope_write_impl(torch::Tensor& q_out, torch::Tensor& k_out, 
   const scalar_t* table = cos_sin.data_ptr<scalar_t>();
   const int64_t *pos = positions.data_ptr<int64_t>(), *slots = slot_mapping.data_ptr<int64_t>();
   scalar_t *q_dst = q_out.data_ptr<scalar_t>(), *k_dst = k_out.data_ptr<scalar_t>();
-  scalar_t *kc = key_cache.data_ptr<scalar_t>(), *vc = value_cache.data_ptr<scalar_t>();
+  cache_t *kc = key_cache.data_ptr<cache_t>(), *vc = value_cache.data_ptr<cache_t>();
   const float *qi = q_inv.data_ptr<float>(), *ki = k_inv.data_ptr<float>();
 
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
@@ -387,8 +478,8 @@ static void qk_norm_rope_write_impl(torch::Tensor& q_out, torch::Tensor& k_out, 
         norm_rope_head(key, k_base + t * k_row + h * k_head, ki[t * kv_heads + h], kw, cos, sin, head_dim, normed);
         if (slot < 0) continue;
         const int64_t at = (slot / block_size) * block_stride + h * cache_head + (slot % block_size) * head_dim;
-        std::copy(key, key + head_dim, kc + at);
-        std::copy(v_base + t * v_row + h * v_head, v_base + t * v_row + h * v_head + head_dim, vc + at);
+        store_row(kc + at, key, head_dim, fp8_format, k_scale);
+        store_row(vc + at, v_base + t * v_row + h * v_head, head_dim, fp8_format, v_scale);
       }
     }
   });
@@ -397,7 +488,8 @@ static void qk_norm_rope_write_impl(torch::Tensor& q_out, torch::Tensor& k_out, 
 void qk_norm_rope_write(torch::Tensor q_out, torch::Tensor k_out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
                         torch::Tensor q_inv, torch::Tensor k_inv, torch::Tensor q_weight, torch::Tensor k_weight,
                         torch::Tensor cos_sin, torch::Tensor positions, torch::Tensor key_cache,
-                        torch::Tensor value_cache, torch::Tensor slot_mapping) {
+                        torch::Tensor value_cache, torch::Tensor slot_mapping, int64_t fp8_format, double k_scale,
+                        double v_scale) {
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
               "qk_norm_rope_write (cpu): the head dimension of q, k and v must be contiguous");
   TORCH_CHECK(q_out.is_contiguous() && k_out.is_contiguous() && key_cache.is_contiguous() &&
@@ -410,11 +502,22 @@ void qk_norm_rope_write(torch::Tensor q_out, torch::Tensor k_out, torch::Tensor 
               k_inv.is_contiguous() && q_inv.numel() == q.size(0) * q.size(1) &&
               k_inv.numel() == k.size(0) * k.size(1),
               "qk_norm_rope_write (cpu): q_inv and k_inv must be contiguous float32, one per token and head");
-  for (const auto* t : {&k, &v, &q_weight, &k_weight, &cos_sin, &key_cache, &value_cache, &q_out, &k_out})
+  for (const auto* t : {&k, &v, &q_weight, &k_weight, &cos_sin, &q_out, &k_out})
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), "qk_norm_rope_write (cpu): every float tensor must share a dtype");
+  TORCH_CHECK(fp8_format == 0 || fp8_format == 1 || fp8_format == 2, "qk_norm_rope_write (cpu): fp8_format is 0, 1 or 2");
+  const bool fp8 = fp8_format != 0;
+  for (const auto* t : {&key_cache, &value_cache})
+    TORCH_CHECK(t->scalar_type() == (fp8 ? at::kByte : q.scalar_type()),
+                "qk_norm_rope_write (cpu): caches hold q's dtype, or FP8 codes (uint8) with an fp8_format");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "qk_norm_rope_write", [&] {
-    qk_norm_rope_write_impl<scalar_t>(q_out, k_out, q, k, v, q_inv, k_inv, q_weight, k_weight, cos_sin, positions,
-                                      key_cache, value_cache, slot_mapping);
+    if (fp8)
+      qk_norm_rope_write_impl<scalar_t, uint8_t>(q_out, k_out, q, k, v, q_inv, k_inv, q_weight, k_weight, cos_sin,
+                                                 positions, key_cache, value_cache, slot_mapping,
+                                                 static_cast<int>(fp8_format), static_cast<float>(k_scale),
+                                                 static_cast<float>(v_scale));
+    else
+      qk_norm_rope_write_impl<scalar_t>(q_out, k_out, q, k, v, q_inv, k_inv, q_weight, k_weight, cos_sin, positions,
+                                        key_cache, value_cache, slot_mapping);
   });
 }
 

@@ -235,3 +235,35 @@ def offload_sweep(workload: Workload, config: SimConfig,
                      "ttft_p50_s": summary["ttft_p50_s"], "ttft_p90_s": summary["ttft_p90_s"],
                      "throughput_tok_s": summary["throughput_tok_s"], "preemptions": summary["preemptions"]})
     return pd.DataFrame(rows)
+
+
+PRECISION_STEPS = (("paging", "paged", "auto"), ("fp8", "contiguous", "fp8"), ("together", "paged", "fp8"))
+
+
+@entry_point
+def precision_gains(workload: Workload, paged: SimConfig, contiguous: SimConfig,
+                    kv_cache_dtype: str = "fp8_e4m3") -> pd.DataFrame:
+    """What FP8 buys next to what paging buys: ``contiguous`` and ``paged`` (each as given, its own KV cache dtype
+    replaced) run with the model's dtype in the KV cache (``auto``) and with ``kv_cache_dtype``. One row per run
+    (``step``: ``baseline`` = contiguous with ``auto``, ``paging`` = paged with ``auto``, ``fp8`` = contiguous with
+    FP8, ``together`` = paged with FP8), its mean running sequences, throughput and KV capacity (tokens), and each
+    against the baseline's (``*_x``): paging xA, FP8 xB, together xC."""
+    if kv_cache_dtype == "auto":
+        raise InputError("precision_gains: choose an FP8 kv_cache_dtype to compare with 'auto'")
+    if paged.allocator != "paged" or contiguous.allocator == "paged":
+        raise InputError(f"precision_gains takes a paged and a contiguous configuration, got {paged.label} and "
+                         f"{contiguous.label}")
+    rows = []
+    for step, allocator, dtype in (("baseline", "contiguous", "auto"), *PRECISION_STEPS):
+        base = paged if allocator == "paged" else contiguous
+        config = dataclasses.replace(base, kv_cache_dtype=kv_cache_dtype if dtype == "fp8" else "auto",
+                                     record_steps=False)
+        summary = run_simulation(workload, config, snapshot_pool=False).summary
+        rows.append({"step": step, "label": config.label, "kv_cache_dtype": config.kv_cache_dtype,
+                     "mean_batch_size": summary["mean_batch_size"], "throughput_tok_s": summary["throughput_tok_s"],
+                     "capacity_tokens": summary["capacity_tokens"]})
+    table = pd.DataFrame(rows)
+    for column in ("mean_batch_size", "throughput_tok_s", "capacity_tokens"):
+        baseline = table.at[0, column]
+        table[f"{column}_x"] = table[column] / baseline if baseline else float("nan")
+    return table

@@ -1,0 +1,286 @@
+"""FP8 KV caches (issue 71): the NumPy contract (``paged_kernels.fp8``), every CPU backend against the float64
+dequantized reference, saturation, and the copies that carry FP8 blocks as they are."""
+import numpy as np
+import pytest
+import torch
+
+import paged_kernels
+from paged_kernels import fp8, reference
+from paged_kernels.torch_backend import dequantize, paged_attention_prefill, quantize
+from tests.kernel_cases import make_fp8_decode_case, relative_error
+
+FORMATS = ["fp8_e4m3", "fp8_e5m2"]
+TORCH_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# FP8's own tolerance: half a unit in the last place relative to a value (3 mantissa bits: 2^-4; 2 bits: 2^-3)
+FP8_ULP = {"fp8_e4m3": 2.0 ** -4, "fp8_e5m2": 2.0 ** -3}
+
+
+def in_place_built() -> bool:
+    from paged_kernels import cpu_extension
+
+    return cpu_extension.status() is None
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_decode_table_is_torchs_float8(kv_cache_dtype):
+    """Our bit-level decoding of all 256 codes equals torch's float8 dtypes (NaN where torch has NaN)."""
+    torchs = torch.arange(256, dtype=torch.uint8).view(TORCH_FP8[kv_cache_dtype]).double().numpy()
+    np.testing.assert_array_equal(fp8.decode_table(kv_cache_dtype), torchs)
+    assert fp8.max_finite(kv_cache_dtype) == torch.finfo(TORCH_FP8[kv_cache_dtype]).max
+    assert fp8.decode_table("fp8") is fp8.decode_table("fp8") and fp8.fp8_format("fp8") == "e4m3"
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+@pytest.mark.parametrize("scale", [1.0, 0.013, 7.5])
+def test_numpy_and_torch_quantize_agree_and_saturate(kv_cache_dtype, scale):
+    """The torch quantizer writes the NumPy contract's codes bit for bit, fresh random values across the whole range,
+    those past the format saturating to +-max (never NaN, never inf)."""
+    rng = np.random.default_rng()
+    limit = fp8.max_finite(kv_cache_dtype)
+    x = rng.standard_normal(50_000).astype(np.float32) * np.float32(10.0) ** rng.uniform(-6, 6, 50_000)
+    x[:4] = [limit * scale * 1000, -limit * scale * 1000, 0.0, limit * scale]
+    ours = fp8.quantize(x, scale, kv_cache_dtype)
+    np.testing.assert_array_equal(quantize(torch.from_numpy(x), scale, kv_cache_dtype).numpy(), ours)
+    values = fp8.dequantize(ours, 1.0, kv_cache_dtype)
+    assert np.isfinite(values).all() and values[0] == limit and values[1] == -limit
+    # rounding to nearest: within half a step of the value (normal range) of x / scale
+    y = x.astype(np.float64) / scale
+    normal = (np.abs(y) < limit) & (np.abs(y) > 2.0 ** -5)
+    assert (np.abs(values[normal] - y[normal]) <= FP8_ULP[kv_cache_dtype] * np.abs(y[normal]) * 1.0001).all()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+@pytest.mark.parametrize("path", ["reference", "in-place", "gather"])
+@pytest.mark.parametrize("block_size", [1, 3, 16, 32])
+@pytest.mark.parametrize("head_dim, num_kv_heads, group", [(64, 2, 4), (128, 1, 8), (128, 4, 1)])
+def test_fp8_decode_matches_dequantized_float64(kv_cache_dtype, path, block_size, head_dim, num_kv_heads, group,
+                                                monkeypatch):
+    """Each backend reading FP8 codes against the float64 attention over the dequantized K/V (codes x scale): the
+    only error left is the kernels' float32 arithmetic. Unused slots hold NaN codes, the output starts as NaN."""
+    if path == "in-place" and not in_place_built():
+        pytest.skip("the in-place CPU attention cannot be built here")
+    monkeypatch.setattr("paged_kernels.torch_backend.IN_PLACE_CPU", path == "in-place")
+    k_scale, v_scale = np.random.default_rng().uniform(0.01, 2.0, 2)
+    case = make_fp8_decode_case([0, 1, block_size, 2 * block_size + 1, 45, 130], block_size, num_kv_heads, group,
+                                head_dim, kv_cache_dtype, k_scale, v_scale, spread=3.0)
+    expected = reference.paged_attention_decode(
+        case.query.double().numpy(), reference.dequantized(case.key_cache.numpy(), kv_cache_dtype, k_scale),
+        reference.dequantized(case.value_cache.numpy(), kv_cache_dtype, v_scale), case.block_tables.numpy(),
+        case.seq_lens.numpy(), head_dim ** -0.5)
+    assert np.isfinite(expected).all()
+    precision = dict(kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
+    if path == "reference":
+        out = paged_kernels.paged_attention_decode(case.query.numpy(), case.key_cache.numpy(),
+                                                   case.value_cache.numpy(), case.block_tables.numpy(),
+                                                   case.seq_lens.numpy(), backend="reference", **precision)
+    else:
+        out = torch.full_like(case.query, float("nan"))
+        paged_kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
+                                             case.seq_lens, backend="torch", out=out, **precision)
+    assert relative_error(out, expected) < 1e-5
+    assert (np.asarray(out)[0] == 0).all()  # the empty sequence
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+@pytest.mark.parametrize("query_dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("block_size", [1, 3, 16, 32])
+@pytest.mark.parametrize("num_kv_heads, group, head_dim", [(2, 2, 64), (1, 8, 128)])
+def test_fp8_prefill_reads_and_dequantizes_the_pool_in_place(kv_cache_dtype, query_dtype, tolerance, block_size,
+                                                             num_kv_heads, group, head_dim):
+    """The C++ prefill attention over FP8 codes, chunks with and without cached prefixes, against float64 causal
+    attention over the dequantized K/V."""
+    if not in_place_built():
+        pytest.skip("the in-place CPU attention cannot be built here")
+    chunk_lens, cached = [5, 70, 1, 37], [0, 13, 100, 64]
+    k_scale, v_scale = 0.05, 0.3
+    case = make_fp8_decode_case([c + n for c, n in zip(cached, chunk_lens)], block_size, num_kv_heads, group,
+                                head_dim, kv_cache_dtype, k_scale, v_scale)
+    query = torch.randn(sum(chunk_lens), num_kv_heads * group, head_dim).to(query_dtype)
+    out = torch.full_like(query, float("nan"))
+    starts = torch.tensor([0, *np.cumsum(chunk_lens)], dtype=torch.long)
+    assert paged_attention_prefill(query, case.key_cache, case.value_cache, case.block_tables.long(), starts,
+                                   torch.tensor(cached), head_dim ** -0.5, out, kv_cache_dtype, k_scale, v_scale)
+    keys = torch.from_numpy(reference.dequantized(case.key_cache.numpy(), kv_cache_dtype, k_scale))
+    values = torch.from_numpy(reference.dequantized(case.value_cache.numpy(), kv_cache_dtype, v_scale))
+    expected, start = [], 0
+    for s, (length, before) in enumerate(zip(chunk_lens, cached)):
+        positions = torch.arange(before + length)
+        blocks = case.block_tables[s].long()[positions // block_size]
+        k, v = (c[blocks, :, positions % block_size].repeat_interleave(group, 1) for c in (keys, values))
+        scores = torch.einsum("thd,khd->htk", query[start:start + length].double(), k) * head_dim ** -0.5
+        future = positions[None, :] > (before + torch.arange(length))[:, None]
+        expected.append(torch.einsum("htk,khd->thd", scores.masked_fill(future, float("-inf")).softmax(-1), v))
+        start += length
+    assert relative_error(out, torch.cat(expected).numpy()) < tolerance
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_fp8_write_quantizes_to_the_contract_and_skips_padding(kv_cache_dtype, backend):
+    """The cache write stores ``fp8.quantize(K / k_scale)`` at each slot, leaves padding slots' bytes alone."""
+    rng = np.random.default_rng()
+    num_blocks, block_size, heads, head_dim = 6, 3, 2, 64
+    key = torch.from_numpy(rng.standard_normal((12, heads, head_dim)).astype(np.float32) * 5)
+    value = torch.from_numpy(rng.standard_normal((12, heads, head_dim)).astype(np.float32))
+    slots = torch.from_numpy(rng.permutation(num_blocks * block_size)[:12])
+    slots[::4] = -1
+    key_cache = torch.full((num_blocks, heads, block_size, head_dim), 0xAB, dtype=torch.uint8)
+    value_cache = key_cache.clone()
+    paged_kernels.write_kv_cache(key, value, key_cache, value_cache, slots, backend=backend,
+                                 kv_cache_dtype=kv_cache_dtype, k_scale=0.02, v_scale=0.5)
+    for cache, x, cache_scale in ((key_cache, key, 0.02), (value_cache, value, 0.5)):
+        for token, slot in enumerate(slots.tolist()):
+            if slot >= 0:
+                np.testing.assert_array_equal(cache[slot // block_size, :, slot % block_size].numpy(),
+                                              fp8.quantize(x[token].numpy(), cache_scale, kv_cache_dtype))
+        written = {s for s in slots.tolist() if s >= 0}
+        untouched = [s for s in range(num_blocks * block_size) if s not in written]
+        assert all((cache[s // block_size, :, s % block_size] == 0xAB).all() for s in untouched)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_fp8_round_trip_error_is_fp8s_own(kv_cache_dtype, block_size, monkeypatch):
+    """End to end: K/V written through the quantizing write, attention read back, against float64 attention over the
+    unquantized K/V: the error is FP8's (nonzero, within a few units in its last place), not a bug's."""
+    rng = np.random.default_rng()
+    heads, group, head_dim, length = 2, 4, 128, 200
+    blocks = -(-length // block_size)
+    key = rng.standard_normal((length, heads, head_dim)).astype(np.float32)
+    value = rng.standard_normal((length, heads, head_dim)).astype(np.float32)
+    query = rng.standard_normal((1, heads * group, head_dim)).astype(np.float32)
+    cache_shape = (blocks, heads, block_size, head_dim)
+    table = rng.permutation(blocks)
+    slots = np.array([table[t // block_size] * block_size + t % block_size for t in range(length)])
+    float_caches = [np.zeros(cache_shape), np.zeros(cache_shape)]
+    reference.write_kv_cache(key, value, *float_caches, slots)
+    exact = reference.paged_attention_decode(query, *float_caches, table[None], np.array([length]), head_dim ** -0.5)
+    for path in ("in-place", "gather"):
+        monkeypatch.setattr("paged_kernels.torch_backend.IN_PLACE_CPU", path == "in-place")
+        caches = [torch.zeros(cache_shape, dtype=torch.uint8), torch.zeros(cache_shape, dtype=torch.uint8)]
+        precision = dict(kv_cache_dtype=kv_cache_dtype, k_scale=1.0, v_scale=1.0)
+        paged_kernels.write_kv_cache(torch.from_numpy(key), torch.from_numpy(value), *caches, torch.from_numpy(slots),
+                                     backend="torch", **precision)
+        out = paged_kernels.paged_attention_decode(torch.from_numpy(query), *caches, torch.from_numpy(table[None]),
+                                                   torch.tensor([length]), backend="torch", **precision)
+        error = np.linalg.norm(out.numpy() - exact) / np.linalg.norm(exact)
+        assert 1e-4 < error < FP8_ULP[kv_cache_dtype], (path, error)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_saturating_scales_clamp_never_nan(kv_cache_dtype, monkeypatch):
+    """A scale far too small for the data sends every element past the format's range: each is stored as +-max and
+    attention stays finite, on every path."""
+    limit = fp8.max_finite(kv_cache_dtype)
+    case = make_fp8_decode_case([9, 40], 16, 2, 2, 64, kv_cache_dtype, k_scale=1e-6, v_scale=1e-6, spread=100.0)
+    used = case.key_cache[case.block_tables[1, 0]].numpy()
+    assert set(np.abs(fp8.dequantize(used, 1.0, kv_cache_dtype)).ravel().tolist()) == {limit}
+    key = (torch.rand(4, 2, 64) + 1.0) * torch.where(torch.rand(4, 2, 64) < 0.5, -1.0, 1.0)
+    caches = [torch.zeros(3, 2, 16, 64, dtype=torch.uint8) for _ in range(2)]
+    paged_kernels.write_kv_cache(key, key, *caches, torch.arange(4), backend="torch", kv_cache_dtype=kv_cache_dtype,
+                                 k_scale=1e-6, v_scale=1e-6)
+    assert (dequantize(caches[0][0, :, :4], 1.0, kv_cache_dtype).abs() == limit).all()
+    for path in ("in-place", "gather"):
+        monkeypatch.setattr("paged_kernels.torch_backend.IN_PLACE_CPU", path == "in-place")
+        out = paged_kernels.paged_attention_decode(case.query, case.key_cache, case.value_cache, case.block_tables,
+                                                   case.seq_lens, backend="torch", kv_cache_dtype=kv_cache_dtype,
+                                                   k_scale=1e-6, v_scale=1e-6)
+        assert torch.isfinite(out).all()
+
+
+def test_fp8_arguments_are_checked():
+    """A float cache named FP8, FP8 bytes named ``auto``, an unknown format or a bad scale: a KernelArgumentError
+    naming it, before anything is written."""
+    key = torch.randn(2, 1, 8)
+    float_caches = [torch.zeros(2, 1, 4, 8) for _ in range(2)]
+    byte_caches = [torch.zeros(2, 1, 4, 8, dtype=torch.uint8) for _ in range(2)]
+    slots = torch.tensor([0, 1])
+    with pytest.raises(paged_kernels.KernelArgumentError, match="uint8"):
+        paged_kernels.write_kv_cache(key, key, *float_caches, slots, kv_cache_dtype="fp8_e4m3")
+    with pytest.raises(paged_kernels.KernelArgumentError, match="floating-point"):
+        paged_kernels.write_kv_cache(key, key, *byte_caches, slots)
+    with pytest.raises(paged_kernels.KernelArgumentError, match="kv_cache_dtype"):
+        paged_kernels.write_kv_cache(key, key, *byte_caches, slots, kv_cache_dtype="fp8_e3m4")
+    for bad in (0.0, -1.0, float("nan"), float("inf"), "1"):
+        with pytest.raises(paged_kernels.KernelArgumentError, match="k_scale"):
+            paged_kernels.write_kv_cache(key, key, *byte_caches, slots, kv_cache_dtype="fp8", k_scale=bad)
+    assert (byte_caches[0] == 0).all()
+    with pytest.raises(paged_kernels.KernelArgumentError, match="uint8"):
+        paged_kernels.paged_attention_decode(torch.randn(1, 1, 8), *float_caches, torch.tensor([[0]]),
+                                             torch.tensor([3]), kv_cache_dtype="fp8_e5m2")
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_block_copies_and_swaps_carry_fp8_bytes_as_they_are(backend):
+    """Copy-on-write and swapping move FP8 blocks byte for byte (the prefix cache and the offload tier go through
+    these)."""
+    device = [torch.randint(0, 255, (5, 2, 4, 8), dtype=torch.uint8) for _ in range(2)]
+    host = [torch.zeros(3, 2, 4, 8, dtype=torch.uint8) for _ in range(2)]
+    before = [c.clone() for c in device]
+    paged_kernels.copy_blocks(*device, [(0, 4)], backend=backend)
+    assert torch.equal(device[0][4], before[0][0]) and torch.equal(device[1][4], before[1][0])
+    paged_kernels.swap_blocks(*device, *host, [(1, 2)], backend=backend)
+    assert torch.equal(host[0][2], device[0][1]) and torch.equal(host[1][2], device[1][1])
+
+
+def test_cupy_declines_fp8_caches():
+    """The CUDA kernels do not read FP8 codes: ``auto`` leaves FP8 caches to the torch backend, with the reason."""
+    from paged_kernels import cupy_backend
+
+    caches = (torch.zeros(1, 1, 4, 64, dtype=torch.uint8),)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cupy_backend, "is_cuda", lambda tensor: True)
+        reason = cupy_backend.unsupported_reason(torch.zeros(1, dtype=torch.float16), 64, 1, caches)
+    assert "FP8" in reason
+
+
+def test_the_lab_s_kv_cache_dtypes_are_the_kernels():
+    """``lab.kv_cache.precision`` restates the kernels' names (it may not load torch): they must stay equal."""
+    from lab.kv_cache.precision import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES, kv_element_bytes
+
+    assert KV_CACHE_DTYPES == fp8.KV_CACHE_DTYPES == paged_kernels.KV_CACHE_DTYPES
+    assert set(FP8_KV_CACHE_DTYPES) == set(fp8.FP8_FORMATS)
+    assert all(kv_element_bytes(d, 2) == 1 for d in FP8_KV_CACHE_DTYPES) and kv_element_bytes("auto", 2) == 2
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_rope_write_quantizes_as_the_torch_op(kv_cache_dtype, dtype, monkeypatch):
+    """The C++ q/k norm + rotary + cache write with FP8 caches stores the codes the torch op stores (which are the
+    NumPy contract's, ``test_numpy_and_torch_quantize_agree_and_saturate``), saturating included, and skips padding."""
+    if not in_place_built():
+        pytest.skip("the CPU extension cannot be built here")
+    tokens, q_heads, kv_heads, head_dim, block_size, blocks = 9, 4, 2, 64, 4, 5
+    q = torch.randn(tokens, q_heads, head_dim).to(dtype)
+    k = torch.randn(tokens, kv_heads, head_dim).to(dtype)
+    v = (torch.randn(tokens, kv_heads, head_dim) * 300).to(dtype)  # some past e4m3's 448 at v_scale 0.5
+    weights = torch.rand(head_dim).to(dtype) + 0.5, torch.rand(head_dim).to(dtype) + 0.5
+    angles = torch.arange(32)[:, None] * torch.rand(head_dim // 2)[None]
+    cos_sin = torch.cat([angles.cos(), angles.cos(), angles.sin(), angles.sin()], dim=-1).to(dtype)
+    positions = torch.randint(0, 32, (tokens,))
+    slots = torch.randperm(blocks * block_size)[:tokens]
+    slots[3] = -1
+    from paged_kernels import torch_backend
+
+    served = []
+    inner = torch_backend._fused_qk_norm_rope_write
+    monkeypatch.setattr(torch_backend, "_fused_qk_norm_rope_write",
+                        lambda *args: served.append(inner(*args)) or served[-1])
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr("paged_kernels.torch_backend.FUSED_CPU", fused)
+        caches = [torch.full((blocks, kv_heads, block_size, head_dim), 0xAB, dtype=torch.uint8) for _ in range(2)]
+        q_out, k_out = paged_kernels.qk_norm_rope_write(q, k, v, *weights, cos_sin, positions, *caches, slots,
+                                                        backend="torch", kv_cache_dtype=kv_cache_dtype,
+                                                        k_scale=0.03, v_scale=0.5)
+        results.append((q_out, k_out, caches))
+    assert len(served) == 1 and served[0] is not None  # the C++ pass wrote the first time
+    (q_fused, k_fused, fused_caches), (q_torch, k_torch, torch_caches) = results
+    assert torch.equal(q_fused, q_torch) and torch.equal(k_fused, k_torch)
+    for ours, theirs in zip(fused_caches, torch_caches):
+        assert torch.equal(ours, theirs)
+    assert (fused_caches[0][slots[0] // block_size, :, slots[0] % block_size] != 0xAB).all()
+    limit = fp8.max_finite(kv_cache_dtype)
+    assert np.isfinite(fp8.dequantize(fused_caches[1].numpy(), 1.0, kv_cache_dtype)).all()
+    assert kv_cache_dtype != "fp8_e4m3" or (abs(fp8.dequantize(fused_caches[1].numpy(), 1.0, kv_cache_dtype))
+                                            == limit).any()

@@ -35,6 +35,9 @@ def test_a_family_is_the_same_for_the_same_seed_and_spans_what_it_promises():
     (["--seed", "3"], "go with --workload random"),
     (["--workload", "random", "--num-blocks", "64"], "a random family draws its own"),
     (["--profile", "--workload", "random"], "do not apply"),
+    (["--profile", "--background-load"], "do not apply"),
+    (["--workload", "random", "--background-load"], "the contention figures use the fixed workload"),
+    (["--workload", "random", "--kv-cache-dtype", "fp8_e4m3"], "run the fixed workload for FP8"),
 ])
 def test_family_options_that_cannot_apply_are_refused(argv, message, capsys):
     assert main(["bench", "vllm", *argv]) == 2

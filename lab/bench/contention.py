@@ -21,6 +21,7 @@ from lab.errors import InputError
 from lab.worker.threads import allowed_cores
 
 BUSY_LOOP = "while True:\n    pass\n"
+QUIET, LOADED = "quiet", "one core busy"  # a run's load column
 
 
 def _pin_and_die_with_parent(core: int):
@@ -104,7 +105,7 @@ def run_contention_bench(config: ContentionConfig, progress=None) -> pd.DataFram
                         result = runners[name](prompts, outputs)
                 else:
                     result = runners[name](prompts, outputs)
-                rows.append({"system": name, "load": "one core busy" if loaded else "quiet", "repeat": repeat,
+                rows.append({"system": name, "load": LOADED if loaded else QUIET, "repeat": repeat,
                              "wall_s": result["wall_s"], "output_tok_s": result["output_tokens"] / result["wall_s"]})
                 if progress:
                     progress(len(rows), total)
@@ -115,7 +116,7 @@ def summarize(runs: pd.DataFrame, config: ContentionConfig) -> pd.DataFrame:
     """Per system: median tok/s quiet and loaded (with the spread), slowdown, and the ratio to HF continuous."""
     out = []
     for system, part in runs.groupby("system", sort=False):
-        quiet, loaded = (part[part["load"] == load]["output_tok_s"] for load in ("quiet", "one core busy"))
+        quiet, loaded = (part[part["load"] == load]["output_tok_s"] for load in (QUIET, LOADED))
         out.append({"system": system, "quiet_tok_s": statistics.median(quiet),
                     "quiet_min_max": f"{quiet.min():,.0f}-{quiet.max():,.0f}",
                     "loaded_tok_s": statistics.median(loaded),

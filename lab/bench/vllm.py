@@ -3,6 +3,7 @@ alternating in one invocation: output tokens/s, TTFT and TPOT p50/p90, steps, pr
 over the repeats, and the ratio ours / vLLM. vLLM runs in its own environment (``lab.peer``)."""
 from __future__ import annotations
 
+import contextlib
 import statistics
 import tempfile
 import time
@@ -13,6 +14,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from lab.bench.contention import LOADED, QUIET, BackgroundLoad
 from lab.bench.e2e import status_bytes
 from lab.engine import LLMEngine, SamplingParams
 from lab.engine.live import random_requests
@@ -42,6 +44,7 @@ class VLLMBenchConfig:
     kv_cache_dtype: str = "auto"  # both engines' KV cache (vLLM's names); FP8: with vLLM's default scales of 1.0
     tie_margin: float = 0.5  # FP8: first tokens whose top-2 logit margin (ours, full-precision cache) is below it
     # are near ties, left out of the *_clear agreements (and, in the *_clear_2x ones, those below twice it)
+    background_load: bool = False  # each repeat also with one core kept busy (lab.bench.contention.BackgroundLoad)
 
 
 def _percentile(values, q: float) -> float:
@@ -104,24 +107,29 @@ def run_vllm_bench(config: VLLMBenchConfig, progress=None) -> pd.DataFrame:
         with VLLMPeer(settings) as peer:
             warm = prompts[:4], [8] * 4
             _ours(engine, *warm), _theirs(peer, *warm)
+            loads = (QUIET, LOADED) if config.background_load else (QUIET,)
             for repeat in range(config.repeats):  # alternating, so a slow spell of the machine touches both
-                for system, run in (("ours", lambda: _ours(engine, prompts, max_tokens)),
-                                    ("vllm", lambda: _theirs(peer, prompts, max_tokens))):
-                    rows.append({"system": system, "repeat": repeat, **run()})
-                    if progress:
-                        progress(len(rows), 2 * config.repeats)
+                for load in loads if repeat % 2 == 0 else loads[::-1]:
+                    with BackgroundLoad() if load == LOADED else contextlib.nullcontext():
+                        for system, run in (("ours", lambda: _ours(engine, prompts, max_tokens)),
+                                            ("vllm", lambda: _theirs(peer, prompts, max_tokens))):
+                            rows.append({"system": system, "load": load, "repeat": repeat, **run()})
+                            if progress:
+                                progress(len(rows), 2 * config.repeats * len(loads))
     table = pd.DataFrame(rows)
-    ours, theirs = table[table["system"] == "ours"], table[table["system"] == "vllm"]
+    summary = [row for load in loads for row in _medians(table[table["load"] == load], load)]
+    if config.background_load:  # each engine's slowdown: its loaded median time over its quiet one
+        for name in ("ours", "vllm"):
+            quiet, loaded = (next(r for r in summary if r["system"] == name and r["load"] == load)
+                             for load in (QUIET, LOADED))
+            summary.append({"system": f"{name}: slowdown", "load": LOADED, "repeat": "median",
+                            "output_tok_s": quiet["output_tok_s"] / loaded["output_tok_s"]})
+    ours, theirs = (table[(table["system"] == name) & (table["load"] == QUIET)] for name in ("ours", "vllm"))
     our_tokens, their_tokens = ours["outputs"].iloc[0], theirs["outputs"].iloc[0]
     agree = sum(a == b for x, y in zip(our_tokens, their_tokens) for a, b in zip(x, y))
     total = sum(len(y) for y in their_tokens)
     first = sum(x[:1] == y[:1] for x, y in zip(our_tokens, their_tokens)) / len(their_tokens)
-    table = table.drop(columns="outputs")
-    medians = [{"system": name, "repeat": "median", **{m: statistics.median(part[m]) for m in METRICS}}
-               for name, part in (("ours", ours), ("vllm", theirs))]
-    ratio = {"system": "ours / vllm", "repeat": "median",
-             **{m: medians[0][m] / medians[1][m] if medians[1][m] else float("nan") for m in METRICS}}
-    table = pd.concat([table, pd.DataFrame(medians + [ratio])], ignore_index=True)
+    table = pd.concat([table.drop(columns="outputs"), pd.DataFrame(summary)], ignore_index=True)
     table["greedy_agreement"] = agree / total if total else float("nan")
     table["first_token_agreement"] = first  # a sequence that parts once (a near-tie) differs from there on
     if full is not None:
@@ -138,6 +146,15 @@ def run_vllm_bench(config: VLLMBenchConfig, progress=None) -> pd.DataFrame:
     table["model"], table["dtype"], table["num_requests"] = config.model, config.dtype, config.num_requests
     table["kv_cache_dtype"] = config.kv_cache_dtype
     return table
+
+
+def _medians(runs: pd.DataFrame, load: str) -> list[dict]:
+    """Each engine's median row of ``runs`` (one load), then the ``ours / vllm`` ratio of the medians."""
+    medians = [{"system": name, "load": load, "repeat": "median",
+                **{m: statistics.median(runs[runs["system"] == name][m]) for m in METRICS}} for name in ("ours", "vllm")]
+    ratio = {"system": "ours / vllm", "load": load, "repeat": "median",
+             **{m: medians[0][m] / medians[1][m] if medians[1][m] else float("nan") for m in METRICS}}
+    return medians + [ratio]
 
 
 def _first_tokens(engine: LLMEngine, prompts) -> tuple[list[list[int]], list[float]]:

@@ -156,8 +156,9 @@ def _bench_vllm(args) -> None:
     from lab.bench.vllm import VLLMBenchConfig, run_vllm_bench
 
     if args.profile:
-        if args.workload == "random" or args.seed is not None or args.family is not None:
-            raise InputError("--profile times fixed step shapes: --workload random, --seed and --family do not apply")
+        if args.workload == "random" or args.seed is not None or args.family is not None or args.background_load:
+            raise InputError("--profile times fixed step shapes: --workload random, --seed, --family and "
+                             "--background-load do not apply")
         _profile_vllm(args)
         return
     if args.workload == "random":
@@ -171,7 +172,7 @@ def _bench_vllm(args) -> None:
     for model, requests in zip(args.model, args.num_requests):
         config = VLLMBenchConfig(model=model, dtype=args.dtype, num_requests=requests, num_blocks=args.num_blocks,
                                  repeats=args.repeats, kv_cache_dtype=args.kv_cache_dtype,
-                                 tie_margin=args.tie_margin)
+                                 tie_margin=args.tie_margin, background_load=args.background_load)
         bar = tqdm(total=2 * config.repeats, desc=f"ours vs vLLM, {model}", file=sys.stderr)
         tables.append(run_vllm_bench(config, progress=lambda done, total: bar.update(done - bar.n)))
         bar.close()
@@ -189,6 +190,8 @@ def _bench_vllm_family(args) -> None:
     if args.num_requests != (32, 16) or args.num_blocks != 512:
         raise InputError("--num-requests and --num-blocks size the fixed workload; a random family draws its own "
                          "(the pool is 16,384 tokens at every block size)")
+    if args.background_load:
+        raise InputError("--background-load with --workload random: the contention figures use the fixed workload")
     if args.kv_cache_dtype != "auto":
         raise InputError("--kv-cache-dtype with --workload random: the family compares full-precision caches; run "
                          "the fixed workload for FP8")
@@ -378,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fixed: the bench's workload; random: a seeded family of workloads it did not choose "
                         "(8-64 requests, prompts 16-1,000, outputs 16-256, staggered or not, block 32/64/128, "
                         "prefix caching on or off), with the family's median and worst ratio")
+    v.add_argument("--background-load", action="store_true",
+                   help="each repeat also with one core kept busy by a pinned process: both engines' slowdown")
     v.add_argument("--seed", type=non_negative_int, default=None, help="the random family's seed (default 0)")
     v.add_argument("--family", type=positive_int, default=None, help="workloads in the random family (default 8)")
     v.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],

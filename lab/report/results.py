@@ -111,7 +111,11 @@ RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cp
                "app_flow.csv": "python -m benchmarks.app_flow",
                "vllm_twin_cpu.csv": "python -m simulator twin --peer vllm --repeats 3",
                "kv_precision_cpu.csv": "python -m lab bench kv-precision",
-               "vllm_fp8_cpu.csv": "python -m lab bench vllm --kv-cache-dtype fp8_e4m3"}
+               "vllm_fp8_cpu.csv": "python -m lab bench vllm --kv-cache-dtype fp8_e4m3",
+               "vllm_family_float32_cpu.csv": "python -m lab bench vllm --model tiny --workload random",
+               "vllm_family_bfloat16_cpu.csv": "python -m lab bench vllm --model tiny --workload random --dtype "
+                                               "bfloat16",
+               "contention_cpu.csv": "python -m lab bench contention"}
 
 
 @dataclass(slots=True)
@@ -373,6 +377,14 @@ HEADLINES = [
              "vllm_cpu.csv", _row_value("output_tok_s", system="ours / vllm", model="tiny"), "×", 1.0),
     Headline("Our engine vs vLLM's CPU build, output tokens/s (Qwen3-0.6B shapes, 4 layers, fp32)", "vllm_cpu.csv",
              _row_value("output_tok_s", system="ours / vllm", model="qwen3-0.6b-random-4l"), "×", 0.8),
+    Headline("Our engine vs vLLM's CPU build, output tokens/s (tiny Qwen3, bf16, same checkpoint and pool)",
+             "vllm_cpu_bf16.csv", _row_value("output_tok_s", system="ours / vllm", model="tiny"), "×", 1.0),
+    Headline("Our engine vs vLLM, worst of a random family of 8 workloads (tiny Qwen3, fp32)",
+             "vllm_family_float32_cpu.csv", _row_value("ratio", workload="family worst"), "×", 0.9),
+    Headline("Our engine vs vLLM, worst of a random family of 8 workloads (tiny Qwen3, bf16)",
+             "vllm_family_bfloat16_cpu.csv", _row_value("ratio", workload="family worst"), "×", 0.9),
+    Headline("Paged engine's slowdown with one core busy elsewhere (tiny Qwen3, threads measured)",
+             "contention_cpu.csv", _row_value("slowdown", system="paged engine (threads measured)"), "×", 1.5, False),
     Headline("vLLM twin: worst p50 error (TTFT, TPOT, E2E) vs a real vLLM server (CPU, all at once, shared prefix)",
              "vllm_twin_cpu.csv", _vllm_twin_worst_p50, "%", 5.0, False),
     Headline("Memory simulator in Chromium: an arrival-rate change until the page is current (defaults, 2 cores)",

@@ -33,7 +33,8 @@ def _twin(args) -> None:
 
     if args.peer == "vllm":
         return _vllm_twin(args)
-    refuse_ignored([name for name in VLLM_ONLY if getattr(args, name) is not None], "they are for --peer vllm")
+    refuse_ignored([name for name in VLLM_ONLY if getattr(args, name) is not None]
+                   + ([] if args.pin_client else ["pin_client"]), "they are for --peer vllm")
     if args.profile is None:
         raise InputError("--profile is required (from python -m lab profile), unless --peer vllm measures one")
     for name, value in ENGINE_DEFAULTS.items():
@@ -80,6 +81,7 @@ def _vllm_twin(args) -> None:
     from simulator.twins.vllm_twin import WORKLOADS, VLLMTwinConfig, run_vllm_twin, settings_of as twin_settings
 
     ignored = [name for name in ("steps_out", "input_len", "output_len", "kv_offload_blocks") if getattr(args, name)]
+    ignored += ["pin_client"] if args.url and not args.pin_client else []  # a server of its own is not pinned
     ignored += [name for name, default in (("workload", "random"), ("backend", "auto"), ("time_scale", 1.0),
                                            ("scheduling", None), ("device", None)) if getattr(args, name) != default]
     refuse_ignored(ignored, "the vLLM twin runs vLLM V1's policy on the CPU on its own workloads (--workloads)")
@@ -91,7 +93,7 @@ def _vllm_twin(args) -> None:
         workloads=tuple((args.workloads or ",".join(defaults.workloads)).split(",")),
         num_requests=args.num_requests, rate=args.rate if args.rate is not None else defaults.rate,
         length_scale=args.length_scale or defaults.length_scale, repeats=args.repeats,
-        grid=args.profile_grid or defaults.grid, seed=args.seed, url=args.url)
+        grid=args.profile_grid or defaults.grid, seed=args.seed, url=args.url, pin_client=args.pin_client)
     for name in config.workloads:
         if name not in WORKLOADS:
             raise InputError(f"--workloads: {name!r} is not one of {', '.join(WORKLOADS)}")
@@ -125,6 +127,10 @@ def twin_parser() -> argparse.ArgumentParser:
                    help="predict a real vLLM server instead of our engine: calibrate on vLLM's engine, start its "
                         "server on 127.0.0.1 (or use --url), score the simulator on --workloads; block size, pool and "
                         "budgets default to 32, 256 blocks, 16 sequences and 512 tokens")
+    t.add_argument("--pin-client", action=argparse.BooleanOptionalAction, default=True,
+                   help="--peer vllm, a server started here: run the lab's process (client, simulator) on the cores "
+                        "vLLM's worker leaves to its API process (--no-pin-client: anywhere, to measure the spread "
+                        "without)")
     t.add_argument("--url", default=None, help="--peer vllm: a vLLM server already running (not started, not stopped)")
     t.add_argument("--workloads", default=None,
                    help="--peer vllm: comma-separated, of all-at-once, prefix, poisson, gamma, azure "

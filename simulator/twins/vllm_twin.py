@@ -10,6 +10,7 @@ server's pool (``vllm:cache_config_info``), block size and budgets, and its pred
 from __future__ import annotations
 
 import math
+import os
 import threading
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -66,6 +67,7 @@ class VLLMTwinConfig:
     seed: int = 0
     poll_s: float = 0.25
     url: str | None = None  # a server already running (nothing else is contacted); None: start one
+    pin_client: bool = True  # the lab's process (client, simulator) on the cores vLLM's worker leaves to its API
 
     def peer_settings(self, checkpoint: str) -> PeerSettings:
         return PeerSettings(checkpoint, self.dtype, self.block_size, self.num_blocks, self.max_num_seqs,
@@ -257,8 +259,13 @@ class VLLMTwinResult:
         out = grouped.agg(real=("real", "median"), simulated=("simulated", "median"), error=("error", "median"),
                           error_min=("error", "min"), error_max=("error", "max"), goal=("goal", "first"),
                           unit=("unit", "first"), runs=("run", "count"),
-                          run_step_overhead_s=("run_step_overhead_s", "median")).reset_index()
+                          run_step_overhead_s=("run_step_overhead_s", "median"),
+                          real_min=("real", "min"), real_max=("real", "max"), real_mean=("real", "mean"),
+                          real_std=("real", "std")).reset_index()
         out["met"] = out["error"] <= out["goal"]
+        # the server's own spread over the repeats, and whether the twin's median lies inside it
+        out["real_cv"] = (out.pop("real_std") / out.pop("real_mean")).where(out["runs"] > 1)
+        out["inside_spread"] = (out["simulated"] >= out["real_min"]) & (out["simulated"] <= out["real_max"])
         return out
 
     def extrapolation(self) -> dict[str, str]:
@@ -377,7 +384,7 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
     profile.check_matches(block_size=config.block_size)
     result = VLLMTwinResult(pd.DataFrame(), profile=profile)
     vocab = checkpoint_vocab_size(checkpoint)
-    server = None
+    server = pinned = None
     try:
         if config.url is None:
             progress("starting vLLM's server")
@@ -401,31 +408,47 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
         priced = calibration.applied(simulation, profile)
         shifts = [probe_step_overhead(url, model, priced, vocab, config.seed + 500)]
         tables = []
-        for name in config.workloads:
-            workload = make_twin_workload(name, config, config.seed)
-            for repeat in range(config.repeats):
-                if stop is not None and stop.is_set():
-                    break
-                reset_prefix_cache(url)
-                progress(f"{name}, run {repeat + 1} of {config.repeats}: {len(workload)} requests")
-                # fresh prompts per run: a server whose cache cannot be reset still starts each run cold
-                run = run_server_workload(url, server_requests(workload, vocab, config.seed + 1 + repeat), model,
-                                          events=server.events if server else None, poll_s=config.poll_s,
-                                          stop=stop)
-                if run.problems:
-                    progress(f"{name}: {'; '.join(run.problems[:3])}")
-                result.runs[(name, repeat)] = run
-                shifts.append(probe_step_overhead(url, model, priced, vocab, config.seed + 500 + len(shifts)))
-                now = calibration.shifted((shifts[-2] + shifts[-1]) / 2)  # probed before and after the run
-                priced_run = now.applied(simulation, profile)
-                predicted = result.simulated[(name, repeat)] = simulate_run(workload, run, priced_run, now)
-                table = score(workload, run, priced_run, now, predicted)
-                tables.append(table.assign(workload=name, run=repeat, run_step_overhead_s=now.step_overhead_s))
+        workloads = {name: make_twin_workload(name, config, config.seed) for name in config.workloads}
+        pinned = _pin_client(server) if config.pin_client and server is not None else None
+        # repeats interleaved (each round runs every workload), so a slow spell of the machine touches all
+        for repeat, name in ((r, n) for r in range(config.repeats) for n in config.workloads):
+            workload = workloads[name]
+            if stop is not None and stop.is_set():
+                break
+            reset_prefix_cache(url)
+            progress(f"{name}, run {repeat + 1} of {config.repeats}: {len(workload)} requests")
+            # fresh prompts per run: a server whose cache cannot be reset still starts each run cold
+            run = run_server_workload(url, server_requests(workload, vocab, config.seed + 1 + repeat), model,
+                                      events=server.events if server else None, poll_s=config.poll_s,
+                                      stop=stop)
+            if run.problems:
+                progress(f"{name}: {'; '.join(run.problems[:3])}")
+            result.runs[(name, repeat)] = run
+            shifts.append(probe_step_overhead(url, model, priced, vocab, config.seed + 500 + len(shifts)))
+            now = calibration.shifted((shifts[-2] + shifts[-1]) / 2)  # probed before and after the run
+            priced_run = now.applied(simulation, profile)
+            predicted = result.simulated[(name, repeat)] = simulate_run(workload, run, priced_run, now)
+            table = score(workload, run, priced_run, now, predicted)
+            tables.append(table.assign(workload=name, run=repeat, run_step_overhead_s=now.step_overhead_s))
         result.table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()
         return result
     finally:
+        if pinned is not None:
+            os.sched_setaffinity(0, pinned)
         if server is not None:
             server.close()
+
+
+def _pin_client(server: VLLMServer) -> set[int] | None:
+    """Move this process (the client and the simulator) onto the cores vLLM's worker threads are not bound to (the
+    API process's), so that neither shares the worker's core; returns the affinity to restore (None: nothing done,
+    as when vLLM bound no thread or left no core)."""
+    before = os.sched_getaffinity(0)
+    rest = before - server.pinned
+    if not server.pinned or not rest:
+        return None
+    os.sched_setaffinity(0, rest)
+    return before
 
 
 def settings_of(config: VLLMTwinConfig) -> dict:

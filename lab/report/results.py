@@ -115,7 +115,8 @@ RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cp
                "vllm_family_float32_cpu.csv": "python -m lab bench vllm --model tiny --workload random",
                "vllm_family_bfloat16_cpu.csv": "python -m lab bench vllm --model tiny --workload random --dtype "
                                                "bfloat16",
-               "contention_cpu.csv": "python -m lab bench contention"}
+               "contention_cpu.csv": "python -m lab bench contention",
+               "vllm_contention_cpu.csv": "python -m lab bench vllm --model tiny --num-requests 32 --background-load"}
 
 
 @dataclass(slots=True)

@@ -420,6 +420,39 @@ static void norm_rope_head(scalar_t* dst, const scalar_t* src, float inverse, co
   }
 }
 
+// x rounded to bfloat16 and back, as c10::BFloat16's conversion rounds (to nearest even; NaN to a quiet NaN), but
+// branch-free integer arithmetic, so that a loop of them vectorizes (c10's scalar conversion does not). The same
+// optimize attributes as its caller's, or GCC would not inline it.
+__attribute__((always_inline, optimize("no-fast-math", "fp-contract=off")))
+static inline float round_bf16(float x) {
+  const uint32_t bits = __builtin_bit_cast(uint32_t, x);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  return __builtin_bit_cast(float, (bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : rounded);
+}
+
+__attribute__((always_inline, optimize("no-fast-math", "fp-contract=off")))
+static inline float widen_bf16(uint16_t h) { return __builtin_bit_cast(float, static_cast<uint32_t>(h) << 16); }
+
+// norm_rope_head for bfloat16, the same roundings in float registers (each product and sum rounded to bfloat16,
+// never fused): ``buf`` holds 2 * head_dim floats.
+__attribute__((optimize("no-fast-math", "fp-contract=off")))
+static void norm_rope_head_bf16(c10::BFloat16* dst, const c10::BFloat16* src, float inverse,
+                                const c10::BFloat16* weight, const c10::BFloat16* cos, const c10::BFloat16* sin,
+                                int64_t head_dim, float* buf) {
+  const uint16_t *s = reinterpret_cast<const uint16_t*>(src), *w = reinterpret_cast<const uint16_t*>(weight);
+  const uint16_t *c = reinterpret_cast<const uint16_t*>(cos), *n = reinterpret_cast<const uint16_t*>(sin);
+  float *normed = buf, *out = buf + head_dim;
+  for (int64_t d = 0; d < head_dim; ++d)
+    normed[d] = round_bf16(widen_bf16(w[d]) * round_bf16(widen_bf16(s[d]) * inverse));
+  const int64_t half = head_dim / 2;
+  for (int64_t d = 0; d < half; ++d)
+    out[d] = round_bf16(round_bf16(normed[d] * widen_bf16(c[d])) + round_bf16(-normed[d + half] * widen_bf16(n[d])));
+  for (int64_t d = half; d < head_dim; ++d)
+    out[d] = round_bf16(round_bf16(normed[d] * widen_bf16(c[d])) + round_bf16(normed[d - half] * widen_bf16(n[d])));
+  uint16_t* o = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<uint16_t>(__builtin_bit_cast(uint32_t, out[d]) >> 16);
+}
+
 // The FP8 code of x / scale (paged_kernels.fp8's contract): divided in float32 (not a reciprocal's multiply, hence
 // no fast-math here), clamped to the format's finite range (vLLM saturates; c10's conversion alone gives NaN or inf
 // past it), rounded to nearest even by c10's conversion, as torch's .to(float8) rounds.
@@ -466,16 +499,24 @@ static void qk_norm_rope_write_impl(torch::Tensor& q_out, torch::Tensor& k_out, 
 
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<scalar_t> normed(head_dim);
+    std::vector<float> buf(2 * head_dim);
+    auto head = [&](scalar_t* dst, const scalar_t* src, float inverse, const scalar_t* weight, const scalar_t* cos,
+                    const scalar_t* sin) {
+      if constexpr (std::is_same<scalar_t, c10::BFloat16>::value)
+        norm_rope_head_bf16(dst, src, inverse, weight, cos, sin, head_dim, buf.data());
+      else
+        norm_rope_head(dst, src, inverse, weight, cos, sin, head_dim, normed);
+    };
     for (int64_t t = begin; t < end; ++t) {
       const scalar_t* cos = table + pos[t] * table_row;
       const scalar_t* sin = cos + head_dim;
       for (int64_t h = 0; h < q_heads; ++h)
-        norm_rope_head(q_dst + (t * q_heads + h) * head_dim, q_base + t * q_row + h * q_head, qi[t * q_heads + h],
-                       qw, cos, sin, head_dim, normed);
+        head(q_dst + (t * q_heads + h) * head_dim, q_base + t * q_row + h * q_head, qi[t * q_heads + h], qw, cos,
+             sin);
       const int64_t slot = slots[t];
       for (int64_t h = 0; h < kv_heads; ++h) {
         scalar_t* key = k_dst + (t * kv_heads + h) * head_dim;
-        norm_rope_head(key, k_base + t * k_row + h * k_head, ki[t * kv_heads + h], kw, cos, sin, head_dim, normed);
+        head(key, k_base + t * k_row + h * k_head, ki[t * kv_heads + h], kw, cos, sin);
         if (slot < 0) continue;
         const int64_t at = (slot / block_size) * block_stride + h * cache_head + (slot % block_size) * head_dim;
         store_row(kc + at, key, head_dim, fp8_format, k_scale);

@@ -263,8 +263,9 @@ if not versus.empty:
             left, right = st.columns(2)
             for card, (column, label) in zip((left, right), (("mean_batch_size", "Mean running sequences"),
                                                              ("throughput_tok_s", "Throughput"))):
-                card.metric(f"{label} · {precision} against {versus.iloc[0]['Contiguous run']} (auto)",
-                            report.precision_card(gains, column), border=True,
+                value, comparison = report.precision_card(gains, column)
+                card.metric(f"{label} · {precision} against {versus.iloc[0]['Contiguous run']} (auto)", value,
+                            comparison, delta_color="off", delta_arrow="off", border=True,
                             help="each factor against the contiguous run with the model's dtype in the KV cache")
             csv_download(gains, "kv-precision", {**settings, "kv_cache_dtype": precision}, "dl_precision",
                          "Download the KV precision comparison (CSV)")

@@ -144,7 +144,9 @@ if "runtime_compare" in st.session_state:
 # ---- KV precision (issue 71): the page's request mix with an FP8 KV cache against the model's dtype ---------------
 st.subheader("KV precision")
 st.caption("The page's request mix and engine settings served greedily twice, on the same pool: with the model's "
-           "dtype in the KV cache (`auto`) and with an FP8 cache (one byte an element, vLLM's `kv_cache_dtype`).")
+           "dtype in the KV cache (`auto`) and with an FP8 cache (one byte an element, vLLM's `kv_cache_dtype`). "
+           "Tokens agree position by position while each run goes its own way: a sequence that parts at a near tie "
+           "differs from there on (random weights part early), so the first tokens are the fairer measure.")
 precision_cols = st.columns(2)
 kv_precision = precision_cols[0].selectbox("KV cache dtype", ["fp8_e4m3", "fp8_e5m2"], key="runtime_kv_precision")
 kv_scales = precision_cols[1].radio("Scales", ["1.0 (vLLM's default)", "calculated from the first prefill"],

@@ -22,7 +22,7 @@ def _fp8_dtype(kv_cache_dtype: str) -> torch.dtype:
 
 def quantize(x: torch.Tensor, cache_scale: float, kv_cache_dtype: str) -> torch.Tensor:
     """FP8 codes (``uint8``) of ``x / cache_scale``: divided in float32, clamped to the format's finite range (vLLM
-    saturates; torch's own conversion would give NaN past e4m3's 448, inf past e5m2's 57344), rounded to nearest
+    saturates; torch's own conversion gives inf past e5m2's 57344), rounded to nearest
     even (``paged_kernels.fp8.quantize``'s contract)."""
     limit = fp8.max_finite(kv_cache_dtype)
     y = x.to(torch.float32) / cache_scale

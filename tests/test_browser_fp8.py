@@ -42,7 +42,7 @@ def test_the_simulator_s_fp8_control_shows_paging_fp8_and_both(server, browser, 
     settle(page, True)
     assert page.get_by_text("paging ×").count() == 0
     runs = runs_started(page)
-    page.get_by_role("button", name="fp8_e4m3", exact=True).click()
+    page.get_by_role("radio", name="fp8_e4m3", exact=True).click()
     settle(page, True, after=runs)
     no_exception(page)
     cards = page.locator('[data-testid="stMetric"]').filter(has_text="fp8_e4m3")

@@ -86,3 +86,14 @@ def test_swap_and_the_offload_tier_carry_fp8_blocks_as_they_are(kv_cache_dtype):
     runner.swap([(3, 5)], to_host=True)
     runner.swap([(5, 9)], to_host=False)
     assert all(torch.equal(cache[9], old) for cache, old in zip(runner.key_caches + runner.value_caches, before))
+
+
+def test_the_float64_reference_decode_gives_the_fp8_engine_s_tokens():
+    """``attention_backend="reference"`` (the float64 NumPy walk over the dequantized FP8 cache) and the torch
+    backend (the C++ in-place decode) generate the same greedy tokens from an FP8 cache."""
+    prompts = make_prompts([30, 41, 17], seed=3)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    tokens = [[o.token_ids for o in LLMEngine("tiny", num_blocks=64, kv_cache_dtype="fp8",
+                                              attention_backend=backend).generate(prompts, params)]
+              for backend in ("reference", "torch")]
+    assert tokens[0] == tokens[1]

@@ -173,8 +173,9 @@ def test_saturating_scales_clamp_never_nan(kv_cache_dtype, monkeypatch):
     attention stays finite, on every path."""
     limit = fp8.max_finite(kv_cache_dtype)
     case = make_fp8_decode_case([9, 40], 16, 2, 2, 64, kv_cache_dtype, k_scale=1e-6, v_scale=1e-6, spread=100.0)
-    used = case.key_cache[case.block_tables[1, 0]].numpy()
-    assert set(np.abs(fp8.dequantize(used, 1.0, kv_cache_dtype)).ravel().tolist()) == {limit}
+    used = np.abs(fp8.dequantize(case.key_cache[case.block_tables[1, 0]].numpy(), 1.0, kv_cache_dtype))
+    # standard normals times 1e8: all but the few within about 1e-5 of zero are past the range
+    assert np.isfinite(used).all() and used.max() == limit and (used == limit).mean() > 0.98
     key = (torch.rand(4, 2, 64) + 1.0) * torch.where(torch.rand(4, 2, 64) < 0.5, -1.0, 1.0)
     caches = [torch.zeros(3, 2, 16, 64, dtype=torch.uint8) for _ in range(2)]
     paged_kernels.write_kv_cache(key, key, *caches, torch.arange(4), backend="torch", kv_cache_dtype=kv_cache_dtype,

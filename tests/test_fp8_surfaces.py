@@ -46,8 +46,10 @@ def test_precision_gains_name_paging_fp8_and_both():
     assert table.at["fp8", "capacity_tokens_x"] == pytest.approx(2.0, rel=1e-3)
     assert table.at["together", "mean_batch_size_x"] > table.at["paging", "mean_batch_size_x"] > 1.0
     assert table.at["together", "mean_batch_size_x"] > table.at["fp8", "mean_batch_size_x"] > 1.0
-    text = report.precision_card(table.reset_index(), "mean_batch_size")
-    assert text.startswith("paging ×") and ", FP8 ×" in text and ", together ×" in text
+    value, comparison = report.precision_card(table.reset_index(), "mean_batch_size")
+    assert value == f"together ×{table.at['together', 'mean_batch_size_x']:.2f}"
+    assert comparison == (f"paging ×{table.at['paging', 'mean_batch_size_x']:.2f}, "
+                          f"FP8 ×{table.at['fp8', 'mean_batch_size_x']:.2f}")
     with pytest.raises(InputError, match="FP8"):
         simulator.precision_gains(workload, paged, contiguous, "auto")
     with pytest.raises(InputError, match="a paged and a contiguous"):

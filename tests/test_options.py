@@ -91,7 +91,8 @@ GENERATE_ALTERNATIVES = {
     "--max-num-batched-tokens": ["--max-num-batched-tokens", "64"], "--scheduling": ["--scheduling", "vllm"],
     "--long-prefill-token-threshold": ["--long-prefill-token-threshold", "4"],
     "--scheduler-reserve-full-isl": ["--no-scheduler-reserve-full-isl"], "--preemption-mode": ["--preemption-mode", "swap"],
-    "--num-cpu-blocks": ["--num-cpu-blocks", "8"],
+    "--num-cpu-blocks": ["--num-cpu-blocks", "8"], "--kv-cache-dtype": ["--kv-cache-dtype", "fp8_e4m3"],
+    "--calculate-kv-scales": ["--calculate-kv-scales", "--kv-cache-dtype", "fp8"],
 }
 GENERATE_EXEMPT = {"--out": "where the metrics go", "--help": "help"}
 

@@ -292,4 +292,5 @@ def run_precision_bench(config: KernelBenchConfig, kv_cache_dtypes: tuple[str, .
     table = pd.DataFrame(rows)
     auto = table[table["kv_cache_dtype"] == "auto"].set_index(["batch", "context"])["median_ms"]
     table["vs_auto"] = [row.median_ms / auto.get((row.batch, row.context), float("nan")) for row in table.itertuples()]
-    return table
+    return table[["kv_cache_dtype", "batch", "context", "median_ms", "vs_auto", "rel_err_vs_fp64", "kernel_rel_err",
+                  "kv_bytes", "kv_gb_per_s", "dtype"]]

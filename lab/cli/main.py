@@ -239,6 +239,7 @@ def _generate(args) -> None:
                        "--seed the random prompts, which --prompt replaces)")
     engine = LLMEngine(args.model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device,
                        attention_backend=args.backend, enable_prefix_caching=not args.no_prefix_caching,
+                       kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
                        **scheduling_settings(args))
     if given:
         prompts = [_text_prompt(p, engine.tokenizer is not None) for p in args.prompt or []] + (args.prompt_ids or [])
@@ -462,6 +463,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-blocks", type=positive_int, default=None,
                    help="KV pool in blocks (default: sized from memory)")
     g.add_argument("--no-prefix-caching", action="store_true", help="no reuse of cached prompt blocks")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV cache element type, vLLM's names: auto (the model's dtype) or FP8, one byte an element "
+                        "(docs/fp8.md)")
+    g.add_argument("--calculate-kv-scales", action="store_true",
+                   help="FP8: each layer's k/v scales from the first prefill (vLLM's calculate_kv_scales; "
+                        "default: 1.0)")
     scheduler_options(g)
     g.add_argument("--out", type=output_csv, default=None, help="CSV of the run metrics")
     g.set_defaults(run=_generate)

@@ -111,6 +111,8 @@ RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cp
                "app_flow.csv": "python -m benchmarks.app_flow",
                "vllm_twin_cpu.csv": "python -m simulator twin --peer vllm --repeats 3",
                "kv_precision_cpu.csv": "python -m lab bench kv-precision",
+               "kv_precision_bf16_cpu.csv": "python -m lab bench kv-precision --model tiny --dtype bfloat16 "
+                                            "--out benchmarks/results/kv_precision_bf16_cpu.csv",
                "vllm_fp8_cpu.csv": "python -m lab bench vllm --kv-cache-dtype fp8_e4m3",
                "vllm_family_float32_cpu.csv": "python -m lab bench vllm --model tiny --workload random",
                "vllm_family_bfloat16_cpu.csv": "python -m lab bench vllm --model tiny --workload random --dtype "

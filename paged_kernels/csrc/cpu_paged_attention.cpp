@@ -454,8 +454,8 @@ static void norm_rope_head_bf16(c10::BFloat16* dst, const c10::BFloat16* src, fl
 }
 
 // The FP8 code of x / scale (paged_kernels.fp8's contract): divided in float32 (not a reciprocal's multiply, hence
-// no fast-math here), clamped to the format's finite range (vLLM saturates; c10's conversion alone gives NaN or inf
-// past it), rounded to nearest even by c10's conversion, as torch's .to(float8) rounds.
+// no fast-math here), clamped to the format's finite range (vLLM saturates; c10's conversion alone gives inf past
+// e5m2's), rounded to nearest even by c10's conversion, as torch's .to(float8) rounds.
 template <typename fp8_t>
 __attribute__((optimize("no-fast-math")))
 static uint8_t encode_fp8(float x, float scale) {

@@ -156,9 +156,9 @@ def run_settings(workload: Workload, configs: SimConfig | list[SimConfig]) -> di
     return settings_of(settings)
 
 
-def precision_card(table: pd.DataFrame, column: str) -> str:
-    """A headline card's text of ``precision_gains``' ``column`` (``mean_batch_size`` or ``throughput_tok_s``):
-    ``"paging ×1.80, FP8 ×1.95, together ×3.40"``, each against contiguous with the model's dtype in the KV cache."""
+def precision_card(table: pd.DataFrame, column: str) -> tuple[str, str]:
+    """A headline card's value and comparison of ``precision_gains``' ``column`` (``mean_batch_size`` or
+    ``throughput_tok_s``), each factor against contiguous with the model's dtype in the KV cache: ``("together ×3.40",
+    "paging ×1.80, FP8 ×1.95")``; read together, "paging ×A, FP8 ×B, together ×C"."""
     factors = table.set_index("step")[f"{column}_x"]
-    return ", ".join(f"{name} ×{factors[step]:.2f}" for step, name in (("paging", "paging"), ("fp8", "FP8"),
-                                                                      ("together", "together")))
+    return f"together ×{factors['together']:.2f}", f"paging ×{factors['paging']:.2f}, FP8 ×{factors['fp8']:.2f}"

@@ -96,17 +96,27 @@ def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool
     if workers > 1 and reuse:  # the slowest first (by their last run on any workload): the workers finish together
         seconds = {config: run.summary["wall_time_s"] for (_, config), run in list(reuse.items())}
         missing.sort(key=lambda index: -seconds.get(keys[index][1], 0.0))
-    fresh = dict(zip(missing, _run_all(workload, [configs[index] for index in missing], workers, progress)))
+
+    def keep(position: int, run: SimResult) -> None:  # each run as it finishes: a page's Stop keeps those that did
+        if reuse is not None and not run.summary["stopped_early"]:
+            reuse[keys[missing[position]]] = run
+
+    fresh = dict(zip(missing, _run_all(workload, [configs[index] for index in missing], workers, progress, keep)))
     results = {}
     for index, label in enumerate(labels):
         run = kept[index] if index in kept else fresh[index]
         if run is None:
             continue
         results[label] = run
-        if reuse is not None and index in fresh and not run.summary["stopped_early"]:
-            reuse[keys[index]] = run
     table = pd.DataFrame([{"label": label, **r.summary} for label, r in results.items()])
     return table, results
+
+
+def finished_configs(workload: Workload, configs: list[SimConfig], reuse: MutableMapping) -> list[SimConfig]:
+    """The ``configs`` whose runs on ``workload`` are in ``reuse`` (``compare``'s): what a stopped comparison
+    finished, which ``compare`` then shows at once without running anything."""
+    fingerprint = workload.fingerprint()
+    return [config for config in configs if (fingerprint, config_key(config)) in reuse]
 
 
 def config_key(config: SimConfig) -> str:
@@ -138,12 +148,14 @@ class RunCache(OrderedDict):
 
 
 def _run_all(workload: Workload, configs: list[SimConfig], workers: int,
-             progress: Callable[[float], bool | None] | None) -> list[SimResult | None]:
-    """Each config's run (None for those a stop left unrun), in processes or one after another."""
+             progress: Callable[[float], bool | None] | None,
+             on_result: Callable[[int, SimResult], None]) -> list[SimResult | None]:
+    """Each config's run (None for those a stop left unrun), in processes or one after another; ``on_result``
+    hears of each as it finishes."""
     if workers > 1 and len(configs) > 1:
         from .parallel import run_in_processes
 
-        return run_in_processes(workload, configs, workers, progress)
+        return run_in_processes(workload, configs, workers, progress, on_result)
     runs: list[SimResult | None] = [None] * len(configs)
     for index, config in enumerate(configs):
         def on_snapshot(snapshot, index=index):
@@ -151,6 +163,7 @@ def _run_all(workload: Workload, configs: list[SimConfig], workers: int,
 
         runs[index] = run_simulation(workload, config, on_snapshot=on_snapshot, snapshot_every=100,
                                      snapshot_pool=False)
+        on_result(index, runs[index])
         if runs[index].summary["stopped_early"]:
             break
     return runs

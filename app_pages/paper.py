@@ -4,18 +4,19 @@ from lab.report.results import settings_of
 from simulator.views import charts
 from simulator.experiments.paper import FIGURES, SAVED_RUN, TINY, compute_figures, load_figures, run_settings
 from lab.errors import user_errors
-from app_pages._ui import chart, csv_download, results_store, show_error, summary_table
+from app_pages._ui import chart, csv_download, results_store, setting, show_error, summary_table
 
 st.title("The vLLM paper, reproduced")
 st.caption("Kwon et al., SOSP 2023: the simulator's numbers beside the paper's, figure by figure, with a verdict "
            "(reproduced within 25 %, partly when the order or trend holds, not otherwise).")
 
 with st.sidebar:
-    figures = st.multiselect("Figures", FIGURES, default=["2", "13", "19"])
-    num_requests = st.number_input("Requests per workload", 50, 20_000, 1000, step=250)
-    with_tiny = st.toggle("Also run the real tiny engine (Figures 18, 19)", key="paper_tiny",
-                          help="Profiles the tiny Qwen3 on this machine at block sizes 1-64 and runs it beside the "
-                               "simulator: a few minutes on a CPU")
+    figures = setting(st.multiselect, "Figures", key="paper_figures", value=["2", "13", "19"], options=list(FIGURES))
+    num_requests = setting(st.number_input, "Requests per workload", key="paper_requests", value=1000, min_value=50,
+                           max_value=20_000, step=250)
+    with_tiny = setting(st.toggle, "Also run the real tiny engine (Figures 18, 19)", key="paper_tiny", value=False,
+                        help="Profiles the tiny Qwen3 on this machine at block sizes 1-64 and runs it beside the "
+                             "simulator: a few minutes on a CPU")
 
 LAB_COLUMN = {"lab": st.column_config.NumberColumn(format="%.3g", help="the lab's value (the CSV keeps every digit)")}
 

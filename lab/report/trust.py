@@ -41,3 +41,22 @@ def holdout_problem(error: float, what: str = "the profile", limit: float = HOLD
         return [f"{what} is {error:.0%} off (median) on held-out data it was not fitted to, past {limit:.0%}: its "
                 "predictions are rough; calibrate on a larger grid or on a quieter machine"]
     return []
+
+
+def table_problems(table: pd.DataFrame) -> list[str]:
+    """What makes a results table's numbers untrustworthy, from the columns it has: kernel timings whose slowest
+    call is far from their median (``spread_problems``) or that record a median alone (no spread to judge it by),
+    and a profile's held-out error (a ``metric`` row ``holdout_median_rel_error``, ``holdout_problem``)."""
+    problems = []
+    if "median_ms" in table:
+        names = [column for column in ("kernel", "backend", "batch", "context") if column in table]
+        if "max_ms" in table:
+            problems += spread_problems(table, "median_ms", "max_ms", names)
+        else:
+            problems.append("timings recorded as medians alone (no fastest or slowest call): their spread is unknown, "
+                            "so a disturbed measurement cannot be told apart; rerun the command to record it")
+    if {"metric", "rel_error"} <= set(table.columns):
+        holdout = table[table["metric"] == "holdout_median_rel_error"]["rel_error"].dropna()
+        if len(holdout):
+            problems += holdout_problem(float(holdout.max()), "the profile")
+    return problems

@@ -150,6 +150,17 @@ def setting(widget, label: str, *, key: str, value, **kwargs):
     return result
 
 
+def leave_settings_of_other_pages(page: str) -> None:
+    """On a change of page (``page``: its URL path), take the settings of the page left out of the URL: each page's
+    link carries its own (its widgets write them as they draw), and the session keeps them all."""
+    last = st.session_state.get("_page")
+    st.session_state["_page"] = page
+    if last is not None and last != page:
+        for key in st.session_state.get(KEPT, {}):
+            if key in st.query_params:
+                del st.query_params[key]
+
+
 def _allowed(value, options) -> bool:
     choices = list(options)
     return all(item in choices for item in value) if isinstance(value, list) else value in choices

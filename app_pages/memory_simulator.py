@@ -57,11 +57,22 @@ def comparison_chart(name: str):
 
 
 def block_size_sweep(workload, configs):
-    """The block-size sweep under the page's settings, or None (with a warning) when it cannot run."""
+    """The block-size sweep under the page's settings, or None (with a warning) when it cannot run. Its rows are
+    kept as they come (``sim_block_rows``): a Stop shows those."""
     base = next((c for c in configs if c.allocator == "paged"), configs[0])
+    rows = st.session_state["sim_block_rows"] = []
     try:
         workloads = simulator.block_size_sweep_workloads(workload, base.max_model_len, BLOCK_SWEEP_REQUESTS)
-        return simulator.block_size_sweep(workloads, base)
+        progress = RunProgress(f"simulating {len(simulator.BLOCK_SIZES)} block sizes on two workloads",
+                               "stop_block_sweep", help="Stops the sweep; the block sizes done are shown")
+
+        def keep(row, fraction):
+            rows.append(row)
+            progress(fraction, f"{len(rows)} of {2 * len(simulator.BLOCK_SIZES)} runs")
+
+        table = simulator.block_size_sweep(workloads, base, on_row=keep)
+        progress.close()
+        return table
     except user_errors() as exc:  # the comparison above stands on its own
         st.warning(f"The block-size sweep could not run: {exc}")
         return None
@@ -309,10 +320,13 @@ with st.expander("Which block size? The paged allocator at every block size from
     st.caption("The paged allocator at every block size on this workload and the other synthetic preset (first "
                f"{BLOCK_SWEEP_REQUESTS} requests each, the sidebar's model, GPU and scheduler). Throughput falls at "
                "small blocks (the kernel's per-block cost) and at large ones (fewer sequences fit).")
+    if stopped("stop_block_sweep") and st.session_state.get("sim_block_rows"):
+        st.session_state["sim_block_sweep"] = pd.DataFrame(st.session_state.pop("sim_block_rows"))
+        st.info(f"Stopped: {len(st.session_state['sim_block_sweep'])} of {2 * len(simulator.BLOCK_SIZES)} runs "
+                "finished and are shown.")
     if st.button("Run the block-size sweep", key="run_block_sweep", disabled=figure2):
-        with st.spinner(f"simulating {len(simulator.BLOCK_SIZES)} block sizes on two workloads…"):
-            st.session_state["sim_block_sweep"] = block_size_sweep(st.session_state["sim_workload_obj"],
-                                                                   st.session_state["sim_configs"])
+        st.session_state["sim_block_sweep"] = block_size_sweep(st.session_state["sim_workload_obj"],
+                                                               st.session_state["sim_configs"])
     sweep = st.session_state.get("sim_block_sweep")
     if sweep is not None:
         chart(charts.block_size_lines(sweep), "block_size_sweep")
@@ -324,14 +338,26 @@ with st.expander("What a CPU tier buys: the prefix cache with a host offload tie
                "reuses are kept in host memory and loaded back when a later prompt shares them. Traffic whose "
                "prompts share prefixes (multi-turn traces such as Mooncake's, a shared system prompt) gains; "
                "traffic that shares nothing gains nothing.")
+    if stopped("stop_offload_sweep") and st.session_state.get("sim_offload_rows"):
+        st.session_state["sim_offload"] = pd.DataFrame(st.session_state.pop("sim_offload_rows"))
+        st.info(f"Stopped: {len(st.session_state['sim_offload'])} of {len(simulator.OFFLOAD_TIERS_GIB)} tier sizes "
+                "finished and are shown.")
     if st.button("Run the tier sweep", key="run_offload_sweep"):
         try:
-            with st.spinner("simulating five tier sizes…"):
-                paged = next((c for c in st.session_state["sim_configs"] if c.allocator == "paged"), None)
-                if paged is None:
-                    raise InputError("choose the paged allocator to sweep its offload tier")
-                st.session_state["sim_offload"] = simulator.offload_sweep(st.session_state["sim_workload_obj"],
-                                                                          paged)
+            paged = next((c for c in st.session_state["sim_configs"] if c.allocator == "paged"), None)
+            if paged is None:
+                raise InputError("choose the paged allocator to sweep its offload tier")
+            tier_rows = st.session_state["sim_offload_rows"] = []
+            tiers = RunProgress(f"simulating {len(simulator.OFFLOAD_TIERS_GIB)} tier sizes", "stop_offload_sweep",
+                                help="Stops the sweep; the tier sizes done are shown")
+
+            def keep_tier(row, fraction):
+                tier_rows.append(row)
+                tiers(fraction, f"{len(tier_rows)} of {len(simulator.OFFLOAD_TIERS_GIB)} tier sizes")
+
+            st.session_state["sim_offload"] = simulator.offload_sweep(st.session_state["sim_workload_obj"], paged,
+                                                                      on_row=keep_tier)
+            tiers.close()
         except user_errors() as exc:
             show_error(exc)
     offload = st.session_state.get("sim_offload")

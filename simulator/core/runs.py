@@ -202,10 +202,12 @@ def block_size_sweep_workloads(workload: Workload, max_model_len: int, num_reque
 
 @entry_point
 def block_size_sweep(workloads: dict[str, Workload], config: SimConfig,
-                     block_sizes: tuple[int, ...] = BLOCK_SIZES) -> pd.DataFrame:
+                     block_sizes: tuple[int, ...] = BLOCK_SIZES,
+                     on_row: Callable[[dict, float], object] | None = None) -> pd.DataFrame:
     """The paged allocator at each block size on each workload (``config`` otherwise): internal fragmentation,
     throughput and mean running sequences, one row per (workload, block size). Small blocks waste less of their
-    last block but slow the attention kernel (``CostModel.block_slowdown``); large ones the reverse."""
+    last block but slow the attention kernel (``CostModel.block_slowdown``); large ones the reverse.
+    ``on_row(row, fraction done)`` hears of each row as it is made (a page's progress, and what a Stop keeps)."""
     rows = []
     if not workloads or not block_sizes:
         raise InputError("block_size_sweep needs at least one workload and one block size")
@@ -220,6 +222,8 @@ def block_size_sweep(workloads: dict[str, Workload], config: SimConfig,
                          "internal_fragmentation_pct": 100 * summary["internal_fragmentation_frac"],
                          "throughput_tok_s": summary["throughput_tok_s"],
                          "mean_batch_size": summary["mean_batch_size"]})
+            if on_row is not None:
+                on_row(rows[-1], len(rows) / (len(workloads) * len(block_sizes)))
     return pd.DataFrame(rows)
 
 
@@ -228,10 +232,11 @@ OFFLOAD_TIERS_GIB = (0.0, 8.0, 32.0, 128.0, math.inf)
 
 @entry_point
 def offload_sweep(workload: Workload, config: SimConfig,
-                  tiers_gib: tuple[float, ...] = OFFLOAD_TIERS_GIB) -> pd.DataFrame:
+                  tiers_gib: tuple[float, ...] = OFFLOAD_TIERS_GIB,
+                  on_row: Callable[[dict, float], object] | None = None) -> pd.DataFrame:
     """What a CPU tier buys: the paged allocator (``config`` otherwise, prefix caching on) with a host offload tier
     of each size: prefix-cache hit rate (GPU + tier, %), the share the tier served (%), TTFT p50/p90 and
-    throughput, one row per tier size."""
+    throughput, one row per tier size. ``on_row(row, fraction done)`` hears of each row as it is made."""
     if not config.enable_prefix_caching:
         raise InputError("offload_sweep: the offload tier keeps the prefix cache's blocks, and this configuration "
                          "has prefix caching off")
@@ -247,4 +252,6 @@ def offload_sweep(workload: Workload, config: SimConfig,
                      "offload_hit_pct": 100 * summary.get("offload_hit_rate", 0.0),
                      "ttft_p50_s": summary["ttft_p50_s"], "ttft_p90_s": summary["ttft_p90_s"],
                      "throughput_tok_s": summary["throughput_tok_s"], "preemptions": summary["preemptions"]})
+        if on_row is not None:
+            on_row(rows[-1], len(rows) / len(tiers_gib))
     return pd.DataFrame(rows)

@@ -130,7 +130,8 @@ def test_the_overload_table_says_who_keeps_up():
     assert table.loc["paged-B16", "served_req_s"] > table.loc["contiguous-max", "served_req_s"]
     all_at_once = simulator.make_workload("sharegpt", num_requests=50)
     summary, runs = simulator.compare(all_at_once, simulator.make_configs(["paged"], [16]))
-    assert report.overload(report.request_table(runs), summary).empty  # a batch has no rate to outrun
+    batch = report.overload(report.request_table(runs), summary)
+    assert batch.empty and report.overload_sentence(batch) is None  # a batch has no rate to outrun
 
 
 def test_every_headline_card_is_in_its_export_by_the_same_name(downloads):

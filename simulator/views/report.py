@@ -242,7 +242,9 @@ def overload_sentence(table: pd.DataFrame) -> str | None:
     """``overload``'s verdict in words with its numbers: the offered rate, the run that keeps up best among the
     overloaded (its served rate, its drain, its queue wait early and late) and the range of the others; None when no
     run is overloaded."""
-    over = table[table["overloaded"]].sort_values("served_req_s", ascending=False)
+    if table.empty:
+        return None
+    over = table[table["overloaded"].astype(bool)].sort_values("served_req_s", ascending=False)
     if over.empty:
         return None
     best = over.iloc[0]

@@ -63,7 +63,8 @@ elif run or "kernel_table" not in st.session_state:
         st.session_state["kernel_correctness"] = correctness
         progress = RunProgress(f"timing {len(config.shape_list())} shapes", "stop_kernels",
                                help="Stops the sweep; the shapes timed so far are kept")
-        show = throttled(lambda done, total: progress(done / total, f"{done} of {total} shapes"), 1.0)  # redraws cost time
+        # redraws cost time
+        show = throttled(lambda done, total: progress(done / total, f"{done} of {total} shapes"), 1.0)
         st.session_state["kernel_partial"] = None
         table = run_kernel_bench(config, progress=show,
                                  on_rows=lambda rows: st.session_state.__setitem__("kernel_partial", rows))

@@ -125,8 +125,8 @@ with st.sidebar:
                   disabled=figure2)
     capacity = setting(side.number_input, "KV capacity override (tokens; 0 = from model and GPU)", key="sim_capacity",
                        value=0, min_value=0, max_value=10**8, step=1000, disabled=figure2,
-                       help="0: GPU memory × utilization − weights − 1 GiB of activations, divided by the KV bytes "
-                            "of one token")
+                       help="0: GPU memory × utilization − weights − 1 GiB of activations, divided by the KV "
+                            "bytes of one token")
     utilization = setting(side.slider, "GPU memory utilization", key="sim_utilization", value=0.9, min_value=0.3,
                           max_value=1.0, disabled=figure2)
     with st.expander("Override model / GPU figures"):
@@ -252,7 +252,8 @@ if st.session_state.get("sim_key") != key:
                                 sim_request_table=report.request_table(runs),
                                 sim_workload=workload.summary(), sim_checks=checks, sim_block_sweep=None,
                                 sim_figures=figures,
-                                sim_settings=report.run_settings(workload, [r.config for r in runs.values()] or configs),
+                                sim_settings=report.run_settings(workload,
+                                                                 [r.config for r in runs.values()] or configs),
                                 sim_configs=configs, sim_workload_obj=workload, sim_offload=None)
         if not partial:
             st.session_state.pop("sim_partial", None)
@@ -401,7 +402,8 @@ if not overloaded.empty:
 csv_download(requests, "requests", settings, "dl_requests",
              "Download per-request CSV (arrival, queue, TTFT, TPOT, E2E, tokens, preemptions)")
 st.subheader("Summary")
-shown = ["label", "allocated_holding_frac", "token_states_frac", "reserved_frac", "internal_fragmentation_frac", "external_fragmentation_frac",
+shown = ["label", "allocated_holding_frac", "token_states_frac", "reserved_frac", "internal_fragmentation_frac",
+         "external_fragmentation_frac",
          "free_frac", "sharing_saving_frac", "mean_batch_size", "peak_batch_size", "throughput_tok_s", "ttft_p50_s",
          "tpot_p50_s", "preemptions", "num_requests_completed", "num_requests_rejected", "capacity_tokens",
          "host_capacity_tokens", "paper_token_states_frac"]

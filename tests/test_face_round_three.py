@@ -2,7 +2,6 @@
 simulator's per-request export, latency CDFs, goodput and overload verdict, headline cards found by name in their
 export, one rejection warning per cause, a Stop that keeps finished runs, Sweeps that sweep each allocator over the
 settings it reads, and warnings where a spread or a held-out error makes a number untrustworthy."""
-import io
 import json
 import math
 
@@ -12,12 +11,13 @@ import pytest
 import simulator
 from lab.report import trust, url_settings
 from simulator.views import report
-from tests.test_app import clean, download_table, downloads, file_id_of, open_page  # noqa: F401 (a fixture)
+from tests.test_app import clean, download_table, downloads, open_page  # noqa: F401 (a fixture)
 
 
 # ---- the URL codec -------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("value, options", [(5.0, None), (1000, None), (True, None), ("sharegpt", ["sharegpt", "alpaca"]),
-                                            ([16, 128], [1, 16, 128]), (["paged"], ["paged", "contiguous-max"])])
+@pytest.mark.parametrize("value, options", [(5.0, None), (1000, None), (True, None),
+                                            ("sharegpt", ["sharegpt", "alpaca"]), ([16, 128], [1, 16, 128]),
+                                            (["paged"], ["paged", "contiguous-max"])])
 def test_a_setting_reads_back_as_it_was_written(value, options):
     assert url_settings.decode(url_settings.encode(value), value, options) == value
 
@@ -178,7 +178,7 @@ def test_a_stopped_comparison_keeps_the_runs_that_finished():
         calls.append(fraction)
         return fraction < 1 / 3
 
-    summary, runs = simulator.compare(workload, configs, progress=stop_after_the_first, reuse=kept)
+    simulator.compare(workload, configs, progress=stop_after_the_first, reuse=kept)
     finished = simulator.finished_configs(workload, configs, kept)
     assert finished == configs[:1] and len(kept) == 1
     again, _ = simulator.compare(workload, finished, reuse=kept)
@@ -230,7 +230,7 @@ def test_a_wide_spread_or_a_large_held_out_error_is_named():
 
 
 def test_the_kernel_lab_warns_about_a_wide_spread_and_marks_stale_timings(monkeypatch):
-    import lab.bench.kernels as kernels
+    from lab.bench import kernels
 
     real = kernels.run_kernel_bench
 

@@ -108,6 +108,8 @@ def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool
         if run is None:
             continue
         results[label] = run
+        if reuse is not None and index in fresh and keys[index] not in reuse and not run.summary["stopped_early"]:
+            reuse[keys[index]] = run  # a run the callback did not hear of
     table = pd.DataFrame([{"label": label, **r.summary} for label, r in results.items()])
     return table, results
 

@@ -184,7 +184,8 @@ def request_table(runs: dict) -> pd.DataFrame:
             "run": label, "request": requests.index.to_numpy(), "arrival_s": requests["arrival_s"].to_numpy(),
             "queue_s": (requests["first_token_step_s"] - requests["arrival_s"]).to_numpy(),
             **{name: latencies[name].to_numpy() for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s")},
-            "prompt_tokens": requests["prompt_tokens"].to_numpy(), "output_tokens": requests["output_tokens"].to_numpy(),
+            "prompt_tokens": requests["prompt_tokens"].to_numpy(),
+            "output_tokens": requests["output_tokens"].to_numpy(),
             "preemptions": requests["preemptions"].to_numpy(), "rejected": requests["rejected"].to_numpy()}))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(REQUEST_COLUMNS))
 
@@ -304,8 +305,9 @@ def memory_bound_sentence(table: pd.DataFrame) -> str | None:
     text = (f"**Memory-bound in {int(bound.sum())} of {len(done)} runs** (the KV pool filled, or requests were "
             "preempted): there the allocator decides how many sequences run at once.")
     if len(paged) and len(contiguous):
+        ratio = paged.median() / contiguous.median()
         text += (f" In those runs paged serves a median {paged.median():,.0f} output tokens/s against "
-                 f"{contiguous.median():,.0f} for the contiguous allocators ({paged.median() / contiguous.median():.2f}×).")
+                 f"{contiguous.median():,.0f} for the contiguous allocators ({ratio:.2f}×).")
     if not bound.all():
         text += f" The other {int((~bound).sum())} runs never filled the pool: paging has nothing to save in them."
     return text

@@ -168,8 +168,12 @@ else:
     if len(varied) >= 1 and metrics:
         value = st.selectbox("Value", metrics, format_func=report.label)
         left, right = st.columns(2)
-        x = left.selectbox("x", varied, index=0, format_func=report.label)
-        y = right.selectbox("y", varied, index=min(1, len(varied) - 1), format_func=report.label)
+        # rate across, allocator down where both vary: every allocator has a rate (a contiguous one no block size)
+        first = varied.index("rate") if "rate" in varied else 0
+        second = varied.index("allocator") if "allocator" in varied and first != varied.index("allocator") else \
+            min(1 if first == 0 else 0, len(varied) - 1)
+        x = left.selectbox("x", varied, index=first, format_func=report.label)
+        y = right.selectbox("y", varied, index=second, format_func=report.label)
         if x != y:
             chart(charts.sweep_heatmap(table, x, y, value), "sweep_heatmap")
         chart(charts.sweep_lines(table, x, value, y if x != y else None), "sweep_lines")

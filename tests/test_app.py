@@ -571,6 +571,9 @@ def test_paper_page_runs_figures_and_exports(downloads):
                                      "quantity", "paper", "lab", "verdict"]
     assert summary[["figures", "num_requests"]].iloc[0].tolist() == ["2 19", 100]
     assert set(summary["figure"].astype(str)) == {"2", "19"} and app.get("plotly_chart")
+    assert not any("settings changed" in w.value for w in app.warning)
+    app.sidebar.multiselect(key="paper_figures").set_value(["2"]).run()  # the figures shown are of other settings
+    assert any("settings changed — press Run" in w.value for w in app.warning)
 
 
 def test_the_overview_links_every_page_of_the_navigation():

@@ -323,7 +323,7 @@ def test_settings_persist_across_pages_and_travel_in_the_url(server, browser, sh
     context.close()
 
 
-def test_every_headline_card_is_in_the_export_beside_it(server, browser):
+def test_every_headline_card_is_in_the_export_beside_it(server, browser, shots):
     """Each card's figure is a row of the CSV downloaded under the cards, by the same name, with the same value."""
     import pandas as pd
 
@@ -341,6 +341,11 @@ def test_every_headline_card_is_in_the_export_beside_it(server, browser):
         assert figures.loc[figure, "Paged run"] == run, label
         assert float(value.split()[0].replace(",", "")) == pytest.approx(figures.loc[figure, "Paged"], rel=0.01), \
             (label, value)
+    # further down: goodput against the sidebar's SLOs and the latency CDFs
+    page.get_by_role("heading", name="Requests: latency, SLOs and goodput").scroll_into_view_if_needed()
+    page.wait_for_timeout(1_000)
+    assert page.locator(".js-plotly-plot").filter(has_text="share of finished requests").count() == 2
+    page.screenshot(path=str(shots / "memory_simulator_requests.png"))
     page.close()
 
 

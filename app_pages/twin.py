@@ -8,6 +8,7 @@ from lab.report.results import human_label, settings_of
 from lab.profiling.profile import GRIDS, Profile, profile_engine
 from simulator.views import charts
 from simulator.twins.twin import TwinConfig, run_twin, twin_workload
+from simulator.twins.twin import compare as compare_twin
 from lab.errors import InputError, user_errors
 from lab.report.trust import holdout_problem
 from app_pages._ui import (chart, csv_download, data_table, extrapolation_note, kept_upload, results_store,
@@ -117,24 +118,51 @@ twin_key = repr((model, block_size, source, num_requests, locals().get("rate"), 
                  locals().get("output_len"), trace.file_id if source == "upload a trace" and trace else None,
                  locals().get("time_scale"), num_blocks, max_num_seqs, scheduling, budget, preemption, repeats,
                  id(profile)))
+def twin_config() -> TwinConfig:
+    return TwinConfig(model, EngineConfig(block_size=block_size, num_blocks=int(num_blocks),
+                                          max_num_seqs=int(max_num_seqs), max_num_batched_tokens=int(budget),
+                                          scheduling=scheduling, preemption_mode=preemption))
+
+
+def twin_settings(config: TwinConfig, runs: int) -> dict:
+    return settings_of(config, workload.summary(), repeats=runs, profile_model=profile.model,
+                       profile_device=profile.device, profile_dtype=profile.dtype, profile_backend=profile.backend,
+                       profile_block_size=profile.block_size)
+
+
+if stopped("stop_twin") and st.session_state.get("twin_real_runs") and workload is not None:
+    # the real runs that ended before the Stop, compared with the simulator as they are
+    done_runs = st.session_state.pop("twin_real_runs")
+    try:
+        st.session_state["twin_result"] = compare_twin(workload, done_runs, profile)
+        st.session_state["twin_made_with"] = twin_key
+        st.session_state["twin_settings"] = twin_settings(twin_config(), len(done_runs))
+        st.info(f"Stopped: {len(done_runs)} of {repeats} real runs ended and are compared"
+                + (" (one run: no noise floor)." if len(done_runs) == 1 else "."))
+    except user_errors() as exc:
+        show_error(exc)
 if st.button("Run the twin", key="run_twin", type="primary"):
     if workload is None:
         if source == "upload a trace" and trace is None:
             show_error(workload_error)
         st.stop()
     try:
-        config = TwinConfig(model, EngineConfig(block_size=block_size, num_blocks=int(num_blocks),
-                                                max_num_seqs=int(max_num_seqs), max_num_batched_tokens=int(budget),
-                                                scheduling=scheduling, preemption_mode=preemption))
-        # a static note, not st.spinner: a browser animating a spinner on the same machine slows the steps measured
-        note = st.empty()
-        note.info("Running the engine and the simulator…")
-        st.session_state["twin_result"] = run_twin(workload, config, profile, repeats)
+        config = twin_config()
+        # a bar moved once a real run, not st.spinner: a browser animating a spinner on the same machine slows the
+        # steps measured
+        progress = RunProgress(f"running the engine {repeats} time(s), then the simulator", "stop_twin",
+                               help="Stops after the real run going on; the runs done are compared")
+        real_runs = st.session_state["twin_real_runs"] = []
+
+        def kept(run, done, total):
+            real_runs.append(run)
+            progress(done / (total + 0.2), f"real run {done} of {total} done")  # the simulator's share is small
+
+        st.session_state["twin_result"] = run_twin(workload, config, profile, repeats, on_run=kept)
+        progress.close()
+        st.session_state.pop("twin_real_runs", None)
         st.session_state["twin_made_with"] = twin_key
-        note.empty()
-        st.session_state["twin_settings"] = settings_of(
-            config, workload.summary(), repeats=repeats, profile_model=profile.model, profile_device=profile.device,
-            profile_dtype=profile.dtype, profile_backend=profile.backend, profile_block_size=profile.block_size)
+        st.session_state["twin_settings"] = twin_settings(config, repeats)
         results_store().add("twin", f"twin: {workload.name}, {len(workload)} requests",
                             st.session_state["twin_result"].table, st.session_state["twin_settings"])
     except user_errors() as exc:

@@ -541,6 +541,9 @@ def test_twin_page_calibrates_runs_and_rejects_bad_profiles(downloads):
     assert app.session_state["twin_result"].real_steps["num_running"].max() == 5
     steps = download_table(app, downloads, "dl_twin_steps")
     assert (steps["real_duration_s"] > 0).all() and (steps["simulated_duration_s"] > 0).all()
+    assert not any("settings changed" in w.value for w in app.warning)
+    app.number_input(key="twin_max_num_seqs").set_value(6).run()  # the comparison shown is of max_num_seqs 5
+    assert any("settings changed — press Run" in w.value for w in app.warning)
     app.selectbox(key="twin_workload").set_value("upload a trace").run()
     app.button(key="run_twin").click().run()
     assert not app.exception and any("upload a trace file first" in e.value for e in app.error)

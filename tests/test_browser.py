@@ -119,7 +119,7 @@ def test_the_wait_waits_for_a_slow_run(server, browser):
     page.goto(f"{server}/memory_simulator", timeout=60_000)
     settle(page, True)
     requests = page.locator('[data-testid="stSidebar"] [data-testid="stNumberInput"]').filter(
-        has_text="Requests").locator("input")
+        has_text="Requests (trace").locator("input")  # not "Arrival rate (requests/s …)", a number input too
     runs, started = runs_started(page), time.monotonic()
     requests.fill("6000")
     requests.press("Enter")

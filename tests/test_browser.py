@@ -323,6 +323,32 @@ def test_settings_persist_across_pages_and_travel_in_the_url(server, browser, sh
     context.close()
 
 
+def test_an_uploaded_trace_stays_for_the_session_and_says_it_is_not_in_the_link(server, browser, tmp_path):
+    trace = tmp_path / "mine.csv"
+    trace.write_text("arrival_time_s,prompt_tokens,output_tokens\n0,100,20\n1,200,30\n2,150,25\n")
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    page.goto(f"{server}/memory_simulator", timeout=60_000)
+    settle(page, True)
+    runs = runs_started(page)
+    page.locator('[data-testid="stSidebar"] label').filter(has_text="upload a trace").click()
+    settle(page, False, after=runs)
+    runs = runs_started(page)
+    page.locator('[data-testid="stSidebar"] input[type="file"]').set_input_files(str(trace))
+    settle(page, True, after=runs)
+    assert "3 requests" in page.get_by_text("Workload:").first.inner_text()
+    page.get_by_role("link", name="Benchmarks").click()
+    page.get_by_role("heading", name="Benchmarks").wait_for(timeout=60_000)
+    settle(page, False)
+    page.get_by_role("link", name="Memory simulator").click()
+    page.get_by_role("heading", name="Memory simulator").wait_for(timeout=60_000)
+    settle(page, True)
+    no_exception(page)
+    assert "3 requests" in page.get_by_text("Workload:").first.inner_text()  # the same trace, not re-uploaded
+    note = page.locator('[data-testid="stSidebar"]').get_by_text("uploaded earlier in this session").inner_text()
+    assert "mine.csv" in note and "not the file" in note
+    page.close()
+
+
 def test_every_headline_card_is_in_the_export_beside_it(server, browser, shots):
     """Each card's figure is a row of the CSV downloaded under the cards, by the same name, with the same value."""
     import pandas as pd

@@ -7,7 +7,6 @@ import streamlit as st
 
 import simulator
 from simulator.views import charts, report
-from simulator.core.metrics import rejection_warning
 from lab.errors import InputError, user_errors
 from app_pages._ui import (RunProgress, chart, csv_download, data_table, kept_upload, results_store,
                            scheduling_radio, setting, show_error, stopped, summary_table)

@@ -70,19 +70,33 @@ if upload is not None:
         show_error(exc)
         st.stop()
 if stopped("stop_calibration"):
-    st.info("Calibration stopped: no profile was kept (a profile needs every scenario of its grid). Press Calibrate "
-            "again, or choose the quick grid.")
+    partial = st.session_state.pop("twin_partial_profile", None)
+    if partial is None:
+        st.info("Calibration stopped before a measured round ended (the first round only warms the engine up): no "
+                "profile was kept. Press Calibrate again, or choose the quick grid.")
+    else:
+        fit_so_far, measured, planned = partial
+        try:
+            st.session_state["twin_profile"] = fit_so_far()
+            st.info(f"Calibration stopped: the profile is fitted on {measured} of {planned} measured rounds (each "
+                    "scenario timed fewer times: a noisier fit than a whole calibration).")
+        except user_errors() as exc:
+            show_error(exc)
 if st.button("Calibrate on this machine", key="calibrate"):
     progress = RunProgress(f"profiling the engine on the {grid} grid", "stop_calibration",
-                           help="Stops the calibration (a partial profile is not kept)")
+                           help="Stops the calibration; a profile of the measured rounds done is kept")
     try:
         show = throttled(lambda done, total: progress(done / total, f"scenario {done} of {total}"),
                          CALIBRATION_REDRAW_S)
-        st.session_state["twin_profile"] = profile_engine(model, block_size=block_size, grid=grid, progress=show)
+        st.session_state["twin_profile"] = profile_engine(
+            model, block_size=block_size, grid=grid, progress=show,
+            on_round=lambda fit, measured, planned: st.session_state.__setitem__(
+                "twin_partial_profile", (fit, measured, planned)))
     except user_errors() as exc:
         show_error(exc)
         st.stop()
     progress.close()
+    st.session_state.pop("twin_partial_profile", None)
 profile: Profile | None = st.session_state.get("twin_profile")
 if profile is None:
     st.info("Calibrate (or load a profile) first.")

@@ -244,3 +244,17 @@ def test_the_kernel_lab_warns_about_a_wide_spread_and_marks_stale_timings(monkey
     assert any("slowest call 75× the median" in w.value for w in app.warning)
     app.select_slider(key="kernel_block_size").set_value(32).run()
     assert any("settings changed — press Run" in w.value for w in app.warning)
+
+
+def test_a_stopped_calibration_can_keep_the_measured_rounds():
+    """``profile_engine(on_round=)`` hands over a fit of the rounds measured so far after each: what the Digital
+    twin's Stop keeps."""
+    from lab.profiling.profile import Profile, profile_engine
+
+    heard = []
+    whole = profile_engine("tiny", block_size=16, repeats=2, grid="quick",
+                           on_round=lambda fit, measured, planned: heard.append((fit(), measured, planned)))
+    assert [(measured, planned) for _, measured, planned in heard] == [(1, 2), (2, 2)]
+    first, _, _ = heard[0]
+    timed = sum(sample["repeats"] for sample in first.samples)  # each step shape's timings, one round of them
+    assert isinstance(first, Profile) and sum(sample["repeats"] for sample in whole.samples) == 2 * timed

@@ -253,7 +253,8 @@ def overload_sentence(table: pd.DataFrame) -> str | None:
             f"faster than {len(over)} of {len(table)} runs serve them, so their latencies measure a growing queue more "
             f"than the allocator. Even **{best.run}** serves {best.served_req_s:,.2f} requests/s and drains until "
             f"{best.end_s:,.0f} s ({best.drain_s:,.0f} s after the last arrival); its queue wait grows from "
-            f"{best.early_queue_s:,.2g} s for the first tenth of requests to {best.late_queue_s:,.3g} s for the last")
+            f"{human_number(best.early_queue_s)} s for the first tenth of requests to {human_number(best.late_queue_s)} s "
+            "for the last")
     if len(over) > 1:
         rest = over.iloc[1:]
         text += (f"; the other {len(rest)} serve {rest.served_req_s.min():,.2f}–{rest.served_req_s.max():,.2f} "

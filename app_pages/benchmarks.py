@@ -3,7 +3,8 @@ import streamlit as st
 from lab.report.charts import headline_figure
 from lab.report.results import headline_results, read_recorded, recorded_results, settings_of
 from lab.errors import user_errors
-from app_pages._ui import chart, csv_download, data_table, results_store, show_error
+from lab.report.trust import table_problems
+from app_pages._ui import chart, csv_download, data_table, results_store, setting, show_error, trust_warning
 
 st.title("Benchmarks")
 st.caption("The lab's headline figures as last recorded in this repository, each against its goal; then every "
@@ -19,6 +20,13 @@ def headlines():
     if len(stale):
         st.warning(f"{len(stale)} of {len(table)} figures were measured on code that has changed since (or name no "
                    "commit): they may no longer hold. Rerun each one's command to measure this checkout.")
+    problems = []
+    for file in table["file"].dropna().unique():  # the files the figures come from, judged as the figures are
+        try:
+            problems += [f"{file}: {problem}" for problem in table_problems(read_recorded(file))]
+        except user_errors():
+            continue  # a missing file is the table's own "currency" column's business
+    trust_warning(problems)
     chart(headline_figure(table), "headlines")
     shown = table[["benchmark", "latest", "unit", "goal", "met", "current", "measured_on", "currency", "command", "file",
                    "commit_of", "code"]]  # whether a figure still holds, before where it came from
@@ -35,7 +43,8 @@ def headlines():
                "browser session; `benchmarks/results/HISTORY.md` says what moved each figure.")
     csv_download(table, "headline-figures", settings_of(), "dl_headlines", "Download the headline figures (CSV)")
 
-upload = st.file_uploader("Load a previously exported CSV", type=["csv"])
+upload = st.file_uploader("Load a previously exported CSV (kept for this session only, not in a shared link)",
+                          type=["csv"])
 if upload is not None and st.session_state.get("loaded_upload") != upload.file_id:
     try:
         store.load_csv(upload.getvalue(), upload.name)
@@ -62,6 +71,7 @@ def session_results():
                      "Download the comparison CSV (each result with its settings)")
     for index, name in enumerate(store.names()):
         with st.expander(name):
+            trust_warning(table_problems(store.results[name].table))
             data_table(store.results[name].table)
             result = store.results[name]
             csv_download(result.table, result.kind, settings_of(result.settings, result=name),
@@ -76,12 +86,14 @@ def recorded():
         return
     st.caption("The figures the README quotes, from `benchmarks/results/`; each file's command reruns it.")
     data_table(listing)
-    file = st.selectbox("Show", listing["file"], key="recorded_file")
+    file = setting(st.selectbox, "Show", key="recorded_file", value=listing["file"].iloc[0],
+                   options=list(listing["file"]))
     try:
         table = read_recorded(file)
     except user_errors() as exc:
         show_error(exc)
         return
+    trust_warning(table_problems(table))
     data_table(table)
     csv_download(table, "recorded-" + file.removesuffix(".csv").replace("/", "-"), settings_of(source=file),
                  "dl_recorded")

@@ -9,7 +9,9 @@ from lab.report.charts import kernel_bandwidth_figure, kernel_time_figure
 from lab.engine.live import throttled
 from lab.report.results import settings_of
 from lab.errors import InputError, user_errors
-from app_pages._ui import chart, csv_download, data_table, results_store, show_error
+from lab.report.trust import spread_problems
+from app_pages._ui import (RunProgress, chart, csv_download, data_table, results_store, setting, show_error,
+                           stale_note, stopped, trust_warning)
 
 cached_check = st.cache_data(check_against_reference, show_spinner="checking against the reference…")
 SHAPES = {"Qwen3-0.6B/1.7B (16 q / 8 kv heads)": (16, 8), "Qwen3-4B/8B (32 / 8)": (32, 8),
@@ -20,15 +22,21 @@ usable, reason = paged_kernels.cupy_status()
 if not usable:
     st.info(f"The CuPy CUDA kernels need an NVIDIA GPU: {reason}. Running the CPU backends (torch, reference).")
 with st.sidebar:
-    backends = st.multiselect("Backends", paged_kernels.available_backends(),
-                              default=["cupy"] if usable else ["torch"])
-    shape = st.selectbox("Heads (head_dim 128)", list(SHAPES))
-    batches = st.multiselect("Batch sizes", [1, 2, 4, 8, 16, 32, 64], default=[1, 8])
-    contexts = st.multiselect("Context lengths", [128, 256, 512, 1024, 2048, 4096, 8192, 32768], default=[256, 1024])
-    block_size = st.select_slider("Block size", [1, 3, 7, 8, 16, 32, 64, 128, 256], 16)
+    side = st.sidebar
+    available = paged_kernels.available_backends()
+    backends = setting(side.multiselect, "Backends", key="kernel_backends",
+                       value=["cupy"] if usable else ["torch"], options=available)
+    shape = setting(side.selectbox, "Heads (head_dim 128)", key="kernel_shape", value=list(SHAPES)[0],
+                    options=list(SHAPES))
+    batches = setting(side.multiselect, "Batch sizes", key="kernel_batches", value=[1, 8],
+                      options=[1, 2, 4, 8, 16, 32, 64])
+    contexts = setting(side.multiselect, "Context lengths", key="kernel_contexts", value=[256, 1024],
+                       options=[128, 256, 512, 1024, 2048, 4096, 8192, 32768])
+    block_size = setting(side.select_slider, "Block size", key="kernel_block_size", value=16,
+                         options=[1, 3, 7, 8, 16, 32, 64, 128, 256])
     dtypes = ["float32", "float16", "bfloat16"] if usable else ["float32", "bfloat16"]
-    dtype = st.selectbox("dtype", dtypes)
-    repeats = st.slider("Repeats (median)", 1, 20, 5)
+    dtype = setting(side.selectbox, "dtype", key="kernel_dtype", value="float32", options=dtypes)
+    repeats = setting(side.slider, "Repeats (median)", key="kernel_repeats", value=5, min_value=1, max_value=20)
     run = st.button("Run sweep", type="primary", key="run")
 
 num_q_heads, num_kv_heads = SHAPES[shape]
@@ -36,26 +44,45 @@ config = KernelBenchConfig(device="cuda" if usable else "cpu", dtype=getattr(tor
                            batch_sizes=tuple(sorted(batches)), context_lens=tuple(sorted(contexts)),
                            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, block_size=block_size,
                            backends=tuple(b for b in backends if b != "reference"), repeats=repeats)
-if run or "kernel_table" not in st.session_state:
+current = settings_of(config, shape=shape)
+was_stopped = stopped("stop_kernels")
+if was_stopped and st.session_state.get("kernel_partial") is not None:
+    # Stop keeps the shapes measured so far (their baseline unchecked: the sweep did not finish)
+    partial = st.session_state.pop("kernel_partial").assign(device=config.device, dtype=dtype, block_size=block_size)
+    st.session_state.update(kernel_table=partial, kernel_settings={**current, "stopped": True}, kernel_stopped=True)
+elif was_stopped and "kernel_table" not in st.session_state:
+    st.info("Stopped before any shape was timed. Press Run sweep to time them.")
+    st.stop()
+elif run or "kernel_table" not in st.session_state:
     try:
         if not config.backends:
             raise InputError("choose at least one of the torch / cupy backends to time")
         if not batches or not contexts:
             raise InputError("choose at least one batch size and one context length")
         correctness = cached_check(dataclasses.replace(config, backends=tuple(backends)))
-        bar = st.progress(0.0, "timing kernels…")
-        show = throttled(lambda done, total: bar.progress(done / total, "timing kernels…"), 1.0)  # redraws cost time
-        table = run_kernel_bench(config, progress=show)
-        bar.empty()
-        st.session_state.update(kernel_table=table, kernel_correctness=correctness,
-                                kernel_settings=settings_of(config, shape=shape))
-        results_store().add("kernels", f"kernels: {shape}, {dtype}, B={block_size}", table,
-                            st.session_state["kernel_settings"])
+        st.session_state["kernel_correctness"] = correctness
+        progress = RunProgress(f"timing {len(config.shape_list())} shapes", "stop_kernels",
+                               help="Stops the sweep; the shapes timed so far are kept")
+        # redraws cost time
+        show = throttled(lambda done, total: progress(done / total, f"{done} of {total} shapes"), 1.0)
+        st.session_state["kernel_partial"] = None
+        table = run_kernel_bench(config, progress=show,
+                                 on_rows=lambda rows: st.session_state.__setitem__("kernel_partial", rows))
+        progress.close()
+        st.session_state.pop("kernel_partial", None)
+        st.session_state.update(kernel_table=table, kernel_settings=current, kernel_stopped=False)
+        results_store().add("kernels", f"kernels: {shape}, {dtype}, B={block_size}", table, current)
     except user_errors() as exc:
         show_error(exc)
         st.stop()
 
 table = st.session_state["kernel_table"]
+made_with = {k: v for k, v in st.session_state["kernel_settings"].items() if k != "stopped"}
+stale_note(repr(made_with), repr(current), "The timings below")
+if st.session_state.get("kernel_stopped"):
+    st.warning(f"Stopped: {table[['batch', 'context']].drop_duplicates().shape[0]} of {len(config.shape_list())} "
+               "shapes were timed and are shown.", icon=":material/stop_circle:")
+trust_warning(spread_problems(table, "median_ms", "max_ms", ["kernel", "batch", "context"]))
 st.subheader("Correctness against the float64 reference")
 data_table(st.session_state["kernel_correctness"],
            {"max_rel_err": "Max relative error vs the float64 reference"}, formats={"max_rel_err": "%.1e"})

@@ -7,10 +7,9 @@ import streamlit as st
 
 import simulator
 from simulator.views import charts, report
-from simulator.core.metrics import rejection_warning
 from lab.errors import InputError, user_errors
-from app_pages._ui import (chart, csv_download, data_table, results_store, scheduling_radio, show_error,
-                           summary_table)
+from app_pages._ui import (RunProgress, chart, csv_download, data_table, kept_upload, results_store,
+                           scheduling_radio, setting, show_error, stopped, summary_table)
 
 cached_workload = st.cache_data(simulator.make_workload, show_spinner=False)
 DEFAULTS = simulator.APP_DEFAULTS
@@ -57,11 +56,22 @@ def comparison_chart(name: str):
 
 
 def block_size_sweep(workload, configs):
-    """The block-size sweep under the page's settings, or None (with a warning) when it cannot run."""
+    """The block-size sweep under the page's settings, or None (with a warning) when it cannot run. Its rows are
+    kept as they come (``sim_block_rows``): a Stop shows those."""
     base = next((c for c in configs if c.allocator == "paged"), configs[0])
+    rows = st.session_state["sim_block_rows"] = []
     try:
         workloads = simulator.block_size_sweep_workloads(workload, base.max_model_len, BLOCK_SWEEP_REQUESTS)
-        return simulator.block_size_sweep(workloads, base)
+        progress = RunProgress(f"simulating {len(simulator.BLOCK_SIZES)} block sizes on two workloads",
+                               "stop_block_sweep", help="Stops the sweep; the block sizes done are shown")
+
+        def keep(row, fraction):
+            rows.append(row)
+            progress(fraction, f"{len(rows)} of {2 * len(simulator.BLOCK_SIZES)} runs")
+
+        table = simulator.block_size_sweep(workloads, base, on_row=keep)
+        progress.close()
+        return table
     except user_errors() as exc:  # the comparison above stands on its own
         st.warning(f"The block-size sweep could not run: {exc}")
         return None
@@ -73,69 +83,97 @@ st.caption("What does paging the KV cache buy? The same requests are served with
            "batch size and throughput. Change any setting in the sidebar and it runs again.")
 
 with st.sidebar:
-    figure2 = st.toggle("vLLM paper Figure 2 setup", help="OPT-13B on A100-40GB, ShareGPT lengths, 2048 max length, "
-                        "buddy-allocated contiguous baselines, paged B=16, all requests at t=0")
-    source = st.radio("Workload", ["synthetic", "upload a trace"], horizontal=True, disabled=figure2)
+    side = st.sidebar
+    figure2 = setting(side.toggle, "vLLM paper Figure 2 setup", key="sim_figure2", value=False,
+                      help="OPT-13B on A100-40GB, ShareGPT lengths, 2048 max length, buddy-allocated contiguous "
+                           "baselines, paged B=16, all requests at t=0")
+    source = setting(side.radio, "Workload", key="sim_source", value="synthetic",
+                     options=["synthetic", "upload a trace"], horizontal=True, disabled=figure2)
     upload = None
     if source == "synthetic" or figure2:
-        preset = st.selectbox("Preset", simulator.SYNTHETIC_PRESETS, disabled=figure2)
+        preset = setting(side.selectbox, "Preset", key="sim_preset", value=DEFAULTS["preset"],
+                         options=list(simulator.SYNTHETIC_PRESETS), disabled=figure2)
     else:
-        upload = st.file_uploader("Trace (Azure CSV, Mooncake JSONL or arrival_time_s,prompt_tokens,output_tokens)",
-                                  type=["csv", "jsonl", "json"])
-        time_scale = st.number_input("Time scale (multiplies arrival offsets)", 0.001, 1000.0, 1.0)
-    num_requests = st.number_input("Requests (trace: max rows)", 1, 200_000, DEFAULTS["num_requests"], step=100)
+        upload = kept_upload("Trace (Azure CSV, Mooncake JSONL or arrival_time_s,prompt_tokens,output_tokens)",
+                             "sim_trace", side, type=["csv", "jsonl", "json"])
+        time_scale = setting(side.number_input, "Time scale (multiplies arrival offsets)", key="sim_time_scale",
+                             value=1.0, min_value=0.001, max_value=1000.0)
+    num_requests = setting(side.number_input, "Requests (trace: max rows)", key="sim_requests",
+                           value=DEFAULTS["num_requests"], min_value=1, max_value=200_000, step=100)
     not_synthetic = figure2 or source != "synthetic"  # a trace keeps its own arrivals and lengths
-    rate = st.slider("Arrival rate (requests/s; 0 = all at once)", 0.0, 200.0, DEFAULTS["rate"], disabled=not_synthetic,
-                     help="Mean rate of a Poisson (or gamma) arrival process; at 5 requests/s ShareGPT-like requests "
-                          "fill OPT-13B's KV pool on an A100-40GB, so the allocators differ")
-    burstiness = st.slider("Burstiness (gamma shape; 1 = Poisson)", 0.1, 4.0, 1.0, disabled=not_synthetic)
-    n = st.slider("Parallel samples n", 1, 8, 1, disabled=not_synthetic)
-    beam_width = st.slider("Beam width (beam search; 1 = off)", 1, 8, 1, disabled=not_synthetic,
-                           help="Beams share blocks and fork or die each step (a seeded survival model); "
-                                "not together with n > 1")
-    shared_prefix = st.slider("Shared system-prompt tokens", 0, 1024, 0, step=16, disabled=not_synthetic)
-    model = st.selectbox("Model", list(simulator.MODELS), index=list(simulator.MODELS).index(DEFAULTS["model"]),
-                         disabled=figure2, help="OPT-13B on one A100-40GB is the vLLM paper's setup: 26 GB of weights "
-                                                "leave about 12,000 tokens of KV, so memory binds")
-    gpu = st.selectbox("GPU", list(simulator.GPUS), index=list(simulator.GPUS).index(DEFAULTS["gpu"]),
-                       disabled=figure2)
-    capacity = st.number_input("KV capacity override (tokens; 0 = from model and GPU)", 0, 10**8, 0, step=1000,
-                               disabled=figure2, help="0: GPU memory × utilization − weights − 1 GiB of activations, "
-                                                      "divided by the KV bytes of one token")
-    utilization = st.slider("GPU memory utilization", 0.3, 1.0, 0.9, disabled=figure2)
+    # typed, not a slider: a slider over 0-200 cannot be dragged back to exactly 5.00
+    rate = setting(side.number_input, "Arrival rate (requests/s; 0 = all at once)", key="sim_rate",
+                   value=float(DEFAULTS["rate"]), min_value=0.0, max_value=200.0, step=0.5, format="%.2f",
+                   disabled=not_synthetic,
+                   help="Mean rate of a Poisson (or gamma) arrival process; at 5 requests/s ShareGPT-like requests "
+                        "fill OPT-13B's KV pool on an A100-40GB, so the allocators differ")
+    burstiness = setting(side.slider, "Burstiness (gamma shape; 1 = Poisson)", key="sim_burstiness", value=1.0,
+                         min_value=0.1, max_value=4.0, disabled=not_synthetic)
+    n = setting(side.slider, "Parallel samples n", key="sim_n", value=1, min_value=1, max_value=8,
+                disabled=not_synthetic)
+    beam_width = setting(side.slider, "Beam width (beam search; 1 = off)", key="sim_beam_width", value=1,
+                         min_value=1, max_value=8, disabled=not_synthetic,
+                         help="Beams share blocks and fork or die each step (a seeded survival model); "
+                              "not together with n > 1")
+    shared_prefix = setting(side.slider, "Shared system-prompt tokens", key="sim_shared_prefix", value=0,
+                            min_value=0, max_value=1024, step=16, disabled=not_synthetic)
+    model = setting(side.selectbox, "Model", key="sim_model", value=DEFAULTS["model"], options=list(simulator.MODELS),
+                    disabled=figure2, help="OPT-13B on one A100-40GB is the vLLM paper's setup: 26 GB of weights "
+                                           "leave about 12,000 tokens of KV, so memory binds")
+    gpu = setting(side.selectbox, "GPU", key="sim_gpu", value=DEFAULTS["gpu"], options=list(simulator.GPUS),
+                  disabled=figure2)
+    capacity = setting(side.number_input, "KV capacity override (tokens; 0 = from model and GPU)", key="sim_capacity",
+                       value=0, min_value=0, max_value=10**8, step=1000, disabled=figure2,
+                       help="0: GPU memory × utilization − weights − 1 GiB of activations, divided by the KV "
+                            "bytes of one token")
+    utilization = setting(side.slider, "GPU memory utilization", key="sim_utilization", value=0.9, min_value=0.3,
+                          max_value=1.0, disabled=figure2)
     with st.expander("Override model / GPU figures"):
         gpu_spec, model_spec = simulator.get_gpu(gpu), simulator.get_model(model)
-        memory_gib = st.number_input("GPU memory (GiB)", 1.0, 4096.0, gpu_spec.memory_bytes / 2**30, disabled=figure2)
-        bandwidth_tbs = st.number_input("HBM bandwidth (TB/s)", 0.05, 50.0, gpu_spec.bandwidth_bytes_s / 1e12,
-                                        disabled=figure2)
-        peak_tflops = st.number_input("Peak 16-bit TFLOP/s", 1.0, 10_000.0, gpu_spec.peak_flops / 1e12,
-                                      disabled=figure2)
-        dtype_bytes = st.selectbox("KV / weight bytes per element", [1, 2, 4], index=[1, 2, 4].index(
-            model_spec.dtype_bytes), disabled=figure2)
-    max_model_len = st.select_slider("Max model length", [512, 1024, 2048, 4096, 8192, 16384, 32768, 131072],
-                                     DEFAULTS["max_model_len"],
-                                     disabled=figure2)
-    allocators = st.multiselect("Allocators", simulator.ALLOCATORS, default=list(simulator.ALLOCATORS),
+        here = st  # inside the expander; the keys name the GPU or model whose figure a value overrides
+        memory_gib = setting(here.number_input, "GPU memory (GiB)", key=f"sim_memory_gib_{gpu}",
+                             value=gpu_spec.memory_bytes / 2**30, min_value=1.0, max_value=4096.0, disabled=figure2)
+        bandwidth_tbs = setting(here.number_input, "HBM bandwidth (TB/s)", key=f"sim_bandwidth_{gpu}",
+                                value=gpu_spec.bandwidth_bytes_s / 1e12, min_value=0.05, max_value=50.0,
                                 disabled=figure2)
-    block_sizes = st.multiselect("Paged block sizes (tokens per block)", list(simulator.BLOCK_SIZES),
-                                 default=[DEFAULTS["block_size"]],
-                                 disabled=figure2, help="Small blocks waste less of their last block but slow the "
-                                                        "attention kernel; the sweep chart below shows the trade")
-    address_space = st.radio("Contiguous address space", ["first-fit", "buddy"], horizontal=True, disabled=figure2)
+        peak_tflops = setting(here.number_input, "Peak 16-bit TFLOP/s", key=f"sim_tflops_{gpu}",
+                              value=gpu_spec.peak_flops / 1e12, min_value=1.0, max_value=10_000.0, disabled=figure2)
+        dtype_bytes = setting(here.selectbox, "KV / weight bytes per element", key=f"sim_dtype_bytes_{model}",
+                              value=model_spec.dtype_bytes, options=[1, 2, 4], disabled=figure2)
+    max_model_len = setting(side.select_slider, "Max model length", key="sim_max_model_len",
+                            value=DEFAULTS["max_model_len"],
+                            options=[512, 1024, 2048, 4096, 8192, 16384, 32768, 131072], disabled=figure2)
+    allocators = setting(side.multiselect, "Allocators", key="sim_allocators", value=list(simulator.ALLOCATORS),
+                         options=list(simulator.ALLOCATORS), disabled=figure2)
+    block_sizes = setting(side.multiselect, "Paged block sizes (tokens per block)", key="sim_block_sizes",
+                          value=[DEFAULTS["block_size"]], options=list(simulator.BLOCK_SIZES), disabled=figure2,
+                          help="Small blocks waste less of their last block but slow the attention kernel; the "
+                               "sweep chart below shows the trade")
+    address_space = setting(side.radio, "Contiguous address space", key="sim_address_space", value="first-fit",
+                            options=["first-fit", "buddy"], horizontal=True, disabled=figure2)
     scheduling = scheduling_radio("prefill-first", key="sim_scheduling", disabled=figure2)
-    max_num_seqs = st.number_input("Max running sequences (max_num_seqs)", 1, 65_536, 256, key="sim_max_num_seqs",
-                                   disabled=figure2)
-    budget = st.number_input("Token budget per step (max_num_batched_tokens)", 1, 10**6, 8192, key="sim_budget",
-                             help="chunked: prompts longer than this are spread over several steps", disabled=figure2)
-    prefix_caching = st.toggle("Prefix caching (paged)", True, key="sim_prefix_caching", disabled=figure2,
-                               help="cached full prompt blocks are shared instead of recomputed")
-    preemption = st.radio("Preemption (paged)", ["recompute", "swap"], horizontal=True, disabled=figure2,
-                          help="swap: preempted sequences move to a host pool over the GPU's host link "
-                               "(contiguous baselines always recompute)")
-    offload_gib = st.number_input("Host offload tier (GiB; 0 = off)", 0.0, 4096.0, 0.0, step=8.0,
-                                  key="sim_offload_gib", disabled=figure2 or not prefix_caching,
-                                  help="prefix-cache blocks the GPU pool reuses are kept in this much host memory "
-                                       "and loaded back over the host link when a later prompt shares them (paged)")
+    max_num_seqs = setting(side.number_input, "Max running sequences (max_num_seqs)", key="sim_max_num_seqs",
+                           value=256, min_value=1, max_value=65_536, disabled=figure2)
+    budget = setting(side.number_input, "Token budget per step (max_num_batched_tokens)", key="sim_budget",
+                     value=8192, min_value=1, max_value=10**6, disabled=figure2,
+                     help="chunked: prompts longer than this are spread over several steps")
+    prefix_caching = setting(side.toggle, "Prefix caching (paged)", key="sim_prefix_caching", value=True,
+                             disabled=figure2, help="cached full prompt blocks are shared instead of recomputed")
+    preemption = setting(side.radio, "Preemption (paged)", key="sim_preemption", value="recompute",
+                         options=["recompute", "swap"], horizontal=True, disabled=figure2,
+                         help="swap: preempted sequences move to a host pool over the GPU's host link "
+                              "(contiguous baselines always recompute)")
+    offload_gib = setting(side.number_input, "Host offload tier (GiB; 0 = off)", key="sim_offload_gib", value=0.0,
+                          min_value=0.0, max_value=4096.0, step=8.0, disabled=figure2 or not prefix_caching,
+                          help="prefix-cache blocks the GPU pool reuses are kept in this much host memory and loaded "
+                               "back over the host link when a later prompt shares them (paged)")
+    st.divider()
+    ttft_slo = setting(side.number_input, "TTFT SLO (s)", key="sim_ttft_slo", value=2.0, min_value=0.001,
+                       max_value=3600.0, step=0.5, help="Goodput counts the requests whose time to first token is "
+                                                        "at most this")
+    tpot_slo = setting(side.number_input, "TPOT SLO (s per output token)", key="sim_tpot_slo", value=0.1,
+                       min_value=0.0001, max_value=60.0, step=0.01, format="%.3f",
+                       help="… and whose time per output token after the first is at most this")
 
 
 def build_inputs():
@@ -168,15 +206,13 @@ key = repr((figure2, source, upload.file_id if upload else None, locals().get("t
             burstiness, n, beam_width, shared_prefix, model, gpu, capacity, utilization, max_model_len, allocators, block_sizes,
             address_space, scheduling, preemption, max_num_seqs, budget, prefix_caching, memory_gib, bandwidth_tbs,
             peak_tflops, dtype_bytes, offload_gib))
-if st.session_state.get("stop_sim"):  # the Stop button interrupted the last run
-    st.session_state["sim_stopped_key"] = key
-if st.session_state.get("sim_stopped_key") == key:
-    st.info("Stopped. Change any input to run again.")
-    st.stop()
 if not figure2 and source == "upload a trace" and upload is None:  # waiting for a file is not an error
     st.info("Upload a trace in the sidebar (an Azure CSV, a Mooncake JSONL, or a CSV of arrival_time_s, "
             "prompt_tokens, output_tokens): its arrivals and lengths drive the run.", icon=":material/upload_file:")
     st.stop()
+if stopped("stop_sim"):  # the Stop button interrupted the last run: show what finished
+    st.session_state["sim_stopped_key"] = key
+partial = st.session_state.get("sim_stopped_key") == key and key not in finished_runs()
 if st.session_state.get("sim_key") != key:
     try:
         if key in finished_runs():
@@ -184,28 +220,45 @@ if st.session_state.get("sim_key") != key:
             workload, configs, summary, runs, checks, figures = finished_runs()[key]
         else:
             workload, configs = build_inputs()
-            bar, stop = st.progress(0.0, "simulating…"), st.empty()
-            stop.button("Stop", key="stop_sim", help="Interrupts the run (any widget change does too)")
-            summary, runs = simulator.compare(workload, configs, workers=WORKERS, reuse=kept_runs(),
-                                              progress=lambda f: bar.progress(min(f, 1.0), "simulating…"))
-            bar.empty()
-            stop.empty()
+            if partial:
+                done = simulator.finished_configs(workload, configs, kept_runs())
+                if not done:
+                    st.info("Stopped before any configuration finished. Press Run the rest, or change any input.")
+                    if st.button("Run the rest", key="sim_resume", type="primary"):
+                        st.session_state.pop("sim_stopped_key", None)
+                        st.session_state.pop("sim_key", None)
+                        st.rerun()
+                    st.stop()
+                summary, runs = simulator.compare(workload, done, reuse=kept_runs())
+                st.session_state["sim_partial"] = (len(done), len(configs))
+            else:
+                progress = RunProgress(f"simulating {len(configs)} configurations on {len(workload):,} requests",
+                                       "stop_sim", help="Stops the run; the configurations that finished are shown")
+                summary, runs = simulator.compare(workload, configs, workers=WORKERS, reuse=kept_runs(),
+                                                  progress=progress)
+                progress.close()
             if figure2:
                 summary["paper_token_states_frac"] = summary["allocator"].map(simulator.PAPER_FIGURE2_TOKEN_STATES)
+            summary = report.with_allocated_share(summary)
             checks = simulator.closed_form_checks(workload, runs)
             figures = {}  # each chart built when first shown (comparison_chart), kept with the run
-            finished_runs()[key] = workload, configs, summary, runs, checks, figures
-            while len(finished_runs()) > FINISHED_RUNS_KEPT:
-                finished_runs().popitem(last=False)
+            if not partial:
+                finished_runs()[key] = workload, configs, summary, runs, checks, figures
+                while len(finished_runs()) > FINISHED_RUNS_KEPT:
+                    finished_runs().popitem(last=False)
         summary = summary.copy()
         st.session_state.update(sim_key=key, sim_summary=summary, sim_series={k: r.timeseries for k, r in runs.items()},
+                                sim_request_table=report.request_table(runs),
                                 sim_workload=workload.summary(), sim_checks=checks, sim_block_sweep=None,
                                 sim_figures=figures,
-                                sim_settings=report.run_settings(workload, configs), sim_configs=configs,
-                                sim_workload_obj=workload, sim_offload=None)
-        results_store().add("simulation", f"simulation: {workload.name} × {len(configs)} configs", summary,
+                                sim_settings=report.run_settings(workload,
+                                                                 [r.config for r in runs.values()] or configs),
+                                sim_configs=configs, sim_workload_obj=workload, sim_offload=None)
+        if not partial:
+            st.session_state.pop("sim_partial", None)
+        results_store().add("simulation", f"simulation: {workload.name} × {len(runs)} configs", summary,
                             st.session_state["sim_settings"])
-        results_store().add("checks", f"checks: {workload.name} × {len(configs)} configs", checks,
+        results_store().add("checks", f"checks: {workload.name} × {len(runs)} configs", checks,
                             st.session_state["sim_settings"])
     except user_errors() as exc:
         st.session_state.pop("sim_key", None)
@@ -215,9 +268,22 @@ if st.session_state.get("sim_key") != key:
 summary: pd.DataFrame = st.session_state["sim_summary"]
 series: dict = st.session_state["sim_series"]
 settings: dict = st.session_state["sim_settings"]
+requests: pd.DataFrame = st.session_state["sim_request_table"]
+if partial and st.session_state.get("sim_partial"):
+    finished, total = st.session_state["sim_partial"]
+    st.warning(f"Stopped: {finished} of {total} configurations finished and are shown; the others did not run.",
+               icon=":material/stop_circle:")
+    if st.button("Run the rest", key="sim_resume", type="primary"):
+        st.session_state.pop("sim_stopped_key", None)
+        st.session_state.pop("sim_key", None)
+        st.rerun()
 st.caption("Workload: " + report.describe_workload(st.session_state["sim_workload"]))
-for row in summary[summary["num_requests_rejected"] > 0].itertuples():
-    st.warning(rejection_warning(row._replace(allocator=row.label)) + ".")  # paged-B16, not "(B=nan)" for contiguous
+for sentence in report.rejection_warnings(summary):
+    st.warning(sentence)
+overloaded = report.overload(requests, summary)
+verdict = report.overload_sentence(overloaded)
+if verdict:
+    st.warning(verdict, icon=":material/speed:")
 
 st.subheader("What paging buys here")
 versus = report.paged_vs_best_contiguous(summary)
@@ -229,12 +295,17 @@ if not versus.empty:
     for card, (figure, label, unit) in zip(cards, HEADLINE_CARDS):
         row = versus[versus["Figure"] == figure].iloc[0]
         value, comparison = report.compare_card(row, unit)
-        card.metric(f"{label} · {row['Paged run']}", value, comparison, delta_color="off", delta_arrow="off",
+        # named as the figure is in the export below, so a card can be found in it
+        card.metric(f"{figure} · {row['Paged run']}", value, comparison, delta_color="off", delta_arrow="off",
                     border=True, help=f"{row['Paged run']}: {row['Paged']:,.2f}{unit}; {row['Contiguous run']}: "
                                       f"{row['Best contiguous']:,.2f}{unit}")
+    csv_download(versus, "headline", settings, "dl_headline",
+                 "Download these figures (CSV: each card's figure by the same name, with its settings)")
 elif (summary["num_requests_completed"] == 0).all():
     st.info("No run served a request, so there is nothing to compare: see the warnings above.")
 st.dataframe(report.headline(summary), hide_index=True, column_config=HEADLINE_FORMAT)
+csv_download(report.headline(summary), "headline-table", settings, "dl_headline_table",
+             "Download this table (CSV)")
 if not versus.empty:
     with st.expander("Paged against the best contiguous allocator, figure by figure"):
         st.dataframe(versus, hide_index=True, column_config={
@@ -243,9 +314,9 @@ if not versus.empty:
             "Paged / contiguous": st.column_config.NumberColumn(format="%.2f×")})
 # ---- KV precision (issue 71): what FP8 adds next to paging, on the two runs the cards compare ----------------------
 if not versus.empty:
-    precision = st.segmented_control("KV cache precision", ["auto", "fp8_e4m3", "fp8_e5m2"], default="auto",
-                                     key="sim_kv_precision", help="auto: the model's dtype; FP8 (vLLM's "
-                                     "kv_cache_dtype): one byte an element, twice the tokens in the same memory")
+    precision = setting(st.segmented_control, "KV cache precision", key="kv_precision", value="auto",
+                        options=["auto", "fp8_e4m3", "fp8_e5m2"], help="auto: the model's dtype; FP8 (vLLM's "
+                        "kv_cache_dtype): one byte an element, twice the tokens in the same memory")
     if precision and precision != "auto":
         precision_key = (st.session_state["sim_key"], precision)
         if st.session_state.get("sim_precision_key") != precision_key:
@@ -277,10 +348,13 @@ with st.expander("Which block size? The paged allocator at every block size from
     st.caption("The paged allocator at every block size on this workload and the other synthetic preset (first "
                f"{BLOCK_SWEEP_REQUESTS} requests each, the sidebar's model, GPU and scheduler). Throughput falls at "
                "small blocks (the kernel's per-block cost) and at large ones (fewer sequences fit).")
+    if stopped("stop_block_sweep") and st.session_state.get("sim_block_rows"):
+        st.session_state["sim_block_sweep"] = pd.DataFrame(st.session_state.pop("sim_block_rows"))
+        st.info(f"Stopped: {len(st.session_state['sim_block_sweep'])} of {2 * len(simulator.BLOCK_SIZES)} runs "
+                "finished and are shown.")
     if st.button("Run the block-size sweep", key="run_block_sweep", disabled=figure2):
-        with st.spinner(f"simulating {len(simulator.BLOCK_SIZES)} block sizes on two workloads…"):
-            st.session_state["sim_block_sweep"] = block_size_sweep(st.session_state["sim_workload_obj"],
-                                                                   st.session_state["sim_configs"])
+        st.session_state["sim_block_sweep"] = block_size_sweep(st.session_state["sim_workload_obj"],
+                                                               st.session_state["sim_configs"])
     sweep = st.session_state.get("sim_block_sweep")
     if sweep is not None:
         chart(charts.block_size_lines(sweep), "block_size_sweep")
@@ -292,14 +366,26 @@ with st.expander("What a CPU tier buys: the prefix cache with a host offload tie
                "reuses are kept in host memory and loaded back when a later prompt shares them. Traffic whose "
                "prompts share prefixes (multi-turn traces such as Mooncake's, a shared system prompt) gains; "
                "traffic that shares nothing gains nothing.")
+    if stopped("stop_offload_sweep") and st.session_state.get("sim_offload_rows"):
+        st.session_state["sim_offload"] = pd.DataFrame(st.session_state.pop("sim_offload_rows"))
+        st.info(f"Stopped: {len(st.session_state['sim_offload'])} of {len(simulator.OFFLOAD_TIERS_GIB)} tier sizes "
+                "finished and are shown.")
     if st.button("Run the tier sweep", key="run_offload_sweep"):
         try:
-            with st.spinner("simulating five tier sizes…"):
-                paged = next((c for c in st.session_state["sim_configs"] if c.allocator == "paged"), None)
-                if paged is None:
-                    raise InputError("choose the paged allocator to sweep its offload tier")
-                st.session_state["sim_offload"] = simulator.offload_sweep(st.session_state["sim_workload_obj"],
-                                                                          paged)
+            paged = next((c for c in st.session_state["sim_configs"] if c.allocator == "paged"), None)
+            if paged is None:
+                raise InputError("choose the paged allocator to sweep its offload tier")
+            tier_rows = st.session_state["sim_offload_rows"] = []
+            tiers = RunProgress(f"simulating {len(simulator.OFFLOAD_TIERS_GIB)} tier sizes", "stop_offload_sweep",
+                                help="Stops the sweep; the tier sizes done are shown")
+
+            def keep_tier(row, fraction):
+                tier_rows.append(row)
+                tiers(fraction, f"{len(tier_rows)} of {len(simulator.OFFLOAD_TIERS_GIB)} tier sizes")
+
+            st.session_state["sim_offload"] = simulator.offload_sweep(st.session_state["sim_workload_obj"], paged,
+                                                                      on_row=keep_tier)
+            tiers.close()
         except user_errors() as exc:
             show_error(exc)
     offload = st.session_state.get("sim_offload")
@@ -317,8 +403,34 @@ if name == "areas":
     name = "areas_" + (st.segmented_control("KV breakdown over time of", runs_shown, default=runs_shown[-1],
                                             key="sim_areas_run") or runs_shown[-1])
 chart(comparison_chart(name), name)
+st.subheader("Requests: latency, SLOs and goodput")
+met = report.goodput(requests, ttft_slo, tpot_slo, summary)
+st.caption(f"Each run's share of **all** its requests (rejected and unfinished ones count as missing) whose TTFT is "
+           f"at most {ttft_slo:g} s and whose TPOT is at most {tpot_slo:g} s (the SLOs in the sidebar), and its "
+           "goodput: requests meeting both per second of the run.")
+data_table(met, report.GOODPUT_LABELS, percent=("met_ttft_frac", "met_tpot_frac", "met_both_frac"),
+           formats={"goodput_req_s": "%.3f", "ttft_slo_s": "%g", "tpot_slo_s": "%g"})
+csv_download(met, "goodput", {**settings, "ttft_slo_s": ttft_slo, "tpot_slo_s": tpot_slo}, "dl_goodput",
+             "Download goodput CSV (with its SLOs and settings)")
+left, right = st.columns(2)
+with left:
+    chart(charts.request_cdf(requests, "ttft_s"), "ttft_cdf")
+with right:
+    chart(charts.request_cdf(requests, "e2e_s"), "e2e_cdf")
+if not overloaded.empty:
+    with st.expander("Load: arrivals against service, run by run"):
+        data_table(overloaded, {"run": "Run", "offered_req_s": "Offered (requests/s)",
+                                "served_req_s": "Served (requests/s)", "last_arrival_s": "Last arrival (s)",
+                                "end_s": "Run ends (s)", "drain_s": "Drain after the last arrival (s)",
+                                "early_queue_s": "Queue wait, first tenth (s, median)",
+                                "late_queue_s": "Queue wait, last tenth (s, median)", "overloaded": "Overloaded"},
+                   formats={c: "%.3g" for c in overloaded.columns if c.endswith("_s")})
+        csv_download(overloaded, "load", settings, "dl_load", "Download the load table (CSV)")
+csv_download(requests, "requests", settings, "dl_requests",
+             "Download per-request CSV (arrival, queue, TTFT, TPOT, E2E, tokens, preemptions)")
 st.subheader("Summary")
-shown = ["label", "token_states_frac", "reserved_frac", "internal_fragmentation_frac", "external_fragmentation_frac",
+shown = ["label", "allocated_holding_frac", "token_states_frac", "reserved_frac", "internal_fragmentation_frac",
+         "external_fragmentation_frac",
          "free_frac", "sharing_saving_frac", "mean_batch_size", "peak_batch_size", "throughput_tok_s", "ttft_p50_s",
          "tpot_p50_s", "preemptions", "num_requests_completed", "num_requests_rejected", "capacity_tokens",
          "host_capacity_tokens", "paper_token_states_frac"]

@@ -9,7 +9,7 @@ from lab.errors import user_errors
 from lab.models.qwen3 import PRESETS, checkpoint_dir
 from lab.peer.client import PeerError, missing_reason
 from lab.report.results import human_label, settings_of
-from app_pages._ui import chart, csv_download, extrapolation_note, show_error
+from app_pages._ui import chart, csv_download, extrapolation_note, setting, show_error
 from simulator.twins.vllm_live import LiveTwin, Phase, live_series
 from simulator.twins.vllm_twin import WORKLOADS, VLLMTwinConfig
 
@@ -26,22 +26,30 @@ st.caption("A real vLLM server (its CPU build, in the peer environment) serves a
            "it. Both are drawn on the same axes as the run goes; the scores come when it ends.")
 
 with st.sidebar:
-    where = st.radio("Server", ["Start one here", "Connect to a URL"], horizontal=True,
-                     help="Start one: vLLM's OpenAI server on 127.0.0.1 at a free port, stopped when the run ends. "
-                          "Connect: a server you run; nothing but that URL is contacted")
-    url = st.text_input("Server URL", "http://127.0.0.1:8000", disabled=where != "Connect to a URL")
-    model = st.selectbox("Model (random weights; a checkpoint both load)", list(PRESETS), index=0,
-                         help="Connecting to a URL: the preset that server serves (its vocabulary draws the prompts)")
-    workload = st.selectbox("Workload", WORKLOADS, format_func=WORKLOAD_LABELS.get)
-    num_requests = st.number_input("Requests", 1, 2000, 48)
-    rate = st.number_input("Arrival rate (requests/s; Poisson, gamma, Azure)", 0.1, 1000.0, 20.0,
-                           disabled=workload in ("all-at-once", "prefix"))
-    length_scale = st.number_input("ShareGPT-like lengths × (prompts ~167, outputs ~356 tokens at 1)", 0.01, 1.0,
-                                   0.25, help="Shorter requests keep a CPU run to seconds")
-    num_blocks = st.number_input("KV pool (blocks of 32 tokens)", 16, 100_000, 256, disabled=where != "Start one here")
-    max_num_seqs = st.number_input("Max running sequences", 1, 256, 16)
-    budget = st.number_input("Token budget per step", 32, 16_384, 512)
-    remeasure = st.checkbox("Measure vLLM's engine again", False,
+    where = setting(st.radio, "Server", key="vtwin_where", value="Start one here",
+                    options=["Start one here", "Connect to a URL"], horizontal=True,
+                    help="Start one: vLLM's OpenAI server on 127.0.0.1 at a free port, stopped when the run ends. "
+                         "Connect: a server you run; nothing but that URL is contacted")
+    url = setting(st.text_input, "Server URL", key="vtwin_url", value="http://127.0.0.1:8000",
+                  disabled=where != "Connect to a URL")
+    model = setting(st.selectbox, "Model (random weights; a checkpoint both load)", key="vtwin_model",
+                    value=list(PRESETS)[0], options=list(PRESETS),
+                    help="Connecting to a URL: the preset that server serves (its vocabulary draws the prompts)")
+    workload = setting(st.selectbox, "Workload", key="vtwin_workload", value=list(WORKLOADS)[0],
+                       options=list(WORKLOADS), format_func=WORKLOAD_LABELS.get)
+    num_requests = setting(st.number_input, "Requests", key="vtwin_requests", value=48, min_value=1, max_value=2000)
+    rate = setting(st.number_input, "Arrival rate (requests/s; Poisson, gamma, Azure)", key="vtwin_rate", value=20.0,
+                   min_value=0.1, max_value=1000.0, disabled=workload in ("all-at-once", "prefix"))
+    length_scale = setting(st.number_input, "ShareGPT-like lengths × (prompts ~167, outputs ~356 tokens at 1)",
+                           key="vtwin_length_scale", value=0.25, min_value=0.01, max_value=1.0,
+                           help="Shorter requests keep a CPU run to seconds")
+    num_blocks = setting(st.number_input, "KV pool (blocks of 32 tokens)", key="vtwin_num_blocks", value=256,
+                         min_value=16, max_value=100_000, disabled=where != "Start one here")
+    max_num_seqs = setting(st.number_input, "Max running sequences", key="vtwin_max_num_seqs", value=16,
+                           min_value=1, max_value=256)
+    budget = setting(st.number_input, "Token budget per step", key="vtwin_budget", value=512, min_value=32,
+                     max_value=16_384)
+    remeasure = st.checkbox("Measure vLLM's engine again", False,  # an action for this visit, not a setting to share
                             help="The profile of vLLM's engine for these settings is measured once and kept beside "
                                  "the peer environment; measure it again after the machine or vLLM changed. It is "
                                  "measured while this page runs, so keep the machine otherwise quiet")

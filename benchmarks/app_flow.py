@@ -215,9 +215,9 @@ class FlowPage:
 
     def _make(self, name: str, i: int) -> None:
         if name == CHANGES[0]:
-            rate = _sidebar(self.page, "stSlider", "Arrival rate").locator('input[type="range"]').first
-            rate.focus()
-            rate.press("ArrowRight")
+            rate = _sidebar(self.page, "stNumberInput", "Arrival rate").locator("input").first  # typed, not a slider
+            rate.fill(f"{float(rate.input_value()) + 0.01:.2f}")
+            rate.press("Enter")
         elif name == CHANGES[1]:
             _toggle_option(self.page, "block sizes", self.BLOCK_SIZES[i % len(self.BLOCK_SIZES)])
         else:

@@ -21,7 +21,8 @@ from .core.metrics import CATEGORIES
 from .core.models import GPUS, MODELS, CostModel, get_gpu, get_model, kv_capacity_tokens
 from .core.presets import APP_DEFAULTS, PAPER_FIGURE2_TOKEN_STATES, figure2_experiment, make_configs
 from .core.runs import (BLOCK_SIZES, OFFLOAD_TIERS_GIB, RunCache, block_size_sweep, block_size_sweep_workloads, compare,
-                        default_comparison, default_inputs, make_workload, offload_sweep, precision_gains, simulate)
+                        default_comparison, default_inputs, finished_configs, make_workload, offload_sweep,
+                        precision_gains, simulate)
 from .core.workloads import (SYNTHETIC_PRESETS, SyntheticSpec, TraceFormatError, Workload, at_mean_rate, load_trace,
                              load_trace_bytes, synthetic_workload)
 
@@ -30,5 +31,5 @@ __all__ = ["simulate", "compare", "run_simulation", "closed_form_checks", "make_
            "SYNTHETIC_PRESETS", "load_trace", "load_trace_bytes", "synthetic_workload", "at_mean_rate", "make_configs",
            "figure2_experiment", "PAPER_FIGURE2_TOKEN_STATES", "CostModel", "get_model", "get_gpu",
            "kv_capacity_tokens", "RunCache", "block_size_sweep", "block_size_sweep_workloads", "BLOCK_SIZES",
-           "OFFLOAD_TIERS_GIB", "offload_sweep", "precision_gains",
-           "APP_DEFAULTS", "default_inputs", "default_comparison"]
+           "OFFLOAD_TIERS_GIB", "offload_sweep", "precision_gains", "APP_DEFAULTS", "default_inputs",
+           "default_comparison", "finished_configs"]

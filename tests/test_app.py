@@ -184,8 +184,8 @@ def test_memory_simulator_draws_the_chart_chosen_and_builds_each_once():
 
     from simulator.views import charts
 
-    def titles(app):
-        return [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in app.get("plotly_chart")]
+    def titles(app):  # where the memory goes and the view chosen (the latency CDFs further down are always drawn)
+        return [json.loads(c.proto.spec)["layout"]["title"]["text"] for c in app.get("plotly_chart")][:2]
 
     app = open_page("memory_simulator")
     clean(app)
@@ -232,7 +232,7 @@ def test_memory_simulator_figure2_setup_greys_out_what_it_fixes(downloads):
     app.toggle[0].set_value(True).run()  # "vLLM paper Figure 2 setup"
     clean(app)
     fixed = [app.number_input(key=k) for k in ("sim_max_num_seqs", "sim_budget")] + [app.toggle(key="sim_prefix_caching")]
-    assert all(widget.disabled for widget in fixed) and app.number_input[1].disabled  # and the capacity override
+    assert all(widget.disabled for widget in fixed) and app.number_input(key="sim_capacity").disabled
     summary = download_table(app, downloads, "dl_summary")
     assert summary["paper_token_states_frac"].notna().any()
 
@@ -240,8 +240,8 @@ def test_memory_simulator_figure2_setup_greys_out_what_it_fixes(downloads):
 def test_memory_simulator_greys_out_what_a_trace_brings_itself():
     synthetic_only = ("Arrival rate", "Burstiness", "Parallel samples", "Beam width", "Shared system-prompt")
 
-    def sliders(app):
-        return [s for s in app.slider if s.label.startswith(synthetic_only)]
+    def sliders(app):  # the arrival rate is typed (a number input), the others are sliders
+        return [s for s in [*app.slider, *app.number_input] if s.label.startswith(synthetic_only)]
 
     app = open_page("memory_simulator")
     assert len(sliders(app)) == len(synthetic_only) and not any(s.disabled for s in sliders(app))
@@ -261,13 +261,13 @@ def test_memory_simulator_bad_upload_shows_error():
 
 def test_memory_simulator_impossible_pool_shows_error():
     app = open_page("memory_simulator")
-    app.number_input[1].set_value(1).run()  # a KV capacity of one token: no block fits
+    app.number_input(key="sim_capacity").set_value(1).run()  # a KV capacity of one token: no block fits
     assert not app.exception and any("holds no block" in e.value for e in app.error)
 
 
 def test_memory_simulator_warns_about_rejected_requests():
     app = open_page("memory_simulator")
-    app.number_input[1].set_value(64).run()  # 64 token slots: most ShareGPT requests can never fit
+    app.number_input(key="sim_capacity").set_value(64).run()  # 64 token slots: most ShareGPT requests can never fit
     assert not app.exception and not app.error
     assert any("larger than the whole KV pool" in w.value for w in app.warning)
     assert not any("nan" in w.value for w in app.warning)  # contiguous runs are named without a block size
@@ -484,13 +484,28 @@ def test_sweeps_page_runs_a_sweep_and_a_plan_and_loads_files(downloads):
     app.button(key="run_sweep").click().run()
     clean(app)
     table = download_table(app, downloads, "dl_sweep")
-    assert len(table) == 2 * 3 * 2  # allocators x block sizes x rates
+    # paged at 3 block sizes x 3 rates, contiguous-oracle (which has no blocks) once per rate
+    assert len(table) == 3 * 3 + 3
+    contiguous = table[table["allocator"] != "paged"]
+    assert len(contiguous) == 3 and contiguous["block_size"].isna().all()
     assert failed_runs(table).empty and {"throughput_tok_s", "block_size", "rate"} <= set(table)
-    assert app.get("plotly_chart")
+    # the defaults are memory-bound at 5 and 20 requests/s, and paging shows it there (at 1 request/s the pool
+    # never fills and the two serve alike)
+    best = table.groupby(["rate", "allocator"])["throughput_tok_s"].max().unstack()
+    assert (best.loc[[5.0, 20.0], "paged"] > 1.1 * best.loc[[5.0, 20.0], "contiguous-oracle"]).all(), best
+    assert any("Memory-bound in" in i.value for i in app.info)
+    charts = [json.loads(c.proto.spec) for c in app.get("plotly_chart")]
+    heatmap = next(c for c in charts if c["data"][0]["type"] == "heatmap")
+    assert heatmap["layout"]["coloraxis"]["cmin"] == 0 and "from zero" in heatmap["layout"]["title"]["text"]
+    assert not app.warning  # the results are the sidebar's
+    app.sidebar.multiselect(key="sweep_rates").set_value([1.0, 5.0]).run()
+    assert any("settings changed — press Run" in w.value for w in app.warning)  # stale until Run
     app.sidebar.radio(key="sweep_mode").set_value("capacity plan").run()
     app.button(key="run_sweep").click().run()
     clean(app)
     plan = download_table(app, downloads, "dl_sweep")
+    plan_button = next(b for b in app.download_button if b.proto.id.endswith("dl_sweep"))
+    assert downloads.names[file_id_of(plan_button)].startswith("plan_")
     assert {"max_rate_req_s", "cost_per_hour", "chosen", "kv_offload_gib", "host_cost_per_hour"} <= set(plan)
     assert plan["chosen"].sum() <= 1 and plan["host_price_per_gib_hour"].eq(0.004).all()
     app.sidebar.text_input[0].set_value("ttft_p91=2")
@@ -526,6 +541,9 @@ def test_twin_page_calibrates_runs_and_rejects_bad_profiles(downloads):
     assert app.session_state["twin_result"].real_steps["num_running"].max() == 5
     steps = download_table(app, downloads, "dl_twin_steps")
     assert (steps["real_duration_s"] > 0).all() and (steps["simulated_duration_s"] > 0).all()
+    assert not any("settings changed" in w.value for w in app.warning)
+    app.number_input(key="twin_max_num_seqs").set_value(6).run()  # the comparison shown is of max_num_seqs 5
+    assert any("settings changed — press Run" in w.value for w in app.warning)
     app.selectbox(key="twin_workload").set_value("upload a trace").run()
     app.button(key="run_twin").click().run()
     assert not app.exception and any("upload a trace file first" in e.value for e in app.error)
@@ -556,6 +574,9 @@ def test_paper_page_runs_figures_and_exports(downloads):
                                      "quantity", "paper", "lab", "verdict"]
     assert summary[["figures", "num_requests"]].iloc[0].tolist() == ["2 19", 100]
     assert set(summary["figure"].astype(str)) == {"2", "19"} and app.get("plotly_chart")
+    assert not any("settings changed" in w.value for w in app.warning)
+    app.sidebar.multiselect(key="paper_figures").set_value(["2"]).run()  # the figures shown are of other settings
+    assert any("settings changed — press Run" in w.value for w in app.warning)
 
 
 def test_the_overview_links_every_page_of_the_navigation():

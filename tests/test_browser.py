@@ -119,7 +119,7 @@ def test_the_wait_waits_for_a_slow_run(server, browser):
     page.goto(f"{server}/memory_simulator", timeout=60_000)
     settle(page, True)
     requests = page.locator('[data-testid="stSidebar"] [data-testid="stNumberInput"]').filter(
-        has_text="Requests").locator("input")
+        has_text="Requests (trace").locator("input")  # not "Arrival rate (requests/s …)", a number input too
     runs, started = runs_started(page), time.monotonic()
     requests.fill("6000")
     requests.press("Enter")
@@ -148,7 +148,8 @@ def test_the_twin_calibrates_and_runs_both_ways(server, browser, shots):
     page.wait_for_selector(".js-plotly-plot .main-svg", timeout=180_000)
     settle(page, True)
     no_exception(page)
-    assert "Identical schedules" in page.locator('[data-testid="stAlert"]').first.inner_text()
+    alerts = page.locator('[data-testid="stAlert"]').all_inner_texts()  # a quick grid's fit also draws a warning
+    assert any("Identical schedules" in alert for alert in alerts), alerts
     assert page.locator(".js-plotly-plot").count() == 4  # blocks, tokens/s, TTFT and TPOT CDFs
     page.screenshot(path=str(shots / "twin_run.png"), full_page=True)
     page.close()
@@ -266,6 +267,156 @@ def test_a_block_size_change_moves_throughput_and_fragmentation(server, browser)
     settle(page, True, after=runs)
     no_exception(page)
     assert page.locator(".js-plotly-plot").filter(has_text="block size").count() >= 1  # the sweep chart
+    page.close()
+
+
+def _sidebar(page, testid: str, text: str):
+    return page.locator(f'[data-testid="stSidebar"] [data-testid="{testid}"]').filter(has_text=text)
+
+
+def _type_number(page, label: str, value: str) -> None:
+    """Type ``value`` into the sidebar's number input labelled ``label`` and wait for the page's rerun."""
+    box = _sidebar(page, "stNumberInput", label).locator("input").first
+    runs = runs_started(page)
+    box.fill(value)
+    box.press("Enter")
+    settle(page, True, after=runs)
+
+
+def test_settings_persist_across_pages_and_travel_in_the_url(server, browser, shots):
+    """Settings made on the Memory simulator are there again after a visit to another page, and its URL carries
+    them: the same URL in a fresh browser context (a bookmark, a shared link) and a reload open the page as it was."""
+    from urllib.parse import parse_qs, urlparse
+
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    page.goto(f"{server}/memory_simulator", timeout=60_000)
+    settle(page, True)
+    _type_number(page, "Arrival rate", "3")
+    _type_number(page, "Requests", "400")
+    page.get_by_role("link", name="Kernel lab").click()
+    page.get_by_role("heading", name="Kernel lab").wait_for(timeout=60_000)
+    settle(page, True)
+    assert "sim_rate" not in parse_qs(urlparse(page.url).query)  # another page's link carries its own settings
+    page.get_by_role("link", name="Memory simulator").click()
+    page.get_by_role("heading", name="Memory simulator").wait_for(timeout=60_000)
+    settle(page, True)
+    no_exception(page)
+    rate = _sidebar(page, "stNumberInput", "Arrival rate").locator("input").first
+    requests = _sidebar(page, "stNumberInput", "Requests").locator("input").first
+    assert (rate.input_value(), requests.input_value()) == ("3.00", "400")
+    page.wait_for_function("() => location.search.includes('sim_rate=3.0')", timeout=30_000)
+    query = parse_qs(urlparse(page.url).query)
+    assert query["sim_rate"] == ["3.0"] and query["sim_requests"] == ["400"]
+    assert "400 requests" in page.get_by_text("Workload:").first.inner_text()
+    shared = page.url
+    page.close()
+    context = browser.new_context(viewport={"width": 1440, "height": 900})  # no session, no cookies: a bookmark
+    fresh = context.new_page()
+    fresh.goto(shared, timeout=60_000)
+    settle(fresh, True)
+    no_exception(fresh)
+    assert _sidebar(fresh, "stNumberInput", "Arrival rate").locator("input").first.input_value() == "3.00"
+    assert "400 requests" in fresh.get_by_text("Workload:").first.inner_text()
+    fresh.reload()
+    settle(fresh, True)
+    assert _sidebar(fresh, "stNumberInput", "Requests").locator("input").first.input_value() == "400"
+    fresh.screenshot(path=str(shots / "memory_simulator_from_a_link.png"), full_page=True)
+    context.close()
+
+
+def test_an_uploaded_trace_stays_for_the_session_and_says_it_is_not_in_the_link(server, browser, tmp_path):
+    trace = tmp_path / "mine.csv"
+    trace.write_text("arrival_time_s,prompt_tokens,output_tokens\n0,100,20\n1,200,30\n2,150,25\n")
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    page.goto(f"{server}/memory_simulator", timeout=60_000)
+    settle(page, True)
+    runs = runs_started(page)
+    page.locator('[data-testid="stSidebar"] label').filter(has_text="upload a trace").click()
+    settle(page, False, after=runs)
+    runs = runs_started(page)
+    page.locator('[data-testid="stSidebar"] input[type="file"]').set_input_files(str(trace))
+    settle(page, True, after=runs)
+    assert "3 requests" in page.get_by_text("Workload:").first.inner_text()
+    page.get_by_role("link", name="Benchmarks").click()
+    page.get_by_role("heading", name="Benchmarks").wait_for(timeout=60_000)
+    settle(page, False)
+    page.get_by_role("link", name="Memory simulator").click()
+    page.get_by_role("heading", name="Memory simulator").wait_for(timeout=60_000)
+    settle(page, True)
+    no_exception(page)
+    assert "3 requests" in page.get_by_text("Workload:").first.inner_text()  # the same trace, not re-uploaded
+    note = page.locator('[data-testid="stSidebar"]').get_by_text("uploaded earlier in this session").inner_text()
+    assert "mine.csv" in note and "not the file" in note
+    page.close()
+
+
+def test_every_headline_card_is_in_the_export_beside_it(server, browser, shots):
+    """Each card's figure is a row of the CSV downloaded under the cards, by the same name, with the same value."""
+    import pandas as pd
+
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    page.goto(f"{server}/memory_simulator", timeout=60_000)
+    settle(page, True)
+    cards = page.locator('[data-testid="stMetric"]')
+    assert cards.count() == 4
+    figures = pd.read_csv(download(page, "Download these figures")[0]).set_index("Figure")
+    assert {"model", "gpu", "arrival_rate_req_s", "lab_version"} <= set(figures.columns)  # its settings
+    for index in range(4):
+        label = cards.nth(index).locator('[data-testid="stMetricLabel"]').inner_text().strip()
+        value = cards.nth(index).locator('[data-testid="stMetricValue"]').inner_text().strip()
+        figure, run = label.split(" · ")
+        assert figures.loc[figure, "Paged run"] == run, label
+        assert float(value.split()[0].replace(",", "")) == pytest.approx(figures.loc[figure, "Paged"], rel=0.01), \
+            (label, value)
+    # further down: goodput against the sidebar's SLOs and the latency CDFs
+    page.get_by_role("heading", name="Requests: latency, SLOs and goodput").scroll_into_view_if_needed()
+    page.wait_for_timeout(1_000)
+    assert page.locator(".js-plotly-plot").filter(has_text="share of finished requests").count() == 2
+    page.screenshot(path=str(shots / "memory_simulator_requests.png"))
+    page.close()
+
+
+def test_a_long_run_shows_progress_with_an_estimate_and_stop_keeps_what_finished(server, browser, shots):
+    """20,000 requests take tens of seconds: the bar says how far and about how long is left; Stop ends the run and
+    the configurations that finished are shown, marked as a stopped run."""
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    page.goto(f"{server}/memory_simulator", timeout=60_000)
+    settle(page, True)
+    box = _sidebar(page, "stNumberInput", "Requests").locator("input").first
+    box.fill("20000")
+    box.press("Enter")
+    progress = page.locator('[data-testid="stProgress"]')
+    page.wait_for_function("() => [...document.querySelectorAll('[data-testid=\"stProgress\"]')].some("
+                           "e => /[1-9][0-9]*% done.*s left/.test(e.innerText))", timeout=240_000, polling=200)
+    assert "simulating 6 configurations on 20,000 requests" in progress.first.inner_text()
+    page.get_by_role("button", name="Stop", exact=True).click()
+    page.get_by_text("configurations finished and are shown").wait_for(timeout=120_000)
+    settle(page, True)
+    no_exception(page)
+    stopped = page.locator('[data-testid="stAlert"]').filter(has_text="Stopped:").first.inner_text()
+    finished, total = (int(word) for word in stopped.split("Stopped:")[1].split("configurations")[0].split(" of "))
+    assert 1 <= finished < total == 6
+    page.screenshot(path=str(shots / "memory_simulator_stopped.png"), full_page=True)
+    page.close()
+
+
+def test_the_sweeps_page_marks_results_of_other_settings_stale(server, browser, shots):
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    page.goto(f"{server}/sweeps", timeout=60_000)
+    settle(page, False)
+    runs = runs_started(page)
+    page.locator('[data-testid="stSidebar"] label').filter(has_text="Run on Ray").click()  # in-process: no Ray
+    settle(page, False, after=runs)
+    page.get_by_role("button", name="Run", exact=True).click()
+    page.wait_for_selector(".js-plotly-plot .main-svg", timeout=300_000)
+    settle(page, True)
+    no_exception(page)
+    assert page.get_by_text("Memory-bound in").count() >= 1
+    page.screenshot(path=str(shots / "sweeps_run.png"), full_page=True)
+    path, name = download(page, "Download CSV")
+    assert name.startswith("sweep_")
+    _type_number(page, "Requests per run", "200")
+    assert page.get_by_text("settings changed — press Run").count() == 1
     page.close()
 
 

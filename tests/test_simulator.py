@@ -378,7 +378,8 @@ def test_compare_reuses_runs_of_the_same_workload_and_config(monkeypatch):
     for key, run in reuse.items():  # with workers, the slowest configuration last time goes first
         run.summary["wall_time_s"] = {"contiguous-max": 9.0, "paged-B4": 5.0}.get(run.config.label, 1.0)
     handed = []
-    monkeypatch.setattr(simulator.core.runs, "_run_all", lambda w, cs, workers, progress: handed.extend(c.label for c in cs)
+    monkeypatch.setattr(simulator.core.runs, "_run_all",
+                        lambda w, cs, workers, progress, on_result: handed.extend(c.label for c in cs)
                         or [original(w, c) for c in cs])
     compare(dataclasses.replace(workload, arrival_s=workload.arrival_s * 3), more, workers=2, reuse=reuse)
     assert handed == ["contiguous-max", "paged-B4", "paged-B16"]

@@ -501,15 +501,20 @@ class Profiler:
 
 def profile_engine(model="tiny", device: str | None = None, block_size: int = 16, backend: str = "auto",
                    repeats: int = 3, seed: int = 0, grid: str = "full",
-                   progress: Callable[[int, int], None] | None = None) -> Profile:
+                   progress: Callable[[int, int], None] | None = None,
+                   on_round: Callable[[Callable[[], Profile], int, int], object] | None = None) -> Profile:
     """Measure the engine on the designed scenarios and fit the step-time model. The model is loaded once; each
     round runs every scenario on a fresh engine, round 0 unmeasured (warm-up), so a slow spell of a shared machine
-    lands on all scenarios alike instead of skewing a few (the fit would then bend around it)."""
+    lands on all scenarios alike instead of skewing a few (the fit would then bend around it). ``on_round(fit,
+    measured, repeats)`` hears of each measured round as it ends: ``fit()`` makes the profile of the rounds so far
+    (what a page's Stop keeps)."""
     profiler = Profiler(model, device, block_size, backend, seed, grid)
     total = (repeats + 1) * profiler.num_scenarios
     for round_ in range(repeats + 1):
         done = round_ * profiler.num_scenarios
         profiler.run_round(None if progress is None else lambda index: progress(done + index, total))
+        if on_round is not None and round_ >= 1:
+            on_round(profiler.result, round_, repeats)
     return profiler.result()
 
 

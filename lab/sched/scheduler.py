@@ -18,6 +18,7 @@ the same.
 """
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import sys
@@ -382,6 +383,7 @@ class Scheduler:
         self._heap_ties = itertools.count()
         self.num_waiting_seqs = self.num_swapped_seqs = 0
         self.num_preemptions = self.num_swaps_out = 0
+        self.preemptions_of: collections.Counter = collections.Counter()  # request id -> its preemptions
         self.num_admitted = 0  # groups admitted so far (``Sequence.admitted``)
         # (head group, its first chunk, free blocks) when the queue's head could not be admitted, until memory may have
         # come free: with no release since and no more free blocks, admitting it would fail again (a pool that only
@@ -737,6 +739,7 @@ class Scheduler:
         """Free the victim's GPU memory: swap its whole group's running sequences to the host pool, or (recompute,
         or no host room) drop its KV and queue it first to be prefilled again with everything it has sampled."""
         self.num_preemptions += 1
+        self.preemptions_of[victim.group.request_id] += 1
         if victim.status is SequenceStatus.PREFILLING:  # vllm: its prompt starts over (its blocks stay cached)
             self._blocked_head = None
             self.prefilling.remove(victim)

@@ -308,6 +308,7 @@ class Simulator:
         self.num_requests = len(workload)
         # per request: arrays of C doubles and lists (a numpy scalar costs ~1 us an access); numpy in the result
         self.first_token_time = array("d", [math.nan]) * self.num_requests
+        self.first_step_start = array("d", [math.nan]) * self.num_requests  # the step that made the first token
         self.finish_time = array("d", [math.nan]) * self.num_requests
         self.samples_left = [0] * self.num_requests
         self._prompt_ids: dict[int, TokenIds] = {}  # requests admitted or offered, until they finish
@@ -480,7 +481,7 @@ class Simulator:
         self.metrics.accumulate(values, scheduler.num_running_seqs, duration)
         if out.prefill_done:
             for seq in out.prefill_done:
-                self._start_decoding(seq, end)
+                self._start_decoding(seq, end, end - duration)
         if out.swapped_in:
             for seq in out.swapped_in:
                 self._schedule_done(seq)
@@ -568,11 +569,12 @@ class Simulator:
         self.time, self.generated_tokens, self.idle_s = time, generated, 0.0
         return True
 
-    def _start_decoding(self, seq: Sequence, first_token_time: float) -> None:
-        """Prefill done: its first token is out at the end of this iteration."""
+    def _start_decoding(self, seq: Sequence, first_token_time: float, step_start: float) -> None:
+        """Prefill done: its first token is out at the end of this iteration (which began at ``step_start``)."""
         request = seq.group.request_id
         if math.isnan(self.first_token_time[request]):
             self.first_token_time[request] = first_token_time
+            self.first_step_start[request] = step_start
         if seq.prompt_len >= seq.final_len:
             self._finish(seq, first_token_time)
         else:
@@ -641,7 +643,10 @@ class Simulator:
                                                                  else self.workload.output_tokens),
                                  "rejected": np.array(self.rejected, dtype=bool),
                                  "first_token_s": np.array(self.first_token_time, dtype=np.float64),
-                                 "finish_s": np.array(self.finish_time, dtype=np.float64)})
+                                 "finish_s": np.array(self.finish_time, dtype=np.float64),
+                                 "first_token_step_s": np.array(self.first_step_start, dtype=np.float64),
+                                 "preemptions": np.array([self.scheduler.preemptions_of.get(request, 0)
+                                                          for request in range(self.num_requests)], dtype=np.int64)})
         if len(self.owned) != self.num_requests:  # a replica: its own requests (index = request id)
             requests = requests.iloc[self.owned]
         summary = {"allocator": self.config.allocator, "block_size": self.config.block_size

@@ -43,10 +43,12 @@ def _run(workload: Workload, config: SimConfig) -> SimResult:
 
 
 def run_in_processes(workload: Workload, configs: list[SimConfig], workers: int,
-                     progress: Callable[[float], bool | None] | None = None) -> list[SimResult | None]:
+                     progress: Callable[[float], bool | None] | None = None,
+                     on_result: Callable[[int, SimResult], None] | None = None) -> list[SimResult | None]:
     """Each config's result, in order, computed in ``workers`` processes. ``progress(fraction done)`` is called
     when a run finishes and at least every ``PROGRESS_EVERY_S`` while runs go on; when it returns False (or raises,
-    as a page that reruns does) the runs not started are cancelled and those not finished come back as None."""
+    as a page that reruns does) the runs not started are cancelled and those not finished come back as None.
+    ``on_result(index, result)`` hears of each run as it finishes, so a stop loses none that did."""
     futures = [pool(workers).submit(_run, workload, config) for config in configs]
     done: set = set()
     told = time.monotonic()
@@ -55,6 +57,9 @@ def run_in_processes(workload: Workload, configs: list[SimConfig], workers: int,
             finished, _ = concurrent.futures.wait(set(futures) - done, timeout=POLL_S,
                                                   return_when=concurrent.futures.FIRST_COMPLETED)
             done |= finished
+            if on_result is not None:
+                for future in finished:
+                    on_result(futures.index(future), future.result())
             if progress is None or not (finished or time.monotonic() - told >= PROGRESS_EVERY_S):
                 continue
             told = time.monotonic()

@@ -96,17 +96,29 @@ def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool
     if workers > 1 and reuse:  # the slowest first (by their last run on any workload): the workers finish together
         seconds = {config: run.summary["wall_time_s"] for (_, config), run in list(reuse.items())}
         missing.sort(key=lambda index: -seconds.get(keys[index][1], 0.0))
-    fresh = dict(zip(missing, _run_all(workload, [configs[index] for index in missing], workers, progress)))
+
+    def keep(position: int, run: SimResult) -> None:  # each run as it finishes: a page's Stop keeps those that did
+        if reuse is not None and not run.summary["stopped_early"]:
+            reuse[keys[missing[position]]] = run
+
+    fresh = dict(zip(missing, _run_all(workload, [configs[index] for index in missing], workers, progress, keep)))
     results = {}
     for index, label in enumerate(labels):
         run = kept[index] if index in kept else fresh[index]
         if run is None:
             continue
         results[label] = run
-        if reuse is not None and index in fresh and not run.summary["stopped_early"]:
-            reuse[keys[index]] = run
+        if reuse is not None and index in fresh and keys[index] not in reuse and not run.summary["stopped_early"]:
+            reuse[keys[index]] = run  # a run the callback did not hear of
     table = pd.DataFrame([{"label": label, **r.summary} for label, r in results.items()])
     return table, results
+
+
+def finished_configs(workload: Workload, configs: list[SimConfig], reuse: MutableMapping) -> list[SimConfig]:
+    """The ``configs`` whose runs on ``workload`` are in ``reuse`` (``compare``'s): what a stopped comparison
+    finished, which ``compare`` then shows at once without running anything."""
+    fingerprint = workload.fingerprint()
+    return [config for config in configs if (fingerprint, config_key(config)) in reuse]
 
 
 def config_key(config: SimConfig) -> str:
@@ -138,12 +150,14 @@ class RunCache(OrderedDict):
 
 
 def _run_all(workload: Workload, configs: list[SimConfig], workers: int,
-             progress: Callable[[float], bool | None] | None) -> list[SimResult | None]:
-    """Each config's run (None for those a stop left unrun), in processes or one after another."""
+             progress: Callable[[float], bool | None] | None,
+             on_result: Callable[[int, SimResult], None]) -> list[SimResult | None]:
+    """Each config's run (None for those a stop left unrun), in processes or one after another; ``on_result``
+    hears of each as it finishes."""
     if workers > 1 and len(configs) > 1:
         from .parallel import run_in_processes
 
-        return run_in_processes(workload, configs, workers, progress)
+        return run_in_processes(workload, configs, workers, progress, on_result)
     runs: list[SimResult | None] = [None] * len(configs)
     for index, config in enumerate(configs):
         def on_snapshot(snapshot, index=index):
@@ -151,6 +165,7 @@ def _run_all(workload: Workload, configs: list[SimConfig], workers: int,
 
         runs[index] = run_simulation(workload, config, on_snapshot=on_snapshot, snapshot_every=100,
                                      snapshot_pool=False)
+        on_result(index, runs[index])
         if runs[index].summary["stopped_early"]:
             break
     return runs
@@ -189,10 +204,12 @@ def block_size_sweep_workloads(workload: Workload, max_model_len: int, num_reque
 
 @entry_point
 def block_size_sweep(workloads: dict[str, Workload], config: SimConfig,
-                     block_sizes: tuple[int, ...] = BLOCK_SIZES) -> pd.DataFrame:
+                     block_sizes: tuple[int, ...] = BLOCK_SIZES,
+                     on_row: Callable[[dict, float], object] | None = None) -> pd.DataFrame:
     """The paged allocator at each block size on each workload (``config`` otherwise): internal fragmentation,
     throughput and mean running sequences, one row per (workload, block size). Small blocks waste less of their
-    last block but slow the attention kernel (``CostModel.block_slowdown``); large ones the reverse."""
+    last block but slow the attention kernel (``CostModel.block_slowdown``); large ones the reverse.
+    ``on_row(row, fraction done)`` hears of each row as it is made (a page's progress, and what a Stop keeps)."""
     rows = []
     if not workloads or not block_sizes:
         raise InputError("block_size_sweep needs at least one workload and one block size")
@@ -207,6 +224,8 @@ def block_size_sweep(workloads: dict[str, Workload], config: SimConfig,
                          "internal_fragmentation_pct": 100 * summary["internal_fragmentation_frac"],
                          "throughput_tok_s": summary["throughput_tok_s"],
                          "mean_batch_size": summary["mean_batch_size"]})
+            if on_row is not None:
+                on_row(rows[-1], len(rows) / (len(workloads) * len(block_sizes)))
     return pd.DataFrame(rows)
 
 
@@ -215,10 +234,11 @@ OFFLOAD_TIERS_GIB = (0.0, 8.0, 32.0, 128.0, math.inf)
 
 @entry_point
 def offload_sweep(workload: Workload, config: SimConfig,
-                  tiers_gib: tuple[float, ...] = OFFLOAD_TIERS_GIB) -> pd.DataFrame:
+                  tiers_gib: tuple[float, ...] = OFFLOAD_TIERS_GIB,
+                  on_row: Callable[[dict, float], object] | None = None) -> pd.DataFrame:
     """What a CPU tier buys: the paged allocator (``config`` otherwise, prefix caching on) with a host offload tier
     of each size: prefix-cache hit rate (GPU + tier, %), the share the tier served (%), TTFT p50/p90 and
-    throughput, one row per tier size."""
+    throughput, one row per tier size. ``on_row(row, fraction done)`` hears of each row as it is made."""
     if not config.enable_prefix_caching:
         raise InputError("offload_sweep: the offload tier keeps the prefix cache's blocks, and this configuration "
                          "has prefix caching off")
@@ -234,6 +254,8 @@ def offload_sweep(workload: Workload, config: SimConfig,
                      "offload_hit_pct": 100 * summary.get("offload_hit_rate", 0.0),
                      "ttft_p50_s": summary["ttft_p50_s"], "ttft_p90_s": summary["ttft_p90_s"],
                      "throughput_tok_s": summary["throughput_tok_s"], "preemptions": summary["preemptions"]})
+        if on_row is not None:
+            on_row(rows[-1], len(rows) / len(tiers_gib))
     return pd.DataFrame(rows)
 
 

@@ -400,11 +400,12 @@ def figure19(num_requests: int = 1000, tiny: TinyScale | None = None) -> tuple[p
 SUMMARY_COLUMNS = ["figure", "quantity", "paper", "lab", "verdict"]
 
 
-def compute_figures(figures: list[str], num_requests: int = 1000,
-                    tiny: TinyScale | None = None) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
+def compute_figures(figures: list[str], num_requests: int = 1000, tiny: TinyScale | None = None,
+                    on_figure=None) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
     """Run the figures; returns the summary (``figure, quantity, paper, lab, verdict``) and each figure's table by
     figure. ``tiny`` (e.g. ``TINY``): also run Figures 18 and 19 on the real tiny engine beside the simulator
-    (minutes on a CPU)."""
+    (minutes on a CPU). ``on_figure(figure, table, summary rows, fraction done)`` hears of each figure as it is
+    done (a page's progress, and what a Stop keeps)."""
     unknown = [f for f in figures if f not in FIGURES]
     if unknown:
         raise InputError(f"figure(s) {', '.join(unknown)} not available; choose from {', '.join(FIGURES)} or all")
@@ -415,6 +416,8 @@ def compute_figures(figures: list[str], num_requests: int = 1000,
         tables[figure], rows = functions[figure](num_requests, tiny) if figure in ("18", "19") else \
             functions[figure](num_requests)
         summary += rows
+        if on_figure is not None:
+            on_figure(figure, tables[figure], rows, len(tables) / len(figures))
     return pd.DataFrame(summary, columns=SUMMARY_COLUMNS), tables
 
 

@@ -274,11 +274,13 @@ class ResultStore:
         text = json.dumps({k: _plain(v) for k, v in row.items()})
         self.db.execute("INSERT OR REPLACE INTO runs VALUES (?, ?)", (row["run_key"], text))
 
-    def table(self, keys: list[str], specs: list[dict]) -> pd.DataFrame:
+    def table(self, keys: list[str], specs: list[dict], blank: tuple[str, ...] = ()) -> pd.DataFrame:
         """One row per (``keys[i]``, ``specs[i]``) whose run is stored, in that order: the stored row with the spec's
-        own values (runs shared by several grid points appear once per point)."""
+        own values (runs shared by several grid points appear once per point); the ``blank`` fields a spec does not
+        set are empty (a contiguous run's block size: it has none, whatever point first stored the run)."""
         rows = dict(self.db.execute("SELECT run_key, row FROM runs"))
-        return pd.DataFrame([{**_stored_row(key, rows[key]), **spec} for key, spec in zip(keys, specs) if key in rows])
+        return pd.DataFrame([{**_stored_row(key, rows[key]), **dict.fromkeys(blank), **spec}
+                             for key, spec in zip(keys, specs) if key in rows])
 
 
 def _stored_row(key, text) -> dict:
@@ -350,7 +352,30 @@ def _warm_up() -> int:
     return os.getpid()
 
 
-def run_sweep(grid: dict[str, list], store: str | Path, parallel: bool = True, address: str | None = None,
+def allocator_grids(grid: dict[str, list]) -> list[dict[str, list]]:
+    """``grid`` split by kind of allocator (paged, contiguous), each kind's grid without the settings it does not read
+    (``simulator.core.presets.ALLOCATOR_SETTINGS``: a contiguous allocator has no block size, prefix cache or
+    offload tier; paged blocks no address space): those are swept only for the kind that reads them, so a
+    contiguous run is not repeated, or listed, once per block size. A grid of one kind comes back whole, less the
+    other kind's settings."""
+    from simulator.core.presets import ALLOCATOR_SETTINGS
+
+    allocators = grid.get("allocator", [SIM_DEFAULTS["allocator"]])
+    kinds: dict[str, list] = {}
+    for allocator in allocators:
+        kinds.setdefault("paged" if allocator == "paged" else "contiguous", []).append(allocator)
+    grids = []
+    for kind, names in kinds.items():
+        own = {field: values for field, values in grid.items()
+               if field not in ALLOCATOR_SETTINGS or ALLOCATOR_SETTINGS[field][1] == kind}
+        if kind != "paged":
+            own.pop(OFFLOAD_GIB, None)
+        grids.append({**own, "allocator": names})
+    return grids
+
+
+def run_sweep(grid: dict[str, list] | list[dict[str, list]], store: str | Path, parallel: bool = True,
+              address: str | None = None,
               num_cpus: int | None = None, progress: bool = True,
               should_stop: Callable[[int, int], bool] | None = None, retry_failed: bool = True,
               keep_on_interrupt: bool = False) -> SweepResult:
@@ -361,9 +386,12 @@ def run_sweep(grid: dict[str, list], store: str | Path, parallel: bool = True, a
     and ``store_error`` says what happened. A ``KeyboardInterrupt`` stops the runs (what finished is stored); with
     ``keep_on_interrupt`` the sweep then returns the table of the runs done so far, ``ran`` those of this invocation
     and ``interrupted`` how many it had to do (the same sweep again runs exactly the missing ones), else the
-    interrupt goes on to the caller."""
-    grid = check_grid(grid)
-    specs = expand(grid)
+    interrupt goes on to the caller. ``grid`` may be a list of grids (as ``allocator_grids`` makes), run as one sweep: a
+    field that only some of them set is empty in the others' rows."""
+    grids = [check_grid(one) for one in ([grid] if isinstance(grid, dict) else grid)]
+    specs = [spec for one in grids for spec in expand(one)]
+    fields = list(dict.fromkeys(field for one in grids for field in one))
+    blank = tuple(field for field in fields if not all(field in one for one in grids))
     results = ResultStore(store)
     keys = [spec_key(spec) for spec in specs]
     stored = results.keys(failed=not retry_failed)
@@ -399,13 +427,14 @@ def run_sweep(grid: dict[str, list], store: str | Path, parallel: bool = True, a
     bar.close()
     if not store_error:
         try:
-            table = results.table(keys, specs)
+            table = results.table(keys, specs, blank)
             results.close()
         except sqlite3.Error as exc:
             store_error.append(f"{results.path}: {exc}")
     if store_error:
-        table = pd.DataFrame([{**fresh[key], **spec} for key, spec in zip(keys, specs) if key in fresh])
-    return SweepResult(tidy(table, list(grid)), len(fresh) if interrupted else len(todo), ray_init_s,
+        table = pd.DataFrame([{**fresh[key], **dict.fromkeys(blank), **spec} for key, spec in zip(keys, specs)
+                              if key in fresh])
+    return SweepResult(tidy(table, fields), len(fresh) if interrupted else len(todo), ray_init_s,
                        "".join(store_error), len(todo) if interrupted else 0)
 
 

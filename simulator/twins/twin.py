@@ -292,16 +292,23 @@ def first_difference(real: pd.DataFrame, simulated: pd.DataFrame) -> str:
             f"{simulated[PLAN_COLUMNS].iloc[row].to_dict()}")
 
 
-def run_twin(workload: Workload, config: TwinConfig, profile: Profile, repeats: int = 1) -> TwinResult:
+def run_twin(workload: Workload, config: TwinConfig, profile: Profile, repeats: int = 1,
+             on_run: Callable[[RealRun, int, int], object] | None = None) -> TwinResult:
     """Run the workload through the engine ``repeats`` times and through the simulator. ``real`` is the median of
     the runs' values and ``noise_floor`` the largest relative distance of a run from it; the step logs, the replay
-    and the CDFs use the first run."""
+    and the CDFs use the first run. ``on_run(run, done, repeats)`` hears of each real run as it ends (a page's
+    progress; the runs a Stop keeps, which ``compare`` takes as they are)."""
     profile.check_matches(model=config.model, block_size=config.engine.block_size)
     hf_model = load_model(config.model, config.engine)[0]
     parameter = next(hf_model.parameters())
     profile.check_matches(device=parameter.device.type, dtype=str(parameter.dtype),
                           backend=ModelRunner.resolve_attention_backend(hf_model, config.engine.attention_backend))
-    return compare(workload, [run_real(workload, config, hf_model) for _ in range(repeats)], profile)
+    runs = []
+    for _ in range(repeats):
+        runs.append(run_real(workload, config, hf_model))
+        if on_run is not None:
+            on_run(runs[-1], len(runs), repeats)
+    return compare(workload, runs, profile)
 
 
 def compare(workload: Workload, real_runs: list[RealRun], profile: Profile) -> TwinResult:

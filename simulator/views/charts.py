@@ -162,11 +162,16 @@ def _in_percent(table: pd.DataFrame, value: str) -> pd.DataFrame:
 
 
 def sweep_heatmap(table: pd.DataFrame, x: str, y: str, value: str) -> go.Figure:
-    """Median of ``value`` over the runs at each (``x``, ``y``) of a sweep table."""
+    """Median of ``value`` over the runs at each (``x``, ``y``) of a sweep table. The colour scale starts at zero
+    (a 2 % gap does not span the whole scale); a figure with negative values spans them, and the title says so."""
     grid = _in_percent(table, value).pivot_table(index=y, columns=x, values=value, aggfunc="median")
+    low, high = float(np.nanmin(grid.to_numpy())), float(np.nanmax(grid.to_numpy()))
+    from_zero = low >= 0
     figure = px.imshow(grid, aspect="auto", color_continuous_scale="Viridis",
+                       range_color=(0.0, high if high > 0 else 1.0) if from_zero else (low, high),
                        labels=dict(x=_label(x), y=_label(y), color=_label(value)),
-                       title=f"{_label(value)}, median over the other fields")
+                       title=f"{_label(value)}, median over the other fields (colour scale "
+                             f"{'from zero' if from_zero else 'from its lowest value: it has negative ones'})")
     figure.update_traces(text=grid.map(human_number).to_numpy(), texttemplate="%{text}")
     figure.update_xaxes(type="category")
     figure.update_yaxes(type="category")
@@ -181,8 +186,8 @@ def sweep_lines(table: pd.DataFrame, x: str, value: str, colour: str | None) -> 
         data[colour] = data[colour].astype(str)
     labels = {column: _label(column) for column in (x, value, colour) if column}
     figure = px.line(data, x=x, y=value, color=colour, markers=True, labels=labels,
-                     title=f"{_label(value)} against {_label(x).lower()}")
-    return figure.update_layout(height=360)
+                     title=f"{_label(value)} against {_label(x).lower()} (y axis from zero)")
+    return figure.update_layout(height=360).update_yaxes(rangemode="tozero")
 
 
 def pareto(plan: pd.DataFrame) -> go.Figure:
@@ -335,6 +340,18 @@ def _paper_figure(figure: str, table: pd.DataFrame) -> go.Figure:
                                 legend=dict(x=1.1))
         return chart
     raise InputError(f"no chart for figure {figure!r}")
+
+
+def request_cdf(requests: pd.DataFrame, column: str) -> go.Figure:
+    """The distribution over requests of one latency of ``simulator.views.report.request_table`` (``ttft_s``,
+    ``e2e_s``, …), one line per run, finished requests only, on a log time axis (seconds to minutes)."""
+    from simulator.views.report import REQUEST_LABELS
+
+    data = requests[requests[column] > 0]
+    label = REQUEST_LABELS.get(column, _label(column))
+    figure = px.ecdf(data, x=column, color="run", log_x=True, labels={column: label, "run": "Run"},
+                     title=f"{label}: share of finished requests at or below each value")
+    return figure.update_layout(height=360, yaxis_title="share of finished requests", yaxis_tickformat=".0%")
 
 
 COMPARISON_VIEWS = {"KV breakdown over time": "areas", "Running sequences over time": "batch_over_time",

@@ -15,7 +15,8 @@ from simulator.core.workloads import Workload
 # Summary columns as a person reads them (percentages are of the whole KV pool unless a label says otherwise): the
 # lab's labels (lab.report.results.COLUMN_LABELS) and the simulator's own.
 SUMMARY_LABELS = {
-    "label": "Allocator", "token_states_frac": "Holding tokens (% of KV)", "reserved_frac": "Reserved (% of KV)",
+    "label": "Allocator", "token_states_frac": "Holding tokens (% of KV)",
+    "allocated_holding_frac": "Allocated KV holding tokens (%)", "reserved_frac": "Reserved (% of KV)",
     "internal_fragmentation_frac": "Internal fragmentation (% of KV)",
     "external_fragmentation_frac": "External fragmentation (% of KV)", "free_frac": "Free (% of KV)",
     "sharing_saving_frac": "Saved by sharing (% of KV)", "mean_batch_size": "Mean running sequences",
@@ -162,3 +163,160 @@ def precision_card(table: pd.DataFrame, column: str) -> tuple[str, str]:
     "paging ×1.80, FP8 ×1.95")``; read together, "paging ×A, FP8 ×B, together ×C"."""
     factors = table.set_index("step")[f"{column}_x"]
     return f"together ×{factors['together']:.2f}", f"paging ×{factors['paging']:.2f}, FP8 ×{factors['fp8']:.2f}"
+
+
+# ---- per request: latencies, SLOs, overload --------------------------------------------------------------------
+REQUEST_COLUMNS = ("run", "request", "arrival_s", "queue_s", "ttft_s", "tpot_s", "itl_s", "e2e_s", "prompt_tokens",
+                   "output_tokens", "preemptions", "rejected")
+REQUEST_LABELS = {"run": "Run", "request": "Request", "arrival_s": "Arrival (s)",
+                  "queue_s": "Queued before its first-token step (s)", "ttft_s": "TTFT (s)",
+                  "tpot_s": "TPOT (s per output token)", "itl_s": "Mean inter-token latency (s)",
+                  "e2e_s": "End-to-end latency (s)", "prompt_tokens": "Prompt tokens",
+                  "output_tokens": "Output tokens", "preemptions": "Preemptions", "rejected": "Rejected"}
+
+
+def request_table(runs: dict) -> pd.DataFrame:
+    """Every request of every run (``runs``: label -> ``SimResult``), one row each: when it arrived, how long it
+    queued (arrival to the start of the step that made its first token: with prefill-first scheduling its wait in
+    the queue; chunked, that and its earlier prompt chunks), its TTFT, TPOT, mean inter-token latency and end-to-end
+    latency (``lab.latency``'s definitions; NaN for a request that did not finish), its tokens, how often it was
+    preempted and whether it was rejected."""
+    from lab.latency import request_latencies
+
+    frames = []
+    for label, run in runs.items():
+        requests = run.requests
+        latencies = request_latencies(requests["arrival_s"], requests["first_token_s"], requests["finish_s"],
+                                      requests["output_tokens"])
+        frames.append(pd.DataFrame({
+            "run": label, "request": requests.index.to_numpy(), "arrival_s": requests["arrival_s"].to_numpy(),
+            "queue_s": (requests["first_token_step_s"] - requests["arrival_s"]).to_numpy(),
+            **{name: latencies[name].to_numpy() for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s")},
+            "prompt_tokens": requests["prompt_tokens"].to_numpy(),
+            "output_tokens": requests["output_tokens"].to_numpy(),
+            "preemptions": requests["preemptions"].to_numpy(), "rejected": requests["rejected"].to_numpy()}))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(REQUEST_COLUMNS))
+
+
+def goodput(requests: pd.DataFrame, ttft_slo_s: float, tpot_slo_s: float, summary: pd.DataFrame) -> pd.DataFrame:
+    """Per run of ``request_table``: the share of all its requests (rejected and unfinished ones count as missing)
+    that met the TTFT SLO, the TPOT SLO and both, and the goodput: requests meeting both per second of the run
+    (``summary``'s ``simulated_time_s``)."""
+    met_ttft = requests["ttft_s"] <= ttft_slo_s  # NaN (not finished) compares False
+    met_tpot = requests["tpot_s"] <= tpot_slo_s
+    table = requests.assign(met_ttft=met_ttft, met_tpot=met_tpot, met_both=met_ttft & met_tpot).groupby(
+        "run", sort=False).agg(requests=("request", "size"), met_ttft_frac=("met_ttft", "mean"),
+                               met_tpot_frac=("met_tpot", "mean"), met_both_frac=("met_both", "mean"),
+                               met_both=("met_both", "sum")).reset_index()
+    seconds = table["run"].map(summary.set_index("label")["simulated_time_s"])
+    table["goodput_req_s"] = table["met_both"] / seconds.where(seconds > 0)
+    return table.assign(ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)
+
+
+GOODPUT_LABELS = {"run": "Run", "requests": "Requests", "met_ttft_frac": "Met the TTFT SLO (%)",
+                  "met_tpot_frac": "Met the TPOT SLO (%)", "met_both_frac": "Met both SLOs (%)",
+                  "met_both": "Requests meeting both", "goodput_req_s": "Goodput (requests/s meeting both)",
+                  "ttft_slo_s": "TTFT SLO (s)", "tpot_slo_s": "TPOT SLO (s per token)"}
+DRAIN_LIMIT = 0.25  # a run still serving past the last arrival by this share of the arrival span is overloaded
+DRAIN_MIN_S = 5.0  # ... and by at least this long (a short tail is the last requests' own decode)
+
+
+def overload(requests: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
+    """Per run of ``request_table``: whether the arrivals outran the service (``overloaded``), with the numbers
+    that say so: the offered rate (requests over the arrival span) and the served rate (finished requests over
+    the same span and the drain after it), the last arrival and the run's end (``drain_s`` between them), and the
+    queueing of the first and the last tenth of the requests (median ``queue_s``): a queue that grows through the
+    run is one the GPU never catches up with. Empty when every request arrives at once (a batch has no rate)."""
+    rows = []
+    for run, frame in requests.groupby("run", sort=False):
+        first, last = frame["arrival_s"].min(), frame["arrival_s"].max()
+        span = last - first
+        if not span > 0:
+            continue
+        end = float(summary.set_index("label").loc[run, "simulated_time_s"])
+        tenth = max(1, len(frame) // 10)
+        ordered = frame.sort_values("arrival_s")
+        drain = max(0.0, end - last)
+        rows.append({"run": run, "offered_req_s": (len(frame) - 1) / span,
+                     "served_req_s": (~frame["e2e_s"].isna()).sum() / max(end - first, 1e-9),
+                     "last_arrival_s": last, "end_s": end, "drain_s": drain,
+                     "early_queue_s": ordered["queue_s"].head(tenth).median(),
+                     "late_queue_s": ordered["queue_s"].tail(tenth).median(),
+                     "overloaded": drain > max(DRAIN_MIN_S, DRAIN_LIMIT * span)})
+    return pd.DataFrame(rows, columns=["run", "offered_req_s", "served_req_s", "last_arrival_s", "end_s", "drain_s",
+                                       "early_queue_s", "late_queue_s", "overloaded"])
+
+
+def overload_sentence(table: pd.DataFrame) -> str | None:
+    """``overload``'s verdict in words with its numbers: the offered rate, the run that keeps up best among the
+    overloaded (its served rate, its drain, its queue wait early and late) and the range of the others; None when no
+    run is overloaded."""
+    if table.empty:
+        return None
+    over = table[table["overloaded"].astype(bool)].sort_values("served_req_s", ascending=False)
+    if over.empty:
+        return None
+    best = over.iloc[0]
+    text = (f"Overloaded: requests arrive at {best.offered_req_s:,.2f} requests/s until {best.last_arrival_s:,.0f} s, "
+            f"faster than {len(over)} of {len(table)} runs serve them, so their latencies measure a growing queue more "
+            f"than the allocator. Even **{best.run}** serves {best.served_req_s:,.2f} requests/s and drains until "
+            f"{best.end_s:,.0f} s ({best.drain_s:,.0f} s after the last arrival); its queue wait grows from "
+            f"{human_number(best.early_queue_s)} s for the first tenth of requests to {human_number(best.late_queue_s)} s "
+            "for the last")
+    if len(over) > 1:
+        rest = over.iloc[1:]
+        text += (f"; the other {len(rest)} serve {rest.served_req_s.min():,.2f}–{rest.served_req_s.max():,.2f} "
+                 f"requests/s and drain until {rest.end_s.min():,.0f}–{rest.end_s.max():,.0f} s")
+    return text + ". Lower the arrival rate to compare them unloaded (the Load table below has every run)."
+
+
+def rejection_warnings(summary: pd.DataFrame) -> list[str]:
+    """One sentence per distinct rejection among the runs (``simulator.core.metrics.rejection_warning``), naming
+    every run it applies to: six allocators rejecting the same requests make one warning, not six."""
+    from simulator.core.metrics import rejection_warning
+
+    rejected = summary[summary["num_requests_rejected"] > 0]
+    sentences = []
+    for _, group in rejected.groupby(["num_requests", "num_requests_rejected", "rejection_reasons"], sort=False):
+        row = next(group.itertuples())
+        sentences.append(rejection_warning(row._replace(allocator=", ".join(group["label"]))) + ".")
+    return sentences
+
+
+def with_allocated_share(summary: pd.DataFrame) -> pd.DataFrame:
+    """``summary`` with ``allocated_holding_frac``: the share of the *allocated* KV that holds tokens (the
+    headline cards' and table's figure), beside ``token_states_frac``, the share of the whole pool."""
+    return summary.assign(allocated_holding_frac=summary["token_states_frac"] / (1.0 - summary["free_frac"]))
+
+
+FULL_POOL = 0.95  # a run whose KV pool was at least this allocated at its peak was bound by memory
+
+
+def memory_bound_sentence(table: pd.DataFrame) -> str | None:
+    """Whether a sweep's runs were bound by KV memory, in words with the numbers: a run is when its pool filled
+    (peak allocation at least ``FULL_POOL``) or it preempted. Only then can paging's lower waste buy anything
+    (more sequences at once); a sweep where no run is says so, and what to change. None without the columns."""
+    if not {"peak_allocated_frac", "preemptions", "allocator", "throughput_tok_s"} <= set(table.columns):
+        return None
+    done = table[table["throughput_tok_s"].notna()]
+    if done.empty:
+        return None
+    bound = (done["peak_allocated_frac"] >= FULL_POOL) | (done["preemptions"] > 0)
+    if not bound.any():
+        return (f"**Not memory-bound**: in no run did the KV pool fill (peak allocation at most "
+                f"{done['peak_allocated_frac'].max():.0%}, no preemptions), so every allocator fits its whole batch "
+                "and paging has nothing to save; differences between allocators here are the cost model's per-block "
+                "overheads, not memory. Choose a larger model, a smaller GPU or a higher arrival rate to see paging's "
+                "effect.")
+    runs = done[bound]
+    paged = runs[runs["allocator"] == "paged"]["throughput_tok_s"]
+    contiguous = runs[runs["allocator"] != "paged"]["throughput_tok_s"]
+    text = (f"**Memory-bound in {int(bound.sum())} of {len(done)} runs** (the KV pool filled, or requests were "
+            "preempted): there the allocator decides how many sequences run at once.")
+    if len(paged) and len(contiguous):
+        ratio = paged.median() / contiguous.median()
+        text += (f" In those runs paged serves a median {paged.median():,.0f} output tokens/s against "
+                 f"{contiguous.median():,.0f} for the contiguous allocators ({ratio:.2f}×).")
+    if not bound.all():
+        text += f" The other {int((~bound).sum())} runs never filled the pool: paging has nothing to save in them."
+    return text

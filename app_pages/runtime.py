@@ -3,25 +3,20 @@ import dataclasses
 import pandas as pd
 import streamlit as st
 
-from lab.bench.e2e import E2EConfig, run_e2e_bench
-from lab.report.charts import (engine_live_figure, format_bytes, latency_histograms, static_batching_note,
-                        system_comparison_figure)
+from lab.bench.e2e import E2EConfig, run_e2e_bench_detached
+from lab.report.charts import (engine_live_figure, format_bytes, latency_histograms, request_timeline_figure,
+                               serving_gauges_figure, static_batching_note, system_comparison_figure)
 from lab.engine import EngineConfig
-from lab.engine.live import RuntimeRunConfig, run_runtime, throttled
-from lab.models.qwen3 import load_hf_model
+from lab.engine.live import RuntimeRunConfig, run_runtime_detached, throttled
+from lab.engine.serving_metrics import serving_metrics
 from lab.report.results import settings_of
 from lab.errors import user_errors
 from app_pages._ui import chart, csv_download, data_table, results_store, scheduling_radio, show_error
 
 st.title("Qwen3 runtime")
-st.caption("The paged engine serving a request mix: continuous batching, prefix caching, preemption, live.")
-
-
-@st.cache_resource(show_spinner="loading the model…")
-def cached_model(name: str):
-    import torch
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return load_hf_model(name, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+st.caption("The paged engine serving a request mix: continuous batching, prefix caching, preemption, live. Runs "
+           "and comparisons run in a process of their own, as `python -m lab` does, not inside this app's server "
+           "(docs/app.md says why).")
 
 
 with st.sidebar:
@@ -74,15 +69,14 @@ if run or "runtime_run" not in st.session_state:
             tile.metric(label, value)
         plot.plotly_chart(engine_live_figure(pd.DataFrame([dataclasses.asdict(s) for s in history])))
 
-    redraw = throttled(draw, 0.25)  # at most 4 times a second: drawing is not free
+    redraw = throttled(draw, 1.0)  # once a second: each redraw costs the browser CPU time the engine then loses
 
-    def on_step(stats, pool):
+    def on_step(stats):
         history.append(stats)
         redraw(stats)
 
     try:
-        hf_model, tokenizer = cached_model(model)
-        result = run_runtime(config, on_step=on_step, hf_model=hf_model, tokenizer=tokenizer)
+        result = run_runtime_detached(config, on_step=on_step)
         st.session_state.update(runtime_run=result, runtime_settings=settings_of(config))
         results_store().add("runtime", f"runtime: {model}, {num_requests} requests, B={block_size}",
                             pd.DataFrame([result.summary]), st.session_state["runtime_settings"])
@@ -93,7 +87,11 @@ if run or "runtime_run" not in st.session_state:
 
 result = st.session_state["runtime_run"]
 summary = result.summary
+run_settings = st.session_state["runtime_settings"]
 with slot.container():
+    st.caption(f"{run_settings['model']}: {len(result.requests):,} requests, block size {run_settings['block_size']}, "
+               f"{summary['num_kv_blocks']:,} KV blocks, {run_settings['scheduling']} scheduling, "
+               f"{summary['steps']:,} steps")
     cols = st.columns(5)
     cols[0].metric("Output tokens/s", f"{summary['output_tok_s']:,.0f}")
     cols[1].metric("Peak KV blocks", f"{summary['peak_kv_blocks']} / {summary['num_kv_blocks']}")
@@ -102,10 +100,15 @@ with slot.container():
     cols[4].metric("Peak memory", format_bytes(summary["peak_memory_bytes"]),
                    help="the device's peak allocation on a GPU; the process's peak resident memory on the CPU")
     chart(engine_live_figure(result.steps), "engine_state")
+metrics = serving_metrics(result)
+st.subheader("vLLM's metrics")
+st.caption("Named as vLLM's Prometheus metrics (`vllm:kv_cache_usage_perc`, `vllm:num_requests_running` …), "
+           "computed from the engine's steps and tokens by `lab.engine.serving_metrics`.")
+chart(serving_gauges_figure(metrics.gauges), "vllm_gauges")
 if len(result.requests):
-    chart(latency_histograms(result.requests), "latency_hist")
-data_table(result.requests)
-run_settings = st.session_state["runtime_settings"]
+    chart(latency_histograms(metrics.latencies), "latency_hist")
+    chart(request_timeline_figure(metrics.timeline), "request_timeline")
+data_table(result.requests.drop(columns=["arrival_s", "scheduled_s", "first_token_s", "finish_s"], errors="ignore"))
 csv_download(result.requests, "runtime-requests", run_settings, "dl_requests", "Download per-request CSV")
 csv_download(pd.DataFrame([summary]), "runtime-summary", run_settings, "dl_runtime_summary",
              "Download run summary CSV")
@@ -125,8 +128,10 @@ if st.button("Compare", key="compare"):
         bench = dataclasses.replace(bench, num_requests=num_requests, prompt_range=prompt_range,
                                     output_range=output_range)
     try:
-        with st.spinner("running the comparison…"):
-            table = run_e2e_bench(bench)
+        bar = st.progress(0.0, text=f"running {len(bench.systems)} systems in a process of their own…")
+        table = run_e2e_bench_detached(bench, progress=lambda done, total: bar.progress(
+            done / total, text=f"{done} of {total} systems done"))
+        bar.empty()
         st.session_state.update(runtime_compare=table, runtime_compare_settings=settings_of(bench))
         results_store().add("runtime", f"serving comparison: {model}", table,
                             st.session_state["runtime_compare_settings"])

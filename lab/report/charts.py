@@ -194,14 +194,92 @@ def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes:.0f} B"
 
 
-def latency_histograms(requests: pd.DataFrame) -> go.Figure:
-    """TTFT and TPOT distributions (ms) of finished requests."""
-    frame = pd.concat([pd.DataFrame({"metric": "TTFT", "ms": requests["ttft_s"] * 1e3}),
-                       pd.DataFrame({"metric": "TPOT", "ms": requests["tpot_s"] * 1e3})])
-    figure = px.histogram(frame, x="ms", color="metric", facet_col="metric", nbins=30,
-                          title="Latency distributions", labels={"ms": "milliseconds", "count": "requests"})
-    figure.update_xaxes(matches=None)
-    return facet_names(figure).update_layout(height=320, showlegend=False, yaxis_title="requests")
+def histogram_edges(values, max_bins: int = 40) -> np.ndarray:
+    """Bin edges for a histogram of ``values``: numpy's ``"auto"`` rule (Sturges or Freedman-Diaconis, whichever
+    gives narrower bins), at least 5 and at most ``max_bins`` bins over the values' range, and a range around the
+    value when they are all equal (one bin over everything drew the TPOT histogram as one solid block)."""
+    values = np.asarray(values, dtype=float)
+    values = values[np.isfinite(values)]
+    if not len(values):
+        return np.array([0.0, 1.0])
+    low, high = float(values.min()), float(values.max())
+    if high - low <= 1e-9 * max(abs(high), 1.0):
+        width = max(abs(low) * 0.05, 1e-6)
+        return np.linspace(low - width, high + width, 6)
+    bins = len(np.histogram_bin_edges(values, bins="auto")) - 1
+    return np.linspace(low, high, min(max(bins, 5), max_bins) + 1)
+
+
+LATENCY_TITLES = {"vllm:time_to_first_token_seconds": "Time to first token (TTFT)",
+                  "vllm:inter_token_latency_seconds": "Inter-token latency (ITL)",
+                  "vllm:e2e_request_latency_seconds": "End-to-end request latency (E2E)"}
+
+
+def latency_histograms(latencies: dict, title: str = "Latency distributions") -> go.Figure:
+    """vLLM's latency histograms side by side (``lab.engine.serving_metrics.HISTOGRAMS``: arrays of seconds), in
+    milliseconds, each binned by ``histogram_edges``; hover gives the bin and its count."""
+    from plotly.subplots import make_subplots
+
+    names = [name for name in LATENCY_TITLES if name in latencies]
+    figure = make_subplots(rows=1, cols=len(names) or 1, subplot_titles=[LATENCY_TITLES[n] for n in names])
+    for col, name in enumerate(names, 1):
+        ms = np.asarray(latencies[name], dtype=float) * 1e3
+        edges = histogram_edges(ms)
+        counts, _ = np.histogram(ms, edges)
+        unit = "tokens" if "inter_token" in name else "requests"
+        figure.add_bar(x=(edges[:-1] + edges[1:]) / 2, y=counts, width=np.diff(edges) * 0.95, name=name,
+                       customdata=np.stack([edges[:-1], edges[1:]], axis=1),
+                       hovertemplate=f"%{{customdata[0]:.1f}}–%{{customdata[1]:.1f}} ms: %{{y}} {unit}<extra>{name}"
+                                     "</extra>", row=1, col=col)
+        figure.update_xaxes(title_text="milliseconds", row=1, col=col)
+        figure.update_yaxes(title_text=unit, rangemode="tozero", row=1, col=col)
+    return figure.update_layout(title=title, height=340, showlegend=False, bargap=0,
+                                margin=dict(l=10, r=10, t=70, b=10))
+
+
+def serving_gauges_figure(gauges: pd.DataFrame, title: str = "vLLM metrics over time") -> go.Figure:
+    """vLLM's gauges over the run (``lab.engine.serving_metrics.GAUGES``): KV-cache usage and prefix-cache hit rate
+    (%), requests running / waiting / swapped, preemptions so far; each panel its own axis, one time axis."""
+    from plotly.subplots import make_subplots
+
+    figure = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.07)
+    panels = ((1, (("vllm:kv_cache_usage_perc", "KV-cache usage"), ("vllm:prefix_cache_hit_rate",
+                                                                     "prefix-cache hit rate (so far)")), 100.0),
+              (2, (("vllm:num_requests_running", "running"), ("vllm:num_requests_waiting", "waiting"),
+                   ("vllm:num_requests_swapped", "swapped")), 1.0),
+              (3, (("vllm:num_preemptions_total", "preemptions (so far)"),), 1.0))
+    for row, series, scale in panels:
+        for column, label in series:
+            figure.add_scatter(x=gauges["t_s"], y=gauges[column] * scale, name=f"{label} ({column})", mode="lines",
+                               line_shape="hv", row=row, col=1)
+    figure.update_yaxes(title_text="% ", range=[0, 105], row=1, col=1)
+    figure.update_yaxes(title_text="requests", rangemode="tozero", row=2, col=1)
+    figure.update_yaxes(title_text="preemptions", rangemode="tozero", row=3, col=1)
+    figure.update_xaxes(title_text="time since the run started (s)", row=3, col=1)
+    return figure.update_layout(title=title, height=560, margin=dict(l=10, r=10, t=40, b=10),
+                                legend=dict(orientation="h", y=-0.12))
+
+
+PHASE_COLOURS = {"queue": "#bab0ac", "prefill": "#f58518", "decode": "#4c78a8"}
+
+
+def request_timeline_figure(timeline: pd.DataFrame, title: str = "Requests over time") -> go.Figure:
+    """A Gantt chart of ``lab.engine.serving_metrics.request_timeline``: one row per request (first arrival at the
+    top), its queue, prefill and decode phases as bars on the run's clock."""
+    order = timeline.groupby("request_id")["start_s"].min().sort_values().index
+    labels = {request: f"request {request}" for request in order}
+    figure = go.Figure()
+    for phase, colour in PHASE_COLOURS.items():
+        rows = timeline[timeline["phase"] == phase]
+        figure.add_bar(y=rows["request_id"].map(labels), x=rows["end_s"] - rows["start_s"], base=rows["start_s"],
+                       orientation="h", name=phase, marker_color=colour,
+                       customdata=np.stack([rows["start_s"], rows["end_s"]], axis=1) if len(rows) else None,
+                       hovertemplate=f"%{{y}}: {phase} %{{customdata[0]:.3f}}–%{{customdata[1]:.3f}} s<extra></extra>")
+    figure.update_yaxes(categoryorder="array", categoryarray=[labels[r] for r in order], autorange="reversed",
+                        title_text=None)
+    figure.update_xaxes(title_text="time since the run started (s)")
+    return figure.update_layout(title=title, barmode="overlay", height=min(max(260, 16 * len(order) + 120), 1600),
+                                margin=dict(l=10, r=10, t=40, b=10), legend=dict(orientation="h", y=1.02, x=0.5))
 
 
 def facet_names(figure: go.Figure) -> go.Figure:

@@ -141,8 +141,8 @@ def _runtime_for_detached(config: RuntimeRunConfig, report) -> RuntimeRun:
 def run_runtime_detached(config: RuntimeRunConfig, on_step: Callable[[StepStats], bool | None] | None = None,
                          num_threads: int | None = None) -> RuntimeRun:
     """``run_runtime(config)`` in a process of its own (``lab.engine.detached``: the app's runs, away from the
-    Streamlit server and its threads); ``on_step(stats)`` after each step may return False to stop early. Its
-    ``RuntimeRun`` has no pool frames."""
+    Streamlit server and its threads); ``on_step(stats)`` after each step may return False to stop early (the run
+    sees it at its next step, so it may have run ahead a step or more). Its ``RuntimeRun`` has no pool frames."""
     from .detached import run_detached
 
     return run_detached(_runtime_for_detached, config,

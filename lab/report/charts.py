@@ -3,6 +3,7 @@ Pure functions of data, so they are tested without Streamlit."""
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import pandas as pd
@@ -21,32 +22,100 @@ def block_pool_frame(ref_counts: list[int], owners: list[list]) -> pd.DataFrame:
                          "shared": [count > 1 for count in ref_counts]})
 
 
+SEQUENCE_PALETTE = px.colors.qualitative.Alphabet  # 26 distinct colours: neighbouring sequence ids differ
+FREE_COLOUR = "#e8e8e8"
+EVENT_SYMBOLS = {"shared": "star", "copy-on-write": "diamond", "evicted": "x", "swapped out": "triangle-down"}
+
+
+def sequence_colour(seq_id) -> str:
+    """The colour of a sequence in every block-pool picture: its id's place in a qualitative palette, so a sequence
+    keeps its colour from frame to frame and consecutive ids get unlike colours."""
+    index = seq_id if isinstance(seq_id, int) else zlib.crc32(str(seq_id).encode())
+    return SEQUENCE_PALETTE[index % len(SEQUENCE_PALETTE)]
+
+
+def _faded(colour: str, keep: float = 0.25) -> str:
+    red, green, blue = (int(colour[i:i + 2], 16) for i in (1, 3, 5))
+    return "#" + "".join(f"{round(255 - (255 - c) * keep):02x}" for c in (red, green, blue))
+
+
 def block_pool_figure(ref_counts: list[int], owners: list[list], columns: int | None = None,
-                      title: str = "Physical block pool") -> go.Figure:
-    """Heatmap, one cell per physical block coloured by its (first) owner; free blocks blank; shared blocks marked
-    with their ref count."""
+                      title: str = "Physical block pool", highlight=None, events: list | None = None,
+                      max_legend: int = 40) -> go.Figure:
+    """Every physical block as a cell, coloured by its (first) owner's ``sequence_colour``, with a legend from colour
+    to sequence (the first ``max_legend``) and a hover naming the block's holders; free blocks grey, so the pool's
+    size shows; shared blocks marked with their ref count. ``highlight``: a sequence whose blocks keep their colour
+    while every other held block fades. ``events``: ``lab.kv_cache.pool_view.PoolEvent`` s, marked on their blocks
+    by kind (``EVENT_SYMBOLS``)."""
     count = len(ref_counts)
     columns = columns or max(8, int(np.ceil(np.sqrt(count * 2))))
     rows = -(-count // columns)
-    colour = np.full(rows * columns, np.nan)
+    colours = [FREE_COLOUR] + list(SEQUENCE_PALETTE) + [_faded(c) for c in SEQUENCE_PALETTE]
+    palette = len(SEQUENCE_PALETTE)
+    colour = np.full(rows * columns, np.nan)  # cells past the pool's end stay empty
     text = np.full(rows * columns, "", dtype=object)
     hover = np.full(rows * columns, "", dtype=object)
-    owner_ids = {}
+    seen = {}
     for block, (refs, holders) in enumerate(zip(ref_counts, owners)):
+        colour[block] = 0
         if refs:
             first = holders[0] if holders else "?"
-            colour[block] = owner_ids.setdefault(first, len(owner_ids) % 20)
+            index = SEQUENCE_PALETTE.index(sequence_colour(first))
+            faded = highlight is not None and highlight not in holders
+            colour[block] = 1 + index + (palette if faded else 0)
             text[block] = f"{SHARED_MARK}{refs}" if refs > 1 else ""
-        holders_text = ", ".join(map(str, holders)) if holders else "free"
-        hover[block] = f"block {block}<br>ref count {refs}<br>held by {holders_text}"
+            for holder in holders:
+                seen.setdefault(holder, None)
+        holders_text = ", ".join(f"sequence {h}" for h in holders) if holders else "free"
+        hover[block] = f"block {block}<br>ref count {refs}<br>{holders_text}"
+    steps = len(colours)
+    scale = [point for k, c in enumerate(colours) for point in ([k / steps, c], [(k + 1) / steps, c])]
     shape = (rows, columns)
     figure = go.Figure(go.Heatmap(z=colour.reshape(shape), text=text.reshape(shape), texttemplate="%{text}",
-                                  hovertext=hover.reshape(shape), hoverinfo="text", colorscale="Turbo",
-                                  showscale=False, xgap=1, ygap=1, zmin=0, zmax=19))
-    figure.update_layout(title=title, height=max(220, 26 * rows + 80), margin=dict(l=10, r=10, t=40, b=10),
-                         yaxis=dict(autorange="reversed", showticklabels=False),
-                         xaxis=dict(showticklabels=False))
+                                  hovertext=hover.reshape(shape), hoverinfo="text", colorscale=scale,
+                                  showscale=False, xgap=1, ygap=1, zmin=-0.5, zmax=steps - 0.5, showlegend=False))
+    legend = sorted(seen, key=lambda s: (not isinstance(s, int), s if isinstance(s, int) else str(s)))
+    for seq_id in legend[:max_legend]:
+        name = f"sequence {seq_id}" + (" (highlighted)" if seq_id == highlight else "")
+        figure.add_scatter(x=[None], y=[None], mode="markers", name=name, legendgroup="sequences",
+                           legendgrouptitle_text="held by", marker=dict(symbol="square", size=12,
+                                                                        color=sequence_colour(seq_id)))
+    figure.add_scatter(x=[None], y=[None], mode="markers", name="free", marker=dict(symbol="square", size=12,
+                                                                                    color=FREE_COLOUR))
+    for kind, symbol in EVENT_SYMBOLS.items():
+        marked = [event for event in events or () if event.kind == kind]
+        if marked:
+            figure.add_scatter(x=[e.block % columns for e in marked], y=[e.block // columns for e in marked],
+                               mode="markers", name=f"{kind} ({len(marked)})", legendgroup="events",
+                               legendgrouptitle_text="since the last frame",
+                               marker=dict(symbol=symbol, size=11, color="black", line=dict(width=1, color="white")),
+                               hovertext=[f"block {e.block}: {kind}" + (f" (sequence {e.seq_id})"
+                                                                         if e.seq_id is not None else "")
+                                          for e in marked], hoverinfo="text")
+    legend_note = f" (legend: the first {max_legend} of {len(legend)} sequences)" if len(legend) > max_legend else ""
+    figure.update_layout(title=f"{title}{legend_note}", height=max(260, 26 * rows + 80),
+                         margin=dict(l=10, r=10, t=40, b=10), plot_bgcolor="white",
+                         yaxis=dict(autorange="reversed", showticklabels=False, showgrid=False, zeroline=False),
+                         xaxis=dict(showticklabels=False, showgrid=False, zeroline=False), legend=dict(font_size=11))
     return figure
+
+
+def pool_occupancy_figure(occupancy: pd.DataFrame, current: int | None = None,
+                          title: str = "Pool occupancy over iterations") -> go.Figure:
+    """``lab.kv_cache.pool_view.pool_occupancy`` as lines (blocks in use, shared, free but cached, free) against the
+    iteration, the pool's size as a dotted line and ``current`` (an iteration) marked."""
+    figure = go.Figure()
+    for column, name in (("blocks_in_use", "in use"), ("shared_blocks", "shared (ref count > 1)"),
+                         ("cached_free_blocks", "free, still cached"), ("free_blocks", "free")):
+        figure.add_scatter(x=occupancy["iteration"], y=occupancy[column], name=name, mode="lines", line_shape="hv")
+    if len(occupancy):
+        figure.add_hline(y=int(occupancy["num_blocks"].iloc[0]), line_dash="dot", line_color="grey",
+                         annotation_text=f"pool: {int(occupancy['num_blocks'].iloc[0]):,} blocks")
+    if current is not None:
+        figure.add_vline(x=current, line_color="black", line_width=1)
+    figure.update_yaxes(title_text="blocks", rangemode="tozero")
+    figure.update_xaxes(title_text="iteration")
+    return figure.update_layout(title=title, height=300, margin=dict(l=10, r=10, t=40, b=10))
 
 
 def offload_tier_figure(lru_rank: list[int], title: str = "Host offload tier",

@@ -53,11 +53,11 @@ def _latencies(arrival, first, finish, tokens) -> dict:
             "tpot_p50_s": _percentile(table["tpot_s"], 50), "tpot_p90_s": _percentile(table["tpot_s"], 90)}
 
 
-def _ours(engine: LLMEngine, prompts, max_tokens) -> dict:
+def _ours(engine: LLMEngine, prompts, max_tokens, arrival_steps=None) -> dict:
     steps_before, preempted_before = len(engine.step_log()), engine.step_log()["num_preempted"].sum()
     started = time.perf_counter()
     finished_before = len(engine.finished)
-    run = serve(engine, prompts, max_tokens, record_steps=False)
+    run = serve(engine, prompts, max_tokens, arrival_steps, record_steps=False)
     done = engine.finished[finished_before:]
     log = engine.step_log()
     return {"output_tok_s": sum(map(len, run["outputs"])) / run["elapsed_s"],
@@ -68,8 +68,8 @@ def _ours(engine: LLMEngine, prompts, max_tokens) -> dict:
             "peak_memory_bytes": status_bytes("VmHWM"), "outputs": run["outputs"]}
 
 
-def _theirs(peer: VLLMPeer, prompts, max_tokens) -> dict:
-    run = peer.run(prompts, max_tokens)
+def _theirs(peer: VLLMPeer, prompts, max_tokens, arrival_steps=None) -> dict:
+    run = peer.run(prompts, max_tokens, arrival_steps)
     return {"output_tok_s": sum(map(len, run["outputs"])) / run["elapsed_s"],
             **_latencies(run["arrival_s"], run["first_token_s"], run["finish_s"], [len(o) for o in run["outputs"]]),
             "steps": len(run["steps"]), "preemptions": sum(len(s["preempted"]) for s in run["steps"]),

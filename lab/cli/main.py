@@ -105,6 +105,19 @@ def _bench_e2e(args) -> None:
     print_and_save(table, args.out, settings=settings_of(config), kind="e2e")
 
 
+def _bench_contention(args) -> None:
+    from tqdm import tqdm
+
+    from lab.bench.contention import ContentionConfig, run_contention_bench
+
+    config = ContentionConfig(model=args.model, num_requests=args.num_requests, repeats=args.repeats)
+    bar = tqdm(total=1, desc="contention bench", file=sys.stderr)
+    table = run_contention_bench(config, progress=lambda done, total: (setattr(bar, "total", total),
+                                                                       bar.update(done - bar.n)))
+    bar.close()
+    print_and_save(table, args.out, settings=settings_of(config), kind="contention")
+
+
 def vllm_models(text: str) -> list[str]:
     """``--model`` of ``bench vllm``: presets vLLM's CPU attention takes (head_dim 32 or 128)."""
     models = [m for m in text.split(",") if m]
@@ -123,8 +136,15 @@ def _bench_vllm(args) -> None:
     from lab.bench.vllm import VLLMBenchConfig, run_vllm_bench
 
     if args.profile:
+        if args.workload == "random" or args.seed is not None or args.family is not None:
+            raise InputError("--profile times fixed step shapes: --workload random, --seed and --family do not apply")
         _profile_vllm(args)
         return
+    if args.workload == "random":
+        _bench_vllm_family(args)
+        return
+    if args.seed is not None or args.family is not None:
+        raise InputError("--seed and --family draw a family of workloads: they go with --workload random")
     if len(args.num_requests) != len(args.model):
         raise InputError(f"--num-requests gives {len(args.num_requests)} counts for {len(args.model)} models")
     tables = []
@@ -136,6 +156,27 @@ def _bench_vllm(args) -> None:
         bar.close()
     shared = {k: v for k, v in settings_of(config).items() if k not in ("model", "num_requests")}  # per-row columns
     print_and_save(pd.concat(tables, ignore_index=True), args.out, settings=shared, kind="vllm")
+
+
+def _bench_vllm_family(args) -> None:
+    from tqdm import tqdm
+
+    from lab.bench.vllm_family import run_family_bench
+
+    if args.num_requests != (32, 16) or args.num_blocks != 512:
+        raise InputError("--num-requests and --num-blocks size the fixed workload; a random family draws its own "
+                         "(the pool is 16,384 tokens at every block size)")
+    seed, count = args.seed if args.seed is not None else 0, args.family or 8
+    tables = []
+    for model in args.model:
+        bar = tqdm(total=1, desc=f"ours vs vLLM, {model}, random family", file=sys.stderr)
+        tables.append(run_family_bench(model, (args.dtype,), seed, count, args.repeats,
+                                       progress=lambda done, total: (setattr(bar, "total", total),
+                                                                     bar.update(done - bar.n))))
+        bar.close()
+    out = args.out if args.out != VLLM_BENCH_OUT else f"benchmarks/results/vllm_family_{args.dtype}_cpu.csv"
+    print_and_save(pd.concat(tables, ignore_index=True), out,
+                   settings={"dtype": args.dtype, "family_seed": seed, "family_size": count}, kind="vllm-family")
 
 
 def _profile_vllm(args) -> None:
@@ -289,6 +330,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", type=output_csv, default="benchmarks/results/e2e_cpu.csv", help="results CSV")
     e.set_defaults(run=_bench_e2e)
 
+    c = bench.add_parser("contention", help="the paged engine (each thread policy) and HF continuous batching, quiet "
+                                            "and with one core kept busy, alternating: slowdowns and ratios")
+    c.add_argument("--model", default="tiny", help="preset or local Qwen3 checkpoint directory")
+    c.add_argument("--num-requests", type=positive_int, default=32, help="requests queued at once per run")
+    c.add_argument("--repeats", type=positive_int, default=3, help="runs per system and load; medians are reported")
+    c.add_argument("--out", type=output_csv, default="benchmarks/results/contention_cpu.csv", help="results CSV")
+    c.set_defaults(run=_bench_contention)
+
     v = bench.add_parser("vllm", help="our engine vs vLLM's CPU build on the same checkpoint, pool and budgets "
                                       "(runs alternating; needs `bash scripts/vllm_peer.sh`)")
     v.add_argument("--model", type=vllm_models, default=["tiny", "qwen3-0.6b-random-4l"],
@@ -299,6 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--num-blocks", type=positive_int, default=512, help="vLLM's KV blocks of 32 tokens (ours: one "
                                                                           "fewer, vLLM's null block)")
     v.add_argument("--repeats", type=positive_int, default=3, help="alternating runs of each engine (medians)")
+    v.add_argument("--workload", choices=["fixed", "random"], default="fixed",
+                   help="fixed: the bench's workload; random: a seeded family of workloads it did not choose "
+                        "(8-64 requests, prompts 16-1,000, outputs 16-256, staggered or not, block 32/64/128, "
+                        "prefix caching on or off), with the family's median and worst ratio")
+    v.add_argument("--seed", type=non_negative_int, default=None, help="the random family's seed (default 0)")
+    v.add_argument("--family", type=positive_int, default=None, help="workloads in the random family (default 8)")
     v.add_argument("--profile", action="store_true",
                    help="instead: where a step's time goes in both engines, by op kind, on fixed step shapes "
                         "(prefills of 32-2,048 tokens, decodes of 1-64 sequences at 128 and 1,024 tokens)")

@@ -34,6 +34,7 @@ from lab.models.qwen3 import load_hf_model
 from lab.worker.model_runner import ModelInput, ModelRunner
 from .sampler import Sampler, SamplingParams, SamplingParamsError
 from lab.worker.static_decode import MAX_GRAPH_CONTEXT, StaticDecode
+from lab.worker.threads import ThreadPolicy
 from lab.sched.scheduler import (Scheduler, SchedulerConfig, SchedulingSettings, Sequence, SequenceGroup, SequenceStatus,
                         StepStats)
 
@@ -99,6 +100,7 @@ class EngineConfig(SchedulingSettings):
     record_logits: bool = False
     cuda_graphs: bool = True  # on CUDA with the CuPy attention kernel: decode-only steps replay captured graphs
     kv_offload_blocks: int = 0  # host slots of the prefix cache's offload tier (lab.kv_cache.offload; 0: none)
+    cpu_threads: int | None = None  # torch threads of CPU steps; None: the cores other processes leave idle
 
     def check(self) -> None:
         """Raise ``EngineConfigError`` or ``SchedulerError`` (both ``ValueError``) naming the first field of a wrong
@@ -108,6 +110,7 @@ class EngineConfig(SchedulingSettings):
                                           ("num_cpu_blocks", 0, MAX_BLOCKS, False), ("swap_space_bytes", 0, 1 << 50, False),
                                           ("kv_offload_blocks", 0, MAX_BLOCKS, False),
                                           ("max_model_len", 1, 1 << 31, True), ("kv_memory_bytes", 1, 1 << 50, False),
+                                          ("cpu_threads", 1, 1 << 12, True),
                                           ("seed", 0, 2**63 - 1, False)):
             check_int(owner, name, getattr(self, name), low, high, optional, error)
         check_real(owner, "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True, error=error)
@@ -229,6 +232,7 @@ class LLMEngine:
                                    self.policy)
         self.scheduler.step_rows = []
         self.block_size = config.block_size
+        self.threads = ThreadPolicy(config.cpu_threads) if self.device.type == "cpu" else None
         eos = getattr(hf_config, "eos_token_id", None)
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         self.record_logits, self.on_step = config.record_logits, on_step
@@ -415,6 +419,8 @@ class LLMEngine:
             self._undelivered[:0] = others
             if bar:
                 bar.close()
+            if self.threads is not None:
+                self.threads.restore()
         return [done[i] for i in ids]
 
     def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -455,6 +461,8 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         """schedule -> run -> sample -> postprocess, as nano-vllm's step."""
         started, finished_before = time.perf_counter(), len(self.finished)
+        if self.threads is not None:
+            self.threads.apply()
         plan = self._schedule()
         if plan is None:
             return []

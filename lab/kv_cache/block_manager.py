@@ -931,6 +931,11 @@ class TokenIds(tuple):
     def __new__(cls, values=()):
         return super().__new__(cls, _token_list(values, "token_ids"))
 
+    @classmethod
+    def unchecked(cls, values) -> "TokenIds":
+        """Ids the caller built as plain ints (the simulator's synthetic prompts): taken without the check."""
+        return tuple.__new__(cls, values)
+
 
 def _token_list(values, name: str) -> list[int] | TokenIds:
     """A sequence of token ids as a list of plain ints (a ``TokenIds`` as it is), or ``InvalidTokenError`` naming

@@ -48,6 +48,7 @@ class PagedPolicy:
         # reserve(count): take blocks for the sequences crossing a block boundary in this step, if that many are
         # free (the scheduler's per-step call with a bucket's size, bound to the manager without a wrapper)
         self.reserve = self.manager.try_reserve_counted_blocks
+        self.reserves_by_count = self.tier is None  # a tier's reservation takes blocks now (stores evicted ones)
         self.num_swap_blocks = num_cpu_blocks
         self.supports_swap = num_cpu_blocks > 0
         self.caches_prefixes = enable_prefix_caching
@@ -136,9 +137,10 @@ class PagedPolicy:
         allocated = -(-seq.synced_len // self.block_size) * self.block_size
         return MemoryNeeds(NO_EVENT, allocated + 1 if allocated < seq.final_len else NO_EVENT)
 
-    def final_block_reserved(self, seq: Sequence) -> None:
-        """``seq``'s last periodic block was reserved: the slots past its final length will never be filled."""
-        self._count_final_block(seq, -(-seq.final_len // self.block_size))
+    def final_block_reserved(self, seq: Sequence) -> int:
+        """``seq``'s last periodic block was reserved: the slots past its final length will never be filled (how
+        many it counts now)."""
+        return self._count_final_block(seq, -(-seq.final_len // self.block_size))
 
     def grow(self, seq: Sequence, kv_len: int, alone: bool) -> bool:
         """Give ``seq`` (synced) fresh blocks for ``kv_len`` tokens (copy-on-write included; a prompt chunk's full
@@ -374,13 +376,15 @@ class PagedPolicy:
             self.never_filled -= seq.final_block_slack
             seq.final_block_counted = False
 
-    def _count_final_block(self, seq: Sequence, blocks: int) -> None:
+    def _count_final_block(self, seq: Sequence, blocks: int) -> int:
         """Count the slots past ``seq``'s final length in its last block as never filled, once it holds ``blocks``
         that reach it and has the last to itself (while forks share a partly filled last block, its tail counts as
-        reserved). ``seq.shared_block`` is cleared only when ``seq`` next syncs: a sibling that copied on write,
+        reserved); returns the slots counted now. ``seq.shared_block`` is cleared only when ``seq`` next syncs: a sibling that copied on write,
         finished or left the pool in between has left the block to ``seq`` alone already."""
         alone = seq.shared_block < 0 or not self.manager.is_shared(seq.shared_block)
         if not seq.final_block_counted and alone and blocks * self.block_size >= seq.final_len:
             seq.final_block_slack = blocks * self.block_size - seq.final_len
             self.never_filled += seq.final_block_slack
             seq.final_block_counted = True
+            return seq.final_block_slack
+        return 0

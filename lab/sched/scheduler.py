@@ -34,7 +34,6 @@ from lab.kv_cache.offload import OffloadCopies, OffloadStats
 SCHEDULING_MODES = ("prefill-first", "chunked", "vllm")
 PREEMPTION_MODES = ("recompute", "swap")
 NO_EVENT = 1 << 62  # a KV length no sequence reaches: "needs no more memory"
-PERIODIC_END = -1  # a memory-calendar entry's epoch that marks a sequence's last periodic block (epochs are >= 0)
 STEP_LOG_COLUMNS = ("step", "num_prefill_tokens", "num_decode_seqs", "num_running", "num_waiting", "num_swapped",
                     "blocks_in_use", "cpu_blocks_in_use", "tier_blocks_in_use", "num_preempted", "num_swapped_out",
                     "num_swapped_in", "num_finished", "num_offload_stored", "num_offload_loaded", "duration_s")
@@ -330,7 +329,8 @@ class KVPolicy(Protocol):
               chunk: int | None = None, whole_must_fit: bool = False) -> bool: ...
     def memory_needs(self, seq: Sequence) -> MemoryNeeds: ...
     def reserve(self, count: int) -> bool: ...
-    def final_block_reserved(self, seq: Sequence) -> None: ...
+    reserves_by_count: bool  # reserve(a + b) does what reserve(a) then reserve(b) does (no other effect)
+    def final_block_reserved(self, seq: Sequence) -> int: ...  # the slots it now counts as never filled
     def grow(self, seq: Sequence, kv_len: int, alone: bool) -> bool: ...
     def sync(self, seq: Sequence, kv_len: int) -> None: ...
     def sync_slots(self, seq: Sequence, kv_len: int) -> None: ...  # sync what the slot of token kv_len - 1 needs
@@ -370,10 +370,13 @@ class Scheduler:
         self.swapped: deque[list[Sequence]] = deque()
         self.step = 0  # decode steps so far
         self.num_steps = 0
-        # decode step -> [(seq, epoch)] needing memory then, or [(seq, PERIODIC_END)] whose last block is reserved
+        # decode step -> [(seq, epoch)] needing memory then (an irregular need: a shared block's copy, a beam's)
         self.memory_calendar: dict[int, list] = {}
+        self.periodic_ends: dict[int, list] = {}  # decode step -> sequences whose last periodic block it reserves
         self.period = policy.block_period
         self.phase_buckets: list[dict] = [{} for _ in range(self.period)]  # step % period -> {seq_id: seq}
+        self.bucket_sizes = [0] * self.period  # len of each phase bucket
+        self.bucket_total = 0  # blocks the buckets take per period
         self.len_offset = 0  # sum over running of (kv_len_base - step_base)
         self.len_offset_heap: list[tuple] = []  # (-(kv_len_base - step_base), tie, epoch, seq); stale ones lazily
         self._heap_ties = itertools.count()
@@ -504,21 +507,47 @@ class Scheduler:
     # ---- quiet steps (the simulator's fast path) ----------------------------------------------------------------
     def quiet_decode_steps(self, limit: int) -> int:
         """How many of the next steps (at most ``limit``) are quiet: every running sequence decodes a token and
-        nothing else happens (no prompt, admission, swap, beam step, memory event or block reservation, no copy
-        pending, no step log). ``skip_quiet_steps`` then counts them without planning each."""
+        nothing else happens (no prompt, admission, swap, beam step, irregular memory need, no copy pending, no step
+        log) but block reservations that are sure to succeed and only count (``KVPolicy.reserves_by_count``: the
+        blocks of every sequence crossing a boundary fit the free ones) and periodic ends (``settle_periodic_ends``).
+        ``skip_quiet_steps`` then counts them without planning each."""
         step, period = self.step, self.period
         if (not self.running or self.prefilling or self.swapped or self.beam_groups or self.step_rows is not None
-                or period and self.phase_buckets[(step + 1) % period] or self.config.sync_every_step
-                or self.policy.pending_copies or self.policy.pending_offload
+                or self.config.sync_every_step or self.policy.pending_copies or self.policy.pending_offload
                 or self.waiting and not self._admits_nothing()):
             return 0
         steps = min(limit, min(self.memory_calendar) - step - 1) if self.memory_calendar else limit
-        if period:  # the buckets come round every period steps: none in the next period, none at all
-            buckets = self.phase_buckets
-            for ahead in range(2, min(steps, period) + 1):
-                if buckets[(step + ahead) % period]:
-                    return ahead - 1
+        if period and steps > 0:
+            steps = self._steps_reservable(steps)
         return max(steps, 0)
+
+    def _steps_reservable(self, steps: int) -> int:
+        """How many of the next ``steps`` steps get their phase buckets' blocks for sure: all of them while the
+        blocks fit the free ones (a bucket recurs every period steps), else up to the first bucket that may not."""
+        per_period, period = self.bucket_total, self.period
+        if per_period == 0:
+            return steps
+        if not self.policy.reserves_by_count:
+            sizes = self.quiet_bucket_sizes()
+            return min(next((ahead for ahead, size in enumerate(sizes) if size), steps), steps)
+        free = self.policy.num_free_blocks()
+        if free >= (steps // period + 1) * per_period:
+            return steps
+        periods = min(free // per_period, steps // period)
+        free -= periods * per_period
+        ahead = periods * period
+        for size in self.quiet_bucket_sizes():
+            if ahead == steps or size > free:
+                break
+            free -= size
+            ahead += 1
+        return ahead
+
+    def quiet_bucket_sizes(self) -> list[int]:
+        """Blocks reserved by each of the next ``period`` steps if they are quiet (``[k]``: the step ``k + 1``
+        ahead); the cycle repeats."""
+        sizes, start = self.bucket_sizes, (self.step + 1) % self.period
+        return sizes[start:] + sizes[:start]
 
     def _admits_nothing(self) -> bool:
         """With nothing prefilling or swapped: whether the next step admits nothing from ``waiting`` (the batch is
@@ -541,7 +570,14 @@ class Scheduler:
 
     def skip_quiet_steps(self, steps: int) -> None:
         """Count ``steps`` quiet steps (``quiet_decode_steps``) as run: each running sequence is ``steps`` tokens
-        longer (``kv_len``)."""
+        longer (``kv_len``), the blocks their phase buckets take in those steps reserved at once (as many as one
+        reservation per step takes). The caller has settled the periodic ends of those steps
+        (``settle_periodic_ends``, step by step: the simulator weights what each settles by its step's time)."""
+        if self.bucket_total:
+            count = steps // self.period * self.bucket_total + sum(self.quiet_bucket_sizes()[:steps % self.period])
+            if count and not self.policy.reserve(count):
+                raise RuntimeError(f"{steps} quiet steps need {count} blocks, {self.policy.num_free_blocks()} free "
+                                   f"(quiet_decode_steps allowed more steps than the pool serves)")
         self.step += steps
         self.num_steps += steps
 
@@ -605,22 +641,29 @@ class Scheduler:
             bucket = self.phase_buckets[step % self.period]
             if bucket and not self.policy.reserve(len(bucket)):
                 self._reserve_one_by_one(bucket, out)
+        if step in self.periodic_ends:
+            self.settle_periodic_ends(step)
         if step not in self.memory_calendar:
             return
         self._blocked_head = None  # growth may move a region (contiguous) or copy a shared block
         running = self.running
         for seq, epoch in self.memory_calendar.pop(step):
-            if epoch == PERIODIC_END:
-                # The sequence keeps its bucket: it finishes before its phase comes round again (its final length
-                # lies within this last block), and leaving the running set removes it.
-                if seq.periodic_last == step:  # else it left running since (a repeat is a no-op)
-                    self.policy.final_block_reserved(seq)
-                continue
             if seq.epoch != epoch or running.get(seq.seq_id) is not seq:
                 continue
             kv_len = seq.kv_len_base + step - seq.step_base
             if self.policy.grow(seq, kv_len, False) or self._make_room(seq, kv_len, out):
                 self._schedule_memory_event(seq)
+
+    def settle_periodic_ends(self, step: int) -> int:
+        """The sequences whose last periodic block step ``step`` reserves: the slots past their final lengths will
+        never be filled (``KVPolicy.final_block_reserved``); returns how many slots that makes. A sequence keeps its
+        bucket (it finishes before its phase comes round again), and leaving the running set removes it."""
+        self._blocked_head = None
+        settled, final_block_reserved = 0, self.policy.final_block_reserved
+        for seq in self.periodic_ends.pop(step):
+            if seq.periodic_last == step:  # else it left running since (a repeat is a no-op)
+                settled += final_block_reserved(seq)
+        return settled
 
     def _beam_step(self, group: SequenceGroup) -> None:
         """Before this step's tokens: a beam continued by ``c > 1`` of the next beams is forked ``c - 1`` times into
@@ -932,6 +975,8 @@ class Scheduler:
             self._materialize(seq)
         if seq.phase >= 0:
             del self.phase_buckets[seq.phase][seq.seq_id]
+            self.bucket_sizes[seq.phase] -= 1
+            self.bucket_total -= 1
             seq.phase = -1
         seq.periodic_first = seq.periodic_last = -1
         seq.boundary_pending = False
@@ -958,11 +1003,13 @@ class Scheduler:
         last = first + (seq.final_len - start) // self.period * self.period
         seq.periodic_first, seq.periodic_last, seq.phase = first, last, first % self.period
         self.phase_buckets[seq.phase][seq.seq_id] = seq
-        events = self.memory_calendar.get(last)
-        if events is None:
-            self.memory_calendar[last] = [(seq, PERIODIC_END)]
+        self.bucket_sizes[seq.phase] += 1
+        self.bucket_total += 1
+        ends = self.periodic_ends.get(last)
+        if ends is None:
+            self.periodic_ends[last] = [seq]
         else:
-            events.append((seq, PERIODIC_END))
+            ends.append(seq)
 
     def _reserved_len(self, seq: Sequence) -> int:
         """KV length that ``seq``'s blocks, reserved ones included, reach at its last periodic block so far (0 when

@@ -168,6 +168,7 @@ class ContiguousPolicy:
     caches_prefixes = False
     pending_offload = False  # no prefix cache, so no tier below it
     block_period = 0  # no periodic needs: a region grows only at its own events
+    reserves_by_count = False  # reserve() is never asked (no periodic needs)
     pending_copies = ()  # nothing is ever copied on write
 
     def __init__(self, kind: str, capacity_tokens: int, max_model_len: int, address_space: str = "first-fit",
@@ -226,8 +227,9 @@ class ContiguousPolicy:
     def reserve(self, count: int) -> bool:
         return False
 
-    def final_block_reserved(self, seq) -> None:
+    def final_block_reserved(self, seq) -> int:
         """Never called: contiguous policies have no periodic needs."""
+        return 0
 
     def grow(self, seq, kv_len: int, alone: bool = False) -> bool:
         """Grow by copying into a region twice as large (capped by the largest region the space can hold); False

@@ -23,6 +23,7 @@ import pandas as pd
 
 from lab.checks import check_bool, check_choice, check_int, check_real, entry_point
 from lab.errors import InputError, LabError
+from lab.kv_cache.block_manager import TokenIds
 from lab.kv_cache.precision import KV_CACHE_DTYPES, check_kv_cache_dtype, kv_element_bytes
 from lab.latency import counted_tokens, latency_summary
 from lab.sched.kv_policy import PagedPolicy, default_num_cpu_blocks, host_pool_blocks
@@ -244,19 +245,20 @@ def scheduler_config(config: SimConfig) -> SchedulerConfig:
                               track_longest=config.profile is not None)
 
 
-def synthetic_token_ids(workload: Workload, request: int, length: int) -> list[int]:
+def synthetic_token_ids(workload: Workload, request: int, length: int, prompt=None) -> list[int]:
     """The first ``length`` token ids of a request's stream for prefix caching: the workload's prompt ids where it
     shares prefixes, else ids unique to the request. Generated positions get ids that depend only on the whole
     prompt and the position, so requests with identical prompts, and the samples of one request, continue alike,
-    as greedy decoding does."""
-    prompt = workload.prompt_token_ids(request)
+    as greedy decoding does. ``prompt``: the request's ``workload.prompt_token_ids`` when the caller has them."""
+    if prompt is None:
+        prompt = workload.prompt_token_ids(request)
     if prompt is None:
         unique_base = -(request + 1) * (1 << 24)
         return list(range(unique_base, unique_base + length))
     if length <= len(prompt):
-        return prompt[:length]
+        return prompt if length == len(prompt) else prompt[:length]
     generated_base = -(1 << 62) + (hash(tuple(prompt)) % (1 << 40)) * (1 << 20)  # below every prompt id
-    return prompt + list(range(generated_base + len(prompt), generated_base + length))
+    return [*prompt, *range(generated_base + len(prompt), generated_base + length)]
 
 
 @entry_point
@@ -308,6 +310,7 @@ class Simulator:
         self.first_token_time = array("d", [math.nan]) * self.num_requests
         self.finish_time = array("d", [math.nan]) * self.num_requests
         self.samples_left = [0] * self.num_requests
+        self._prompt_ids: dict[int, TokenIds] = {}  # requests admitted or offered, until they finish
         self.rejected = [False] * self.num_requests
         self.rejection_reasons: dict[str, int] = {}
         self.num_finished = self.num_rejected = 0
@@ -422,8 +425,14 @@ class Simulator:
         self.scheduler.add(group)
         self.admission_s += self.add_request_s
 
-    def _token_ids(self, seq: Sequence, length: int) -> list[int]:
-        return synthetic_token_ids(self.workload, seq.group.request_id, length)
+    def _token_ids(self, seq: Sequence, length: int):
+        """A request's ids (``synthetic_token_ids``), its prompt's built once until it finishes: they are needed
+        when it is admitted and again, past its prompt, when it leaves (its sampled blocks are cached then)."""
+        request = seq.group.request_id
+        prompt = self._prompt_ids.get(request)
+        if prompt is None:
+            prompt = self._prompt_ids[request] = TokenIds.unchecked(self.workload.prompt_token_ids(request))
+        return synthetic_token_ids(self.workload, request, length, prompt)
 
     def _reject(self, request: int, reason: str) -> None:
         self.num_rejected += 1
@@ -499,20 +508,28 @@ class Simulator:
         scheduler = self.scheduler
         if self.profile is not None or self.admission_s or self.policy.copied_tokens != self.copied_tokens:
             return False
-        steps = scheduler.quiet_decode_steps(QUIET_STEPS_MAX)
-        if steps < QUIET_STEPS_MIN:
-            return False
+        steps = QUIET_STEPS_MAX
         if self.on_snapshot is not None:
-            steps = min(steps, self.snapshot_every - self.iteration % self.snapshot_every - 1)
+            steps = self.snapshot_every - self.iteration % self.snapshot_every - 1
         done_steps, calendar = self.done_steps, self.done_calendar
         while done_steps and done_steps[0] not in calendar:  # finished steps leave the calendar, not the heap
             heapq.heappop(done_steps)
         if done_steps:  # up to the next finish
             steps = min(steps, done_steps[0] - scheduler.step - 1)
+        if steps < QUIET_STEPS_MIN:  # the cheap bounds first: most steps of a busy replay end here
+            return False
+        steps = scheduler.quiet_decode_steps(steps)
         if steps < QUIET_STEPS_MIN:
             return False
         batch, metrics, iteration_time = len(scheduler.running), self.metrics, self.cost.iteration_time
-        first = self.policy.memory_sample(scheduler.held_tokens() + batch)  # held during the first quiet step
+        first = self.policy.memory_sample(scheduler.held_tokens() + batch)  # before the first step's reservation
+        # Paged: per step, the slots reserved since ``first`` (``sizes``: blocks each step reserves, cycling) and
+        # those settled as never filled (sequences whose last block it reserves)
+        period, start, ends = scheduler.period, scheduler.step, scheduler.periodic_ends
+        block_size = self.policy.block_size if period else 0
+        sizes = scheduler.quiet_bucket_sizes() if scheduler.bucket_total else None
+        taken, settled = ([], []) if period else (None, None)
+        blocks = never_filled = 0
         kv_tokens = scheduler.len_offset + batch * scheduler.step
         time, generated, durations = self.time, self.generated_tokens, []
         first_row = None  # the first quiet step's timeseries row, which the others' are spliced from
@@ -527,17 +544,25 @@ class Simulator:
             time += duration
             generated += batch
             durations.append(duration)
+            if period:
+                if sizes:
+                    blocks += sizes[(ahead - 1) % period]
+                if start + ahead in ends:
+                    never_filled += scheduler.settle_periodic_ends(start + ahead)
+                taken.append(blocks * block_size)
+                settled.append(never_filled)
             if metrics.due(self.iteration + ahead):
                 if first_row is None:
                     first_row = row(scheduler.quiet_step_stats(), first.categories(),
                                     self.num_preemptions, self._prefix_cache_hits())
-                shift = (ahead - 1) * batch
+                shift, slots = (ahead - 1) * batch, blocks * block_size
                 metrics.append(quiet_row(first_row, ahead - 1, duration, time, generated,
-                                         (first.token_states + shift, first.reserved - shift,
-                                          first.internal_fragmentation, first.external_fragmentation, first.free)))
+                                         (first.token_states + shift, first.reserved - shift + slots - never_filled,
+                                          first.internal_fragmentation + never_filled,
+                                          first.external_fragmentation, first.free - slots), blocks))
         if not durations:
             return False
-        metrics.accumulate_run(first, batch, batch, durations)
+        metrics.accumulate_run(first, batch, batch, durations, taken, settled)
         scheduler.skip_quiet_steps(len(durations))
         self.iteration += len(durations)
         self.time, self.generated_tokens, self.idle_s = time, generated, 0.0
@@ -566,6 +591,7 @@ class Simulator:
         if self.samples_left[request] == 0:
             self.finish_time[request] = self.time if when is None else when
             self.num_finished += 1
+            self._prompt_ids.pop(request, None)
             # The group and its sequences reference each other: drop the list so that reference counting frees
             # them now, while their memory is hot, instead of the cyclic GC later (3-4 % of a replay's time).
             seq.group.seqs = []

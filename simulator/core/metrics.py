@@ -68,27 +68,32 @@ class MetricsRecorder:
         if allocated > self.peak_allocated:
             self.peak_allocated = allocated
 
-    def accumulate_run(self, first: MemorySample, grow: int, batch: int, durations: list[float]) -> None:
-        """``accumulate`` over consecutive steps of one batch that takes and frees no memory (the simulator's quiet
-        steps), in the same order and with the same arithmetic as one call per step: step ``i``'s sample is
-        ``first`` with ``i * grow`` more token states and as many fewer reserved slots (each sequence holds one
-        more token)."""
+    def accumulate_run(self, first: MemorySample, grow: int, batch: int, durations: list[float],
+                       taken: list[int] | None = None, settled: list[int] | None = None) -> None:
+        """``accumulate`` over consecutive steps of one batch that frees no memory (the simulator's quiet steps), in
+        the same order and with the same arithmetic as one call per step: step ``i``'s sample is ``first`` with
+        ``i * grow`` more token states and as many fewer reserved slots (each sequence holds one more token) and,
+        with ``taken`` and ``settled`` (paged), ``taken[i]`` slots moved from free to reserved (blocks reserved
+        since ``first``) and ``settled[i]`` from reserved to internal fragmentation (never filled)."""
         w0, w1, w2, w3, w4 = self.weighted
         tokens, reserved, internal = first.token_states, first.reserved, first.internal_fragmentation
         external, free, table = first.external_fragmentation, first.free, first.table_slots
         allocated = self.capacity - external - free
         total, batch_time, allocated_time, unshared_time = (self.total_time, self.batch_time, self.allocated_time,
                                                             self.unshared_time)
-        for duration in durations:
+        extra = never = 0
+        for i, duration in enumerate(durations):
+            if taken is not None:
+                extra, never = taken[i], settled[i]
             w0 += tokens * duration
-            w1 += reserved * duration
-            w2 += internal * duration
+            w1 += (reserved + extra - never) * duration
+            w2 += (internal + never) * duration
             w3 += external * duration
-            w4 += free * duration
+            w4 += (free - extra) * duration
             total += duration
             batch_time += batch * duration
-            allocated_time += allocated * duration
-            unshared_time += table * duration
+            allocated_time += (allocated + extra) * duration
+            unshared_time += (table + extra) * duration
             tokens += grow
             reserved -= grow
         self.weighted[:] = w0, w1, w2, w3, w4
@@ -96,7 +101,7 @@ class MetricsRecorder:
                                                                                      allocated_time, unshared_time)
         if durations:
             self.peak_batch = max(self.peak_batch, batch)
-            self.peak_allocated = max(self.peak_allocated, allocated)
+            self.peak_allocated = max(self.peak_allocated, allocated + extra)
 
     def due(self, step: int) -> bool:
         """Whether step ``step`` gets a timeseries row."""
@@ -145,17 +150,21 @@ def row(stats: StepStats, categories: tuple, preemptions: int, prefix_cache_hits
     return (*_step_fields(stats), *categories, preemptions, prefix_cache_hits)
 
 
-_STEP, _DURATION, _ELAPSED, _GENERATED = map(STEP_FIELDS.index, ("step", "duration_s", "elapsed_s", "generated_tokens"))
+_STEP, _DURATION, _ELAPSED, _GENERATED, _BLOCKS_IN_USE, _FREE_BLOCKS = map(STEP_FIELDS.index, (
+    "step", "duration_s", "elapsed_s", "generated_tokens", "blocks_in_use", "num_free_blocks"))
 _CATEGORY_COLUMNS = slice(len(STEP_FIELDS), len(STEP_FIELDS) + len(CATEGORIES))
 
 
 def quiet_row(first: tuple, ahead: int, duration_s: float, elapsed_s: float, generated_tokens: int,
-              categories: tuple) -> tuple:
-    """The row of the ``ahead``-th (from 0) of a run of quiet steps from the row of the first (``first``): the same
-    but for the step, its duration, the clock, the tokens so far and the categories (a quiet step changes nothing
-    else; a row edited, not a ``StepStats`` built per row)."""
+              categories: tuple, blocks_taken: int = 0) -> tuple:
+    """The row of the ``ahead``-th (from 0) of a run of quiet steps from the row the first would have before its
+    blocks are reserved (``first``): the same but for the step, its duration, the clock, the tokens so far, the
+    categories and the ``blocks_taken`` since (a quiet step changes nothing else; a row edited, not a ``StepStats``
+    built per row)."""
     values = list(first)
     values[_STEP] += ahead
+    values[_BLOCKS_IN_USE] += blocks_taken
+    values[_FREE_BLOCKS] -= blocks_taken
     values[_DURATION], values[_ELAPSED], values[_GENERATED] = duration_s, elapsed_s, generated_tokens
     values[_CATEGORY_COLUMNS] = categories
     return tuple(values)

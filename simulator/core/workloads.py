@@ -19,6 +19,7 @@ from lab.errors import InputError, LabError
 from lab.user_files import shown
 
 MOONCAKE_BLOCK_TOKENS = 512
+_INT64_SAFE_BLOCK_ID = (1 << 62) // MOONCAKE_BLOCK_TOKENS  # larger ids take Python ints (no wrap-round)
 MAX_TRACE_TOKENS = 2**31 - 1  # a length in a trace must fit int32
 SYNTHETIC_PRESETS = ("sharegpt", "alpaca", "random", "fixed")
 YEAR_S = 365.25 * 24 * 3600
@@ -113,8 +114,11 @@ class Workload:
     def prompt_token_ids(self, index: int) -> list[int] | None:
         """Synthetic token ids that reproduce the workload's prefix sharing, or None when nothing is shared."""
         length = int(self.prompt_tokens[index])
-        if self.prompt_block_ids is not None:  # Python ints: an id times the block size never wraps round
+        if self.prompt_block_ids is not None:
             ids, block = self.prompt_block_ids[index], MOONCAKE_BLOCK_TOKENS
+            if all(abs(int(i)) < _INT64_SAFE_BLOCK_ID for i in ids):  # one array op per prompt (they run to 100k)
+                positions = np.arange(length, dtype=np.int64)
+                return (np.asarray(ids, dtype=np.int64)[positions // block] * block + positions % block).tolist()
             return [int(ids[position // block]) * block + position % block for position in range(length)]
         if self.shared_prefix_tokens:
             shared = min(self.shared_prefix_tokens, length)

@@ -77,7 +77,7 @@ def test_the_pool_picture_tells_sequences_apart_shows_free_blocks_and_highlights
     heat = figure.data[0]
     z = heat.z.ravel()
     assert z[3] == z[4] == 0 and z[5] != z[5]  # free blocks drawn (colour 0), the cell past the pool's end empty
-    scale = dict((round(point, 6), colour) for point, colour in heat.colorscale)
+    scale = {round(point, 6): colour for point, colour in heat.colorscale}
     assert z[0] != z[1] and z[1] != z[2]  # sequence 0's block faded (not highlighted); 1's and the shared one not
     names = [trace.name for trace in figure.data[1:]]
     assert names[:3] == ["sequence 0", "sequence 1 (highlighted)", "free"]

@@ -138,12 +138,12 @@ def _runtime_for_detached(config: RuntimeRunConfig, report) -> RuntimeRun:
     return run_runtime(config, on_step=lambda stats, pool: report(("step", stats)), frame_every=0)
 
 
-def run_runtime_detached(config: RuntimeRunConfig, on_step: Callable[[StepStats], bool | None] | None = None,
-                         num_threads: int | None = None) -> RuntimeRun:
+def run_runtime_detached(config: RuntimeRunConfig,
+                         on_step: Callable[[StepStats], bool | None] | None = None) -> RuntimeRun:
     """``run_runtime(config)`` in a process of its own (``lab.engine.detached``: the app's runs, away from the
     Streamlit server and its threads); ``on_step(stats)`` after each step may return False to stop early (the run
     sees it at its next step, so it may have run ahead a step or more). Its ``RuntimeRun`` has no pool frames."""
     from .detached import run_detached
 
     return run_detached(_runtime_for_detached, config,
-                        None if on_step is None else lambda message: on_step(message[1]), num_threads)
+                        None if on_step is None else lambda message: on_step(message[1]))

@@ -321,18 +321,20 @@ def test_a_trace_whose_every_request_is_rejected_shows_the_warning_only(server, 
 
 
 def _plotly_traces(page, title: str) -> list[dict]:
-    """The traces (name, number of x values, x and y) of the plotly chart on ``page`` whose title starts with
+    """The traces (name, number of x values, x and y) of the plotly chart on ``page`` whose title contains
     ``title``."""
     return page.evaluate("""title => [...document.querySelectorAll('.js-plotly-plot')]
-        .filter(el => ((el.layout || {}).title || {}).text && el.layout.title.text.startsWith(title))
-        .flatMap(el => el.data.map(t => ({name: t.name || '', n: (t.x || []).length, x: t.x, y: t.y})))""", title)
+        .filter(el => ((el.layout || {}).title || {}).text && el.layout.title.text.includes(title))
+        .flatMap(el => el._fullData.map(t => ({name: t.name || '', n: t.x ? t.x.length : 0,
+                                                 x: t.x ? Array.from(t.x) : [], y: t.y ? Array.from(t.y) : []})))""",
+                         title)  # _fullData: the arrays decoded (plotly sends numpy arrays base64-encoded)
 
 
 def test_the_runtime_page_draws_vllm_s_metrics_and_its_live_run_keeps_pace(server, browser, shots):
     """Issue 67 in a real browser: the runtime page's vLLM-named panels (gauges over time, TTFT / ITL / E2E
     histograms of several bins each, the per-request Gantt); then a run from the page, the browser drawing it live,
-    against the same run from a plain script, alternating three times: the median of the page / script ratios (each
-    pair back to back) lies within ±25 % of 1."""
+    against the same run from a plain script, alternating five times: the median of the page / script ratios (each
+    pair back to back) lies within ±25 % of 1 (on the busy 2-vCPU machine a single pair can be off 2 x either way)."""
     import json
     import re
     import statistics
@@ -341,7 +343,7 @@ def test_the_runtime_page_draws_vllm_s_metrics_and_its_live_run_keeps_pace(serve
 
     from tests.test_app import LIVE_RUN_SCRIPT
 
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page = browser.new_page(viewport={"width": 1400, "height": 3000})  # tall: every panel in the screenshot
     page.goto(f"{server}/runtime", timeout=60_000)
     settle(page, True)
     no_exception(page)
@@ -357,7 +359,7 @@ def test_the_runtime_page_draws_vllm_s_metrics_and_its_live_run_keeps_pace(serve
     assert [t["name"] for t in timeline] == ["queue", "prefill", "decode"] and all(t["n"] == 16 for t in timeline)
     page.screenshot(path=str(shots / "runtime_vllm_metrics.png"), full_page=True)
     rates, script = [], []
-    for _ in range(3):
+    for _ in range(5):
         runs = runs_started(page)
         page.get_by_role("button", name="Run", exact=True).click()
         settle(page, True, after=runs)
@@ -377,7 +379,7 @@ def test_the_runtime_page_draws_vllm_s_metrics_and_its_live_run_keeps_pace(serve
 def test_the_block_pool_page_tells_sequences_apart_highlights_one_and_marks_events(server, browser, shots):
     """Issue 67: a legend from colour to sequence (neighbours in different colours), free blocks drawn, one
     sequence highlighted from the selector, events since the previous frame marked, occupancy over iterations."""
-    page = browser.new_page(viewport={"width": 1400, "height": 1600})
+    page = browser.new_page(viewport={"width": 1400, "height": 2400})
     page.goto(f"{server}/block_pool", timeout=60_000)
     settle(page, True)
     no_exception(page)

@@ -693,3 +693,28 @@ def test_the_runtime_page_s_live_run_is_as_fast_as_the_same_run_from_a_script():
     print(f"output tokens/s: page {[round(v) for v in page]}, script {[round(v) for v in script]}, "
           f"median ratio {ratio:.2f}")
     assert abs(ratio - 1) <= 0.25, (page, script)
+
+
+def test_the_block_pool_page_marks_events_and_highlights_a_sequence():
+    """Issue 67: stepping to a frame where sequences forked or hit the prefix cache since the frame before, the pool
+    picture marks those blocks; highlighting a sequence names it in the legend and shows its block table."""
+    app = open_page("block_pool")
+    clean(app)
+    frames = app.session_state["pool_frames"]
+    from lab.kv_cache.pool_view import pool_events
+
+    index = next(i for i in range(1, len(frames)) if pool_events(frames[i - 1][1], frames[i][1]))
+    app.slider(key="pool_index").set_value(index).run()
+    clean(app)
+    events = pool_events(frames[index - 1][1], frames[index][1])
+    assert app.metric[4].label == "events since the last frame" and app.metric[4].value == str(len(events))
+    pool_chart = next(c for c in app.get("plotly_chart") if "blocks of 16 tokens" in c.proto.spec)
+    names = [trace.get("name") for trace in json.loads(pool_chart.proto.spec)["data"]]
+    kinds = {event.kind for event in events}
+    assert all(any(str(name).startswith(f"{kind} (") for name in names) for kind in kinds), (kinds, names)
+    seq = next(iter(frames[index][1].block_tables))
+    app.selectbox(key="pool_highlight").set_value(seq).run()
+    clean(app)
+    pool_chart = next(c for c in app.get("plotly_chart") if "blocks of 16 tokens" in c.proto.spec)
+    assert f"sequence {seq} (highlighted)" in [t.get("name") for t in json.loads(pool_chart.proto.spec)["data"]]
+    assert len(app.dataframe) >= 1  # its block table

@@ -333,10 +333,9 @@ def _plotly_traces(page, title: str) -> list[dict]:
 def test_the_runtime_page_draws_vllm_s_metrics_and_its_live_run_keeps_pace(server, browser, shots):
     """Issue 67 in a real browser: the runtime page's vLLM-named panels (gauges over time, TTFT / ITL / E2E
     histograms of several bins each, the per-request Gantt); then a run from the page, the browser drawing it live,
-    against the same run from a plain script, alternating five times. The ±25 % check of issue 67 is AppTest's
-    (tests/test_app.py), where no browser shares the two cores; here the browser does, and on the busy 2-vCPU
-    machine single pairs were off 2 x either way, so this records the figures (docs/app.md) and checks that the page
-    is no longer an order of magnitude behind (it was 25 x): the median page / script ratio is at least 0.5."""
+    against the same run from a plain script, alternating five times: the median of the page / script ratios (each
+    pair back to back) lies within ±25 % of 1. (On the busy 2-vCPU machine single pairs were off 2 x either way,
+    and before the live view waited for the run's first second the page ran at 0.6 x: docs/app.md.)"""
     import json
     import re
     import statistics
@@ -374,7 +373,7 @@ def test_the_runtime_page_draws_vllm_s_metrics_and_its_live_run_keeps_pace(serve
         script.append(json.loads(done.stdout.strip().splitlines()[-1]))
     ratio = statistics.median(p / s for p, s in zip(rates, script))
     print(f"output tokens/s: page in the browser {rates}, script {[round(v) for v in script]}, ratio {ratio:.2f}")
-    assert ratio >= 0.5, (rates, script)
+    assert abs(ratio - 1) <= 0.25, (rates, script)
     page.close()
 
 

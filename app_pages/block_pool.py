@@ -1,27 +1,39 @@
 import streamlit as st
 
-from lab.report.charts import block_pool_figure, block_pool_frame, block_table_frame, offload_tier_figure
+import pandas as pd
+
+from lab.report.charts import (block_pool_figure, block_pool_frame, block_table_frame, offload_tier_figure,
+                               pool_occupancy_figure)
 from lab.engine.live import throttled
+from lab.kv_cache.pool_view import EVENT_KINDS, pool_events, pool_occupancy
 from lab.report.results import settings_of
 from simulator.views.pool_frames import PoolRunConfig, busiest_frame, record_pool_frames
 from lab.errors import user_errors
-from app_pages._ui import chart, csv_download, data_table, show_error
+from app_pages._ui import chart, csv_download, data_table, setting, show_error
 
 st.title("Block pool")
-st.caption("Every physical KV block, coloured by the sequence that holds it; ● marks shared blocks with their "
-           "reference count; blank blocks are free.")
+st.caption("Every physical KV block, coloured by the sequence that holds it (the legend and the hover name it); "
+           "● marks shared blocks with their reference count; grey blocks are free. Symbols mark what happened to a "
+           "block since the previous frame: " + "; ".join(f"{kind}: {text.split(': ', 1)[-1]}"
+                                                          for kind, text in EVENT_KINDS.items()) + ".")
 
 with st.sidebar:
-    source = st.radio("Drive the pool with", ["simulator (paged)", "runtime engine"])
-    num_blocks = st.slider("Physical blocks", 16, 1024, 160, step=16, key="num_blocks")
-    block_size = st.select_slider("Block size", [1, 2, 4, 8, 16, 32], 16)
-    num_requests = st.slider("Requests", 1, 200, 24)
-    n = st.slider("Parallel samples n (forks + copy-on-write)", 1, 4, 2)
-    shared_prefix = st.slider("Shared prompt prefix (tokens; prefix caching)", 0, 256, 64, step=16)
-    every = st.slider("Record a frame every … iterations", 1, 20, 2)
-    preemption = st.radio("Preemption", ["recompute", "swap"], horizontal=True,
-                          help="swap: preempted sequences move to a host pool, shown below the device pool")
-    offload = st.slider("Host offload tier (blocks)", 0, 512, 0, step=16, key="offload_blocks",
+    source = setting(st.radio, "Drive the pool with", key="pool_source", value="simulator (paged)",
+                     options=["simulator (paged)", "runtime engine"])
+    num_blocks = setting(st.slider, "Physical blocks", key="num_blocks", value=160, min_value=16, max_value=1024,
+                         step=16)
+    block_size = setting(st.select_slider, "Block size", key="pool_block_size", value=16, options=[1, 2, 4, 8, 16, 32])
+    num_requests = setting(st.slider, "Requests", key="pool_requests", value=24, min_value=1, max_value=200)
+    n = setting(st.slider, "Parallel samples n (forks + copy-on-write)", key="pool_n", value=2, min_value=1, max_value=4)
+    shared_prefix = setting(st.slider, "Shared prompt prefix (tokens; prefix caching)", key="pool_prefix", value=64,
+                            min_value=0, max_value=256, step=16)
+    every = setting(st.slider, "Record a frame every … iterations", key="pool_every", value=2, min_value=1,
+                    max_value=20)
+    preemption = setting(st.radio, "Preemption", key="pool_preemption", value="recompute",
+                         options=["recompute", "swap"], horizontal=True,
+                         help="swap: preempted sequences move to a host pool, shown below the device pool")
+    offload = setting(st.slider, "Host offload tier (blocks)", key="offload_blocks", value=0, min_value=0,
+                      max_value=512, step=16,
                         help="prefix blocks the device pool evicts are kept in host memory and loaded back when a "
                              "later prompt shares them (0: no tier); shown below the device pool. With swap "
                              "preemption the tier and swapped-out sequences share one host pool (the swap space "
@@ -50,6 +62,9 @@ if run or "pool_frames" not in st.session_state:
     live.empty()
 
 frames, settings = st.session_state["pool_frames"], st.session_state["pool_settings"]
+occupancy = pd.DataFrame(pool_occupancy(frames))
+every_sequence = sorted({seq for _, pool in frames for seq in pool.block_tables},
+                        key=lambda seq: (not isinstance(seq, int), seq if isinstance(seq, int) else 0, str(seq)))
 # Outside the fragment: toggling Play reruns the page, which redefines the fragment to rerun on a timer only while
 # playing (a timer that always runs kept a core 70 % busy with the page sitting idle).
 playing = st.toggle("Play", key="pool_play", help="Step through the recorded frames, about 2 a second")
@@ -61,14 +76,25 @@ def player():
         st.session_state["pool_index"] = (st.session_state["pool_index"] + 1) % len(frames)
     index = st.slider("Frame", 0, len(frames) - 1, key="pool_index")
     iteration, pool = frames[index]
-    cols = st.columns(4)
+    events = pool_events(frames[index - 1][1], pool) if index else []
+    cols = st.columns(5)
     cols[0].metric("iteration", iteration)
-    cols[1].metric("free blocks", pool.num_free_blocks)
+    cols[1].metric("free blocks", f"{pool.num_free_blocks:,} of {len(pool.ref_counts):,}")
     cols[2].metric("shared blocks", sum(count > 1 for count in pool.ref_counts))
     cols[3].metric("sequences", len(pool.block_tables))
-    chart(block_pool_figure(pool.ref_counts, pool.owners, title=f"iteration {iteration}"), "pool_heatmap")
-    if pool.block_tables:
-        seq = st.selectbox("Block table of sequence", sorted(pool.block_tables, key=str))
+    cols[4].metric("events since the last frame", len(events))
+    highlight = st.selectbox("Highlight a sequence (its blocks keep their colour; its block table below)",
+                             [None, *every_sequence], format_func=lambda s: "none" if s is None else f"sequence {s}",
+                             key="pool_highlight")
+    chart(block_pool_figure(pool.ref_counts, pool.owners, highlight=highlight, events=events,
+                            title=f"{settings['source']}, {len(pool.ref_counts):,} blocks of {pool.block_size} "
+                                  f"tokens, iteration {iteration}"), "pool_heatmap")
+    chart(pool_occupancy_figure(occupancy, iteration), "pool_occupancy")
+    if highlight is not None and highlight not in pool.block_tables:
+        st.caption(f"Sequence {highlight} holds no blocks at iteration {iteration} (not yet admitted, preempted or "
+                   "finished).")
+    elif highlight is not None:
+        seq = highlight
         table = block_table_frame(pool.block_tables[seq], pool.block_size, pool.seq_lens.get(seq))
         data_table(table)
         csv_download(table, f"block-table-{seq}", {**settings, "iteration": iteration}, "dl_block_table",

@@ -3,46 +3,49 @@ import dataclasses
 import pandas as pd
 import streamlit as st
 
-from lab.bench.e2e import E2EConfig, run_e2e_bench
-from lab.report.charts import (engine_live_figure, format_bytes, latency_histograms, static_batching_note,
-                        system_comparison_figure)
+from lab.bench.e2e import E2EConfig, run_e2e_bench_detached
+from lab.report.charts import (engine_live_figure, format_bytes, latency_histograms, request_timeline_figure,
+                               serving_gauges_figure, static_batching_note, system_comparison_figure)
 from lab.engine import EngineConfig
-from lab.engine.live import RuntimeRunConfig, compare_kv_precision, run_runtime, throttled
-from lab.models.qwen3 import load_hf_model
+from lab.engine.live import RuntimeRunConfig, compare_kv_precision_detached, run_runtime_detached, throttled
+from lab.engine.serving_metrics import serving_metrics
 from lab.report.results import settings_of
 from lab.errors import user_errors
-from app_pages._ui import chart, csv_download, data_table, results_store, scheduling_radio, show_error
+from app_pages._ui import chart, csv_download, data_table, results_store, scheduling_radio, setting, show_error
 
 st.title("Qwen3 runtime")
-st.caption("The paged engine serving a request mix: continuous batching, prefix caching, preemption, live.")
-
-
-@st.cache_resource(show_spinner="loading the model…")
-def cached_model(name: str):
-    import torch
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return load_hf_model(name, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+st.caption("The paged engine serving a request mix: continuous batching, prefix caching, preemption, live. Runs "
+           "and comparisons run in a process of their own, as `python -m lab` does, not inside this app's server "
+           "(docs/app.md says why).")
 
 
 with st.sidebar:
-    model = st.text_input("Model (preset or local checkpoint directory)", "tiny")
-    num_requests = st.slider("Requests", 1, 128, 16)
-    prompt_range = st.slider("Prompt lengths", 1, 1024, (16, 128))
-    output_range = st.slider("Max new tokens", 1, 512, (16, 64))
-    shared_prefix = st.slider("Shared prompt prefix (tokens)", 0, 512, 0, step=16)
-    block_size = st.select_slider("Block size", [1, 2, 4, 8, 16, 32, 64, 128, 256], 16)
-    num_blocks = st.number_input("KV pool (blocks)", 1, 1_000_000, 256, key="runtime_num_blocks")
-    prefix_caching = st.toggle("Prefix caching", True)
-    n = st.slider("Parallel samples n", 1, 8, 1)
-    temperature = st.slider("Temperature", 0.0, 2.0, 0.0)
-    backend = st.selectbox("Attention backend", ["auto", "torch", "reference", "cupy"])
+    model = setting(st.text_input, "Model (preset or local checkpoint directory)", key="runtime_model", value="tiny")
+    num_requests = setting(st.slider, "Requests", key="runtime_requests", value=16, min_value=1, max_value=128)
+    prompt_range = setting(st.slider, "Prompt lengths", key="runtime_prompts", value=(16, 128), min_value=1,
+                           max_value=1024)
+    output_range = setting(st.slider, "Max new tokens", key="runtime_outputs", value=(16, 64), min_value=1,
+                           max_value=512)
+    shared_prefix = setting(st.slider, "Shared prompt prefix (tokens)", key="runtime_prefix", value=0, min_value=0,
+                            max_value=512, step=16)
+    block_size = setting(st.select_slider, "Block size", key="runtime_block_size", value=16,
+                         options=[1, 2, 4, 8, 16, 32, 64, 128, 256])
+    num_blocks = setting(st.number_input, "KV pool (blocks)", key="runtime_num_blocks", value=256, min_value=1,
+                         max_value=1_000_000)
+    prefix_caching = setting(st.toggle, "Prefix caching", key="runtime_prefix_caching", value=True)
+    n = setting(st.slider, "Parallel samples n", key="runtime_n", value=1, min_value=1, max_value=8)
+    temperature = setting(st.slider, "Temperature", key="runtime_temperature", value=0.0, min_value=0.0, max_value=2.0)
+    backend = setting(st.selectbox, "Attention backend", key="runtime_backend", value="auto",
+                      options=["auto", "torch", "reference", "cupy"])
     scheduling = scheduling_radio("vllm", key="runtime_scheduling")
-    max_num_seqs = st.number_input("Max running sequences (max_num_seqs)", 1, 1024, 32, key="runtime_max_num_seqs",
-                                   help="continuous batching's cap on the sequences a step decodes")
-    budget = st.number_input("Token budget per step (max_num_batched_tokens)", 1, 65_536, 4096,
-                             key="runtime_budget")
-    preemption = st.radio("Preemption", ["recompute", "swap"], horizontal=True, key="runtime_preemption",
-                          help="swap: preempted sequences move to a host KV pool and come back later")
+    max_num_seqs = setting(st.number_input, "Max running sequences (max_num_seqs)", key="runtime_max_num_seqs",
+                           value=32, min_value=1, max_value=1024,
+                           help="continuous batching's cap on the sequences a step decodes")
+    budget = setting(st.number_input, "Token budget per step (max_num_batched_tokens)", key="runtime_budget",
+                     value=4096, min_value=1, max_value=65_536)
+    preemption = setting(st.radio, "Preemption", key="runtime_preemption", value="recompute",
+                         options=["recompute", "swap"], horizontal=True,
+                         help="swap: preempted sequences move to a host KV pool and come back later")
     run = st.button("Run", type="primary", key="run")
 
 engine_config = EngineConfig(block_size=block_size, num_blocks=int(num_blocks), enable_prefix_caching=prefix_caching,
@@ -74,15 +77,17 @@ if run or "runtime_run" not in st.session_state:
             tile.metric(label, value)
         plot.plotly_chart(engine_live_figure(pd.DataFrame([dataclasses.asdict(s) for s in history])))
 
-    redraw = throttled(draw, 0.25)  # at most 4 times a second: drawing is not free
+    # Once a second, from the run's first second on: each redraw costs the browser and the server CPU time the engine
+    # then loses (in a browser on 2 vCPUs, drawing from the first step on left the page's run at 0.6 x a script's)
+    redraw = throttled(draw, 1.0)
 
-    def on_step(stats, pool):
+    def on_step(stats):
         history.append(stats)
-        redraw(stats)
+        if stats.elapsed_s >= 1.0:
+            redraw(stats)
 
     try:
-        hf_model, tokenizer = cached_model(model)
-        result = run_runtime(config, on_step=on_step, hf_model=hf_model, tokenizer=tokenizer)
+        result = run_runtime_detached(config, on_step=on_step)
         st.session_state.update(runtime_run=result, runtime_settings=settings_of(config))
         results_store().add("runtime", f"runtime: {model}, {num_requests} requests, B={block_size}",
                             pd.DataFrame([result.summary]), st.session_state["runtime_settings"])
@@ -93,7 +98,11 @@ if run or "runtime_run" not in st.session_state:
 
 result = st.session_state["runtime_run"]
 summary = result.summary
+run_settings = st.session_state["runtime_settings"]
 with slot.container():
+    st.caption(f"{run_settings['model']}: {len(result.requests):,} requests, block size {run_settings['block_size']}, "
+               f"{summary['num_kv_blocks']:,} KV blocks, {run_settings['scheduling']} scheduling, "
+               f"{summary['steps']:,} steps")
     cols = st.columns(5)
     cols[0].metric("Output tokens/s", f"{summary['output_tok_s']:,.0f}")
     cols[1].metric("Peak KV blocks", f"{summary['peak_kv_blocks']} / {summary['num_kv_blocks']}")
@@ -102,10 +111,15 @@ with slot.container():
     cols[4].metric("Peak memory", format_bytes(summary["peak_memory_bytes"]),
                    help="the device's peak allocation on a GPU; the process's peak resident memory on the CPU")
     chart(engine_live_figure(result.steps), "engine_state")
+metrics = serving_metrics(result)
+st.subheader("vLLM's metrics")
+st.caption("Named as vLLM's Prometheus metrics (`vllm:kv_cache_usage_perc`, `vllm:num_requests_running` …), "
+           "computed from the engine's steps and tokens by `lab.engine.serving_metrics`.")
+chart(serving_gauges_figure(metrics.gauges), "vllm_gauges")
 if len(result.requests):
-    chart(latency_histograms(result.requests), "latency_hist")
-data_table(result.requests)
-run_settings = st.session_state["runtime_settings"]
+    chart(latency_histograms(metrics.latencies), "latency_hist")
+    chart(request_timeline_figure(metrics.timeline), "request_timeline")
+data_table(result.requests.drop(columns=["arrival_s", "scheduled_s", "first_token_s", "finish_s"], errors="ignore"))
 csv_download(result.requests, "runtime-requests", run_settings, "dl_requests", "Download per-request CSV")
 csv_download(pd.DataFrame([summary]), "runtime-summary", run_settings, "dl_runtime_summary",
              "Download run summary CSV")
@@ -125,8 +139,10 @@ if st.button("Compare", key="compare"):
         bench = dataclasses.replace(bench, num_requests=num_requests, prompt_range=prompt_range,
                                     output_range=output_range)
     try:
-        with st.spinner("running the comparison…"):
-            table = run_e2e_bench(bench)
+        bar = st.progress(0.0, text=f"running {len(bench.systems)} systems in a process of their own…")
+        table = run_e2e_bench_detached(bench, progress=lambda done, total: bar.progress(
+            done / total, text=f"{done} of {total} systems done"))
+        bar.empty()
         st.session_state.update(runtime_compare=table, runtime_compare_settings=settings_of(bench))
         results_store().add("runtime", f"serving comparison: {model}", table,
                             st.session_state["runtime_compare_settings"])
@@ -153,10 +169,8 @@ kv_scales = precision_cols[1].radio("Scales", ["1.0 (vLLM's default)", "calculat
                                     key="runtime_kv_scales", horizontal=True)
 if st.button("Compare KV precision", key="compare_precision"):
     try:
-        hf_model, tokenizer = cached_model(model)
-        with st.spinner("serving the mix with both caches…"):
-            precision_table = compare_kv_precision(config, kv_precision, kv_scales.startswith("calculated"),
-                                                   hf_model=hf_model, tokenizer=tokenizer)
+        with st.spinner("serving the mix with both caches (in a process of its own)…"):
+            precision_table = compare_kv_precision_detached(config, kv_precision, kv_scales.startswith("calculated"))
         precision_settings = settings_of(config, kv_cache_dtype=kv_precision, kv_scales=kv_scales)
         st.session_state.update(runtime_precision=precision_table, runtime_precision_settings=precision_settings)
         results_store().add("runtime", f"KV precision: {model}, {kv_precision}", precision_table, precision_settings)

@@ -2,6 +2,7 @@
 Debian's Chromium (never a downloaded browser). Screenshots go to a temp dir, or to $MINIPAGED_SCREENSHOT_DIR."""
 import contextlib
 import os
+import re
 import tempfile
 import time
 import urllib.request
@@ -467,6 +468,91 @@ def test_a_trace_whose_every_request_is_rejected_shows_the_warning_only(server, 
     assert any("rejected" in alert for alert in alerts), alerts
     assert page.locator('[data-testid="stException"]').count() == 0
     assert not any("error" in alert.lower() for alert in alerts), alerts
+    page.close()
+
+
+def _plotly_traces(page, title: str) -> list[dict]:
+    """The traces (name, number of x values, x and y) of the plotly chart on ``page`` whose title contains
+    ``title``."""
+    return page.evaluate("""title => [...document.querySelectorAll('.js-plotly-plot')]
+        .filter(el => ((el.layout || {}).title || {}).text && el.layout.title.text.includes(title))
+        .flatMap(el => el._fullData.map(t => ({name: t.name || '', n: t.x ? t.x.length : 0,
+                                                 x: t.x ? Array.from(t.x) : [], y: t.y ? Array.from(t.y) : []})))""",
+                         title)  # _fullData: the arrays decoded (plotly sends numpy arrays base64-encoded)
+
+
+def test_the_runtime_page_draws_vllm_s_metrics_and_its_live_run_keeps_pace(server, browser, shots):
+    """Issue 67 in a real browser: the runtime page's vLLM-named panels (gauges over time, TTFT / ITL / E2E
+    histograms of several bins each, the per-request Gantt); then a run from the page, the browser drawing it live,
+    against the same run from a plain script, alternating five times: the median of the page / script ratios (each
+    pair back to back) lies within ±25 % of 1. (On the busy 2-vCPU machine single pairs were off 2 x either way,
+    and before the live view waited for the run's first second the page ran at 0.6 x: docs/app.md.)"""
+    import json
+    import re
+    import statistics
+    import subprocess
+    import sys
+
+    from tests.test_app import LIVE_RUN_SCRIPT
+
+    page = browser.new_page(viewport={"width": 1400, "height": 3000})  # tall: every panel in the screenshot
+    page.goto(f"{server}/runtime", timeout=60_000)
+    settle(page, True)
+    no_exception(page)
+    gauges = _plotly_traces(page, "vLLM metrics over time")
+    assert {"KV-cache usage (vllm:kv_cache_usage_perc)", "running (vllm:num_requests_running)",
+            "waiting (vllm:num_requests_waiting)", "preemptions (so far) (vllm:num_preemptions_total)"} <= {
+        t["name"] for t in gauges}
+    histograms = _plotly_traces(page, "Latency distributions")
+    assert [t["name"] for t in histograms] == ["vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                                               "vllm:e2e_request_latency_seconds"]
+    assert all(t["n"] >= 5 and sum(1 for y in t["y"] if y) >= 2 for t in histograms), histograms  # not one block
+    timeline = _plotly_traces(page, "Requests over time")
+    assert [t["name"] for t in timeline] == ["queue", "prefill", "decode"] and all(t["n"] == 16 for t in timeline)
+    page.screenshot(path=str(shots / "runtime_vllm_metrics.png"), full_page=True)
+    rates, script = [], []
+    for _ in range(5):
+        runs = runs_started(page)
+        page.get_by_role("button", name="Run", exact=True).click()
+        settle(page, True, after=runs)
+        no_exception(page)
+        tile = page.locator('[data-testid="stMetric"]').filter(has_text="Output tokens/s").first.inner_text()
+        rates.append(float(re.search(r"([\d,]+)\s*$", tile).group(1).replace(",", "")))
+        done = subprocess.run([sys.executable, "-c", LIVE_RUN_SCRIPT], cwd=ROOT, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        script.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    ratio = statistics.median(p / s for p, s in zip(rates, script))
+    print(f"output tokens/s: page in the browser {rates}, script {[round(v) for v in script]}, ratio {ratio:.2f}")
+    assert abs(ratio - 1) <= 0.25, (rates, script)
+    page.close()
+
+
+def test_the_block_pool_page_tells_sequences_apart_highlights_one_and_marks_events(server, browser, shots):
+    """Issue 67: a legend from colour to sequence (neighbours in different colours), free blocks drawn, one
+    sequence highlighted from the selector, occupancy over iterations (events on a frame: tests/test_app.py)."""
+    page = browser.new_page(viewport={"width": 1400, "height": 2400})
+    page.goto(f"{server}/block_pool", timeout=60_000)
+    settle(page, True)
+    no_exception(page)
+    pool = _plotly_traces(page, "simulator, 160 blocks")
+    names = [t["name"] for t in pool]
+    assert "free" in names and sum(name.startswith("sequence ") for name in names) >= 2, names
+    occupancy = _plotly_traces(page, "Pool occupancy over iterations")
+    assert {t["name"] for t in occupancy} >= {"in use", "shared (ref count > 1)", "free"}
+    assert all(t["n"] == occupancy[0]["n"] > 2 for t in occupancy)
+    box = page.locator('[data-testid="stSelectbox"]').filter(has_text="Highlight a sequence")
+    box.click()
+    option = page.get_by_role("option").nth(1)  # the first sequence
+    chosen = option.inner_text()
+    runs = runs_started(page)
+    option.click()
+    settle(page, True, after=runs)
+    no_exception(page)
+    names = [t["name"] for t in _plotly_traces(page, "simulator, 160 blocks")]
+    assert any(name.endswith("(highlighted)") for name in names) or "holds no blocks" in page.content(), names
+    assert chosen in " ".join(names) or "holds no blocks" in page.content()
+    page.screenshot(path=str(shots / "block_pool_highlight.png"), full_page=True)
     page.close()
 
 

@@ -21,7 +21,7 @@ def test_block_pool_figure_marks_owners_shared_and_free_blocks():
     figure = block_pool_figure(pool.ref_counts, pool.owners, columns=5)
     heat = figure.data[0]
     assert heat.z.shape == (2, 5)
-    assert sum(1 for v in heat.z.ravel() if v == v) == 2  # two used blocks, eight blank
+    assert sum(1 for v in heat.z.ravel() if v > 0) == 2 and sum(1 for v in heat.z.ravel() if v == 0) == 8  # free: drawn
     assert list(heat.text.ravel()[:2]) == ["●2", "●2"]
     frame = block_pool_frame(pool.ref_counts, pool.owners)
     assert frame["shared"].sum() == 2 and frame.loc[0, "owners"] == "a,b"
@@ -71,9 +71,10 @@ def test_runtime_and_kernel_figures():
     steps = pd.DataFrame({"elapsed_s": [0.1, 0.2], "num_running": [1, 2], "num_waiting": [3, 1],
                           "blocks_in_use": [4, 6]})
     assert len(engine_live_figure(steps).data) == 3
-    requests = pd.DataFrame({"ttft_s": [0.1, 0.2], "tpot_s": [0.01, 0.02]})
-    histograms = latency_histograms(requests)
-    assert len(histograms.data) == 2 and sorted(note.text for note in histograms.layout.annotations) == ["TPOT", "TTFT"]
+    histograms = latency_histograms({"vllm:time_to_first_token_seconds": [0.1, 0.2],
+                                     "vllm:inter_token_latency_seconds": [0.01, 0.02]})
+    assert len(histograms.data) == 2 and [note.text for note in histograms.layout.annotations] == [
+        "Time to first token (TTFT)", "Inter-token latency (ITL)"]
     kernels = pd.DataFrame({"kernel": ["sdpa-contiguous", "torch"], "batch": [1, 1], "context": [64, 64],
                             "median_ms": [1.0, 1.1], "kv_gb_per_s": [5.0, 4.5]})
     assert len(kernel_time_figure(kernels).data) == 2 and len(kernel_bandwidth_figure(kernels).data) == 2

@@ -206,3 +206,17 @@ def run_e2e_bench(config: E2EConfig, progress=None) -> pd.DataFrame:
         table["speedup_vs_hf_continuous"] = table["output_tok_s"] / base
     table["model"], table["device"], table["num_requests"] = config.model, config.device, config.num_requests
     return table
+
+
+def _e2e_for_detached(config: E2EConfig, report) -> pd.DataFrame:
+    return run_e2e_bench(config, progress=lambda done, total: report(("progress", done, total)))
+
+
+def run_e2e_bench_detached(config: E2EConfig, progress=None) -> pd.DataFrame:
+    """``run_e2e_bench(config)``, what ``python -m lab bench e2e`` runs, in a process of its own
+    (``lab.engine.detached``: the app's comparisons, away from the Streamlit server); ``progress(done, total)`` after
+    each system."""
+    from lab.engine.detached import run_detached
+
+    return run_detached(_e2e_for_detached, config,
+                        None if progress is None else lambda message: progress(*message[1:]))

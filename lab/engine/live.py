@@ -41,9 +41,11 @@ class RuntimeRun:
 
     requests: pd.DataFrame
     summary: dict
-    steps: pd.DataFrame
+    steps: pd.DataFrame  # StepStats' columns, then kv_cache_usage, prefix_cache_hit_rate, num_preemptions_total
     frames: list[tuple[StepStats, PoolSnapshot]] = field(default_factory=list)
     stopped: bool = False
+    tokens: pd.DataFrame = field(default_factory=pd.DataFrame)  # seq_id, request_id, t_s: when each token came
+    scheduled: dict = field(default_factory=dict)  # request id -> when its prompt's first chunk ran (s)
 
 
 def throttled(callback: Callable[..., object], interval_s: float,
@@ -82,11 +84,12 @@ def run_runtime(config: RuntimeRunConfig,
                 on_step: Callable[[StepStats, PoolSnapshot | None], bool | None] | None = None,
                 frame_every: int = 1, hf_model=None, tokenizer=None) -> RuntimeRun:
     """Serve the request mix; ``on_step(stats, pool_or_None)`` after each step (the pool every ``frame_every``
-    steps, with ``pool.host_pool`` when swapping) may return False to stop early. ``hf_model`` reuses an already
+    steps, never when 0, with ``pool.host_pool`` when swapping) may return False to stop early. ``hf_model`` reuses an already
     loaded model."""
-    steps, frames = [], []
+    steps, frames, extra, tokens, scheduled = [], [], [], [], {}
     engine = LLMEngine(hf_model if hf_model is not None else config.model, config.engine,
                        tokenizer=tokenizer)
+    origin, cache, preemptions = engine.started_s, engine.block_manager.prefix_cache_stats, 0
     prompts, max_tokens = random_requests(config.num_requests, config.prompt_len_range, config.max_tokens_range,
                                           engine.hf_model.config.vocab_size, config.seed, config.shared_prefix_tokens)
     for prompt, limit in zip(prompts, max_tokens):
@@ -97,14 +100,54 @@ def run_runtime(config: RuntimeRunConfig,
         engine.step()
         stats = engine.last_step_stats()
         steps.append(stats)
-        pool = engine.pool_snapshot() if engine.num_steps % frame_every == 0 else None
+        preemptions += stats.num_preempted + stats.num_swapped_out
+        extra.append((stats.blocks_in_use / engine.block_manager.num_physical_blocks, cache.hit_rate, preemptions))
+        _record_times(engine.last_plan, stats.elapsed_s - stats.duration_s, stats.elapsed_s, tokens, scheduled)
+        pool = engine.pool_snapshot() if frame_every and engine.num_steps % frame_every == 0 else None
         if pool is not None:
             frames.append((stats, pool))
         if on_step is not None:
             stopped = on_step(stats, pool) is False
     step_table = pd.DataFrame([asdict(s) for s in steps])
-    return RuntimeRun(engine.request_metrics(), engine.run_metrics(), step_table, frames, stopped)
+    step_table[["kv_cache_usage", "prefix_cache_hit_rate", "num_preemptions_total"]] = pd.DataFrame(
+        extra, columns=["kv_cache_usage", "prefix_cache_hit_rate", "num_preemptions_total"], index=step_table.index)
+    requests = engine.request_metrics()
+    if len(requests):
+        outputs = {o.request_id: o for o in engine.finished}
+        # the run's clock: seconds since the engine started (the step table's elapsed_s)
+        requests["arrival_s"] = [outputs[i].arrival_s - origin for i in requests["request_id"]]
+        requests["scheduled_s"] = [scheduled.get(i, math.nan) for i in requests["request_id"]]
+        requests["first_token_s"] = [outputs[i].first_token_s - origin for i in requests["request_id"]]
+        requests["finish_s"] = [outputs[i].finish_s - origin for i in requests["request_id"]]
+        if engine.tokenizer is not None:
+            requests["output_text"] = [outputs[i].text for i in requests["request_id"]]
+    return RuntimeRun(requests, engine.run_metrics(), step_table, frames, stopped,
+                      pd.DataFrame(tokens, columns=["seq_id", "request_id", "t_s"]), scheduled)
 
+
+def _record_times(plan, started_s: float, ended_s: float, tokens: list, scheduled: dict) -> None:
+    """From a step's plan (seconds since the engine started): when each request's prompt first ran (``scheduled``)
+    and which sequences got a token at the step's end (``tokens``: (seq_id, request_id, t_s))."""
+    for chunk in plan.prefill_chunks:
+        scheduled.setdefault(chunk.seq.data.request.request_id, started_s)
+    for seq in (*plan.prefill_done, *(plan.decode_seqs or ())):
+        tokens.append((seq.seq_id, seq.data.request.request_id, ended_s))
+
+
+
+def _runtime_for_detached(config: RuntimeRunConfig, report) -> RuntimeRun:
+    return run_runtime(config, on_step=lambda stats, pool: report(("step", stats)), frame_every=0)
+
+
+def run_runtime_detached(config: RuntimeRunConfig,
+                         on_step: Callable[[StepStats], bool | None] | None = None) -> RuntimeRun:
+    """``run_runtime(config)`` in a process of its own (``lab.engine.detached``: the app's runs, away from the
+    Streamlit server and its threads); ``on_step(stats)`` after each step may return False to stop early (the run
+    sees it at its next step, so it may have run ahead a step or more). Its ``RuntimeRun`` has no pool frames."""
+    from .detached import run_detached
+
+    return run_detached(_runtime_for_detached, config,
+                        None if on_step is None else lambda message: on_step(message[1]))
 
 
 def compare_kv_precision(config: RuntimeRunConfig, kv_cache_dtype: str = "fp8_e4m3",
@@ -149,3 +192,16 @@ def compare_kv_precision(config: RuntimeRunConfig, kv_cache_dtype: str = "fp8_e4
         rows.append({**row, "first_token_agreement": sum(x[:1] == y[:1] for x, y in zip(base, samples)) / len(base),
                      "token_agreement": same / total if total else float("nan")})
     return pd.DataFrame(rows)
+
+
+def _precision_for_detached(payload: tuple, report) -> pd.DataFrame:
+    config, kv_cache_dtype, calculate_kv_scales = payload
+    return compare_kv_precision(config, kv_cache_dtype, calculate_kv_scales)
+
+
+def compare_kv_precision_detached(config: RuntimeRunConfig, kv_cache_dtype: str = "fp8_e4m3",
+                                  calculate_kv_scales: bool = False) -> pd.DataFrame:
+    """``compare_kv_precision`` in a process of its own, as the page's other runs (``run_runtime_detached``)."""
+    from .detached import run_detached
+
+    return run_detached(_precision_for_detached, (config, kv_cache_dtype, calculate_kv_scales))

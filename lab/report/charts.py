@@ -3,6 +3,7 @@ Pure functions of data, so they are tested without Streamlit."""
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import pandas as pd
@@ -21,32 +22,100 @@ def block_pool_frame(ref_counts: list[int], owners: list[list]) -> pd.DataFrame:
                          "shared": [count > 1 for count in ref_counts]})
 
 
+SEQUENCE_PALETTE = px.colors.qualitative.Alphabet  # 26 distinct colours: neighbouring sequence ids differ
+FREE_COLOUR = "#e8e8e8"
+EVENT_SYMBOLS = {"shared": "star", "copy-on-write": "diamond", "evicted": "x", "swapped out": "triangle-down"}
+
+
+def sequence_colour(seq_id) -> str:
+    """The colour of a sequence in every block-pool picture: its id's place in a qualitative palette, so a sequence
+    keeps its colour from frame to frame and consecutive ids get unlike colours."""
+    index = seq_id if isinstance(seq_id, int) else zlib.crc32(str(seq_id).encode())
+    return SEQUENCE_PALETTE[index % len(SEQUENCE_PALETTE)]
+
+
+def _faded(colour: str, keep: float = 0.25) -> str:
+    red, green, blue = (int(colour[i:i + 2], 16) for i in (1, 3, 5))
+    return "#" + "".join(f"{round(255 - (255 - c) * keep):02x}" for c in (red, green, blue))
+
+
 def block_pool_figure(ref_counts: list[int], owners: list[list], columns: int | None = None,
-                      title: str = "Physical block pool") -> go.Figure:
-    """Heatmap, one cell per physical block coloured by its (first) owner; free blocks blank; shared blocks marked
-    with their ref count."""
+                      title: str = "Physical block pool", highlight=None, events: list | None = None,
+                      max_legend: int = 40) -> go.Figure:
+    """Every physical block as a cell, coloured by its (first) owner's ``sequence_colour``, with a legend from colour
+    to sequence (the first ``max_legend``) and a hover naming the block's holders; free blocks grey, so the pool's
+    size shows; shared blocks marked with their ref count. ``highlight``: a sequence whose blocks keep their colour
+    while every other held block fades. ``events``: ``lab.kv_cache.pool_view.PoolEvent`` s, marked on their blocks
+    by kind (``EVENT_SYMBOLS``)."""
     count = len(ref_counts)
     columns = columns or max(8, int(np.ceil(np.sqrt(count * 2))))
     rows = -(-count // columns)
-    colour = np.full(rows * columns, np.nan)
+    colours = [FREE_COLOUR] + list(SEQUENCE_PALETTE) + [_faded(c) for c in SEQUENCE_PALETTE]
+    palette = len(SEQUENCE_PALETTE)
+    colour = np.full(rows * columns, np.nan)  # cells past the pool's end stay empty
     text = np.full(rows * columns, "", dtype=object)
     hover = np.full(rows * columns, "", dtype=object)
-    owner_ids = {}
+    seen = {}
     for block, (refs, holders) in enumerate(zip(ref_counts, owners)):
+        colour[block] = 0
         if refs:
             first = holders[0] if holders else "?"
-            colour[block] = owner_ids.setdefault(first, len(owner_ids) % 20)
+            index = SEQUENCE_PALETTE.index(sequence_colour(first))
+            faded = highlight is not None and highlight not in holders
+            colour[block] = 1 + index + (palette if faded else 0)
             text[block] = f"{SHARED_MARK}{refs}" if refs > 1 else ""
-        holders_text = ", ".join(map(str, holders)) if holders else "free"
-        hover[block] = f"block {block}<br>ref count {refs}<br>held by {holders_text}"
+            for holder in holders:
+                seen.setdefault(holder, None)
+        holders_text = ", ".join(f"sequence {h}" for h in holders) if holders else "free"
+        hover[block] = f"block {block}<br>ref count {refs}<br>{holders_text}"
+    steps = len(colours)
+    scale = [point for k, c in enumerate(colours) for point in ([k / steps, c], [(k + 1) / steps, c])]
     shape = (rows, columns)
     figure = go.Figure(go.Heatmap(z=colour.reshape(shape), text=text.reshape(shape), texttemplate="%{text}",
-                                  hovertext=hover.reshape(shape), hoverinfo="text", colorscale="Turbo",
-                                  showscale=False, xgap=1, ygap=1, zmin=0, zmax=19))
-    figure.update_layout(title=title, height=max(220, 26 * rows + 80), margin=dict(l=10, r=10, t=40, b=10),
-                         yaxis=dict(autorange="reversed", showticklabels=False),
-                         xaxis=dict(showticklabels=False))
+                                  hovertext=hover.reshape(shape), hoverinfo="text", colorscale=scale,
+                                  showscale=False, xgap=1, ygap=1, zmin=-0.5, zmax=steps - 0.5, showlegend=False))
+    legend = sorted(seen, key=lambda s: (not isinstance(s, int), s if isinstance(s, int) else str(s)))
+    for seq_id in legend[:max_legend]:
+        name = f"sequence {seq_id}" + (" (highlighted)" if seq_id == highlight else "")
+        figure.add_scatter(x=[None], y=[None], mode="markers", name=name, legendgroup="sequences",
+                           legendgrouptitle_text="held by", marker=dict(symbol="square", size=12,
+                                                                        color=sequence_colour(seq_id)))
+    figure.add_scatter(x=[None], y=[None], mode="markers", name="free", marker=dict(symbol="square", size=12,
+                                                                                    color=FREE_COLOUR))
+    for kind, symbol in EVENT_SYMBOLS.items():
+        marked = [event for event in events or () if event.kind == kind]
+        if marked:
+            figure.add_scatter(x=[e.block % columns for e in marked], y=[e.block // columns for e in marked],
+                               mode="markers", name=f"{kind} ({len(marked)})", legendgroup="events",
+                               legendgrouptitle_text="since the last frame",
+                               marker=dict(symbol=symbol, size=11, color="black", line=dict(width=1, color="white")),
+                               hovertext=[f"block {e.block}: {kind}" + (f" (sequence {e.seq_id})"
+                                                                         if e.seq_id is not None else "")
+                                          for e in marked], hoverinfo="text")
+    legend_note = f" (legend: the first {max_legend} of {len(legend)} sequences)" if len(legend) > max_legend else ""
+    figure.update_layout(title=f"{title}{legend_note}", height=max(260, 26 * rows + 80),
+                         margin=dict(l=10, r=10, t=40, b=10), plot_bgcolor="white",
+                         yaxis=dict(autorange="reversed", showticklabels=False, showgrid=False, zeroline=False),
+                         xaxis=dict(showticklabels=False, showgrid=False, zeroline=False), legend=dict(font_size=11))
     return figure
+
+
+def pool_occupancy_figure(occupancy: pd.DataFrame, current: int | None = None,
+                          title: str = "Pool occupancy over iterations") -> go.Figure:
+    """``lab.kv_cache.pool_view.pool_occupancy`` as lines (blocks in use, shared, free but cached, free) against the
+    iteration, the pool's size as a dotted line and ``current`` (an iteration) marked."""
+    figure = go.Figure()
+    for column, name in (("blocks_in_use", "in use"), ("shared_blocks", "shared (ref count > 1)"),
+                         ("cached_free_blocks", "free, still cached"), ("free_blocks", "free")):
+        figure.add_scatter(x=occupancy["iteration"], y=occupancy[column], name=name, mode="lines", line_shape="hv")
+    if len(occupancy):
+        figure.add_hline(y=int(occupancy["num_blocks"].iloc[0]), line_dash="dot", line_color="grey",
+                         annotation_text=f"pool: {int(occupancy['num_blocks'].iloc[0]):,} blocks")
+    if current is not None:
+        figure.add_vline(x=current, line_color="black", line_width=1)
+    figure.update_yaxes(title_text="blocks", rangemode="tozero")
+    figure.update_xaxes(title_text="iteration")
+    return figure.update_layout(title=title, height=300, margin=dict(l=10, r=10, t=40, b=10))
 
 
 def offload_tier_figure(lru_rank: list[int], title: str = "Host offload tier",
@@ -194,14 +263,92 @@ def format_bytes(num_bytes: float) -> str:
     return f"{num_bytes:.0f} B"
 
 
-def latency_histograms(requests: pd.DataFrame) -> go.Figure:
-    """TTFT and TPOT distributions (ms) of finished requests."""
-    frame = pd.concat([pd.DataFrame({"metric": "TTFT", "ms": requests["ttft_s"] * 1e3}),
-                       pd.DataFrame({"metric": "TPOT", "ms": requests["tpot_s"] * 1e3})])
-    figure = px.histogram(frame, x="ms", color="metric", facet_col="metric", nbins=30,
-                          title="Latency distributions", labels={"ms": "milliseconds", "count": "requests"})
-    figure.update_xaxes(matches=None)
-    return facet_names(figure).update_layout(height=320, showlegend=False, yaxis_title="requests")
+def histogram_edges(values, max_bins: int = 40) -> np.ndarray:
+    """Bin edges for a histogram of ``values``: numpy's ``"auto"`` rule (Sturges or Freedman-Diaconis, whichever
+    gives narrower bins), at least 5 and at most ``max_bins`` bins over the values' range, and a range around the
+    value when they are all equal (one bin over everything drew the TPOT histogram as one solid block)."""
+    values = np.asarray(values, dtype=float)
+    values = values[np.isfinite(values)]
+    if not len(values):
+        return np.array([0.0, 1.0])
+    low, high = float(values.min()), float(values.max())
+    if high - low <= 1e-9 * max(abs(high), 1.0):
+        width = max(abs(low) * 0.05, 1e-6)
+        return np.linspace(low - width, high + width, 6)
+    bins = len(np.histogram_bin_edges(values, bins="auto")) - 1
+    return np.linspace(low, high, min(max(bins, 5), max_bins) + 1)
+
+
+LATENCY_TITLES = {"vllm:time_to_first_token_seconds": "Time to first token (TTFT)",
+                  "vllm:inter_token_latency_seconds": "Inter-token latency (ITL)",
+                  "vllm:e2e_request_latency_seconds": "End-to-end request latency (E2E)"}
+
+
+def latency_histograms(latencies: dict, title: str = "Latency distributions") -> go.Figure:
+    """vLLM's latency histograms side by side (``lab.engine.serving_metrics.HISTOGRAMS``: arrays of seconds), in
+    milliseconds, each binned by ``histogram_edges``; hover gives the bin and its count."""
+    from plotly.subplots import make_subplots
+
+    names = [name for name in LATENCY_TITLES if name in latencies]
+    figure = make_subplots(rows=1, cols=len(names) or 1, subplot_titles=[LATENCY_TITLES[n] for n in names])
+    for col, name in enumerate(names, 1):
+        ms = np.asarray(latencies[name], dtype=float) * 1e3
+        edges = histogram_edges(ms)
+        counts, _ = np.histogram(ms, edges)
+        unit = "tokens" if "inter_token" in name else "requests"
+        figure.add_bar(x=(edges[:-1] + edges[1:]) / 2, y=counts, width=np.diff(edges) * 0.95, name=name,
+                       customdata=np.stack([edges[:-1], edges[1:]], axis=1),
+                       hovertemplate=f"%{{customdata[0]:.1f}}–%{{customdata[1]:.1f}} ms: %{{y}} {unit}<extra>{name}"
+                                     "</extra>", row=1, col=col)
+        figure.update_xaxes(title_text="milliseconds", row=1, col=col)
+        figure.update_yaxes(title_text=unit, rangemode="tozero", row=1, col=col)
+    return figure.update_layout(title=title, height=340, showlegend=False, bargap=0,
+                                margin=dict(l=10, r=10, t=70, b=10))
+
+
+def serving_gauges_figure(gauges: pd.DataFrame, title: str = "vLLM metrics over time") -> go.Figure:
+    """vLLM's gauges over the run (``lab.engine.serving_metrics.GAUGES``): KV-cache usage and prefix-cache hit rate
+    (%), requests running / waiting / swapped, preemptions so far; each panel its own axis, one time axis."""
+    from plotly.subplots import make_subplots
+
+    figure = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.07)
+    panels = ((1, (("vllm:kv_cache_usage_perc", "KV-cache usage"), ("vllm:prefix_cache_hit_rate",
+                                                                     "prefix-cache hit rate (so far)")), 100.0),
+              (2, (("vllm:num_requests_running", "running"), ("vllm:num_requests_waiting", "waiting"),
+                   ("vllm:num_requests_swapped", "swapped")), 1.0),
+              (3, (("vllm:num_preemptions_total", "preemptions (so far)"),), 1.0))
+    for row, series, scale in panels:
+        for column, label in series:
+            figure.add_scatter(x=gauges["t_s"], y=gauges[column] * scale, name=f"{label} ({column})", mode="lines",
+                               line_shape="hv", row=row, col=1)
+    figure.update_yaxes(title_text="% ", range=[0, 105], row=1, col=1)
+    figure.update_yaxes(title_text="requests", rangemode="tozero", row=2, col=1)
+    figure.update_yaxes(title_text="preemptions", rangemode="tozero", row=3, col=1)
+    figure.update_xaxes(title_text="time since the run started (s)", row=3, col=1)
+    return figure.update_layout(title=title, height=560, margin=dict(l=10, r=10, t=40, b=10),
+                                legend=dict(orientation="h", y=-0.12))
+
+
+PHASE_COLOURS = {"queue": "#bab0ac", "prefill": "#f58518", "decode": "#4c78a8"}
+
+
+def request_timeline_figure(timeline: pd.DataFrame, title: str = "Requests over time") -> go.Figure:
+    """A Gantt chart of ``lab.engine.serving_metrics.request_timeline``: one row per request (first arrival at the
+    top), its queue, prefill and decode phases as bars on the run's clock."""
+    order = timeline.groupby("request_id")["start_s"].min().sort_values().index
+    labels = {request: f"request {request}" for request in order}
+    figure = go.Figure()
+    for phase, colour in PHASE_COLOURS.items():
+        rows = timeline[timeline["phase"] == phase]
+        figure.add_bar(y=rows["request_id"].map(labels), x=rows["end_s"] - rows["start_s"], base=rows["start_s"],
+                       orientation="h", name=phase, marker_color=colour,
+                       customdata=np.stack([rows["start_s"], rows["end_s"]], axis=1) if len(rows) else None,
+                       hovertemplate=f"%{{y}}: {phase} %{{customdata[0]:.3f}}–%{{customdata[1]:.3f}} s<extra></extra>")
+    figure.update_yaxes(categoryorder="array", categoryarray=[labels[r] for r in order], autorange="reversed",
+                        title_text=None)
+    figure.update_xaxes(title_text="time since the run started (s)")
+    return figure.update_layout(title=title, barmode="overlay", height=min(max(260, 16 * len(order) + 120), 1600),
+                                margin=dict(l=10, r=10, t=40, b=10), legend=dict(orientation="h", y=1.02, x=0.5))
 
 
 def facet_names(figure: go.Figure) -> go.Figure:

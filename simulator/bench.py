@@ -253,6 +253,19 @@ def bench_compare(repeats: int) -> list[dict]:
     return rows
 
 
+def bench_precision(kv_cache_dtype: str = "fp8_e4m3") -> pd.DataFrame:
+    """What an FP8 KV cache buys at the Memory simulator's defaults beside what paging buys, as its cards compute it
+    (``simulator.precision_gains`` on the paged run of highest throughput and the best contiguous one)."""
+    from simulator.core.runs import compare, default_inputs, precision_gains
+    from simulator.views.report import paged_vs_best_contiguous
+
+    workload, configs = default_inputs()
+    versus = paged_vs_best_contiguous(compare(workload, configs)[0])
+    by_label = {config.label: config for config in configs}
+    first = versus.iloc[0]
+    return precision_gains(workload, by_label[first["Paged run"]], by_label[first["Contiguous run"]], kv_cache_dtype)
+
+
 def bench_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m simulator.bench", description=__doc__)
     parser.add_argument("--trace", default=str(AZURE_CONV), help="trace of the paged vs contiguous-oracle replay")
@@ -269,12 +282,17 @@ def bench_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compare", action="store_true",
                         help="only the Memory simulator's default comparison, with and without the quiet-step fast "
                              "path (benchmarks/results/compare.csv)")
+    parser.add_argument("--precision", action="store_true",
+                        help="only what an FP8 KV cache buys at the Memory simulator's defaults beside paging "
+                             "(running sequences, throughput, capacity; benchmarks/results/kv_precision_gains.csv)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser()
     args = parser.parse_args(argv)
+    if args.sweep + args.compare + args.precision > 1:
+        parser.error("--sweep, --compare and --precision each run one benchmark alone: give one of them")
     if args.sweep:
         out = args.out if args.out != parser.get_default("out") else "benchmarks/results/sweep.csv"
         print_and_save(pd.DataFrame(bench_sweep(args.num_cpus)), out, settings=cli_settings(args), kind="sweep-bench")
@@ -283,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out if args.out != parser.get_default("out") else "benchmarks/results/compare.csv"
         print_and_save(pd.DataFrame(bench_compare(args.repeats)), out, settings=cli_settings(args),
                        kind="compare-bench")
+        return 0
+    if args.precision:
+        out = args.out if args.out != parser.get_default("out") else "benchmarks/results/kv_precision_gains.csv"
+        print_and_save(bench_precision(), out, settings=cli_settings(args), kind="kv-precision-gains")
         return 0
     rows = []
     if Path(args.trace).is_file():

@@ -1,6 +1,7 @@
 """KV precision as a dimension of the simulator and the planner: an FP8 KV cache stores one byte per element, so a
 token's KV is exactly half of fp16's, every allocator holds twice the tokens (up to whole blocks), and a plan can
 find a cheaper configuration with it."""
+import pandas as pd
 import pytest
 
 import simulator
@@ -72,3 +73,20 @@ def test_the_plan_cli_and_a_sweep_grid_take_the_kv_cache_dtype(tmp_path):
     import argparse
     with pytest.raises(argparse.ArgumentTypeError, match="int8"):
         kv_dtype_list("auto,int8")
+
+
+def test_the_recorded_precision_gains_are_the_memory_simulator_s_cards(tmp_path):
+    """`python -m simulator.bench --precision` records what the Memory simulator's cards show at its defaults: the
+    paged run of highest throughput and the best contiguous one, each with and without FP8; FP8 doubles the capacity
+    of both (to whole blocks) and more than doubles nothing it cannot."""
+    from simulator.bench import main
+
+    out = tmp_path / "gains.csv"
+    assert main(["--precision", "--out", str(out)]) == 0
+    table = pd.read_csv(out, comment="#").set_index("step")
+    assert list(table.index) == ["baseline", "paging", "fp8", "together"]
+    assert table.loc["fp8", "capacity_tokens_x"] == pytest.approx(2.0, rel=0.01)
+    assert table.loc["together", "capacity_tokens"] == pytest.approx(2 * table.loc["paging", "capacity_tokens"],
+                                                                     rel=0.01)
+    assert table.loc["together", "mean_batch_size_x"] > max(table.loc["paging", "mean_batch_size_x"],
+                                                            table.loc["fp8", "mean_batch_size_x"]) > 1

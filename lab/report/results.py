@@ -109,7 +109,7 @@ RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cp
                "vllm_cpu_bf16.csv": "python -m lab bench vllm --model tiny --num-requests 32 --dtype bfloat16",
                "vllm_profile_cpu.csv": "python -m lab bench vllm --profile",
                "app_flow.csv": "python -m benchmarks.app_flow",
-               "vllm_twin_cpu.csv": "python -m simulator twin --peer vllm --repeats 3",
+               "vllm_twin_cpu.csv": "python -m simulator twin --peer vllm --repeats 5",
                "kv_precision_cpu.csv": "python -m lab bench kv-precision",
                "kv_precision_bf16_cpu.csv": "python -m lab bench kv-precision --model tiny --dtype bfloat16 "
                                             "--out benchmarks/results/kv_precision_bf16_cpu.csv",
@@ -118,6 +118,7 @@ RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cp
                "vllm_family_bfloat16_cpu.csv": "python -m lab bench vllm --model tiny --workload random --dtype "
                                                "bfloat16",
                "contention_cpu.csv": "python -m lab bench contention",
+               "kv_precision_gains.csv": "python -m simulator.bench --precision",
                "vllm_contention_cpu.csv": "python -m lab bench vllm --model tiny --num-requests 32 --background-load"}
 
 
@@ -226,6 +227,8 @@ def save_csv(table: pd.DataFrame, path: str | None, settings: dict | None = None
         return
     target = csv_target(path, settings, kind)
     if settings is not None:
+        if "lab_commit" not in settings:  # every recorded result names the code it ran on
+            settings = {**settings, "lab_version": LAB_VERSION, "lab_commit": lab_commit()}
         table = with_settings(table, settings)
     write_atomically(target, lambda temporary: table.to_csv(temporary, index=False))
     print(f"wrote {target}")
@@ -380,15 +383,25 @@ HEADLINES = [
              "vllm_cpu.csv", _row_value("output_tok_s", system="ours / vllm", model="tiny"), "×", 1.0),
     Headline("Our engine vs vLLM's CPU build, output tokens/s (Qwen3-0.6B shapes, 4 layers, fp32)", "vllm_cpu.csv",
              _row_value("output_tok_s", system="ours / vllm", model="qwen3-0.6b-random-4l"), "×", 0.8),
-    Headline("Our engine vs vLLM's CPU build, output tokens/s (tiny Qwen3, bf16, same checkpoint and pool)",
+    Headline("Our engine vs vLLM's CPU build, output tokens/s (tiny Qwen3, bf16)",
              "vllm_cpu_bf16.csv", _row_value("output_tok_s", system="ours / vllm", model="tiny"), "×", 1.0),
-    Headline("Our engine vs vLLM, worst of a random family of 8 workloads (tiny Qwen3, fp32)",
+    Headline("Ours vs vLLM, worst of a random family of 8 (tiny, fp32)",
              "vllm_family_float32_cpu.csv", _row_value("ratio", workload="family worst"), "×", 0.9),
-    Headline("Our engine vs vLLM, worst of a random family of 8 workloads (tiny Qwen3, bf16)",
+    Headline("Ours vs vLLM, worst of a random family of 8 (tiny, bf16)",
              "vllm_family_bfloat16_cpu.csv", _row_value("ratio", workload="family worst"), "×", 0.9),
-    Headline("Paged engine's slowdown with one core busy elsewhere (tiny Qwen3, threads measured)",
+    Headline("Paged engine's slowdown, one core busy elsewhere (tiny Qwen3, threads measured)",
              "contention_cpu.csv", _row_value("slowdown", system="paged engine (threads measured)"), "×", 1.5, False),
-    Headline("vLLM twin: worst p50 error (TTFT, TPOT, E2E) vs a real vLLM server (CPU, all at once, shared prefix)",
+    Headline("FP8 KV (e4m3) at the Memory simulator's defaults: running sequences vs the best contiguous run",
+             "kv_precision_gains.csv", _row_value("mean_batch_size_x", step="fp8"), "×", None),
+    Headline("Paging and FP8 KV together at the Memory simulator's defaults: running sequences vs contiguous",
+             "kv_precision_gains.csv", _row_value("mean_batch_size_x", step="together"), "×", None),
+    Headline("FP8 KV (e4m3): top-1 agreement with an fp32 cache, near ties excluded (0.6B shapes)",
+             "kv_precision_cpu.csv", lambda t: 100 * _row_value("top1_agreement_clear", kv_cache_dtype="fp8_e4m3",
+                                                                scales="1.0", model="qwen3-0.6b-random")(t),
+             "%", 95.0),
+    Headline("Our engine vs vLLM's CPU build, both with FP8 KV (e4m3), output tokens/s (tiny Qwen3)",
+             "vllm_fp8_cpu.csv", _row_value("output_tok_s", system="ours / vllm", model="tiny"), "×", 1.0),
+    Headline("vLLM twin: worst p50 error (TTFT, TPOT, E2E) vs a real vLLM server (CPU, two workloads)",
              "vllm_twin_cpu.csv", _vllm_twin_worst_p50, "%", 5.0, False),
     Headline("Memory simulator in Chromium: an arrival-rate change until the page is current (defaults, 2 cores)",
              "app_flow.csv", _row_value("median_s", code="this checkout", change="arrival rate (+0.01 requests/s)"),

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 BUSY_ABOVE, IDLE_BELOW = 0.6, 0.3  # a core counts as taken by others above this share of it, as free again below
+STALE_S, FIRST_WINDOW_S = 1.0, 0.05  # a measurement older than STALE_S is taken again over FIRST_WINDOW_S
 
 
 def allowed_cores() -> set[int]:
@@ -73,10 +74,17 @@ class LoadMonitor:
         return None if ticks is None or own is None else (time.monotonic(), ticks[0], ticks[1], own)
 
     def update(self) -> float:
-        """``others``, measured again if the last measurement is older than ``interval_s``."""
+        """``others``, measured again if the last measurement is older than ``interval_s``. After a long pause (no
+        engine stepped for ``STALE_S``) the load is read over a fresh ``FIRST_WINDOW_S`` instead: averaged over the
+        pause, a load that began during it would read as a fraction of a core."""
         last = self._last
         if last is None or time.monotonic() - last[0] < self.interval_s:
             return self.others
+        if time.monotonic() - last[0] > STALE_S:
+            self._last = last = self._sample()
+            time.sleep(FIRST_WINDOW_S)
+            if last is None:
+                return self.others
         now = self._sample()
         if now is not None:
             wall_ticks = (now[2] - last[2]) / max(1, self.cores)  # each core's ticks advance with the clock

@@ -114,6 +114,7 @@ def compare(workload, configs: list[SimConfig], progress: Callable[[float], bool
     return table, results
 
 
+@entry_point
 def finished_configs(workload: Workload, configs: list[SimConfig], reuse: MutableMapping) -> list[SimConfig]:
     """The ``configs`` whose runs on ``workload`` are in ``reuse`` (``compare``'s): what a stopped comparison
     finished, which ``compare`` then shows at once without running anything."""

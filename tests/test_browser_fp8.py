@@ -1,39 +1,15 @@
 """The KV precision controls (issue 71) in a real browser, as tests/test_browser.py drives the app: the memory
 simulator's FP8 cards, the runtime page's and the kernel lab's comparisons. Screenshots go to a temp dir, or to
 $MINIPAGED_SCREENSHOT_DIR."""
-import os
 from pathlib import Path
 
 import pytest
 
 from benchmarks.app_flow import CHROMIUM, launch, runs_started, settle
-from tests.test_browser import no_exception, streamlit_server
+from tests.test_browser import browser, no_exception, server, shots  # noqa: F401 (the shared fixtures)
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed "
                                                                                  "(apt-get install chromium)")]
-
-
-@pytest.fixture(scope="module")
-def server():
-    with streamlit_server() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    with playwright_api.sync_playwright() as playwright:
-        browser = launch(playwright)
-        yield browser
-        browser.close()
-
-
-@pytest.fixture(scope="module")
-def shots(tmp_path_factory) -> Path:
-    target = os.environ.get("MINIPAGED_SCREENSHOT_DIR")
-    path = Path(target) if target else tmp_path_factory.mktemp("screenshots")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def test_the_simulator_s_fp8_control_shows_paging_fp8_and_both(server, browser, shots):

@@ -325,10 +325,9 @@ def test_settings_persist_across_pages_and_travel_in_the_url(server, browser, sh
     context.close()
 
 
-def test_an_uploaded_trace_stays_for_the_session_and_says_it_is_not_in_the_link(server, browser, tmp_path):
-    trace = tmp_path / "mine.csv"
-    trace.write_text("arrival_time_s,prompt_tokens,output_tokens\n0,100,20\n1,200,30\n2,150,25\n")
-    page = browser.new_page(viewport={"width": 1440, "height": 900})
+def upload_trace(page, server: str, trace: Path, runs_expected: bool) -> None:
+    """Open the Memory simulator, switch its workload to an upload and upload ``trace``; ``runs_expected``: whether
+    the upload starts simulations (a trace whose every request is rejected starts none)."""
     page.goto(f"{server}/memory_simulator", timeout=60_000)
     settle(page, True)
     runs = runs_started(page)
@@ -336,7 +335,14 @@ def test_an_uploaded_trace_stays_for_the_session_and_says_it_is_not_in_the_link(
     settle(page, False, after=runs)
     runs = runs_started(page)
     page.locator('[data-testid="stSidebar"] input[type="file"]').set_input_files(str(trace))
-    settle(page, True, after=runs)
+    settle(page, runs_expected, after=runs)
+
+
+def test_an_uploaded_trace_stays_for_the_session_and_says_it_is_not_in_the_link(server, browser, tmp_path):
+    trace = tmp_path / "mine.csv"
+    trace.write_text("arrival_time_s,prompt_tokens,output_tokens\n0,100,20\n1,200,30\n2,150,25\n")
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    upload_trace(page, server, trace, runs_expected=True)
     assert "3 requests" in page.get_by_text("Workload:").first.inner_text()
     page.get_by_role("link", name="Benchmarks").click()
     page.get_by_role("heading", name="Benchmarks").wait_for(timeout=60_000)
@@ -455,14 +461,7 @@ def test_a_trace_whose_every_request_is_rejected_shows_the_warning_only(server, 
     trace = tmp_path / "too_long.csv"
     trace.write_text("arrival_time_s,prompt_tokens,output_tokens\n0,5000,10\n1,6000,10\n")
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.goto(f"{server}/memory_simulator", timeout=60_000)
-    settle(page, True)
-    runs = runs_started(page)
-    page.locator('[data-testid="stSidebar"] label').filter(has_text="upload a trace").click()
-    settle(page, False, after=runs)
-    runs = runs_started(page)
-    page.locator('[data-testid="stSidebar"] input[type="file"]').set_input_files(str(trace))
-    settle(page, False, after=runs)
+    upload_trace(page, server, trace, runs_expected=False)
     no_exception(page)
     alerts = page.locator('[data-testid="stAlert"]').all_inner_texts()
     assert any("rejected" in alert for alert in alerts), alerts

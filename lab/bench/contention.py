@@ -5,7 +5,6 @@ reports each system's slowdown and the paged / HF ratio both ways."""
 from __future__ import annotations
 
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from lab.bench.e2e import run_hf_continuous, run_paged_engine
 from lab.engine import EngineConfig, LLMEngine
 from lab.engine.live import random_requests
 from lab.errors import InputError
+from lab.peer.client import _die_with_parent
 from lab.worker.threads import allowed_cores
 
 BUSY_LOOP = "while True:\n    pass\n"
@@ -27,11 +27,7 @@ QUIET, LOADED = "quiet", "one core busy"  # a run's load column
 def _pin_and_die_with_parent(core: int):
     def setup() -> None:
         os.sched_setaffinity(0, {core})
-        try:
-            import ctypes
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
+        _die_with_parent()
     return setup
 
 

@@ -177,11 +177,11 @@ def _bench_vllm(args) -> None:
                          "--kv-cache-dtype and no --background-load")
     tables = []
     for model, requests in zip(args.model, args.num_requests):
+        first_token_only = dict(repeats=1, output_range=(1, 1)) if args.first_token_only else \
+            dict(repeats=args.repeats)
         config = VLLMBenchConfig(model=model, dtype=args.dtype, num_requests=requests, num_blocks=args.num_blocks,
-                                 repeats=1 if args.first_token_only else args.repeats,
-                                 output_range=(1, 1) if args.first_token_only else VLLMBenchConfig.output_range,
-                                 kv_cache_dtype=args.kv_cache_dtype,
-                                 tie_margin=args.tie_margin, background_load=args.background_load)
+                                 kv_cache_dtype=args.kv_cache_dtype, tie_margin=args.tie_margin,
+                                 background_load=args.background_load, **first_token_only)
         bar = tqdm(total=2 * config.repeats, desc=f"ours vs vLLM, {model}", file=sys.stderr)
         tables.append(run_vllm_bench(config, progress=lambda done, total: bar.update(done - bar.n)))
         bar.close()

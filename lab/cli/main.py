@@ -396,8 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each repeat also with one core kept busy by a pinned process: both engines' slowdown")
     v.add_argument("--seed", type=non_negative_int, default=None, help="the random family's seed (default 0)")
     v.add_argument("--family", type=positive_int, default=None, help="workloads in the random family (default 8)")
-    v.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
-                   help="both engines' KV cache (vLLM's CPU build stores fp8_e4m3 only, as uint8, with AVX-512)")
+    v.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="both engines' KV cache (vLLM's CPU build stores FP8 as uint8 and needs AVX-512 or AMX)")
     v.add_argument("--tie-margin", type=float, default=0.5,
                    help="with FP8: first tokens whose top-2 logit margin on our full-precision cache is below this "
                         "are near ties, left out of first_token_agreement_clear")

@@ -79,8 +79,9 @@ def _check_precision(kv_cache_dtype, k_scale, v_scale) -> tuple[str, float, floa
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, backend: str = "auto", check: bool = True,
                    kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0):
     """Write K/V ``[num_tokens, num_kv_heads, head_dim]`` into the paged caches at ``slot_mapping`` (in place;
-    negative slots are skipped). An FP8 ``kv_cache_dtype`` quantizes: ``K / k_scale`` and ``V / v_scale`` as FP8
-    codes into ``uint8`` caches (``paged_kernels.fp8.quantize``)."""
+    negative slots are skipped). An FP8 ``kv_cache_dtype`` quantizes: ``K * (1 / k_scale)`` and ``V * (1 / v_scale)``
+    as FP8 codes, rounded toward zero as vLLM's CPU write rounds, into ``uint8`` caches
+    (``paged_kernels.fp8.quantize``)."""
     kv_cache_dtype, k_scale, v_scale = _check_precision(kv_cache_dtype, k_scale, v_scale)
     if check:
         validate.check_write_args(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype)

@@ -3,12 +3,16 @@ the contract every backend meets.
 
 A cache of ``kv_cache_dtype`` ``fp8_e4m3`` (``fp8`` is its alias) or ``fp8_e5m2`` stores one byte per element
 (``uint8`` tensors, as vLLM's CPU and CUDA caches do) and a per-tensor scale for K and for V (vLLM's ``k_scale`` /
-``v_scale``). Writing element ``x``: ``code = fp8(clamp(float32(x) / float32(scale), -max, max))``, rounded to
-nearest, ties to even; values past the format's largest finite ``max`` saturate to ``+-max`` (never NaN or inf),
-as vLLM's conversions do (``__NV_SATFINITE`` in its CUDA ``scaled_convert``; ``.clamp(fp8_min, fp8_max)`` before
-``.to(fp8)`` in ``vllm/kernels/helion/ops/dynamic_per_token_scaled_fp8_quant.py``). Reading: ``value(code) *
-scale``, exactly, in float64 here (the kernels in float32). ``e4m3`` is the ``fn`` variant (no infinities, 0x7F/0xFF
-are NaN, max 448); ``e5m2`` is IEEE-like (max 57344).
+``v_scale``). Writing element ``x`` follows vLLM's CPU backend (the engine it is compared with):
+``code = fp8_toward_zero(clamp(float32(x) * inv, -max, max))`` with ``inv = float32(1) / float32(scale)``: the
+reciprocal's multiply, in float32 (``k_inv = 1.0f / k_scale`` in ``cpu_attn_reshape_and_cache``,
+csrc/cpu/cpu_attn.cpp), rounded **toward zero** (the largest code whose magnitude does not exceed the value's: vLLM's
+``float_to_fp8e4m3_scalar`` / ``float_to_fp8e5m2_scalar`` in csrc/cpu/cpu_attn_fp8.hpp drop the float32 mantissa bits
+below FP8's, subnormals included), a zero (either sign) giving code 0x00 and a nonzero value below the smallest
+subnormal a signed zero. Values past the format's largest finite ``max`` saturate to ``+-max`` (never NaN or inf), as
+every vLLM conversion does (the clamp above; ``__NV_SATFINITE`` in its CUDA ``scaled_convert``). Reading:
+``value(code) * scale``, exactly, in float64 here (the kernels in float32; vLLM's CPU kernel dequantizes exactly too).
+``e4m3`` is the ``fn`` variant (no infinities, 0x7F/0xFF are NaN, max 448); ``e5m2`` is IEEE-like (max 57344).
 """
 from __future__ import annotations
 
@@ -67,19 +71,23 @@ def _positive_codes(kv_cache_dtype: str) -> tuple[np.ndarray, np.ndarray]:
     return codes.astype(np.uint8), table[codes]
 
 
+def inverse_scale(scale: float) -> np.float32:
+    """``float32(1) / float32(scale)``: what a value is multiplied by before it is rounded to FP8 (vLLM's CPU
+    ``k_inv`` / ``v_inv``)."""
+    return np.float32(1.0) / np.float32(scale)
+
+
 def quantize(x, scale: float, kv_cache_dtype: str) -> np.ndarray:
-    """FP8 byte codes (``uint8``, ``x``'s shape) of ``x / scale``: the division in float32 (as the kernels divide),
-    clamped to the format's finite range, rounded to the nearest value, ties to the even code. NaN stays NaN."""
-    y = np.asarray(x, dtype=np.float32) / np.float32(scale)
-    y = y.astype(np.float64)
+    """FP8 byte codes (``uint8``, ``x``'s shape) of ``x * inverse_scale(scale)``: the multiply in float32, clamped to
+    the format's finite range, rounded toward zero (the largest magnitude not above the value's; vLLM's CPU
+    rounding). A zero gives code 0x00 (a negative zero too); a nonzero value under the smallest subnormal keeps its
+    sign (0x80 when negative). NaN stays NaN."""
+    y = (np.asarray(x, dtype=np.float32) * inverse_scale(scale)).astype(np.float64)
     codes, values = _positive_codes(kv_cache_dtype)
     magnitude = np.minimum(np.abs(y), values[-1])
-    upper = np.clip(np.searchsorted(values, magnitude, side="left"), 1, len(values) - 1)
-    lower = upper - 1
-    below, above = magnitude - values[lower], values[upper] - magnitude
-    take_upper = (above < below) | ((above == below) & (codes[upper] % 2 == 0))
-    result = np.where(take_upper, codes[upper], codes[lower]).astype(np.uint8)
-    result = np.where(np.signbit(y), result | 0x80, result).astype(np.uint8)
+    below = np.clip(np.searchsorted(values, magnitude, side="right") - 1, 0, len(values) - 1)
+    result = codes[below].astype(np.uint8)
+    result = np.where(np.signbit(y) & (y != 0), result | 0x80, result).astype(np.uint8)
     nan_code = 0x7F if fp8_format(kv_cache_dtype) == "e4m3" else 0x7E
     return np.where(np.isnan(y), np.uint8(nan_code), result).astype(np.uint8)
 

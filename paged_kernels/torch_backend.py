@@ -21,12 +21,16 @@ def _fp8_dtype(kv_cache_dtype: str) -> torch.dtype:
 
 
 def quantize(x: torch.Tensor, cache_scale: float, kv_cache_dtype: str) -> torch.Tensor:
-    """FP8 codes (``uint8``) of ``x / cache_scale``: divided in float32, clamped to the format's finite range (vLLM
-    saturates; torch's own conversion gives inf past e5m2's 57344), rounded to nearest
-    even (``paged_kernels.fp8.quantize``'s contract)."""
+    """FP8 codes (``uint8``) of ``x * fp8.inverse_scale(cache_scale)``: multiplied in float32, clamped to the format's
+    finite range (vLLM saturates; torch's own conversion gives inf past e5m2's 57344), rounded toward zero as vLLM's
+    CPU write rounds (``paged_kernels.fp8.quantize``'s contract): torch's conversion rounds to nearest, and a code
+    whose magnitude came out above the value's steps one code down (the codes' magnitudes are monotonic)."""
     limit = fp8.max_finite(kv_cache_dtype)
-    y = x.to(torch.float32) / cache_scale
-    return y.clamp_(-limit, limit).to(_fp8_dtype(kv_cache_dtype)).view(torch.uint8)
+    y = (x.to(torch.float32) * float(fp8.inverse_scale(cache_scale))).clamp_(-limit, limit)
+    nearest = y.to(_fp8_dtype(kv_cache_dtype))
+    over = nearest.to(torch.float32).abs() > y.abs()  # NaN: False, stays NaN
+    codes = nearest.view(torch.uint8) - over.to(torch.uint8)
+    return codes.masked_fill_(y == 0, 0)  # a negative zero too: code 0x00, as vLLM's
 
 
 def dequantize(codes: torch.Tensor, cache_scale: float, kv_cache_dtype: str,

@@ -38,6 +38,10 @@ def test_a_family_is_the_same_for_the_same_seed_and_spans_what_it_promises():
     (["--profile", "--background-load"], "do not apply"),
     (["--workload", "random", "--background-load"], "the contention figures use the fixed workload"),
     (["--workload", "random", "--kv-cache-dtype", "fp8_e4m3"], "run the fixed workload for FP8"),
+    (["--workload", "random", "--first-token-only"], "run the fixed workload for FP8"),
+    (["--profile", "--first-token-only"], "do not apply"),
+    (["--first-token-only"], "it needs an FP8 --kv-cache-dtype"),
+    (["--first-token-only", "--kv-cache-dtype", "fp8", "--background-load"], "no --background-load"),
 ])
 def test_family_options_that_cannot_apply_are_refused(argv, message, capsys):
     assert main(["bench", "vllm", *argv]) == 2

@@ -143,6 +143,7 @@ def run_vllm_bench(config: VLLMBenchConfig, progress=None) -> pd.DataFrame:
                                  (f"vllm_vs_full_precision_clear{name}", their_tokens, tokens)):
                 same = [x[:1] == y[:1] for x, y, c in zip(a, b, clear) if c]
                 table[column] = sum(same) / len(same) if same else float("nan")
+                table[f"{column}_count"] = sum(same)  # of clear_prompts{name}
     table["model"], table["dtype"], table["num_requests"] = config.model, config.dtype, config.num_requests
     table["kv_cache_dtype"] = config.kv_cache_dtype
     return table

@@ -156,29 +156,39 @@ def _bench_vllm(args) -> None:
     from lab.bench.vllm import VLLMBenchConfig, run_vllm_bench
 
     if args.profile:
-        if args.workload == "random" or args.seed is not None or args.family is not None or args.background_load:
-            raise InputError("--profile times fixed step shapes: --workload random, --seed, --family and "
-                             "--background-load do not apply")
+        if args.workload == "random" or args.seed is not None or args.family is not None or args.background_load \
+                or args.first_token_only:
+            raise InputError("--profile times fixed step shapes: --workload random, --seed, --family, "
+                             "--background-load and --first-token-only do not apply")
         _profile_vllm(args)
         return
     if args.workload == "random":
+        if args.first_token_only:
+            raise InputError("--first-token-only with --workload random: the family compares full-precision "
+                             "caches; run the fixed workload for FP8")
         _bench_vllm_family(args)
         return
     if args.seed is not None or args.family is not None:
         raise InputError("--seed and --family draw a family of workloads: they go with --workload random")
     if len(args.num_requests) != len(args.model):
         raise InputError(f"--num-requests gives {len(args.num_requests)} counts for {len(args.model)} models")
+    if args.first_token_only and (args.kv_cache_dtype == "auto" or args.background_load):
+        raise InputError("--first-token-only measures the FP8 first-token agreement: it needs an FP8 "
+                         "--kv-cache-dtype and no --background-load")
     tables = []
     for model, requests in zip(args.model, args.num_requests):
+        first_token_only = dict(repeats=1, output_range=(1, 1)) if args.first_token_only else \
+            dict(repeats=args.repeats)
         config = VLLMBenchConfig(model=model, dtype=args.dtype, num_requests=requests, num_blocks=args.num_blocks,
-                                 repeats=args.repeats, kv_cache_dtype=args.kv_cache_dtype,
-                                 tie_margin=args.tie_margin, background_load=args.background_load)
+                                 kv_cache_dtype=args.kv_cache_dtype, tie_margin=args.tie_margin,
+                                 background_load=args.background_load, **first_token_only)
         bar = tqdm(total=2 * config.repeats, desc=f"ours vs vLLM, {model}", file=sys.stderr)
         tables.append(run_vllm_bench(config, progress=lambda done, total: bar.update(done - bar.n)))
         bar.close()
     shared = {k: v for k, v in settings_of(config).items() if k not in ("model", "num_requests")}  # per-row columns
-    out = "benchmarks/results/vllm_fp8_cpu.csv" if args.out == VLLM_BENCH_OUT and args.kv_cache_dtype != "auto" \
-        else args.out  # the full-precision figures stay where they are
+    out = args.out if args.out != VLLM_BENCH_OUT or args.kv_cache_dtype == "auto" else \
+        "benchmarks/results/vllm_fp8_agreement_cpu.csv" if args.first_token_only else \
+        "benchmarks/results/vllm_fp8_cpu.csv"  # the full-precision figures stay where they are
     print_and_save(pd.concat(tables, ignore_index=True), out, settings=shared, kind="vllm")
 
 
@@ -386,11 +396,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each repeat also with one core kept busy by a pinned process: both engines' slowdown")
     v.add_argument("--seed", type=non_negative_int, default=None, help="the random family's seed (default 0)")
     v.add_argument("--family", type=positive_int, default=None, help="workloads in the random family (default 8)")
-    v.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
-                   help="both engines' KV cache (vLLM's CPU build stores fp8_e4m3 only, as uint8, with AVX-512)")
+    v.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="both engines' KV cache (vLLM's CPU build stores FP8 as uint8 and needs AVX-512 or AMX)")
     v.add_argument("--tie-margin", type=float, default=0.5,
                    help="with FP8: first tokens whose top-2 logit margin on our full-precision cache is below this "
                         "are near ties, left out of first_token_agreement_clear")
+    v.add_argument("--first-token-only", action="store_true",
+                   help="with FP8: one output token per request and one run, so the first-token agreements can be "
+                        "measured on many prompts (the speed columns then time one-token requests; default --out "
+                        "benchmarks/results/vllm_fp8_agreement_cpu.csv)")
     v.add_argument("--profile", action="store_true",
                    help="instead: where a step's time goes in both engines, by op kind, on fixed step shapes "
                         "(prefills of 32-2,048 tokens, decodes of 1-64 sequences at 128 and 1,024 tokens)")

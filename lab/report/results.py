@@ -114,6 +114,17 @@ RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cp
                "kv_precision_bf16_cpu.csv": "python -m lab bench kv-precision --model tiny --dtype bfloat16 "
                                             "--out benchmarks/results/kv_precision_bf16_cpu.csv",
                "vllm_fp8_cpu.csv": "python -m lab bench vllm --kv-cache-dtype fp8_e4m3",
+               "vllm_fp8_agreement_cpu.csv": "python -m lab bench vllm --model tiny --kv-cache-dtype fp8_e4m3 "
+                                             "--num-requests 1000 --first-token-only",
+               "vllm_fp8_agreement_bf16_cpu.csv": "python -m lab bench vllm --model tiny --dtype bfloat16 "
+                                                  "--kv-cache-dtype fp8_e4m3 --num-requests 1000 --first-token-only "
+                                                  "--out benchmarks/results/vllm_fp8_agreement_bf16_cpu.csv",
+               "vllm_fp8_e5m2_agreement_cpu.csv": "python -m lab bench vllm --model tiny --kv-cache-dtype fp8_e5m2 "
+                                                  "--num-requests 1000 --first-token-only "
+                                                  "--out benchmarks/results/vllm_fp8_e5m2_agreement_cpu.csv",
+               "vllm_fp8_greedy_cpu.csv": "python -m lab bench vllm --kv-cache-dtype fp8_e4m3 --model tiny "
+                                          "--num-requests 64 --repeats 1 "
+                                          "--out benchmarks/results/vllm_fp8_greedy_cpu.csv",
                "vllm_family_float32_cpu.csv": "python -m lab bench vllm --model tiny --workload random",
                "vllm_family_bfloat16_cpu.csv": "python -m lab bench vllm --model tiny --workload random --dtype "
                                                "bfloat16",

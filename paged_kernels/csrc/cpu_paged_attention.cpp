@@ -453,24 +453,36 @@ static void norm_rope_head_bf16(c10::BFloat16* dst, const c10::BFloat16* src, fl
   for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<uint16_t>(__builtin_bit_cast(uint32_t, out[d]) >> 16);
 }
 
-// The FP8 code of x / scale (paged_kernels.fp8's contract): divided in float32 (not a reciprocal's multiply, hence
-// no fast-math here), clamped to the format's finite range (vLLM saturates; c10's conversion alone gives inf past
-// e5m2's), rounded to nearest even by c10's conversion, as torch's .to(float8) rounds.
+// 1 / scale in float32, what a value is multiplied by before it is rounded to FP8 (paged_kernels.fp8.inverse_scale;
+// vLLM's CPU k_inv / v_inv). No fast-math here, so the division is a division.
+__attribute__((optimize("no-fast-math")))
+static float fp8_inverse(float scale) { return 1.0f / scale; }
+
+// The FP8 code of x * inv (paged_kernels.fp8's contract, vLLM's CPU write): multiplied in float32, clamped to the
+// format's finite range (vLLM saturates; c10's conversion alone gives inf past e5m2's), rounded toward zero: c10's
+// conversion rounds to nearest even (as torch's .to(float8)), and a code whose magnitude came out above the value's
+// steps one code down (the codes' magnitudes are monotonic). A zero of either sign is code 0x00. No fast-math, so the
+// comparisons see NaN and the multiply stays one rounding.
 template <typename fp8_t>
 __attribute__((optimize("no-fast-math")))
-static uint8_t encode_fp8(float x, float scale) {
+static uint8_t encode_fp8(float x, float inv) {
   const float limit = static_cast<float>(std::numeric_limits<fp8_t>::max());
-  const float y = x / scale;
-  return fp8_t(y < -limit ? -limit : (y > limit ? limit : y)).x;  // NaN stays NaN (both comparisons false)
+  const float product = x * inv;
+  const float y = product < -limit ? -limit : (product > limit ? limit : product);  // NaN stays NaN
+  if (y == 0.0f) return 0;
+  const fp8_t nearest(y);
+  const uint8_t code = nearest.x;
+  return std::fabs(static_cast<float>(nearest)) > std::fabs(y) ? static_cast<uint8_t>(code - 1) : code;
 }
 
 // A row of K or V into its cache slot: copied (the model's dtype) or quantized (fp8_format 1: e4m3, 2: e5m2).
 template <typename scalar_t, typename cache_t>
 static inline void store_row(cache_t* dst, const scalar_t* src, int64_t n, int fp8_format, float scale) {
   if constexpr (std::is_same<cache_t, uint8_t>::value) {
+    const float inv = fp8_inverse(scale);
     for (int64_t d = 0; d < n; ++d)
-      dst[d] = fp8_format == 1 ? encode_fp8<c10::Float8_e4m3fn>(static_cast<float>(src[d]), scale)
-                               : encode_fp8<c10::Float8_e5m2>(static_cast<float>(src[d]), scale);
+      dst[d] = fp8_format == 1 ? encode_fp8<c10::Float8_e4m3fn>(static_cast<float>(src[d]), inv)
+                               : encode_fp8<c10::Float8_e5m2>(static_cast<float>(src[d]), inv);
   } else {
     std::copy(src, src + n, dst);
   }

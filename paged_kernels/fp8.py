@@ -3,14 +3,12 @@ the contract every backend meets.
 
 A cache of ``kv_cache_dtype`` ``fp8_e4m3`` (``fp8`` is its alias) or ``fp8_e5m2`` stores one byte per element
 (``uint8`` tensors, as vLLM's CPU and CUDA caches do) and a per-tensor scale for K and for V (vLLM's ``k_scale`` /
-``v_scale``). Writing element ``x`` follows vLLM's CPU backend (the engine it is compared with):
-``code = fp8_toward_zero(clamp(float32(x) * inv, -max, max))`` with ``inv = float32(1) / float32(scale)``: the
-reciprocal's multiply, in float32 (``k_inv = 1.0f / k_scale`` in ``cpu_attn_reshape_and_cache``,
-csrc/cpu/cpu_attn.cpp), rounded **toward zero** (the largest code whose magnitude does not exceed the value's: vLLM's
-``float_to_fp8e4m3_scalar`` / ``float_to_fp8e5m2_scalar`` in csrc/cpu/cpu_attn_fp8.hpp drop the float32 mantissa bits
-below FP8's, subnormals included), a zero (either sign) giving code 0x00 and a nonzero value below the smallest
-subnormal a signed zero. Values past the format's largest finite ``max`` saturate to ``+-max`` (never NaN or inf), as
-every vLLM conversion does (the clamp above; ``__NV_SATFINITE`` in its CUDA ``scaled_convert``). Reading:
+``v_scale``). Writing element ``x`` follows vLLM's write on the same device (``quantize``): on a CPU
+``fp8_toward_zero(clamp(float32(x) * (float32(1) / float32(scale)), -max, max))`` (``k_inv = 1.0f / k_scale`` in
+``cpu_attn_reshape_and_cache``, csrc/cpu/cpu_attn.cpp; ``float_to_fp8e4m3_scalar`` / ``float_to_fp8e5m2_scalar`` in
+csrc/cpu/cpu_attn_fp8.hpp drop the float32 mantissa bits below FP8's), on a CUDA GPU ``fp8_nearest_even(clamp(
+float32(x) / float32(scale), -max, max))`` (``__nv_cvt_float_to_fp8`` with ``__NV_SATFINITE``). Values past the format's largest finite ``max`` saturate to ``+-max`` (never NaN or
+inf), as every vLLM conversion does. Reading:
 ``value(code) * scale``, exactly, in float64 here (the kernels in float32; vLLM's CPU kernel dequantizes exactly too).
 ``e4m3`` is the ``fn`` variant (no infinities, 0x7F/0xFF are NaN, max 448); ``e5m2`` is IEEE-like (max 57344).
 """
@@ -77,17 +75,41 @@ def inverse_scale(scale: float) -> np.float32:
     return np.float32(1.0) / np.float32(scale)
 
 
-def quantize(x, scale: float, kv_cache_dtype: str) -> np.ndarray:
-    """FP8 byte codes (``uint8``, ``x``'s shape) of ``x * inverse_scale(scale)``: the multiply in float32, clamped to
-    the format's finite range, rounded toward zero (the largest magnitude not above the value's; vLLM's CPU
-    rounding). A zero gives code 0x00 (a negative zero too); a nonzero value under the smallest subnormal keeps its
-    sign (0x80 when negative). NaN stays NaN."""
-    y = (np.asarray(x, dtype=np.float32) * inverse_scale(scale)).astype(np.float64)
+WRITE_DEVICES = ("cpu", "cuda")  # whose vLLM write a quantization follows (``quantize``'s ``device_type``)
+
+
+def quantize(x, scale: float, kv_cache_dtype: str, device_type: str = "cpu") -> np.ndarray:
+    """FP8 byte codes (``uint8``, ``x``'s shape) as vLLM writes them on ``device_type``, clamped to the format's finite
+    range first (never NaN or inf from a finite value; NaN stays NaN):
+
+    * ``cpu``: ``x * inverse_scale(scale)`` in float32, rounded toward zero (the largest magnitude not above the
+      value's; vLLM's CPU write, csrc/cpu/cpu_attn_fp8.hpp). A zero gives code 0x00 (a negative zero too); a nonzero
+      value under the smallest subnormal keeps its sign (0x80 when negative).
+    * ``cuda``: ``x / scale`` in float32, rounded to nearest, ties to the even code (vLLM's CUDA write:
+      ``__nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, ...)`` in csrc/quantization/fp8/nvidia/quant_utils.cuh),
+      signed zeros kept.
+
+    The CPU backends (the C++ extension, torch on a CPU, this reference by default) write as vLLM's CPU build, the
+    CUDA ones (CuPy, torch on a GPU) as its CUDA build: each engine is compared with vLLM on the same device."""
+    if device_type not in WRITE_DEVICES:
+        from .validate import KernelArgumentError
+
+        raise KernelArgumentError(f"device_type must be one of {', '.join(WRITE_DEVICES)}, got {device_type!r:.40}")
+    x = np.asarray(x, dtype=np.float32)
+    y = (x * inverse_scale(scale) if device_type == "cpu" else x / np.float32(scale)).astype(np.float64)
     codes, values = _positive_codes(kv_cache_dtype)
     magnitude = np.minimum(np.abs(y), values[-1])
-    below = np.clip(np.searchsorted(values, magnitude, side="right") - 1, 0, len(values) - 1)
-    result = codes[below].astype(np.uint8)
-    result = np.where(np.signbit(y) & (y != 0), result | 0x80, result).astype(np.uint8)
+    if device_type == "cpu":
+        result = codes[np.clip(np.searchsorted(values, magnitude, side="right") - 1, 0, len(values) - 1)]
+        negative = np.signbit(y) & (y != 0)
+    else:
+        upper = np.clip(np.searchsorted(values, magnitude, side="left"), 1, len(values) - 1)
+        lower = upper - 1
+        below, above = magnitude - values[lower], values[upper] - magnitude
+        take_upper = (above < below) | ((above == below) & (codes[upper] % 2 == 0))
+        result = np.where(take_upper, codes[upper], codes[lower])
+        negative = np.signbit(y)
+    result = np.where(negative, result.astype(np.uint8) | 0x80, result).astype(np.uint8)
     nan_code = 0x7F if fp8_format(kv_cache_dtype) == "e4m3" else 0x7E
     return np.where(np.isnan(y), np.uint8(nan_code), result).astype(np.uint8)
 

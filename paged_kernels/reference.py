@@ -7,13 +7,14 @@ from . import fp8
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype: str = "auto",
-                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                   k_scale: float = 1.0, v_scale: float = 1.0, device_type: str = "cpu") -> None:
     """Store token ``t``'s K/V at slot ``slot_mapping[t]`` (block ``slot // block_size``, offset ``slot % block_size``);
     negative slots are padding and are skipped. An FP8 ``kv_cache_dtype`` stores ``fp8.quantize(K, k_scale)`` and
-    ``fp8.quantize(V, v_scale)`` (the caches hold the byte codes)."""
+    ``fp8.quantize(V, v_scale)`` (the caches hold the byte codes), written as vLLM writes on ``device_type``."""
     block_size = key_cache.shape[2]
     if fp8.is_fp8(kv_cache_dtype):
-        key, value = fp8.quantize(key, k_scale, kv_cache_dtype), fp8.quantize(value, v_scale, kv_cache_dtype)
+        key, value = (fp8.quantize(x, scale, kv_cache_dtype, device_type) for x, scale in ((key, k_scale),
+                                                                                          (value, v_scale)))
     for token, slot in enumerate(np.asarray(slot_mapping).tolist()):
         if slot < 0:
             continue

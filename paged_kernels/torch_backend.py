@@ -21,11 +21,15 @@ def _fp8_dtype(kv_cache_dtype: str) -> torch.dtype:
 
 
 def quantize(x: torch.Tensor, cache_scale: float, kv_cache_dtype: str) -> torch.Tensor:
-    """FP8 codes (``uint8``) of ``x * fp8.inverse_scale(cache_scale)``: multiplied in float32, clamped to the format's
-    finite range (vLLM saturates; torch's own conversion gives inf past e5m2's 57344), rounded toward zero as vLLM's
-    CPU write rounds (``paged_kernels.fp8.quantize``'s contract): torch's conversion rounds to nearest, and a code
-    whose magnitude came out above the value's steps one code down (the codes' magnitudes are monotonic)."""
+    """FP8 codes (``uint8``) of ``x`` as vLLM writes them on ``x``'s device (``paged_kernels.fp8.quantize``'s
+    contract), clamped to the format's finite range (torch's own conversion gives inf past e5m2's 57344). On a CPU:
+    multiplied by ``fp8.inverse_scale`` in float32 and rounded toward zero (torch's conversion rounds to nearest,
+    and a code whose magnitude came out above the value's steps one code down: the codes' magnitudes are monotonic);
+    on a GPU: divided in float32 and rounded to nearest even, as torch's conversion rounds."""
     limit = fp8.max_finite(kv_cache_dtype)
+    if x.is_cuda:
+        return (x.to(torch.float32) / cache_scale).clamp_(-limit, limit).to(_fp8_dtype(kv_cache_dtype)).view(
+            torch.uint8)
     y = (x.to(torch.float32) * float(fp8.inverse_scale(cache_scale))).clamp_(-limit, limit)
     nearest = y.to(_fp8_dtype(kv_cache_dtype))
     over = nearest.to(torch.float32).abs() > y.abs()  # NaN: False, stays NaN

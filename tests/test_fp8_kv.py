@@ -6,6 +6,7 @@ import torch
 
 import paged_kernels
 from paged_kernels import fp8, reference
+from paged_kernels.validate import KernelArgumentError
 from paged_kernels.torch_backend import dequantize, paged_attention_prefill, quantize
 from tests.kernel_cases import make_fp8_decode_case, relative_error
 
@@ -51,6 +52,38 @@ def test_numpy_and_torch_quantize_agree_and_saturate(kv_cache_dtype, scale):
     assert (values[finite] * y[finite] >= 0).all()
     normal = finite & (np.abs(y) > 2.0 ** -5)
     assert (np.abs(y[normal]) - np.abs(values[normal]) < 2 * FP8_ULP[kv_cache_dtype] * np.abs(y[normal])).all()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+@pytest.mark.parametrize("scale", [1.0, 0.013, 7.5])
+def test_the_cuda_write_divides_and_rounds_to_nearest_even(kv_cache_dtype, scale):
+    """On a GPU vLLM writes ``x / scale`` rounded to nearest even and saturated (``__NV_SATFINITE``): the contract's
+    ``device_type="cuda"`` codes are torch's own conversion of the clamped quotient, bit for bit, fresh values across
+    the whole range, and never further than half a step from the value."""
+    rng = np.random.default_rng()
+    limit = fp8.max_finite(kv_cache_dtype)
+    x = rng.standard_normal(50_000).astype(np.float32) * np.float32(10.0) ** rng.uniform(-6, 6, 50_000)
+    x[:3] = [limit * scale * 1000, -limit * scale * 1000, -0.0]
+    y = torch.from_numpy(x) / scale
+    expected = y.clamp(-limit, limit).to(TORCH_FP8[kv_cache_dtype]).view(torch.uint8).numpy()
+    codes = fp8.quantize(x, scale, kv_cache_dtype, "cuda")
+    np.testing.assert_array_equal(codes, expected)
+    values, exact = fp8.dequantize(codes, 1.0, kv_cache_dtype), y.double().numpy()
+    assert values[0] == limit and values[1] == -limit and codes[2] == 0x80
+    normal = np.abs(exact) < limit
+    assert (np.abs(values[normal] - exact[normal]) <= np.abs(exact[normal]) * FP8_ULP[kv_cache_dtype] + 2.0 ** -10).all()
+    with pytest.raises(KernelArgumentError, match="device_type"):
+        fp8.quantize(x, scale, kv_cache_dtype, "tpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_the_torch_write_on_a_gpu_writes_the_cuda_contract(kv_cache_dtype):
+    """torch on a CUDA tensor quantizes as vLLM's CUDA build does (``fp8.quantize(..., "cuda")``)."""
+    x = np.random.default_rng().standard_normal(20_000).astype(np.float32) * 100
+    np.testing.assert_array_equal(quantize(torch.from_numpy(x).cuda(), 0.37, kv_cache_dtype).cpu().numpy(),
+                                  fp8.quantize(x, 0.37, kv_cache_dtype, "cuda"))
 
 
 # Values and the codes vLLM 0.32.0's CPU build writes for them (``torch.ops._C.cpu_attn_reshape_and_cache``, isa

@@ -221,8 +221,6 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dt
     if num_tokens == 0:
         return
     slots = slot_mapping.to(device=key_cache.device, dtype=torch.int64).contiguous()
-    if key.dtype != value.dtype:  # FP8 caches take K and V of any float dtypes: one T for both, exactly
-        key, value = key.float(), value.float()
     name = write_kernel_name(key.dtype, kv_cache_dtype)
     threads = min(1024, max(32, num_kv_heads * head_dim))
     _launch(_kernel(name, key.dtype, 64, 1, kv_cache_dtype), (num_tokens,), (threads,),
@@ -322,7 +320,7 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
 
 
 def _attend(out, query, key_cache, value_cache, block_tables, seq_lens, scale, partition_size, max_seq_len,
-            kv_cache_dtype="auto", scales=(np.float32(1.0), np.float32(1.0))) -> None:
+            kv_cache_dtype="auto", scales=None) -> None:
     num_seqs, num_q_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = key_cache.shape
     group, device = num_q_heads // num_kv_heads, query.device
@@ -338,6 +336,7 @@ def _attend(out, query, key_cache, value_cache, block_tables, seq_lens, scale, p
     max_logits = torch.empty((num_seqs, num_q_heads, num_parts), dtype=torch.float32, device=device)
     exp_sums = torch.empty_like(max_logits)
     partial_out = torch.empty((num_seqs, num_q_heads, num_parts, head_dim), dtype=torch.float32, device=device)
+    scales = _scales("auto", 1.0, 1.0) if scales is None else scales
     attention = _kernel(attention_kernel_name(query.dtype, head_dim, group, kv_cache_dtype), query.dtype, head_dim,
                         group, kv_cache_dtype)
     reduce = partition_size and _kernel(f"reduce_partitions_kernel<{CUDA_TYPES[query.dtype]},{head_dim}>",

@@ -160,6 +160,8 @@ def _kernel(name: str, dtype: torch.dtype, head_dim: int = 64, group: int = 1, k
     the function up in the driver (``cuModuleGetFunction``) every time it is called, and a decode step launches about
     three kernels per layer. (The kernel object compiles and caches per device itself.) ``kv_cache_dtype``: which
     module holds FP8 instances (``dtype`` ``torch.uint8``: the byte copy's)."""
+    if fp8.is_fp8(kv_cache_dtype):  # one module per format: "fp8" is "fp8_e4m3"
+        kv_cache_dtype = f"fp8_{fp8.fp8_format(kv_cache_dtype)}"
     if name.startswith(FUSED_KERNELS):
         return _fused_module(dtype, kv_cache_dtype).get_function(name)
     if kv_cache_dtype == "auto":

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The device check of a GPU loan, at most 8 minutes and 8 files, that measures even when a step fails: each step runs
 # in its own process under its own time limit and its CSV rows are written as they are measured. Steps, most
-# important first (arguments pick steps; default: tests-kernels tests-engine parity decode bandwidth e2e):
+# important first (arguments pick steps; default: tests-kernels tests-engine tests-fp8 parity decode bandwidth
+# e2e):
 #   tests-kernels  the `gpu` tests of the kernels and fused ops (one process)
 #   tests-engine   the `gpu` tests of CUDA graphs, the engine, beam search and swap (another: an assert that poisons
 #                  a CUDA context takes down only its own process)
+#   tests-fp8      the `gpu` tests of the CuPy FP8 KV-cache kernels (never run on a GPU before: writes bit for bit
+#                  against fp8.quantize, decode against the float64 reference, the fused write, copies and swaps)
+#                  and the FP8 vs bf16 decode time of the CuPy kernel at 64 x 512 and 64 x 4,096 (printed to the log)
 #   parity         HF parity at Qwen3-0.6B shapes: fp32 greedy tokens with graphs off and on (8 prompts x 32
 #                  tokens), bf16 first-step logits (relative error, top-1 agreement)       -> parity_gpu.csv
 #   decode         the engine's decode step at 64 x 512 and 64 x 4,096 with graphs on and off, at the engine's
@@ -47,7 +51,7 @@ log="$out/gpu_check.log"
 : >"$log"
 export PYTHONUNBUFFERED=1
 py=$(command -v python3 || command -v python)
-steps=" ${*:-tests-kernels tests-engine parity decode bandwidth e2e} "
+steps=" ${*:-tests-kernels tests-engine tests-fp8 parity decode bandwidth e2e} "
 failed=0
 step() {  # step NAME SECONDS COMMAND...: one bounded step in its own process, if chosen; its output goes to the log
   local title=$1 limit=$2
@@ -78,6 +82,8 @@ step tests-kernels 60 "$py" -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovi
   tests/test_fused_ops.py tests/test_kernels.py
 step tests-engine 75 "$py" -m pytest -m gpu -q -rfE --tb=short -p no:cacheprovider "${tests_mode[@]}" \
   tests/test_static_decode.py tests/test_engine.py tests/test_engine_beam_search.py tests/test_swap.py
+step tests-fp8 70 "$py" -m pytest -m gpu -q -s -rfE --tb=short -p no:cacheprovider "${tests_mode[@]}" \
+  tests/test_cupy_fp8.py
 step parity 60 "$py" -m lab bench parity --device "$device" --model "$model" --backend "$backend" \
   "${parity_sizes[@]}" --out "$out/parity_gpu.csv"
 step decode 75 "$py" -m lab bench decode --device "$device" --model "$model" --backend "$backend" \

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-CUDA_TYPE_MANGLING = {"float": "f", "half_t": "6half_t", "bf16_t": "6bf16_t"}
+CUDA_TYPE_MANGLING = {"float": "f", "half_t": "6half_t", "bf16_t": "6bf16_t", "fp8_e4m3_t": "10fp8_e4m3_t",
+                      "fp8_e5m2_t": "10fp8_e5m2_t"}
 
 
 SUITE_ARCHS = ("90", "80")  # the suite checks both: the first request builds them side by side (nvcc is one core)
@@ -77,6 +78,12 @@ def ptxas_report(arch: str) -> dict[str, dict[str, int]]:
     return _ptxas_report(arch)
 
 
-def attention_symbol(cuda_type: str, head_dim: int, group: int, num_warps: int) -> str:
-    """The mangled-name prefix of ``paged_attention_kernel<cuda_type, head_dim, group, num_warps>``."""
-    return (f"_Z22paged_attention_kernelI{CUDA_TYPE_MANGLING[cuda_type]}Li{head_dim}ELi{group}ELi{num_warps}EE")
+def attention_symbol(cuda_type: str, head_dim: int, group: int, num_warps: int, cache_type: str | None = None) -> str:
+    """The mangled-name prefix of ``paged_attention_kernel<cuda_type, head_dim, group, num_warps, cache_type>``
+    (``cache_type`` None: the default, ``cuda_type`` itself; a struct type repeated is the substitution ``S0_``)."""
+    if cache_type is None or cache_type == cuda_type:
+        cache = "f" if cuda_type == "float" else "S0_"
+    else:
+        cache = CUDA_TYPE_MANGLING[cache_type]
+    return (f"_Z22paged_attention_kernelI{CUDA_TYPE_MANGLING[cuda_type]}Li{head_dim}ELi{group}ELi{num_warps}E"
+            f"{cache}E")

@@ -64,7 +64,8 @@ def test_qwen3_06b_launch_geometry(launches):
     out, _, _, _, q, k, v, table_arg, lens_arg = launch.args[:9]
     assert out.dtype == q.dtype == k.dtype == torch.bfloat16 and k is kc and v is vc
     assert table_arg.dtype == lens_arg.dtype == torch.int32
-    assert [type(a) for a in launch.args[9:]] == [np.float32] + [np.int32] * 6
+    assert [type(a) for a in launch.args[9:]] == [np.float32] + [np.int32] * 6 + [np.float32] * 2
+    assert launch.args[16:] == (1.0, 1.0)  # k_scale, v_scale: ignored by caches of the model's dtype
     assert int(launch.args[12]) == tables.shape[1] and int(launch.args[15]) == 0
 
 

@@ -12,7 +12,7 @@ from tests.test_shared_scheduler import make_prompts
 
 @pytest.mark.parametrize("settings, message", [
     (dict(kv_cache_dtype="fp8_e3m4"), "kv_cache_dtype"),
-    (dict(kv_cache_dtype="fp8", attention_backend="cupy"), "CUDA kernels do not read FP8"),
+    (dict(kv_cache_dtype="fp8", attention_backend="cupy"), "does not run the CuPy FP8 kernels"),
     (dict(calculate_kv_scales=True), "calculate_kv_scales=True would be ignored"),
     (dict(kv_cache_dtype="fp8", calculate_kv_scales=1), "calculate_kv_scales"),
 ])

@@ -291,15 +291,21 @@ def test_block_copies_and_swaps_carry_fp8_bytes_as_they_are(backend):
     assert torch.equal(host[0][2], device[0][1]) and torch.equal(host[1][2], device[1][1])
 
 
-def test_cupy_declines_fp8_caches():
-    """The CUDA kernels do not read FP8 codes: ``auto`` leaves FP8 caches to the torch backend, with the reason."""
+def test_cupy_takes_fp8_caches_named_as_fp8():
+    """The CUDA kernels read and write FP8 codes (tests/test_cupy_fp8.py): ``uint8`` caches are accepted, for
+    attention too, unless a ``kv_cache_dtype`` given does not match the caches' dtype."""
     from paged_kernels import cupy_backend
 
     caches = (torch.zeros(1, 1, 4, 64, dtype=torch.uint8),)
+    query = torch.zeros(1, dtype=torch.float16)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cupy_backend, "is_cuda", lambda tensor: True)
-        reason = cupy_backend.unsupported_reason(torch.zeros(1, dtype=torch.float16), 64, 1, caches)
-    assert "FP8" in reason
+        assert cupy_backend.unsupported_reason(query, 64, 1, caches) is None
+        assert cupy_backend.unsupported_reason(query, 64, 1, caches, "fp8_e5m2") is None
+        assert cupy_backend.unsupported_reason(caches[0]) is None  # a write's or a copy's cache
+        assert "does not match" in cupy_backend.unsupported_reason(query, 64, 1, caches, "auto")
+        assert "does not match" in cupy_backend.unsupported_reason(query, 64, 1, (query,), "fp8")
+        assert "dtype" in cupy_backend.unsupported_reason(torch.zeros(1, dtype=torch.int8))
 
 
 def test_the_lab_s_kv_cache_dtypes_are_the_kernels():

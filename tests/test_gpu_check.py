@@ -20,7 +20,7 @@ from simulator.cli.twin import twin_parser
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 GPU_CHECK_LIMIT_S = 480  # the guide's bound on scripts/gpu_check.sh
-DEFAULT_STEPS = ["tests-kernels", "tests-engine", "parity", "decode", "bandwidth", "e2e"]
+DEFAULT_STEPS = ["tests-kernels", "tests-engine", "tests-fp8", "parity", "decode", "bandwidth", "e2e"]
 ALL_STEPS = DEFAULT_STEPS + ["profile", "twin"]
 
 
@@ -66,7 +66,7 @@ def test_the_default_steps_fit_one_device_call_and_eight_files(tmp_path):
 
 
 def test_the_gpu_commands_parse_with_known_names(commands):
-    lab = {name: parsed(argv) for name, (_, argv) in commands.items() if name not in ("tests-kernels", "tests-engine")}
+    lab = {name: parsed(argv) for name, (_, argv) in commands.items() if not name.startswith("tests-")}
     for name in ("parity", "decode", "e2e", "profile", "twin"):
         assert lab[name].model in PRESETS and lab[name].device == "cuda" and lab[name].backend == "cupy", name
     assert lab["twin"].profile == lab["profile"].out and lab["twin"].model == lab["profile"].model
@@ -78,7 +78,7 @@ def test_the_gpu_commands_parse_with_known_names(commands):
 
 
 def test_the_tests_steps_name_files_that_hold_gpu_tests(commands):
-    for name in ("tests-kernels", "tests-engine"):
+    for name in ("tests-kernels", "tests-engine", "tests-fp8"):
         argv = commands[name][1]
         assert argv[1:3] == ["-m", "pytest"] and "gpu" in argv
         assert all((ROOT / word).is_file() for word in argv if word.startswith("tests/"))

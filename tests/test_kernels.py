@@ -428,5 +428,8 @@ def test_cupy_dispatch_rule_and_instances():
     assert choose_partition_size(64, 8, 32768, 132) == PARTITION_SIZE  # very long: always split
     names = all_kernel_names()
     assert "paged_attention_kernel<bf16_t,128,2,4>" in names and "reduce_partitions_kernel<half_t,64>" in names
-    # per dtype: write + copy, attention per (head_dim, group), reduction per head_dim, and the three fused ops
-    assert len(names) == 3 * (2 + 3 * 8 + 3 + 3) and "qk_norm_rope_write_kernel<bf16_t>" in names
+    # per dtype: write + copy, attention per (head_dim, group), reduction per head_dim, and the three fused ops;
+    # per dtype and FP8 format: write, attention per (head_dim, group), the fused write; one byte copy for FP8
+    assert len(names) == 3 * (2 + 3 * 8 + 3 + 3) + 3 * 2 * (1 + 3 * 8 + 1) + 1
+    assert "qk_norm_rope_write_kernel<bf16_t>" in names and "qk_norm_rope_write_kernel<bf16_t,fp8_e5m2_t>" in names
+    assert "paged_attention_kernel<half_t,64,8,4,fp8_e4m3_t>" in names and "copy_blocks_kernel<unsigned char>" in names

@@ -237,9 +237,9 @@ PRECISION_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 
 
 def run_precision_bench(config: KernelBenchConfig, kv_cache_dtypes: tuple[str, ...] = PRECISION_DTYPES,
-                        context: int = 300, batch: int = 3) -> pd.DataFrame:
+                        context: int = 300, batch: int = 3, backend: str = "torch") -> pd.DataFrame:
     """The decode kernel over a full-precision cache (``auto``: the config's dtype) and FP8 caches (scale 1.0), on
-    the torch backend: per cache precision and sweep shape the median time and the K/V bytes read; and on a small
+    ``backend`` (torch by default; ``cupy``: the CUDA kernels, FP8 instances included): per cache precision and sweep shape the median time and the K/V bytes read; and on a small
     shape (``batch`` x ``context``, the config's heads and block size) two errors against the float64 reference:
     ``kernel_rel_err`` over what the cache holds (the dequantized K/V: the kernel's own arithmetic) and
     ``rel_err_vs_fp64`` over the K/V before they were stored (what the precision costs, the kernel's error with it).
@@ -267,7 +267,7 @@ def run_precision_bench(config: KernelBenchConfig, kv_cache_dtypes: tuple[str, .
     for kv_cache_dtype in kv_cache_dtypes:
         keys, values, precision = stored(key_cache.to(config.dtype), value_cache.to(config.dtype), kv_cache_dtype)
         out = paged_kernels.paged_attention_decode(query.to(config.dtype), keys, values, block_tables, seq_lens,
-                                                   backend="torch", **precision)
+                                                   backend=backend, **precision)
         as_stored = (lambda t: t.cpu().numpy()) if precision else (lambda t: t.double().cpu().numpy())
         held = paged_kernels.paged_attention_decode(query.double().cpu().numpy(), as_stored(keys), as_stored(values),
                                                     block_tables.cpu().numpy(), seq_lens.cpu().numpy(),
@@ -280,7 +280,7 @@ def run_precision_bench(config: KernelBenchConfig, kv_cache_dtypes: tuple[str, .
         for kv_cache_dtype in kv_cache_dtypes:
             keys, values, precision = stored(key_cache, value_cache, kv_cache_dtype)
             call = lambda: paged_kernels.paged_attention_decode(query, keys, values, block_tables, seq_lens,  # noqa: E731
-                                                                backend="torch", check=False,
+                                                                backend=backend, check=False,
                                                                 max_seq_len=context_len, **precision)
             median_seconds(call, repeats=3, cuda=cuda)  # warm (first calls build tables, fault pages in)
             timing = time_calls(call, config.repeats, cuda=cuda)

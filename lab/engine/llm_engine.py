@@ -129,7 +129,9 @@ class EngineConfig(SchedulingSettings):
                                     "stores the model's dtype, unscaled")
         if self.kv_cache_dtype != "auto" and self.attention_backend == "cupy":
             raise EngineConfigError(f"EngineConfig.kv_cache_dtype={self.kv_cache_dtype!r} with attention_backend="
-                                    f"'cupy': the CUDA kernels do not read FP8 caches; use 'auto' or 'torch'")
+                                    f"'cupy': the engine does not run the CuPy FP8 kernels yet (never run on a "
+                                    f"GPU; CUDA graphs would capture the scales before calibration); use 'auto' or "
+                                    f"'torch'")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise EngineConfigError(f"EngineConfig.dtype={self.dtype!r}: expected None or one of "
                                     f"{', '.join(map(str, DTYPES))}")

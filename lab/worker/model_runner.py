@@ -162,12 +162,17 @@ class ModelRunner:
     @staticmethod
     def resolve_attention_backend(hf_model, attention_backend: str, kv_cache_dtype: str = "auto") -> str:
         """The backend ``attention_backend`` (``auto`` included) runs this model's decode attention with, on the
-        model's device and dtype, over caches of ``kv_cache_dtype`` (FP8 caches: never the CuPy kernels)."""
+        model's device and dtype, over caches of ``kv_cache_dtype``. FP8 caches: ``auto`` means the torch backend
+        here, although the kernels' own ``auto`` would pick the CuPy FP8 kernels on a GPU: those have not run on a
+        GPU yet, and CUDA graphs (which come with the CuPy backend) would capture the scales before
+        ``calculate_kv_scales`` sets them (docs/fp8.md)."""
         config, parameter = hf_model.config, next(hf_model.parameters())
         head_dim = head_dim_of(config)
         probe = torch.empty(0, device=parameter.device, dtype=parameter.dtype)
-        caches = (torch.empty(0, device=parameter.device, dtype=torch.uint8),) \
-            if paged_kernels.fp8.is_fp8(kv_cache_dtype) else ()
+        quantized = paged_kernels.fp8.is_fp8(kv_cache_dtype)
+        caches = (torch.empty(0, device=parameter.device, dtype=torch.uint8),) if quantized else ()
+        if quantized and attention_backend == "auto":
+            attention_backend = "torch"
         return paged_kernels.resolve_backend(attention_backend, probe, head_dim,
                                              config.num_attention_heads // config.num_key_value_heads, caches)
 

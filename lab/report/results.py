@@ -108,7 +108,7 @@ RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cp
                "gpu/*.csv": "scripts/gpu_check.sh (on a GPU)", "vllm_cpu.csv": "python -m lab bench vllm",
                "vllm_cpu_bf16.csv": "python -m lab bench vllm --model tiny --num-requests 32 --dtype bfloat16",
                "vllm_profile_cpu.csv": "python -m lab bench vllm --profile",
-               "app_flow.csv": "python -m benchmarks.app_flow",
+               "app_flow.csv": "python -m benchmarks.app_flow", "app_parity.csv": "python -m benchmarks.app_parity",
                "vllm_twin_cpu.csv": "python -m simulator twin --peer vllm --repeats 5",
                "kv_precision_cpu.csv": "python -m lab bench kv-precision",
                "kv_precision_bf16_cpu.csv": "python -m lab bench kv-precision --model tiny --dtype bfloat16 "

@@ -1,5 +1,8 @@
 """Offline builds of the CUDA source with the machine's nvcc and ptxas (no GPU needed); tests skip without them."""
+import fcntl
 import functools
+import hashlib
+import json
 import re
 import shutil
 import subprocess
@@ -18,13 +21,43 @@ _builds: dict[str, Future] = {}
 _pool = ThreadPoolExecutor(len(SUITE_ARCHS))
 
 
+CACHE = Path(tempfile.gettempdir()) / "minipaged-cuda-build"  # shared by the suite's worker processes
+
+
+def _shared(kind: str, key: str, make):
+    """``make()``'s JSON-able result, made once across processes: the suite's two workers may both ask for the same
+    build, and the second waits for the first's (an exclusive lock per key) instead of building it again. The key
+    hashes everything the result depends on (the sources as compiled, the arch, the tool's version)."""
+    CACHE.mkdir(exist_ok=True)
+    name = hashlib.sha256(key.encode()).hexdigest()[:24]
+    path, lock = CACHE / f"{kind}-{name}.json", CACHE / f"{kind}-{name}.lock"
+    with open(lock, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        if path.exists():
+            return json.loads(path.read_text())
+        result = make()
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(result))
+        temporary.replace(path)
+        return result
+
+
+@functools.lru_cache(maxsize=None)
+def _tool_version(tool: str) -> str:
+    return subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
+
+
 def _nvcc_ptx(arch: str) -> str:
     from cupy.cuda import compiler
 
     from paged_kernels.cupy_backend import instantiation_source
 
-    ptx = compiler.compile_using_nvcc(instantiation_source(), arch=arch, code_type="ptx")
-    return ptx.decode() if isinstance(ptx, bytes) else ptx
+    source = instantiation_source()
+
+    def make() -> str:
+        ptx = compiler.compile_using_nvcc(source, arch=arch, code_type="ptx")
+        return ptx.decode() if isinstance(ptx, bytes) else ptx
+    return _shared("ptx", f"{arch}\n{_tool_version('nvcc')}\n{source}", make)
 
 
 def _build(arch: str) -> Future:
@@ -55,9 +88,14 @@ def ptx_entries(ptx: str) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def _ptxas_report(arch: str) -> dict[str, dict[str, int]]:
+    ptx = _compile_ptx(arch)
+    return _shared("ptxas", f"{arch}\n{_tool_version('ptxas')}\n{ptx}", lambda: _run_ptxas(arch, ptx))
+
+
+def _run_ptxas(arch: str, ptx: str) -> dict[str, dict[str, int]]:
     with tempfile.TemporaryDirectory() as folder:
         source = Path(folder) / "kernels.ptx"
-        source.write_text(_compile_ptx(arch))
+        source.write_text(ptx)
         result = subprocess.run(["ptxas", "-v", "--split-compile", "0", f"-arch=sm_{arch}", "-o",
                                  str(Path(folder) / "k.cubin"), str(source)], capture_output=True, text=True,
                                 check=True)  # --split-compile 0: every core (the report is the same)

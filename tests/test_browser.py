@@ -480,19 +480,12 @@ def _plotly_traces(page, title: str) -> list[dict]:
                          title)  # _fullData: the arrays decoded (plotly sends numpy arrays base64-encoded)
 
 
-def test_the_runtime_page_draws_vllm_s_metrics_and_its_live_run_keeps_pace(server, browser, shots):
+def test_the_runtime_page_draws_vllm_s_metrics_and_runs_live(server, browser, shots):
     """Issue 67 in a real browser: the runtime page's vLLM-named panels (gauges over time, TTFT / ITL / E2E
     histograms of several bins each, the per-request Gantt); then a run from the page, the browser drawing it live,
-    against the same run from a plain script, alternating five times: the median of the page / script ratios (each
-    pair back to back) lies within ±25 % of 1. (On the busy 2-vCPU machine single pairs were off 2 x either way,
-    and before the live view waited for the run's first second the page ran at 0.6 x: docs/app.md.)"""
-    import json
+    ends with its output tokens/s on a tile. (Its pace against the same run from a script is a timing:
+    ``python -m benchmarks.app_parity``; docs/app.md.)"""
     import re
-    import statistics
-    import subprocess
-    import sys
-
-    from tests.test_app import LIVE_RUN_SCRIPT
 
     page = browser.new_page(viewport={"width": 1400, "height": 3000})  # tall: every panel in the screenshot
     page.goto(f"{server}/runtime", timeout=60_000)
@@ -509,21 +502,12 @@ def test_the_runtime_page_draws_vllm_s_metrics_and_its_live_run_keeps_pace(serve
     timeline = _plotly_traces(page, "Requests over time")
     assert [t["name"] for t in timeline] == ["queue", "prefill", "decode"] and all(t["n"] == 16 for t in timeline)
     page.screenshot(path=str(shots / "runtime_vllm_metrics.png"), full_page=True)
-    rates, script = [], []
-    for _ in range(5):
-        runs = runs_started(page)
-        page.get_by_role("button", name="Run", exact=True).click()
-        settle(page, True, after=runs)
-        no_exception(page)
-        tile = page.locator('[data-testid="stMetric"]').filter(has_text="Output tokens/s").first.inner_text()
-        rates.append(float(re.search(r"([\d,]+)\s*$", tile).group(1).replace(",", "")))
-        done = subprocess.run([sys.executable, "-c", LIVE_RUN_SCRIPT], cwd=ROOT, capture_output=True, text=True,
-                              timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        script.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    ratio = statistics.median(p / s for p, s in zip(rates, script))
-    print(f"output tokens/s: page in the browser {rates}, script {[round(v) for v in script]}, ratio {ratio:.2f}")
-    assert abs(ratio - 1) <= 0.25, (rates, script)
+    runs = runs_started(page)
+    page.get_by_role("button", name="Run", exact=True).click()
+    settle(page, True, after=runs)
+    no_exception(page)
+    tile = page.locator('[data-testid="stMetric"]').filter(has_text="Output tokens/s").first.inner_text()
+    assert float(re.search(r"([\d,]+)\s*$", tile).group(1).replace(",", "")) > 0, tile
     page.close()
 
 

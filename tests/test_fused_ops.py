@@ -151,7 +151,8 @@ def test_fused_launch_geometry(launches):  # noqa: F811
     assert (silu.kernel, silu.grid, silu.block) == ("silu_and_mul_kernel<bf16_t>", (6,), (1024,))
     assert (qk.kernel, qk.grid, qk.block) == ("qk_norm_rope_write_kernel<bf16_t>", (6, 24), (64,))
     row = (16 + 2 * 8) * 128
-    assert [int(a) for a in qk.args[-3:]] == [row, row, row]  # q, k and v read in place from the merged output
+    assert [int(a) for a in qk.args[-5:-2]] == [row, row, row]  # q, k and v read in place from the merged output
+    assert [float(a) for a in qk.args[-2:]] == [1.0, 1.0]  # k_scale and v_scale: ignored by a cache of the model's dtype
     assert qk.args[2].data_ptr() == case["q"].data_ptr()
     small = qk_case(3, 4, 2, 32, 3, dtype=torch.bfloat16)
     paged_kernels.qk_norm_rope_write(**small, backend="cupy", check=False)

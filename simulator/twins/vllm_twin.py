@@ -334,7 +334,8 @@ def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, se
             run, real, simulated = _measured(url, model, workload, simulation, vocab, seed + 10 * repeat + batch)
             batches.append((workload, run, real))
             rows.append(("decode tpot", batch, real["tpot_p50_s"], simulated["tpot_p50_s"]))
-    step = ServerCalibration(float(np.median([real - simulated for _, _, real, simulated in rows])))
+    # never below none (as ``shifted``): a server measured faster than its profile had a profile measured slow
+    step = ServerCalibration(max(0.0, float(np.median([real - simulated for _, _, real, simulated in rows]))))
     priced = step.applied(simulation, simulation.profile)
     for repeat in range(CALIBRATION_REPEATS):
         for length in CALIBRATION_PROMPTS:

@@ -54,6 +54,23 @@ def test_the_monitor_sees_another_process_busy_on_a_core():
         busy.wait()
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_after_a_pause_the_monitor_measures_without_holding_up_the_step():
+    """A run's first step after a pause (its first token) is not held up by the load measurement: the call starts a
+    fresh window and returns at once; a call once that window is ``FIRST_WINDOW_S`` old reads it."""
+    from lab.worker.threads import FIRST_WINDOW_S, STALE_S
+
+    monitor = LoadMonitor(interval_s=0.2)
+    stamp, *ticks = monitor._last
+    monitor._last = (stamp - 2 * STALE_S, *ticks)  # as if no engine had stepped for a while
+    started = time.perf_counter()
+    monitor.update()
+    assert time.perf_counter() - started < FIRST_WINDOW_S / 2 and not monitor.known
+    time.sleep(FIRST_WINDOW_S * 1.5)
+    monitor.update()
+    assert monitor.known
+
+
 def test_the_engine_gives_the_same_tokens_under_any_thread_policy():
     """Threads change which core computes what, not the greedy tokens (fp32, the tiny preset)."""
     prompts = [[1, 2, 3, 4, 5] * 7, [9, 8, 7] * 11]

@@ -68,6 +68,7 @@ class LoadMonitor:
         self.others = 0.0
         self.known = False  # whether ``others`` was measured yet (off Linux: never)
         self._last = self._sample()
+        self._window = interval_s  # the age a measurement must reach before the next
 
     def _sample(self) -> tuple | None:
         ticks, own = _busy_ticks(allowed_cores()), _own_ticks()
@@ -75,23 +76,26 @@ class LoadMonitor:
 
     def update(self) -> float:
         """``others``, measured again if the last measurement is older than ``interval_s``. After a long pause (no
-        engine stepped for ``STALE_S``) the load is read over a fresh ``FIRST_WINDOW_S`` instead: averaged over the
-        pause, a load that began during it would read as a fraction of a core."""
+        engine stepped for ``STALE_S``) a fresh window starts now and the next call reads it once it is
+        ``FIRST_WINDOW_S`` old: averaged over the pause, a load that began during it would read as a fraction of a
+        core. The call that starts the window returns the last value without waiting: a run's first step is its
+        first token's time (waiting out the window there added 50 ms to every run's TTFT)."""
         last = self._last
-        if last is None or time.monotonic() - last[0] < self.interval_s:
+        if last is None:
             return self.others
-        if time.monotonic() - last[0] > STALE_S:
-            self._last = last = self._sample()
-            time.sleep(FIRST_WINDOW_S)
-            if last is None:
-                return self.others
+        age = time.monotonic() - last[0]
+        if age > STALE_S:
+            self._last, self._window = self._sample(), FIRST_WINDOW_S
+            return self.others
+        if age < self._window:
+            return self.others
         now = self._sample()
         if now is not None:
             wall_ticks = (now[2] - last[2]) / max(1, self.cores)  # each core's ticks advance with the clock
             if wall_ticks > 0:
                 self.others = max(0.0, (now[1] - last[1]) - (now[3] - last[3])) / wall_ticks
                 self.known = True
-            self._last = now
+            self._last, self._window = now, self.interval_s
         return self.others
 
 

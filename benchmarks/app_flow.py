@@ -109,8 +109,8 @@ def settle(page, charts: bool, after: int | None = None, recheck_ms: int = 500) 
             page.wait_for_function(f"() => window.__runsStarted > {after}", timeout=10_000)
         except PlaywrightTimeout:  # the action's rerun joined a run already going (no new start): wait for it below
             pass
-    if charts:
-        page.wait_for_selector(".js-plotly-plot .main-svg", timeout=120_000)
+    if charts:  # a page's first chart may wait for the C++ extension's first build (minutes on 2 busy cores)
+        page.wait_for_selector(".js-plotly-plot .main-svg", timeout=300_000)
     for _ in range(2 if recheck_ms else 1):  # a run can report idle between its script and fragment reruns
         page.wait_for_function(IDLE, timeout=180_000, polling=20)
         if recheck_ms:

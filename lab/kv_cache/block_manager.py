@@ -505,29 +505,6 @@ class KVBlockManager:
         if unkeyed:
             free.prepend_unkeyed(unkeyed)
 
-    def release_ending(self, seq_id, num_tokens: int) -> bool:
-        """The release of a finished request's one sequence that holds no shared block and whose stream, if any,
-        is still unregistered: ``append_tokens(seq_id, num_tokens, from_reserved=True)``, ``register_blocks(seq_id,
-        sampled=True, ending=True)`` and ``release_sequence(seq_id, end_stream=True)`` in one call, with the same
-        effect (the simulator frees every finished request this way). False, and nothing done, for any other
-        sequence: the caller then takes those three steps."""
-        seq = self.sequences.get(seq_id)
-        if seq is None or not seq.exclusive or seq.partial_token_ids is not None or \
-                not (seq.stream_deferred or seq.stream_key is None) or type(num_tokens) is not int or num_tokens < 0:
-            return False
-        if num_tokens:
-            total = seq.num_tokens + num_tokens
-            new_blocks = -(-total // self.block_size) - len(seq.block_table)
-            if new_blocks > len(self._reserved) + self._reserve_backlog:
-                return False  # append_tokens says why
-            if new_blocks:
-                seq.block_table.extend(self._take_reserved(new_blocks))
-            seq.num_tokens = total
-        if seq.stream_deferred:
-            seq.stream_blocks = max(seq.stream_blocks, seq.num_tokens // self.block_size)
-        self.release_sequence(seq_id, 0, True)
-        return True
-
     # ---- appending ----------------------------------------------------------------------------------------
     def num_blocks_to_append(self, seq_id, num_tokens: int = 1) -> int:
         """New blocks that appending ``num_tokens`` tokens to ``seq_id`` would take (copy-on-write included)."""

@@ -189,11 +189,6 @@ class PagedPolicy:
         the uncached ones (``FreeBlockQueue``), and a later prompt that repeats them hits them."""
         group = seq.group
         if len(group.seqs) == 1 and group.beam is None:
-            if group.token_ids is None and seq.shared_block < 0 and \
-                    self.manager.release_ending(seq.seq_id, kv_len - seq.synced_len):
-                seq.synced_len = kv_len
-                self._forget(seq)
-                return
             self.sync(seq, kv_len)
             ids = group.token_ids(seq, kv_len) if group.token_ids is not None else None
             self.manager.register_blocks(seq.seq_id, ids, sampled=True, ending=True)

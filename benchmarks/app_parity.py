@@ -38,7 +38,7 @@ engine = EngineConfig(block_size=16, num_blocks=256, enable_prefix_caching=True,
                       max_num_seqs=32, scheduling="vllm", max_num_batched_tokens=4096, preemption_mode="recompute")
 run = run_runtime(RuntimeRunConfig(model="tiny", num_requests=num_requests, prompt_len_range=(16, 128),
                                    max_tokens_range=(low, high), engine=engine), frame_every=0)  # no frames, as the page
-print(json.dumps(run.summary["output_tok_s"]))
+print(json.dumps(run.summary))
 """
 COMPARE_REQUESTS = 6
 LIVE_REQUESTS, LIVE_TOKENS = 32, (64, 128)
@@ -105,11 +105,16 @@ def page_live_run(app) -> float:
 
 def script_live_run() -> float:
     """The same run from a plain script: output tokens/s."""
-    done = subprocess.run([sys.executable, "-c", LIVE_RUN_SCRIPT, str(LIVE_REQUESTS), *map(str, LIVE_TOKENS)],
+    return float(script_run(LIVE_REQUESTS, *LIVE_TOKENS)["output_tok_s"])
+
+
+def script_run(num_requests: int, low: int, high: int) -> dict:
+    """``run_runtime`` from a plain script, the page's engine settings: its run summary."""
+    done = subprocess.run([sys.executable, "-c", LIVE_RUN_SCRIPT, str(num_requests), str(low), str(high)],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     if done.returncode:
         raise RuntimeError(f"the script's run failed: {done.stderr[-3000:]}")
-    return float(json.loads(done.stdout.strip().splitlines()[-1]))
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _alternate(page, cli, repeats: int) -> tuple[list[float], list[float]]:

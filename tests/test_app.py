@@ -657,7 +657,7 @@ def test_the_runtime_page_s_live_run_is_the_script_s_run():
     served ~720. The page runs ``run_runtime`` with the settings a script would give it: the same engine settings
     and, for the same requests, the same output tokens (its speed against the script's is
     ``python -m benchmarks.app_parity``'s to measure)."""
-    from benchmarks.app_parity import LIVE_RUN_SCRIPT
+    from benchmarks.app_parity import script_run
 
     app = open_page("runtime")
     app.slider[0].set_value(4)  # requests
@@ -670,10 +670,7 @@ def test_the_runtime_page_s_live_run_is_the_script_s_run():
         ("tiny", 4, "vllm", 4096, 32, 256, 16)
     run = app.session_state["runtime_run"]
     assert run.summary["output_tok_s"] > 0
-    done = subprocess.run([sys.executable, "-c", LIVE_RUN_SCRIPT.replace('summary["output_tok_s"]', 'summary'),
-                           "4", "8", "16"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    script = json.loads(done.stdout.strip().splitlines()[-1])
+    script = script_run(4, 8, 16)
     assert script["requests_finished"] == run.summary["requests_finished"] == 4
     for key in ("output_tokens", "steps", "preemptions", "peak_kv_blocks"):
         assert script[key] == run.summary[key], key

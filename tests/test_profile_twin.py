@@ -688,3 +688,25 @@ def test_the_twin_workload_honours_rate_lengths_and_trace_times(tmp_path, capsys
     assert main(["twin", "--profile", str(tmp_path / "p.json"), "--workload", str(trace), "--rate", "3",
                  "--time-scale", "2"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("block_size,num_blocks,max_model_len", [(32, 256, 2048), (16, 64, 512), (7, 300, 4096)])
+def test_the_vllm_profile_decodes_batches_that_fill_the_pool(block_size, num_blocks, max_model_len):
+    """A serving run's decode steps read up to the whole pool: the vLLM profile measures decode batches that fill
+    most of it (in whole blocks, with their outputs), so the twin does not price those steps by extrapolation."""
+    from lab.peer.profiling import POOL_DECODE_FILL, vllm_scenarios
+
+    pool_tokens = (num_blocks - 1) * block_size
+    without = vllm_scenarios(block_size, "small", max_model_len)
+    scenarios = vllm_scenarios(block_size, "small", max_model_len, pool_tokens)
+    added = scenarios[len(without):]
+    assert scenarios[:len(without)] == without and added
+    biggest = 0
+    for _, _, requests in added:
+        blocks = sum(-(-(prompt + outputs) // block_size) for prompt, outputs, _ in requests)
+        assert blocks <= num_blocks - 1, "a pool scenario must fit vLLM's usable pool"
+        assert all(prompt % block_size == 0 and prompt + outputs <= max_model_len for prompt, outputs, _ in requests)
+        biggest = max(biggest, sum(prompt + outputs for prompt, outputs, _ in requests))
+    assert biggest >= min(0.75 * POOL_DECODE_FILL * pool_tokens, max(len(r) for _, _, r in added) * max_model_len / 2)
+    assert vllm_scenarios(block_size, "quick", max_model_len, pool_tokens) == vllm_scenarios(block_size, "quick",
+                                                                                              max_model_len)

@@ -66,10 +66,33 @@ def run_quantities(steps: list[dict], prompt_lens: list[int], block_size: int,
 DECODE_OUTPUT_FACTOR = 4
 
 
-def vllm_scenarios(block_size: int, grid: str, max_model_len: int) -> list[tuple[str, dict, list]]:
+# Decode batches that fill the pool: a serving run's decode steps read up to the whole pool's KV (the vLLM twin's
+# shared-prefix workload read 5,928 tokens a step), beyond the grid's own decode scenarios (3,396 at most on the
+# small grid), and a step time extrapolated that far priced its TPOT 44 % high.
+POOL_DECODE_BATCHES = (4, 8, 16)
+POOL_DECODE_FILL = 0.9  # of the usable pool: the scenario's sequences and their outputs, with room to spare
+
+
+def pool_decode_scenarios(block_size: int, pool_tokens: int, max_model_len: int) -> list[tuple[str, dict, list]]:
+    """Decode batches of ``POOL_DECODE_BATCHES`` sequences of equal context that together (with their outputs)
+    fill ``POOL_DECODE_FILL`` of ``pool_tokens``, contexts in whole blocks, none longer than ``max_model_len``."""
+    scenarios = []
+    outputs = 6 * DECODE_OUTPUT_FACTOR
+    output_blocks = -(-outputs // block_size)
+    for batch in POOL_DECODE_BATCHES:
+        blocks = int(POOL_DECODE_FILL * pool_tokens / block_size) // batch  # a sequence's share, its outputs' too
+        context = min((blocks - output_blocks) * block_size, (max_model_len - outputs) // block_size * block_size)
+        if context > 0:
+            scenarios.append((f"decode {batch}x{context} (pool)", {}, [(context, outputs, 1)] * batch))
+    return scenarios
+
+
+def vllm_scenarios(block_size: int, grid: str, max_model_len: int,
+                   pool_tokens: int | None = None) -> list[tuple[str, dict, list]]:
     """The grid's scenarios vLLM runs as they are: one sample per request, our engine's defaults for the budgets
     (a cached prefix or an idle pause as the only settings), no longer than ``max_model_len``; decode scenarios
-    ``DECODE_OUTPUT_FACTOR`` times as long."""
+    ``DECODE_OUTPUT_FACTOR`` times as long. With ``pool_tokens`` (the usable pool), and a grid other than
+    ``quick``, decode batches that fill the pool too (``pool_decode_scenarios``)."""
     scenarios = []
     for name, settings, requests in _scenarios(block_size, grid):
         if name.startswith("decode"):
@@ -78,6 +101,8 @@ def vllm_scenarios(block_size: int, grid: str, max_model_len: int) -> list[tuple
         if set(settings) <= {"cached_prefix", "idle_s"} and all(n == 1 for _, _, n in requests) \
                 and _longest_sequence(scenario) <= max_model_len:
             scenarios.append(scenario)
+    if pool_tokens and grid != "quick":
+        scenarios += pool_decode_scenarios(block_size, pool_tokens, max_model_len)
     return scenarios
 
 
@@ -101,7 +126,9 @@ def profile_vllm(peer: VLLMPeer, model_name: str, vocab_size: int, grid: str = "
     sample) and fit the step-time model. A step that had a cached prefix's prefill before it counts it as the
     previous step's prefill, as a serving engine's would."""
     settings = peer.settings
-    scenarios = vllm_scenarios(settings.block_size, grid, settings.max_model_len)
+    # vLLM's block 0 is its null block: the usable pool is one block short of its count
+    pool_tokens = (settings.num_blocks - 1) * settings.block_size
+    scenarios = vllm_scenarios(settings.block_size, grid, settings.max_model_len, pool_tokens)
     if not scenarios:
         raise ProfileError(f"no scenario of the {grid!r} grid fits vLLM's max_model_len {settings.max_model_len}")
     rng, groups, sources = random.Random(seed), {}, {}

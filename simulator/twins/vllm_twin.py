@@ -283,10 +283,18 @@ class VLLMTwinResult:
 def profile_cache_path(config: VLLMTwinConfig) -> Path:
     """Where the page keeps the profile of vLLM's engine for these settings (beside the peer environment): measured
     once on a quiet machine it is reused, instead of re-measured while the browser and the app share the cores."""
-    from lab.peer.client import VLLM_VERSION, peer_venv
+    import hashlib
 
+    from lab.peer.client import VLLM_VERSION, peer_venv
+    from lab.peer.profiling import vllm_scenarios
+
+    # the scenarios measured are in the name: a profile of another set of scenarios is not reused
+    scenarios = vllm_scenarios(config.block_size, config.grid, config.max_model_len,
+                               (config.num_blocks - 1) * config.block_size)
+    digest = hashlib.sha256(repr(scenarios).encode()).hexdigest()[:8]
     name = (f"{Path(config.model).name}-{config.dtype}-B{config.block_size}-{config.num_blocks}blocks-"
-            f"{config.max_num_seqs}seqs-{config.max_num_batched_tokens}tokens-{config.grid}-vllm{VLLM_VERSION}.json")
+            f"{config.max_num_seqs}seqs-{config.max_num_batched_tokens}tokens-{config.grid}-{digest}-"
+            f"vllm{VLLM_VERSION}.json")
     return peer_venv().parent / "vllm-profiles" / name
 
 

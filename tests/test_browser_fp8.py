@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.app_flow import CHROMIUM, launch, runs_started, settle
-from tests.test_browser import browser, no_exception, server, shots  # noqa: F401 (the shared fixtures)
+from tests.browser_support import browser, no_exception, server, shots  # noqa: F401 (the shared fixtures)
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed "
                                                                                  "(apt-get install chromium)")]

@@ -145,7 +145,8 @@ def draw(twin: LiveTwin) -> None:
         calibration = twin.calibration
         st.caption(f"Calibration: server steps {calibration.step_overhead_s * 1e3:+.2f} ms over the engine's profile "
                    f"({twin.step_overhead_s * 1e3:+.2f} ms as probed around this run); "
-                   f"{calibration.request_overhead_s * 1e3:.1f} ms per request to reach the engine, "
+                   f"{calibration.request_overhead_s * 1e3:.1f} ms per request to reach the engine "
+                   f"(+{calibration.request_overhead_per_token_s * 1e6:.1f} µs a prompt token), "
                    f"{calibration.request_interval_s * 1e3:.2f} ms per request in vLLM's API process"
                    f"{calibration.bound_note}. "
                    f"The profile of vLLM's engine ({twin.profile_source}): {len(twin.profile.samples)} step shapes, "

@@ -36,3 +36,29 @@ def test_the_client_moves_off_the_worker_s_cores_and_back():
         os.sched_setaffinity(0, restore)
     assert restore == before
     assert _pin_client(SimpleNamespace(pinned=set())) is None  # vLLM bound nothing: nothing to do
+
+
+@pytest.mark.parametrize("points, expected", [
+    ([(32, 0.003), (128, 0.004), (384, 0.007), (32, 0.004), (128, 0.0045), (384, 0.009)], "line"),
+    ([(32, 0.005), (128, 0.004), (384, 0.003)], "flat"),  # falling with length: one overhead for every prompt
+    ([(32, -0.002), (384, 0.004)], "origin"),  # a negative intercept: the line through zero
+    ([(64, -0.001), (64, -0.002)], "flat")])  # one length, faster than priced: no overhead at all
+def test_the_request_overhead_is_a_line_in_the_prompt_length_never_below_zero(points, expected):
+    """The single prompts' TTFT beyond the priced steps, per prompt length, gives ``a + b * prompt_tokens``:
+    through the medians per length (one slow repeat does not tilt it), both terms never negative."""
+    import numpy as np
+
+    from simulator.twins.vllm_twin import _overhead_line, engine_arrivals
+
+    a, b = _overhead_line(points)
+    assert a >= 0 and b >= 0
+    lengths = sorted({length for length, _ in points})
+    medians = [float(np.median([e for at, e in points if at == length])) for length in lengths]
+    if expected == "line":
+        assert b > 0 and a > 0 and all(abs(a + b * x - m) < 1e-3 for x, m in zip(lengths, medians))
+    elif expected == "origin":
+        assert a == 0 and b > 0
+    else:
+        assert b == 0 and a == pytest.approx(max(0.0, float(np.median(medians))))
+    arrivals = engine_arrivals(np.zeros(2), a + b * np.array([32, 384]), 0.0)  # one overhead per request
+    assert arrivals[1] - arrivals[0] == pytest.approx(b * 352)

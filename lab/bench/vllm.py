@@ -59,7 +59,14 @@ def _latencies(arrival, first, finish, tokens) -> dict:
             "tpot_p50_s": _percentile(table["tpot_s"], 50), "tpot_p90_s": _percentile(table["tpot_s"], 90)}
 
 
+# A timed run starts this long after the last one ended: an engine's OpenMP threads spin on for a while after its
+# run (vLLM's CPU build binds and spins them), and the other engine's first steps, right after, ran on a shared core
+# (its first step took 105-167 ms against 40-60 ms; a half-second gap removed the spike).
+QUIET_GAP_S = 0.5
+
+
 def _ours(engine: LLMEngine, prompts, max_tokens, arrival_steps=None) -> dict:
+    time.sleep(QUIET_GAP_S)
     steps_before, preempted_before = len(engine.step_log()), engine.step_log()["num_preempted"].sum()
     started = time.perf_counter()
     finished_before = len(engine.finished)
@@ -75,6 +82,7 @@ def _ours(engine: LLMEngine, prompts, max_tokens, arrival_steps=None) -> dict:
 
 
 def _theirs(peer: VLLMPeer, prompts, max_tokens, arrival_steps=None) -> dict:
+    time.sleep(QUIET_GAP_S)
     run = peer.run(prompts, max_tokens, arrival_steps)
     return {"output_tok_s": sum(map(len, run["outputs"])) / run["elapsed_s"],
             **_latencies(run["arrival_s"], run["first_token_s"], run["finish_s"], [len(o) for o in run["outputs"]]),
@@ -110,9 +118,11 @@ def run_vllm_bench(config: VLLMBenchConfig, progress=None) -> pd.DataFrame:
             loads = (QUIET, LOADED) if config.background_load else (QUIET,)
             for repeat in range(config.repeats):  # alternating, so a slow spell of the machine touches both
                 for load in loads if repeat % 2 == 0 else loads[::-1]:
+                    systems = (("ours", lambda: _ours(engine, prompts, max_tokens)),
+                               ("vllm", lambda: _theirs(peer, prompts, max_tokens)))
                     with BackgroundLoad() if load == LOADED else contextlib.nullcontext():
-                        for system, run in (("ours", lambda: _ours(engine, prompts, max_tokens)),
-                                            ("vllm", lambda: _theirs(peer, prompts, max_tokens))):
+                        # each engine first in every other repeat: neither always runs right after the other
+                        for system, run in systems if repeat % 2 == 0 else systems[::-1]:
                             rows.append({"system": system, "load": load, "repeat": repeat, **run()})
                             if progress:
                                 progress(len(rows), 2 * config.repeats * len(loads))

@@ -90,7 +90,8 @@ def _vllm_twin(args) -> None:
         model=args.model, block_size=args.block_size or defaults.block_size,
         num_blocks=args.num_blocks or defaults.num_blocks, max_num_seqs=args.max_num_seqs or defaults.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or defaults.max_num_batched_tokens,
-        workloads=tuple((args.workloads or ",".join(defaults.workloads)).split(",")),
+        workloads=WORKLOADS if args.workloads == "all" else tuple(
+            (args.workloads or ",".join(defaults.workloads)).split(",")),
         num_requests=args.num_requests, rate=args.rate if args.rate is not None else defaults.rate,
         length_scale=args.length_scale or defaults.length_scale, repeats=args.repeats,
         grid=args.profile_grid or defaults.grid, seed=args.seed, url=args.url, pin_client=args.pin_client)
@@ -104,6 +105,7 @@ def _vllm_twin(args) -> None:
     calibration = result.calibration
     settings = {**twin_settings(config), "step_overhead_s": calibration.step_overhead_s,
                 "request_overhead_s": calibration.request_overhead_s,
+                "request_overhead_per_token_s": calibration.request_overhead_per_token_s,
                 "request_interval_s": calibration.request_interval_s,
                 "request_interval_at_bound": calibration.interval_at_bound,
                 "profile_holdout_median_rel_error": result.profile.holdout_median_rel_error}
@@ -133,7 +135,7 @@ def twin_parser() -> argparse.ArgumentParser:
                         "without)")
     t.add_argument("--url", default=None, help="--peer vllm: a vLLM server already running (not started, not stopped)")
     t.add_argument("--workloads", default=None,
-                   help="--peer vllm: comma-separated, of all-at-once, prefix, poisson, gamma, azure "
+                   help="--peer vllm: comma-separated, of all-at-once, prefix, poisson, gamma, azure, or all "
                         "(default: all-at-once,prefix,poisson)")
     t.add_argument("--length-scale", type=positive_float, default=None,
                    help="--peer vllm: ShareGPT-like lengths times this (default 0.25)")

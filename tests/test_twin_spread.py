@@ -23,6 +23,10 @@ def test_the_summary_gives_the_server_s_spread_and_whether_the_twin_is_inside_it
     assert bool(tpot["inside_spread"])
     one = summary.loc["ttft_p50_s"]
     assert not bool(one["inside_spread"]) and pd.isna(one["real_cv"])  # one run: no spread to speak of
+    # the noise floor: a twin that predicts the server's median (0.0068) every time, its median error over the runs
+    reals = [0.0051, 0.0068, 0.0090, 0.0060, 0.0070]
+    assert tpot["noise_floor_error"] == pytest.approx(sorted(abs(0.0068 - r) / r for r in reals)[2])
+    assert pd.isna(one["noise_floor_error"])
 
 
 @pytest.mark.skipif(sys.platform != "linux" or len(os.sched_getaffinity(0)) < 2, reason="needs Linux and two cores")

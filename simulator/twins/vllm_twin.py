@@ -245,6 +245,17 @@ def score(workload: Workload, run: ServerRun, config: SimConfig,
     return table
 
 
+def _noise_floor(real: np.ndarray, unit: str) -> float:
+    """The error a perfect twin would score on these repeats: one that predicts the server's own median every
+    time, its error against each run (relative, or points and counts as they are) and the median of those, as
+    ``summary`` takes the twin's. With one run, nan."""
+    if len(real) < 2:
+        return math.nan
+    centre = float(np.median(real))
+    errors = np.abs(centre - real) / real if unit == "relative" else np.abs(centre - real)
+    return float(np.median(errors))
+
+
 @dataclass(slots=True)
 class VLLMTwinResult:
     """Per workload and run: the score table, the server's run and the simulator's result."""
@@ -267,6 +278,8 @@ class VLLMTwinResult:
                           real_min=("real", "min"), real_max=("real", "max"), real_mean=("real", "mean"),
                           real_std=("real", "std")).reset_index()
         out["met"] = out["error"] <= out["goal"]
+        out["noise_floor_error"] = [_noise_floor(group["real"].to_numpy(), group["unit"].iloc[0])
+                                    for _, group in grouped]
         # the server's own spread over the repeats, and whether the twin's median lies inside it
         out["real_cv"] = (out.pop("real_std") / out.pop("real_mean")).where(out["runs"] > 1)
         out["inside_spread"] = (out["simulated"] >= out["real_min"]) & (out["simulated"] <= out["real_max"])

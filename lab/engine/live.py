@@ -143,9 +143,13 @@ def run_runtime_detached(config: RuntimeRunConfig,
                          on_step: Callable[[StepStats], bool | None] | None = None) -> RuntimeRun:
     """``run_runtime(config)`` in a process of its own (``lab.engine.detached``: the app's runs, away from the
     Streamlit server and its threads); ``on_step(stats)`` after each step may return False to stop early (the run
-    sees it at its next step, so it may have run ahead a step or more). Its ``RuntimeRun`` has no pool frames."""
+    sees it at its next step, so it may have run ahead a step or more). Its ``RuntimeRun`` has no pool frames. A
+    checkpoint that cannot be read fails here, before a process starts (``check_model``)."""
+    from lab.models.qwen3 import check_model
+
     from .detached import run_detached
 
+    check_model(config.model)
     return run_detached(_runtime_for_detached, config,
                         None if on_step is None else lambda message: on_step(message[1]))
 
@@ -202,6 +206,9 @@ def _precision_for_detached(payload: tuple, report) -> pd.DataFrame:
 def compare_kv_precision_detached(config: RuntimeRunConfig, kv_cache_dtype: str = "fp8_e4m3",
                                   calculate_kv_scales: bool = False) -> pd.DataFrame:
     """``compare_kv_precision`` in a process of its own, as the page's other runs (``run_runtime_detached``)."""
+    from lab.models.qwen3 import check_model
+
     from .detached import run_detached
 
+    check_model(config.model)
     return run_detached(_precision_for_detached, (config, kv_cache_dtype, calculate_kv_scales))

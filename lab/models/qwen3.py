@@ -59,10 +59,7 @@ def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, seed: in
         with torch.device(device):
             hf = Qwen3ForCausalLM(preset_config(model)).to(dtype)
         return hf.eval(), None
-    path = Path(model)
-    if not path.is_dir():
-        raise CheckpointError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local directory")
-    _check_checkpoint(path)
+    path = check_model(model)
     try:
         hf = Qwen3ForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
     except Exception as exc:  # corrupt or truncated weights surface as many library-specific types
@@ -137,10 +134,28 @@ def read_config(path: Path) -> dict:
     return config
 
 
-def _check_checkpoint(path: Path) -> None:
+def check_model(model: str) -> Path | None:
+    """What can be told of ``model`` without loading it: None for a preset; for a local checkpoint directory, its
+    path once its ``config.json`` reads as an object and its weights are there (each safetensors file's header
+    parses). Raises ``CheckpointError`` naming the problem otherwise, in milliseconds, before a run starts."""
+    if model in PRESETS:
+        return None
+    path = Path(model)
+    if not path.is_dir():
+        raise CheckpointError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local directory")
     read_config(path)
-    if not list(path.glob("*.safetensors")) and not list(path.glob("*.bin")):
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards and not list(path.glob("*.bin")):
         raise CheckpointError(f"{path}: no weights (*.safetensors or *.bin)")
+    from safetensors import safe_open
+
+    for shard in shards:
+        try:
+            with safe_open(shard, framework="pt") as weights:
+                weights.keys()
+        except Exception as exc:  # the library's own error types differ by version
+            raise CheckpointError(f"{shard}: the weights could not be read ({type(exc).__name__}: {exc})") from exc
+    return path
 
 
 def _load_tokenizer(path: Path):

@@ -51,6 +51,26 @@ IDLE = """() => {
 }"""
 
 
+APP_SERVER_ENV = "MINIPAGED_APP_SERVER_PORT"
+
+
+def started_by(url: str, command: str) -> list[int]:
+    """The processes whose command line holds ``command`` and that the app server at ``url`` (one
+    ``streamlit_server`` started) or a process under it started: its mark is in their environment."""
+    mark = f"{APP_SERVER_ENV}={url.rsplit(':', 1)[1]}".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if command.encode() in (proc / "cmdline").read_bytes() and \
+                    mark in (proc / "environ").read_bytes().split(b"\0"):
+                pids.append(int(proc.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return pids
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -63,7 +83,9 @@ def streamlit_server(log: Path | None = None, root: Path = ROOT):
     ``(url, pid)`` once it answers, and stops it on the way out."""
     port = free_port()
     out = log.open("w") if log else subprocess.DEVNULL
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    # APP_SERVER_ENV marks the server and every process it starts (a vLLM server too, even once orphaned)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+               **{APP_SERVER_ENV: str(port)})
     process = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true", "--server.address",
          "127.0.0.1", "--server.port", str(port), "--browser.gatherUsageStats", "false"],

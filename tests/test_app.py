@@ -699,3 +699,22 @@ def test_the_block_pool_page_marks_events_and_highlights_a_sequence():
     pool_chart = next(c for c in app.get("plotly_chart") if "blocks of 16 tokens" in c.proto.spec)
     assert f"sequence {seq} (highlighted)" in [t.get("name") for t in json.loads(pool_chart.proto.spec)["data"]]
     assert len(app.dataframe) >= 1  # its block table
+
+
+def test_the_processes_an_app_server_started_are_told_apart_by_its_mark():
+    """``benchmarks.app_flow.started_by``: a process that carries one app server's mark in its environment (what
+    every process under that server inherits, even once orphaned) is found for it, and not for another server."""
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks.app_flow import APP_SERVER_ENV, started_by
+
+    command = "import time; time.sleep(30)  # minipaged-mark-probe"
+    child = subprocess.Popen([sys.executable, "-c", command], env={**os.environ, APP_SERVER_ENV: "65001"})
+    try:
+        assert started_by("http://127.0.0.1:65001", "minipaged-mark-probe") == [child.pid]
+        assert started_by("http://127.0.0.1:65002", "minipaged-mark-probe") == []
+    finally:
+        child.kill()
+        child.wait()

@@ -3,11 +3,10 @@ server, and the Qwen3 runtime's vLLM metrics and live run. How the browser and t
 tests/browser_support.py."""
 import os
 import re
-import subprocess
 
 import pytest
 
-from benchmarks.app_flow import runs_started, settle
+from benchmarks.app_flow import runs_started, settle, started_by
 from tests.browser_support import (BROWSER_MARKS, assert_no_traceback, browser, no_exception, plotly_traces,  # noqa: F401
                                    server, shots)
 
@@ -73,7 +72,7 @@ def test_the_vllm_twin_runs_live_and_feeds_the_block_pool_page(server, browser, 
     assert any("prefix-cache hit rate" in text and "%" in text for text in metrics), metrics
     page.screenshot(path=str(shots / "block_pool_vllm_prefix_cache.png"), full_page=True)
     page.close()
-    assert "vllm.entrypoints" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert not started_by(server, "vllm.entrypoints"), "the page's vLLM server outlived its run"
 
 
 

@@ -154,7 +154,7 @@ def check_model(model: str) -> Path | None:
             with safe_open(shard, framework="pt") as weights:
                 weights.keys()
         except Exception as exc:  # the library's own error types differ by version
-            raise CheckpointError(f"{shard}: the weights could not be read ({type(exc).__name__}: {exc})") from exc
+            raise CheckpointError(f"{shard}: the weights could not be loaded ({type(exc).__name__}: {exc})") from exc
     return path
 
 

@@ -145,10 +145,10 @@ class ServerCalibration:
 
     step_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
-    request_overhead_per_token_s: float = 0.0  # and this much more per prompt token (the prompt's way in)
     request_interval_s: float = 0.0
     table: pd.DataFrame = field(default_factory=pd.DataFrame)
     interval_at_bound: bool = False  # the request interval's search ended at its largest value (INTERVALS_S)
+    request_overhead_per_token_s: float = 0.0  # the request overhead's more per prompt token (the prompt's way in)
 
     @property
     def bound_note(self) -> str:

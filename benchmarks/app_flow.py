@@ -132,11 +132,25 @@ def settle(page, charts: bool, after: int | None = None, recheck_ms: int = 500) 
         except PlaywrightTimeout:  # the action's rerun joined a run already going (no new start): wait for it below
             pass
     if charts:  # a page's first chart may wait for the C++ extension's first build (minutes on 2 busy cores)
-        page.wait_for_selector(".js-plotly-plot .main-svg", timeout=300_000)
+        try:
+            page.wait_for_selector(".js-plotly-plot .main-svg", timeout=300_000)
+        except PlaywrightTimeout as exc:  # say what the page showed instead
+            raise AssertionError(f"no chart on {page.url} after 300 s; {_page_state(page)}") from exc
     for _ in range(2 if recheck_ms else 1):  # a run can report idle between its script and fragment reruns
         page.wait_for_function(IDLE, timeout=180_000, polling=20)
         if recheck_ms:
             page.wait_for_timeout(recheck_ms)
+
+
+def _page_state(page) -> str:
+    """What a page shows, for a failure message: whether its script runs, its alerts, exceptions and headings."""
+    def texts(selector: str) -> list[str]:
+        return [text[:300] for text in page.locator(selector).all_inner_texts()]
+
+    state = page.evaluate("() => document.querySelector('[data-test-script-state]')"
+                          "?.getAttribute('data-test-script-state')")
+    return (f"script state {state!r}, headings {texts('h1, h2, h3')}, alerts {texts('[data-testid=stAlert]')}, "
+            f"exceptions {texts('[data-testid=stException]')}, charts {page.locator('.js-plotly-plot').count()}")
 
 
 def launch(playwright):

@@ -74,30 +74,39 @@ def test_the_twin_is_scored_against_the_server_on_held_out_workloads(checkpoint,
     assert all(note.split(" up to ")[0] in RANGE_QUANTITIES for note in result.extrapolation().values())
 
 
-def vllm_processes() -> list[str]:
-    import subprocess
+def group_members(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` (``/proc/*/stat``; the server's supervisor leads its own group)."""
+    from pathlib import Path
 
-    listing = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
-    return [line for line in listing if "VLLM::" in line or "vllm.entrypoints" in line]
+    members = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                    members.append(int(proc.name))
+            except (OSError, ValueError, IndexError):  # gone meanwhile
+                continue
+    return members
 
 
 def test_a_server_whose_lab_process_is_killed_leaves_no_process(checkpoint):
     """The lab's process killed outright (no cleanup runs): vLLM's API, engine-core and worker processes all go (they
-    outlived a killed API process before ``SUPERVISOR``)."""
+    outlived a killed API process before ``SUPERVISOR``). Only that server's process group is watched: another
+    worker's vLLM processes may come and go meanwhile."""
     import subprocess
     import sys
     import time
 
-    before = vllm_processes()
     script = ("import os, signal; from lab.peer.client import PeerSettings; from lab.peer.server import VLLMServer; "
-              f"s = VLLMServer(PeerSettings({checkpoint!r}), events=False); print(s.url, flush=True); "
+              f"s = VLLMServer(PeerSettings({checkpoint!r}), events=False); print(s.url, s.process.pid, flush=True); "
               "os.kill(os.getpid(), signal.SIGKILL)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.stdout.startswith("http://127.0.0.1:"), done.stderr[-2000:]
+    group = int(done.stdout.split()[1])
     deadline = time.monotonic() + 30
-    while vllm_processes() != before and time.monotonic() < deadline:
+    while group_members(group) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert vllm_processes() == before
+    assert not group_members(group), "vLLM's server outlived the lab process that started it"
 
 
 def test_a_server_killed_mid_run_ends_the_run_with_what_was_measured(server):

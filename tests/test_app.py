@@ -707,12 +707,16 @@ def test_the_processes_an_app_server_started_are_told_apart_by_its_mark():
     import os
     import subprocess
     import sys
+    import time
 
     from benchmarks.app_flow import APP_SERVER_ENV, started_by
 
     command = "import time; time.sleep(30)  # minipaged-mark-probe"
     child = subprocess.Popen([sys.executable, "-c", command], env={**os.environ, APP_SERVER_ENV: "65001"})
     try:
+        deadline = time.monotonic() + 30  # until the child has exec'd: before, /proc shows the parent's command
+        while not started_by("http://127.0.0.1:65001", "minipaged-mark-probe") and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert started_by("http://127.0.0.1:65001", "minipaged-mark-probe") == [child.pid]
         assert started_by("http://127.0.0.1:65002", "minipaged-mark-probe") == []
     finally:

@@ -18,7 +18,8 @@ PAGES = {"": "MiniPaged Lab", "memory_simulator": "Memory simulator", "block_poo
 CHART_PAGES = {"", "memory_simulator", "block_pool", "kernel_lab", "runtime", "paper"}
 
 BROWSER_MARKS = [pytest.mark.browser,
-              pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (apt-get install chromium)")]
+              pytest.mark.skipif(CHROMIUM is None,
+                                 reason="Debian's chromium is not installed (apt-get install chromium)")]
 
 SERVER_PIDS: dict[str, int] = {}  # url -> the server's process id
 SERVER_LOGS: dict[str, Path] = {}  # url -> what the server printed

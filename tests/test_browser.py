@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.app_flow import runs_started, settle
-from tests.browser_support import (BROWSER_MARKS, CHART_PAGES, PAGES, SERVER_PIDS, assert_no_traceback, browser,  # noqa: F401
-                                   cpu_seconds, no_exception, plotly_traces, server, shots, streamlit_server)
+from tests.browser_support import (  # noqa: F401 (browser, server, shots: the shared fixtures)
+    BROWSER_MARKS, CHART_PAGES, PAGES, SERVER_PIDS, assert_no_traceback, browser, cpu_seconds, no_exception,
+    plotly_traces, server, shots, streamlit_server)
 
 pytestmark = BROWSER_MARKS
 

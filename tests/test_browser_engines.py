@@ -7,8 +7,8 @@ import re
 import pytest
 
 from benchmarks.app_flow import runs_started, settle, started_by
-from tests.browser_support import (BROWSER_MARKS, assert_no_traceback, browser, no_exception, plotly_traces,  # noqa: F401
-                                   server, shots)
+from tests.browser_support import (  # noqa: F401 (browser, server, shots: the shared fixtures)
+    BROWSER_MARKS, assert_no_traceback, browser, no_exception, plotly_traces, server, shots)
 
 pytestmark = BROWSER_MARKS
 

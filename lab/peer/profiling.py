@@ -73,6 +73,11 @@ POOL_DECODE_BATCHES = (4, 8, 16)
 POOL_DECODE_FILL = 0.9  # of the usable pool: the scenario's sequences and their outputs, with room to spare
 
 
+def usable_pool_tokens(num_blocks: int, block_size: int) -> int:
+    """The tokens vLLM's pool of ``num_blocks`` can hold: its block 0 is its null block."""
+    return (num_blocks - 1) * block_size
+
+
 def pool_decode_scenarios(block_size: int, pool_tokens: int, max_model_len: int) -> list[tuple[str, dict, list]]:
     """Decode batches of ``POOL_DECODE_BATCHES`` sequences of equal context that together (with their outputs)
     fill ``POOL_DECODE_FILL`` of ``pool_tokens``, contexts in whole blocks, none longer than ``max_model_len``."""
@@ -126,9 +131,8 @@ def profile_vllm(peer: VLLMPeer, model_name: str, vocab_size: int, grid: str = "
     sample) and fit the step-time model. A step that had a cached prefix's prefill before it counts it as the
     previous step's prefill, as a serving engine's would."""
     settings = peer.settings
-    # vLLM's block 0 is its null block: the usable pool is one block short of its count
-    pool_tokens = (settings.num_blocks - 1) * settings.block_size
-    scenarios = vllm_scenarios(settings.block_size, grid, settings.max_model_len, pool_tokens)
+    scenarios = vllm_scenarios(settings.block_size, grid, settings.max_model_len,
+                               usable_pool_tokens(settings.num_blocks, settings.block_size))
     if not scenarios:
         raise ProfileError(f"no scenario of the {grid!r} grid fits vLLM's max_model_len {settings.max_model_len}")
     rng, groups, sources = random.Random(seed), {}, {}

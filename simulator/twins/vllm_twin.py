@@ -150,6 +150,10 @@ class ServerCalibration:
     interval_at_bound: bool = False  # the request interval's search ended at its largest value (INTERVALS_S)
     request_overhead_per_token_s: float = 0.0  # the request overhead's more per prompt token (the prompt's way in)
 
+    def request_overheads(self, prompt_tokens: np.ndarray) -> np.ndarray:
+        """Each request's overhead: ``request_overhead_s`` and its prompt's share."""
+        return self.request_overhead_s + self.request_overhead_per_token_s * prompt_tokens
+
     @property
     def bound_note(self) -> str:
         """What to say after the request interval when its search ended at its bound ("" otherwise)."""
@@ -173,8 +177,8 @@ class ServerCalibration:
 
 def engine_arrivals(sent: np.ndarray, overhead_s: float | np.ndarray = 0.0, interval_s: float = 0.0) -> np.ndarray:
     """When requests sent at ``sent`` (sorted) reach the engine: ``overhead_s`` (one for all, or one per request)
-    later, through a frontend that takes
-    ``interval_s`` per request in order (``a[i] = max(sent[i] + overhead, a[i - 1] + interval)``)."""
+    later, through a frontend that takes ``interval_s`` per request in order
+    (``a[i] = max(sent[i] + overhead[i], a[i - 1] + interval)``)."""
     steps = np.arange(len(sent)) * interval_s
     return np.maximum.accumulate(sent + overhead_s - steps) + steps
 
@@ -188,9 +192,8 @@ def simulate_run(workload: Workload, run: ServerRun, config: SimConfig, calibrat
     keep = ~np.isnan(sent)
     sent = np.maximum.accumulate(sent[keep])  # sends of one instant may leave microseconds out of order
     index = np.flatnonzero(keep)
-    overheads = (calibration.request_overhead_s
-                 + calibration.request_overhead_per_token_s * workload.prompt_tokens[index])
-    arrivals = engine_arrivals(sent, overheads, calibration.request_interval_s)
+    arrivals = engine_arrivals(sent, calibration.request_overheads(workload.prompt_tokens[index]),
+                               calibration.request_interval_s)
     subset = replace(workload, arrival_s=arrivals, prompt_tokens=workload.prompt_tokens[index],
                      output_tokens=workload.output_tokens[index],
                      prompt_block_ids=None if workload.prompt_block_ids is None
@@ -303,11 +306,11 @@ def profile_cache_path(config: VLLMTwinConfig) -> Path:
     import hashlib
 
     from lab.peer.client import VLLM_VERSION, peer_venv
-    from lab.peer.profiling import vllm_scenarios
+    from lab.peer.profiling import usable_pool_tokens, vllm_scenarios
 
     # the scenarios measured are in the name: a profile of another set of scenarios is not reused
     scenarios = vllm_scenarios(config.block_size, config.grid, config.max_model_len,
-                               (config.num_blocks - 1) * config.block_size)
+                               usable_pool_tokens(config.num_blocks, config.block_size))
     digest = hashlib.sha256(repr(scenarios).encode()).hexdigest()[:8]
     name = (f"{Path(config.model).name}-{config.dtype}-B{config.block_size}-{config.num_blocks}blocks-"
             f"{config.max_num_seqs}seqs-{config.max_num_batched_tokens}tokens-{config.grid}-{digest}-"
@@ -451,8 +454,9 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
         calibration = result.calibration = calibrate_server(url, model, simulation, vocab, config.seed + 7)
         progress(f"server steps +{calibration.step_overhead_s * 1e3:.2f} ms over the engine's; request overhead "
                  f"{calibration.request_overhead_s * 1e3:.1f} ms + "
-                 f"{calibration.request_overhead_per_token_s * 1e6:.1f} us a prompt token, {calibration.request_interval_s * 1e3:.2f} ms per "
-                 f"request in the API process{calibration.bound_note}")
+                 f"{calibration.request_overhead_per_token_s * 1e6:.1f} us a prompt token, "
+                 f"{calibration.request_interval_s * 1e3:.2f} ms per request in the API process"
+                 f"{calibration.bound_note}")
         priced = calibration.applied(simulation, profile)
         shifts = [probe_step_overhead(url, model, priced, vocab, config.seed + 500)]
         tables = []

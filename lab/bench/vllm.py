@@ -59,9 +59,9 @@ def _latencies(arrival, first, finish, tokens) -> dict:
             "tpot_p50_s": _percentile(table["tpot_s"], 50), "tpot_p90_s": _percentile(table["tpot_s"], 90)}
 
 
-# A timed run starts this long after the last one ended: an engine's OpenMP threads spin on for a while after its
-# run (vLLM's CPU build binds and spins them), and the other engine's first steps, right after, ran on a shared core
-# (its first step took 105-167 ms against 40-60 ms; a half-second gap removed the spike).
+# A timed run starts this long after the last one ended, so that neither engine's first steps share the cores with
+# the other's last work (in one measurement our first step right after vLLM's run took 105-167 ms against 40-60 ms,
+# and a half-second gap removed the spike; later, vLLM's process was seen idle within 0.1 s of its runs).
 QUIET_GAP_S = 0.5
 
 

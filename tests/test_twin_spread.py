@@ -46,7 +46,9 @@ def test_the_client_moves_off_the_worker_s_cores_and_back():
     ([(32, 0.003), (128, 0.004), (384, 0.007), (32, 0.004), (128, 0.0045), (384, 0.009)], "line"),
     ([(32, 0.005), (128, 0.004), (384, 0.003)], "flat"),  # falling with length: one overhead for every prompt
     ([(32, -0.002), (384, 0.004)], "origin"),  # a negative intercept: the line through zero
-    ([(64, -0.001), (64, -0.002)], "flat")])  # one length, faster than priced: no overhead at all
+    ([(64, -0.001), (64, -0.002)], "flat"),  # one length, faster than priced: no overhead at all
+    ([(32, -0.01), (384, -0.002)], "flat")])  # rising but below zero throughout (a clean run's calibration gave a
+    # negative slope through the origin, and an arrival before its send)
 def test_the_request_overhead_is_a_line_in_the_prompt_length_never_below_zero(points, expected):
     """The single prompts' TTFT beyond the priced steps, per prompt length, gives ``a + b * prompt_tokens``:
     through the medians per length (one slow repeat does not tilt it), both terms never negative."""

@@ -401,8 +401,8 @@ def _overhead_line(points: list[tuple[int, float]]) -> tuple[float, float]:
     slope, intercept = np.polyfit(lengths, medians, 1)
     if slope <= 0:
         return max(0.0, float(np.median(medians))), 0.0
-    if intercept < 0:  # through the origin
-        return 0.0, float(np.dot(lengths, medians) / np.dot(lengths, lengths))
+    if intercept < 0:  # through the origin (a server faster than priced at every length: no overhead at all)
+        return 0.0, max(0.0, float(np.dot(lengths, medians) / np.dot(lengths, lengths)))
     return float(intercept), float(slope)
 
 

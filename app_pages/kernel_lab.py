@@ -4,7 +4,8 @@ import streamlit as st
 import torch
 
 import paged_kernels
-from lab.bench.kernels import KernelBenchConfig, check_against_reference, run_kernel_bench, run_precision_bench
+from lab.bench.kernels import (KernelBenchConfig, baseline_problem, check_against_reference, run_kernel_bench,
+                               run_precision_bench)
 from lab.report.charts import kernel_bandwidth_figure, kernel_time_figure
 from lab.engine.live import throttled
 from lab.report.results import settings_of
@@ -66,7 +67,7 @@ elif run or "kernel_table" not in st.session_state:
         # redraws cost time
         show = throttled(lambda done, total: progress(done / total, f"{done} of {total} shapes"), 1.0)
         st.session_state["kernel_partial"] = None
-        table = run_kernel_bench(config, progress=show,
+        table = run_kernel_bench(config, progress=show, refuse_noisy=False,
                                  on_rows=lambda rows: st.session_state.__setitem__("kernel_partial", rows))
         progress.close()
         st.session_state.pop("kernel_partial", None)
@@ -82,7 +83,9 @@ stale_note(repr(made_with), repr(current), "The timings below")
 if st.session_state.get("kernel_stopped"):
     st.warning(f"Stopped: {table[['batch', 'context']].drop_duplicates().shape[0]} of {len(config.shape_list())} "
                "shapes were timed and are shown.", icon=":material/stop_circle:")
-trust_warning(spread_problems(table, "median_ms", "max_ms", ["kernel", "batch", "context"]))
+baseline = None if st.session_state.get("kernel_stopped") else baseline_problem(table)
+trust_warning(([f"{baseline[0].upper()}{baseline[1:]}, timed twice."] if baseline else [])
+              + spread_problems(table, "median_ms", "max_ms", ["kernel", "batch", "context"]))
 st.subheader("Correctness against the float64 reference")
 data_table(st.session_state["kernel_correctness"],
            {"max_rel_err": "Max relative error vs the float64 reference"}, formats={"max_rel_err": "%.1e"})

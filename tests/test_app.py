@@ -285,6 +285,20 @@ def test_kernel_lab_block_size_changes_results(downloads):
     assert (app.dataframe[0].value["Max relative error vs the float64 reference"] < 1e-4).all()
 
 
+def test_kernel_lab_draws_a_noisy_baseline_with_a_warning(monkeypatch):
+    """A baseline still noisy when timed again (a busy machine) is drawn with a warning that says why, not refused
+    with an error and no chart."""
+    from lab.bench import kernels
+
+    monkeypatch.setattr(kernels, "baseline_problem", lambda table: "the SDPA baseline at batch 1 took 0.573 ms at "
+                        "context 256 but 0.267 ms at context 1024: a noisy or unwarmed run")
+    app = open_page("kernel_lab")
+    clean(app)
+    assert any("0.573 ms at context 256" in w.value and "timed twice" in w.value for w in app.warning), \
+        [w.value for w in app.warning]
+    assert len(app.get("plotly_chart")) >= 2
+
+
 def test_runtime_page_runs_and_reports_errors(downloads):
     app = open_page("runtime")
     clean(app)

@@ -275,6 +275,9 @@ def test_a_baseline_that_gets_faster_with_context_is_refused(monkeypatch):
     with pytest.raises(bench.KernelBenchError, match="context 256"):
         bench.run_kernel_bench(config)
     assert retimed == [2]  # measured again once before it was refused
+    times = iter([8e-3, 5e-5] + [1e-4] * 100)
+    table = bench.run_kernel_bench(config, refuse_noisy=False)  # the app's call: kept, for a warning to say why
+    assert len(table) == 2 and "context 256" in bench.baseline_problem(table)
 
 
 def test_a_disturbed_baseline_is_measured_again_before_it_is_refused():

@@ -146,9 +146,9 @@ def warm_up(config: KernelBenchConfig, max_seconds: float = WARM_UP_S) -> None:
 MONOTONE_SLACK = 0.7  # a longer context's baseline may read this fraction of a shorter one's before it is refused
 
 
-def check_baseline(table: pd.DataFrame) -> None:
-    """Raise ``KernelBenchError`` when the SDPA baseline gets faster as the context grows at a batch size (by more
-    than noise, ``MONOTONE_SLACK``): more KV to read cannot take less time, so such a run mismeasured (a missing
+def baseline_problem(table: pd.DataFrame) -> str | None:
+    """Why the SDPA baseline cannot be trusted, or None: it got faster as the context grew at a batch size (by more
+    than noise, ``MONOTONE_SLACK``). More KV to read cannot take less time, so such a run mismeasured (a missing
     warm-up made exactly this: 5-8 ms at the first shape against 0.05 ms alone)."""
     sdpa = table[table["kernel"] == "sdpa-contiguous"].sort_values(["batch", "context"])
     for batch, rows in sdpa.groupby("batch"):
@@ -156,9 +156,16 @@ def check_baseline(table: pd.DataFrame) -> None:
         for i in range(1, len(times)):
             if times[i] < MONOTONE_SLACK * times[:i].max():
                 j = int(times[:i].argmax())
-                raise KernelBenchError(f"the SDPA baseline at batch {batch} took {times[j]:.3g} ms at context "
-                                       f"{contexts[j]} but {times[i]:.3g} ms at context {contexts[i]}: a noisy or "
-                                       f"unwarmed run; run it again on a quieter machine")
+                return (f"the SDPA baseline at batch {batch} took {times[j]:.3g} ms at context {contexts[j]} but "
+                        f"{times[i]:.3g} ms at context {contexts[i]}: a noisy or unwarmed run")
+    return None
+
+
+def check_baseline(table: pd.DataFrame) -> None:
+    """Raise ``KernelBenchError`` when the SDPA baseline cannot be trusted (``baseline_problem``)."""
+    problem = baseline_problem(table)
+    if problem:
+        raise KernelBenchError(f"{problem}; run it again on a quieter machine")
 
 
 def retime_baseline(table: pd.DataFrame, config: KernelBenchConfig, rounds: int = 3) -> None:
@@ -187,9 +194,11 @@ def retime_baseline(table: pd.DataFrame, config: KernelBenchConfig, rounds: int 
         table.at[index, "vs_sdpa"] = table.at[index, "median_ms"] / table.loc[same[0], "median_ms"]
 
 
-def run_kernel_bench(config: KernelBenchConfig, progress=None, on_rows=None) -> pd.DataFrame:
-    """Warm up, run the sweep and check its baseline (``check_baseline``); ``progress(done, total)`` is called
-    after each shape, ``on_rows(rows so far)`` too (unchecked: a crash later keeps what was measured)."""
+def run_kernel_bench(config: KernelBenchConfig, progress=None, on_rows=None, refuse_noisy: bool = True) -> pd.DataFrame:
+    """Warm up, run the sweep and check its baseline, timing it again once if it fails (``check_baseline``);
+    ``progress(done, total)`` is called after each shape, ``on_rows(rows so far)`` too (unchecked: a crash later
+    keeps what was measured). ``refuse_noisy=False`` returns a baseline that still fails, for the caller to show
+    with ``baseline_problem``'s warning (the app), instead of raising (the recorded benchmark)."""
     shapes = config.shape_list()
     warm_up(config)
     rows = []
@@ -204,7 +213,8 @@ def run_kernel_bench(config: KernelBenchConfig, progress=None, on_rows=None) -> 
         check_baseline(table)
     except KernelBenchError:  # one disturbed timing: measure the baseline again, all shapes, before refusing
         retime_baseline(table, config)
-        check_baseline(table)
+        if refuse_noisy:
+            check_baseline(table)
     table["device"], table["dtype"] = config.device, str(config.dtype).replace("torch.", "")
     table["block_size"] = config.block_size
     if config.device != "cpu":

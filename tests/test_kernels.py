@@ -433,3 +433,22 @@ def test_cupy_dispatch_rule_and_instances():
     assert len(names) == 3 * (2 + 3 * 8 + 3 + 3) + 3 * 2 * (1 + 3 * 8 + 1) + 1
     assert "qk_norm_rope_write_kernel<bf16_t>" in names and "qk_norm_rope_write_kernel<bf16_t,fp8_e5m2_t>" in names
     assert "paged_attention_kernel<half_t,64,8,4,fp8_e4m3_t>" in names and "copy_blocks_kernel<unsigned char>" in names
+
+
+def test_the_cpu_extension_s_build_is_found_by_its_inputs_not_its_path(tmp_path, monkeypatch):
+    """A checkout elsewhere (or a fresh virtual environment) with the same source loads the binary already built,
+    without running the build; another source gets a build of its own."""
+    from paged_kernels import cpu_extension
+
+    if cpu_extension.status() is not None:
+        pytest.skip(f"the in-place CPU attention cannot be built here: {cpu_extension.status()}")
+    name = cpu_extension._build_name()
+    copy = tmp_path / "elsewhere" / "cpu_paged_attention.cpp"
+    copy.parent.mkdir()
+    copy.write_bytes(cpu_extension.SOURCE.read_bytes())
+    monkeypatch.setattr(cpu_extension, "SOURCE", copy)
+    assert cpu_extension._build_name() == name
+    monkeypatch.setattr(cpu_extension, "_build", lambda: pytest.fail("built again"))
+    assert cpu_extension._built() is not None
+    copy.write_bytes(copy.read_bytes() + b"\n// another source\n")
+    assert cpu_extension._build_name() != name

@@ -1,4 +1,5 @@
 import dataclasses
+import time
 
 import pandas as pd
 import streamlit as st
@@ -11,7 +12,17 @@ from lab.engine.live import RuntimeRunConfig, compare_kv_precision_detached, run
 from lab.engine.serving_metrics import serving_metrics
 from lab.report.results import settings_of
 from lab.errors import user_errors
+from lab.models.qwen3 import PRESETS
 from app_pages._ui import chart, csv_download, data_table, results_store, scheduling_radio, setting, show_error
+
+
+
+@st.cache_resource(show_spinner=False)
+def opening_runs() -> dict:
+    """Per preset configuration, the run its page opened with first on this server (result, settings, time): the page
+    opened again (a reload, another tab) shows it at once instead of serving the same default mix once more."""
+    return {}
+
 
 st.title("Qwen3 runtime")
 st.caption("The paged engine serving a request mix: continuous batching, prefix caching, preemption, live. Runs "
@@ -57,7 +68,12 @@ config = RuntimeRunConfig(model=model, num_requests=num_requests, prompt_len_ran
 # One slot for the live view and the finished run: a new run replaces the last one's tiles instead of drawing its
 # own above them.
 slot = st.empty()
-if run or "runtime_run" not in st.session_state:
+opening, opening_key = opening_runs(), repr(config) if model in PRESETS else None
+if not run and "runtime_run" not in st.session_state and opening_key in opening:
+    result, settings, when = opening[opening_key]
+    st.session_state.update(runtime_run=result, runtime_settings=settings, runtime_opened_at=when)
+elif run or "runtime_run" not in st.session_state:
+    st.session_state.pop("runtime_opened_at", None)
     # Two children, as the finished view below has (tiles, chart): each replaces its counterpart; a third written
     # during the run would outlive the swap.
     live = slot.container(border=True)
@@ -89,6 +105,8 @@ if run or "runtime_run" not in st.session_state:
     try:
         result = run_runtime_detached(config, on_step=on_step)
         st.session_state.update(runtime_run=result, runtime_settings=settings_of(config))
+        if not run and opening_key is not None:
+            opening[opening_key] = (result, st.session_state["runtime_settings"], time.strftime("%H:%M:%S"))
         results_store().add("runtime", f"runtime: {model}, {num_requests} requests, B={block_size}",
                             pd.DataFrame([result.summary]), st.session_state["runtime_settings"])
     except user_errors() as exc:
@@ -103,6 +121,9 @@ with slot.container():
     st.caption(f"{run_settings['model']}: {len(result.requests):,} requests, block size {run_settings['block_size']}, "
                f"{summary['num_kv_blocks']:,} KV blocks, {run_settings['scheduling']} scheduling, "
                f"{summary['steps']:,} steps")
+    if "runtime_opened_at" in st.session_state:
+        st.caption(f"The run this page opened with on this server at {st.session_state['runtime_opened_at']}, with "
+                   "these settings; press Run to serve the mix again and watch it live.")
     cols = st.columns(5)
     cols[0].metric("Output tokens/s", f"{summary['output_tok_s']:,.0f}")
     cols[1].metric("Peak KV blocks", f"{summary['peak_kv_blocks']} / {summary['num_kv_blocks']}")

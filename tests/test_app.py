@@ -322,6 +322,27 @@ def test_runtime_page_runs_and_reports_errors(downloads):
     assert not app.exception and any("neither a preset" in e.value for e in app.error)
 
 
+def test_the_runtime_page_opens_again_with_its_first_run_and_run_serves_anew(monkeypatch):
+    """The default mix is served once per server: the page opened again (a reload, another tab) shows that run and
+    says when it ran; Run serves the mix again."""
+    from lab.engine import live
+    from lab.errors import InputError
+
+    first = open_page("runtime")
+    clean(first)
+
+    def refuse(config, on_step=None):
+        raise InputError("served again")
+
+    monkeypatch.setattr(live, "run_runtime_detached", refuse)
+    again = open_page("runtime")
+    clean(again)
+    assert any("the run this page opened with on this server" in c.value.lower() for c in again.caption)
+    assert again.session_state["runtime_run"].summary == first.session_state["runtime_run"].summary
+    again.button(key="run").click().run()
+    assert [e.value.split()[:2] for e in again.error] == [["served", "again"]]
+
+
 def test_block_pool_frames_and_controls():
     app = open_page("block_pool")
     clean(app)

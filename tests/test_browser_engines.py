@@ -53,6 +53,12 @@ def test_the_vllm_twin_runs_live_and_feeds_the_block_pool_page(server, browser, 
     page.locator('[data-testid="stSidebar"] [data-testid="stSelectbox"]').filter(has_text="Workload").click()
     page.get_by_role("option", name="Shared system prompt").click()
     settle(page, False, after=runs)
+    runs = runs_started(page)
+    requests = page.locator('[data-testid="stSidebar"] [data-testid="stNumberInput"]').filter(
+        has_text="Requests").locator("input").first
+    requests.fill("16")  # one wave of max_num_seqs: the run is the test's, not its length
+    requests.press("Enter")
+    settle(page, False, after=runs)
     page.get_by_role("button", name="Run", exact=True).click()
     progress = page.locator('[data-testid="stProgress"]')
     page.wait_for_function("() => [...document.querySelectorAll('[data-testid=\"stProgress\"]')].some("

@@ -551,3 +551,56 @@ def test_sampled_blocks_registered_at_preemption_are_hit_again():
     m.release_sequence("a")
     assert m.create_sequence("a again", tokens) == 12  # three full blocks of prompt and sampled tokens
     m.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_new_stream_s_one_call_admission_and_release_are_the_three_calls(seed):
+    """``create_unseen_stream`` and ``release_ending_stream`` (the simulator's per-request calls) leave the pool as
+    ``create_sequence(register_stream=False)`` and ``append_tokens(from_reserved)`` + ``register_blocks(ending)`` +
+    ``release_sequence(end_stream)`` do: the same free queue, block for block, and the same statistics."""
+    import random
+
+    rng = random.Random(seed)
+    size = rng.choice([1, 3, 7, 16])
+    pools = [KVBlockManager(64, size, enable_prefix_caching=True) for _ in range(2)]
+    live: dict[int, int] = {}
+    for step in range(60):
+        if live and (rng.random() < 0.5 or len(live) > 4):
+            seq_id = rng.choice(sorted(live))
+            grown = live.pop(seq_id) + rng.randint(0, 3 * size)
+            owed = -(-grown // size) - len(pools[0].sequences[seq_id].block_table)
+            if owed > pools[0].num_free_blocks:
+                grown, owed = pools[0].sequences[seq_id].num_tokens, 0
+            for pool in pools:
+                pool.reserve_blocks(owed)
+            fast, slow = pools
+            assert fast.release_ending_stream(seq_id, grown)
+            slow.append_tokens(seq_id, grown - slow.sequences[seq_id].num_tokens, from_reserved=True)
+            slow.register_blocks(seq_id, sampled=True, ending=True)
+            slow.release_sequence(seq_id, end_stream=True)
+        else:
+            tokens = rng.randint(0, 5 * size)
+            if -(-tokens // size) > pools[0].num_free_blocks:
+                continue
+            pools[0].create_unseen_stream(step, tokens, ("stream", step))
+            pools[1].create_sequence(step, num_prompt_tokens=tokens, stream_key=("stream", step),
+                                     register_stream=False)
+            live[step] = tokens
+        assert pools[0].free_block_queue.queued() == pools[1].free_block_queue.queued(), step
+        assert pools[0].free_block_queue.ended_blocks() == pools[1].free_block_queue.ended_blocks()
+        assert snapshot(pools[0]) == snapshot(pools[1])
+        assert pools[0].prefix_cache_stats == pools[1].prefix_cache_stats
+        for pool in pools:
+            pool.check_invariants()
+
+
+def test_the_one_call_release_declines_what_it_does_not_cover():
+    m = KVBlockManager(16, 4, enable_prefix_caching=True)
+    m.create_sequence("registered", num_prompt_tokens=8, stream_key="r")  # registered now: not deferred
+    m.create_unseen_stream("deferred", 8, "d")
+    assert not m.release_ending_stream("registered", 8) and "registered" in m.sequences
+    assert not m.release_ending_stream("deferred", 12) and m.sequences["deferred"].num_tokens == 8  # nothing reserved
+    assert not m.release_ending_stream("deferred", 4)  # fewer tokens than it holds
+    assert m.release_ending_stream("deferred", 8) and "deferred" not in m.sequences
+    with pytest.raises(DuplicateSequenceError):
+        m.create_unseen_stream("registered", 4, "x")

@@ -356,6 +356,28 @@ class KVBlockManager:
                 seq.stream_deferred = True
         return (len(hits) + len(tier)) * size
 
+    def create_unseen_stream(self, seq_id, num_tokens: int, stream_key) -> None:
+        """``create_sequence(seq_id, num_prompt_tokens=num_tokens, stream_key=stream_key, register_stream=False)`` for
+        a stream the prefix cache has no block of (``PrefixCache.has_stream`` false, the caller's check) in a pool
+        with prefix caching and no offload tier: no lookup can hit, so its blocks are fresh and the lookup is skipped
+        (the simulator's admission of a new request of one sample). Raises as ``create_sequence`` does."""
+        if not self.enable_prefix_caching or self.offload is not None or type(num_tokens) is not int \
+                or num_tokens < 0:
+            raise BlockManagerError("create_unseen_stream: a pool with prefix caching and no offload tier, and a "
+                                    f"token count >= 0 (got {num_tokens!r})")
+        self._check_new_id(seq_id)
+        size = self.block_size
+        blocks = -(-num_tokens // size)
+        if blocks > self.free_block_queue.num_free:
+            raise OutOfBlocksError(f"sequence {seq_id!r} needs {blocks} blocks, {self.num_free_blocks} free")
+        seq = SequenceBlocks(self._allocate_blocks(blocks), num_tokens, None, None, ROOT_CONTENT_ID, True,
+                             stream_key, num_tokens // size)
+        seq.stream_deferred = True
+        self.sequences[seq_id] = seq
+        self.num_block_references += blocks
+        if num_tokens:  # the lookup that was skipped counts in the prefix-cache statistics
+            self.prefix_cache_stats.queried_blocks += (num_tokens - 1) // size
+
     def _create_from_cache(self, hits: list[int], num_tokens: int, token_ids: list[int] | None,
                            tier: list[tuple] = ()) -> SequenceBlocks:
         """A new sequence's blocks: the cache hits, the blocks loaded from the offload tier (the keys ``tier``), then
@@ -479,15 +501,8 @@ class KVBlockManager:
         # vLLM frees a request's blocks tail first: the newest reserved blocks (as if appended), then the table's
         unkeyed = self._take_reserved(num_reserved) if num_reserved else array(BLOCK_ID)
         ended = seq.stream_blocks - seq.stream_registered if end_stream and seq.stream_deferred else 0
-        if seq.exclusive:  # every block has one holder (stored as 0), only ended ones a cache key: free in bulk
-            keyed = table[:max(ended, 0)]  # an exclusive sequence registered nothing: its ended blocks lead
-            del table[:len(keyed)]
-            table.reverse()  # the table dies with the sequence: reverse it in place
-            unkeyed.extend(table)
-            free.prepend_unkeyed(unkeyed)
-            if keyed:
-                keyed.reverse()  # the tail's first to go is the stream's last block, as freeing tail first gives
-                free.push_ended(keyed)
+        if seq.exclusive:
+            self._free_exclusive(table, unkeyed, ended)
             return
         keys = self.prefix_cache.block_keys
         first_ended, end_ended = (seq.stream_registered, seq.stream_blocks) if ended > 0 else (0, 0)
@@ -504,6 +519,43 @@ class KVBlockManager:
                     unkeyed.append(block)
         if unkeyed:
             free.prepend_unkeyed(unkeyed)
+
+    def release_ending_stream(self, seq_id, num_tokens: int) -> bool:
+        """``append_tokens(seq_id, num_tokens - its length, from_reserved=True)``, ``register_blocks(seq_id,
+        sampled=True, ending=True)`` and ``release_sequence(seq_id, end_stream=True)`` in one call, for an exclusive
+        sequence whose stream registration was deferred and whose tokens are not tracked (the simulator's finish of a
+        request of one sample, once per request); False, with nothing changed, for any other sequence or when the
+        reserved blocks fall short (the three calls then say what is wrong)."""
+        seq = self.sequences.get(seq_id)
+        if seq is None or not seq.exclusive or not seq.stream_deferred or seq.partial_token_ids is not None \
+                or type(num_tokens) is not int or num_tokens < seq.num_tokens:
+            return False
+        table = seq.block_table
+        new_blocks = -(-num_tokens // self.block_size) - len(table)
+        if new_blocks > len(self._reserved) + self._reserve_backlog:
+            return False
+        if new_blocks:
+            table.extend(self._take_reserved(new_blocks))  # newest first, as append_tokens hands them over
+        elif self._reserve_backlog:
+            self._flush_reserve()
+        del self.sequences[seq_id]
+        self.num_block_references -= len(table)
+        ended = max(seq.stream_blocks, num_tokens // self.block_size) - seq.stream_registered
+        self._free_exclusive(table, array(BLOCK_ID), ended)
+        return True
+
+    def _free_exclusive(self, table: array, unkeyed: array, ended: int) -> None:
+        """Free a dead exclusive sequence's ``table`` after ``unkeyed`` (every block has one holder, stored as 0,
+        and only its first ``ended`` blocks, an ended stream's, count as cached): in bulk, tail first."""
+        free = self.free_block_queue
+        keyed = table[:max(ended, 0)]  # an exclusive sequence registered nothing: its ended blocks lead
+        del table[:len(keyed)]
+        table.reverse()  # the table dies with the sequence: reverse it in place
+        unkeyed.extend(table)
+        free.prepend_unkeyed(unkeyed)
+        if keyed:
+            keyed.reverse()  # the tail's first to go is the stream's last block, as freeing tail first gives
+            free.push_ended(keyed)
 
     # ---- appending ----------------------------------------------------------------------------------------
     def num_blocks_to_append(self, seq_id, num_tokens: int = 1) -> int:

@@ -109,7 +109,11 @@ class PagedPolicy:
         register = len(first.group.seqs) > 1 or self.tier is not None or \
             (stream is not None and manager.prefix_cache.has_stream(stream))
         try:
-            first.cached_tokens = manager.create_sequence(first.seq_id, ids, count, stream, register, chunk)
+            if register or stream is None or chunk is not None or not self.caches_prefixes:
+                first.cached_tokens = manager.create_sequence(first.seq_id, ids, count, stream, register, chunk)
+            else:  # a new stream (no hit possible: ``register`` is false): the same, without the lookup
+                manager.create_unseen_stream(first.seq_id, count, stream)
+                first.cached_tokens = 0
         except OutOfBlocksError:  # only with a chunk: the check above has made sure of the rest
             return False
         first.synced_len = manager.sequences[first.seq_id].num_tokens
@@ -189,6 +193,11 @@ class PagedPolicy:
         the uncached ones (``FreeBlockQueue``), and a later prompt that repeats them hits them."""
         group = seq.group
         if len(group.seqs) == 1 and group.beam is None:
+            if group.token_ids is None and seq.shared_block < 0 and \
+                    self.manager.release_ending_stream(seq.seq_id, kv_len):  # the same in one call
+                seq.synced_len = kv_len
+                self._forget(seq)
+                return
             self.sync(seq, kv_len)
             ids = group.token_ids(seq, kv_len) if group.token_ids is not None else None
             self.manager.register_blocks(seq.seq_id, ids, sampled=True, ending=True)

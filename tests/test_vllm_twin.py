@@ -16,7 +16,8 @@ from lab.peer.server import VLLMServer, check_server, run_server_workload, serve
 from simulator.twins.vllm_twin import VLLMTwinConfig, make_twin_workload, run_vllm_twin, server_requests
 
 pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
-CONFIG = VLLMTwinConfig(workloads=("all-at-once", "prefix"), num_requests=24, grid="quick", profile_repeats=1)
+CONFIG = VLLMTwinConfig(workloads=("all-at-once", "prefix"), num_requests=24, grid="quick", profile_repeats=1,
+                        calibration_repeats=1)
 
 
 @pytest.fixture(scope="module")

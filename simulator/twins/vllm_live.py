@@ -97,7 +97,8 @@ class LiveTwin:
             self.cache = server_cache_config(url)
             simulation = sim_config(self.config, self.cache, self.profile)
             if self.calibration is None:
-                self.calibration = calibrate_server(url, model, simulation, vocab, self.config.seed + 7)
+                self.calibration = calibrate_server(url, model, simulation, vocab, self.config.seed + 7,
+                                                    self.config.calibration_repeats)
             priced = self.calibration.applied(simulation, self.profile)
             shift = probe_step_overhead(url, model, priced, vocab, self.config.seed + 500)
             now = self.calibration.shifted(shift)  # the overhead as probed before the run

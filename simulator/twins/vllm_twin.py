@@ -36,6 +36,7 @@ AZURE_CONV = TRACES / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
 WORKLOADS = ("all-at-once", "prefix", "poisson", "gamma", "azure")
 GAMMA_BURSTINESS = 0.5  # gamma shape of the bursty workload (coefficient of variation sqrt(2))
 SHARED_PREFIX_TOKENS = 256  # the prefix-sharing workload's system prompt
+CALIBRATION_REPEATS = 3  # of each calibration run: a two-core machine's step times vary by 10-30 % run to run
 WARM_UP_REQUESTS = 8  # sent before the first scored run: the server's first steps build its kernels
 # metric -> (goal, how its error is measured): relative error for latencies, points for fractions, counts
 GOALS = {"ttft_p50_s": (0.05, "relative"), "tpot_p50_s": (0.05, "relative"), "e2e_p50_s": (0.05, "relative"),
@@ -64,6 +65,7 @@ class VLLMTwinConfig:
     repeats: int = 1  # real runs per workload (3: the spread)
     grid: str = "small"
     profile_repeats: int = 2
+    calibration_repeats: int = CALIBRATION_REPEATS  # rounds of the server's calibration runs (``calibrate_server``)
     seed: int = 0
     poll_s: float = 0.25
     url: str | None = None  # a server already running (nothing else is contacted); None: start one
@@ -331,7 +333,6 @@ def calibrate(config: VLLMTwinConfig, checkpoint: str, progress: Callable[[str],
 
 CALIBRATION_BATCHES = (1, 4, 8, 16, 32)  # sent together: their TPOT gives the step overhead, their TTFT the interval
 CALIBRATION_PROMPTS = (32, 128, 384)  # single prompts on an idle server: the request overhead
-CALIBRATION_REPEATS = 3  # of each calibration run: a two-core machine's step times vary by 10-30 % run to run
 INTERVALS_S = tuple(np.arange(0.0, 0.01201, 0.00025))  # the API process's time per request: the values tried
 PROBE = (4, 96, 48)  # the step-overhead probe: requests sent together, prompt and output tokens each (not scored)
 
@@ -348,15 +349,18 @@ def _measured(url: str, model: str, workload: Workload, simulation: SimConfig, v
     return run, latency_summary(_requests_frame(workload, run)), simulate_run(workload, run, simulation).summary
 
 
-def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, seed: int = 0) -> ServerCalibration:
-    """Measure ``ServerCalibration`` on the server, each run ``CALIBRATION_REPEATS`` times: decode batches of
+def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, seed: int = 0,
+                     repeats: int = CALIBRATION_REPEATS) -> ServerCalibration:
+    """Measure ``ServerCalibration`` on the server, each run ``repeats`` times: decode batches of
     ``CALIBRATION_BATCHES`` requests sent together (96-token prompts, 64 tokens each; the median of the server's TPOT
     p50 less the simulator's is the step overhead), then single prompts of ``CALIBRATION_PROMPTS`` tokens sent one
     at a time (the median of the server's TTFT less the simulator's, steps priced with the overhead, is the request
     overhead); the request interval is the one of ``INTERVALS_S`` whose simulated TTFT p50 of the batches is
     closest to the server's (least squares, relative)."""
+    if type(repeats) is not int or repeats < 1:
+        raise InputError(f"calibration_repeats must be an integer >= 1; got {repeats!r}")
     rows, batches = [], []
-    for repeat in range(CALIBRATION_REPEATS):
+    for repeat in range(repeats):
         for batch in CALIBRATION_BATCHES:
             workload = _fixed(batch, 96, 64)
             run, real, simulated = _measured(url, model, workload, simulation, vocab, seed + 10 * repeat + batch)
@@ -365,7 +369,7 @@ def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, se
     # never below none (as ``shifted``): a server measured faster than its profile had a profile measured slow
     step = ServerCalibration(max(0.0, float(np.median([real - simulated for _, _, real, simulated in rows]))))
     priced = step.applied(simulation, simulation.profile)
-    for repeat in range(CALIBRATION_REPEATS):
+    for repeat in range(repeats):
         for length in CALIBRATION_PROMPTS:
             _, real, simulated = _measured(url, model, _fixed(1, length, 2), priced, vocab,
                                            seed + 100 * repeat + length)
@@ -451,7 +455,8 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
         warm = make_twin_workload("all-at-once", replace(config, num_requests=WARM_UP_REQUESTS), config.seed + 999)
         run_server_workload(url, server_requests(warm, vocab, config.seed + 999), model)
         progress("calibrating on the server (decode batches, single prompts)")
-        calibration = result.calibration = calibrate_server(url, model, simulation, vocab, config.seed + 7)
+        calibration = result.calibration = calibrate_server(url, model, simulation, vocab, config.seed + 7,
+                                                                    config.calibration_repeats)
         progress(f"server steps +{calibration.step_overhead_s * 1e3:.2f} ms over the engine's; request overhead "
                  f"{calibration.request_overhead_s * 1e3:.1f} ms + "
                  f"{calibration.request_overhead_per_token_s * 1e6:.1f} us a prompt token, "

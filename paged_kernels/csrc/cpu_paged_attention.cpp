@@ -29,6 +29,102 @@ struct Dequant<uint8_t> {
   inline float operator()(uint8_t x) const { return lut[x]; }
 };
 
+// A register of LANES floats (GCC/Clang vector extensions: AVX-512 registers under -march=native where the CPU has
+// them, pairs or quads of narrower ones elsewhere); load/store take unaligned addresses.
+constexpr int64_t LANES = 16;
+typedef float Vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef float UnalignedVec __attribute__((vector_size(LANES * sizeof(float)), aligned(alignof(float))));
+static inline Vec load(const float* at) { return *reinterpret_cast<const UnalignedVec*>(at); }
+static inline void store(float* at, Vec v) { *reinterpret_cast<UnalignedVec*>(at) = v; }
+// A loaded vector kept in a register: GCC otherwise folds the load into each multiply-add that reads it, one load
+// per use, and the kernels' inner loops become bound by loads rather than multiply-adds.
+static inline void in_register(Vec& v) {
+#if defined(__AVX512F__) && defined(__GNUC__)  // a Vec is one register only with AVX-512
+  asm("" : "+v"(v));
+#else
+  (void)v;
+#endif
+}
+
+typedef int IVec __attribute__((vector_size(LANES * sizeof(int))));
+
+// 16 vectors' lane sums at once: lane j of the result is the sum of p[j]'s lanes. A tree of pairwise shuffles and
+// adds (4 levels, 30 shuffles for 16 sums) instead of a horizontal reduction per vector; the tree leaves the sums in
+// bit-reversed order (lane of sum j: j's 4 bits reversed), which the last shuffle undoes.
+static inline Vec lane_sums16(const Vec* p) {
+  const IVec a1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const IVec b1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const IVec a2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const IVec b2 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+  const IVec a3 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const IVec b3 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+  const IVec a4 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const IVec b4 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+  const IVec reverse = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+  Vec l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i)
+    l1[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], a1) + __builtin_shuffle(p[2 * i], p[2 * i + 1], b1);
+  for (int i = 0; i < 4; ++i)
+    l2[i] = __builtin_shuffle(l1[2 * i], l1[2 * i + 1], a2) + __builtin_shuffle(l1[2 * i], l1[2 * i + 1], b2);
+  for (int i = 0; i < 2; ++i)
+    l3[i] = __builtin_shuffle(l2[2 * i], l2[2 * i + 1], a3) + __builtin_shuffle(l2[2 * i], l2[2 * i + 1], b3);
+  const Vec sums = __builtin_shuffle(l3[0], l3[1], a4) + __builtin_shuffle(l3[0], l3[1], b4);
+  return __builtin_shuffle(sums, reverse);
+}
+
+// The scores of up to 16 consecutive keys (rows of head_dim floats, head_dim a multiple of LANES) against a query
+// row: lane j of each key's products, summed for all 16 at once (``lane_sums16``).
+static inline Vec scores16(const float* query, const float* const* keys, int64_t count, int64_t head_dim) {
+  Vec partial[16];
+  for (int64_t j = 0; j < 16; ++j) {
+    Vec acc = {0};
+    if (j < count)
+      for (int64_t c = 0; c < head_dim; c += LANES) acc += load(query + c) * load(keys[j] + c);
+    partial[j] = acc;
+  }
+  return lane_sums16(partial);
+}
+
+// The next block's rows of a kv head asked for ahead of use (``elements`` of the cache's type): the blocks of a
+// sequence lie anywhere in the pool, and the hardware prefetcher does not follow a block table.
+template <typename cache_t>
+static inline void prefetch_rows(const cache_t* rows, int64_t elements) {
+  const char* bytes = reinterpret_cast<const char*>(rows);
+  const int64_t size = elements * static_cast<int64_t>(sizeof(cache_t));
+  for (int64_t at = 0; at < size; at += 64) __builtin_prefetch(bytes + at);
+}
+
+// acc[0, head_dim) += sum over count rows of weights[t] * values[t] (rows of head_dim floats, head_dim a multiple of
+// LANES up to MAX_REGISTER_DIM): the sums stay in registers for the block, two sets (even and odd rows) so that
+// consecutive rows' multiply-adds do not wait for each other, instead of a load and a store of acc per row.
+constexpr int64_t MAX_REGISTER_DIM = 128;
+static inline void weigh_rows(float* acc, const float* weights, const float* values, int64_t count,
+                              int64_t head_dim) {
+  constexpr int64_t R = MAX_REGISTER_DIM / LANES;
+  const int64_t chunks = head_dim / LANES;
+  Vec even[R], odd[R];
+  for (int64_t c = 0; c < chunks; ++c) {
+    even[c] = load(acc + c * LANES);
+    odd[c] = Vec{0};
+  }
+  int64_t t = 0;
+  for (; t + 1 < count; t += 2) {
+    const float p0 = weights[t], p1 = weights[t + 1];
+    const float* r0 = values + t * head_dim;
+    const float* r1 = r0 + head_dim;
+    for (int64_t c = 0; c < chunks; ++c) {
+      even[c] += p0 * load(r0 + c * LANES);
+      odd[c] += p1 * load(r1 + c * LANES);
+    }
+  }
+  if (t < count) {
+    const float p0 = weights[t];
+    const float* r0 = values + t * head_dim;
+    for (int64_t c = 0; c < chunks; ++c) even[c] += p0 * load(r0 + c * LANES);
+  }
+  for (int64_t c = 0; c < chunks; ++c) store(acc + c * LANES, even[c] + odd[c]);
+}
+
 template <typename scalar_t, typename cache_t>
 static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
                    const torch::Tensor& value_cache, const torch::Tensor& block_tables,
@@ -47,7 +143,8 @@ static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim), acc(group * head_dim), scores, maxima(group), sums(group), row(head_dim);
+    std::vector<float> q(group * head_dim), acc(group * head_dim), scores, maxima(group), sums(group), row(head_dim),
+        key_rows(16 * head_dim), value_rows(block_size * head_dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t len = std::min<int64_t>(lens[seq], max_blocks * block_size);
@@ -95,14 +192,48 @@ static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::
       // FP8 rows are dequantized once into a float row (one table lookup an element), which every query head of
       // the group then reads with vector loads; a lookup inside the group's loops would be repeated and scalar
       const auto as_is = [](float x) { return x; };
-      each_token(k_base, [&](int64_t t, const cache_t* key) {  // the scores
-        if constexpr (std::is_same<cache_t, uint8_t>::value) {
-          for (int64_t d = 0; d < head_dim; ++d) row[d] = k_load(key[d]);
-          score(t, row.data(), as_is);
-        } else {
-          score(t, key, k_load);
+      if (head_dim % LANES == 0) {  // the scores, 16 keys at a time (``scores16``)
+        for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+          const cache_t* rows = k_base + table[t0 / block_size] * block_stride + kv_head * head_stride;
+          const int64_t in_block = std::min(block_size, len - t0);
+          if (t0 + block_size < len) prefetch_rows(k_base + table[t0 / block_size + 1] * block_stride +
+                                                   kv_head * head_stride, head_stride);
+          for (int64_t j0 = 0; j0 < in_block; j0 += 16) {
+            const int64_t count = std::min<int64_t>(16, in_block - j0);
+            const float* keys[16];
+            for (int64_t j = 0; j < count; ++j) {
+              const cache_t* key = rows + (j0 + j) * head_dim;
+              if constexpr (std::is_same<cache_t, float>::value) {
+                keys[j] = key;
+              } else {  // converted (or dequantized) once, for every query head of the group
+                float* converted = key_rows.data() + j * head_dim;
+                for (int64_t d = 0; d < head_dim; ++d) converted[d] = k_load(key[d]);
+                keys[j] = converted;
+              }
+            }
+            for (int64_t g = 0; g < group; ++g) {
+              float sums_out[16];
+              store(sums_out, scores16(q.data() + g * head_dim, keys, count, head_dim));
+              float* dst = scores.data() + g * len + t0 + j0;
+              float maximum = maxima[g];
+              for (int64_t j = 0; j < count; ++j) {
+                dst[j] = sums_out[j];
+                maximum = std::max(maximum, sums_out[j]);
+              }
+              maxima[g] = maximum;
+            }
+          }
         }
-      });
+      } else {
+        each_token(k_base, [&](int64_t t, const cache_t* key) {  // the scores, a key at a time
+          if constexpr (std::is_same<cache_t, uint8_t>::value) {
+            for (int64_t d = 0; d < head_dim; ++d) row[d] = k_load(key[d]);
+            score(t, row.data(), as_is);
+          } else {
+            score(t, key, k_load);
+          }
+        });
+      }
       for (int64_t g = 0; g < group; ++g) {  // softmax numerators and their sums
         float sum = 0.0f;
         float* row = scores.data() + g * len;
@@ -114,14 +245,32 @@ static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::
         }
         sums[g] = sum;
       }
-      each_token(v_base, [&](int64_t t, const cache_t* value) {  // the weighted values
-        if constexpr (std::is_same<cache_t, uint8_t>::value) {
-          for (int64_t d = 0; d < head_dim; ++d) row[d] = v_load(value[d]);
-          weigh(t, row.data(), as_is);
-        } else {
-          weigh(t, value, v_load);
+      if (head_dim % LANES == 0 && head_dim <= MAX_REGISTER_DIM) {  // the weighted values, in registers
+        for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+          const cache_t* rows = v_base + table[t0 / block_size] * block_stride + kv_head * head_stride;
+          const int64_t count = std::min(block_size, len - t0);
+          if (t0 + block_size < len) prefetch_rows(v_base + table[t0 / block_size + 1] * block_stride +
+                                                   kv_head * head_stride, head_stride);
+          const float* values;
+          if constexpr (std::is_same<cache_t, float>::value) {
+            values = rows;
+          } else {  // converted (or dequantized) once, for every query head of the group
+            for (int64_t i = 0; i < count * head_dim; ++i) value_rows[i] = v_load(rows[i]);
+            values = value_rows.data();
+          }
+          for (int64_t g = 0; g < group; ++g)
+            weigh_rows(acc.data() + g * head_dim, scores.data() + g * len + t0, values, count, head_dim);
         }
-      });
+      } else {
+        each_token(v_base, [&](int64_t t, const cache_t* value) {  // the weighted values, a row at a time
+          if constexpr (std::is_same<cache_t, uint8_t>::value) {
+            for (int64_t d = 0; d < head_dim; ++d) row[d] = v_load(value[d]);
+            weigh(t, row.data(), as_is);
+          } else {
+            weigh(t, value, v_load);
+          }
+        });
+      }
       for (int64_t g = 0; g < group; ++g) {
         scalar_t* dst = out_base + (seq * num_q_heads + kv_head * group + g) * head_dim;
         const float inverse = 1.0f / sums[g];
@@ -172,23 +321,6 @@ void paged_attention_decode(torch::Tensor out, torch::Tensor query, torch::Tenso
 // tiles see more keys).
 constexpr int64_t TILE_TOKENS = 64, KEY_TILE = 64, ROW_BLOCK = 4, D_CHUNK = 32;
 constexpr float MASKED = -1e30f;  // finite: the file is built with -ffast-math
-// A register of LANES floats (GCC/Clang vector extensions: AVX-512 registers under -march=native where the CPU has
-// them, pairs or quads of narrower ones elsewhere); load/store take unaligned addresses.
-constexpr int64_t LANES = 16;
-typedef float Vec __attribute__((vector_size(LANES * sizeof(float))));
-typedef float UnalignedVec __attribute__((vector_size(LANES * sizeof(float)), aligned(alignof(float))));
-static inline Vec load(const float* at) { return *reinterpret_cast<const UnalignedVec*>(at); }
-static inline void store(float* at, Vec v) { *reinterpret_cast<UnalignedVec*>(at) = v; }
-// A loaded vector kept in a register: GCC otherwise folds the load into each multiply-add that reads it, one load
-// per use, and the kernels' inner loops become bound by loads rather than multiply-adds.
-static inline void in_register(Vec& v) {
-#if defined(__AVX512F__) && defined(__GNUC__)  // a Vec is one register only with AVX-512
-  asm("" : "+v"(v));
-#else
-  (void)v;
-#endif
-}
-
 template <typename scalar_t, int64_t D, typename cache_t = scalar_t>
 struct PrefillTask {
   static_assert(D % D_CHUNK == 0, "head sizes are multiples of D_CHUNK");

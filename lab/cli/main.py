@@ -186,10 +186,18 @@ def _bench_vllm(args) -> None:
         tables.append(run_vllm_bench(config, progress=lambda done, total: bar.update(done - bar.n)))
         bar.close()
     shared = {k: v for k, v in settings_of(config).items() if k not in ("model", "num_requests")}  # per-row columns
-    out = args.out if args.out != VLLM_BENCH_OUT or args.kv_cache_dtype == "auto" else \
-        "benchmarks/results/vllm_fp8_agreement_cpu.csv" if args.first_token_only else \
-        "benchmarks/results/vllm_fp8_cpu.csv"  # the full-precision figures stay where they are
-    print_and_save(pd.concat(tables, ignore_index=True), out, settings=shared, kind="vllm")
+    print_and_save(pd.concat(tables, ignore_index=True), _vllm_bench_out(args), settings=shared, kind="vllm")
+
+
+def _vllm_bench_out(args) -> str:
+    """``--out``, or where the default goes for this precision: the fp32 figures stay in ``VLLM_BENCH_OUT``, bf16's
+    and FP8's files of their own (the README's rows read each)."""
+    if args.out != VLLM_BENCH_OUT:
+        return args.out
+    if args.kv_cache_dtype != "auto":
+        return ("benchmarks/results/vllm_fp8_agreement_cpu.csv" if args.first_token_only else
+                "benchmarks/results/vllm_fp8_cpu.csv")
+    return "benchmarks/results/vllm_cpu_bf16.csv" if args.dtype == "bfloat16" else VLLM_BENCH_OUT
 
 
 def _bench_vllm_family(args) -> None:
@@ -410,7 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(prefills of 32-2,048 tokens, decodes of 1-64 sequences at 128 and 1,024 tokens)")
     v.add_argument("--out", type=output_csv, default=VLLM_BENCH_OUT,
                    help="results CSV (with --profile: benchmarks/results/vllm_profile_cpu.csv, with an FP8 "
-                        "--kv-cache-dtype: benchmarks/results/vllm_fp8_cpu.csv, unless given)")
+                        "--kv-cache-dtype: benchmarks/results/vllm_fp8_cpu.csv, with --dtype bfloat16: "
+                        "benchmarks/results/vllm_cpu_bf16.csv, unless given)")
     v.set_defaults(run=_bench_vllm)
 
     n = bench.add_parser("launches", help="kernel launches per layer and step of the CUDA path (counted on the "

@@ -16,7 +16,6 @@ from lab.models.qwen3 import PRESETS
 from app_pages._ui import chart, csv_download, data_table, results_store, scheduling_radio, setting, show_error
 
 
-
 @st.cache_resource(show_spinner=False)
 def opening_runs() -> dict:
     """Per preset configuration, the run its page opened with first on this server (result, settings, time): the page

@@ -49,6 +49,11 @@ with st.sidebar:
                            min_value=1, max_value=256)
     budget = setting(st.number_input, "Token budget per step", key="vtwin_budget", value=512, min_value=32,
                      max_value=16_384)
+    calibration_rounds = setting(st.number_input, "Server calibration rounds", key="vtwin_calibration_repeats",
+                                 value=3, min_value=1, max_value=10,
+                                 help="Each run that calibrates the server (decode batches sent together, single "
+                                      "prompts) is repeated this many times and the medians kept: more rounds steady "
+                                      "the fit on a busy machine, fewer start the scored run sooner")
     remeasure = st.checkbox("Measure vLLM's engine again", False,  # an action for this visit, not a setting to share
                             help="The profile of vLLM's engine for these settings is measured once and kept beside "
                                  "the peer environment; measure it again after the machine or vLLM changed. It is "
@@ -56,7 +61,8 @@ with st.sidebar:
 
 config = VLLMTwinConfig(model=model, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=budget, workloads=(workload,), num_requests=num_requests, rate=rate,
-                        length_scale=length_scale, url=url.strip() if where == "Connect to a URL" else None)
+                        length_scale=length_scale, calibration_repeats=int(calibration_rounds),
+                        url=url.strip() if where == "Connect to a URL" else None)
 settings = {**settings_of(config), "workload": workload}
 
 reason = missing_reason() if where == "Start one here" else None

@@ -59,6 +59,12 @@ def test_the_vllm_twin_runs_live_and_feeds_the_block_pool_page(server, browser, 
     requests.fill("16")  # one wave of max_num_seqs: the run is the test's, not its length
     requests.press("Enter")
     settle(page, False, after=runs)
+    runs = runs_started(page)
+    rounds = page.locator('[data-testid="stSidebar"] [data-testid="stNumberInput"]').filter(
+        has_text="Server calibration rounds").locator("input").first
+    rounds.fill("1")  # the calibration is the CLI test's to repeat (tests/test_vllm_twin.py)
+    rounds.press("Enter")
+    settle(page, False, after=runs)
     page.get_by_role("button", name="Run", exact=True).click()
     progress = page.locator('[data-testid="stProgress"]')
     page.wait_for_function("() => [...document.querySelectorAll('[data-testid=\"stProgress\"]')].some("

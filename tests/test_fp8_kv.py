@@ -38,7 +38,8 @@ def test_numpy_and_torch_quantize_agree_and_saturate(kv_cache_dtype, scale):
     those past the format saturating to +-max (never NaN, never inf)."""
     rng = np.random.default_rng()
     limit = fp8.max_finite(kv_cache_dtype)
-    x = rng.standard_normal(50_000).astype(np.float32) * np.float32(10.0) ** rng.uniform(-6, 6, 50_000)
+    # float32 values, as the cache's writers take them (a float64 x made the bound below a float64 product)
+    x = (rng.standard_normal(50_000) * 10.0 ** rng.uniform(-6, 6, 50_000)).astype(np.float32)
     x[:4] = [limit * scale * 1000, -limit * scale * 1000, 0.0, limit * scale]
     ours = fp8.quantize(x, scale, kv_cache_dtype)
     np.testing.assert_array_equal(quantize(torch.from_numpy(x), scale, kv_cache_dtype).numpy(), ours)
@@ -52,6 +53,17 @@ def test_numpy_and_torch_quantize_agree_and_saturate(kv_cache_dtype, scale):
     assert (values[finite] * y[finite] >= 0).all()
     normal = finite & (np.abs(y) > 2.0 ** -5)
     assert (np.abs(y[normal]) - np.abs(values[normal]) < 2 * FP8_ULP[kv_cache_dtype] * np.abs(y[normal])).all()
+
+
+def test_the_write_s_product_is_float32_even_where_float64_s_falls_just_below_a_code():
+    """Found by the randomized test above (seed 207 of its family): 0.00121875 × float32(1 / 0.013) is 0.09374999…
+    in float64 but exactly 0.09375, an e4m3 code, in float32, where the write multiplies (vLLM's CPU write). The code
+    is 0.09375 in both writers, not the one below it."""
+    x = np.array([0.0012187500039020861], dtype=np.float32)
+    assert float(x[0] * fp8.inverse_scale(0.013)) == 0.09375 and float(x[0]) * float(fp8.inverse_scale(0.013)) < 0.09375
+    ours = fp8.quantize(x, 0.013, "fp8_e4m3")
+    assert fp8.dequantize(ours, 1.0, "fp8_e4m3")[0] == 0.09375
+    np.testing.assert_array_equal(quantize(torch.from_numpy(x), 0.013, "fp8_e4m3").numpy(), ours)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", FORMATS)

@@ -372,3 +372,44 @@ def test_fused_norm_rope_write_quantizes_as_the_torch_op(kv_cache_dtype, dtype, 
     assert np.isfinite(fp8.dequantize(fused_caches[1].numpy(), 1.0, kv_cache_dtype)).all()
     assert kv_cache_dtype != "fp8_e4m3" or (abs(fp8.dequantize(fused_caches[1].numpy(), 1.0, kv_cache_dtype))
                                             == limit).any()
+
+
+def _encoder_probe_values(kv_cache_dtype, scale: float) -> np.ndarray:
+    """float32 values that test a rounding toward zero: every code's value at ``scale`` and the floats just above
+    and below it, both signs, the subnormal steps, float32's own subnormals, zeros, past the format's range, inf,
+    NaN, and random magnitudes over the format's whole range."""
+    values = fp8.decode_table(kv_cache_dtype)
+    values = values[np.isfinite(values)].astype(np.float32) * np.float32(scale)
+    near = [values, np.nextafter(values, np.float32(np.inf)), np.nextafter(values, np.float32(-np.inf))]
+    rng = np.random.default_rng(7)
+    wide = (np.exp2(rng.uniform(-30, 20, 4000)) * scale).astype(np.float32)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 1e-39, -1e-39, 3e38, -3e38],
+                       dtype=np.float32)
+    probe = np.concatenate([*near, wide, special]).astype(np.float32)
+    return np.concatenate([probe, -probe])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+@pytest.mark.parametrize("scale", [1.0, 0.37, 3.0e-3])
+def test_fused_write_encodes_every_boundary_as_the_numpy_contract(kv_cache_dtype, scale):
+    """The C++ write's FP8 encoder (truncating the float's bits) gives the NumPy contract's code for each probe value
+    (``_encoder_probe_values``): exact codes, one float either side of each, subnormals, zeros, saturation, NaN."""
+    if not in_place_built():
+        pytest.skip("the CPU extension cannot be built here")
+    probe = _encoder_probe_values(kv_cache_dtype, scale)
+    head_dim = 64
+    probe = np.concatenate([probe, np.zeros(-len(probe) % head_dim, dtype=np.float32)])
+    tokens = len(probe) // head_dim
+    v = torch.from_numpy(probe).view(tokens, 1, head_dim)
+    k = torch.randn(tokens, 1, head_dim)
+    q = torch.randn(tokens, 1, head_dim)
+    ones = torch.ones(head_dim)
+    cos_sin = torch.cat([torch.ones(1, head_dim), torch.zeros(1, head_dim)], dim=-1)
+    caches = [torch.full((tokens, 1, 1, head_dim), 0xAB, dtype=torch.uint8) for _ in range(2)]
+    paged_kernels.qk_norm_rope_write(q, k, v, ones, ones, cos_sin, torch.zeros(tokens, dtype=torch.int64), *caches,
+                                     torch.arange(tokens), backend="torch", kv_cache_dtype=kv_cache_dtype,
+                                     k_scale=1.0, v_scale=scale)
+    ours = caches[1].view(-1).numpy()
+    expected = fp8.quantize(probe, scale, kv_cache_dtype)
+    wrong = np.flatnonzero(ours != expected)
+    assert not len(wrong), [(float(probe[i]), hex(ours[i]), hex(expected[i])) for i in wrong[:5]]

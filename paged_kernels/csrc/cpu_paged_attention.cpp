@@ -591,20 +591,24 @@ __attribute__((optimize("no-fast-math")))
 static float fp8_inverse(float scale) { return 1.0f / scale; }
 
 // The FP8 code of x * inv (paged_kernels.fp8's contract, vLLM's CPU write): multiplied in float32, clamped to the
-// format's finite range (vLLM saturates; c10's conversion alone gives inf past e5m2's), rounded toward zero: c10's
-// conversion rounds to nearest even (as torch's .to(float8)), and a code whose magnitude came out above the value's
-// steps one code down (the codes' magnitudes are monotonic). A zero of either sign is code 0x00. No fast-math, so the
+// format's finite range (vLLM saturates), rounded toward zero. Rounding toward zero is truncation of the float's bits:
+// a normal result keeps the float's exponent (rebiased) and its top MANT mantissa bits, a subnormal one is the
+// magnitude's whole number of the format's smallest steps. A zero of either sign is code 0x00, a nonzero value under
+// the smallest step keeps its sign (0x80), NaN is paged_kernels.fp8's NaN code (0x7F, e5m2 0x7E). No fast-math, so the
 // comparisons see NaN and the multiply stays one rounding.
-template <typename fp8_t>
+template <int MANT, int BIAS>
 __attribute__((optimize("no-fast-math")))
-static uint8_t encode_fp8(float x, float inv) {
-  const float limit = static_cast<float>(std::numeric_limits<fp8_t>::max());
+static inline uint8_t encode_fp8(float x, float inv, float limit) {
   const float product = x * inv;
   const float y = product < -limit ? -limit : (product > limit ? limit : product);  // NaN stays NaN
-  if (y == 0.0f) return 0;
-  const fp8_t nearest(y);
-  const uint8_t code = nearest.x;
-  return std::fabs(static_cast<float>(nearest)) > std::fabs(y) ? static_cast<uint8_t>(code - 1) : code;
+  const uint32_t bits = __builtin_bit_cast(uint32_t, y), magnitude = bits & 0x7FFFFFFFu;
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  if (magnitude > 0x7F800000u) return MANT == 3 ? 0x7F : 0x7E;
+  if (magnitude == 0) return 0;
+  const int exponent = static_cast<int>(magnitude >> 23) - 127;
+  if (exponent >= 1 - BIAS)
+    return sign | static_cast<uint8_t>(((exponent + BIAS) << MANT) | ((magnitude & 0x7FFFFFu) >> (23 - MANT)));
+  return sign | static_cast<uint8_t>(std::fabs(y) * static_cast<float>(1 << (BIAS - 1 + MANT)));
 }
 
 // A row of K or V into its cache slot: copied (the model's dtype) or quantized (fp8_format 1: e4m3, 2: e5m2).
@@ -612,9 +616,13 @@ template <typename scalar_t, typename cache_t>
 static inline void store_row(cache_t* dst, const scalar_t* src, int64_t n, int fp8_format, float scale) {
   if constexpr (std::is_same<cache_t, uint8_t>::value) {
     const float inv = fp8_inverse(scale);
-    for (int64_t d = 0; d < n; ++d)
-      dst[d] = fp8_format == 1 ? encode_fp8<c10::Float8_e4m3fn>(static_cast<float>(src[d]), inv)
-                               : encode_fp8<c10::Float8_e5m2>(static_cast<float>(src[d]), inv);
+    if (fp8_format == 1) {
+      const float limit = static_cast<float>(std::numeric_limits<c10::Float8_e4m3fn>::max());
+      for (int64_t d = 0; d < n; ++d) dst[d] = encode_fp8<3, 7>(static_cast<float>(src[d]), inv, limit);
+    } else {
+      const float limit = static_cast<float>(std::numeric_limits<c10::Float8_e5m2>::max());
+      for (int64_t d = 0; d < n; ++d) dst[d] = encode_fp8<2, 15>(static_cast<float>(src[d]), inv, limit);
+    }
   } else {
     std::copy(src, src + n, dst);
   }

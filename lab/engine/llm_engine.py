@@ -35,6 +35,7 @@ from lab.models.qwen3 import load_hf_model
 from lab.worker.model_runner import ModelInput, ModelRunner
 from .sampler import Sampler, SamplingParams, SamplingParamsError
 from lab.worker.static_decode import MAX_GRAPH_CONTEXT, StaticDecode
+from lab.worker.host_memory import retain_freed_memory
 from lab.worker.threads import ThreadPolicy
 from lab.sched.scheduler import (Scheduler, SchedulerConfig, SchedulingSettings, Sequence, SequenceGroup, SequenceStatus,
                         StepStats)
@@ -249,6 +250,8 @@ class LLMEngine:
         self.scheduler.step_rows = []
         self.block_size = config.block_size
         self.threads = ThreadPolicy(config.cpu_threads) if self.device.type == "cpu" else None
+        if self.device.type == "cpu":
+            retain_freed_memory()  # a step's activations reuse the last step's pages (lab/worker/host_memory.py)
         eos = getattr(hf_config, "eos_token_id", None)
         self.eos_token_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         self.record_logits, self.on_step = config.record_logits, on_step

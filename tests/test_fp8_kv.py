@@ -413,3 +413,22 @@ def test_fused_write_encodes_every_boundary_as_the_numpy_contract(kv_cache_dtype
     expected = fp8.quantize(probe, scale, kv_cache_dtype)
     wrong = np.flatnonzero(ours != expected)
     assert not len(wrong), [(float(probe[i]), hex(ours[i]), hex(expected[i])) for i in wrong[:5]]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_kernels_dequantize_by_bits_only_where_that_is_the_table(kv_cache_dtype):
+    """The C++ kernels read FP8 codes 16 at a time through float16 where that gives the dequantization table's 256
+    values bit for bit (checked per call), and by lookups where it does not: a table with one value changed, or
+    (e4m3, whose factor is 2^8 * scale) a scale whose factor overflows float32, keeps the lookups."""
+    if not in_place_built():
+        pytest.skip("the CPU extension cannot be built here")
+    from paged_kernels.cpu_extension import extension
+    from paged_kernels.torch_backend import dequantization_table
+
+    by_bits = extension().fp8_dequantizes_by_bits
+    for scale in (1.0, 0.37, 3.0e-3, 17.0, -0.5):
+        assert by_bits(dequantization_table(kv_cache_dtype, scale))
+    changed = dequantization_table(kv_cache_dtype, 0.37).clone()
+    changed[0x21] = torch.nextafter(changed[0x21], torch.tensor(1.0))
+    assert not by_bits(changed)
+    assert by_bits(dequantization_table(kv_cache_dtype, 2.0e36)) == (kv_cache_dtype == "fp8_e5m2")

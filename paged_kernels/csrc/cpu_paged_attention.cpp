@@ -7,27 +7,16 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <type_traits>
 #include <vector>
-
-// A cache element as a float: the model's dtype converted, or (FP8 caches: uint8 codes) a lookup in a 256-entry
-// table that holds each code's value times the cache's scale (k_scale or v_scale), dequantized on load.
-template <typename cache_t>
-struct Dequant {
-  const float* lut;  // unused
-  inline float operator()(cache_t x) const { return static_cast<float>(x); }
-};
-template <>
-struct Dequant<uint8_t> {
-  const float* lut;
-  inline float operator()(uint8_t x) const { return lut[x]; }
-};
 
 // A register of LANES floats (GCC/Clang vector extensions: AVX-512 registers under -march=native where the CPU has
 // them, pairs or quads of narrower ones elsewhere); load/store take unaligned addresses.
@@ -47,6 +36,82 @@ static inline void in_register(Vec& v) {
 }
 
 typedef int IVec __attribute__((vector_size(LANES * sizeof(int))));
+
+// A cache element as a float: the model's dtype converted, or (FP8 caches: uint8 codes) its value times the cache's
+// scale (k_scale or v_scale), dequantized on load. ``rows`` converts n elements at once.
+template <typename cache_t>
+struct Dequant {
+  static Dequant of(const float*) { return {}; }
+  inline float operator()(cache_t x) const { return static_cast<float>(x); }
+  inline void rows(float* dst, const cache_t* src, int64_t n) const {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+};
+
+// FP8 codes: the 256-entry table (each code's value times the scale, paged_kernels.torch_backend's
+// dequantization_table) defines the result. With AVX-512, sixteen codes at a time go through float16 instead: an
+// e5m2 code is a float16's high byte, an e4m3 code's exponent and mantissa shifted into a float16's fields is its
+// value times 2^-8 (subnormals included: the float16 conversion keeps them); the float32 product with 2^8 * scale is
+// one rounding of the exact product, as the table's; e4m3's NaN codes are set as bits. ``of`` checks the 256 results
+// against the table, bit for bit, and keeps to the table where any differs (a scale of another sign, an overflow).
+template <>
+struct Dequant<uint8_t> {
+  const float* lut;
+  bool vector = false, e5m2 = false;
+  float factor = 0.0f;
+
+  static Dequant of(const float* lut) {
+    Dequant d{lut};
+#if defined(__AVX512F__)
+    if (lut == nullptr) return d;
+    d.e5m2 = (__builtin_bit_cast(uint32_t, lut[0x7C]) & 0x7FFFFFFFu) == 0x7F800000u;  // e4m3fn has no infinity
+    const float scale = lut[d.e5m2 ? 0x3C : 0x38];  // the code of 1.0
+    d.factor = d.e5m2 ? scale : std::ldexp(scale, 8);
+    d.vector = d.matches_table();
+#endif
+    return d;
+  }
+#if defined(__AVX512F__)
+  inline Vec convert16(const uint8_t* src) const {
+    const __m256i codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    __m256i half;
+    if (e5m2) {
+      half = _mm256_slli_epi16(codes, 8);
+    } else {
+      const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x80)), 8);
+      half = _mm256_or_si256(sign, _mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x7F)), 7));
+    }
+    __m512 value = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(factor));
+    if (!e5m2) {  // S.1111.111 is NaN
+      const __mmask16 nan = _mm256_cmpeq_epi16_mask(_mm256_and_si256(codes, _mm256_set1_epi16(0x7F)),
+                                                    _mm256_set1_epi16(0x7F));
+      value = _mm512_mask_mov_ps(value, nan, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+    }
+    return reinterpret_cast<Vec>(value);
+  }
+  bool matches_table() const {  // bit for bit; any NaN matches any NaN
+    alignas(64) uint8_t codes[256];
+    alignas(64) float values[256];
+    for (int c = 0; c < 256; ++c) codes[c] = static_cast<uint8_t>(c);
+    for (int c = 0; c < 256; c += LANES) store(values + c, convert16(codes + c));
+    for (int c = 0; c < 256; ++c) {
+      const uint32_t ours = __builtin_bit_cast(uint32_t, values[c]), theirs = __builtin_bit_cast(uint32_t, lut[c]);
+      const bool both_nan = (ours & 0x7FFFFFFFu) > 0x7F800000u && (theirs & 0x7FFFFFFFu) > 0x7F800000u;
+      if (ours != theirs && !both_nan) return false;
+    }
+    return true;
+  }
+#endif
+  inline float operator()(uint8_t x) const { return lut[x]; }
+  inline void rows(float* dst, const uint8_t* src, int64_t n) const {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    if (vector)
+      for (; i + LANES <= n; i += LANES) store(dst + i, convert16(src + i));
+#endif
+    for (; i < n; ++i) dst[i] = lut[src[i]];
+  }
+};
 
 // 16 vectors' lane sums at once: lane j of the result is the sum of p[j]'s lanes. A tree of pairwise shuffles and
 // adds (4 levels, 30 shuffles for 16 sums) instead of a horizontal reduction per vector; the tree leaves the sums in
@@ -138,7 +203,7 @@ static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::
   const scalar_t* q_base = query.data_ptr<scalar_t>();
   const cache_t* k_base = key_cache.data_ptr<cache_t>();
   const cache_t* v_base = value_cache.data_ptr<cache_t>();
-  const Dequant<cache_t> k_load{k_lut}, v_load{v_lut};
+  const Dequant<cache_t> k_load = Dequant<cache_t>::of(k_lut), v_load = Dequant<cache_t>::of(v_lut);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   scalar_t* out_base = out.data_ptr<scalar_t>();
@@ -217,7 +282,7 @@ static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::
                 keys[j] = key;
               } else {  // converted (or dequantized) once, for every query head of the group
                 float* converted = key_rows.data() + j * head_dim;
-                for (int64_t d = 0; d < head_dim; ++d) converted[d] = k_load(key[d]);
+                k_load.rows(converted, key, head_dim);
                 keys[j] = converted;
               }
             }
@@ -266,7 +331,7 @@ static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::
           if constexpr (std::is_same<cache_t, float>::value) {
             values = rows;
           } else {  // converted (or dequantized) once, for every query head of the group
-            for (int64_t i = 0; i < count * head_dim; ++i) value_rows[i] = v_load(rows[i]);
+            v_load.rows(value_rows.data(), rows, count * head_dim);
             values = value_rows.data();
           }
           for (int64_t g = 0; g < group; ++g)
@@ -431,10 +496,10 @@ struct PrefillTask {
       }
       const int64_t pos = k0 + j;
       const int64_t at = table[pos / block_size] * block_stride + h * head_stride + (pos % block_size) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        keys_t[d * KEY_TILE + j] = k_load(kc[at + d]);
-        values[j * D + d] = v_load(vc[at + d]);
-      }
+      alignas(64) float key[D];
+      k_load.rows(key, kc + at, D);
+      for (int64_t d = 0; d < D; ++d) keys_t[d * KEY_TILE + j] = key[d];
+      v_load.rows(values + j * D, vc + at, D);
     }
   }
 
@@ -484,7 +549,7 @@ static void prefill(torch::Tensor& out, const torch::Tensor& query, const torch:
     load[least] += work[w].cost;
   }
   PrefillTask<scalar_t, D, cache_t> task{query.data_ptr<scalar_t>(), key_cache.data_ptr<cache_t>(),
-                                value_cache.data_ptr<cache_t>(), {k_lut}, {v_lut}, out.data_ptr<scalar_t>(), nullptr, q_heads,
+                                value_cache.data_ptr<cache_t>(), Dequant<cache_t>::of(k_lut), Dequant<cache_t>::of(v_lut), out.data_ptr<scalar_t>(), nullptr, q_heads,
                                 q_heads / kv_heads, block_size, kv_heads * block_size * D, block_size * D,
                                 static_cast<float>(scale)};
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
@@ -725,7 +790,15 @@ void qk_norm_rope_write(torch::Tensor q_out, torch::Tensor k_out, torch::Tensor 
   });
 }
 
+bool fp8_dequantizes_by_bits(torch::Tensor lut) {
+  TORCH_CHECK(lut.scalar_type() == at::kFloat && lut.is_contiguous() && lut.numel() == 256,
+              "fp8_dequantizes_by_bits (cpu): a contiguous float32 table of 256 entries");
+  return Dequant<uint8_t>::of(lut.data_ptr<float>()).vector;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fp8_dequantizes_by_bits", &fp8_dequantizes_by_bits,
+        "whether the kernels dequantize this FP8 table's codes 16 at a time by bit arithmetic (else by lookups)");
   m.def("paged_attention_decode", &paged_attention_decode,
         "GQA paged decode attention reading the block pool in place (CPU)");
   m.def("paged_attention_prefill", &paged_attention_prefill,

@@ -213,6 +213,20 @@ def paged_attention_prefill(query, key_cache, value_cache, block_tables, query_s
                                           *_luts(kv_cache_dtype, k_scale, v_scale))
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax: ``logits.argmax(dim=-1)``'s indices (the first of a tie; NaN ranked highest, as torch ranks
+    it), by ``cpu_extension`` for contiguous float32 or bfloat16 rows on a CPU (torch's bfloat16 argmax widens one
+    element at a time: 4.4 ms for 16 rows of Qwen3's 151,936-token vocabulary), else by torch."""
+    if logits.is_cpu and logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16) and \
+            logits.is_contiguous() and logits.shape[1] > 0:
+        from .cpu_extension import extension
+
+        module = extension()
+        if module is not None:
+            return module.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 FUSED_CPU = True  # q/k norm, rotary and cache write in one C++ pass on the CPU when the extension builds (False: A/B)
 
 

@@ -452,3 +452,39 @@ def test_the_cpu_extension_s_build_is_found_by_its_inputs_not_its_path(tmp_path,
     assert cpu_extension._built() is not None
     copy.write_bytes(copy.read_bytes() + b"\n// another source\n")
     assert cpu_extension._build_name() != name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_argmax_is_torch_s_argmax(dtype):
+    """``greedy_argmax`` (the CPU extension's one pass over a row) gives ``torch.argmax(dim=-1)``'s index on seeded
+    rows of every length from 1 to past 16 lanes: ties (the first wins), rounded values full of ties, -0.0 before
+    0.0, rows of -inf, an inf, a NaN anywhere (torch ranks NaN highest) and rows all NaN."""
+    from paged_kernels.cpu_extension import status
+    from paged_kernels.torch_backend import greedy_argmax
+
+    if status() is not None:
+        pytest.skip(f"the CPU extension cannot be built here: {status()}")
+    generator = torch.Generator().manual_seed(7)
+    for trial in range(600):
+        rows = int(torch.randint(1, 9, (1,), generator=generator))
+        n = 1 + trial % 70 if trial < 300 else int(torch.randint(1, 3000, (1,), generator=generator))
+        x = (torch.randn(rows, n, generator=generator) * 3).to(dtype)
+        at = int(torch.randint(0, n, (1,), generator=generator))
+        case = trial % 8
+        if case == 1:
+            x[:, at] = x.max()
+        elif case == 2:
+            x[0, at] = float("nan")
+        elif case == 3:
+            x[:] = float("-inf")
+        elif case == 4:
+            x = x.round()
+        elif case == 5:
+            x[:] = -1.0
+            x[:, at] = -0.0
+            x[:, n - 1] = 0.0
+        elif case == 6:
+            x[-1, :] = float("nan")
+        elif case == 7:
+            x[0, at] = float("inf")
+        assert torch.equal(greedy_argmax(x), x.argmax(dim=-1)), (trial, case, dtype, n)

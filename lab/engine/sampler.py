@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_kernels.torch_backend import greedy_argmax
 from lab.checks import check_bool, check_int, check_real, entry_point
 from lab.errors import LabError
 
@@ -73,12 +74,12 @@ class Sampler:
             return []
         is_greedy = [row[0].data.params.greedy for row in rows]
         if all(is_greedy) and len(rows) == logits.shape[0] and all(len(row) == 1 for row in rows):
-            return logits.argmax(dim=-1).tolist()  # the common step: one read-back, nothing else
+            return greedy_argmax(logits).tolist()  # the common step: one read-back, nothing else
         self.drawn = [(seq.data.generator, seq.data.generator.get_state()) for index, row in enumerate(rows)
                       if not is_greedy[index] for seq in row if seq.data.generator is not None]
         draws = [draw(logits[index], seq.data.params, seq.data.generator)
                  for index, row in enumerate(rows) if not is_greedy[index] for seq in row]
-        values = torch.cat([logits.argmax(dim=-1), *draws]).tolist()  # every row's argmax, then the draws
+        values = torch.cat([greedy_argmax(logits), *draws]).tolist()  # every row's argmax, then the draws
         drawn = iter(values[len(rows):])
         return [values[index] if is_greedy[index] else next(drawn) for index, row in enumerate(rows) for _ in row]
 

@@ -790,6 +790,72 @@ void qk_norm_rope_write(torch::Tensor q_out, torch::Tensor k_out, torch::Tensor 
   });
 }
 
+// Each row's argmax as torch.argmax(dim=-1) gives it: the first index of the row's largest value, or of its first
+// NaN (torch ranks NaN above every number); rows of float32 or bfloat16 (widened exactly). One pass, 16 lanes: each
+// lane keeps its largest value and the first index that held it; the smallest such index among the lanes holding the
+// row's maximum wins. Built without fast-math, so the comparisons see NaN; torch's bfloat16 argmax widens one element
+// at a time (16 rows of a 151,936-token vocabulary: 4.4 ms).
+typedef uint16_t Halves __attribute__((vector_size(LANES * sizeof(uint16_t))));
+template <typename scalar_t>
+__attribute__((optimize("no-fast-math")))
+static void argmax_rows_impl(const scalar_t* logits, int64_t rows, int64_t n, int64_t* out) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* row = logits + r * n;
+      Vec best = Vec{} - std::numeric_limits<float>::infinity();
+      IVec index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, first = index, nan = {};
+      int64_t i = 0;
+      for (; i + LANES <= n; i += LANES, index += LANES) {
+        Vec v;
+        if constexpr (std::is_same<scalar_t, float>::value) {
+          v = load(row + i);
+        } else {
+          Halves h;
+          std::memcpy(&h, row + i, sizeof(h));
+          v = reinterpret_cast<Vec>(__builtin_convertvector(h, IVec) << 16);
+        }
+        nan |= v != v;
+        const IVec above = v > best;
+        best = above ? v : best;
+        first = above ? index : first;
+      }
+      float maximum = -std::numeric_limits<float>::infinity();
+      int64_t at = 0;
+      bool any_nan = false;
+      if (i > 0)  // the lanes ran: a lane that never rose holds -inf from its first index
+        for (int64_t l = 0; l < LANES; ++l) {
+          any_nan = any_nan || nan[l] != 0;
+          if (best[l] > maximum || (best[l] == maximum && first[l] < at)) maximum = best[l], at = first[l];
+        }
+      for (; i < n; ++i) {
+        const float x = static_cast<float>(row[i]);
+        any_nan = any_nan || x != x;
+        if (x > maximum) maximum = x, at = i;
+      }
+      if (any_nan)
+        for (int64_t j = 0; j < n; ++j)
+          if (static_cast<float>(row[j]) != static_cast<float>(row[j])) {
+            at = j;
+            break;
+          }
+      out[r] = at;
+    }
+  });
+}
+
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
+              "argmax_rows (cpu): logits must be a contiguous [rows, n] tensor with n > 0");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
+              "argmax_rows (cpu): logits must be float32 or bfloat16");
+  torch::Tensor out = torch::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  if (logits.scalar_type() == at::kFloat)
+    argmax_rows_impl(logits.data_ptr<float>(), logits.size(0), logits.size(1), out.data_ptr<int64_t>());
+  else
+    argmax_rows_impl(logits.data_ptr<c10::BFloat16>(), logits.size(0), logits.size(1), out.data_ptr<int64_t>());
+  return out;
+}
+
 bool fp8_dequantizes_by_bits(torch::Tensor lut) {
   TORCH_CHECK(lut.scalar_type() == at::kFloat && lut.is_contiguous() && lut.numel() == 256,
               "fp8_dequantizes_by_bits (cpu): a contiguous float32 table of 256 entries");
@@ -797,6 +863,7 @@ bool fp8_dequantizes_by_bits(torch::Tensor lut) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(dim=-1) (CPU, float32 or bfloat16)");
   m.def("fp8_dequantizes_by_bits", &fp8_dequantizes_by_bits,
         "whether the kernels dequantize this FP8 table's codes 16 at a time by bit arithmetic (else by lookups)");
   m.def("paged_attention_decode", &paged_attention_decode,

@@ -12,7 +12,7 @@ import torch
 from lab.models.qwen3 import save_checkpoint
 from lab.peer.client import missing_reason
 from lab.profiling.profile import RANGE_QUANTITIES
-from lab.peer.server import VLLMServer, check_server, run_server_workload, server_cache_config
+from lab.peer.server import VLLMServer, check_server, http, run_server_workload, server_cache_config
 from simulator.twins.vllm_twin import VLLMTwinConfig, make_twin_workload, run_vllm_twin, server_requests
 
 pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
@@ -115,8 +115,23 @@ def test_a_server_killed_mid_run_ends_the_run_with_what_was_measured(server):
     import os
     import signal
 
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def finished() -> float:  # the server's finished requests so far (earlier tests' included)
+        text = http("GET", f"{server.url}/metrics", 5).text
+        return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                   if sample.name == "vllm:request_success_total")
+
+    def kill_after_a_finish(before: float) -> None:  # a fixed 0.8 s found none finished on a busy machine
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and finished() <= before:
+            time.sleep(0.05)
+        os.killpg(server.process.pid, signal.SIGKILL)
+
     workload = make_twin_workload("poisson", VLLMTwinConfig(num_requests=40, rate=20.0), seed=3)
-    killer = threading.Timer(0.8, lambda: os.killpg(server.process.pid, signal.SIGKILL))
+    killer = threading.Thread(target=kill_after_a_finish, args=(finished(),))
     killer.start()
     run = run_server_workload(server.url, server_requests(workload, 1000, seed=3), poll_s=0.05, read_timeout_s=5)
     killer.join()

@@ -46,13 +46,13 @@ def _git(*args: str) -> subprocess.CompletedProcess | None:
 
 @functools.cache
 def lab_commit() -> str:
-    """The commit this checkout runs, with ``-dirty`` when its code (``ALL_CODE``, the app; not recorded results)
-    differs from it; "unknown" without git or a repository. Every result records it (``settings_of``), so a figure
+    """The commit this checkout runs, with ``-dirty`` when its code (``MEASURED_CODE``, the app; not recorded
+    results, not this report) differs from it; "unknown" without git or a repository. Every result records it (``settings_of``), so a figure
     can be told apart from one measured on other code."""
     head = _git("rev-parse", "--short=12", "HEAD")
     if head is None or head.returncode != 0 or not head.stdout.strip():
         return "unknown"
-    changed = _git("diff", "--quiet", "HEAD", "--", *ALL_CODE, "app.py", "app_pages")
+    changed = _git("diff", "--quiet", "HEAD", "--", *MEASURED_CODE, "app.py", "app_pages")
     return head.stdout.strip() + ("-dirty" if changed is not None and changed.returncode == 1 else "")
 
 
@@ -72,9 +72,14 @@ def history_known() -> bool:
     return done is not None and done.returncode == 0 and done.stdout.strip() == "false"
 
 
+# what any other figure depends on: all the code but this report's (which formats and files figures, and measures
+# nothing: a new headline row must not mark every figure stale)
+MEASURED_CODE = (*ALL_CODE, ":(exclude)lab/report")
+
+
 def code_of(file: str) -> tuple[str, ...]:
-    """The folders and files a recorded figure's value depends on (``CODE_OF``)."""
-    return next((code for pattern, code in CODE_OF.items() if Path(file).match(pattern)), ALL_CODE)
+    """The folders and files a recorded figure's value depends on (``CODE_OF``; git pathspecs)."""
+    return next((code for pattern, code in CODE_OF.items() if Path(file).match(pattern)), MEASURED_CODE)
 
 
 @functools.cache
@@ -106,8 +111,7 @@ RECORDED_BY = {"block_manager.csv": "python -m lab bench block-manager", "e2e_cp
                "compare.csv": "python -m simulator.bench --compare",
                "paper/*.csv": "python -m simulator paper", "launches.csv": "python -m lab bench launches",
                "gpu/*.csv": "scripts/gpu_check.sh (on a GPU)", "vllm_cpu.csv": "python -m lab bench vllm",
-               "vllm_cpu_bf16.csv": "python -m lab bench vllm --model tiny,qwen3-0.6b-random-4l --num-requests 32,16 "
-                                    "--dtype bfloat16",
+               "vllm_cpu_bf16.csv": "python -m lab bench vllm --dtype bfloat16",
                "vllm_profile_cpu.csv": "python -m lab bench vllm --profile",
                "app_flow.csv": "python -m benchmarks.app_flow", "app_parity.csv": "python -m benchmarks.app_parity",
                "vllm_twin_cpu.csv": "python -m simulator twin --peer vllm --repeats 5 --workloads all",

@@ -47,8 +47,8 @@ def _git(*args: str) -> subprocess.CompletedProcess | None:
 @functools.cache
 def lab_commit() -> str:
     """The commit this checkout runs, with ``-dirty`` when its code (``MEASURED_CODE``, the app; not recorded
-    results, not this report) differs from it; "unknown" without git or a repository. Every result records it (``settings_of``), so a figure
-    can be told apart from one measured on other code."""
+    results, not this report) differs from it; "unknown" without git or a repository. Every result records it
+    (``settings_of``), so a figure can be told apart from one measured on other code."""
     head = _git("rev-parse", "--short=12", "HEAD")
     if head is None or head.returncode != 0 or not head.stdout.strip():
         return "unknown"

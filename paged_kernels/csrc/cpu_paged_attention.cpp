@@ -53,7 +53,7 @@ struct Dequant {
 // e5m2 code is a float16's high byte, an e4m3 code's exponent and mantissa shifted into a float16's fields is its
 // value times 2^-8 (subnormals included: the float16 conversion keeps them); the float32 product with 2^8 * scale is
 // one rounding of the exact product, as the table's; e4m3's NaN codes are set as bits. ``of`` checks the 256 results
-// against the table, bit for bit, and keeps to the table where any differs (a scale of another sign, an overflow).
+// against the table, bit for bit, and keeps to the table where any differs (e4m3's factor overflowing float32).
 template <>
 struct Dequant<uint8_t> {
   const float* lut;
@@ -151,9 +151,8 @@ static inline Vec scores16(const float* query, const float* const* keys, int64_t
 }
 
 // Rows of a kv head asked for ahead of use, into L2 (``elements`` of the cache's type): the blocks of a sequence lie
-// anywhere in the pool and the hardware prefetcher does not follow a block table. PREFETCH_BLOCKS ahead and into L2,
-// not L1: one block ahead into L1 left the decode at 11-15 GB/s on 2 cores (a plain read streams 40); two ahead into
-// L2 ran the kernel 10-35 % faster with its cache cold.
+// anywhere in the pool and the hardware prefetcher does not follow a block table. Two blocks ahead into L2: one block
+// ahead into L1, all at once, left the decode at a third of the memory's bandwidth (docs/benchmarks.md).
 constexpr int64_t PREFETCH_BLOCKS = 2;
 template <typename cache_t>
 static inline void prefetch_rows(const cache_t* rows, int64_t elements) {
@@ -269,7 +268,7 @@ static void decode(torch::Tensor& out, const torch::Tensor& query, const torch::
         for (int64_t t0 = 0; t0 < len; t0 += block_size) {
           const cache_t* rows = k_base + table[t0 / block_size] * block_stride + kv_head * head_stride;
           const int64_t in_block = std::min(block_size, len - t0);
-          if (t0 == 0) prefetch_ahead(k_base, 1, PREFETCH_BLOCKS);  // the blocks before the first spread one
+          if (t0 == 0) prefetch_ahead(k_base, 1, PREFETCH_BLOCKS);  // the spread prefetch starts PREFETCH_BLOCKS on
           const int64_t ahead = t0 / block_size + PREFETCH_BLOCKS;
           const cache_t* later = ahead * block_size < len ? block_rows(k_base, ahead) : nullptr;
           for (int64_t j0 = 0; j0 < in_block; j0 += 16) {
@@ -549,9 +548,10 @@ static void prefill(torch::Tensor& out, const torch::Tensor& query, const torch:
     load[least] += work[w].cost;
   }
   PrefillTask<scalar_t, D, cache_t> task{query.data_ptr<scalar_t>(), key_cache.data_ptr<cache_t>(),
-                                value_cache.data_ptr<cache_t>(), Dequant<cache_t>::of(k_lut), Dequant<cache_t>::of(v_lut), out.data_ptr<scalar_t>(), nullptr, q_heads,
-                                q_heads / kv_heads, block_size, kv_heads * block_size * D, block_size * D,
-                                static_cast<float>(scale)};
+                                          value_cache.data_ptr<cache_t>(), Dequant<cache_t>::of(k_lut),
+                                          Dequant<cache_t>::of(v_lut), out.data_ptr<scalar_t>(), nullptr, q_heads,
+                                          q_heads / kv_heads, block_size, kv_heads * block_size * D,
+                                          block_size * D, static_cast<float>(scale)};
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer;
     PrefillTask<scalar_t, D, cache_t> mine = task;
@@ -793,8 +793,8 @@ void qk_norm_rope_write(torch::Tensor q_out, torch::Tensor k_out, torch::Tensor 
 // Each row's argmax as torch.argmax(dim=-1) gives it: the first index of the row's largest value, or of its first
 // NaN (torch ranks NaN above every number); rows of float32 or bfloat16 (widened exactly). One pass, 16 lanes: each
 // lane keeps its largest value and the first index that held it; the smallest such index among the lanes holding the
-// row's maximum wins. Built without fast-math, so the comparisons see NaN; torch's bfloat16 argmax widens one element
-// at a time (16 rows of a 151,936-token vocabulary: 4.4 ms).
+// row's maximum wins. Built without fast-math, so the comparisons see NaN (torch's bfloat16 argmax widens one element
+// at a time).
 typedef uint16_t Halves __attribute__((vector_size(LANES * sizeof(uint16_t))));
 template <typename scalar_t>
 __attribute__((optimize("no-fast-math")))
@@ -865,7 +865,7 @@ bool fp8_dequantizes_by_bits(torch::Tensor lut) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(dim=-1) (CPU, float32 or bfloat16)");
   m.def("fp8_dequantizes_by_bits", &fp8_dequantizes_by_bits,
-        "whether the kernels dequantize this FP8 table's codes 16 at a time by bit arithmetic (else by lookups)");
+        "whether the kernels dequantize this FP8 table's codes 16 at a time through float16 (else by lookups)");
   m.def("paged_attention_decode", &paged_attention_decode,
         "GQA paged decode attention reading the block pool in place (CPU)");
   m.def("paged_attention_prefill", &paged_attention_prefill,

@@ -136,8 +136,10 @@ def test_the_detached_run_is_the_same_run_and_stops_and_fails_like_it():
     assert seen == list(detached.steps["step"]) == list(here.steps["step"])
     assert list(detached.requests["output_tokens"]) == list(here.requests["output_tokens"])
     assert not detached.stopped and detached.frames == []
-    stopped = run_runtime_detached(config, on_step=lambda stats: stats.step < 2)
-    # the child sees the stop at its next step's report: it may have run a step or more ahead of the page
-    assert stopped.stopped and 2 <= len(stopped.steps) < len(here.steps)
+    # the child sees the stop at its next step's report and may run a step or more ahead of the page, so the stopped
+    # run is long (~200 steps): a fast engine must not finish it before the stop lands
+    long_run = RuntimeRunConfig(num_requests=2, prompt_len_range=(8, 16), max_tokens_range=(200, 200))
+    stopped = run_runtime_detached(long_run, on_step=lambda stats: stats.step < 2)
+    assert stopped.stopped and 2 <= len(stopped.steps) < 200
     with pytest.raises(LabError, match="KV pool"):
         run_runtime_detached(RuntimeRunConfig(engine=EngineConfig(num_blocks=1)))

@@ -1,11 +1,13 @@
 """Unit and state-machine tests of lab.kv_cache.block_manager.KVBlockManager."""
+from array import array
+
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from lab.kv_cache.pool_view import block_owners
 from tests.pool_checks import invariants_ok
-from lab.kv_cache.block_manager import (DuplicateSequenceError, KVBlockManager, OutOfBlocksError, UnknownSequenceError)
+from lab.kv_cache.block_manager import (BLOCK_ID, DuplicateSequenceError, KVBlockManager, OutOfBlocksError, UnknownSequenceError)
 
 
 def snapshot(manager: KVBlockManager):
@@ -604,3 +606,44 @@ def test_the_one_call_release_declines_what_it_does_not_cover():
     assert m.release_ending_stream("deferred", 8) and "deferred" not in m.sequences
     with pytest.raises(DuplicateSequenceError):
         m.create_unseen_stream("registered", 4, "x")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["pop", "pop_one", "prepend", "push_ended", "push_ended_one"]),
+                          st.integers(1, 6)), max_size=60))
+def test_the_free_queue_keeps_order_and_ended_blocks_through_any_interleaving(operations):
+    """``FreeBlockQueue`` against a list model: allocation takes the head without trimming the ended ranges (they are
+    trimmed before a prepend writes below the head, and before they are read), so a prepend over a consumed part of
+    an ended range must not make its blocks look ended, whatever the interleaving."""
+    from lab.kv_cache.block_manager import FreeBlockQueue
+
+    num_blocks = 8
+    queue = FreeBlockQueue(num_blocks, [None] * num_blocks)
+    model = [(block, False) for block in range(num_blocks)]  # (block, ended), head first
+    out = []  # blocks taken, to be queued again
+    for name, count in operations:
+        if name.startswith("pop"):
+            count = 1 if name == "pop_one" else min(count, len(model))
+            if not model:
+                continue
+            taken = [queue.pop_one()] if name == "pop_one" else list(queue.pop(count))
+            assert taken == [block for block, _ in model[:count]]
+            del model[:count]
+            out += taken
+            continue
+        count = 1 if name == "push_ended_one" else count
+        blocks, out = out[:count], out[count:]
+        if not blocks:
+            continue
+        if name == "prepend":
+            queue.prepend_unkeyed(array(BLOCK_ID, blocks))
+            model[:0] = [(block, False) for block in blocks]
+        elif name == "push_ended":
+            queue.push_ended(array(BLOCK_ID, blocks))
+            model += [(block, True) for block in blocks]
+        else:
+            queue.push_ended_one(blocks[0])
+            model.append((blocks[0], True))
+        assert queue.ended_blocks() == {block for block, ended in model if ended}
+    assert queue.queued() == [block for block, _ in model] and len(queue) == len(model)
+    assert queue.ended_blocks() == {block for block, ended in model if ended}

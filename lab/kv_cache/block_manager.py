@@ -112,7 +112,9 @@ class FreeBlockQueue:
 
     def prepend_unkeyed(self, blocks: array) -> None:
         """Queue blocks that have no cache key at the head, ``blocks[0]`` to be reused first."""
-        count, head = len(blocks), self.head
+        count, head, ended = len(blocks), self.head, self.ended
+        if ended and ended[0][0] < self.base + head:
+            self._trim_ended()  # the entries below the head are written now: no ended range may reach them
         if count > head:  # room before the head: pad the front (entry positions stay absolute through ``base``)
             pad = count - head + len(self.entries) // 2 + 64
             self.entries[0:0] = array(BLOCK_ID, bytes(pad * self.entries.itemsize))
@@ -144,6 +146,7 @@ class FreeBlockQueue:
 
     def ended_blocks(self) -> set[int]:
         """The queued blocks of ended streams (O(their entries); for views and checks)."""
+        self._trim_ended()
         base = self.base
         return {block for start, end in self.ended for block in self.entries[start - base:end - base] if block >= 0}
 
@@ -177,9 +180,9 @@ class FreeBlockQueue:
                     self.num_stale -= 1
                 head += 1
         self.num_free -= count
-        if self.ended:
-            self._trim_ended(self.base + head)
         if head > 4096 and 2 * head > len(entries):  # compact: drop the consumed prefix
+            self.head = head
+            self._trim_ended()
             del entries[:head]
             self.base += head
             head = 0
@@ -193,13 +196,12 @@ class FreeBlockQueue:
         block = self.entries[self.head]
         self.head += 1
         self.num_free -= 1
-        if self.ended:
-            self._trim_ended(self.base + self.head)
         return block
 
-    def _trim_ended(self, first: int) -> None:
-        """Ended ranges start at the head or later: entries below it are consumed, and a later prepend writes there."""
-        ended = self.ended
+    def _trim_ended(self) -> None:
+        """Ended ranges start at the head or later from here: allocation consumes entries below it without trimming
+        the ranges (it is the hot path), so whatever writes below the head or reads the ranges trims them first."""
+        ended, first = self.ended, self.base + self.head
         while ended and ended[0][1] <= first:
             ended.popleft()
         if ended and ended[0][0] < first:
@@ -530,29 +532,38 @@ class KVBlockManager:
         if seq is None or not seq.exclusive or not seq.stream_deferred or seq.partial_token_ids is not None \
                 or type(num_tokens) is not int or num_tokens < seq.num_tokens:
             return False
-        table = seq.block_table
-        new_blocks = -(-num_tokens // self.block_size) - len(table)
-        if new_blocks > len(self._reserved) + self._reserve_backlog:
+        table, size, reserved = seq.block_table, self.block_size, self._reserved
+        new_blocks = -(-num_tokens // size) - len(table)
+        if new_blocks > len(reserved) + self._reserve_backlog:
             return False
-        if new_blocks:
-            table.extend(self._take_reserved(new_blocks))  # newest first, as append_tokens hands them over
-        elif self._reserve_backlog:
+        if self._reserve_backlog:
             self._flush_reserve()
+        if new_blocks:  # the newest reserved, newest first, as append_tokens hands them over
+            start = len(reserved) - new_blocks
+            taken = reserved[start:]
+            del reserved[start:]
+            taken.reverse()
+            table.extend(taken)
         del self.sequences[seq_id]
         self.num_block_references -= len(table)
-        ended = max(seq.stream_blocks, num_tokens // self.block_size) - seq.stream_registered
-        self._free_exclusive(table, array(BLOCK_ID), ended)
+        full = num_tokens // size
+        self._free_exclusive(table, None, (full if full > seq.stream_blocks else seq.stream_blocks)
+                             - seq.stream_registered)
         return True
 
-    def _free_exclusive(self, table: array, unkeyed: array, ended: int) -> None:
-        """Free a dead exclusive sequence's ``table`` after ``unkeyed`` (every block has one holder, stored as 0,
-        and only its first ``ended`` blocks, an ended stream's, count as cached): in bulk, tail first."""
+    def _free_exclusive(self, table: array, unkeyed: array | None, ended: int) -> None:
+        """Free a dead exclusive sequence's ``table`` after ``unkeyed`` (if any; every block has one holder, stored
+        as 0, and only its first ``ended`` blocks, an ended stream's, count as cached): in bulk, tail first."""
         free = self.free_block_queue
-        keyed = table[:max(ended, 0)]  # an exclusive sequence registered nothing: its ended blocks lead
-        del table[:len(keyed)]
+        keyed = None
+        if ended > 0:  # an exclusive sequence registered nothing: its ended blocks lead
+            keyed = table[:ended]
+            del table[:ended]
         table.reverse()  # the table dies with the sequence: reverse it in place
-        unkeyed.extend(table)
-        free.prepend_unkeyed(unkeyed)
+        if unkeyed:
+            unkeyed.extend(table)
+            table = unkeyed
+        free.prepend_unkeyed(table)
         if keyed:
             keyed.reverse()  # the tail's first to go is the stream's last block, as freeing tail first gives
             free.push_ended(keyed)
@@ -774,7 +785,8 @@ class KVBlockManager:
         assert len(queued) == len(set(queued)) == self.num_free_blocks, "free queue holds a block twice"
         assert set(queued) == {b for b, count in enumerate(counts) if count == 0}, "free queue vs counts"
         free = self.free_block_queue
-        assert all(start >= free.base + free.head for start, _ in free.ended), "an ended range reaches below the head"
+        assert all(a[1] <= b[0] for a, b in zip(free.ended, list(free.ended)[1:])), "ended ranges overlap"
+        assert all(end <= free.base + len(free.entries) for _, end in free.ended), "an ended range past the entries"
         assert not any(self.prefix_cache.block_keys[b] is not None for b in free.ended_blocks()), "ended block keyed"
         self.prefix_cache.check()
         for seq_id, seq in self.sequences.items():
@@ -887,19 +899,18 @@ class KVBlockManager:
 
     def _flush_reserve(self) -> None:
         """Take the blocks of ``reserve_blocks`` calls off the free queue (they left its count already)."""
-        backlog = self._reserve_backlog
-        if backlog:
-            self._reserve_backlog = 0
-            self.free_block_queue.num_free += backlog
-            self._reserved.extend(self._allocate_blocks(backlog))
+        if self._reserve_backlog:
+            self._allocate_blocks(0)
 
     def _allocate_blocks(self, count: int) -> array:
         """``count`` blocks from the head of the free queue (evicting cached ones), stored count still 0: the caller
-        hands them to a holder (``_held_by``) or reserves them."""
-        if self._reserve_backlog:
-            self._flush_reserve()
-        free = self.free_block_queue
-        taken = free.pop(count)
+        hands them to a holder (``_held_by``) or reserves them. The blocks of ``reserve_blocks`` calls not taken yet
+        come off first, in the same pop, and go to the reserved ones."""
+        free, backlog = self.free_block_queue, self._reserve_backlog
+        if backlog:  # they left the free count already
+            self._reserve_backlog = 0
+            free.num_free += backlog
+        taken = free.pop(count + backlog)
         if free.num_keyed:
             cache = self.prefix_cache
             keys = cache.block_keys
@@ -907,6 +918,9 @@ class KVBlockManager:
                 if keys[block] is not None:
                     free.num_keyed -= 1
                     cache.evict(block)  # reused: a prompt block's contents go to the offload tier
+        if backlog:
+            self._reserved.extend(taken[:backlog])
+            del taken[:backlog]
         return taken
 
     def _held_by(self, seq: SequenceBlocks, blocks: array) -> array:

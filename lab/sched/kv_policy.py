@@ -43,6 +43,7 @@ class PagedPolicy:
         self.manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching, offload_blocks,
                                       self.cpu_manager if offload_blocks is not None else None)
         self.tier = self.manager.offload
+        self.may_offload = self.tier is not None
         self.free_queue = self.manager.free_block_queue  # read on every step: the count of free blocks
         self.pending_copies = self.manager.pending_copies  # copy-on-write copies queued (the manager's own list)
         # reserve(count): take blocks for the sequences crossing a block boundary in this step, if that many are

@@ -564,7 +564,7 @@ class Simulator:
         if not durations:
             return False
         metrics.accumulate_run(first, batch, batch, durations, taken, settled)
-        scheduler.skip_quiet_steps(len(durations))
+        scheduler.skip_quiet_steps(len(durations), blocks)
         self.iteration += len(durations)
         self.time, self.generated_tokens, self.idle_s = time, generated, 0.0
         return True

@@ -899,8 +899,15 @@ class KVBlockManager:
 
     def _flush_reserve(self) -> None:
         """Take the blocks of ``reserve_blocks`` calls off the free queue (they left its count already)."""
-        if self._reserve_backlog:
-            self._allocate_blocks(0)
+        backlog = self._reserve_backlog
+        if backlog:
+            self._reserve_backlog = 0
+            free = self.free_block_queue
+            free.num_free += backlog
+            taken = free.pop(backlog)
+            if free.num_keyed:
+                self._evict_keyed(taken)
+            self._reserved.extend(taken)
 
     def _allocate_blocks(self, count: int) -> array:
         """``count`` blocks from the head of the free queue (evicting cached ones), stored count still 0: the caller
@@ -912,16 +919,20 @@ class KVBlockManager:
             free.num_free += backlog
         taken = free.pop(count + backlog)
         if free.num_keyed:
-            cache = self.prefix_cache
-            keys = cache.block_keys
-            for block in taken:
-                if keys[block] is not None:
-                    free.num_keyed -= 1
-                    cache.evict(block)  # reused: a prompt block's contents go to the offload tier
+            self._evict_keyed(taken)
         if backlog:
             self._reserved.extend(taken[:backlog])
             del taken[:backlog]
         return taken
+
+    def _evict_keyed(self, taken: array) -> None:
+        """Blocks just taken off the free queue are reused: the cached ones among them leave the prefix cache."""
+        free, cache = self.free_block_queue, self.prefix_cache
+        keys = cache.block_keys
+        for block in taken:
+            if keys[block] is not None:
+                free.num_keyed -= 1
+                cache.evict(block)  # reused: a prompt block's contents go to the offload tier
 
     def _held_by(self, seq: SequenceBlocks, blocks: array) -> array:
         """Fresh or reserved ``blocks`` go to ``seq``: a non-exclusive holder's count is stored."""

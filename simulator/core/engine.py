@@ -16,6 +16,7 @@ import time
 from array import array
 from pathlib import Path
 from dataclasses import dataclass, field
+from itertools import accumulate, cycle, islice
 from typing import Callable
 
 import numpy as np
@@ -524,13 +525,18 @@ class Simulator:
             return False
         batch, metrics, iteration_time = len(scheduler.running), self.metrics, self.cost.iteration_time
         first = self.policy.memory_sample(scheduler.held_tokens() + batch)  # before the first step's reservation
-        # Paged: per step, the slots reserved since ``first`` (``sizes``: blocks each step reserves, cycling) and
-        # those settled as never filled (sequences whose last block it reserves)
+        # Paged: the blocks reserved since ``first`` by the ``ahead`` steps so far (``sizes``: blocks each step
+        # reserves, cycling; ``reserved_by``) and the slots settled as never filled (sequences whose last block a
+        # step reserves; ``marks``: (steps, slots so far) where that changes)
         period, start, ends = scheduler.period, scheduler.step, scheduler.periodic_ends
         block_size = self.policy.block_size if period else 0
         sizes = scheduler.quiet_bucket_sizes() if scheduler.bucket_total else None
-        taken, settled = ([], []) if period else (None, None)
-        blocks = never_filled = 0
+        prefix = list(accumulate(sizes, initial=0)) if sizes else None
+
+        def reserved_by(ahead: int) -> int:
+            return ahead // period * prefix[-1] + prefix[ahead % period] if prefix else 0
+
+        never_filled, marks = 0, []
         kv_tokens = scheduler.len_offset + batch * scheduler.step
         time, generated, durations = self.time, self.generated_tokens, []
         first_row = None  # the first quiet step's timeseries row, which the others' are spliced from
@@ -545,17 +551,14 @@ class Simulator:
             time += duration
             generated += batch
             durations.append(duration)
-            if period:
-                if sizes:
-                    blocks += sizes[(ahead - 1) % period]
-                if start + ahead in ends:
-                    never_filled += scheduler.settle_periodic_ends(start + ahead)
-                taken.append(blocks * block_size)
-                settled.append(never_filled)
+            if period and start + ahead in ends:
+                never_filled += scheduler.settle_periodic_ends(start + ahead)
+                marks.append((ahead, never_filled))
             if metrics.due(self.iteration + ahead):
                 if first_row is None:
                     first_row = row(scheduler.quiet_step_stats(), first.categories(),
                                     self.num_preemptions, self._prefix_cache_hits())
+                blocks = reserved_by(ahead)
                 shift, slots = (ahead - 1) * batch, blocks * block_size
                 metrics.append(quiet_row(first_row, ahead - 1, duration, time, generated,
                                          (first.token_states + shift, first.reserved - shift + slots - never_filled,
@@ -563,8 +566,18 @@ class Simulator:
                                           first.external_fragmentation, first.free - slots), blocks))
         if not durations:
             return False
+        count = len(durations)
+        taken = settled = None
+        if period:
+            taken = [0] * count if not sizes else \
+                [blocks * block_size for blocks in accumulate(islice(cycle(sizes), count))]
+            settled, done, value = [], 0, 0
+            for ahead, total in marks:  # step ``ahead`` and those after it have ``total`` settled
+                settled += [value] * (ahead - 1 - done)
+                done, value = ahead - 1, total
+            settled += [value] * (count - done)
         metrics.accumulate_run(first, batch, batch, durations, taken, settled)
-        scheduler.skip_quiet_steps(len(durations), blocks)
+        scheduler.skip_quiet_steps(count, reserved_by(count))
         self.iteration += len(durations)
         self.time, self.generated_tokens, self.idle_s = time, generated, 0.0
         return True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields
+from itertools import repeat
 from operator import attrgetter
 
 import numpy as np
@@ -82,9 +83,9 @@ class MetricsRecorder:
         total, batch_time, allocated_time, unshared_time = (self.total_time, self.batch_time, self.allocated_time,
                                                             self.unshared_time)
         extra = never = 0
-        for i, duration in enumerate(durations):
-            if taken is not None:
-                extra, never = taken[i], settled[i]
+        steps = zip(durations, taken, settled) if taken is not None else \
+            zip(durations, repeat(0), repeat(0))
+        for duration, extra, never in steps:
             w0 += tokens * duration
             w1 += (reserved + extra - never) * duration
             w2 += (internal + never) * duration

@@ -65,7 +65,7 @@ def test_moving_a_slider_reruns_the_simulator(server, browser, shots):
 
 
 def test_the_wait_waits_for_a_slow_run(server, browser):
-    """``settle`` returns only once the page shows the new run: 6,000 requests take seconds to simulate, and right
+    """``settle`` returns only once the page shows the new run: 3,000 requests take seconds to simulate, and right
     after the wait the page describes them (a wait that returned at once would still show the 1,000 before)."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(f"{server}/memory_simulator", timeout=60_000)
@@ -73,13 +73,13 @@ def test_the_wait_waits_for_a_slow_run(server, browser):
     requests = page.locator('[data-testid="stSidebar"] [data-testid="stNumberInput"]').filter(
         has_text="Requests (trace").locator("input")  # not "Arrival rate (requests/s …)", a number input too
     runs, started = runs_started(page), time.monotonic()
-    requests.fill("6000")
+    requests.fill("3000")
     requests.press("Enter")
     settle(page, True, after=runs)
     waited = time.monotonic() - started
     no_exception(page)
-    assert "6,000 requests" in page.get_by_text("Workload:").first.inner_text()
-    assert waited > 1.0, f"a 6,000-request run settled in {waited:.2f} s"
+    assert "3,000 requests" in page.get_by_text("Workload:").first.inner_text()
+    assert waited > 1.0, f"a 3,000-request run settled in {waited:.2f} s"
     page.close()
 
 

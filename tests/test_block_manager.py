@@ -2,7 +2,7 @@
 from array import array
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from lab.kv_cache.pool_view import block_owners
@@ -609,16 +609,20 @@ def test_the_one_call_release_declines_what_it_does_not_cover():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["pop", "pop_one", "prepend", "push_ended", "push_ended_one"]),
-                          st.integers(1, 6)), max_size=60))
+@given(st.lists(st.tuples(st.sampled_from(["pop", "pop_one", "prepend", "push_ended", "push_ended_one", "push_keyed",
+                                           "take"]), st.integers(1, 6)), max_size=60))
+@example([("pop", 6), ("pop", 2), ("push_keyed", 1), ("push_keyed", 1), ("push_keyed", 1), ("push_keyed", 1),
+          ("take", 4), ("take", 1), ("pop", 2)])  # an allocation that meets a tombstone, then another past it
 def test_the_free_queue_keeps_order_and_ended_blocks_through_any_interleaving(operations):
-    """``FreeBlockQueue`` against a list model: allocation takes the head without trimming the ended ranges (they are
-    trimmed before a prepend writes below the head, and before they are read), so a prepend over a consumed part of
-    an ended range must not make its blocks look ended, whatever the interleaving."""
+    """``FreeBlockQueue`` against a list model: allocation takes the head without trimming the ended ranges (their
+    queued part starts at the highest position the head has reached), so a prepend over a consumed part of an ended
+    range must not make its blocks look ended, whatever the interleaving; a cached block taken back by a prefix hit
+    leaves a tombstone that allocation skips (``take``)."""
     from lab.kv_cache.block_manager import FreeBlockQueue
 
     num_blocks = 8
-    queue = FreeBlockQueue(num_blocks, [None] * num_blocks)
+    keys = [None] * num_blocks
+    queue = FreeBlockQueue(num_blocks, keys)
     model = [(block, False) for block in range(num_blocks)]  # (block, ended), head first
     out = []  # blocks taken, to be queued again
     for name, count in operations:
@@ -628,16 +632,33 @@ def test_the_free_queue_keeps_order_and_ended_blocks_through_any_interleaving(op
                 continue
             taken = [queue.pop_one()] if name == "pop_one" else list(queue.pop(count))
             assert taken == [block for block, _ in model[:count]]
+            for block in taken:  # reused: its cache entry goes (the manager's eviction)
+                if keys[block] is not None:
+                    keys[block] = None
+                    queue.num_keyed -= 1
             del model[:count]
             out += taken
             continue
-        count = 1 if name == "push_ended_one" else count
+        if name == "take":  # a hit on the count-th keyed block queued (if any)
+            cached = [block for block, _ in model if keys[block] is not None]
+            if cached:
+                block = cached[count % len(cached)]
+                queue.take(block)
+                model.remove((block, False))
+                keys[block] = None
+                out.append(block)
+            continue
+        count = 1 if name in ("push_ended_one", "push_keyed") else count
         blocks, out = out[:count], out[count:]
         if not blocks:
             continue
         if name == "prepend":
             queue.prepend_unkeyed(array(BLOCK_ID, blocks))
             model[:0] = [(block, False) for block in blocks]
+        elif name == "push_keyed":
+            keys[blocks[0]] = ("key", blocks[0])
+            queue.push(blocks[0])
+            model.append((blocks[0], False))
         elif name == "push_ended":
             queue.push_ended(array(BLOCK_ID, blocks))
             model += [(block, True) for block in blocks]

@@ -104,7 +104,12 @@ class FreeBlockQueue:
         self.base = 0  # entries dropped by compaction (positions are absolute)
         self.num_free, self.num_stale, self.num_keyed = num_blocks, 0, 0
         self.position = [-1] * num_blocks  # absolute entry index of each queued block that has a cache key
-        self.ended: deque[tuple[int, int]] = deque()  # absolute entry ranges of ended streams' blocks, oldest first
+        # Absolute entry ranges of ended streams' blocks, oldest first. The head only moves forward by allocation and
+        # back by a prepend, which writes blocks without keys, and the tail only grows: an entry below the highest
+        # position the head has reached (``high_water``) has been consumed, so a range's queued part starts there
+        # (no range is trimmed as allocation passes through it; ranges wholly below it are dropped as others come).
+        self.ended: deque[tuple[int, int]] = deque()
+        self.high_water = 0
         self.block_keys = block_keys
 
     def __len__(self) -> int:
@@ -112,9 +117,7 @@ class FreeBlockQueue:
 
     def prepend_unkeyed(self, blocks: array) -> None:
         """Queue blocks that have no cache key at the head, ``blocks[0]`` to be reused first."""
-        count, head, ended = len(blocks), self.head, self.ended
-        if ended and ended[0][0] < self.base + head:
-            self._trim_ended()  # the entries below the head are written now: no ended range may reach them
+        count, head = len(blocks), self.head
         if count > head:  # room before the head: pad the front (entry positions stay absolute through ``base``)
             pad = count - head + len(self.entries) // 2 + 64
             self.entries[0:0] = array(BLOCK_ID, bytes(pad * self.entries.itemsize))
@@ -129,26 +132,30 @@ class FreeBlockQueue:
         """Queue an ended stream's blocks at the tail, in order, as cached blocks are queued (``push``): they are
         cached in effect, but no lookup can find them, so they need neither a cache entry nor an entry position, and
         reusing one evicts nothing. Only their entry ranges are kept, for views (``ended_blocks``)."""
-        start = self.base + len(self.entries)
+        start, ended = self.base + len(self.entries), self.ended
         self.entries.extend(blocks)
-        self.ended.append((start, start + len(blocks)))
+        while ended and ended[0][1] <= self.high_water:  # wholly consumed
+            ended.popleft()
+        ended.append((start, start + len(blocks)))
         self.num_free += len(blocks)
 
     def push_ended_one(self, block: int) -> None:
         """``push_ended`` of one block (joining the last range when it ends here)."""
-        end = self.base + len(self.entries)
+        end, ended = self.base + len(self.entries), self.ended
         self.entries.append(block)
-        if self.ended and self.ended[-1][1] == end:
-            self.ended[-1] = (self.ended[-1][0], end + 1)
+        while ended and ended[0][1] <= self.high_water:  # wholly consumed
+            ended.popleft()
+        if ended and ended[-1][1] == end:
+            ended[-1] = (ended[-1][0], end + 1)
         else:
-            self.ended.append((end, end + 1))
+            ended.append((end, end + 1))
         self.num_free += 1
 
     def ended_blocks(self) -> set[int]:
         """The queued blocks of ended streams (O(their entries); for views and checks)."""
-        self._trim_ended()
-        base = self.base
-        return {block for start, end in self.ended for block in self.entries[start - base:end - base] if block >= 0}
+        base, first = self.base, self.high_water
+        return {block for start, end in self.ended
+                for block in self.entries[max(start, first) - base:max(end, first) - base] if block >= 0}
 
     def push(self, block: int) -> None:
         if self.block_keys[block] is not None:
@@ -167,22 +174,22 @@ class FreeBlockQueue:
     def pop(self, count: int) -> array:
         """The ``count`` least recently released blocks (the caller checks there are enough)."""
         entries, head = self.entries, self.head
-        if not self.num_stale:
-            taken = entries[head:head + count]
-            head += count
-        else:
-            taken = array(BLOCK_ID)
-            while len(taken) < count:
-                block = entries[head]
-                if block >= 0:
-                    taken.append(block)
-                else:
-                    self.num_stale -= 1
-                head += 1
+        taken = entries[head:head + count]
+        head += count
+        if self.num_stale:  # tombstones among them: drop each and take as many entries more (slices, not a loop)
+            stale = taken.count(-1)
+            while stale:
+                self.num_stale -= stale
+                for _ in range(stale):
+                    taken.remove(-1)
+                more = entries[head:head + stale]
+                head += stale
+                stale = more.count(-1)
+                taken.extend(more)
         self.num_free -= count
+        if self.base + head > self.high_water:
+            self.high_water = self.base + head
         if head > 4096 and 2 * head > len(entries):  # compact: drop the consumed prefix
-            self.head = head
-            self._trim_ended()
             del entries[:head]
             self.base += head
             head = 0
@@ -196,16 +203,9 @@ class FreeBlockQueue:
         block = self.entries[self.head]
         self.head += 1
         self.num_free -= 1
+        if self.base + self.head > self.high_water:
+            self.high_water = self.base + self.head
         return block
-
-    def _trim_ended(self) -> None:
-        """Ended ranges start at the head or later from here: allocation consumes entries below it without trimming
-        the ranges (it is the hot path), so whatever writes below the head or reads the ranges trims them first."""
-        ended, first = self.ended, self.base + self.head
-        while ended and ended[0][1] <= first:
-            ended.popleft()
-        if ended and ended[0][0] < first:
-            ended[0] = (first, ended[0][1])
 
     def queued(self) -> list[int]:
         """The queued blocks in order, stale entries left out (O(queue); for checks and views)."""
@@ -787,6 +787,7 @@ class KVBlockManager:
         free = self.free_block_queue
         assert all(a[1] <= b[0] for a, b in zip(free.ended, list(free.ended)[1:])), "ended ranges overlap"
         assert all(end <= free.base + len(free.entries) for _, end in free.ended), "an ended range past the entries"
+        assert free.base + free.head <= free.high_water <= free.base + len(free.entries), "high water off the queue"
         assert not any(self.prefix_cache.block_keys[b] is not None for b in free.ended_blocks()), "ended block keyed"
         self.prefix_cache.check()
         for seq_id, seq in self.sequences.items():

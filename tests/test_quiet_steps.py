@@ -16,7 +16,7 @@ def run(workload, config, fast: bool, monkeypatch, **options):
     original = Scheduler.skip_quiet_steps
     monkeypatch.setattr(engine_module, "FAST_FORWARD", fast)
     monkeypatch.setattr(Scheduler, "skip_quiet_steps",
-                        lambda self, steps, *blocks: skipped.append(steps) or original(self, steps, *blocks))
+                        lambda self, steps, count: skipped.append(steps) or original(self, steps, count))
     return run_simulation(workload, config, **options), sum(skipped)
 
 

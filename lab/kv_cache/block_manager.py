@@ -532,23 +532,18 @@ class KVBlockManager:
         if seq is None or not seq.exclusive or not seq.stream_deferred or seq.partial_token_ids is not None \
                 or type(num_tokens) is not int or num_tokens < seq.num_tokens:
             return False
-        table, size, reserved = seq.block_table, self.block_size, self._reserved
-        new_blocks = -(-num_tokens // size) - len(table)
-        if new_blocks > len(reserved) + self._reserve_backlog:
+        table = seq.block_table
+        new_blocks = -(-num_tokens // self.block_size) - len(table)
+        if new_blocks > len(self._reserved) + self._reserve_backlog:
             return False
-        if self._reserve_backlog:
+        if new_blocks:
+            table.extend(self._take_reserved(new_blocks))  # newest first, as append_tokens hands them over
+        elif self._reserve_backlog:
             self._flush_reserve()
-        if new_blocks:  # the newest reserved, newest first, as append_tokens hands them over
-            start = len(reserved) - new_blocks
-            taken = reserved[start:]
-            del reserved[start:]
-            taken.reverse()
-            table.extend(taken)
         del self.sequences[seq_id]
         self.num_block_references -= len(table)
-        full = num_tokens // size
-        self._free_exclusive(table, None, (full if full > seq.stream_blocks else seq.stream_blocks)
-                             - seq.stream_registered)
+        ended = max(seq.stream_blocks, num_tokens // self.block_size) - seq.stream_registered
+        self._free_exclusive(table, None, ended)
         return True
 
     def _free_exclusive(self, table: array, unkeyed: array | None, ended: int) -> None:
@@ -903,37 +898,24 @@ class KVBlockManager:
         backlog = self._reserve_backlog
         if backlog:
             self._reserve_backlog = 0
-            free = self.free_block_queue
-            free.num_free += backlog
-            taken = free.pop(backlog)
-            if free.num_keyed:
-                self._evict_keyed(taken)
-            self._reserved.extend(taken)
+            self.free_block_queue.num_free += backlog
+            self._reserved.extend(self._allocate_blocks(backlog))
 
     def _allocate_blocks(self, count: int) -> array:
         """``count`` blocks from the head of the free queue (evicting cached ones), stored count still 0: the caller
-        hands them to a holder (``_held_by``) or reserves them. The blocks of ``reserve_blocks`` calls not taken yet
-        come off first, in the same pop, and go to the reserved ones."""
-        free, backlog = self.free_block_queue, self._reserve_backlog
-        if backlog:  # they left the free count already
-            self._reserve_backlog = 0
-            free.num_free += backlog
-        taken = free.pop(count + backlog)
+        hands them to a holder (``_held_by``) or reserves them."""
+        if self._reserve_backlog:
+            self._flush_reserve()
+        free = self.free_block_queue
+        taken = free.pop(count)
         if free.num_keyed:
-            self._evict_keyed(taken)
-        if backlog:
-            self._reserved.extend(taken[:backlog])
-            del taken[:backlog]
+            cache = self.prefix_cache
+            keys = cache.block_keys
+            for block in taken:
+                if keys[block] is not None:
+                    free.num_keyed -= 1
+                    cache.evict(block)  # reused: a prompt block's contents go to the offload tier
         return taken
-
-    def _evict_keyed(self, taken: array) -> None:
-        """Blocks just taken off the free queue are reused: the cached ones among them leave the prefix cache."""
-        free, cache = self.free_block_queue, self.prefix_cache
-        keys = cache.block_keys
-        for block in taken:
-            if keys[block] is not None:
-                free.num_keyed -= 1
-                cache.evict(block)  # reused: a prompt block's contents go to the offload tier
 
     def _held_by(self, seq: SequenceBlocks, blocks: array) -> array:
         """Fresh or reserved ``blocks`` go to ``seq``: a non-exclusive holder's count is stored."""

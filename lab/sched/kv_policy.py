@@ -43,7 +43,6 @@ class PagedPolicy:
         self.manager = KVBlockManager(num_blocks, block_size, enable_prefix_caching, offload_blocks,
                                       self.cpu_manager if offload_blocks is not None else None)
         self.tier = self.manager.offload
-        self.may_offload = self.tier is not None
         self.free_queue = self.manager.free_block_queue  # read on every step: the count of free blocks
         self.pending_copies = self.manager.pending_copies  # copy-on-write copies queued (the manager's own list)
         # reserve(count): take blocks for the sequences crossing a block boundary in this step, if that many are
@@ -232,8 +231,8 @@ class PagedPolicy:
 
     @property
     def pending_offload(self) -> bool:
-        """Whether the offload tier has copies queued (the scheduler takes them once per step)."""
-        return self.manager.prefix_cache.has_tier_copies
+        """Whether the offload tier has copies queued (the scheduler asks once per step: without a tier, never)."""
+        return self.tier is not None and self.manager.prefix_cache.has_tier_copies
 
     def take_offload_copies(self) -> OffloadCopies:
         return self.manager.take_offload_copies()

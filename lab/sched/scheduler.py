@@ -322,7 +322,6 @@ class KVPolicy(Protocol):
     copied_tokens: int  # KV tokens copied within the device so far (grow-by-copy)
     block_period: int  # tokens between periodic needs (a block each), 0 for none
     pending_copies: list  # copy-on-write (src, dst) block copies not yet taken (an empty sequence when none)
-    may_offload: bool  # an offload tier is there: ``pending_offload`` can be true (a per-step check, kept cheap)
     pending_offload: bool  # the offload tier has copies queued (take_offload_copies)
 
     def can_ever_fit(self, final_len: int, count: int = 1) -> bool: ...  # count sequences at once, sharing nothing
@@ -457,7 +456,7 @@ class Scheduler:
                 self._schedule_decode(out)
         if self.policy.pending_copies:
             out.blocks_to_copy = self.policy.take_copies()
-        if self.policy.may_offload and self.policy.pending_offload:
+        if self.policy.pending_offload:
             out.blocks_to_store, out.blocks_to_load = self.policy.take_offload_copies()
         if out.prefill_done:
             for seq in out.prefill_done:
@@ -516,7 +515,7 @@ class Scheduler:
         ``skip_quiet_steps`` then counts them without planning each."""
         step, period = self.step, self.period
         if (not self.running or self.prefilling or self.swapped or self.beam_groups or self.step_rows is not None
-                or self.config.sync_every_step or self.policy.pending_copies or self.policy.may_offload and self.policy.pending_offload
+                or self.config.sync_every_step or self.policy.pending_copies or self.policy.pending_offload
                 or self.waiting and not self._admits_nothing()):
             return 0
         steps = min(limit, min(self.memory_calendar) - step - 1) if self.memory_calendar else limit
@@ -571,15 +570,13 @@ class Scheduler:
         (the later ones differ from it only in those and the step)."""
         return self._stats(SchedulerOutput(self.num_steps + 1, num_decode_seqs=len(self.running)), 0.0, 0.0, 0)
 
-    def skip_quiet_steps(self, steps: int, blocks: int | None = None) -> None:
+    def skip_quiet_steps(self, steps: int, count: int) -> None:
         """Count ``steps`` quiet steps (``quiet_decode_steps``) as run: each running sequence is ``steps`` tokens
-        longer (``kv_len``), the blocks their phase buckets take in those steps reserved at once (as many as one
-        reservation per step takes; ``blocks``: that count, when the caller has summed ``quiet_bucket_sizes``
-        already). The caller has settled the periodic ends of those steps (``settle_periodic_ends``, step by step:
-        the simulator weights what each settles by its step's time)."""
+        longer (``kv_len``), and ``count`` blocks, what their phase buckets take in those steps (the caller sums
+        ``quiet_bucket_sizes`` over them), reserved at once (as many as one reservation per step takes). The caller
+        has settled the periodic ends of those steps (``settle_periodic_ends``, step by step: the simulator weights
+        what each settles by its step's time)."""
         if self.bucket_total:
-            count = blocks if blocks is not None else \
-                steps // self.period * self.bucket_total + sum(self.quiet_bucket_sizes()[:steps % self.period])
             if count and not self.policy.reserve(count):
                 raise RuntimeError(f"{steps} quiet steps need {count} blocks, {self.policy.num_free_blocks()} free "
                                    f"(quiet_decode_steps allowed more steps than the pool serves)")

@@ -166,7 +166,7 @@ class ContiguousPolicy:
 
     supports_swap = False
     caches_prefixes = False
-    may_offload = pending_offload = False  # no prefix cache, so no tier below it
+    pending_offload = False  # no prefix cache, so no tier below it
     block_period = 0  # no periodic needs: a region grows only at its own events
     reserves_by_count = False  # reserve() is never asked (no periodic needs)
     pending_copies = ()  # nothing is ever copied on write

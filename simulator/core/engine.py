@@ -246,6 +246,12 @@ def scheduler_config(config: SimConfig) -> SchedulerConfig:
                               track_longest=config.profile is not None)
 
 
+def _blocks_reserved(ahead: int, period: int, prefix: list[int] | None) -> int:
+    """Blocks the next ``ahead`` quiet steps reserve, their phase buckets' sizes cycling with ``period``
+    (``prefix``: those sizes' running sums from 0; None when no bucket has a sequence)."""
+    return ahead // period * prefix[-1] + prefix[ahead % period] if prefix else 0
+
+
 def synthetic_token_ids(workload: Workload, request: int, length: int, prompt=None) -> list[int]:
     """The first ``length`` token ids of a request's stream for prefix caching: the workload's prompt ids where it
     shares prefixes, else ids unique to the request. Generated positions get ids that depend only on the whole
@@ -526,16 +532,12 @@ class Simulator:
         batch, metrics, iteration_time = len(scheduler.running), self.metrics, self.cost.iteration_time
         first = self.policy.memory_sample(scheduler.held_tokens() + batch)  # before the first step's reservation
         # Paged: the blocks reserved since ``first`` by the ``ahead`` steps so far (``sizes``: blocks each step
-        # reserves, cycling; ``reserved_by``) and the slots settled as never filled (sequences whose last block a
+        # reserves, cycling; ``_blocks_reserved``) and the slots settled as never filled (sequences whose last block a
         # step reserves; ``marks``: (steps, slots so far) where that changes)
         period, start, ends = scheduler.period, scheduler.step, scheduler.periodic_ends
         block_size = self.policy.block_size if period else 0
         sizes = scheduler.quiet_bucket_sizes() if scheduler.bucket_total else None
         prefix = list(accumulate(sizes, initial=0)) if sizes else None
-
-        def reserved_by(ahead: int) -> int:
-            return ahead // period * prefix[-1] + prefix[ahead % period] if prefix else 0
-
         never_filled, marks = 0, []
         kv_tokens = scheduler.len_offset + batch * scheduler.step
         time, generated, durations = self.time, self.generated_tokens, []
@@ -558,7 +560,7 @@ class Simulator:
                 if first_row is None:
                     first_row = row(scheduler.quiet_step_stats(), first.categories(),
                                     self.num_preemptions, self._prefix_cache_hits())
-                blocks = reserved_by(ahead)
+                blocks = _blocks_reserved(ahead, period, prefix)
                 shift, slots = (ahead - 1) * batch, blocks * block_size
                 metrics.append(quiet_row(first_row, ahead - 1, duration, time, generated,
                                          (first.token_states + shift, first.reserved - shift + slots - never_filled,
@@ -577,7 +579,7 @@ class Simulator:
                 done, value = ahead - 1, total
             settled += [value] * (count - done)
         metrics.accumulate_run(first, batch, batch, durations, taken, settled)
-        scheduler.skip_quiet_steps(count, reserved_by(count))
+        scheduler.skip_quiet_steps(count, _blocks_reserved(count, period, prefix))
         self.iteration += len(durations)
         self.time, self.generated_tokens, self.idle_s = time, generated, 0.0
         return True

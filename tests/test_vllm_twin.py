@@ -114,7 +114,6 @@ def test_a_server_killed_mid_run_ends_the_run_with_what_was_measured(server):
     """Last in this module: it kills the module's server."""
     import os
     import signal
-
     import time
 
     from prometheus_client.parser import text_string_to_metric_families

@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path, PurePosixPath
 
 import pandas as pd
@@ -65,6 +66,14 @@ def test_worker_processes_that_import_app_py_do_not_start_the_app():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_a_rerun_never_runs_beside_the_script_it_interrupts():
+    """Streamlit's fast reruns start a second script thread while the first still runs to its next yield point; both
+    touch the session's state, and a slider's read of it raised "dictionary changed size during iteration" in the
+    server log (a CI run). The app runs one script thread per session."""
+    config = tomllib.loads((ROOT / ".streamlit" / "config.toml").read_text())
+    assert config["runner"]["fastReruns"] is False
 
 
 def test_no_pages_folder_beside_app_py():

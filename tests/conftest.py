@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +19,16 @@ def cuda_available() -> bool:
 
 # The suite runs on two pytest-xdist workers, a test file at a time on one of them (pyproject's addopts, ``--dist
 # loadfile``): a file's module fixtures (a Streamlit server, a vLLM peer) and the order of its checks stay whole.
+def pytest_configure(config):
+    """Each xdist worker's torch gets its share of the cores: two workers each running a team of every core's
+    threads make each OpenMP barrier wait for a thread the other worker's team holds up."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
 def pytest_collection_modifyitems(config, items):
     if cuda_available():
         return

@@ -141,9 +141,10 @@ class ServerCalibration:
     step to its worker process and its outputs to the API process, on two cores shared with that process and the
     load generator; flat in the batch size, where a ratio was not; it drifts while a server runs, see
     ``probe_step_overhead``), ``request_overhead_s``, the seconds between a request's send and its first token
-    that no engine step accounts for (HTTP, the API process, the hand-over to the engine and back), and
-    ``request_interval_s``, the API process's time per request: requests sent together reach the engine one such
-    interval apart. ``table``: the calibration runs."""
+    that no engine step accounts for (HTTP, the API process, the hand-over to the engine and back), more for each
+    request already in flight when it arrives (``request_overhead_per_running_s``: the API process streams their
+    outputs too), and ``request_interval_s``, the API process's time per request: requests sent together reach the
+    engine one such interval apart. ``table``: the calibration runs."""
 
     step_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
@@ -151,6 +152,7 @@ class ServerCalibration:
     table: pd.DataFrame = field(default_factory=pd.DataFrame)
     interval_at_bound: bool = False  # the request interval's search ended at its largest value (INTERVALS_S)
     request_overhead_per_token_s: float = 0.0  # the request overhead's more per prompt token (the prompt's way in)
+    request_overhead_per_running_s: float = 0.0  # and per request in flight when it arrives (their outputs' share)
 
     def request_overheads(self, prompt_tokens: np.ndarray) -> np.ndarray:
         """Each request's overhead: ``request_overhead_s`` and its prompt's share."""
@@ -185,22 +187,35 @@ def engine_arrivals(sent: np.ndarray, overhead_s: float | np.ndarray = 0.0, inte
     return np.maximum.accumulate(sent + overhead_s - steps) + steps
 
 
+def in_flight(arrivals: np.ndarray, finishes: np.ndarray) -> np.ndarray:
+    """How many other requests each finds in the engine when it reaches it (at ``arrivals``): those that arrived
+    before it and had not finished (``finishes``; NaN, never served: not counted)."""
+    served = np.isfinite(finishes)
+    before = np.searchsorted(np.sort(arrivals[served]), arrivals, side="left")
+    return before - np.searchsorted(np.sort(finishes[served]), arrivals, side="right")
+
+
 def simulate_run(workload: Workload, run: ServerRun, config: SimConfig, calibration: ServerCalibration | None = None):
     """The simulator on the workload's requests at the times the run sent them, reaching the engine as
     ``calibration`` says (the requests it never sent dropped); its result's ``requests`` and summary latencies count
-    from the send."""
+    from the send. With a per-request-in-flight overhead, twice: the load each request finds comes from the first
+    pass (``in_flight``), the second pass is the prediction."""
     calibration = calibration or ServerCalibration()
     sent = run.requests["sent_s"].to_numpy()
     keep = ~np.isnan(sent)
     sent = np.maximum.accumulate(sent[keep])  # sends of one instant may leave microseconds out of order
     index = np.flatnonzero(keep)
-    arrivals = engine_arrivals(sent, calibration.request_overheads(workload.prompt_tokens[index]),
-                               calibration.request_interval_s)
-    subset = replace(workload, arrival_s=arrivals, prompt_tokens=workload.prompt_tokens[index],
-                     output_tokens=workload.output_tokens[index],
+    overheads = calibration.request_overheads(workload.prompt_tokens[index])
+    subset = replace(workload, arrival_s=engine_arrivals(sent, overheads, calibration.request_interval_s),
+                     prompt_tokens=workload.prompt_tokens[index], output_tokens=workload.output_tokens[index],
                      prompt_block_ids=None if workload.prompt_block_ids is None
                      else [workload.prompt_block_ids[i] for i in index]).check()
     result = Simulator(subset, config).run()
+    if calibration.request_overhead_per_running_s:
+        load = in_flight(result.requests["arrival_s"].to_numpy(), result.requests["finish_s"].to_numpy())
+        arrivals = engine_arrivals(sent, overheads + calibration.request_overhead_per_running_s * load,
+                                   calibration.request_interval_s)
+        result = Simulator(replace(subset, arrival_s=arrivals).check(), config).run()
     result.requests["arrival_s"] = sent
     result.summary.update(latency_summary(result.requests))
     return result
@@ -333,6 +348,9 @@ def calibrate(config: VLLMTwinConfig, checkpoint: str, progress: Callable[[str],
 
 CALIBRATION_BATCHES = (1, 4, 8, 16, 32)  # sent together: their TPOT gives the step overhead, their TTFT the interval
 CALIBRATION_PROMPTS = (32, 128, 384)  # single prompts on an idle server: the request overhead
+# single prompts sent while a decode batch runs: the request overhead's more per request in flight. The batch's size,
+# prompt and output tokens; the prompts' count, tokens each and the gap between their sends (seconds, from 0.1 s)
+LOADED_BATCH, LOADED_PROMPTS = (8, 96, 160), (4, 32, 0.07)
 INTERVALS_S = tuple(np.arange(0.0, 0.01201, 0.00025))  # the API process's time per request: the values tried
 PROBE = (4, 96, 48)  # the step-overhead probe: requests sent together, prompt and output tokens each (not scored)
 
@@ -349,14 +367,39 @@ def _measured(url: str, model: str, workload: Workload, simulation: SimConfig, v
     return run, latency_summary(_requests_frame(workload, run)), simulate_run(workload, run, simulation).summary
 
 
+def _loaded_workload() -> Workload:
+    """``LOADED_BATCH`` sent together at 0, then ``LOADED_PROMPTS`` one at a time while it decodes."""
+    (batch, batch_prompt, batch_output), (count, prompt, gap) = LOADED_BATCH, LOADED_PROMPTS
+    return Workload("calibration", np.concatenate([np.zeros(batch), 0.1 + gap * np.arange(count)]),
+                    np.array([batch_prompt] * batch + [prompt] * count, dtype=np.int64),
+                    np.array([batch_output] * batch + [2] * count, dtype=np.int64)).check()
+
+
+def _per_running(url: str, model: str, simulation: SimConfig, calibration: ServerCalibration, vocab: int,
+                 seed: int) -> list[tuple[int, float]]:
+    """The loaded single prompts (``_loaded_workload``) served and simulated with ``calibration``: per prompt, the
+    requests it found in flight (simulated) and its TTFT less the simulator's."""
+    workload = _loaded_workload()
+    run = run_server_workload(url, server_requests(workload, vocab, seed), model, poll_s=60.0)
+    if run.problems:
+        raise PeerError(f"a loaded calibration run failed: {'; '.join(run.problems[:3])}")
+    result = simulate_run(workload, run, simulation, calibration)
+    load = in_flight(result.requests["arrival_s"].to_numpy(), result.requests["finish_s"].to_numpy())
+    real = (run.requests["first_token_s"] - run.requests["sent_s"]).to_numpy()
+    simulated = (result.requests["first_token_s"] - result.requests["arrival_s"]).to_numpy()
+    return [(int(load[i]), float(real[i] - simulated[i])) for i in range(LOADED_BATCH[0], len(workload))]
+
+
 def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, seed: int = 0,
                      repeats: int = CALIBRATION_REPEATS) -> ServerCalibration:
     """Measure ``ServerCalibration`` on the server, each run ``repeats`` times: decode batches of
     ``CALIBRATION_BATCHES`` requests sent together (96-token prompts, 64 tokens each; the median of the server's TPOT
     p50 less the simulator's is the step overhead), then single prompts of ``CALIBRATION_PROMPTS`` tokens sent one
     at a time (the median of the server's TTFT less the simulator's, steps priced with the overhead, is the request
-    overhead); the request interval is the one of ``INTERVALS_S`` whose simulated TTFT p50 of the batches is
-    closest to the server's (least squares, relative)."""
+    overhead), then single prompts sent while a decode batch runs (``LOADED_BATCH``, ``LOADED_PROMPTS``: what their
+    TTFT exceeds the simulator's, per request they found in flight, is the overhead's share of the load); the
+    request interval is the one of ``INTERVALS_S`` whose simulated TTFT p50 of the batches is closest to the
+    server's (least squares, relative)."""
     if type(repeats) is not int or repeats < 1:
         raise InputError(f"calibration_repeats must be an integer >= 1; got {repeats!r}")
     rows, batches = [], []
@@ -376,21 +419,33 @@ def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, se
             rows.append(("single ttft", length, real["ttft_p50_s"], simulated["ttft_p50_s"]))
     overhead, per_token = _overhead_line([(length, real - sim) for kind, length, real, sim in rows
                                           if kind == "single ttft"])
+    unloaded = replace(step, request_overhead_s=overhead, request_overhead_per_token_s=per_token)
+    loaded = [point for repeat in range(repeats)
+              for point in _per_running(url, model, priced, unloaded, vocab, seed + 1000 + repeat)]
+    rows += [("loaded ttft", load, extra, 0.0) for load, extra in loaded]
+    per_running = _per_running_slope(loaded)
 
     def misfit(interval: float) -> float:
-        calibration = replace(step, request_overhead_s=overhead, request_overhead_per_token_s=per_token,
-                              request_interval_s=interval)
+        calibration = replace(unloaded, request_overhead_per_running_s=per_running, request_interval_s=interval)
         return sum((simulate_run(w, run, priced, calibration).summary["ttft_p50_s"] / real["ttft_p50_s"] - 1) ** 2
                    for w, run, real in batches if len(w) > 1)
 
     interval = float(min(INTERVALS_S, key=misfit))
-    calibration = replace(step, request_overhead_s=overhead, request_overhead_per_token_s=per_token,
-                          request_interval_s=interval, interval_at_bound=interval == INTERVALS_S[-1])
+    calibration = replace(unloaded, request_overhead_per_running_s=per_running, request_interval_s=interval,
+                          interval_at_bound=interval == INTERVALS_S[-1])
     for workload, run, real in batches:
         simulated = simulate_run(workload, run, priced, calibration)
         rows.append(("batch ttft", len(workload), real["ttft_p50_s"], simulated.summary["ttft_p50_s"]))
     calibration.table = pd.DataFrame(rows, columns=["kind", "size", "real_s", "simulated_s"])
     return calibration
+
+
+def _per_running_slope(points: list[tuple[int, float]]) -> float:
+    """The seconds a request's TTFT grows per request in flight when it arrives, from the loaded single prompts'
+    (in flight, TTFT left unaccounted for) pairs: the median of their ratios, never below zero (none found any
+    load: zero)."""
+    ratios = [extra / load for load, extra in points if load > 0]
+    return max(0.0, float(np.median(ratios))) if ratios else 0.0
 
 
 def _overhead_line(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -459,7 +514,8 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
                                                                     config.calibration_repeats)
         progress(f"server steps +{calibration.step_overhead_s * 1e3:.2f} ms over the engine's; request overhead "
                  f"{calibration.request_overhead_s * 1e3:.1f} ms + "
-                 f"{calibration.request_overhead_per_token_s * 1e6:.1f} us a prompt token, "
+                 f"{calibration.request_overhead_per_token_s * 1e6:.1f} us a prompt token + "
+                 f"{calibration.request_overhead_per_running_s * 1e3:.2f} ms a request in flight, "
                  f"{calibration.request_interval_s * 1e3:.2f} ms per request in the API process"
                  f"{calibration.bound_note}")
         priced = calibration.applied(simulation, profile)

@@ -350,7 +350,7 @@ CALIBRATION_BATCHES = (1, 4, 8, 16, 32)  # sent together: their TPOT gives the s
 CALIBRATION_PROMPTS = (32, 128, 384)  # single prompts on an idle server: the request overhead
 # single prompts sent while a decode batch runs: the request overhead's more per request in flight. The batch's size,
 # prompt and output tokens; the prompts' count, tokens each and the gap between their sends (seconds, from 0.1 s)
-LOADED_BATCH, LOADED_PROMPTS = (8, 96, 160), (4, 32, 0.07)
+LOADED_BATCH, LOADED_PROMPTS = (8, 96, 160), (6, 32, 0.05)
 INTERVALS_S = tuple(np.arange(0.0, 0.01201, 0.00025))  # the API process's time per request: the values tried
 PROBE = (4, 96, 48)  # the step-overhead probe: requests sent together, prompt and output tokens each (not scored)
 

@@ -298,6 +298,7 @@ def test_the_live_twin_runs_against_a_server_and_draws_both_sides(fake, tmp_path
         assert set(series[name]["source"]) == {"vLLM server", "twin (simulator)"}, name
     assert len(series["latency"]) == 2 * len(twin.workload)
     assert twin.step_overhead_s >= 0  # the calibrated overhead, shifted as probed before and after the run
+    assert twin.request_overhead_s >= 0 and math.isfinite(twin.request_overhead_s)  # and the request overhead
     # a profile that measured nothing: every step is priced beyond it, which the page says beside the scores
     assert "(measured up to 0)" in twin.prediction.summary["profile_extrapolation"]
 
@@ -324,6 +325,9 @@ def test_a_probed_step_overhead_shifts_the_calibration_and_never_below_none():
     assert calibration.shifted(-0.005).step_overhead_s == 0.0  # the server's steps are never shorter than the engine's
     shifted = calibration.shifted(0.001)
     assert (shifted.request_overhead_s, shifted.request_interval_s) == (0.003, 0.001)
+    assert calibration.shifted(0.0, 0.0015).request_overhead_s == pytest.approx(0.0045)  # probed around a run
+    assert calibration.shifted(0.0, -0.01).request_overhead_s == 0.0  # never below none
+    assert calibration.shifted(0.0, 0.0015).step_overhead_s == 0.002
     profile = flat_profile()
     assert shifted.priced(profile).coefficients["constant"] == pytest.approx(0.002 + 0.003)
     from simulator.core.engine import SimConfig

@@ -15,7 +15,7 @@ from lab.peer.server import (ServerRun, VLLMServer, check_server, reset_prefix_c
                              server_cache_config)
 
 from .vllm_twin import (ServerCalibration, VLLMTwinConfig, calibrate, calibrate_server, make_twin_workload,
-                        probe_step_overhead, profile_cache_path, score, server_requests, sim_config, simulate_run)
+                        probe_server, profile_cache_path, score, server_requests, sim_config, simulate_run)
 
 LIVE_WINDOW_S = 0.25  # the twin's tokens/s is counted per window of this many seconds (the real one per reading)
 
@@ -43,6 +43,7 @@ class LiveTwin:
         self.run: ServerRun | None = None
         self.cache: dict | None = None
         self.step_overhead_s = math.nan  # the calibrated step overhead shifted as probed around the run
+        self.request_overhead_s = math.nan  # and the request overhead
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, daemon=True, name="vllm-twin")
 
@@ -100,10 +101,10 @@ class LiveTwin:
                 self.calibration = calibrate_server(url, model, simulation, vocab, self.config.seed + 7,
                                                     self.config.calibration_repeats)
             priced = self.calibration.applied(simulation, self.profile)
-            shift = probe_step_overhead(url, model, priced, vocab, self.config.seed + 500)
-            now = self.calibration.shifted(shift)  # the overhead as probed before the run
+            shift = probe_server(url, model, priced, self.calibration, vocab, self.config.seed + 500)
+            now = self.calibration.shifted(*shift)  # the overheads as probed before the run
             simulation = now.applied(simulation, self.profile)
-            self.step_overhead_s = now.step_overhead_s
+            self.step_overhead_s, self.request_overhead_s = now.step_overhead_s, now.request_overhead_s
             planned = ServerRun(pd.DataFrame({"sent_s": self.workload.arrival_s}), pd.DataFrame(),
                                 pd.DataFrame(), 0.0, 0.0)
             self.prediction = simulate_run(self.workload, planned, simulation, now)
@@ -118,10 +119,10 @@ class LiveTwin:
                                            stop=self._stop, poll_s=self.config.poll_s, progress=seen)
             if self.run.requests["sent_s"].notna().any():
                 if not self.run.stopped:  # and after it: the prediction of the run is priced with both
-                    shift = (shift + probe_step_overhead(url, model, priced, vocab, self.config.seed + 501)) / 2
-                    now = self.calibration.shifted(shift)
+                    after = probe_server(url, model, priced, self.calibration, vocab, self.config.seed + 501)
+                    now = self.calibration.shifted(*((before + later) / 2 for before, later in zip(shift, after)))
                     simulation = now.applied(simulation, self.profile)
-                self.step_overhead_s = now.step_overhead_s
+                self.step_overhead_s, self.request_overhead_s = now.step_overhead_s, now.request_overhead_s
                 self.prediction = simulate_run(self.workload, self.run, simulation, now)
                 self.table = score(self.workload, self.run, simulation, now, self.prediction)
             self.phase = Phase.DONE

@@ -173,10 +173,12 @@ class ServerCalibration:
         """``simulation`` with its steps priced by ``profile`` plus the step overhead (``priced``)."""
         return replace(simulation, profile=self.priced(profile))
 
-    def shifted(self, seconds: float) -> "ServerCalibration":
-        """The step overhead ``seconds`` longer (``probe_step_overhead``), never below none: the server's steps do
-        not run faster than its engine's alone."""
-        return replace(self, step_overhead_s=max(0.0, self.step_overhead_s + seconds))
+    def shifted(self, seconds: float, request_seconds: float = 0.0) -> "ServerCalibration":
+        """The step overhead ``seconds`` longer (``probe_step_overhead``) and the request overhead
+        ``request_seconds`` (``probe_request_overhead``), neither below none: the server's steps do not run faster
+        than its engine's alone, nor does a request reach its first token sooner than its steps allow."""
+        return replace(self, step_overhead_s=max(0.0, self.step_overhead_s + seconds),
+                       request_overhead_s=max(0.0, self.request_overhead_s + request_seconds))
 
 
 def engine_arrivals(sent: np.ndarray, overhead_s: float | np.ndarray = 0.0, interval_s: float = 0.0) -> np.ndarray:
@@ -353,6 +355,7 @@ CALIBRATION_PROMPTS = (32, 128, 384)  # single prompts on an idle server: the re
 LOADED_BATCH, LOADED_PROMPTS = (8, 96, 160), (6, 32, 0.05)
 INTERVALS_S = tuple(np.arange(0.0, 0.01201, 0.00025))  # the API process's time per request: the values tried
 PROBE = (4, 96, 48)  # the step-overhead probe: requests sent together, prompt and output tokens each (not scored)
+REQUEST_PROBE = (3, 32, 2)  # the request-overhead probe: single prompts sent one at a time, their tokens and outputs
 
 
 def _fixed(count: int, prompt: int, output: int) -> Workload:
@@ -480,11 +483,40 @@ def probe_step_overhead(url: str, model: str, simulation: SimConfig, vocab: int,
     return real - simulated
 
 
+def probe_request_overhead(url: str, model: str, simulation: SimConfig, calibration: ServerCalibration,
+                           vocab: int, seed: int) -> float:
+    """How much longer a lone request's way to its first token is now than ``calibration`` says: the median, over
+    ``REQUEST_PROBE``'s single prompts sent one at a time to the idle server, of its TTFT less the simulator's. The
+    request overhead calibrated on a fresh server drifts like the step overhead (a calibration of 4.4 ms predicted
+    light-load TTFT p50s 15-21 % high on every workload of the same server), so a run is priced with it probed
+    around the run too."""
+    count, prompt, output = REQUEST_PROBE
+    extras = []
+    for i in range(count):
+        workload = _fixed(1, prompt, output)
+        run = run_server_workload(url, server_requests(workload, vocab, seed + i), model, poll_s=60.0)
+        if run.problems:
+            raise PeerError(f"the request-overhead probe failed: {'; '.join(run.problems[:3])}")
+        result = simulate_run(workload, run, simulation, calibration)
+        extras.append(float((run.requests["first_token_s"] - run.requests["sent_s"]).iloc[0]
+                            - (result.requests["first_token_s"] - result.requests["arrival_s"]).iloc[0]))
+    if not all(map(math.isfinite, extras)):
+        raise PeerError(f"the request-overhead probe measured {extras!r} s beyond the simulator's TTFT")
+    return float(np.median(extras))
+
+
+def probe_server(url: str, model: str, simulation: SimConfig, calibration: ServerCalibration, vocab: int,
+                 seed: int) -> tuple[float, float]:
+    """``probe_step_overhead`` and ``probe_request_overhead`` now: what ``ServerCalibration.shifted`` takes."""
+    return (probe_step_overhead(url, model, simulation, vocab, seed),
+            probe_request_overhead(url, model, simulation, calibration, vocab, seed + 50))
+
+
 def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | None = None,
                   progress: Callable[[str], None] = print, stop: threading.Event | None = None) -> VLLMTwinResult:
     """Calibrate (unless ``profile`` is given), start the server (or use ``config.url``), warm it up, then run
     each workload ``config.repeats`` times against it and score the simulator's prediction of each run, priced with
-    the step overhead probed before and after it (``probe_step_overhead``)."""
+    the step and request overheads probed before and after it (``probe_server``)."""
     if config.url is not None:
         check_server(config.url)  # a URL with no vLLM behind it fails now, not after the calibration
     profile = profile or calibrate(config, checkpoint, progress)
@@ -519,7 +551,7 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
                  f"{calibration.request_interval_s * 1e3:.2f} ms per request in the API process"
                  f"{calibration.bound_note}")
         priced = calibration.applied(simulation, profile)
-        shifts = [probe_step_overhead(url, model, priced, vocab, config.seed + 500)]
+        shifts = [probe_server(url, model, priced, calibration, vocab, config.seed + 500)]
         tables = []
         workloads = {name: make_twin_workload(name, config, config.seed) for name in config.workloads}
         # repeats interleaved (each round runs every workload), so a slow spell of the machine touches all
@@ -536,12 +568,13 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
             if run.problems:
                 progress(f"{name}: {'; '.join(run.problems[:3])}")
             result.runs[(name, repeat)] = run
-            shifts.append(probe_step_overhead(url, model, priced, vocab, config.seed + 500 + len(shifts)))
-            now = calibration.shifted((shifts[-2] + shifts[-1]) / 2)  # probed before and after the run
+            shifts.append(probe_server(url, model, priced, calibration, vocab, config.seed + 500 + len(shifts)))
+            now = calibration.shifted(*np.mean(shifts[-2:], axis=0))  # probed before and after the run
             priced_run = now.applied(simulation, profile)
             predicted = result.simulated[(name, repeat)] = simulate_run(workload, run, priced_run, now)
             table = score(workload, run, priced_run, now, predicted)
-            tables.append(table.assign(workload=name, run=repeat, run_step_overhead_s=now.step_overhead_s))
+            tables.append(table.assign(workload=name, run=repeat, run_step_overhead_s=now.step_overhead_s,
+                                       run_request_overhead_s=now.request_overhead_s))
         result.table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()
         return result
     finally:

@@ -9,7 +9,8 @@ from lab.errors import user_errors
 from lab.models.qwen3 import PRESETS, checkpoint_dir
 from lab.peer.client import PeerError, missing_reason
 from lab.report.results import human_label, settings_of
-from app_pages._ui import chart, csv_download, extrapolation_note, setting, show_error
+from lab.report.trust import holdout_problem
+from app_pages._ui import chart, csv_download, extrapolation_note, setting, show_error, trust_warning
 from simulator.twins.vllm_live import LiveTwin, Phase, live_series
 from simulator.twins.vllm_twin import WORKLOADS, VLLMTwinConfig
 
@@ -159,6 +160,10 @@ def draw(twin: LiveTwin) -> None:
                    f"{calibration.bound_note}. "
                    f"The profile of vLLM's engine ({twin.profile_source}): {len(twin.profile.samples)} step shapes, "
                    f"held-out error median {twin.profile.holdout_median_rel_error:.1%}.")
+        # a profile measured while the machine was busy is kept like any other: say so where its scores are read
+        problems = holdout_problem(twin.profile.holdout_median_rel_error, "The profile of vLLM's engine")
+        trust_warning([f"{problem}. To measure it again, tick “Measure vLLM's engine again” in the sidebar and press "
+                       "Run with the machine otherwise quiet" for problem in problems])
         beyond = twin.prediction.summary.get("profile_extrapolation", "") if twin.prediction is not None else ""
         if beyond:
             extrapolation_note(beyond, "The twin's prediction there leans on the fit of the profile's grid: read its "

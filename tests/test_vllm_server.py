@@ -301,6 +301,18 @@ def test_the_live_twin_runs_against_a_server_and_draws_both_sides(fake, tmp_path
     assert twin.request_overhead_s >= 0 and math.isfinite(twin.request_overhead_s)  # and the request overhead
     # a profile that measured nothing: every step is priced beyond it, which the page says beside the scores
     assert "(measured up to 0)" in twin.prediction.summary["profile_extrapolation"]
+    # the page draws the finished run, and warns that this profile's error on held-out steps is unknown (a profile
+    # cached from a busy machine, 262 % off, was drawn without a word)
+    from streamlit.testing.v1 import AppTest
+
+    page = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app_pages" / "vllm_twin.py"),
+                             default_timeout=60)
+    page.session_state["vllm_twin"] = twin
+    page.run()
+    assert not page.exception, [e.value for e in page.exception]
+    warnings = " ".join(w.value for w in page.warning)
+    assert "The profile of vLLM's engine has no held-out error" in warnings
+    assert "Measure vLLM's engine again" in warnings
 
 
 def test_the_vllm_twin_says_which_workloads_it_priced_beyond_the_profile():

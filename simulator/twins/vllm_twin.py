@@ -350,12 +350,13 @@ def calibrate(config: VLLMTwinConfig, checkpoint: str, progress: Callable[[str],
 
 CALIBRATION_BATCHES = (1, 4, 8, 16, 32)  # sent together: their TPOT gives the step overhead, their TTFT the interval
 CALIBRATION_PROMPTS = (32, 128, 384)  # single prompts on an idle server: the request overhead
-# single prompts sent while a decode batch runs: the request overhead's more per request in flight. The batch's size,
-# prompt and output tokens; the prompts' count, tokens each and the gap between their sends (seconds, from 0.1 s)
+# single prompts sent while a decode batch runs: the request overhead's more per request in flight (``_with_singles``:
+# the batch's size, prompt and output tokens; the prompts' count, tokens each and the gap between their sends, from 0.1 s)
 LOADED_BATCH, LOADED_PROMPTS = (8, 96, 160), (6, 32, 0.05)
 INTERVALS_S = tuple(np.arange(0.0, 0.01201, 0.00025))  # the API process's time per request: the values tried
 PROBE = (4, 96, 48)  # the step-overhead probe: requests sent together, prompt and output tokens each (not scored)
-REQUEST_PROBE = (3, 32, 2)  # the request-overhead probe: single prompts sent one at a time, their tokens and outputs
+# the request-overhead probe: single prompts sent one at a time, each alone on the server (count, tokens each, gap in s)
+REQUEST_PROBE = (3, 32, 0.05)
 
 
 def _fixed(count: int, prompt: int, output: int) -> Workload:
@@ -370,27 +371,28 @@ def _measured(url: str, model: str, workload: Workload, simulation: SimConfig, v
     return run, latency_summary(_requests_frame(workload, run)), simulate_run(workload, run, simulation).summary
 
 
-def _loaded_workload() -> Workload:
-    """``LOADED_BATCH`` sent together at 0, then ``LOADED_PROMPTS`` one at a time while it decodes."""
-    (batch, batch_prompt, batch_output), (count, prompt, gap) = LOADED_BATCH, LOADED_PROMPTS
-    return Workload("calibration", np.concatenate([np.zeros(batch), 0.1 + gap * np.arange(count)]),
-                    np.array([batch_prompt] * batch + [prompt] * count, dtype=np.int64),
-                    np.array([batch_output] * batch + [2] * count, dtype=np.int64)).check()
+def _with_singles(batch: tuple[int, int, int], singles: tuple[int, int, float], start_s: float) -> Workload:
+    """``batch`` (requests, prompt and output tokens each) sent together at 0, then ``singles`` (count, prompt
+    tokens each, seconds apart) single prompts of 2 output tokens sent one at a time from ``start_s``."""
+    (size, batch_prompt, batch_output), (count, prompt, gap_s) = batch, singles
+    return Workload("calibration", np.concatenate([np.zeros(size), start_s + gap_s * np.arange(count)]),
+                    np.array([batch_prompt] * size + [prompt] * count, dtype=np.int64),
+                    np.array([batch_output] * size + [2] * count, dtype=np.int64)).check()
 
 
-def _per_running(url: str, model: str, simulation: SimConfig, calibration: ServerCalibration, vocab: int,
-                 seed: int) -> list[tuple[int, float]]:
-    """The loaded single prompts (``_loaded_workload``) served and simulated with ``calibration``: per prompt, the
-    requests it found in flight (simulated) and its TTFT less the simulator's."""
-    workload = _loaded_workload()
+def _first_tokens(url: str, model: str, workload: Workload, simulation: SimConfig, calibration: ServerCalibration,
+                  vocab: int, seed: int, what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``workload`` served (random prompts from ``seed``) and simulated with ``calibration``: per request, the
+    server's TTFT, the simulator's and the requests it found in flight there (``in_flight``). ``what`` names the run
+    in the error a failed one raises."""
     run = run_server_workload(url, server_requests(workload, vocab, seed), model, poll_s=60.0)
     if run.problems:
-        raise PeerError(f"a loaded calibration run failed: {'; '.join(run.problems[:3])}")
+        raise PeerError(f"{what} failed: {'; '.join(run.problems[:3])}")
     result = simulate_run(workload, run, simulation, calibration)
-    load = in_flight(result.requests["arrival_s"].to_numpy(), result.requests["finish_s"].to_numpy())
-    real = (run.requests["first_token_s"] - run.requests["sent_s"]).to_numpy()
-    simulated = (result.requests["first_token_s"] - result.requests["arrival_s"]).to_numpy()
-    return [(int(load[i]), float(real[i] - simulated[i])) for i in range(LOADED_BATCH[0], len(workload))]
+    arrivals = result.requests["arrival_s"].to_numpy()
+    return ((run.requests["first_token_s"] - run.requests["sent_s"]).to_numpy(),
+            result.requests["first_token_s"].to_numpy() - arrivals,
+            in_flight(arrivals, result.requests["finish_s"].to_numpy()))
 
 
 def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, seed: int = 0,
@@ -423,10 +425,11 @@ def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, se
     overhead, per_token = _overhead_line([(length, real - sim) for kind, length, real, sim in rows
                                           if kind == "single ttft"])
     unloaded = replace(step, request_overhead_s=overhead, request_overhead_per_token_s=per_token)
-    loaded = [point for repeat in range(repeats)
-              for point in _per_running(url, model, priced, unloaded, vocab, seed + 1000 + repeat)]
-    rows += [("loaded ttft", load, extra, 0.0) for load, extra in loaded]
-    per_running = _per_running_slope(loaded)
+    for repeat in range(repeats):  # the single prompts under load: (requests in flight, TTFT, simulated TTFT)
+        real, simulated, load = _first_tokens(url, model, _with_singles(LOADED_BATCH, LOADED_PROMPTS, 0.1), priced,
+                                              unloaded, vocab, seed + 1000 + repeat, "a loaded calibration run")
+        rows += [("loaded ttft", *point) for point in list(zip(load, real, simulated))[LOADED_BATCH[0]:]]
+    per_running = _per_running_slope([(load, real - sim) for kind, load, real, sim in rows if kind == "loaded ttft"])
 
     def misfit(interval: float) -> float:
         calibration = replace(unloaded, request_overhead_per_running_s=per_running, request_interval_s=interval)
@@ -490,18 +493,11 @@ def probe_request_overhead(url: str, model: str, simulation: SimConfig, calibrat
     request overhead calibrated on a fresh server drifts like the step overhead (a calibration of 4.4 ms predicted
     light-load TTFT p50s 15-21 % high on every workload of the same server), so a run is priced with it probed
     around the run too."""
-    count, prompt, output = REQUEST_PROBE
-    extras = []
-    for i in range(count):
-        workload = _fixed(1, prompt, output)
-        run = run_server_workload(url, server_requests(workload, vocab, seed + i), model, poll_s=60.0)
-        if run.problems:
-            raise PeerError(f"the request-overhead probe failed: {'; '.join(run.problems[:3])}")
-        result = simulate_run(workload, run, simulation, calibration)
-        extras.append(float((run.requests["first_token_s"] - run.requests["sent_s"]).iloc[0]
-                            - (result.requests["first_token_s"] - result.requests["arrival_s"]).iloc[0]))
-    if not all(map(math.isfinite, extras)):
-        raise PeerError(f"the request-overhead probe measured {extras!r} s beyond the simulator's TTFT")
+    real, simulated, _ = _first_tokens(url, model, _with_singles((0, 0, 0), REQUEST_PROBE, 0.0), simulation,
+                                       calibration, vocab, seed, "the request-overhead probe")
+    extras = real - simulated
+    if not np.isfinite(extras).all():
+        raise PeerError(f"the request-overhead probe measured {extras.tolist()!r} s beyond the simulator's TTFT")
     return float(np.median(extras))
 
 

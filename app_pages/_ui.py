@@ -204,13 +204,16 @@ def kept_upload(label: str, key: str, container=None, **kwargs) -> KeptFile | No
 class RunProgress:
     """A progress bar that says how far a run is, how long it has taken and about how long is left (from the pace so
     far), with a Stop button beside it. Call it with the fraction done; ``close`` removes both. A click on Stop
-    reruns the page (Streamlit interrupts the run at its next redraw): the page reads ``stopped(key)`` then."""
+    reruns the page (Streamlit interrupts the run at its next redraw): the page reads ``stopped(key)`` then.
+    ``slot``: an ``st.empty()`` the page draws on every run, so that the elements below keep their places (and an
+    open expander stays open) whether or not this run needed a progress bar; by default a new one here."""
 
-    def __init__(self, what: str, key: str, help: str = "Stops the run; what finished is kept"):
+    def __init__(self, what: str, key: str, help: str = "Stops the run; what finished is kept", slot=None):
         self.what, self.key, self.started = what, key, time.monotonic()
-        self.bar = st.progress(0.0, f"{what}…")
-        self.stop = st.empty()
-        self.stop.button("Stop", key=key, on_click=_mark_stopped, args=(key,), help=help)
+        self.slot = st.empty() if slot is None else slot
+        box = self.slot.container()
+        self.bar = box.progress(0.0, f"{what}…")
+        box.button("Stop", key=key, on_click=_mark_stopped, args=(key,), help=help)
 
     def __call__(self, fraction: float, detail: str = "") -> None:
         fraction = min(max(fraction, 0.0), 1.0)
@@ -221,8 +224,7 @@ class RunProgress:
         self.bar.progress(fraction, text + (f" ({detail})" if detail else ""))
 
     def close(self) -> None:
-        self.bar.empty()
-        self.stop.empty()
+        self.slot.empty()
 
 
 def _mark_stopped(key: str) -> None:

@@ -70,7 +70,7 @@ def session_results():
         csv_download(store.side_by_side(chosen, settings=True), "comparison", settings_of(), "dl_comparison",
                      "Download the comparison CSV (each result with its settings)")
     for index, name in enumerate(store.names()):
-        with st.expander(name):
+        with st.expander(name, key=f"result_box_{name}"):
             trust_warning(table_problems(store.results[name].table))
             data_table(store.results[name].table)
             result = store.results[name]

@@ -128,7 +128,7 @@ with st.sidebar:
                             "bytes of one token")
     utilization = setting(side.slider, "GPU memory utilization", key="sim_utilization", value=0.9, min_value=0.3,
                           max_value=1.0, disabled=figure2)
-    with st.expander("Override model / GPU figures"):
+    with st.expander("Override model / GPU figures", key="sim_override_box"):
         gpu_spec, model_spec = simulator.get_gpu(gpu), simulator.get_model(model)
         here = st  # inside the expander; the keys name the GPU or model whose figure a value overrides
         memory_gib = setting(here.number_input, "GPU memory (GiB)", key=f"sim_memory_gib_{gpu}",
@@ -213,6 +213,7 @@ if not figure2 and source == "upload a trace" and upload is None:  # waiting for
 if stopped("stop_sim"):  # the Stop button interrupted the last run: show what finished
     st.session_state["sim_stopped_key"] = key
 partial = st.session_state.get("sim_stopped_key") == key and key not in finished_runs()
+run_slot = st.empty()  # the run's progress, drawn on every run: what follows keeps its place
 if st.session_state.get("sim_key") != key:
     try:
         if key in finished_runs():
@@ -233,7 +234,8 @@ if st.session_state.get("sim_key") != key:
                 st.session_state["sim_partial"] = (len(done), len(configs))
             else:
                 progress = RunProgress(f"simulating {len(configs)} configurations on {len(workload):,} requests",
-                                       "stop_sim", help="Stops the run; the configurations that finished are shown")
+                                       "stop_sim", help="Stops the run; the configurations that finished are shown",
+                                       slot=run_slot)
                 summary, runs = simulator.compare(workload, configs, workers=WORKERS, reuse=kept_runs(),
                                                   progress=progress)
                 progress.close()
@@ -307,7 +309,7 @@ st.dataframe(report.headline(summary), hide_index=True, column_config=HEADLINE_F
 csv_download(report.headline(summary), "headline-table", settings, "dl_headline_table",
              "Download this table (CSV)")
 if not versus.empty:
-    with st.expander("Paged against the best contiguous allocator, figure by figure"):
+    with st.expander("Paged against the best contiguous allocator, figure by figure", key="sim_versus_box"):
         st.dataframe(versus, hide_index=True, column_config={
             "Paged": st.column_config.NumberColumn(format="%.2f"),
             "Best contiguous": st.column_config.NumberColumn(format="%.2f"),
@@ -340,11 +342,12 @@ if not versus.empty:
                             help="each factor against the contiguous run with the model's dtype in the KV cache")
             csv_download(gains, "kv-precision", {**settings, "kv_cache_dtype": precision}, "dl_precision",
                          "Download the KV precision comparison (CSV)")
-with st.expander("Glossary: what these words and numbers mean"):
+with st.expander("Glossary: what these words and numbers mean", key="sim_glossary_box"):
     st.markdown("\n".join(f"- **{term}**: {text}" for term, text in report.GLOSSARY.items()))
 
 chart(comparison_chart("waste_bars"), "waste_bars")
-with st.expander("Which block size? The paged allocator at every block size from 1 to 256 tokens"):
+with st.expander("Which block size? The paged allocator at every block size from 1 to 256 tokens",
+                 key="sim_block_sweep_box"):
     st.caption("The paged allocator at every block size on this workload and the other synthetic preset (first "
                f"{BLOCK_SWEEP_REQUESTS} requests each, the sidebar's model, GPU and scheduler). Throughput falls at "
                "small blocks (the kernel's per-block cost) and at large ones (fewer sequences fit).")
@@ -361,7 +364,8 @@ with st.expander("Which block size? The paged allocator at every block size from
         # what the sweep ran, not the comparison's request count: its own first requests of each workload
         swept = {**settings, "num_requests": BLOCK_SWEEP_REQUESTS, "workloads": " ".join(sweep["workload"].unique())}
         csv_download(sweep, "block-size-sweep", swept, "dl_block_sweep", "Download the block-size sweep (CSV)")
-with st.expander("What a CPU tier buys: the prefix cache with a host offload tier of 0 to unbounded GiB"):
+with st.expander("What a CPU tier buys: the prefix cache with a host offload tier of 0 to unbounded GiB",
+                 key="sim_offload_box"):
     st.caption("The first paged configuration, prefix caching on, with a host tier of each size: blocks the GPU pool "
                "reuses are kept in host memory and loaded back when a later prompt shares them. Traffic whose "
                "prompts share prefixes (multi-turn traces such as Mooncake's, a shared system prompt) gains; "
@@ -418,7 +422,7 @@ with left:
 with right:
     chart(charts.request_cdf(requests, "e2e_s"), "e2e_cdf")
 if not overloaded.empty:
-    with st.expander("Load: arrivals against service, run by run"):
+    with st.expander("Load: arrivals against service, run by run", key="sim_load_box"):
         data_table(overloaded, {"run": "Run", "offered_req_s": "Offered (requests/s)",
                                 "served_req_s": "Served (requests/s)", "last_arrival_s": "Last arrival (s)",
                                 "end_s": "Run ends (s)", "drain_s": "Drain after the last arrival (s)",
@@ -443,7 +447,7 @@ csv_download(timeseries, "timeseries", settings,
 checks: pd.DataFrame = st.session_state["sim_checks"]
 failed = checks[~checks["holds"]]
 with st.expander(f"Checks against closed forms: {len(checks) - len(failed)} of {len(checks)} hold",
-                 expanded=not failed.empty):
+                 expanded=not failed.empty, key="sim_checks_box"):
     st.caption("Identities every run satisfies and bounds that follow from how each allocator holds memory "
                "(`simulator.core.checks`); a row that does not hold is a simulator bug.")
     data_table(checks)

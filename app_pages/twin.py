@@ -105,7 +105,7 @@ st.caption(f"Profile: {profile.model} on {profile.device} ({profile.dtype}, {pro
            f"{profile.block_size}, {len(profile.samples)} step shapes, held-out error median "
            f"{profile.holdout_median_rel_error:.1%}")
 trust_warning(holdout_problem(profile.holdout_median_rel_error, "The profile"))
-with st.expander("The fit, scenario by scenario (median measured vs fitted step time)"):
+with st.expander("The fit, scenario by scenario (median measured vs fitted step time)", key="twin_fit_box"):
     data_table(profile.scenario_errors(), percent=("rel_error",))
 
 

@@ -142,6 +142,16 @@ def settle(page, charts: bool, after: int | None = None, recheck_ms: int = 500) 
             page.wait_for_timeout(recheck_ms)
 
 
+def wait_for_chart(page, text: str, timeout_ms: int = 240_000) -> None:
+    """Wait until a plotly chart whose text holds ``text`` is drawn (a run a click started may begin late on a busy
+    machine, after a first ``settle`` saw the page idle); ``AssertionError`` with what the page showed instead."""
+    try:
+        page.locator(".js-plotly-plot").filter(has_text=text).first.wait_for(timeout=timeout_ms)
+    except PlaywrightTimeout as exc:
+        raise AssertionError(f"no chart with {text!r} on {page.url} after {timeout_ms / 1000:.0f} s; "
+                             f"{_page_state(page)}") from exc
+
+
 def _page_state(page) -> str:
     """What a page shows, for a failure message: whether its script runs, its alerts, exceptions and headings."""
     def texts(selector: str) -> list[str]:

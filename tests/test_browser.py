@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.app_flow import runs_started, settle
+from benchmarks.app_flow import runs_started, settle, wait_for_chart
 from tests.browser_support import (  # noqa: F401 (browser, server, shots: the shared fixtures)
     BROWSER_MARKS, CHART_PAGES, PAGES, SERVER_PIDS, assert_no_traceback, browser, cpu_seconds, no_exception,
     plotly_traces, server, shots, streamlit_server)
@@ -155,8 +155,23 @@ def test_a_block_size_change_moves_throughput_and_fragmentation(server, browser)
     runs = runs_started(page)
     page.get_by_role("button", name="Run the block-size sweep").click()
     settle(page, True, after=runs)
+    wait_for_chart(page, "What the block size trades")  # the sweep chart
     no_exception(page)
-    assert page.locator(".js-plotly-plot").filter(has_text="block size").count() >= 1  # the sweep chart
+    page.close()
+
+
+def test_a_sweep_run_from_its_box_is_shown_in_it(server, browser):
+    """The CPU-tier sweep runs from inside its box and its chart is shown there: the page's rerun leaves the box open
+    (an expander without a key was drawn anew, closed, by the rerun its own button started)."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(f"{server}/memory_simulator", timeout=60_000)
+    settle(page, True)
+    page.get_by_text("What a CPU tier buys").click()
+    runs = runs_started(page)
+    page.get_by_role("button", name="Run the tier sweep").click()
+    settle(page, True, after=runs)
+    wait_for_chart(page, "the prefix cache's blocks kept in host memory")
+    no_exception(page)
     page.close()
 
 

@@ -348,6 +348,42 @@ def test_a_probed_step_overhead_shifts_the_calibration_and_never_below_none():
     assert simulation.max_num_seqs == 7 and simulation.profile.coefficients == shifted.priced(profile).coefficients
 
 
+@pytest.mark.parametrize("cached_error, new_error, measured, kept", [
+    (0.05, 0.02, 0, 0.05),  # a good cached profile is used as it is
+    (2.62, 0.04, 1, 0.04),  # one measured while the machine was busy is measured again, and replaced
+    (2.62, 3.10, 1, 2.62),  # ... unless the new one is worse: the better of the two is kept
+    (math.nan, 0.04, 1, 0.04),  # one with no held-out error says nothing of its predictions
+])
+def test_a_cached_vllm_profile_far_off_on_held_out_steps_is_measured_again(tmp_path, monkeypatch, cached_error,
+                                                                              new_error, measured, kept):
+    from lab.profiling.profile import Profile
+    from simulator.twins import vllm_live
+    from simulator.twins.vllm_twin import VLLMTwinConfig
+
+    path = tmp_path / "profiles" / "vllm.json"
+    path.parent.mkdir()
+    cached = flat_profile()
+    cached.holdout_median_rel_error = cached_error
+    cached.save(path)
+    calls = []
+
+    def calibrate(config, checkpoint, progress):
+        calls.append(checkpoint)
+        fresh = flat_profile()
+        fresh.holdout_median_rel_error = new_error
+        return fresh
+
+    monkeypatch.setattr(vllm_live, "profile_cache_path", lambda config: path)
+    monkeypatch.setattr(vllm_live, "calibrate", calibrate)
+    twin = vllm_live.LiveTwin(VLLMTwinConfig(num_requests=3), str(tmp_path), "poisson")
+    used = twin._cached_profile()
+    assert len(calls) == measured
+    assert used.holdout_median_rel_error == pytest.approx(kept)
+    assert Profile.load(path).holdout_median_rel_error == pytest.approx(kept)  # the cache keeps the one used
+    source = twin.profile_source  # the page says where the profile came from, and why it was measured again
+    assert ("measured again" in source or "measured now" in source) == bool(measured) and str(path) in source
+
+
 @pytest.mark.parametrize("fake", [("html",)], indirect=True)
 def test_a_live_twin_on_a_url_that_is_not_vllm_fails_with_the_reason(fake, tmp_path):
     from simulator.twins.vllm_live import LiveTwin, Phase

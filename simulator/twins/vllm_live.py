@@ -11,6 +11,7 @@ import pandas as pd
 from lab.latency import request_latencies
 from lab.models.qwen3 import checkpoint_vocab_size
 from lab.profiling.profile import Profile, ProfileError
+from lab.report.trust import holdout_problem
 from lab.peer.server import (ServerRun, VLLMServer, check_server, reset_prefix_cache, run_server_workload,
                              server_cache_config)
 
@@ -18,6 +19,17 @@ from .vllm_twin import (ServerCalibration, VLLMTwinConfig, calibrate, calibrate_
                         probe_server, profile_cache_path, score, server_requests, sim_config, simulate_run)
 
 LIVE_WINDOW_S = 0.25  # the twin's tokens/s is counted per window of this many seconds (the real one per reading)
+
+
+def _holdout_error(profile: Profile) -> float:
+    """``profile``'s median error on held-out steps; infinite when unknown."""
+    error = profile.holdout_median_rel_error
+    return math.inf if math.isnan(error) else error
+
+
+def _too_far_off(profile: Profile) -> bool:
+    """Whether ``profile``'s median error on held-out steps is past ``HOLDOUT_LIMIT`` (or unknown)."""
+    return bool(holdout_problem(profile.holdout_median_rel_error))
 
 
 class Phase:
@@ -66,18 +78,33 @@ class LiveTwin:
         return self.run
 
     def _cached_profile(self) -> Profile:
-        """The profile for these settings from the cache (``profile_cache_path``), else measured now and stored."""
+        """The profile for these settings from the cache (``profile_cache_path``), else measured now and stored. A
+        cached profile whose held-out error is past ``HOLDOUT_LIMIT`` (measured while the machine was busy) is
+        measured again once; the one with the lower held-out error is kept and used."""
         path = profile_cache_path(self.config)
+        cached = None
         if path.exists() and not self.remeasure:
             try:
-                self.profile_source = f"loaded from {path}"
-                return Profile.load(path)
+                cached = Profile.load(path)
             except ProfileError:
                 pass  # a corrupt or older file: measured again below
+            else:
+                if not _too_far_off(cached):
+                    self.profile_source = f"loaded from {path}"
+                    return cached
         profile = calibrate(self.config, self.checkpoint, progress=lambda _: None)
+        if cached is not None:
+            before = (f"the cached one was {cached.holdout_median_rel_error:.0%} off on held-out steps"
+                      if math.isfinite(_holdout_error(cached)) else "the cached one had no held-out error")
+            if _holdout_error(profile) >= _holdout_error(cached):
+                self.profile_source = (f"loaded from {path}; measured again because {before}, and the new one was "
+                                       f"{profile.holdout_median_rel_error:.0%} off, so the cached one is kept")
+                return cached
+            self.profile_source = f"measured now because {before}, kept in {path}"
+        else:
+            self.profile_source = f"measured now, kept in {path}"
         path.parent.mkdir(parents=True, exist_ok=True)
         profile.save(path)
-        self.profile_source = f"measured now, kept in {path}"
         return profile
 
     def _main(self) -> None:

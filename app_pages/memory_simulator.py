@@ -55,11 +55,42 @@ def comparison_chart(name: str):
     return figures[name]
 
 
+def sweep_rows(name: str) -> list:
+    """A new sweep's rows (``{name}_rows``), kept as they come with the run they belong to: a sweep that does not
+    finish shows those (``unfinished_sweep``)."""
+    rows = st.session_state[f"{name}_rows"] = []
+    st.session_state[f"{name}_for"] = st.session_state["sim_key"]
+    return rows
+
+
+def sweep_done(name: str) -> None:
+    st.session_state.pop(f"{name}_rows", None)
+    st.session_state.pop(f"{name}_for", None)
+
+
+def unfinished_sweep(name: str, result_key: str, stop_key: str, total: int, unit: str) -> None:
+    """A sweep that did not finish: stopped, or cut short by the rerun of another action on the page (a rerun ends
+    the run in progress). Its finished rows are shown (as ``result_key``) while the page's run is still the one it
+    swept; after a change of settings, a note says so."""
+    was_stopped = stopped(stop_key)
+    rows, swept = st.session_state.get(f"{name}_rows"), st.session_state.get(f"{name}_for")
+    sweep_done(name)
+    if rows is None:
+        return
+    if swept != st.session_state["sim_key"]:
+        st.info("The last sweep was cut short by a change of settings: run it again for these ones.")
+        return
+    how = "Stopped" if was_stopped else "Cut short by another action on the page"
+    if rows:
+        st.session_state[result_key] = pd.DataFrame(rows)
+    st.info(f"{how}: {len(rows)} of {total} {unit} finished" + (" and are shown." if rows else "."))
+
+
 def block_size_sweep(workload, configs):
     """The block-size sweep under the page's settings, or None (with a warning) when it cannot run. Its rows are
-    kept as they come (``sim_block_rows``): a Stop shows those."""
+    kept as they come (``sweep_rows``)."""
     base = next((c for c in configs if c.allocator == "paged"), configs[0])
-    rows = st.session_state["sim_block_rows"] = []
+    rows = sweep_rows("sim_block")
     try:
         workloads = simulator.block_size_sweep_workloads(workload, base.max_model_len, BLOCK_SWEEP_REQUESTS)
         progress = RunProgress(f"simulating {len(simulator.BLOCK_SIZES)} block sizes on two workloads",
@@ -71,8 +102,10 @@ def block_size_sweep(workload, configs):
 
         table = simulator.block_size_sweep(workloads, base, on_row=keep)
         progress.close()
+        sweep_done("sim_block")  # not when a rerun interrupts it: its rows stay for the next run to show
         return table
     except user_errors() as exc:  # the comparison above stands on its own
+        sweep_done("sim_block")
         st.warning(f"The block-size sweep could not run: {exc}")
         return None
 
@@ -351,10 +384,7 @@ with st.expander("Which block size? The paged allocator at every block size from
     st.caption("The paged allocator at every block size on this workload and the other synthetic preset (first "
                f"{BLOCK_SWEEP_REQUESTS} requests each, the sidebar's model, GPU and scheduler). Throughput falls at "
                "small blocks (the kernel's per-block cost) and at large ones (fewer sequences fit).")
-    if stopped("stop_block_sweep") and st.session_state.get("sim_block_rows"):
-        st.session_state["sim_block_sweep"] = pd.DataFrame(st.session_state.pop("sim_block_rows"))
-        st.info(f"Stopped: {len(st.session_state['sim_block_sweep'])} of {2 * len(simulator.BLOCK_SIZES)} runs "
-                "finished and are shown.")
+    unfinished_sweep("sim_block", "sim_block_sweep", "stop_block_sweep", 2 * len(simulator.BLOCK_SIZES), "runs")
     if st.button("Run the block-size sweep", key="run_block_sweep", disabled=figure2):
         st.session_state["sim_block_sweep"] = block_size_sweep(st.session_state["sim_workload_obj"],
                                                                st.session_state["sim_configs"])
@@ -370,16 +400,14 @@ with st.expander("What a CPU tier buys: the prefix cache with a host offload tie
                "reuses are kept in host memory and loaded back when a later prompt shares them. Traffic whose "
                "prompts share prefixes (multi-turn traces such as Mooncake's, a shared system prompt) gains; "
                "traffic that shares nothing gains nothing.")
-    if stopped("stop_offload_sweep") and st.session_state.get("sim_offload_rows"):
-        st.session_state["sim_offload"] = pd.DataFrame(st.session_state.pop("sim_offload_rows"))
-        st.info(f"Stopped: {len(st.session_state['sim_offload'])} of {len(simulator.OFFLOAD_TIERS_GIB)} tier sizes "
-                "finished and are shown.")
+    unfinished_sweep("sim_offload", "sim_offload", "stop_offload_sweep", len(simulator.OFFLOAD_TIERS_GIB),
+                     "tier sizes")
     if st.button("Run the tier sweep", key="run_offload_sweep"):
         try:
             paged = next((c for c in st.session_state["sim_configs"] if c.allocator == "paged"), None)
             if paged is None:
                 raise InputError("choose the paged allocator to sweep its offload tier")
-            tier_rows = st.session_state["sim_offload_rows"] = []
+            tier_rows = sweep_rows("sim_offload")
             tiers = RunProgress(f"simulating {len(simulator.OFFLOAD_TIERS_GIB)} tier sizes", "stop_offload_sweep",
                                 help="Stops the sweep; the tier sizes done are shown")
 
@@ -390,7 +418,9 @@ with st.expander("What a CPU tier buys: the prefix cache with a host offload tie
             st.session_state["sim_offload"] = simulator.offload_sweep(st.session_state["sim_workload_obj"], paged,
                                                                       on_row=keep_tier)
             tiers.close()
+            sweep_done("sim_offload")
         except user_errors() as exc:
+            sweep_done("sim_offload")
             show_error(exc)
     offload = st.session_state.get("sim_offload")
     if offload is not None:

@@ -185,6 +185,33 @@ def test_the_block_size_sweep_s_export_states_the_requests_it_ran(downloads):
     assert set(sweep["workloads"].iloc[0].split()) == set(sweep["workload"])
 
 
+def test_a_sweep_cut_short_by_another_action_shows_what_finished(downloads):
+    """A rerun ends the run in progress (Streamlit), so a click elsewhere on the page while a sweep runs cuts it
+    short. The rows it finished are shown with a note saying so, not dropped without a word; after a change of
+    settings they are stale, and the note says to run it again."""
+    app = open_page("memory_simulator")
+    clean(app)
+    app.button(key="run_block_sweep").click().run()
+    full = download_table(app, downloads, "dl_block_sweep")
+    finished = full.drop(columns=[c for c in full.columns if c not in
+                                  ("workload", "block_size", "internal_fragmentation_pct", "throughput_tok_s",
+                                   "mean_batch_size")]).head(5).to_dict("records")
+    # what an interrupted sweep leaves: its rows so far, for the run it swept (the page's own helpers keep them)
+    app.session_state["sim_block_rows"], app.session_state["sim_block_for"] = finished, app.session_state["sim_key"]
+    app.session_state["sim_block_sweep"] = None
+    app.run()  # the rerun of another action (not a chart view: figures built here are kept for other tests)
+    clean(app)
+    assert any(i.value.startswith("Cut short by another action on the page: 5 of 18 runs finished") for i in app.info)
+    assert len(download_table(app, downloads, "dl_block_sweep")) == 5
+    app.run()  # the note is said once
+    assert not any("Cut short" in i.value for i in app.info)
+    app.session_state["sim_block_rows"], app.session_state["sim_block_for"] = finished, app.session_state["sim_key"]
+    app.number_input[0].set_value(300).run()  # other settings: the rows belong to another run
+    clean(app)
+    assert any("cut short by a change of settings" in i.value for i in app.info)
+    assert not any(b.proto.id.endswith("dl_block_sweep") for b in app.download_button)
+
+
 def test_memory_simulator_draws_the_chart_chosen_and_builds_each_once():
     """Two charts at a time (where the memory goes, and the view chosen), each built when first shown and kept with
     the run: a return to a view shows the same figure without building it again."""

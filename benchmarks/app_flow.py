@@ -160,8 +160,9 @@ def _page_state(page) -> str:
     state = page.evaluate("() => document.querySelector('[data-test-script-state]')"
                           "?.getAttribute('data-test-script-state')")
     runs = page.evaluate("() => window.__runsStarted")
-    return (f"script state {state!r}, runs started {runs}, headings {texts('h1, h2, h3')}, alerts {texts('[data-testid=stAlert]')}, "
-            f"exceptions {texts('[data-testid=stException]')}, charts {page.locator('.js-plotly-plot').count()}")
+    return (f"script state {state!r}, runs started {runs}, headings {texts('h1, h2, h3')}, "
+            f"alerts {texts('[data-testid=stAlert]')}, exceptions {texts('[data-testid=stException]')}, "
+            f"charts {page.locator('.js-plotly-plot').count()}")
 
 
 def launch(playwright):

@@ -11,7 +11,7 @@ import pandas as pd
 from lab.latency import request_latencies
 from lab.models.qwen3 import checkpoint_vocab_size
 from lab.profiling.profile import Profile, ProfileError
-from lab.report.trust import holdout_problem
+from lab.report.trust import HOLDOUT_LIMIT
 from lab.peer.server import (ServerRun, VLLMServer, check_server, reset_prefix_cache, run_server_workload,
                              server_cache_config)
 
@@ -25,11 +25,6 @@ def _holdout_error(profile: Profile) -> float:
     """``profile``'s median error on held-out steps; infinite when unknown."""
     error = profile.holdout_median_rel_error
     return math.inf if math.isnan(error) else error
-
-
-def _too_far_off(profile: Profile) -> bool:
-    """Whether ``profile``'s median error on held-out steps is past ``HOLDOUT_LIMIT`` (or unknown)."""
-    return bool(holdout_problem(profile.holdout_median_rel_error))
 
 
 class Phase:
@@ -89,7 +84,7 @@ class LiveTwin:
             except ProfileError:
                 pass  # a corrupt or older file: measured again below
             else:
-                if not _too_far_off(cached):
+                if _holdout_error(cached) <= HOLDOUT_LIMIT:
                     self.profile_source = f"loaded from {path}"
                     return cached
         profile = calibrate(self.config, self.checkpoint, progress=lambda _: None)
@@ -147,7 +142,7 @@ class LiveTwin:
             if self.run.requests["sent_s"].notna().any():
                 if not self.run.stopped:  # and after it: the prediction of the run is priced with both
                     after = probe_server(url, model, priced, self.calibration, vocab, self.config.seed + 501)
-                    now = self.calibration.shifted(*((before + later) / 2 for before, later in zip(shift, after)))
+                    now = self.calibration.shifted(*np.mean([shift, after], axis=0))  # as run_vllm_twin does
                     simulation = now.applied(simulation, self.profile)
                 self.step_overhead_s, self.request_overhead_s = now.step_overhead_s, now.request_overhead_s
                 self.prediction = simulate_run(self.workload, self.run, simulation, now)

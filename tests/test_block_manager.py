@@ -1,5 +1,6 @@
 """Unit and state-machine tests of lab.kv_cache.block_manager.KVBlockManager."""
 from array import array
+from unittest import mock
 
 import pytest
 from hypothesis import example, given, settings, strategies as st
@@ -610,16 +611,23 @@ def test_the_one_call_release_declines_what_it_does_not_cover():
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["pop", "pop_one", "prepend", "push_ended", "push_ended_one", "push_keyed",
-                                           "take"]), st.integers(1, 6)), max_size=60))
+                                           "take"]), st.integers(1, 6)), max_size=60),
+       st.sampled_from([(4096, 64), (1, 1), (3, 2)]))
 @example([("pop", 6), ("pop", 2), ("push_keyed", 1), ("push_keyed", 1), ("push_keyed", 1), ("push_keyed", 1),
-          ("take", 4), ("take", 1), ("pop", 2)])  # an allocation that meets a tombstone, then another past it
-def test_the_free_queue_keeps_order_and_ended_blocks_through_any_interleaving(operations):
+          ("take", 4), ("take", 1), ("pop", 2)], (4096, 64))  # an allocation that meets a tombstone, then another past it
+def test_the_free_queue_keeps_order_and_ended_blocks_through_any_interleaving(operations, thresholds):
     """``FreeBlockQueue`` against a list model: allocation takes the head without trimming the ended ranges (their
     queued part starts at the highest position the head has reached), so a prepend over a consumed part of an ended
     range must not make its blocks look ended, whatever the interleaving; a cached block taken back by a prefix hit
-    leaves a tombstone that allocation skips (``take``)."""
-    from lab.kv_cache.block_manager import FreeBlockQueue
+    leaves a tombstone that allocation skips (``take``). Tiny compaction and pruning thresholds (``thresholds``) make
+    the queue drop its consumed entries and ended ranges all the time: nothing it shows may change."""
+    from lab.kv_cache import block_manager
 
+    with mock.patch.multiple(block_manager, COMPACT_MIN=thresholds[0], ENDED_PRUNE_MIN=thresholds[1]):
+        _free_queue_against_a_model(block_manager.FreeBlockQueue, operations)
+
+
+def _free_queue_against_a_model(FreeBlockQueue, operations):
     num_blocks = 8
     keys = [None] * num_blocks
     queue = FreeBlockQueue(num_blocks, keys)

@@ -36,6 +36,8 @@ from .prefix_cache import ROOT_CONTENT_ID, PrefixCache, PrefixCacheStats
 
 MAX_POOL_BLOCKS = 2**31 - 1  # block ids are C ints
 BLOCK_ID = "i"  # block tables, the free queue and reservations are C int arrays: no per-id object traffic
+COMPACT_MIN = 4096  # the free queue drops its consumed entries once at least this many have piled up
+ENDED_PRUNE_MIN = 64  # ... and its consumed ended-stream ranges once at least this many are kept
 
 
 class BlockManagerError(LabError):
@@ -107,22 +109,32 @@ class FreeBlockQueue:
         # Absolute entry ranges of ended streams' blocks, oldest first. The head only moves forward by allocation and
         # back by a prepend, which writes blocks without keys, and the tail only grows: an entry below the highest
         # position the head has reached (``high_water``) has been consumed, so a range's queued part starts there
-        # (no range is trimmed as allocation passes through it; ranges wholly below it are dropped as others come).
+        # (no range is trimmed as allocation passes through it; ranges wholly below it are dropped in bulk).
         self.ended: deque[tuple[int, int]] = deque()
-        self.high_water = 0
+        self.prepend_water = 0  # the highest position the head reached before its last move back (a prepend)
+        self.compact_at = COMPACT_MIN  # compact once the head passes this (half the entries at the last compaction)
+        self.prune_at = ENDED_PRUNE_MIN  # drop consumed ended ranges once this many are kept
         self.block_keys = block_keys
 
     def __len__(self) -> int:
         return self.num_free
 
+    @property
+    def high_water(self) -> int:
+        """The highest absolute entry position the head has reached (entries below it have been consumed)."""
+        return max(self.prepend_water, self.base + self.head)
+
     def prepend_unkeyed(self, blocks: array) -> None:
         """Queue blocks that have no cache key at the head, ``blocks[0]`` to be reused first."""
         count, head = len(blocks), self.head
+        if self.base + head > self.prepend_water:  # the head moves back: remember how far it had come
+            self.prepend_water = self.base + head
         if count > head:  # room before the head: pad the front (entry positions stay absolute through ``base``)
             pad = count - head + len(self.entries) // 2 + 64
             self.entries[0:0] = array(BLOCK_ID, bytes(pad * self.entries.itemsize))
             self.base -= pad
             head += pad
+            self.compact_at = max(COMPACT_MIN, len(self.entries) // 2)  # the padding is not consumed entries
         head -= count
         self.entries[head:head + count] = blocks
         self.head = head
@@ -134,8 +146,8 @@ class FreeBlockQueue:
         reusing one evicts nothing. Only their entry ranges are kept, for views (``ended_blocks``)."""
         start, ended = self.base + len(self.entries), self.ended
         self.entries.extend(blocks)
-        while ended and ended[0][1] <= self.high_water:  # wholly consumed
-            ended.popleft()
+        if len(ended) >= self.prune_at:
+            self._drop_consumed_ranges()
         ended.append((start, start + len(blocks)))
         self.num_free += len(blocks)
 
@@ -143,13 +155,21 @@ class FreeBlockQueue:
         """``push_ended`` of one block (joining the last range when it ends here)."""
         end, ended = self.base + len(self.entries), self.ended
         self.entries.append(block)
-        while ended and ended[0][1] <= self.high_water:  # wholly consumed
-            ended.popleft()
+        if len(ended) >= self.prune_at:
+            self._drop_consumed_ranges()
         if ended and ended[-1][1] == end:
             ended[-1] = (ended[-1][0], end + 1)
         else:
             ended.append((end, end + 1))
         self.num_free += 1
+
+    def _drop_consumed_ranges(self) -> None:
+        """Drop the ended ranges wholly below the high water (consumed), oldest first; the next drop waits until as
+        many ranges again are kept (amortized O(1) per push)."""
+        ended, consumed = self.ended, self.high_water
+        while ended and ended[0][1] <= consumed:
+            ended.popleft()
+        self.prune_at = max(ENDED_PRUNE_MIN, 2 * len(ended))
 
     def ended_blocks(self) -> set[int]:
         """The queued blocks of ended streams (O(their entries); for views and checks)."""
@@ -187,14 +207,19 @@ class FreeBlockQueue:
                 stale = more.count(-1)
                 taken.extend(more)
         self.num_free -= count
-        if self.base + head > self.high_water:
-            self.high_water = self.base + head
-        if head > 4096 and 2 * head > len(entries):  # compact: drop the consumed prefix
-            del entries[:head]
-            self.base += head
+        if head > self.compact_at:  # compact: drop the consumed prefix
+            self._compact(head)
             head = 0
         self.head = head
         return taken
+
+    def _compact(self, head: int) -> None:
+        """Drop the consumed entries before ``head`` (entry positions stay absolute through ``base``)."""
+        if self.base + head > self.prepend_water:
+            self.prepend_water = self.base + head
+        del self.entries[:head]
+        self.base += head
+        self.compact_at = max(COMPACT_MIN, len(self.entries) // 2)
 
     def pop_one(self) -> int:
         """The least recently released block (the caller checks there is one)."""
@@ -203,8 +228,6 @@ class FreeBlockQueue:
         block = self.entries[self.head]
         self.head += 1
         self.num_free -= 1
-        if self.base + self.head > self.high_water:
-            self.high_water = self.base + self.head
         return block
 
     def queued(self) -> list[int]:

@@ -123,8 +123,10 @@ class PagedPolicy:
                 manager.fork_sequence(first.seq_id, seq.seq_id)
                 seq.cached_tokens, seq.synced_len = 0, prompt_len
             self._track_shared_partial(seqs)
-        for seq in seqs:
-            self._count_final_block(seq, blocks)
+            for seq in seqs:
+                self._count_final_block(seq, blocks)
+        elif blocks * self.block_size >= first.final_len:  # else its final block is counted when it is reserved
+            self._count_final_block(first, blocks)
         return True
 
     # ---- growth ---------------------------------------------------------------------------------------------------

@@ -246,10 +246,15 @@ def scheduler_config(config: SimConfig) -> SchedulerConfig:
                               track_longest=config.profile is not None)
 
 
-def _blocks_reserved(ahead: int, period: int, prefix: list[int] | None) -> int:
-    """Blocks the next ``ahead`` quiet steps reserve, their phase buckets' sizes cycling with ``period``
-    (``prefix``: those sizes' running sums from 0; None when no bucket has a sequence)."""
-    return ahead // period * prefix[-1] + prefix[ahead % period] if prefix else 0
+def _blocks_reserved(ahead: int, sizes: list[int] | None, offset: int) -> int:
+    """Blocks the next ``ahead`` quiet steps reserve (``sizes``: the blocks of each phase bucket, cycling, the next
+    step's at ``offset``; None when no bucket has a sequence)."""
+    if not sizes:
+        return 0
+    if offset + ahead <= len(sizes):
+        return sum(sizes[offset:offset + ahead])
+    full, rest = divmod(ahead, len(sizes))
+    return full * sum(sizes) + sum(islice(cycle(sizes), offset, offset + rest))
 
 
 def synthetic_token_ids(workload: Workload, request: int, length: int, prompt=None) -> list[int]:
@@ -298,6 +303,7 @@ class Simulator:
         if config.record_steps:
             self.scheduler.step_rows = []
         self.track_tokens = self.policy.caches_prefixes
+        self.shares_prefixes = self.track_tokens and workload.has_shared_prefixes  # prompts by token ids, else streams
         self.on_snapshot, self.snapshot_every = on_snapshot, max(1, snapshot_every)
         self.snapshot_pool = snapshot_pool  # copying the pool is O(blocks): progress-only callers skip it
         self.time = 0.0
@@ -420,7 +426,7 @@ class Simulator:
             return
         if not self.track_tokens:
             group = SequenceGroup(request, [])
-        elif self.workload.has_shared_prefixes:
+        elif self.shares_prefixes:
             group = SequenceGroup(request, [], self._token_ids)
         else:  # content unique to the request: prefix caching by stream position, no token lists
             group = SequenceGroup(request, [], stream_key=request)
@@ -536,8 +542,8 @@ class Simulator:
         # step reserves; ``marks``: (steps, slots so far) where that changes)
         period, start, ends = scheduler.period, scheduler.step, scheduler.periodic_ends
         block_size = self.policy.block_size if period else 0
-        sizes = scheduler.quiet_bucket_sizes() if scheduler.bucket_total else None
-        prefix = list(accumulate(sizes, initial=0)) if sizes else None
+        sizes = scheduler.bucket_sizes if scheduler.bucket_total else None  # the next step's at ``offset``
+        offset = (start + 1) % period if period else 0
         never_filled, marks = 0, []
         kv_tokens = scheduler.len_offset + batch * scheduler.step
         time, generated, durations = self.time, self.generated_tokens, []
@@ -560,7 +566,7 @@ class Simulator:
                 if first_row is None:
                     first_row = row(scheduler.quiet_step_stats(), first.categories(),
                                     self.num_preemptions, self._prefix_cache_hits())
-                blocks = _blocks_reserved(ahead, period, prefix)
+                blocks = _blocks_reserved(ahead, sizes, offset)
                 shift, slots = (ahead - 1) * batch, blocks * block_size
                 metrics.append(quiet_row(first_row, ahead - 1, duration, time, generated,
                                          (first.token_states + shift, first.reserved - shift + slots - never_filled,
@@ -571,15 +577,19 @@ class Simulator:
         count = len(durations)
         taken = settled = None
         if period:
-            taken = [0] * count if not sizes else \
-                [blocks * block_size for blocks in accumulate(islice(cycle(sizes), count))]
+            if sizes:  # the slots the first 1, 2, ... count steps reserve
+                steps = sizes[offset:offset + count] if offset + count <= period else \
+                    islice(cycle(sizes), offset, offset + count)
+                taken = [blocks * block_size for blocks in accumulate(steps)]
+            else:
+                taken = [0] * count
             settled, done, value = [], 0, 0
             for ahead, total in marks:  # step ``ahead`` and those after it have ``total`` settled
                 settled += [value] * (ahead - 1 - done)
                 done, value = ahead - 1, total
             settled += [value] * (count - done)
         metrics.accumulate_run(first, batch, batch, durations, taken, settled)
-        scheduler.skip_quiet_steps(count, _blocks_reserved(count, period, prefix))
+        scheduler.skip_quiet_steps(count, taken[-1] // block_size if sizes else 0)
         self.iteration += len(durations)
         self.time, self.generated_tokens, self.idle_s = time, generated, 0.0
         return True

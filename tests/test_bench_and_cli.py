@@ -1,4 +1,5 @@
 """The benchmarks run end to end on tiny shapes and the CLI writes their CSVs."""
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -366,3 +367,18 @@ def test_each_precision_s_vllm_bench_keeps_its_own_default_file():
     assert out(kv_cache_dtype="fp8_e4m3") == "benchmarks/results/vllm_fp8_cpu.csv"
     assert out(kv_cache_dtype="fp8_e4m3", first_token_only=True) == "benchmarks/results/vllm_fp8_agreement_cpu.csv"
     assert out(dtype="bfloat16", out="mine.csv") == "mine.csv"
+
+
+def test_the_vllm_bench_pairs_each_repeat_s_runs():
+    """The recorded tiny bf16 TTFTs of 525c9cf: ours was 1.03, 1.24 and 1.03 times vLLM's in the three repeats, and the
+    ratio of the medians says 1.24 because ours ran in a slow spell once; the paired row says 1.03."""
+    from lab.bench.vllm import METRICS, _medians
+
+    ttft = {"vllm": [0.0395, 0.0323, 0.0302], "ours": [1.03 * 0.0395, 1.24 * 0.0323, 1.03 * 0.0302]}
+    rows = [{"system": name, "repeat": r, **{m: 1.0 for m in METRICS}, "preemptions": 0, "ttft_p50_s": ttft[name][r]}
+            for name in ("ours", "vllm") for r in range(3)]
+    summary = {row["system"]: row for row in _medians(pd.DataFrame(rows), "quiet")}
+    assert summary["ours / vllm"]["ttft_p50_s"] == pytest.approx(1.24)
+    assert summary["ours / vllm, paired"]["ttft_p50_s"] == pytest.approx(1.03)
+    assert summary["ours / vllm, paired"]["output_tok_s"] == 1.0
+    assert math.isnan(summary["ours / vllm, paired"]["preemptions"])  # none on either side: no ratio

@@ -91,7 +91,8 @@ def _theirs(peer: VLLMPeer, prompts, max_tokens, arrival_steps=None) -> dict:
 
 
 def run_vllm_bench(config: VLLMBenchConfig, progress=None) -> pd.DataFrame:
-    """One row per (system, repeat) and a median row per system, then a ``ours / vLLM`` row of the medians' ratios;
+    """One row per (system, repeat) and a median row per system, then a ``ours / vLLM`` row of the medians' ratios
+    and a ``ours / vllm, paired`` row of the repeats' ratios' medians (``_medians``);
     ``greedy_agreement`` says which share of the generated tokens the two engines agree on (position by position),
     ``first_token_agreement`` which share of the requests start with the same token."""
     if config.model not in PRESETS:
@@ -160,12 +161,17 @@ def run_vllm_bench(config: VLLMBenchConfig, progress=None) -> pd.DataFrame:
 
 
 def _medians(runs: pd.DataFrame, load: str) -> list[dict]:
-    """Each engine's median row of ``runs`` (one load), then the ``ours / vllm`` ratio of the medians."""
+    """Each engine's median row of ``runs`` (one load), the ``ours / vllm`` ratio of the medians, and ``ours / vllm,
+    paired``: the median of each repeat's ratio (the two runs of a repeat are back to back, so a slow spell of the
+    machine that spans a repeat cancels out there, not in the ratio of medians)."""
     medians = [{"system": name, "load": load, "repeat": "median",
                 **{m: statistics.median(runs[runs["system"] == name][m]) for m in METRICS}} for name in ("ours", "vllm")]
     ratio = {"system": "ours / vllm", "load": load, "repeat": "median",
              **{m: medians[0][m] / medians[1][m] if medians[1][m] else float("nan") for m in METRICS}}
-    return medians + [ratio]
+    ours, theirs = (runs[runs["system"] == name].set_index("repeat")[list(METRICS)] for name in ("ours", "vllm"))
+    paired = (ours / theirs.where(theirs != 0)).median()
+    return medians + [ratio, {"system": "ours / vllm, paired", "load": load, "repeat": "median",
+                              **{m: float(paired[m]) for m in METRICS}}]
 
 
 def _first_tokens(engine: LLMEngine, prompts) -> tuple[list[list[int]], list[float]]:

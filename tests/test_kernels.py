@@ -90,6 +90,28 @@ def test_cpu_prefill_attention_reads_the_pool_in_place(dtype, tolerance, block_s
     assert relative_error(out, reference_prefill(query, case, chunk_lens, cached)) < tolerance
 
 
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-3), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("sharpness", [30.0, 300.0])
+def test_cpu_prefill_attention_on_sharp_softmaxes(dtype, tolerance, sharpness):
+    """Scores hundreds apart (queries scaled up): the kernel's own exponential underflows to exactly zero where the
+    float64 reference's does, with no NaN or infinity, and the rows still match the reference."""
+    from paged_kernels import cpu_extension
+    from paged_kernels.torch_backend import paged_attention_prefill
+
+    if cpu_extension.status() is not None:
+        pytest.skip(f"the in-place CPU attention cannot be built here: {cpu_extension.status()}")
+    chunk_lens, cached = [3, 129, 64], [0, 70, 200]
+    case = make_decode_case([c + n for c, n in zip(cached, chunk_lens)], 7, 2, 2, 32, dtype=dtype)
+    generator = torch.Generator().manual_seed(int(sharpness))
+    query = (torch.randn(sum(chunk_lens), 4, 32, generator=generator) * sharpness).to(dtype)
+    out = torch.full_like(query, float("nan"))
+    starts = torch.tensor([0, *np.cumsum(chunk_lens)], dtype=torch.long)
+    assert paged_attention_prefill(query, case.key_cache, case.value_cache, case.block_tables.long(), starts,
+                                   torch.tensor(cached), 32 ** -0.5, out)
+    assert torch.isfinite(out).all()
+    assert relative_error(out, reference_prefill(query, case, chunk_lens, cached)) < tolerance
+
+
 def test_cpu_prefill_attention_declines_what_it_is_not_built_for():
     """A head size without an instantiation, or an output it cannot write in place (not contiguous), is left to the
     caller."""

@@ -37,6 +37,31 @@ static inline void in_register(Vec& v) {
 
 typedef int IVec __attribute__((vector_size(LANES * sizeof(int))));
 
+// e^x for x <= 0 (a score minus its row's maximum), inline: e^x = 2^n e^r, n = round(x / ln 2), r = x - n ln 2 in
+// two parts (|r| <= ln 2 / 2), e^r by its Taylor polynomial of degree 7 (error below 1e-8 relative), 2^n by
+// scalef. Within 2 ulp of expf; a call into glibc's vector expf instead spills every live register around it.
+static inline Vec exp_nonpositive(Vec x) {
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_max_ps(reinterpret_cast<__m512>(x), _mm512_set1_ps(-104.0f));  // e^-104: 0 in float
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), v);  // ln 2's leading bits: n * them is exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return reinterpret_cast<Vec>(_mm512_scalef_ps(p, n));
+#else
+  for (int64_t l = 0; l < LANES; ++l) x[l] = std::exp(x[l]);
+  return x;
+#endif
+}
+
 // A cache element as a float: the model's dtype converted, or (FP8 caches: uint8 codes) its value times the cache's
 // scale (k_scale or v_scale), dequantized on load. ``rows`` converts n elements at once.
 template <typename cache_t>
@@ -394,7 +419,7 @@ void paged_attention_decode(torch::Tensor out, torch::Tensor query, torch::Tenso
 // tile of KEY_TILE keys at a time (copied out of their blocks once, keys transposed), with an online softmax in
 // float32 (flash attention's). Tasks are dealt to the threads by their cost, largest first (a causal chunk's late
 // tiles see more keys).
-constexpr int64_t TILE_TOKENS = 64, KEY_TILE = 64, ROW_BLOCK = 4, D_CHUNK = 32;
+constexpr int64_t TILE_TOKENS = 128, KEY_TILE = 64, ROW_BLOCK = 4, D_CHUNK = 32;
 constexpr float MASKED = -1e30f;  // finite: the file is built with -ffast-math
 template <typename scalar_t, int64_t D, typename cache_t = scalar_t>
 struct PrefillTask {
@@ -406,24 +431,35 @@ struct PrefillTask {
   const int64_t* table;
   int64_t q_heads, group, block_size, block_stride, head_stride;
   float scale;
+  // bfloat16 queries and keys: the scores by AVX-512 BF16's dot products of pairs (exact products, float32 sums),
+  // half the instructions of converting both to float32; the query is scaled after (its scores), not before
+#if defined(__AVX512BF16__)
+  static constexpr bool PAIRED = std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<cache_t, c10::BFloat16>;
+#else
+  static constexpr bool PAIRED = false;
+#endif
 
   // tokens [t0, t0 + n) of query/out, the first at position first_pos, with kv head h. Rows are (token, q head of
   // the group), ROW_BLOCK at a time: a block's scores over the key tile and its weighted values are register tiles.
   void run(int64_t t0, int64_t n, int64_t first_pos, int64_t h, std::vector<float>& buffer) const {
     const int64_t rows = n * group, padded = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
     const int64_t num_keys = first_pos + n;
-    buffer.resize(padded * (2 * D + 2) + 2 * KEY_TILE * D);
+    buffer.resize(padded * (2 * D + 1 + LANES) + 2 * KEY_TILE * D);
     float *qf = buffer.data(), *acc = qf + padded * D, *maxima = acc + padded * D, *sums = maxima + padded;
-    float *keys_t = sums + padded, *values = keys_t + KEY_TILE * D;  // keys transposed [D][KEY_TILE]
+    float *keys_t = sums + padded * LANES, *values = keys_t + KEY_TILE * D;  // keys transposed [D][KEY_TILE]
     std::fill(qf, qf + padded * D, 0.0f);
     for (int64_t i = 0; i < n; ++i)
       for (int64_t g = 0; g < group; ++g) {
         const scalar_t* src = q + ((t0 + i) * q_heads + h * group + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[(i * group + g) * D + d] = static_cast<float>(src[d]) * scale;
+        float* row = qf + (i * group + g) * D;
+        if constexpr (PAIRED)
+          std::memcpy(row, src, D * sizeof(scalar_t));  // a row's D / 2 pairs of bfloat16
+        else
+          for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(src[d]) * scale;
       }
     std::fill(acc, acc + padded * D, 0.0f);
     std::fill(maxima, maxima + padded, MASKED);
-    std::fill(sums, sums + padded, 0.0f);
+    std::fill(sums, sums + padded * LANES, 0.0f);  // a row's sum in LANES parts, added up at the end
     for (int64_t k0 = 0; k0 < num_keys; k0 += KEY_TILE) {
       const int64_t count = std::min(KEY_TILE, num_keys - k0);
       load_keys(k0, count, h, keys_t, values);
@@ -436,10 +472,13 @@ struct PrefillTask {
         }
         if (most == 0) continue;
         alignas(64) float s[ROW_BLOCK][KEY_TILE];
-        scores(qf + r0 * D, keys_t, s);
+        if constexpr (PAIRED)
+          paired_scores(qf + r0 * D, keys_t, s, scale);
+        else
+          scores(qf + r0 * D, keys_t, s);
         float rescale[ROW_BLOCK];
         for (int64_t b = 0; b < ROW_BLOCK; ++b) rescale[b] = softmax_step(s[b], visible[b], maxima[r0 + b],
-                                                                           sums[r0 + b]);
+                                                                           sums + (r0 + b) * LANES);
         for (int64_t c = 0; c < D; c += D_CHUNK) weigh_values(s, values + c, most, rescale, acc + r0 * D + c);
       }
     }
@@ -447,7 +486,10 @@ struct PrefillTask {
       for (int64_t g = 0; g < group; ++g) {
         const int64_t r = i * group + g;
         scalar_t* dst = out + ((t0 + i) * q_heads + h * group + g) * D;
-        const float inverse = 1.0f / sums[r];
+        const Vec parts = load(sums + r * LANES);
+        float sum = 0.0f;
+        for (int64_t l = 0; l < LANES; ++l) sum += parts[l];
+        const float inverse = 1.0f / sum;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[r * D + d] * inverse);
       }
   }
@@ -467,6 +509,29 @@ struct PrefillTask {
     }
     for (int64_t b = 0; b < ROW_BLOCK; ++b)
       for (int64_t x = 0; x < 4; ++x) store(s[b] + x * LANES, acc[b][x]);
+  }
+
+  // ``scores`` for bfloat16: q rows hold D / 2 pairs (row stride D floats), keys_t [D / 2][KEY_TILE] pairs; scaled
+  static void paired_scores(const float* qf, const float* keys_t, float (*s)[KEY_TILE], float scale) {
+#if defined(__AVX512BF16__)
+    __m512 acc[ROW_BLOCK][4];
+    for (int64_t b = 0; b < ROW_BLOCK; ++b)
+      for (int64_t x = 0; x < 4; ++x) acc[b][x] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D / 2; ++d) {
+      const float* row = keys_t + d * KEY_TILE;
+      __m512bh k[4];
+      for (int64_t x = 0; x < 4; ++x) k[x] = reinterpret_cast<__m512bh>(_mm512_loadu_ps(row + x * LANES));
+      for (int64_t b = 0; b < ROW_BLOCK; ++b) {
+        const __m512bh pair = reinterpret_cast<__m512bh>(_mm512_set1_ps(qf[b * D + d]));
+        for (int64_t x = 0; x < 4; ++x) acc[b][x] = _mm512_dpbf16_ps(acc[b][x], pair, k[x]);
+      }
+    }
+    const __m512 factor = _mm512_set1_ps(scale);
+    for (int64_t b = 0; b < ROW_BLOCK; ++b)
+      for (int64_t x = 0; x < 4; ++x) _mm512_store_ps(s[b] + x * LANES, _mm512_mul_ps(acc[b][x], factor));
+#else
+    (void)qf, (void)keys_t, (void)s, (void)scale;
+#endif
   }
 
   // acc rows (D_CHUNK of their columns, row stride D) = acc * rescale + p . values over the tile's first ``keys``
@@ -495,27 +560,34 @@ struct PrefillTask {
       }
       const int64_t pos = k0 + j;
       const int64_t at = table[pos / block_size] * block_stride + h * head_stride + (pos % block_size) * D;
-      alignas(64) float key[D];
-      k_load.rows(key, kc + at, D);
-      for (int64_t d = 0; d < D; ++d) keys_t[d * KEY_TILE + j] = key[d];
+      if constexpr (PAIRED) {
+        const float* pairs = reinterpret_cast<const float*>(kc + at);  // D / 2 pairs of bfloat16, as 32-bit words
+        for (int64_t d = 0; d < D / 2; ++d) keys_t[d * KEY_TILE + j] = pairs[d];
+      } else {
+        alignas(64) float key[D];
+        k_load.rows(key, kc + at, D);
+        for (int64_t d = 0; d < D; ++d) keys_t[d * KEY_TILE + j] = key[d];
+      }
       v_load.rows(values + j * D, vc + at, D);
     }
   }
 
   // One key tile of a row's online softmax: its scores s become probabilities (0 past visible), the row's running
   // maximum and sum move on; returns the factor the row's accumulated values are rescaled by.
-  static float softmax_step(float* s, int64_t visible, float& maximum, float& sum) {
+  static float softmax_step(float* s, int64_t visible, float& maximum, float* sum) {
     float tile_max = MASKED;
     for (int64_t j = 0; j < visible; ++j) tile_max = std::max(tile_max, s[j]);
     const float new_max = std::max(maximum, tile_max), rescale = std::exp(maximum - new_max);
-    float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t j = 0; j < KEY_TILE; ++j) {
-      s[j] = j < visible ? std::exp(s[j] - new_max) : 0.0f;
-      total += s[j];
+    const IVec iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    Vec total = load(sum) * rescale;
+    for (int64_t j = 0; j < KEY_TILE; j += LANES) {
+      const Vec e = exp_nonpositive(load(s + j) - new_max);
+      const Vec p = iota + static_cast<int>(j) < static_cast<int>(visible) ? e : Vec{0};
+      store(s + j, p);
+      total += p;
     }
+    store(sum, total);
     maximum = new_max;
-    sum = sum * rescale + total;
     return rescale;
   }
 };

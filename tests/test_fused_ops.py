@@ -118,6 +118,29 @@ def test_the_torch_backend_is_hf_bit_for_bit():
     assert torch.equal(q_out, q_hf) and torch.equal(k_out, k_hf)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [32, 48, 64, 128])
+def test_cpu_fused_qk_norm_rope_write_is_the_torch_ops_bit_for_bit(dtype, head_dim, monkeypatch):
+    """The C++ pass (``FUSED_CPU``; bfloat16 heads of a multiple of 32 by whole registers, others element by element)
+    writes the q and k outputs and the caches the torch ops write, to the last bit (finite inputs; NaN payloads may
+    differ), padding rows included."""
+    from paged_kernels import cpu_extension
+
+    if cpu_extension.status() is not None:
+        pytest.skip(f"the CPU extension cannot be built here: {cpu_extension.status()}")
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr("paged_kernels.torch_backend.FUSED_CPU", fused)
+        case = qk_case(37, 6, 2, head_dim, 7, dtype=dtype, seed=head_dim)
+        spread = torch.randn(case["q"].shape[:2], generator=torch.Generator().manual_seed(head_dim))
+        case["q"] = case["q"] * (4.0 ** spread)[..., None].to(dtype)  # heads of very different scales
+        outputs = paged_kernels.qk_norm_rope_write(**case, backend="torch")
+        results.append([x.view(torch.int16 if dtype != torch.float32 else torch.int32)
+                        for x in (*outputs, case["key_cache"], case["value_cache"])])
+    for fused, unfused in zip(*results):
+        assert torch.equal(fused, unfused)
+
+
 @pytest.mark.parametrize("bad,message", [
     (dict(eps=-1), "eps"), (dict(positions=torch.tensor([5000] * 11)), "positions must be in"),
     (dict(slot_mapping=torch.tensor([0] * 11)), "more than once"),

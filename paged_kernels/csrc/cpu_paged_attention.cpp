@@ -733,6 +733,46 @@ static void norm_rope_head_bf16(c10::BFloat16* dst, const c10::BFloat16* src, fl
   for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<uint16_t>(__builtin_bit_cast(uint32_t, out[d]) >> 16);
 }
 
+// norm_rope_head_bf16 a register of 16 elements at a time, for a head whose half is a multiple of 16: rotate_half
+// pairs register c of the first half with register c of the second, so each output register is two products and a
+// sum of whole registers. The same operations in the same order, each rounded to bfloat16 (round_bf16's
+// arithmetic), so the results are the scalar loops' bit for bit; a head of 32 is two registers.
+typedef uint16_t Bf16s __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t UVec __attribute__((vector_size(LANES * sizeof(uint32_t))));
+__attribute__((always_inline, optimize("no-fast-math", "fp-contract=off")))
+static inline Vec round_bf16(Vec x) {
+  const UVec bits = reinterpret_cast<UVec>(x);
+  const UVec rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  return reinterpret_cast<Vec>((bits & 0x7FFFFFFFu) > 0x7F800000u ? UVec{} + 0x7FC00000u : rounded);
+}
+
+__attribute__((always_inline, optimize("no-fast-math", "fp-contract=off")))
+static inline Vec widen_bf16(const uint16_t* at) {
+  Bf16s halves;
+  std::memcpy(&halves, at, sizeof(halves));
+  return reinterpret_cast<Vec>(__builtin_convertvector(halves, UVec) << 16);
+}
+
+__attribute__((optimize("no-fast-math", "fp-contract=off")))
+static void norm_rope_head_bf16_vec(c10::BFloat16* dst, const c10::BFloat16* src, float inverse,
+                                    const c10::BFloat16* weight, const c10::BFloat16* cos,
+                                    const c10::BFloat16* sin, int64_t head_dim) {
+  const uint16_t *s = reinterpret_cast<const uint16_t*>(src), *w = reinterpret_cast<const uint16_t*>(weight);
+  const uint16_t *c = reinterpret_cast<const uint16_t*>(cos), *n = reinterpret_cast<const uint16_t*>(sin);
+  uint16_t* o = reinterpret_cast<uint16_t*>(dst);
+  const int64_t half = head_dim / 2;
+  for (int64_t d = 0; d < half; d += LANES) {
+    const Vec lo = round_bf16(widen_bf16(w + d) * round_bf16(widen_bf16(s + d) * inverse));
+    const Vec hi = round_bf16(widen_bf16(w + half + d) * round_bf16(widen_bf16(s + half + d) * inverse));
+    const Vec out_lo = round_bf16(round_bf16(lo * widen_bf16(c + d)) + round_bf16(-hi * widen_bf16(n + d)));
+    const Vec out_hi = round_bf16(round_bf16(hi * widen_bf16(c + half + d)) + round_bf16(lo * widen_bf16(n + half + d)));
+    const Bf16s narrow_lo = __builtin_convertvector(reinterpret_cast<UVec>(out_lo) >> 16, Bf16s);
+    const Bf16s narrow_hi = __builtin_convertvector(reinterpret_cast<UVec>(out_hi) >> 16, Bf16s);
+    std::memcpy(o + d, &narrow_lo, sizeof(narrow_lo));
+    std::memcpy(o + half + d, &narrow_hi, sizeof(narrow_hi));
+  }
+}
+
 // 1 / scale in float32, what a value is multiplied by before it is rounded to FP8 (paged_kernels.fp8.inverse_scale;
 // vLLM's CPU k_inv / v_inv). No fast-math here, so the division is a division.
 __attribute__((optimize("no-fast-math")))
@@ -802,8 +842,12 @@ static void qk_norm_rope_write_impl(torch::Tensor& q_out, torch::Tensor& k_out, 
     std::vector<float> buf(2 * head_dim);
     auto head = [&](scalar_t* dst, const scalar_t* src, float inverse, const scalar_t* weight, const scalar_t* cos,
                     const scalar_t* sin) {
-      if constexpr (std::is_same<scalar_t, c10::BFloat16>::value)
-        norm_rope_head_bf16(dst, src, inverse, weight, cos, sin, head_dim, buf.data());
+      if constexpr (std::is_same<scalar_t, c10::BFloat16>::value) {
+        if (head_dim % (2 * LANES) == 0)
+          norm_rope_head_bf16_vec(dst, src, inverse, weight, cos, sin, head_dim);
+        else
+          norm_rope_head_bf16(dst, src, inverse, weight, cos, sin, head_dim, buf.data());
+      }
       else
         norm_rope_head(dst, src, inverse, weight, cos, sin, head_dim, normed);
     };

@@ -39,7 +39,7 @@ class VLLMBenchConfig:
     num_blocks: int = 512  # vLLM's count; ours is one fewer (vLLM keeps block 0 as its null block)
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
-    repeats: int = 3
+    repeats: int = 5
     seed: int = 0
     kv_cache_dtype: str = "auto"  # both engines' KV cache (vLLM's names); FP8: with vLLM's default scales of 1.0
     tie_margin: float = 0.5  # FP8: first tokens whose top-2 logit margin (ours, full-precision cache) is below it

@@ -178,7 +178,7 @@ def _bench_vllm(args) -> None:
     tables = []
     for model, requests in zip(args.model, args.num_requests):
         first_token_only = dict(repeats=1, output_range=(1, 1)) if args.first_token_only else \
-            dict(repeats=args.repeats)
+            dict(repeats=args.repeats or VLLMBenchConfig.repeats)
         config = VLLMBenchConfig(model=model, dtype=args.dtype, num_requests=requests, num_blocks=args.num_blocks,
                                  kv_cache_dtype=args.kv_cache_dtype, tie_margin=args.tie_margin,
                                  background_load=args.background_load, **first_token_only)
@@ -217,7 +217,7 @@ def _bench_vllm_family(args) -> None:
     tables = []
     for model in args.model:
         bar = tqdm(total=1, desc=f"ours vs vLLM, {model}, random family", file=sys.stderr)
-        tables.append(run_family_bench(model, (args.dtype,), seed, count, args.repeats,
+        tables.append(run_family_bench(model, (args.dtype,), seed, count, args.repeats or 3,
                                        progress=lambda done, total: (setattr(bar, "total", total),
                                                                      bar.update(done - bar.n))))
         bar.close()
@@ -395,7 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests per model, in --model's order (prompts of 100-400 tokens, 80-120 out)")
     v.add_argument("--num-blocks", type=positive_int, default=512, help="vLLM's KV blocks of 32 tokens (ours: one "
                                                                           "fewer, vLLM's null block)")
-    v.add_argument("--repeats", type=positive_int, default=3, help="alternating runs of each engine (medians)")
+    v.add_argument("--repeats", type=positive_int, default=None,
+                   help="alternating runs of each engine (medians; default 5 on the fixed workload, where vLLM's own "
+                        "TTFT p50 moved 30-44 ms between runs of 3, and 3 a workload in a random family)")
     v.add_argument("--workload", choices=["fixed", "random"], default="fixed",
                    help="fixed: the bench's workload; random: a seeded family of workloads it did not choose "
                         "(8-64 requests, prompts 16-1,000, outputs 16-256, staggered or not, block 32/64/128, "

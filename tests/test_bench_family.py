@@ -65,3 +65,19 @@ def test_the_summary_gives_each_system_its_slowdown_and_ratio_to_hf():
     assert table.loc["engine", "slowdown"] == 2.0 and table.loc["hf-continuous", "slowdown"] == 1.25
     assert table.loc["engine", "vs_hf_quiet"] == 4.0 and table.loc["engine", "vs_hf_loaded"] == 2.5
     assert table.loc["engine", "ratio_change"] == pytest.approx(-0.375)
+
+
+@pytest.mark.parametrize("argv, repeats", [(["--num-requests", "32"], 5), (["--num-requests", "32", "--repeats", "2"], 2),
+                                           (["--workload", "random"], 3),
+                                           (["--workload", "random", "--repeats", "1"], 1)])
+def test_the_vllm_bench_runs_each_engine_as_often_as_its_workload_needs(argv, repeats, monkeypatch, tmp_path):
+    """Five alternating runs of each engine on the fixed workload by default, three a workload in a random family;
+    ``--repeats`` sets either (the benches themselves are stubbed: this checks what they are asked for)."""
+    asked = []
+    monkeypatch.setattr("lab.bench.vllm.run_vllm_bench",
+                        lambda config, progress=None: asked.append(config.repeats) or pd.DataFrame([{"system": "x"}]))
+    monkeypatch.setattr("lab.bench.vllm_family.run_family_bench",
+                        lambda model, dtypes, seed, count, repeats, progress=None:
+                        asked.append(repeats) or pd.DataFrame([{"system": "x"}]))
+    assert main(["bench", "vllm", "--model", "tiny", "--out", str(tmp_path / "out.csv"), *argv]) == 0
+    assert asked == [repeats]

@@ -26,6 +26,10 @@ METRICS = ("output_tok_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s
            "peak_memory_bytes")
 
 
+FIXED_REPEATS = 5  # runs of each engine, fixed workload: vLLM's own TTFT p50 moved 30-44 ms between runs of 3
+FAMILY_REPEATS = 3  # a random family's runs of each engine, each workload
+
+
 @dataclass(slots=True)
 class VLLMBenchConfig:
     """The checkpoint and workload both engines serve, and what they are given alike."""
@@ -39,7 +43,7 @@ class VLLMBenchConfig:
     num_blocks: int = 512  # vLLM's count; ours is one fewer (vLLM keeps block 0 as its null block)
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
-    repeats: int = 5
+    repeats: int = FIXED_REPEATS
     seed: int = 0
     kv_cache_dtype: str = "auto"  # both engines' KV cache (vLLM's names); FP8: with vLLM's default scales of 1.0
     tie_margin: float = 0.5  # FP8: first tokens whose top-2 logit margin (ours, full-precision cache) is below it

@@ -153,7 +153,7 @@ VLLM_BENCH_OUT = "benchmarks/results/vllm_cpu.csv"
 def _bench_vllm(args) -> None:
     from tqdm import tqdm
 
-    from lab.bench.vllm import VLLMBenchConfig, run_vllm_bench
+    from lab.bench.vllm import FIXED_REPEATS, VLLMBenchConfig, run_vllm_bench
 
     if args.profile:
         if args.workload == "random" or args.seed is not None or args.family is not None or args.background_load \
@@ -178,7 +178,7 @@ def _bench_vllm(args) -> None:
     tables = []
     for model, requests in zip(args.model, args.num_requests):
         first_token_only = dict(repeats=1, output_range=(1, 1)) if args.first_token_only else \
-            dict(repeats=args.repeats or VLLMBenchConfig.repeats)
+            dict(repeats=args.repeats or FIXED_REPEATS)
         config = VLLMBenchConfig(model=model, dtype=args.dtype, num_requests=requests, num_blocks=args.num_blocks,
                                  kv_cache_dtype=args.kv_cache_dtype, tie_margin=args.tie_margin,
                                  background_load=args.background_load, **first_token_only)
@@ -203,6 +203,7 @@ def _vllm_bench_out(args) -> str:
 def _bench_vllm_family(args) -> None:
     from tqdm import tqdm
 
+    from lab.bench.vllm import FAMILY_REPEATS
     from lab.bench.vllm_family import run_family_bench
 
     if args.num_requests != (32, 16) or args.num_blocks != 512:
@@ -217,7 +218,7 @@ def _bench_vllm_family(args) -> None:
     tables = []
     for model in args.model:
         bar = tqdm(total=1, desc=f"ours vs vLLM, {model}, random family", file=sys.stderr)
-        tables.append(run_family_bench(model, (args.dtype,), seed, count, args.repeats or 3,
+        tables.append(run_family_bench(model, (args.dtype,), seed, count, args.repeats or FAMILY_REPEATS,
                                        progress=lambda done, total: (setattr(bar, "total", total),
                                                                      bar.update(done - bar.n))))
         bar.close()

@@ -522,7 +522,9 @@ struct PrefillTask {
       __m512bh k[4];
       for (int64_t x = 0; x < 4; ++x) k[x] = reinterpret_cast<__m512bh>(_mm512_loadu_ps(row + x * LANES));
       for (int64_t b = 0; b < ROW_BLOCK; ++b) {
-        const __m512bh pair = reinterpret_cast<__m512bh>(_mm512_set1_ps(qf[b * D + d]));
+        uint32_t bits;  // the pair's 32 bits as they are (read as a float, a NaN pattern could be changed)
+        std::memcpy(&bits, qf + b * D + d, sizeof(bits));
+        const __m512bh pair = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(bits)));
         for (int64_t x = 0; x < 4; ++x) acc[b][x] = _mm512_dpbf16_ps(acc[b][x], pair, k[x]);
       }
     }

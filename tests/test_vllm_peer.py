@@ -2,7 +2,6 @@
 vLLM V1's own step log (recorded from its scheduler) against our scheduler's, step by step. vLLM is started once
 per test session (one pool; prefix caching on); without the peer (``bash scripts/vllm_peer.sh``) the vLLM tests skip with that command
 as the reason."""
-import os
 import random
 from pathlib import Path
 
@@ -11,7 +10,6 @@ import pytest
 import torch
 
 from lab.engine import LLMEngine
-from lab.errors import InputError
 from lab.models.qwen3 import save_checkpoint
 from lab.peer.client import (STEP_FIELDS, PeerError, PeerSettings, VLLMPeer, compare_step_logs, count_requests,
                              first_divergence, missing_reason, our_step_table, serve, vllm_step_table)
@@ -60,35 +58,6 @@ def test_a_missing_peer_is_named_with_the_command(monkeypatch, tmp_path):
     assert "scripts/vllm_peer.sh" in missing_reason()
     with pytest.raises(PeerError, match="vllm_peer.sh"):
         VLLMPeer(PeerSettings(str(tmp_path)))
-
-
-def test_the_server_worker_s_cores_leave_one_for_the_api_process(monkeypatch):
-    """vLLM's automatic binding on x86: every allowed core but one (reserved for the API process), at least one."""
-    from lab.peer import client
-
-    for allowed, count in (({0}, 1), ({0, 1}, 1), ({2, 5, 7, 9}, 3)):
-        monkeypatch.setattr(client.os, "sched_getaffinity", lambda pid, allowed=allowed: set(allowed))
-        cores = client.server_worker_cores()
-        assert cores <= allowed and len(cores) == count
-
-
-@pytest.mark.parametrize("cores", [set(), {10_000}])
-def test_a_peer_on_cores_it_may_not_use_is_refused(cores, tmp_path):
-    with pytest.raises(InputError, match="cores must be a non-empty subset"):
-        VLLMPeer(PeerSettings(str(tmp_path)), cores=cores)
-
-
-@needs_peer
-def test_a_peer_on_given_cores_computes_there_with_a_thread_each(checkpoint):
-    """The twin's profile is timed with the server's worker threads: the peer's torch runs one thread a core given,
-    and its process may run only there."""
-    from lab.peer.client import server_worker_cores
-
-    cores = server_worker_cores()
-    shape = {"kind": "prefill", "prompts": [list(range(5, 37))], "max_tokens": 1}
-    with VLLMPeer(PeerSettings(str(checkpoint)), cores=cores) as peer:
-        assert peer.profile([shape], 1)["threads"] == len(cores)
-        assert os.sched_getaffinity(peer.process.pid) == cores
 
 
 NUM_BLOCKS = 96  # vLLM's count: 95 usable (block 0 is its null block), 3,040 token slots

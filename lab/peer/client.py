@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from lab.errors import InputError
-
 from .waits import Deadline, PeerError
 
 VLLM_VERSION = "0.32.0"
@@ -58,15 +56,6 @@ class PeerSettings:
     kv_cache_dtype: str = "auto"  # vLLM's CacheConfig.cache_dtype; its CPU build stores fp8_e4m3 as uint8
 
 
-def server_worker_cores() -> set[int]:
-    """The cores vLLM's CPU server binds its worker's OpenMP threads to, by vLLM 0.32's automatic binding on x86:
-    every allowed core but one, which it reserves for the API process (``reserve_cpu_num`` in
-    vllm/utils/ompmultiprocessing.py; ``cpus[-1:]`` per physical core there), at least one. Which core is reserved
-    differs by machine; the count, which the step times follow, does not."""
-    allowed = sorted(os.sched_getaffinity(0))
-    return set(allowed[1:] or allowed)
-
-
 def _die_with_parent() -> None:
     """In the peer's process before it runs: the kernel kills it when the lab's process dies (a killed benchmark or
     test session leaves no vLLM engine spinning; ``PR_SET_PDEATHSIG``, Linux)."""
@@ -83,28 +72,15 @@ class VLLMPeer:
     """One vLLM engine in the peer's process, loaded once; ``run`` serves a workload on it. Use as a context manager:
     the process is always stopped on the way out."""
 
-    def __init__(self, settings: PeerSettings, cores: set[int] | None = None):
-        """``cores``: run vLLM's compute there, one OpenMP thread a core, as vLLM's server binds its worker
-        (``server_worker_cores``); None: the peer's process as the lab's is (every allowed core)."""
-        allowed = os.sched_getaffinity(0)
-        if cores is not None and not (cores and set(cores) <= allowed):
-            raise InputError(f"cores must be a non-empty subset of this process's cores {sorted(allowed)}; "
-                             f"got {sorted(cores)}")
+    def __init__(self, settings: PeerSettings):
         reason = missing_reason()
         if reason:
             raise PeerError(reason)
-        self.settings, self.cores = settings, cores
-        env = None if cores is None else {**os.environ, "OMP_NUM_THREADS": str(len(cores))}
-
-        def start() -> None:
-            _die_with_parent()
-            if cores is not None:
-                os.sched_setaffinity(0, cores)
-
+        self.settings = settings
         # -I: the driver's folder (lab/, whose profile.py and checks.py shadow modules vLLM imports) stays off its path
         self.process = subprocess.Popen([str(peer_python()), "-I", str(DRIVER)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-                                        start_new_session=True, preexec_fn=start)
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                        start_new_session=True, preexec_fn=_die_with_parent)
         self._answers: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.load_s = self._ask({"load": asdict(settings)}, LOAD_TIMEOUT_S)["loaded_s"]

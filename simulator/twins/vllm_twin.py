@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from lab.errors import InputError
-from lab.peer.client import PeerError, PeerSettings, VLLMPeer, server_worker_cores
+from lab.peer.client import PeerError, PeerSettings, VLLMPeer
 from lab.profiling.profile import Profile
 from lab.models.qwen3 import checkpoint_vocab_size
 from lab.peer.server import (ServerRequest, ServerRun, VLLMServer, check_server, reset_prefix_cache,
@@ -331,28 +331,19 @@ def profile_cache_path(config: VLLMTwinConfig) -> Path:
     scenarios = vllm_scenarios(config.block_size, config.grid, config.max_model_len,
                                usable_pool_tokens(config.num_blocks, config.block_size))
     digest = hashlib.sha256(repr(scenarios).encode()).hexdigest()[:8]
-    cores = profile_cores(config)
-    threads = f"{len(cores)}threads" if cores is not None else "allthreads"
     name = (f"{Path(config.model).name}-{config.dtype}-B{config.block_size}-{config.num_blocks}blocks-"
-            f"{config.max_num_seqs}seqs-{config.max_num_batched_tokens}tokens-{config.grid}-{digest}-{threads}-"
+            f"{config.max_num_seqs}seqs-{config.max_num_batched_tokens}tokens-{config.grid}-{digest}-"
             f"vllm{VLLM_VERSION}.json")
     return peer_venv().parent / "vllm-profiles" / name
 
 
-def profile_cores(config: VLLMTwinConfig) -> set[int] | None:
-    """Where the profile's engine computes: on the cores the server the twin starts binds its worker to (one
-    OpenMP thread each, ``server_worker_cores``), not on every core, so that its steps are timed with the server's
-    threads; a server already running (``config.url``) is measured as the peer's process runs."""
-    return None if config.url is not None else server_worker_cores()
-
-
 def calibrate(config: VLLMTwinConfig, checkpoint: str, progress: Callable[[str], None] = print) -> Profile:
     """The step-time profile of vLLM's engine on the checkpoint (``lab.peer.profiling.profile_vllm``), measured in
-    the peer's offline engine with the server's pool, budgets and worker threads (``profile_cores``)."""
+    the peer's offline engine with the server's pool and budgets."""
     from lab.peer.profiling import profile_vllm
 
     progress(f"calibrating on vLLM's engine ({config.grid} grid, {config.profile_repeats} rounds)")
-    with VLLMPeer(config.peer_settings(checkpoint), cores=profile_cores(config)) as peer:
+    with VLLMPeer(config.peer_settings(checkpoint)) as peer:
         return profile_vllm(peer, config.model, checkpoint_vocab_size(checkpoint), config.grid, config.profile_repeats,
                             config.seed)
 

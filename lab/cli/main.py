@@ -190,13 +190,15 @@ def _bench_vllm(args) -> None:
 
 
 def _vllm_bench_out(args) -> str:
-    """``--out``, or where the default goes for this precision: the fp32 figures stay in ``VLLM_BENCH_OUT``, bf16's
-    and FP8's files of their own (the README's rows read each)."""
+    """``--out``, or where the default goes for this precision and load: the fp32 figures stay in
+    ``VLLM_BENCH_OUT``, bf16's, FP8's and the background load's files of their own (the README's rows read each)."""
     if args.out != VLLM_BENCH_OUT:
         return args.out
     if args.kv_cache_dtype != "auto":
         return ("benchmarks/results/vllm_fp8_agreement_cpu.csv" if args.first_token_only else
                 "benchmarks/results/vllm_fp8_cpu.csv")
+    if args.background_load:  # its own file: the quiet-only figures of vllm_cpu.csv stay
+        return "benchmarks/results/vllm_contention_cpu.csv"
     return "benchmarks/results/vllm_cpu_bf16.csv" if args.dtype == "bfloat16" else VLLM_BENCH_OUT
 
 

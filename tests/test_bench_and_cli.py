@@ -353,19 +353,21 @@ def test_every_scheduling_flag_reaches_the_run(tmp_path, monkeypatch):
 
 def test_each_precision_s_vllm_bench_keeps_its_own_default_file():
     """The README's rows read fp32 from vllm_cpu.csv and bf16 from vllm_cpu_bf16.csv: the bf16 command once wrote
-    over the fp32 figures."""
+    over the fp32 figures, and so did the background load's."""
     from argparse import Namespace
 
     from lab.cli.main import VLLM_BENCH_OUT, _vllm_bench_out
 
     def out(**given):
         return _vllm_bench_out(Namespace(**{"out": VLLM_BENCH_OUT, "dtype": "float32", "kv_cache_dtype": "auto",
-                                            "first_token_only": False, **given}))
+                                            "first_token_only": False, "background_load": False,
+                                            **given}))
 
     assert out() == VLLM_BENCH_OUT
     assert out(dtype="bfloat16") == "benchmarks/results/vllm_cpu_bf16.csv"
     assert out(kv_cache_dtype="fp8_e4m3") == "benchmarks/results/vllm_fp8_cpu.csv"
     assert out(kv_cache_dtype="fp8_e4m3", first_token_only=True) == "benchmarks/results/vllm_fp8_agreement_cpu.csv"
+    assert out(background_load=True) == "benchmarks/results/vllm_contention_cpu.csv"
     assert out(dtype="bfloat16", out="mine.csv") == "mine.csv"
 
 

@@ -82,14 +82,3 @@ def test_the_vllm_bench_runs_each_engine_as_often_as_its_workload_needs(argv, re
     assert main(["bench", "vllm", "--model", "tiny", "--out", str(tmp_path / "out.csv"), *argv]) == 0
     assert asked == [repeats]
 
-
-@pytest.mark.parametrize("argv, target", [([], "vllm_cpu.csv"), (["--dtype", "bfloat16"], "vllm_cpu_bf16.csv"),
-                                          (["--background-load"], "vllm_contention_cpu.csv"),
-                                          (["--kv-cache-dtype", "fp8_e4m3"], "vllm_fp8_cpu.csv")])
-def test_each_vllm_bench_writes_its_own_file_by_default(argv, target, monkeypatch):
-    """The background load's figures once went to vllm_cpu.csv and replaced the quiet figures the README reads."""
-    written = []
-    monkeypatch.setattr("lab.bench.vllm.run_vllm_bench", lambda config, progress=None: pd.DataFrame([{"system": "x"}]))
-    monkeypatch.setattr("lab.cli.main.print_and_save", lambda table, out, **kwargs: written.append(out))
-    assert main(["bench", "vllm", "--model", "tiny", "--num-requests", "32", *argv]) == 0
-    assert written == [f"benchmarks/results/{target}"]

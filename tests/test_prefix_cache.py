@@ -117,7 +117,9 @@ def test_the_checks_catch_a_key_that_names_other_tokens():
 def test_every_hit_holds_exactly_the_prompt_s_tokens(prompts, block_size):
     """Against a reference that remembers each block's whole prefix: a lookup returns blocks whose full prefix
     equals the prompt's, block for block."""
-    cache, contents, next_block = PrefixCache(64, block_size, True), {}, 0
+    # a pool as large as every prompt's blocks together (a fresh block per full block registered; 64 once, and six
+    # prompts of 12 tokens at block size 1 asked for 72)
+    cache, contents, next_block = PrefixCache(sum(map(len, prompts)), block_size, True), {}, 0
     for prompt in prompts:
         hits = cache.lookup(prompt)
         for index, block in enumerate(hits):

@@ -5,19 +5,27 @@ waits at its barrier for its slowest thread: with every core in the team and one
 waits for the thread that shares that core, and a decode step became several times slower with two threads than
 with one (docs/benchmarks.md, "Under contention"). vLLM pins its OpenMP threads to cores it assumes are its own
 (``VLLM_CPU_OMP_THREADS_BIND``); the lab's engine runs beside the app, so it measures instead: ``ThreadPolicy``
-(``EngineConfig.cpu_threads=None``) re-reads, at most every quarter second, how much of the cores it may use other
-processes took (``/proc/stat`` for all, ``/proc/self/stat`` for its own) and uses the cores they leave idle, with
-hysteresis so that a brief spike does not flap the team size."""
+(``EngineConfig.cpu_threads=None``) reads, before each step, how much of the cores it may use other processes took
+over the last fifth of a second (``LoadMonitor``: ``/proc/stat`` for all, the process's CPU clock for its own, kept
+current by a sampling thread) and uses the cores they leave idle, with hysteresis so that a brief spike does not
+flap the team size."""
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-BUSY_ABOVE, IDLE_BELOW = 0.6, 0.3  # a core counts as taken by others above this share of it, as free again below
-STALE_S, FIRST_WINDOW_S = 1.0, 0.05  # a measurement older than STALE_S is taken again over FIRST_WINDOW_S
+# A core counts as taken by others above BUSY_ABOVE of it, as free again below IDLE_BELOW. With the team on every core
+# and a busy process on one, others read 0.5-0.8 of a core (the team's threads spin at barriers on the CPU it leaves).
+BUSY_ABOVE, IDLE_BELOW = 0.45, 0.3
+SAMPLE_S, WINDOW_S = 0.05, 0.2  # the monitor reads /proc every SAMPLE_S and reports the last WINDOW_S
+FIRST_WINDOW_S = 0.05  # the shortest window it reports
+IDLE_STOP_S = 30.0  # it stops sampling once no engine has asked for this long (the next request starts it again)
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def allowed_cores() -> set[int]:
@@ -47,56 +55,72 @@ def _busy_ticks(cores: set[int]) -> tuple[int, int] | None:
     return busy, total
 
 
-def _own_ticks() -> int | None:
-    """This process's user + system clock ticks, all threads (``/proc/self/stat``), or None off Linux."""
-    try:
-        with open("/proc/self/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 class LoadMonitor:
-    """How many of this process's cores other processes used over the last ``interval_s`` (``others``), measured
-    when asked at most once per interval. One per process (``MONITOR``): every engine of the process (the app makes
-    a fresh one per run) starts from what was measured before it."""
+    """How many of this process's cores other processes used over the last ``window_s`` (``others``): the cores'
+    busy time (``/proc/stat``) less this process's own CPU time. A daemon thread samples every ``sample_s`` while
+    engines ask (``update``), so a run's first step sees a load that began before it, and a load that begins or
+    ends during a run is seen within a window; waiting for a window at each step would hold up the step, and one
+    averaged over a pause reads a load that began in it as a fraction of a core. One per process (``MONITOR``):
+    every engine of the process (the app makes a fresh one per run) starts from what was measured before it."""
 
-    def __init__(self, interval_s: float = 0.25):
-        self.interval_s = interval_s
+    def __init__(self, sample_s: float = SAMPLE_S, window_s: float = WINDOW_S):
+        self.sample_s, self.window_s = sample_s, window_s
         self.cores = len(allowed_cores())
         self.others = 0.0
         self.known = False  # whether ``others`` was measured yet (off Linux: never)
-        self._last = self._sample()
-        self._window = interval_s  # the age a measurement must reach before the next
-
-    def _sample(self) -> tuple | None:
-        ticks, own = _busy_ticks(allowed_cores()), _own_ticks()
-        return None if ticks is None or own is None else (time.monotonic(), ticks[0], ticks[1], own)
+        self._samples: deque = deque()
+        self._asked = time.monotonic()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self._lock = threading.Lock()
 
     def update(self) -> float:
-        """``others``, measured again if the last measurement is older than ``interval_s``. After a long pause (no
-        engine stepped for ``STALE_S``) a fresh window starts now and the next call reads it once it is
-        ``FIRST_WINDOW_S`` old: averaged over the pause, a load that began during it would read as a fraction of a
-        core. The call that starts the window returns the last value without waiting: a run's first step is its
-        first token's time (waiting out the window there added 50 ms to every run's TTFT)."""
-        last = self._last
-        if last is None:
-            return self.others
-        age = time.monotonic() - last[0]
-        if age > STALE_S:
-            self._last, self._window = self._sample(), FIRST_WINDOW_S
-            return self.others
-        if age < self._window:
-            return self.others
-        now = self._sample()
-        if now is not None:
-            wall_ticks = (now[2] - last[2]) / max(1, self.cores)  # each core's ticks advance with the clock
-            if wall_ticks > 0:
-                self.others = max(0.0, (now[1] - last[1]) - (now[3] - last[3])) / wall_ticks
-                self.known = True
-            self._last, self._window = now, self.interval_s
+        """``others`` as last measured; starts the sampler if it is not running in this process (the first call, one
+        after ``IDLE_STOP_S`` without calls, or the first in a forked child)."""
+        self._asked = time.monotonic()
+        if self._pid != os.getpid() or self._thread is None or not self._thread.is_alive():
+            self._start()
         return self.others
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid() and self._thread is not None and self._thread.is_alive():
+                return
+            first = _sample()
+            if first is None:
+                return
+            self._samples, self._pid = deque([first]), os.getpid()
+            self._thread = threading.Thread(target=self._run, name="lab-load-monitor", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while time.monotonic() - self._asked < IDLE_STOP_S:
+            time.sleep(self.sample_s)
+            self.measure()
+
+    def measure(self) -> None:
+        """Take a sample and set ``others`` over the samples of the last ``window_s`` (once they span
+        ``FIRST_WINDOW_S``)."""
+        now = _sample()
+        if now is None:
+            return
+        samples = self._samples
+        samples.append(now)
+        while len(samples) > 2 and now[0] - samples[1][0] >= self.window_s:
+            samples.popleft()
+        first = samples[0]
+        wall_ticks = (now[2] - first[2]) / max(1, self.cores)  # each core's ticks advance with the clock
+        if now[0] - first[0] >= FIRST_WINDOW_S and wall_ticks > 0:
+            own_ticks = (now[3] - first[3]) * CLOCK_TICKS
+            self.others = max(0.0, (now[1] - first[1]) - own_ticks) / wall_ticks
+            self.known = True
+
+
+def _sample() -> tuple | None:
+    """(monotonic time, busy ticks, total ticks of this process's cores, this process's CPU seconds), or None off
+    Linux."""
+    ticks = _busy_ticks(allowed_cores())
+    return None if ticks is None else (time.monotonic(), ticks[0], ticks[1], time.process_time())
 
 
 MONITOR = LoadMonitor()

@@ -56,26 +56,47 @@ def test_the_monitor_sees_another_process_busy_on_a_core():
         busy.wait()
 
 
-@pytest.mark.skipif(len(allowed_cores()) < 2 or sys.platform != "linux", reason="needs Linux and two cores")
-def test_a_load_that_began_between_two_runs_is_seen_at_the_next_run_s_first_step():
-    """The monitor keeps sampling between runs: a run that starts a quarter second after a busy process did gives
-    that process its core from its first step on (a measurement started at the first step came 50-300 ms late, and
-    each of those steps waited on the busy core), and takes the core back once the process is gone."""
+class _SyntheticProcStat:
+    """``lab.worker.threads._sample`` on two cores, with ``load`` cores kept busy by other processes from now on
+    (the rest of the machine, and the other test workers, left out)."""
+
+    def __init__(self):
+        self.load, self.busy, self.last = 0.0, 0.0, time.monotonic()
+
+    def sample(self):
+        now = time.monotonic()
+        self.busy += self.load * (now - self.last) * 100
+        self.last = now
+        return now, int(self.busy), int(2 * 100 * now), 0.0
+
+
+def test_a_load_that_began_between_two_runs_is_seen_at_the_next_run_s_first_step(monkeypatch):
+    """The monitor keeps sampling between runs: a run that starts half a second after another process took a core
+    gives that core up from its first step on (a measurement started at the first step came 50-300 ms late, and
+    each of those steps waited on the busy core), without waiting for a measurement; and takes the core back once
+    the process is gone."""
+    from lab.worker import threads
+
+    stat = _SyntheticProcStat()
+    monkeypatch.setattr(threads, "_sample", stat.sample)
+    monkeypatch.setattr(threads, "CLOCK_TICKS", 100)
     monitor = LoadMonitor()
-    ThreadPolicy(None, monitor).apply()  # an earlier run: the sampler runs
-    time.sleep(0.3)
-    assert monitor.known and monitor.others < 0.3, monitor.others
-    busy = _busy_on(sorted(allowed_cores())[-1])
+    monitor.cores = 2
+    before = torch.get_num_threads()
     try:
-        time.sleep(0.3)
+        ThreadPolicy(None, monitor).apply()  # an earlier run's step: the sampler runs from here on
+        time.sleep(0.5)
+        assert monitor.known and monitor.others < 0.1, monitor.others
+        stat.load = 1.0  # no engine steps meanwhile
+        time.sleep(0.5)
         started = time.perf_counter()
-        assert ThreadPolicy(None, monitor).apply() == len(allowed_cores()) - 1
-        assert time.perf_counter() - started < 0.01  # the step is not held up by the measurement
+        assert ThreadPolicy(None, monitor).apply() == 1
+        assert time.perf_counter() - started < threads.FIRST_WINDOW_S / 2  # no window waited for
+        stat.load = 0.0
+        time.sleep(0.5)
+        assert ThreadPolicy(None, monitor).apply() == 2
     finally:
-        busy.kill()
-        busy.wait()
-    time.sleep(0.3)
-    assert ThreadPolicy(None, monitor).apply() == len(allowed_cores())
+        torch.set_num_threads(before)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")

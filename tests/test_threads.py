@@ -62,12 +62,14 @@ class _SyntheticProcStat:
 
     def __init__(self):
         self.load, self.busy, self.last = 0.0, 0.0, time.monotonic()
+        self.waiting_share, self.waiting = 0.0, 0.0  # this process's threads waiting for a core, per second
 
     def sample(self):
         now = time.monotonic()
         self.busy += self.load * (now - self.last) * 100
+        self.waiting += self.waiting_share * (now - self.last)
         self.last = now
-        return now, int(self.busy), int(2 * 100 * now), 0.0
+        return now, int(self.busy), int(2 * 100 * now), 0.0, self.waiting
 
 
 def test_a_load_that_began_between_two_runs_is_seen_at_the_next_run_s_first_step(monkeypatch):
@@ -95,6 +97,33 @@ def test_a_load_that_began_between_two_runs_is_seen_at_the_next_run_s_first_step
         stat.load = 0.0
         time.sleep(0.5)
         assert ThreadPolicy(None, monitor).apply() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_threads_waiting_for_a_core_give_it_up_before_the_window_sees_the_load(monkeypatch):
+    """A load that begins during a run at two threads: the window's busy time reads it as a fraction of a core for a
+    fifth of a second (each step waiting on the busy core meanwhile), but the team's thread on that core waits half
+    its time at once, and the next sample gives the core up; once the waits stop, the window decides again."""
+    from lab.worker import threads
+
+    stat = _SyntheticProcStat()
+    monkeypatch.setattr(threads, "_sample", stat.sample)
+    monkeypatch.setattr(threads, "CLOCK_TICKS", 100)
+    monitor = LoadMonitor()
+    monitor.cores = 2
+    before = torch.get_num_threads()
+    try:
+        policy = ThreadPolicy(None, monitor)
+        policy.apply()
+        time.sleep(0.3)
+        assert policy.apply() == 2
+        stat.waiting_share = 0.5  # the busy time of the window has not moved yet
+        time.sleep(3 * threads.SAMPLE_S)
+        assert monitor.others >= 1.0 and policy.apply() == 1
+        stat.waiting_share = 0.0
+        time.sleep(3 * threads.SAMPLE_S)
+        assert monitor.others < 0.3 and policy.apply() == 2
     finally:
         torch.set_num_threads(before)
 

@@ -6,8 +6,8 @@ waits for the thread that shares that core, and a decode step became several tim
 with one (docs/benchmarks.md, "Under contention"). vLLM pins its OpenMP threads to cores it assumes are its own
 (``VLLM_CPU_OMP_THREADS_BIND``); the lab's engine runs beside the app, so it measures instead: ``ThreadPolicy``
 (``EngineConfig.cpu_threads=None``) reads, before each step, how much of the cores it may use other processes took
-over the last fifth of a second (``LoadMonitor``: ``/proc/stat`` for all, the process's CPU clock for its own, kept
-current by a sampling thread) and uses the cores they leave idle, with hysteresis so that a brief spike does not
+over the last fifth of a second (``LoadMonitor``: ``/proc/stat`` for all, the process's CPU clock for its own, its
+threads' waits for a core for a load that began in the last 50 ms; kept current by a sampling thread) and uses the cores they leave idle, with hysteresis so that a brief spike does not
 flap the team size."""
 from __future__ import annotations
 
@@ -57,10 +57,11 @@ def _busy_ticks(cores: set[int]) -> tuple[int, int] | None:
 
 class LoadMonitor:
     """How many of this process's cores other processes used over the last ``window_s`` (``others``): the cores'
-    busy time (``/proc/stat``) less this process's own CPU time. A daemon thread samples every ``sample_s`` while
-    engines ask (``update``), so a run's first step sees a load that began before it, and a load that begins or
-    ends during a run is seen within a window; waiting for a window at each step would hold up the step, and one
-    averaged over a pause reads a load that began in it as a fraction of a core. One per process (``MONITOR``):
+    busy time (``/proc/stat``) less this process's own CPU time, or what its threads' waits for a core say, if
+    more (``measure``). A daemon thread samples every ``sample_s`` while engines ask (``update``), so a run's first
+    step sees a load that began before it, and a load that begins during a run is seen within a sample's interval
+    (one that ends, within a window); waiting for a window at each step would hold up the step, and one averaged
+    over a pause reads a load that began in it as a fraction of a core. One per process (``MONITOR``):
     every engine of the process (the app makes a fresh one per run) starts from what was measured before it."""
 
     def __init__(self, sample_s: float = SAMPLE_S, window_s: float = WINDOW_S):
@@ -99,8 +100,11 @@ class LoadMonitor:
             self.measure()
 
     def measure(self) -> None:
-        """Take a sample and set ``others`` over the samples of the last ``window_s`` (once they span
-        ``FIRST_WINDOW_S``)."""
+        """Take a sample and set ``others``: over the samples of the last ``window_s`` (once they span
+        ``FIRST_WINDOW_S``), the cores' busy time less this process's; or, if more, twice the share of the last
+        sample's interval that this process's threads spent runnable but waiting for a core (a thread that waits
+        half its time shares its core with another task). The first reads a load that began within the window as
+        a fraction of a core; the second sees it within one interval."""
         now = _sample()
         if now is None:
             return
@@ -108,20 +112,38 @@ class LoadMonitor:
         samples.append(now)
         while len(samples) > 2 and now[0] - samples[1][0] >= self.window_s:
             samples.popleft()
-        first = samples[0]
+        first, last = samples[0], samples[-2]
         wall_ticks = (now[2] - first[2]) / max(1, self.cores)  # each core's ticks advance with the clock
         if now[0] - first[0] >= FIRST_WINDOW_S and wall_ticks > 0:
             own_ticks = (now[3] - first[3]) * CLOCK_TICKS
-            self.others = max(0.0, (now[1] - first[1]) - own_ticks) / wall_ticks
+            others = max(0.0, (now[1] - first[1]) - own_ticks) / wall_ticks
+            waiting = (now[4] - last[4]) / max(1e-9, now[0] - last[0]) if now[4] is not None and last[4] is not None \
+                else 0.0
+            self.others = max(others, min(float(self.cores), 2.0 * waiting))
             self.known = True
+
+def _waiting_s() -> float | None:
+    """Seconds this process's threads have spent runnable but waiting for a core, all threads, since each began
+    (``/proc/self/task/*/schedstat``, the second field), or None where the kernel does not say."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    total = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/schedstat") as stat:
+                total += int(stat.read().split()[1])
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            continue
+    return total / 1e9
 
 
 def _sample() -> tuple | None:
-    """(monotonic time, busy ticks, total ticks of this process's cores, this process's CPU seconds), or None off
-    Linux."""
+    """(monotonic time, busy ticks, total ticks of this process's cores, this process's CPU seconds, its threads'
+    seconds waiting for a core or None), or None off Linux."""
     ticks = _busy_ticks(allowed_cores())
-    return None if ticks is None else (time.monotonic(), ticks[0], ticks[1], time.process_time())
-
+    return None if ticks is None else (time.monotonic(), ticks[0], ticks[1], time.process_time(), _waiting_s())
 
 MONITOR = LoadMonitor()
 

@@ -1,5 +1,6 @@
 """Every recorded figure says on which commit it was measured, and the headline table, the CLI and the Benchmarks page
 mark one whose code changed since as stale: a figure cannot go on claiming a speed the code no longer has."""
+import math
 import subprocess
 
 import pandas as pd
@@ -56,3 +57,16 @@ def test_the_headline_table_reads_each_figure_s_commit(tmp_path, monkeypatch):
     markdown = headline_markdown(tmp_path)
     assert "| measured on |" in markdown and "⚠ none" in markdown
     assert "| measured on |" not in headline_markdown(tmp_path, currency=False)
+
+
+def test_the_contention_bound_is_every_core_quiet_over_one_thread_loaded():
+    """The bound beside the contention row: the fixed counts' rows of the same run, the most threads' quiet speed
+    over one thread's loaded speed; nan when the run has no such pair."""
+    from lab.report.results import _contention_bound
+
+    table = pd.DataFrame({"system": ["paged engine (threads measured)", "paged engine (1 thread)",
+                                     "paged engine (4 threads)", "paged engine (2 threads)", "hf-continuous"],
+                          "quiet_tok_s": [9.0, 6.0, 12.0, 9.0, 1.0], "loaded_tok_s": [6.0, 5.0, 2.0, 3.0, 0.8]})
+    assert _contention_bound(table) == 12.0 / 5.0
+    assert math.isnan(_contention_bound(table[table["system"] != "paged engine (1 thread)"]))
+    assert math.isnan(_contention_bound(table[table["system"] == "paged engine (1 thread)"]))

@@ -72,60 +72,59 @@ class _SyntheticProcStat:
         return now, int(self.busy), int(2 * 100 * now), 0.0, self.waiting
 
 
-def test_a_load_that_began_between_two_runs_is_seen_at_the_next_run_s_first_step(monkeypatch):
+@pytest.fixture
+def synthetic():
+    """(the synthetic /proc, a monitor of two cores reading it); torch's thread count restored after."""
+    from lab.worker import threads
+
+    stat, before = _SyntheticProcStat(), torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(threads, "_sample", stat.sample)
+        patch.setattr(threads, "CLOCK_TICKS", 100)
+        monitor = LoadMonitor()
+        monitor.cores = 2
+        yield stat, monitor
+    torch.set_num_threads(before)
+
+
+def test_a_load_that_began_between_two_runs_is_seen_at_the_next_run_s_first_step(synthetic):
     """The monitor keeps sampling between runs: a run that starts half a second after another process took a core
     gives that core up from its first step on (a measurement started at the first step came 50-300 ms late, and
     each of those steps waited on the busy core), without waiting for a measurement; and takes the core back once
     the process is gone."""
     from lab.worker import threads
 
-    stat = _SyntheticProcStat()
-    monkeypatch.setattr(threads, "_sample", stat.sample)
-    monkeypatch.setattr(threads, "CLOCK_TICKS", 100)
-    monitor = LoadMonitor()
-    monitor.cores = 2
-    before = torch.get_num_threads()
-    try:
-        ThreadPolicy(None, monitor).apply()  # an earlier run's step: the sampler runs from here on
-        time.sleep(0.5)
-        assert monitor.known and monitor.others < 0.1, monitor.others
-        stat.load = 1.0  # no engine steps meanwhile
-        time.sleep(0.5)
-        started = time.perf_counter()
-        assert ThreadPolicy(None, monitor).apply() == 1
-        assert time.perf_counter() - started < threads.FIRST_WINDOW_S / 2  # no window waited for
-        stat.load = 0.0
-        time.sleep(0.5)
-        assert ThreadPolicy(None, monitor).apply() == 2
-    finally:
-        torch.set_num_threads(before)
+    stat, monitor = synthetic
+    ThreadPolicy(None, monitor).apply()  # an earlier run's step: the sampler runs from here on
+    time.sleep(0.5)
+    assert monitor.known and monitor.others < 0.1, monitor.others
+    stat.load = 1.0  # no engine steps meanwhile
+    time.sleep(0.5)
+    started = time.perf_counter()
+    assert ThreadPolicy(None, monitor).apply() == 1
+    assert time.perf_counter() - started < threads.FIRST_WINDOW_S / 2  # no window waited for
+    stat.load = 0.0
+    time.sleep(0.5)
+    assert ThreadPolicy(None, monitor).apply() == 2
 
 
-def test_threads_waiting_for_a_core_give_it_up_before_the_window_sees_the_load(monkeypatch):
+def test_threads_waiting_for_a_core_give_it_up_before_the_window_sees_the_load(synthetic):
     """A load that begins during a run at two threads: the window's busy time reads it as a fraction of a core for a
     fifth of a second (each step waiting on the busy core meanwhile), but the team's thread on that core waits half
     its time at once, and the next sample gives the core up; once the waits stop, the window decides again."""
     from lab.worker import threads
 
-    stat = _SyntheticProcStat()
-    monkeypatch.setattr(threads, "_sample", stat.sample)
-    monkeypatch.setattr(threads, "CLOCK_TICKS", 100)
-    monitor = LoadMonitor()
-    monitor.cores = 2
-    before = torch.get_num_threads()
-    try:
-        policy = ThreadPolicy(None, monitor)
-        policy.apply()
-        time.sleep(0.3)
-        assert policy.apply() == 2
-        stat.waiting_share = 0.5  # the busy time of the window has not moved yet
-        time.sleep(3 * threads.SAMPLE_S)
-        assert monitor.others >= 1.0 and policy.apply() == 1
-        stat.waiting_share = 0.0
-        time.sleep(3 * threads.SAMPLE_S)
-        assert monitor.others < 0.3 and policy.apply() == 2
-    finally:
-        torch.set_num_threads(before)
+    stat, monitor = synthetic
+    policy = ThreadPolicy(None, monitor)
+    policy.apply()
+    time.sleep(0.3)
+    assert policy.apply() == 2
+    stat.waiting_share = 0.5  # the busy time of the window has not moved yet
+    time.sleep(3 * threads.SAMPLE_S)
+    assert monitor.others >= 1.0 and policy.apply() == 1
+    stat.waiting_share = 0.0
+    time.sleep(3 * threads.SAMPLE_S)
+    assert monitor.others < 0.3 and policy.apply() == 2
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")

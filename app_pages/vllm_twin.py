@@ -151,12 +151,14 @@ def draw(twin: LiveTwin) -> None:
             "goal": st.column_config.NumberColumn("goal", format="%.3g"), "met": "goal met"})
         calibration = twin.calibration
         st.caption(f"Calibration: server steps {calibration.step_overhead_s * 1e3:+.2f} ms over the engine's profile "
-                   f"({twin.step_overhead_s * 1e3:+.2f} ms as probed around this run); "
+                   f"({twin.step_overhead_s * 1e3:+.2f} ms as probed around this run), "
+                   f"+{calibration.prefill_token_overhead_s * 1e6:.1f} µs a prefilled token; "
                    f"{calibration.request_overhead_s * 1e3:.1f} ms per request to reach the engine "
                    f"({twin.request_overhead_s * 1e3:.1f} ms as probed around this run; "
                    f"+{calibration.request_overhead_per_token_s * 1e6:.1f} µs a prompt token, "
                    f"+{calibration.request_overhead_per_running_s * 1e3:.2f} ms a request in flight), "
-                   f"{calibration.request_interval_s * 1e3:.2f} ms per request in vLLM's API process"
+                   f"{calibration.request_interval_s * 1e3:.2f} ms per request in vLLM's API process (shared by "
+                   f"the requests it holds)"
                    f"{calibration.bound_note}. "
                    f"The profile of vLLM's engine ({twin.profile_source}): {len(twin.profile.samples)} step shapes, "
                    f"held-out error median {twin.profile.holdout_median_rel_error:.1%}.")

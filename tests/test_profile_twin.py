@@ -12,7 +12,8 @@ from lab.kv_cache.pool_view import pool_snapshot
 from lab.profiling.profile import (DECODE_SEQS, IDLE_FEATURES, IDLE_KNOTS_S, IDLE_S, LINEAR, PREFILL_LOGIT_ROWS,
                          PREFILL_TOKENS, PREVIOUS_PREFILL_TOKENS, PROFILE_VERSION, STEP_FEATURES, Profile,
                          ProfileError, Profiler, _run_scenario, _scenarios, decode_knots, design_row, feature_names,
-                         fit, plan_quantities, profile_engine, scatter_free_blocks)
+                         fit, grouped_samples, plan_quantities, profile_engine, scatter_free_blocks,
+                         steady_mean)
 from simulator import SimConfig, Simulator
 from simulator.twins.twin import TwinCase, TwinConfig, calibrated_twins, replay, run_twin, twin_workload
 from simulator.core.workloads import SyntheticSpec, Workload, synthetic_workload
@@ -175,6 +176,47 @@ def test_the_fit_predicts_the_mean_of_right_skewed_step_times():
     measured = [s["duration_s"] for s in samples]
     assert sum(predicted) == pytest.approx(sum(measured), rel=0.015)
     assert sum(predicted) == pytest.approx(sum(true_means), rel=0.03)
+
+
+@pytest.mark.parametrize("times, expected, stalled", [
+    ([0.004, 0.0046], 0.0043, 0), ([0.0046, 0.2414], 0.0046, 1), ([0.004, 0.0119, 0.005], 0.0209 / 3, 0),
+    ([0.002], 0.002, 0)])
+def test_a_stalled_repeat_is_left_out_of_its_step_s_mean(times, expected, stalled):
+    """A repeat more than three times its shape's fastest was held up by something else; the others' mean stays
+    (a slow repeat under three times counts: step times scatter upwards and sums follow their mean)."""
+    assert steady_mean(times) == (pytest.approx(expected), stalled)
+
+
+def test_one_stalled_step_after_a_pause_does_not_price_every_step_after_a_pause():
+    """Minimized from a vLLM profile measured in the thirteenth-session twin run: a 192-token prefill after a 250 ms
+    pause timed at 241 ms in one of its two repeats (4.6 ms in the other). Averaged in, the fit put 60 ms on the
+    after-idle term, and every step after a pause of tens of ms was priced up to 10 ms longer."""
+    truth = dict.fromkeys(feature_names([1, 4, 16]), 0.0) | {
+        "constant": 1.3e-3, "prefill_tokens": 5e-6, "prefill_step": 5e-4, "decode_kv_tokens": 1e-7,
+        "after_idle@10ms": 7.5e-4, "after_idle@250ms": 1.9e-3, "logit_rows@1": 1e-5, "logit_rows@4": 4e-5,
+        "logit_rows@16": 3e-4}
+
+    def shape(prefill=0, decode=0, idle=0.0):
+        return (1.0, float(prefill > 0), float(prefill), float(decode), 0.0, 100.0 * decode, 0.0, 0.0, 0.0, idle,
+                0.0, float(prefill > 0))
+    shapes = [shape(prefill=n) for n in (16, 64, 192, 512)] + [shape(decode=n) for n in (1, 4, 16)]
+    shapes += [shape(prefill=n, idle=idle) for idle in (0.01, 0.25) for n in (64, 192)]
+    stalled_shape = shape(prefill=192, idle=0.25)
+
+    def duration(quantities, coefficients=truth):
+        row = design_row(list(quantities), [1, 4, 16])
+        return sum(coefficients[name] * x for name, x in zip(feature_names([1, 4, 16]), row))
+    groups = {key: [duration(key), 1.02 * duration(key)] for key in shapes}
+    groups[stalled_shape] = [duration(stalled_shape), 0.2414]
+    sources = {key: ["s"] for key in shapes}
+    kept = grouped_samples(groups, sources)
+    assert [s["stalled"] for s in kept].count(1) == 1 and sum(s["repeats"] for s in kept) == 2 * len(shapes) - 1
+
+    def priced(samples):
+        return duration(stalled_shape, fit(samples, [1, 4, 16])[0])
+    assert priced(kept) == pytest.approx(duration(stalled_shape), rel=0.1)
+    averaged = [dict(sample, duration_s=float(np.mean(groups[tuple(sample["quantities"])]))) for sample in kept]
+    assert priced(averaged) > 5 * duration(stalled_shape)  # what the mean of every repeat made of it
 
 
 def test_a_quick_profile_of_the_tiny_engine_fits_and_round_trips(tmp_path):

@@ -10,11 +10,11 @@ simulator that prices steps with it are the ones of our own engine's profile.
 from __future__ import annotations
 
 import random
-import statistics
 from typing import Callable
 
 from .client import VLLMPeer
-from lab.profiling.profile import QUANTITIES, Profile, ProfileError, _longest_sequence, _scenarios, decode_knots, fit
+from lab.profiling.profile import (QUANTITIES, Profile, ProfileError, _longest_sequence, _scenarios, decode_knots, fit,
+                                   grouped_samples)
 
 BACKEND = "vllm"  # the profile's ``backend``: the engine measured, vLLM's own attention backend behind it
 PREFIX_ARRIVAL_STEP = 1  # a scenario's requests join after the step that prefilled (and cached) its shared prefix
@@ -156,8 +156,7 @@ def profile_vllm(peer: VLLMPeer, model_name: str, vocab_size: int, grid: str = "
             done += 1
             if progress is not None:
                 progress(done, total)
-    samples = [{"quantities": list(key), "duration_s": statistics.fmean(times), "repeats": len(times),
-                "scenario": sources[key][0], "scenarios": sources[key]} for key, times in groups.items()]
+    samples = grouped_samples(groups, sources)
     knots = decode_knots(grid)
     coefficients, median_error, max_error = fit(samples, knots, seed=seed)
     # add_request_s 0: a server's API process adds requests beside the engine's loop, not between its steps

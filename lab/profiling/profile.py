@@ -45,6 +45,7 @@ LINEAR_INDICES = tuple(QUANTITIES.index(name) for name in LINEAR)
 # evicted what the next step reads): docs/digital_twin.md, "Why the profile has these features".
 STEP_FEATURES = ("prefill_step", "decode_step", "after_prefill_step")
 PROFILE_VERSION = 9
+STALL_RATIO = 3.0  # a step's repeat this many times its fastest was stalled (``steady_mean``)
 # A step after an idle pause runs slower, more the longer the pause, up to a plateau: the idle time enters
 # piecewise-linearly on these knots (docs/digital_twin.md).
 IDLE_KNOTS_S = (0.002, 0.01, 0.25)
@@ -100,6 +101,28 @@ def plan_quantities(out, block_size: int, idle_s: float = 0.0, previous_prefill_
             float(out.prefill_attention_pairs), float(out.decode_kv_tokens), float(padded),
             float(len(out.blocks_to_copy)), float(swapped), float(idle_s), float(previous_prefill_tokens),
             float(sum(1 for chunk in chunks if chunk.samples) if chunks else 0)]
+
+
+def steady_mean(times: list[float]) -> tuple[float, int]:
+    """The mean of one step shape's measured durations leaving out the stalled ones, and how many were left out: a
+    repeat more than ``STALL_RATIO`` times the fastest was held up by something outside the step (a descheduled
+    process, a pause). Noise on a CPU makes a step slower, never three times faster; one 192-token prefill after an
+    idle pause timed at 240 ms among repeats of 4-5 ms made the mean 123 ms, and the fit priced every step after a
+    pause up to 60 ms longer (the after-idle term, which that shape alone measured with one other)."""
+    bound = STALL_RATIO * min(times)
+    kept = [t for t in times if t <= bound]
+    return statistics.fmean(kept), len(times) - len(kept)
+
+
+def grouped_samples(groups: dict[tuple, list[float]], sources: dict[tuple, list[str]]) -> list[dict]:
+    """The fit's samples: per step shape (``QUANTITIES``), its ``steady_mean`` duration, its repeats (those left out
+    as stalled counted apart) and the scenarios that measured it, the first one naming it."""
+    samples = []
+    for key, times in groups.items():
+        duration, stalled = steady_mean(times)
+        samples.append({"quantities": list(key), "duration_s": duration, "repeats": len(times) - stalled,
+                        "stalled": stalled, "scenario": sources[key][0], "scenarios": sources[key]})
+    return samples
 
 
 def feature_names(knots: list[int]) -> tuple[str, ...]:
@@ -488,9 +511,7 @@ class Profiler:
         """Fit the measured rounds (at least one after the warm-up) into a ``Profile``."""
         if self.rounds_run < 2:
             raise ProfileError("a profile needs a measured round after the warm-up round")
-        samples = [{"quantities": list(key), "duration_s": statistics.fmean(times), "repeats": len(times),
-                    "scenario": self.sources[key][0], "scenarios": self.sources[key]}
-                   for key, times in self.groups.items()]
+        samples = grouped_samples(self.groups, self.sources)
         knots = decode_knots(self.grid)
         coefficients, median_error, max_error = fit(samples, knots, seed=self.seed)
         engine = self.engine

@@ -104,6 +104,8 @@ def _vllm_twin(args) -> None:
         result = run_vllm_twin(config, checkpoint, profile, progress=lambda message: print(message, file=sys.stderr))
     calibration = result.calibration
     settings = {**twin_settings(config), "step_overhead_s": calibration.step_overhead_s,
+                "prefill_token_overhead_s": calibration.prefill_token_overhead_s,
+                "prefill_token_at_bound": calibration.prefill_token_at_bound,
                 "request_overhead_s": calibration.request_overhead_s,
                 "request_overhead_per_token_s": calibration.request_overhead_per_token_s,
                 "request_overhead_per_running_s": calibration.request_overhead_per_running_s,

@@ -140,19 +140,23 @@ class ServerCalibration:
     ``step_overhead_s``, seconds the server's steps take beyond the offline profile's (the engine core hands each
     step to its worker process and its outputs to the API process, on two cores shared with that process and the
     load generator; flat in the batch size, where a ratio was not; it drifts while a server runs, see
-    ``probe_step_overhead``), ``request_overhead_s``, the seconds between a request's send and its first token
-    that no engine step accounts for (HTTP, the API process, the hand-over to the engine and back), more for each
-    request already in flight when it arrives (``request_overhead_per_running_s``: the API process streams their
-    outputs too), and ``request_interval_s``, the API process's time per request: requests sent together reach the
-    engine one such interval apart. ``table``: the calibration runs."""
+    ``probe_step_overhead``), and ``prefill_token_overhead_s`` more per token a step prefills (the server's worker
+    runs its GEMMs on the one core vLLM leaves it, the profile's engine on both); ``request_overhead_s``, the
+    seconds between a request's send and its first token that no engine step accounts for (HTTP, the API process,
+    the hand-over to the engine and back), more for each request already in flight when it arrives
+    (``request_overhead_per_running_s``: the API process streams their outputs too), and ``request_interval_s``,
+    the API process's time per request, shared among the requests it holds (``engine_arrivals``). ``table``: the
+    calibration runs."""
 
     step_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
     request_interval_s: float = 0.0
     table: pd.DataFrame = field(default_factory=pd.DataFrame)
     interval_at_bound: bool = False  # the request interval's search ended at its largest value (INTERVALS_S)
+    prefill_token_at_bound: bool = False  # and the prefill token's (PREFILL_TOKEN_OVERHEADS_S)
     request_overhead_per_token_s: float = 0.0  # the request overhead's more per prompt token (the prompt's way in)
     request_overhead_per_running_s: float = 0.0  # and per request in flight when it arrives (their outputs' share)
+    prefill_token_overhead_s: float = 0.0  # what each prefilled token costs the server's steps beyond the profile
 
     def request_overheads(self, prompt_tokens: np.ndarray) -> np.ndarray:
         """Each request's overhead: ``request_overhead_s`` and its prompt's share."""
@@ -160,13 +164,17 @@ class ServerCalibration:
 
     @property
     def bound_note(self) -> str:
-        """What to say after the request interval when its search ended at its bound ("" otherwise)."""
-        return " (the largest value searched: the fit may want more)" if self.interval_at_bound else ""
+        """What to say after the calibration when a search ended at its bound ("" otherwise)."""
+        ended = [name for name, at_bound in (("the request interval", self.interval_at_bound),
+                                             ("a prefilled token's cost", self.prefill_token_at_bound)) if at_bound]
+        return f" ({' and '.join(ended)} at the largest value searched: the fit may want more)" if ended else ""
 
     def priced(self, profile: Profile) -> Profile:
-        """``profile`` with every step ``step_overhead_s`` longer (its constant term)."""
+        """``profile`` with every step ``step_overhead_s`` longer (its constant term) and each prefilled token
+        ``prefill_token_overhead_s``."""
         coefficients = dict(profile.coefficients)
         coefficients["constant"] = coefficients.get("constant", 0.0) + self.step_overhead_s
+        coefficients["prefill_tokens"] = coefficients.get("prefill_tokens", 0.0) + self.prefill_token_overhead_s
         return replace(profile, coefficients=coefficients)
 
     def applied(self, simulation: SimConfig, profile: Profile) -> SimConfig:
@@ -181,12 +189,39 @@ class ServerCalibration:
                        request_overhead_s=max(0.0, self.request_overhead_s + request_seconds))
 
 
+def shared_frontend(sent: np.ndarray, work_s: float) -> np.ndarray:
+    """When requests sent at ``sent`` (sorted) leave a frontend that shares its time equally among the requests it
+    holds, each needing ``work_s`` of it (processor sharing: an asyncio server interleaves the handlers of requests
+    that arrive together, so a burst leaves together, one request alone after ``work_s``)."""
+    done = np.array(sent, dtype=np.float64)
+    if work_s <= 0 or len(done) == 0:
+        return done
+    now = served = 0.0  # the clock and the service each request in the frontend has had since it opened
+    held: list[tuple[int, float]] = []  # (index, the service at which it leaves), in order of arrival
+    head = arrived = 0
+    while arrived < len(done) or head < len(held):
+        count = len(held) - head
+        leaves_at = now + (held[head][1] - served) * count if count else math.inf
+        if arrived < len(done) and sent[arrived] < leaves_at:
+            if count:
+                served += (sent[arrived] - now) / count
+            now = float(sent[arrived])
+            held.append((arrived, served + work_s))
+            arrived += 1
+        else:
+            index, served = held[head]
+            now, done[index] = leaves_at, leaves_at
+            head += 1
+    return done
+
+
 def engine_arrivals(sent: np.ndarray, overhead_s: float | np.ndarray = 0.0, interval_s: float = 0.0) -> np.ndarray:
-    """When requests sent at ``sent`` (sorted) reach the engine: ``overhead_s`` (one for all, or one per request)
-    later, through a frontend that takes ``interval_s`` per request in order
-    (``a[i] = max(sent[i] + overhead[i], a[i - 1] + interval)``)."""
-    steps = np.arange(len(sent)) * interval_s
-    return np.maximum.accumulate(sent + overhead_s - steps) + steps
+    """When requests sent at ``sent`` (sorted) reach the engine: through a frontend that shares its time among them,
+    ``interval_s`` each (``shared_frontend``), then ``overhead_s`` (one for all, or one per request) later, none
+    before one sent before it. A frontend that took them one after another (each ``interval_s`` after the last) put
+    the first tokens of 16 prompts sent together on a staircase, one prefill step each; the server's come in groups,
+    one per step of as many prompts as the token budget holds (docs/vllm_twin.md)."""
+    return np.maximum.accumulate(shared_frontend(sent, interval_s) + overhead_s)  # none overtakes one sent before it
 
 
 def in_flight(arrivals: np.ndarray, finishes: np.ndarray) -> np.ndarray:
@@ -353,7 +388,9 @@ CALIBRATION_PROMPTS = (32, 128, 384)  # single prompts on an idle server: the re
 # single prompts sent while a decode batch runs: the request overhead's more per request in flight (``_with_singles``:
 # the batch's size, prompt and output tokens; the prompts' count, tokens each and the gap between their sends, from 0.1 s)
 LOADED_BATCH, LOADED_PROMPTS = (8, 96, 160), (6, 32, 0.05)
-INTERVALS_S = tuple(np.arange(0.0, 0.01201, 0.00025))  # the API process's time per request: the values tried
+INTERVALS_S = tuple(np.arange(0.0, 0.004001, 0.000125))  # the API process's time per request: the values tried
+PREFILL_TOKEN_OVERHEADS_S = tuple(np.arange(0.0, 16.01e-6, 2e-6))  # a prefilled token's cost beyond the profile: tried
+TTFT_QUARTILES = (0.25, 0.5, 0.75)
 PROBE = (4, 96, 48)  # the step-overhead probe: requests sent together, prompt and output tokens each (not scored)
 # the request-overhead probe: single prompts sent one at a time, each alone on the server (count, tokens each, gap in s)
 REQUEST_PROBE = (3, 32, 0.05)
@@ -380,14 +417,18 @@ def _with_singles(batch: tuple[int, int, int], singles: tuple[int, int, float], 
                     np.array([batch_output] * size + [2] * count, dtype=np.int64)).check()
 
 
-def _first_tokens(url: str, model: str, workload: Workload, simulation: SimConfig, calibration: ServerCalibration,
-                  vocab: int, seed: int, what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``workload`` served (random prompts from ``seed``) and simulated with ``calibration``: per request, the
-    server's TTFT, the simulator's and the requests it found in flight there (``in_flight``). ``what`` names the run
-    in the error a failed one raises."""
+def _served(url: str, model: str, workload: Workload, vocab: int, seed: int, what: str) -> ServerRun:
+    """``workload`` served (random prompts from ``seed``); a run with problems raises, naming ``what``."""
     run = run_server_workload(url, server_requests(workload, vocab, seed), model, poll_s=60.0)
     if run.problems:
         raise PeerError(f"{what} failed: {'; '.join(run.problems[:3])}")
+    return run
+
+
+def _first_tokens(workload: Workload, run: ServerRun, simulation: SimConfig,
+                  calibration: ServerCalibration) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``run`` of ``workload`` simulated with ``calibration``: per request, the server's TTFT, the simulator's and
+    the requests it found in flight there (``in_flight``)."""
     result = simulate_run(workload, run, simulation, calibration)
     arrivals = result.requests["arrival_s"].to_numpy()
     return ((run.requests["first_token_s"] - run.requests["sent_s"]).to_numpy(),
@@ -395,50 +436,110 @@ def _first_tokens(url: str, model: str, workload: Workload, simulation: SimConfi
             in_flight(arrivals, result.requests["finish_s"].to_numpy()))
 
 
+def _ttft_misfit(batches, simulation: SimConfig, calibration: ServerCalibration) -> float:
+    """How far the simulated TTFTs of the calibration batches (``(workload, run)``, more than one request) are from
+    the server's: squared relative errors of their quartiles. Quartiles, not the median alone: a batch's first
+    tokens come in groups, one per prefill step, and the median of one batch says little about where the groups lie."""
+    misfit = 0.0
+    for workload, run in batches:
+        real, simulated, _ = _first_tokens(workload, run, simulation, calibration)
+        misfit += float(np.sum((np.nanquantile(simulated, TTFT_QUARTILES)
+                                / np.nanquantile(real, TTFT_QUARTILES) - 1) ** 2))
+    return misfit
+
+
+def _with_interval(calibration: ServerCalibration, interval: float) -> ServerCalibration:
+    """``calibration`` (its request overhead fitted on prompts sent alone, with no frontend) with a frontend of
+    ``interval`` per request: a prompt alone in the frontend spends ``interval`` there, so the overhead keeps what the
+    lone prompts measured beyond it (never below none)."""
+    return replace(calibration, request_interval_s=interval,
+                   request_overhead_s=max(0.0, calibration.request_overhead_s - interval))
+
+
+def _best_interval(batches, simulation: SimConfig, calibration: ServerCalibration) -> tuple[float, float]:
+    """The request interval of ``INTERVALS_S`` with the least ``_ttft_misfit`` (``_with_interval``): every fourth
+    value, then the values around the best of those. Returns (interval, misfit)."""
+    def misfit(index: int) -> float:
+        return _ttft_misfit(batches, simulation, _with_interval(calibration, INTERVALS_S[index]))
+    best = min(range(0, len(INTERVALS_S), 4), key=misfit)
+    scores = {index: misfit(index) for index in range(max(0, best - 3), min(len(INTERVALS_S), best + 4))}
+    best = min(scores, key=scores.get)
+    return float(INTERVALS_S[best]), scores[best]
+
+
+def _fit_at(per_token: float, simulation: SimConfig, batches, singles, loaded) -> tuple[float, ServerCalibration,
+                                                                                        list[tuple]]:
+    """The calibration with each prefilled token ``per_token`` beyond the profile, fitted on the calibration runs:
+    the step overhead (decode batches' TPOT), the request overhead line (single prompts), its share per request in
+    flight (prompts sent under load) and the request interval (``_best_interval``). Returns the batches' TTFT misfit,
+    the calibration and its table's rows (kind, size, server's seconds, simulator's)."""
+    base = ServerCalibration(prefill_token_overhead_s=per_token)
+    unpriced = base.applied(simulation, simulation.profile)
+    rows = [("decode tpot", len(workload), real["tpot_p50_s"],
+             simulate_run(workload, run, unpriced).summary["tpot_p50_s"]) for workload, run, real in batches]
+    # never below none (as ``shifted``): a server measured faster than its profile had a profile measured slow
+    stepped = replace(base, step_overhead_s=max(0.0, float(np.median([real - sim for *_, real, sim in rows]))))
+    priced = stepped.applied(simulation, simulation.profile)
+    single = _single_ttfts(singles, priced)
+    overhead, slope = _overhead_line([(length, real - sim) for length, real, sim in single])
+    unloaded = replace(stepped, request_overhead_s=overhead, request_overhead_per_token_s=slope)
+    under_load = _loaded_ttfts(loaded, priced, unloaded)
+    calibration = replace(unloaded, request_overhead_per_running_s=_per_running_slope(
+        [(load, real - sim) for load, real, sim in under_load]))
+    together = [(workload, run) for workload, run, _ in batches if len(workload) > 1]
+    interval, misfit = _best_interval(together, priced, calibration)
+    rows += [("single ttft", *row) for row in single] + [("loaded ttft", *row) for row in under_load]
+    return misfit, _with_interval(calibration, interval), rows
+
+
+def _single_ttfts(singles, simulation: SimConfig) -> list[tuple[int, float, float]]:
+    """Per single prompt (``(workload, run)``): its length, its TTFT and the simulator's (``simulation``, no
+    frontend)."""
+    rows = []
+    for workload, run in singles:
+        real, simulated, _ = _first_tokens(workload, run, simulation, ServerCalibration())
+        rows.append((int(workload.prompt_tokens[0]), float(real[0]), float(simulated[0])))
+    return rows
+
+
+def _loaded_ttfts(loaded, simulation: SimConfig, calibration: ServerCalibration) -> list[tuple[int, float, float]]:
+    """Per single prompt of the loaded runs (``(workload, run)``, the batch's requests first): the requests it found
+    in flight, its TTFT and the simulator's (``simulation`` with ``calibration``)."""
+    rows = []
+    for workload, run in loaded:
+        real, simulated, load = _first_tokens(workload, run, simulation, calibration)
+        rows += list(zip(load.tolist(), real.tolist(), simulated.tolist()))[LOADED_BATCH[0]:]
+    return rows
+
+
 def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, seed: int = 0,
                      repeats: int = CALIBRATION_REPEATS) -> ServerCalibration:
     """Measure ``ServerCalibration`` on the server, each run ``repeats`` times: decode batches of
     ``CALIBRATION_BATCHES`` requests sent together (96-token prompts, 64 tokens each; the median of the server's TPOT
-    p50 less the simulator's is the step overhead), then single prompts of ``CALIBRATION_PROMPTS`` tokens sent one
-    at a time (the median of the server's TTFT less the simulator's, steps priced with the overhead, is the request
-    overhead), then single prompts sent while a decode batch runs (``LOADED_BATCH``, ``LOADED_PROMPTS``: what their
-    TTFT exceeds the simulator's, per request they found in flight, is the overhead's share of the load); the
-    request interval is the one of ``INTERVALS_S`` whose simulated TTFT p50 of the batches is closest to the
-    server's (least squares, relative)."""
+    p50 less the simulator's is the step overhead), single prompts of ``CALIBRATION_PROMPTS`` tokens sent one at a
+    time (the median of the server's TTFT less the simulator's, a line in the prompt's length, is the request
+    overhead), and single prompts sent while a decode batch runs (``LOADED_BATCH``, ``LOADED_PROMPTS``: what their
+    TTFT exceeds the simulator's, per request they found in flight, is the overhead's share of the load). What a
+    prefilled token costs the server beyond the profile (``PREFILL_TOKEN_OVERHEADS_S``) and the frontend's time per
+    request (``INTERVALS_S``) are searched together, everything else fitted again for each (``_fit_at``): the pair
+    whose simulated TTFT quartiles of the batches are closest to the server's (``_ttft_misfit``)."""
     if type(repeats) is not int or repeats < 1:
         raise InputError(f"calibration_repeats must be an integer >= 1; got {repeats!r}")
-    rows, batches = [], []
+    batches = []
     for repeat in range(repeats):
         for batch in CALIBRATION_BATCHES:
             workload = _fixed(batch, 96, 64)
-            run, real, simulated = _measured(url, model, workload, simulation, vocab, seed + 10 * repeat + batch)
-            batches.append((workload, run, real))
-            rows.append(("decode tpot", batch, real["tpot_p50_s"], simulated["tpot_p50_s"]))
-    # never below none (as ``shifted``): a server measured faster than its profile had a profile measured slow
-    step = ServerCalibration(max(0.0, float(np.median([real - simulated for _, _, real, simulated in rows]))))
-    priced = step.applied(simulation, simulation.profile)
-    for repeat in range(repeats):
-        for length in CALIBRATION_PROMPTS:
-            _, real, simulated = _measured(url, model, _fixed(1, length, 2), priced, vocab,
-                                           seed + 100 * repeat + length)
-            rows.append(("single ttft", length, real["ttft_p50_s"], simulated["ttft_p50_s"]))
-    overhead, per_token = _overhead_line([(length, real - sim) for kind, length, real, sim in rows
-                                          if kind == "single ttft"])
-    unloaded = replace(step, request_overhead_s=overhead, request_overhead_per_token_s=per_token)
-    for repeat in range(repeats):  # the single prompts under load: (requests in flight, TTFT, simulated TTFT)
-        real, simulated, load = _first_tokens(url, model, _with_singles(LOADED_BATCH, LOADED_PROMPTS, 0.1), priced,
-                                              unloaded, vocab, seed + 1000 + repeat, "a loaded calibration run")
-        rows += [("loaded ttft", *point) for point in list(zip(load, real, simulated))[LOADED_BATCH[0]:]]
-    per_running = _per_running_slope([(load, real - sim) for kind, load, real, sim in rows if kind == "loaded ttft"])
-
-    def misfit(interval: float) -> float:
-        calibration = replace(unloaded, request_overhead_per_running_s=per_running, request_interval_s=interval)
-        return sum((simulate_run(w, run, priced, calibration).summary["ttft_p50_s"] / real["ttft_p50_s"] - 1) ** 2
-                   for w, run, real in batches if len(w) > 1)
-
-    interval = float(min(INTERVALS_S, key=misfit))
-    calibration = replace(unloaded, request_overhead_per_running_s=per_running, request_interval_s=interval,
-                          interval_at_bound=interval == INTERVALS_S[-1])
+            run = _served(url, model, workload, vocab, seed + 10 * repeat + batch, "a calibration batch")
+            batches.append((workload, run, latency_summary(_requests_frame(workload, run))))
+    singles = [(workload, _served(url, model, workload, vocab, seed + 100 * repeat + length, "a calibration prompt"))
+               for repeat in range(repeats) for length in CALIBRATION_PROMPTS for workload in [_fixed(1, length, 2)]]
+    loaded = [(workload, _served(url, model, workload, vocab, seed + 1000 + repeat, "a loaded calibration run"))
+              for repeat in range(repeats) for workload in [_with_singles(LOADED_BATCH, LOADED_PROMPTS, 0.1)]]
+    _, calibration, rows = min((_fit_at(per_token, simulation, batches, singles, loaded)
+                                for per_token in PREFILL_TOKEN_OVERHEADS_S), key=lambda fitted: fitted[0])
+    calibration.interval_at_bound = calibration.request_interval_s == INTERVALS_S[-1]
+    calibration.prefill_token_at_bound = calibration.prefill_token_overhead_s == PREFILL_TOKEN_OVERHEADS_S[-1]
+    priced = calibration.applied(simulation, simulation.profile)
     for workload, run, real in batches:
         simulated = simulate_run(workload, run, priced, calibration)
         rows.append(("batch ttft", len(workload), real["ttft_p50_s"], simulated.summary["ttft_p50_s"]))
@@ -493,8 +594,9 @@ def probe_request_overhead(url: str, model: str, simulation: SimConfig, calibrat
     request overhead calibrated on a fresh server drifts like the step overhead (a calibration of 4.4 ms predicted
     light-load TTFT p50s 15-21 % high on every workload of the same server), so a run is priced with it probed
     around the run too."""
-    real, simulated, _ = _first_tokens(url, model, _with_singles((0, 0, 0), REQUEST_PROBE, 0.0), simulation,
-                                       calibration, vocab, seed, "the request-overhead probe")
+    workload = _with_singles((0, 0, 0), REQUEST_PROBE, 0.0)
+    run = _served(url, model, workload, vocab, seed, "the request-overhead probe")
+    real, simulated, _ = _first_tokens(workload, run, simulation, calibration)
     extras = real - simulated
     if not np.isfinite(extras).all():
         raise PeerError(f"the request-overhead probe measured {extras.tolist()!r} s beyond the simulator's TTFT")
@@ -540,7 +642,8 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
         progress("calibrating on the server (decode batches, single prompts)")
         calibration = result.calibration = calibrate_server(url, model, simulation, vocab, config.seed + 7,
                                                                     config.calibration_repeats)
-        progress(f"server steps +{calibration.step_overhead_s * 1e3:.2f} ms over the engine's; request overhead "
+        progress(f"server steps +{calibration.step_overhead_s * 1e3:.2f} ms over the engine's, "
+                 f"+{calibration.prefill_token_overhead_s * 1e6:.1f} us a prefilled token; request overhead "
                  f"{calibration.request_overhead_s * 1e3:.1f} ms + "
                  f"{calibration.request_overhead_per_token_s * 1e6:.1f} us a prompt token + "
                  f"{calibration.request_overhead_per_running_s * 1e3:.2f} ms a request in flight, "

@@ -108,7 +108,6 @@ def _vllm_twin(args) -> None:
                 "prefill_token_at_bound": calibration.prefill_token_at_bound,
                 "request_overhead_s": calibration.request_overhead_s,
                 "request_overhead_per_token_s": calibration.request_overhead_per_token_s,
-                "request_overhead_per_running_s": calibration.request_overhead_per_running_s,
                 "request_interval_s": calibration.request_interval_s,
                 "request_interval_at_bound": calibration.interval_at_bound,
                 "profile_holdout_median_rel_error": result.profile.holdout_median_rel_error}

@@ -143,10 +143,8 @@ class ServerCalibration:
     ``probe_step_overhead``), and ``prefill_token_overhead_s`` more per token a step prefills (the server's worker
     runs its GEMMs on the one core vLLM leaves it, the profile's engine on both); ``request_overhead_s``, the
     seconds between a request's send and its first token that no engine step accounts for (HTTP, the API process,
-    the hand-over to the engine and back), more for each request already in flight when it arrives
-    (``request_overhead_per_running_s``: the API process streams their outputs too), and ``request_interval_s``,
-    the API process's time per request, shared among the requests it holds (``engine_arrivals``). ``table``: the
-    calibration runs."""
+    the hand-over to the engine and back), and ``request_interval_s``, the API process's time per request, shared
+    among the requests it holds (``engine_arrivals``). ``table``: the calibration runs."""
 
     step_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
@@ -155,7 +153,6 @@ class ServerCalibration:
     interval_at_bound: bool = False  # the request interval's search ended at its largest value (INTERVALS_S)
     prefill_token_at_bound: bool = False  # and the prefill token's (PREFILL_TOKEN_OVERHEADS_S)
     request_overhead_per_token_s: float = 0.0  # the request overhead's more per prompt token (the prompt's way in)
-    request_overhead_per_running_s: float = 0.0  # and per request in flight when it arrives (their outputs' share)
     prefill_token_overhead_s: float = 0.0  # what each prefilled token costs the server's steps beyond the profile
 
     def request_overheads(self, prompt_tokens: np.ndarray) -> np.ndarray:
@@ -224,19 +221,10 @@ def engine_arrivals(sent: np.ndarray, overhead_s: float | np.ndarray = 0.0, inte
     return np.maximum.accumulate(shared_frontend(sent, interval_s) + overhead_s)  # none overtakes one sent before it
 
 
-def in_flight(arrivals: np.ndarray, finishes: np.ndarray) -> np.ndarray:
-    """How many other requests each finds in the engine when it reaches it (at ``arrivals``): those that arrived
-    before it and had not finished (``finishes``; NaN, never served: not counted)."""
-    served = np.isfinite(finishes)
-    before = np.searchsorted(np.sort(arrivals[served]), arrivals, side="left")
-    return before - np.searchsorted(np.sort(finishes[served]), arrivals, side="right")
-
-
 def simulate_run(workload: Workload, run: ServerRun, config: SimConfig, calibration: ServerCalibration | None = None):
     """The simulator on the workload's requests at the times the run sent them, reaching the engine as
     ``calibration`` says (the requests it never sent dropped); its result's ``requests`` and summary latencies count
-    from the send. With a per-request-in-flight overhead, twice: the load each request finds comes from the first
-    pass (``in_flight``), the second pass is the prediction."""
+    from the send."""
     calibration = calibration or ServerCalibration()
     sent = run.requests["sent_s"].to_numpy()
     keep = ~np.isnan(sent)
@@ -248,11 +236,6 @@ def simulate_run(workload: Workload, run: ServerRun, config: SimConfig, calibrat
                      prompt_block_ids=None if workload.prompt_block_ids is None
                      else [workload.prompt_block_ids[i] for i in index]).check()
     result = Simulator(subset, config).run()
-    if calibration.request_overhead_per_running_s:
-        load = in_flight(result.requests["arrival_s"].to_numpy(), result.requests["finish_s"].to_numpy())
-        arrivals = engine_arrivals(sent, overheads + calibration.request_overhead_per_running_s * load,
-                                   calibration.request_interval_s)
-        result = Simulator(replace(subset, arrival_s=arrivals).check(), config).run()
     result.requests["arrival_s"] = sent
     result.summary.update(latency_summary(result.requests))
     return result
@@ -385,9 +368,6 @@ def calibrate(config: VLLMTwinConfig, checkpoint: str, progress: Callable[[str],
 
 CALIBRATION_BATCHES = (1, 4, 8, 16, 32)  # sent together: their TPOT gives the step overhead, their TTFT the interval
 CALIBRATION_PROMPTS = (32, 128, 384)  # single prompts on an idle server: the request overhead
-# single prompts sent while a decode batch runs: the request overhead's more per request in flight (``_with_singles``:
-# the batch's size, prompt and output tokens; the prompts' count, tokens each and the gap between their sends, from 0.1 s)
-LOADED_BATCH, LOADED_PROMPTS = (8, 96, 160), (6, 32, 0.05)
 INTERVALS_S = tuple(np.arange(0.0, 0.004001, 0.000125))  # the API process's time per request: the values tried
 PREFILL_TOKEN_OVERHEADS_S = tuple(np.arange(0.0, 16.01e-6, 2e-6))  # a prefilled token's cost beyond the profile: tried
 TTFT_QUARTILES = (0.25, 0.5, 0.75)
@@ -408,13 +388,10 @@ def _measured(url: str, model: str, workload: Workload, simulation: SimConfig, v
     return run, latency_summary(_requests_frame(workload, run)), simulate_run(workload, run, simulation).summary
 
 
-def _with_singles(batch: tuple[int, int, int], singles: tuple[int, int, float], start_s: float) -> Workload:
-    """``batch`` (requests, prompt and output tokens each) sent together at 0, then ``singles`` (count, prompt
-    tokens each, seconds apart) single prompts of 2 output tokens sent one at a time from ``start_s``."""
-    (size, batch_prompt, batch_output), (count, prompt, gap_s) = batch, singles
-    return Workload("calibration", np.concatenate([np.zeros(size), start_s + gap_s * np.arange(count)]),
-                    np.array([batch_prompt] * size + [prompt] * count, dtype=np.int64),
-                    np.array([batch_output] * size + [2] * count, dtype=np.int64)).check()
+def _singles(count: int, prompt: int, gap_s: float) -> Workload:
+    """``count`` single prompts of ``prompt`` tokens and 2 output tokens, sent one at a time ``gap_s`` apart."""
+    return Workload("calibration", gap_s * np.arange(count), np.full(count, prompt, dtype=np.int64),
+                    np.full(count, 2, dtype=np.int64)).check()
 
 
 def _served(url: str, model: str, workload: Workload, vocab: int, seed: int, what: str) -> ServerRun:
@@ -426,14 +403,11 @@ def _served(url: str, model: str, workload: Workload, vocab: int, seed: int, wha
 
 
 def _first_tokens(workload: Workload, run: ServerRun, simulation: SimConfig,
-                  calibration: ServerCalibration) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``run`` of ``workload`` simulated with ``calibration``: per request, the server's TTFT, the simulator's and
-    the requests it found in flight there (``in_flight``)."""
+                  calibration: ServerCalibration) -> tuple[np.ndarray, np.ndarray]:
+    """``run`` of ``workload`` simulated with ``calibration``: per request, the server's TTFT and the simulator's."""
     result = simulate_run(workload, run, simulation, calibration)
-    arrivals = result.requests["arrival_s"].to_numpy()
     return ((run.requests["first_token_s"] - run.requests["sent_s"]).to_numpy(),
-            result.requests["first_token_s"].to_numpy() - arrivals,
-            in_flight(arrivals, result.requests["finish_s"].to_numpy()))
+            (result.requests["first_token_s"] - result.requests["arrival_s"]).to_numpy())
 
 
 def _ttft_misfit(batches, simulation: SimConfig, calibration: ServerCalibration) -> float:
@@ -442,7 +416,7 @@ def _ttft_misfit(batches, simulation: SimConfig, calibration: ServerCalibration)
     tokens come in groups, one per prefill step, and the median of one batch says little about where the groups lie."""
     misfit = 0.0
     for workload, run in batches:
-        real, simulated, _ = _first_tokens(workload, run, simulation, calibration)
+        real, simulated = _first_tokens(workload, run, simulation, calibration)
         misfit += float(np.sum((np.nanquantile(simulated, TTFT_QUARTILES)
                                 / np.nanquantile(real, TTFT_QUARTILES) - 1) ** 2))
     return misfit
@@ -467,12 +441,11 @@ def _best_interval(batches, simulation: SimConfig, calibration: ServerCalibratio
     return float(INTERVALS_S[best]), scores[best]
 
 
-def _fit_at(per_token: float, simulation: SimConfig, batches, singles, loaded) -> tuple[float, ServerCalibration,
-                                                                                        list[tuple]]:
+def _fit_at(per_token: float, simulation: SimConfig, batches, singles) -> tuple[float, ServerCalibration, list[tuple]]:
     """The calibration with each prefilled token ``per_token`` beyond the profile, fitted on the calibration runs:
-    the step overhead (decode batches' TPOT), the request overhead line (single prompts), its share per request in
-    flight (prompts sent under load) and the request interval (``_best_interval``). Returns the batches' TTFT misfit,
-    the calibration and its table's rows (kind, size, server's seconds, simulator's)."""
+    the step overhead (decode batches' TPOT), the request overhead line (single prompts) and the request interval
+    (``_best_interval``). Returns the batches' TTFT misfit, the calibration and its table's rows (kind, size,
+    server's seconds, simulator's)."""
     base = ServerCalibration(prefill_token_overhead_s=per_token)
     unpriced = base.applied(simulation, simulation.profile)
     rows = [("decode tpot", len(workload), real["tpot_p50_s"],
@@ -482,13 +455,10 @@ def _fit_at(per_token: float, simulation: SimConfig, batches, singles, loaded) -
     priced = stepped.applied(simulation, simulation.profile)
     single = _single_ttfts(singles, priced)
     overhead, slope = _overhead_line([(length, real - sim) for length, real, sim in single])
-    unloaded = replace(stepped, request_overhead_s=overhead, request_overhead_per_token_s=slope)
-    under_load = _loaded_ttfts(loaded, priced, unloaded)
-    calibration = replace(unloaded, request_overhead_per_running_s=_per_running_slope(
-        [(load, real - sim) for load, real, sim in under_load]))
+    calibration = replace(stepped, request_overhead_s=overhead, request_overhead_per_token_s=slope)
     together = [(workload, run) for workload, run, _ in batches if len(workload) > 1]
     interval, misfit = _best_interval(together, priced, calibration)
-    rows += [("single ttft", *row) for row in single] + [("loaded ttft", *row) for row in under_load]
+    rows += [("single ttft", *row) for row in single]
     return misfit, _with_interval(calibration, interval), rows
 
 
@@ -497,18 +467,8 @@ def _single_ttfts(singles, simulation: SimConfig) -> list[tuple[int, float, floa
     frontend)."""
     rows = []
     for workload, run in singles:
-        real, simulated, _ = _first_tokens(workload, run, simulation, ServerCalibration())
+        real, simulated = _first_tokens(workload, run, simulation, ServerCalibration())
         rows.append((int(workload.prompt_tokens[0]), float(real[0]), float(simulated[0])))
-    return rows
-
-
-def _loaded_ttfts(loaded, simulation: SimConfig, calibration: ServerCalibration) -> list[tuple[int, float, float]]:
-    """Per single prompt of the loaded runs (``(workload, run)``, the batch's requests first): the requests it found
-    in flight, its TTFT and the simulator's (``simulation`` with ``calibration``)."""
-    rows = []
-    for workload, run in loaded:
-        real, simulated, load = _first_tokens(workload, run, simulation, calibration)
-        rows += list(zip(load.tolist(), real.tolist(), simulated.tolist()))[LOADED_BATCH[0]:]
     return rows
 
 
@@ -518,9 +478,7 @@ def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, se
     ``CALIBRATION_BATCHES`` requests sent together (96-token prompts, 64 tokens each; the median of the server's TPOT
     p50 less the simulator's is the step overhead), single prompts of ``CALIBRATION_PROMPTS`` tokens sent one at a
     time (the median of the server's TTFT less the simulator's, a line in the prompt's length, is the request
-    overhead), and single prompts sent while a decode batch runs (``LOADED_BATCH``, ``LOADED_PROMPTS``: what their
-    TTFT exceeds the simulator's, per request they found in flight, is the overhead's share of the load). What a
-    prefilled token costs the server beyond the profile (``PREFILL_TOKEN_OVERHEADS_S``) and the frontend's time per
+    overhead). What a prefilled token costs the server beyond the profile (``PREFILL_TOKEN_OVERHEADS_S``) and the frontend's time per
     request (``INTERVALS_S``) are searched together, everything else fitted again for each (``_fit_at``): the pair
     whose simulated TTFT quartiles of the batches are closest to the server's (``_ttft_misfit``)."""
     if type(repeats) is not int or repeats < 1:
@@ -533,9 +491,7 @@ def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, se
             batches.append((workload, run, latency_summary(_requests_frame(workload, run))))
     singles = [(workload, _served(url, model, workload, vocab, seed + 100 * repeat + length, "a calibration prompt"))
                for repeat in range(repeats) for length in CALIBRATION_PROMPTS for workload in [_fixed(1, length, 2)]]
-    loaded = [(workload, _served(url, model, workload, vocab, seed + 1000 + repeat, "a loaded calibration run"))
-              for repeat in range(repeats) for workload in [_with_singles(LOADED_BATCH, LOADED_PROMPTS, 0.1)]]
-    _, calibration, rows = min((_fit_at(per_token, simulation, batches, singles, loaded)
+    _, calibration, rows = min((_fit_at(per_token, simulation, batches, singles)
                                 for per_token in PREFILL_TOKEN_OVERHEADS_S), key=lambda fitted: fitted[0])
     calibration.interval_at_bound = calibration.request_interval_s == INTERVALS_S[-1]
     calibration.prefill_token_at_bound = calibration.prefill_token_overhead_s == PREFILL_TOKEN_OVERHEADS_S[-1]
@@ -545,14 +501,6 @@ def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, se
         rows.append(("batch ttft", len(workload), real["ttft_p50_s"], simulated.summary["ttft_p50_s"]))
     calibration.table = pd.DataFrame(rows, columns=["kind", "size", "real_s", "simulated_s"])
     return calibration
-
-
-def _per_running_slope(points: list[tuple[int, float]]) -> float:
-    """The seconds a request's TTFT grows per request in flight when it arrives, from the loaded single prompts'
-    (in flight, TTFT left unaccounted for) pairs: the median of their ratios, never below zero (none found any
-    load: zero)."""
-    ratios = [extra / load for load, extra in points if load > 0]
-    return max(0.0, float(np.median(ratios))) if ratios else 0.0
 
 
 def _overhead_line(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -594,9 +542,9 @@ def probe_request_overhead(url: str, model: str, simulation: SimConfig, calibrat
     request overhead calibrated on a fresh server drifts like the step overhead (a calibration of 4.4 ms predicted
     light-load TTFT p50s 15-21 % high on every workload of the same server), so a run is priced with it probed
     around the run too."""
-    workload = _with_singles((0, 0, 0), REQUEST_PROBE, 0.0)
+    workload = _singles(*REQUEST_PROBE)
     run = _served(url, model, workload, vocab, seed, "the request-overhead probe")
-    real, simulated, _ = _first_tokens(workload, run, simulation, calibration)
+    real, simulated = _first_tokens(workload, run, simulation, calibration)
     extras = real - simulated
     if not np.isfinite(extras).all():
         raise PeerError(f"the request-overhead probe measured {extras.tolist()!r} s beyond the simulator's TTFT")
@@ -646,7 +594,6 @@ def run_vllm_twin(config: VLLMTwinConfig, checkpoint: str, profile: Profile | No
                  f"+{calibration.prefill_token_overhead_s * 1e6:.1f} us a prefilled token; request overhead "
                  f"{calibration.request_overhead_s * 1e3:.1f} ms + "
                  f"{calibration.request_overhead_per_token_s * 1e6:.1f} us a prompt token + "
-                 f"{calibration.request_overhead_per_running_s * 1e3:.2f} ms a request in flight, "
                  f"{calibration.request_interval_s * 1e3:.2f} ms per request in the API process"
                  f"{calibration.bound_note}")
         priced = calibration.applied(simulation, profile)

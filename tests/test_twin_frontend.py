@@ -94,3 +94,16 @@ def test_a_search_that_ends_at_its_bound_says_so():
     assert "a prefilled token's cost" in at_bound.bound_note and "largest value searched" in at_bound.bound_note
     both = replace(at_bound, interval_at_bound=True)
     assert "the request interval and a prefilled token's cost" in both.bound_note
+
+
+@pytest.mark.parametrize("count, stride, best", [(33, 4, 7), (17, 2, 16), (17, 2, 0), (5, 4, 3), (1, 2, 0)])
+def test_the_coarse_to_fine_search_finds_a_single_minimum_scoring_each_value_once(count, stride, best):
+    from simulator.twins.vllm_twin import _coarse_to_fine
+
+    calls = []
+
+    def score(index):
+        calls.append(index)
+        return (index - best) ** 2
+    assert _coarse_to_fine(count, score, stride) == (best, 0)
+    assert len(calls) == len(set(calls)) and len(calls) <= count // stride + 2 * stride

@@ -369,7 +369,7 @@ def calibrate(config: VLLMTwinConfig, checkpoint: str, progress: Callable[[str],
 CALIBRATION_BATCHES = (1, 4, 8, 16, 32)  # sent together: their TPOT gives the step overhead, their TTFT the interval
 CALIBRATION_PROMPTS = (32, 128, 384)  # single prompts on an idle server: the request overhead
 INTERVALS_S = tuple(np.arange(0.0, 0.004001, 0.000125))  # the API process's time per request: the values tried
-PREFILL_TOKEN_OVERHEADS_S = tuple(np.arange(0.0, 16.01e-6, 2e-6))  # a prefilled token's cost beyond the profile: tried
+PREFILL_TOKEN_OVERHEADS_S = tuple(np.arange(0.0, 32.01e-6, 2e-6))  # a prefilled token's cost beyond the profile: tried
 TTFT_QUARTILES = (0.25, 0.5, 0.75)
 PROBE = (4, 96, 48)  # the step-overhead probe: requests sent together, prompt and output tokens each (not scored)
 # the request-overhead probe: single prompts sent one at a time, each alone on the server (count, tokens each, gap in s)
@@ -430,15 +430,26 @@ def _with_interval(calibration: ServerCalibration, interval: float) -> ServerCal
                    request_overhead_s=max(0.0, calibration.request_overhead_s - interval))
 
 
+def _coarse_to_fine(count: int, score: Callable[[int], float], stride: int):
+    """The index of ``range(count)`` with the least ``score`` (each scored once at most), searched on every
+    ``stride``-th index, then on the indices around the best of those. Returns (index, its score)."""
+    scores: dict[int, float] = {}
+
+    def scored(index: int) -> float:
+        if index not in scores:
+            scores[index] = score(index)
+        return scores[index]
+    best = min(range(0, count, stride), key=scored)
+    best = min(range(max(0, best - stride + 1), min(count, best + stride)), key=scored)
+    return best, scores[best]
+
+
 def _best_interval(batches, simulation: SimConfig, calibration: ServerCalibration) -> tuple[float, float]:
-    """The request interval of ``INTERVALS_S`` with the least ``_ttft_misfit`` (``_with_interval``): every fourth
-    value, then the values around the best of those. Returns (interval, misfit)."""
-    def misfit(index: int) -> float:
-        return _ttft_misfit(batches, simulation, _with_interval(calibration, INTERVALS_S[index]))
-    best = min(range(0, len(INTERVALS_S), 4), key=misfit)
-    scores = {index: misfit(index) for index in range(max(0, best - 3), min(len(INTERVALS_S), best + 4))}
-    best = min(scores, key=scores.get)
-    return float(INTERVALS_S[best]), scores[best]
+    """The request interval of ``INTERVALS_S`` with the least ``_ttft_misfit`` (``_with_interval``), searched coarse
+    to fine. Returns (interval, misfit)."""
+    index, misfit = _coarse_to_fine(len(INTERVALS_S), lambda i: _ttft_misfit(
+        batches, simulation, _with_interval(calibration, INTERVALS_S[i])), stride=4)
+    return float(INTERVALS_S[index]), misfit
 
 
 def _fit_at(per_token: float, simulation: SimConfig, batches, singles) -> tuple[float, ServerCalibration, list[tuple]]:
@@ -491,8 +502,13 @@ def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, se
             batches.append((workload, run, latency_summary(_requests_frame(workload, run))))
     singles = [(workload, _served(url, model, workload, vocab, seed + 100 * repeat + length, "a calibration prompt"))
                for repeat in range(repeats) for length in CALIBRATION_PROMPTS for workload in [_fixed(1, length, 2)]]
-    _, calibration, rows = min((_fit_at(per_token, simulation, batches, singles)
-                                for per_token in PREFILL_TOKEN_OVERHEADS_S), key=lambda fitted: fitted[0])
+    fits: dict[int, tuple] = {}
+
+    def misfit(index: int) -> float:
+        fits[index] = _fit_at(PREFILL_TOKEN_OVERHEADS_S[index], simulation, batches, singles)
+        return fits[index][0]
+    index, _ = _coarse_to_fine(len(PREFILL_TOKEN_OVERHEADS_S), misfit, stride=2)
+    _, calibration, rows = fits[index]
     calibration.interval_at_bound = calibration.request_interval_s == INTERVALS_S[-1]
     calibration.prefill_token_at_bound = calibration.prefill_token_overhead_s == PREFILL_TOKEN_OVERHEADS_S[-1]
     priced = calibration.applied(simulation, simulation.profile)

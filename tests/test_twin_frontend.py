@@ -107,3 +107,13 @@ def test_the_coarse_to_fine_search_finds_a_single_minimum_scoring_each_value_onc
         return (index - best) ** 2
     assert _coarse_to_fine(count, score, stride) == (best, 0)
     assert len(calls) == len(set(calls)) and len(calls) <= count // stride + 2 * stride
+
+
+def test_a_profile_kept_before_stalled_repeats_were_left_out_is_not_reused(monkeypatch):
+    """The page's kept profile of vLLM's engine is named by its scenarios and by the rule that made its samples: one
+    kept under another stall rule (or before there was one) is measured again, not reused."""
+    config = vllm_twin.VLLMTwinConfig()
+    now = vllm_twin.profile_cache_path(config)
+    assert now == vllm_twin.profile_cache_path(config)  # the same settings find the same file
+    monkeypatch.setattr(vllm_twin, "STALL_RATIO", 10.0)
+    assert vllm_twin.profile_cache_path(config) != now

@@ -21,7 +21,7 @@ import pandas as pd
 
 from lab.errors import InputError
 from lab.peer.client import PeerError, PeerSettings, VLLMPeer
-from lab.profiling.profile import Profile
+from lab.profiling.profile import STALL_RATIO, Profile
 from lab.models.qwen3 import checkpoint_vocab_size
 from lab.peer.server import (ServerRequest, ServerRun, VLLMServer, check_server, reset_prefix_cache,
                               run_server_workload, server_cache_config)
@@ -345,10 +345,12 @@ def profile_cache_path(config: VLLMTwinConfig) -> Path:
     from lab.peer.client import VLLM_VERSION, peer_venv
     from lab.peer.profiling import usable_pool_tokens, vllm_scenarios
 
-    # the scenarios measured are in the name: a profile of another set of scenarios is not reused
+    # the scenarios measured and the rule that made their samples are in the name: a profile of other scenarios, or
+    # one kept before stalled repeats were left out (one such kept profile priced a step after a 250 ms pause 11 ms
+    # long: ``steady_mean``), is measured again, not reused
     scenarios = vllm_scenarios(config.block_size, config.grid, config.max_model_len,
                                usable_pool_tokens(config.num_blocks, config.block_size))
-    digest = hashlib.sha256(repr(scenarios).encode()).hexdigest()[:8]
+    digest = hashlib.sha256(repr((scenarios, STALL_RATIO)).encode()).hexdigest()[:8]
     name = (f"{Path(config.model).name}-{config.dtype}-B{config.block_size}-{config.num_blocks}blocks-"
             f"{config.max_num_seqs}seqs-{config.max_num_batched_tokens}tokens-{config.grid}-{digest}-"
             f"vllm{VLLM_VERSION}.json")

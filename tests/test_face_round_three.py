@@ -256,5 +256,6 @@ def test_a_stopped_calibration_can_keep_the_measured_rounds():
                            on_round=lambda fit, measured, planned: heard.append((fit(), measured, planned)))
     assert [(measured, planned) for _, measured, planned in heard] == [(1, 2), (2, 2)]
     first, _, _ = heard[0]
-    timed = sum(sample["repeats"] for sample in first.samples)  # each step shape's timings, one round of them
-    assert isinstance(first, Profile) and sum(sample["repeats"] for sample in whole.samples) == 2 * timed
+    def timed(profile):  # each step shape's timings, those kept and those left out as stalled (``steady_mean``)
+        return sum(sample["repeats"] + sample["stalled"] for sample in profile.samples)
+    assert isinstance(first, Profile) and timed(whole) == 2 * timed(first)

@@ -152,6 +152,25 @@ def wait_for_chart(page, text: str, timeout_ms: int = 240_000) -> None:
                              f"{_page_state(page)}") from exc
 
 
+def run_until_chart(page, button: str, text: str, timeout_ms: int = 240_000) -> None:
+    """Click the button named ``button`` and wait for its chart (``wait_for_chart``). A click can be lost on a busy
+    machine (seen in CI: the page idle, no sweep started, its box open): when the page is idle a minute after the
+    click without the chart, it is clicked once more, and the chart must come then."""
+    runs = runs_started(page)
+    page.get_by_role("button", name=button).click()
+    settle(page, True, after=runs)
+    try:
+        wait_for_chart(page, text, timeout_ms=60_000)
+        return
+    except AssertionError as exc:
+        print(f"clicked {button!r} again: {exc}")
+    settle(page, True)
+    runs = runs_started(page)
+    page.get_by_role("button", name=button).click()
+    settle(page, True, after=runs)
+    wait_for_chart(page, text, timeout_ms)
+
+
 def _page_state(page) -> str:
     """What a page shows, for a failure message: whether its script runs, its alerts, exceptions and headings."""
     def texts(selector: str) -> list[str]:
@@ -162,7 +181,13 @@ def _page_state(page) -> str:
     runs = page.evaluate("() => window.__runsStarted")
     return (f"script state {state!r}, runs started {runs}, headings {texts('h1, h2, h3')}, "
             f"alerts {texts('[data-testid=stAlert]')}, exceptions {texts('[data-testid=stException]')}, "
-            f"charts {page.locator('.js-plotly-plot').count()}")
+            f"charts {page.locator('.js-plotly-plot').count()}, open boxes {_open_expanders(page)}")
+
+
+def _open_expanders(page) -> list[str]:
+    """The labels of the page's expanders that are open (a chart drawn in a closed one is not visible)."""
+    return page.evaluate("() => [...document.querySelectorAll('[data-testid=stExpander] details[open] summary')]"
+                         ".map(s => s.innerText.slice(0, 60))")
 
 
 def launch(playwright):

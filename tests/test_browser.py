@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.app_flow import runs_started, settle, wait_for_chart
+from benchmarks.app_flow import run_until_chart, runs_started, settle
 from tests.browser_support import (  # noqa: F401 (browser, server, shots: the shared fixtures)
     BROWSER_MARKS, CHART_PAGES, PAGES, SERVER_PIDS, assert_no_traceback, browser, cpu_seconds, no_exception,
     plotly_traces, server, shots, streamlit_server)
@@ -153,10 +153,7 @@ def test_a_block_size_change_moves_throughput_and_fragmentation(server, browser)
     assert large["internal_fragmentation_frac"] > small["internal_fragmentation_frac"]
     assert large["throughput_tok_s"] != small["throughput_tok_s"]
     page.get_by_text("Which block size?").click()  # the sweep runs when asked for, not on every change
-    runs = runs_started(page)
-    page.get_by_role("button", name="Run the block-size sweep").click()
-    settle(page, True, after=runs)
-    wait_for_chart(page, "What the block size trades")  # the sweep chart
+    run_until_chart(page, "Run the block-size sweep", "What the block size trades")
     no_exception(page)
     page.close()
 
@@ -168,10 +165,7 @@ def test_a_sweep_run_from_its_box_is_shown_in_it(server, browser):
     page.goto(f"{server}/memory_simulator", timeout=60_000)
     settle(page, True)
     page.get_by_text("What a CPU tier buys").click()
-    runs = runs_started(page)
-    page.get_by_role("button", name="Run the tier sweep").click()
-    settle(page, True, after=runs)
-    wait_for_chart(page, "the prefix cache's blocks kept in host memory")
+    run_until_chart(page, "Run the tier sweep", "the prefix cache's blocks kept in host memory")
     no_exception(page)
     page.close()
 

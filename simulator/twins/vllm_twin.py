@@ -378,22 +378,10 @@ PROBE = (4, 96, 48)  # the step-overhead probe: requests sent together, prompt a
 REQUEST_PROBE = (3, 32, 0.05)
 
 
-def _fixed(count: int, prompt: int, output: int) -> Workload:
-    return Workload("calibration", np.zeros(count), np.full(count, prompt, dtype=np.int64),
-                    np.full(count, output, dtype=np.int64)).check()
-
-
-def _measured(url: str, model: str, workload: Workload, simulation: SimConfig, vocab: int, seed: int):
-    """A calibration workload served (random prompts from ``seed``) and simulated: the run, the server's latency
-    summary and the simulator's (``simulation``, no frontend)."""
-    run = run_server_workload(url, server_requests(workload, vocab, seed), model, poll_s=60.0)
-    return run, latency_summary(_requests_frame(workload, run)), simulate_run(workload, run, simulation).summary
-
-
-def _singles(count: int, prompt: int, gap_s: float) -> Workload:
-    """``count`` single prompts of ``prompt`` tokens and 2 output tokens, sent one at a time ``gap_s`` apart."""
+def _fixed(count: int, prompt: int, output: int, gap_s: float = 0.0) -> Workload:
+    """``count`` requests of ``prompt`` tokens and ``output`` tokens each, sent ``gap_s`` apart (0: together)."""
     return Workload("calibration", gap_s * np.arange(count), np.full(count, prompt, dtype=np.int64),
-                    np.full(count, 2, dtype=np.int64)).check()
+                    np.full(count, output, dtype=np.int64)).check()
 
 
 def _served(url: str, model: str, workload: Workload, vocab: int, seed: int, what: str) -> ServerRun:
@@ -491,9 +479,10 @@ def calibrate_server(url: str, model: str, simulation: SimConfig, vocab: int, se
     ``CALIBRATION_BATCHES`` requests sent together (96-token prompts, 64 tokens each; the median of the server's TPOT
     p50 less the simulator's is the step overhead), single prompts of ``CALIBRATION_PROMPTS`` tokens sent one at a
     time (the median of the server's TTFT less the simulator's, a line in the prompt's length, is the request
-    overhead). What a prefilled token costs the server beyond the profile (``PREFILL_TOKEN_OVERHEADS_S``) and the frontend's time per
-    request (``INTERVALS_S``) are searched together, everything else fitted again for each (``_fit_at``): the pair
-    whose simulated TTFT quartiles of the batches are closest to the server's (``_ttft_misfit``)."""
+    overhead). What a prefilled token costs the server beyond the profile (``PREFILL_TOKEN_OVERHEADS_S``) and the
+    frontend's time per request (``INTERVALS_S``) are searched together, everything else fitted again for each
+    (``_fit_at``): the pair whose simulated TTFT quartiles of the batches are closest to the server's
+    (``_ttft_misfit``)."""
     if type(repeats) is not int or repeats < 1:
         raise InputError(f"calibration_repeats must be an integer >= 1; got {repeats!r}")
     batches = []
@@ -544,10 +533,10 @@ def probe_step_overhead(url: str, model: str, simulation: SimConfig, vocab: int,
     hand-overs, the API process) drifts on this VM while a server runs, by more than the twin's goals; the engine's
     own compute, the profile's terms, drifts far less. So a run is priced with the overhead probed around it
     (docs/vllm_twin.md)."""
-    run, real, simulated = _measured(url, model, _fixed(*PROBE), simulation, vocab, seed)
-    if run.problems:
-        raise PeerError(f"the step-overhead probe failed: {'; '.join(run.problems[:3])}")
-    real, simulated = real["tpot_p50_s"], simulated["tpot_p50_s"]
+    workload = _fixed(*PROBE)
+    run = _served(url, model, workload, vocab, seed, "the step-overhead probe")
+    real = latency_summary(_requests_frame(workload, run))["tpot_p50_s"]
+    simulated = simulate_run(workload, run, simulation).summary["tpot_p50_s"]
     if not (math.isfinite(real) and math.isfinite(simulated)):
         raise PeerError(f"the step-overhead probe measured a TPOT of {real!r} s against {simulated!r} s simulated")
     return real - simulated
@@ -560,7 +549,8 @@ def probe_request_overhead(url: str, model: str, simulation: SimConfig, calibrat
     request overhead calibrated on a fresh server drifts like the step overhead (a calibration of 4.4 ms predicted
     light-load TTFT p50s 15-21 % high on every workload of the same server), so a run is priced with it probed
     around the run too."""
-    workload = _singles(*REQUEST_PROBE)
+    count, prompt, gap_s = REQUEST_PROBE
+    workload = _fixed(count, prompt, 2, gap_s)
     run = _served(url, model, workload, vocab, seed, "the request-overhead probe")
     real, simulated = _first_tokens(workload, run, simulation, calibration)
     extras = real - simulated
